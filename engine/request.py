@@ -1,0 +1,131 @@
+"""Request state inside the engine (vLLM v1 ``Request`` in spirit)."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from tandem.engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    """Lifecycle of a request; ordered so that ``status > PREEMPTED`` means finished."""
+
+    WAITING = enum.auto()
+    WAITING_FOR_REMOTE_KV = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH_CAPPED = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+
+    @staticmethod
+    def is_finished(status: RequestStatus) -> bool:
+        return status > RequestStatus.PREEMPTED
+
+    @staticmethod
+    def finish_reason(status: RequestStatus) -> str | None:
+        """OpenAI finish_reason for a finished status, else ``None``."""
+        return _FINISH_REASON.get(status)
+
+
+_FINISH_REASON = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+@dataclass
+class Logprob:
+    """Logprob of one token. ``rank`` is 1 for the most likely token."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# One generated position: token id -> Logprob for the sampled token and the top-N.
+PositionLogprobs = dict[int, Logprob]
+
+
+@dataclass(eq=False)
+class Request:
+    """Mutable state of one sequence in the engine.
+
+    ``all_token_ids`` = prompt + output; ``num_computed_tokens`` counts tokens
+    whose K/V is already in the paged cache (prefix hits and remote loads
+    included). A request needs a sample when, after this step,
+    ``num_computed_tokens == num_tokens``.
+
+    Attributes:
+        request_id: unique id within the engine.
+        prompt_token_ids: prompt, ``list[int]`` of token ids.
+        sampling_params: validated ``SamplingParams``.
+        arrival_time: ``time.monotonic()`` seconds at arrival.
+        priority: lower value is served first under the priority policy.
+        eos_token_id: model's EOS id (``None`` when unknown).
+        kv_transfer_params: connector-specific handoff data (decode side: the
+            remote block keys), opaque to the scheduler.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_id: int | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    priority: int = 0
+    kv_transfer_params: dict[str, Any] | None = None
+
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[PositionLogprobs] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    # Tokens served from the local prefix cache (or remote KV) at first schedule.
+    num_cached_tokens: int = -1
+    num_preemptions: int = 0
+    stop_reason: int | str | None = None
+    generator: torch.Generator | None = None
+    # Monotonic seconds of the first schedule / first token, for metrics.
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+
+    def __post_init__(self) -> None:
+        self.all_token_ids: list[int] = list(self.prompt_token_ids)
+        if self.sampling_params.seed is not None and self.generator is None:
+            self.generator = torch.Generator(device="cpu")
+            self.generator.manual_seed(self.sampling_params.seed)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus output tokens known so far."""
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def max_tokens(self) -> int | None:
+        return self.sampling_params.max_tokens
+
+    def append_output_token(self, token_id: int, logprobs: PositionLogprobs | None = None) -> None:
+        """Record one generated token (and its logprobs when requested)."""
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+        if logprobs is not None:
+            self.output_logprobs.append(logprobs)
+
+    def is_finished(self) -> bool:
+        return RequestStatus.is_finished(self.status)
+
+    def get_finish_reason(self) -> str | None:
+        return RequestStatus.finish_reason(self.status)

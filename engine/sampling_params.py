@@ -1,0 +1,135 @@
+"""Per-request sampling parameters, with vLLM's names and defaults.
+
+Validated once at construction; every error is a ``ValueError`` that names the
+field and its allowed range, raised before the engine allocates anything.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+_SAMPLING_EPS = 1e-5
+
+
+@dataclass
+class SamplingParams:
+    """How to pick tokens for one request.
+
+    Attributes:
+        n: number of completions for the prompt (>= 1). They share the prompt's
+            cached KV blocks through the prefix cache.
+        temperature: 0 means greedy (argmax); > 0 scales logits before sampling.
+        top_k: keep the k most likely tokens; -1 disables. 0 is invalid.
+        top_p: nucleus sampling, in (0, 1].
+        min_p: drop tokens whose probability is below ``min_p * p_max``; in [0, 1].
+        seed: seed of this request's own torch.Generator; the same seed gives the
+            same tokens whatever else is in the batch.
+        presence_penalty / frequency_penalty: OpenAI semantics over output
+            tokens, in [-2, 2].
+        repetition_penalty: CTRL-style multiplicative penalty over prompt and
+            output tokens (> 0; 1 disables). Source: Keskar et al. 2019.
+        logit_bias: token id -> additive bias in [-100, 100].
+        min_tokens: EOS and stop_token_ids are masked until this many tokens
+            were generated.
+        max_tokens: maximum number of generated tokens (>= 1). ``None`` means up
+            to the model's context length.
+        ignore_eos: keep generating after EOS.
+        stop_token_ids: extra token ids that finish the request (the token is
+            kept in the output ids, as vLLM does).
+        stop: strings that finish the request; checked on detokenized text.
+        include_stop_str_in_output: keep the matched stop string in the text.
+        logprobs: number of top logprobs to return per generated token
+            (0 returns only the sampled token's logprob); ``None`` returns none.
+        prompt_logprobs: reserved; not supported yet (must be ``None``).
+        skip_special_tokens: drop special tokens from the detokenized text.
+        spaces_between_special_tokens: as in vLLM/transformers decode.
+
+    Raises:
+        ValueError: naming the field, for any value outside its range.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    min_tokens: int = 0
+    max_tokens: int | None = 16
+    ignore_eos: bool = False
+    stop_token_ids: list[int] = field(default_factory=list)
+    stop: list[str] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.logit_bias is not None:
+            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+        self._verify()
+
+    def _verify(self) -> None:
+        if not isinstance(self.n, int) or self.n < 1:
+            raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
+        if self.temperature < 0.0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k == 0 or self.top_k < -1:
+            raise ValueError(f"top_k must be -1 (disabled) or >= 1, got {self.top_k}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+        if self.repetition_penalty <= 0.0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be <= max_tokens, got {self.min_tokens} > {self.max_tokens}"
+            )
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
+        if self.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs is not supported")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if self.logit_bias:
+            for tok, bias in self.logit_bias.items():
+                if not -100.0 <= bias <= 100.0:
+                    raise ValueError(f"logit_bias[{tok}] must be in [-100, 100], got {bias}")
+        if any(not s for s in self.stop):
+            raise ValueError("stop must not contain empty strings")
+
+    @property
+    def greedy(self) -> bool:
+        """True when sampling reduces to argmax."""
+        return self.temperature < _SAMPLING_EPS
+
+    def verify_vocab(self, vocab_size: int) -> None:
+        """Check token ids in the params against the vocabulary size.
+
+        Raises:
+            ValueError: a logit_bias or stop_token_ids entry outside [0, vocab_size).
+        """
+        for tok in self.logit_bias or {}:
+            if not 0 <= tok < vocab_size:
+                raise ValueError(f"logit_bias token id {tok} outside [0, {vocab_size})")
+        for tok in self.stop_token_ids:
+            if not 0 <= tok < vocab_size:
+                raise ValueError(f"stop_token_ids entry {tok} outside [0, {vocab_size})")

@@ -1,0 +1,53 @@
+"""`tandem` command line: a thin dispatcher to each component's own entry point.
+
+Each subcommand lives in the module that owns it and exposes ``main(argv) -> int``;
+modules are imported lazily so that `tandem router` never imports torch and
+`tandem up` never imports UCX.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+# subcommand -> (module, one-line help)
+_COMMANDS: dict[str, tuple[str, str]] = {
+    "up": ("tandem.up", "start store, prefill, decode and router (or colocated engines)"),
+    "router": ("tandem.services.router.main", "OpenAI-compatible HTTP + gRPC gateway"),
+    "prefill": ("tandem.services.prefill.main", "gRPC prefill service"),
+    "decode": ("tandem.services.decode.main", "gRPC decode service"),
+    "serve": ("tandem.services.serve", "gRPC engine service: --role prefill|decode|both"),
+    "kvstore": ("tandem.kvstore.server", "KV block store node (UCX data plane)"),
+    "bench": ("tandem.bench.main", "benchmarks: throughput | latency | serve | kvstore"),
+}
+
+
+def _usage() -> str:
+    lines = ["usage: tandem <command> [options]", "", "commands:"]
+    lines += [f"  {name:<10} {helptext}" for name, (_, helptext) in _COMMANDS.items()]
+    lines.append("")
+    lines.append("Run `tandem <command> --help` for a command's options.")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `tandem` console script. Returns the process exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage())
+        return 0
+    if argv[0] in ("-V", "--version"):
+        from tandem import __version__
+
+        print(__version__)
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in _COMMANDS:
+        print(f"tandem: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(_COMMANDS[name][0])
+    return int(module.main(rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
