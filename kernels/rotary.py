@@ -1,0 +1,139 @@
+"""Rotary position embedding (Su et al. 2021, "RoFormer"), GPT-NeoX / HF layout.
+
+The head dimension is split in two halves (``rotate_half`` convention used by
+transformers' Llama, Mistral, Qwen2 and Qwen3). Frequencies follow transformers'
+``ROPE_INIT_FUNCTIONS``: "default", "linear" and "llama3" (Llama 3.1 frequency
+smoothing) are supported; anything else raises ``ValueError``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def compute_inv_freq(
+    head_dim: int, rope_theta: float, rope_scaling: dict[str, Any] | None = None
+) -> torch.Tensor:
+    """Inverse frequencies ``[head_dim // 2]`` float32 (on CPU).
+
+    Args:
+        head_dim: rotary dimension (the full head dimension here).
+        rope_theta: base of the geometric frequency progression.
+        rope_scaling: ``None`` or a dict with ``rope_type`` (or ``type``) among
+            SUPPORTED_ROPE_TYPES and that type's parameters (``factor``;
+            llama3: ``low_freq_factor``, ``high_freq_factor``,
+            ``original_max_position_embeddings``).
+
+    Raises:
+        ValueError: for an unsupported ``rope_type`` (names it).
+    """
+    # Same expression as transformers so that float32 results agree bit for bit.
+    exponent = (
+        torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").to(torch.float32) / head_dim
+    )
+    inv_freq = 1.0 / (rope_theta**exponent)
+    rope_type = "default"
+    if rope_scaling:
+        rope_type = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
+    if rope_type == "default":
+        return inv_freq
+    if rope_type == "linear":
+        return inv_freq / float(rope_scaling["factor"])
+    if rope_type == "llama3":
+        factor = float(rope_scaling["factor"])
+        low = float(rope_scaling["low_freq_factor"])
+        high = float(rope_scaling["high_freq_factor"])
+        old_len = float(rope_scaling["original_max_position_embeddings"])
+        low_freq_wavelen = old_len / low
+        high_freq_wavelen = old_len / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+        return torch.where(is_medium, smoothed, scaled)
+    raise ValueError(
+        f"rope_scaling.rope_type {rope_type!r} is not supported; "
+        f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+    )
+
+
+class RotaryEmbedding:
+    """Precomputed cos/sin tables for positions ``[0, max_position)``.
+
+    Args:
+        head_dim: rotary dimension (even).
+        max_position: table length in tokens (the engine's ``max_model_len``).
+        rope_theta / rope_scaling: see ``compute_inv_freq``.
+        dtype / device: of the returned cos/sin (the model's dtype), computed in
+            float32 first as transformers does.
+    """
+
+    def __init__(
+        self,
+        head_dim: int,
+        max_position: int,
+        rope_theta: float,
+        rope_scaling: dict[str, Any] | None = None,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        if head_dim % 2:
+            raise ValueError(f"head_dim must be even for rotary embedding, got {head_dim}")
+        self.head_dim = head_dim
+        self.max_position = max_position
+        inv_freq = compute_inv_freq(head_dim, rope_theta, rope_scaling)
+        pos = torch.arange(max_position, dtype=torch.int64, device="cpu").to(torch.float32)
+        freqs = torch.outer(pos, inv_freq)  # [max_position, head_dim // 2]
+        self.cos = freqs.cos().to(dtype=dtype, device=device)
+        self.sin = freqs.sin().to(dtype=dtype, device=device)
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cos, sin``: each ``[num_tokens, 1, head_dim // 2]`` for int64 ``positions``.
+
+        Computed once per forward and shared by every layer.
+        """
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+
+def rotary_embedding_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x: [num_tokens, num_heads, head_dim]`` by per-token angles.
+
+    ``cos, sin: [num_tokens, 1, head_dim // 2]`` (same dtype as ``x``). Equals
+    transformers' ``x * cat(cos, cos) + rotate_half(x) * cat(sin, sin)``.
+    """
+    half = x.shape[-1] // 2
+    x1 = x[..., :half]
+    x2 = x[..., half:]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def rotary_embedding(
+    query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Apply rotary embedding to ``query: [T, H, D]`` and ``key: [T, KVH, D]``.
+
+    Returns new tensors (the inputs are not modified).
+
+    Raises:
+        ValueError: on mismatched token counts, head dims or dtypes.
+    """
+    if query.dim() != 3 or key.dim() != 3:
+        raise ValueError("query and key must be [num_tokens, num_heads, head_dim]")
+    if query.shape[0] != key.shape[0] or query.shape[0] != cos.shape[0]:
+        raise ValueError(
+            f"num_tokens differ: query {query.shape[0]}, key {key.shape[0]}, cos {cos.shape[0]}"
+        )
+    if query.shape[-1] != key.shape[-1] or cos.shape[-1] * 2 != query.shape[-1]:
+        raise ValueError(
+            f"head_dim mismatch: query {query.shape[-1]}, key {key.shape[-1]}, "
+            f"cos {cos.shape[-1]} (half)"
+        )
+    if not (query.dtype == key.dtype == cos.dtype == sin.dtype):
+        raise ValueError("query, key, cos and sin must share a dtype")
+    return rotary_embedding_ref(query, cos, sin), rotary_embedding_ref(key, cos, sin)

@@ -1,0 +1,263 @@
+"""What the servicers of one engine instance share: the engine loop and its facts.
+
+``ServiceContext`` turns protobuf requests into validated engine ``Request``s
+(so the servicers stay a few lines each), reports load, and receives the KV
+connector's transfer events (publish finished on the prefill side, load
+finished on the decode side) from the connector's threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+from tandem.engine.block_hash import HASH_ALGORITHM
+from tandem.engine.config import EngineConfig
+from tandem.engine.request import Request
+from tandem.services.common.convert import check_token_ids, sampling_params_from_proto
+from tandem.services.common.engine_loop import EngineLoop
+from tandem.services.common.errors import CapacityError
+from tandem.services.common.metrics import ServiceMetrics
+from tandem.v1 import common_pb2
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division of non-negative ints."""
+    return -(-a // b)
+
+
+class TransferEvents:
+    """Thread-safe mailbox between the store KV connector's threads and the RPC handlers.
+
+    The connector calls :meth:`on_save_done` / :meth:`on_load_done` from its own
+    threads; handlers await :meth:`wait_save` or read :meth:`pop_load`. A result
+    that arrives before its handler asks is kept until asked for (or discarded
+    by :meth:`forget`).
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._lock = threading.Lock()
+        self._saves: dict[str, Any] = {}
+        self._save_waiters: dict[str, asyncio.Future[Any]] = {}
+        self._loads: dict[str, Any] = {}
+
+    # connector threads ------------------------------------------------------------------------
+    def on_save_done(self, request_id: str, result: Any) -> None:
+        """A request's blocks are published (or failed to be: ``result.ok``)."""
+        with self._lock:
+            waiter = self._save_waiters.pop(request_id, None)
+            if waiter is None:
+                self._saves[request_id] = result
+                return
+        self._loop.call_soon_threadsafe(_resolve, waiter, result)
+
+    def on_load_done(self, request_id: str, result: Any) -> None:
+        """A request's remote blocks are loaded (``result.num_tokens`` of them)."""
+        with self._lock:
+            self._loads[request_id] = result
+
+    # event loop ---------------------------------------------------------------------------
+    def expect_save(self, request_id: str) -> asyncio.Future[Any]:
+        """A future resolved with the request's save result."""
+        future: asyncio.Future[Any] = self._loop.create_future()
+        with self._lock:
+            if request_id in self._saves:
+                future.set_result(self._saves.pop(request_id))
+            else:
+                self._save_waiters[request_id] = future
+        return future
+
+    def pop_load(self, request_id: str) -> Any | None:
+        """The request's load result, if its load finished."""
+        with self._lock:
+            return self._loads.pop(request_id, None)
+
+    def forget(self, request_id: str) -> None:
+        """Drop everything about a request (its handler is gone)."""
+        with self._lock:
+            self._saves.pop(request_id, None)
+            self._save_waiters.pop(request_id, None)
+            self._loads.pop(request_id, None)
+
+
+def _resolve(future: asyncio.Future[Any], result: Any) -> None:
+    if not future.done():
+        future.set_result(result)
+
+
+class ServiceContext:
+    """Facts and helpers of one engine instance.
+
+    Args:
+        role: "prefill", "decode" or "both".
+        engine_loop: the engine thread bridge (its ``engine`` is an ``EngineCore``).
+        config: the engine's frozen config.
+        max_waiting: queued requests beyond which new ones get RESOURCE_EXHAUSTED.
+    """
+
+    def __init__(
+        self, role: str, engine_loop: EngineLoop, config: EngineConfig, max_waiting: int = 1024
+    ) -> None:
+        engine = engine_loop.engine
+        runner = engine.model_runner
+        self.role = role
+        self.engine_loop = engine_loop
+        self.config = config
+        self.max_waiting = max_waiting
+        self.block_size = config.cache.block_size
+        self.vocab_size: int = runner.vocab_size
+        self.max_model_len: int = runner.max_model_len
+        self.eos_token_id: int | None = runner.eos_token_id
+        self.model_id: str = runner.loaded.model_id
+        self.num_total_blocks: int = engine.scheduler.kv_cache_manager.block_pool.num_blocks
+        self.kv_layout_fingerprint: bytes = layout_fingerprint_bytes(engine)
+        self.hash_algorithm = HASH_ALGORITHM
+        self.metrics = ServiceMetrics(role)
+        self.transfers: TransferEvents | None = None
+        self._connector = find_store_connector(engine)
+
+    def attach_connector_events(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Route the store connector's transfer events to :attr:`transfers` (no-op without one)."""
+        if self._connector is None:
+            return
+        self.transfers = TransferEvents(loop)
+        self._connector.set_listener(self.transfers)
+
+    def has_pending_transfers(self) -> bool:
+        """KV transfers in flight (the engine must keep stepping to collect them)."""
+        return self._connector is not None and self._connector.has_pending()
+
+    @property
+    def has_store(self) -> bool:
+        return self._connector is not None
+
+    def close(self) -> None:
+        """Stop the connector's transfer threads (after the engine loop stopped)."""
+        if self._connector is not None:
+            self._connector.shutdown()
+
+    def new_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params_msg: common_pb2.SamplingParams,
+        priority: int,
+    ) -> Request:
+        """Validate a protobuf request's fields and build the engine ``Request``.
+
+        Raises:
+            ValueError: empty prompt, token ids outside the vocabulary, a bad
+                sampling parameter, a prompt longer than the context (naming the field).
+            CapacityError: the prompt can never fit in the KV cache, or the queue is full.
+        """
+        prompt = list(prompt_token_ids)
+        if not prompt:
+            raise ValueError("prompt_token_ids must not be empty")
+        check_token_ids(prompt, self.vocab_size, "prompt_token_ids")
+        if len(prompt) >= self.max_model_len:
+            raise ValueError(
+                f"prompt_token_ids has {len(prompt)} tokens; the context length is "
+                f"{self.max_model_len}, leaving no room to generate"
+            )
+        params = sampling_params_from_proto(params_msg)
+        params.verify_vocab(self.vocab_size)
+        if cdiv(len(prompt) + 1, self.block_size) > self.num_total_blocks:
+            raise CapacityError(
+                f"prompt of {len(prompt)} tokens needs more than the "
+                f"{self.num_total_blocks} KV blocks of this instance"
+            )
+        if self.engine_loop.num_in_flight >= self.max_waiting + self.config.scheduler.max_num_seqs:
+            raise CapacityError(
+                f"instance overloaded: {self.engine_loop.num_in_flight} requests in flight"
+            )
+        return Request(
+            request_id=request_id or uuid.uuid4().hex,
+            prompt_token_ids=prompt,
+            sampling_params=params,
+            eos_token_id=self.eos_token_id,
+            priority=priority,
+        )
+
+    def first_token_finish_reason(self, request: Request, token_id: int) -> str | None:
+        """Whether output token 1 finishes ``request`` (same rules as the scheduler).
+
+        Returns:
+            "stop" (EOS / stop token id, once min_tokens is met), "length"
+            (max_tokens == 1 or the context is full) or ``None``.
+        """
+        params = request.sampling_params
+        if params.min_tokens <= 1:
+            if not params.ignore_eos and token_id == self.eos_token_id:
+                return "stop"
+            if token_id in params.stop_token_ids:
+                return "stop"
+        if params.max_tokens is not None and params.max_tokens <= 1:
+            return "length"
+        if request.num_prompt_tokens + 1 >= self.max_model_len:
+            return "length"
+        return None
+
+    async def stats(self) -> Any:
+        """The scheduler's ``SchedulerStats`` (read in the engine thread)."""
+        return await self.engine_loop.call(self.engine_loop.engine.get_stats)
+
+    async def load_response(self) -> common_pb2.GetLoadResponse:
+        """``GetLoadResponse`` of this instance."""
+        s = await self.stats()
+        queries = getattr(s, "prefix_cache_queries", 0)
+        hits = getattr(s, "prefix_cache_hits", 0)
+        return common_pb2.GetLoadResponse(
+            num_running_requests=s.num_running,
+            num_waiting_requests=s.num_waiting,
+            kv_cache_usage=s.kv_cache_usage,
+            num_free_blocks=s.num_free_blocks,
+            num_total_blocks=s.num_total_blocks,
+            prefix_cache_hit_rate=hits / queries if queries else 0.0,
+            role=self.role,
+            model=self.model_id,
+            block_size=self.block_size,
+            kv_layout_fingerprint=self.kv_layout_fingerprint,
+            num_kv_load_failures=self.num_kv_load_failures,
+        )
+
+    @property
+    def num_kv_load_failures(self) -> int:
+        return 0 if self._connector is None else self._connector.num_load_failures
+
+    async def registry_load(self) -> dict[str, float | int]:
+        """Load fields of the Redis registry entry (also refreshes the Prometheus gauges)."""
+        s = await self.stats()
+        self.metrics.observe_stats(s, self.num_kv_load_failures)
+        return {
+            "running": s.num_running,
+            "waiting": s.num_waiting,
+            "kv_usage": s.kv_cache_usage,
+            "num_free_blocks": s.num_free_blocks,
+        }
+
+
+def find_store_connector(engine: Any) -> Any | None:
+    """The worker side of the engine's store KV connector, or ``None`` (colocated)."""
+    worker = getattr(engine, "connector_worker", None)
+    if worker is None:
+        return None
+    from tandem.engine.kv_connector_store import StoreConnectorWorker
+
+    return worker if isinstance(worker, StoreConnectorWorker) else None
+
+
+def layout_fingerprint_bytes(engine: Any) -> bytes:
+    """The engine's KV layout fingerprint as bytes (what the protos carry)."""
+    from tandem.engine.kv_connector_store import layout_fingerprint
+
+    return layout_fingerprint(engine.layout)
+
+
+def now_ns() -> int:
+    """Monotonic clock in ns (the clock of every ``*_ns`` duration)."""
+    return time.monotonic_ns()

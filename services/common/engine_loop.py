@@ -1,0 +1,249 @@
+"""Run an EngineCore in one dedicated thread and bridge it to asyncio.
+
+The engine is single-threaded (scheduler, block pool and model runner are not
+thread-safe), so every call into it happens in the engine thread:
+
+* RPC handlers (event loop) post *commands* (add a request, abort, read stats)
+  to a deque and wake the thread; the result or exception comes back through a
+  ``concurrent.futures.Future`` awaited with ``asyncio.wrap_future``.
+* The thread steps the engine while it has unfinished requests and hands each
+  step's outputs to the per-request ``asyncio.Queue`` of the handler that owns
+  the request, with one ``loop.call_soon_threadsafe`` per step.
+
+Cancellation: a :class:`RequestStream` that is closed before its request
+finished (client cancelled, deadline passed, handler error) aborts the request
+in the engine, which frees its blocks at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any, TypeVar
+
+from tandem.engine.outputs import EngineCoreOutput
+from tandem.engine.request import Request
+from tandem.services.common.errors import ShuttingDownError
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+#: How long the thread waits for a command when a step made no progress (the
+#: engine only waits for remote KV loads or saves), in seconds. Bounds the
+#: latency of noticing a finished transfer without spinning a core.
+_IDLE_POLL_S = 0.0005
+
+
+class EngineLoop:
+    """Owns the engine thread.
+
+    Args:
+        engine: an ``EngineCore`` (token-in, token-out); only touched by the thread.
+        loop: the asyncio loop the RPC handlers run on.
+        has_pending_transfers: True while KV transfers are in flight; the thread
+            keeps stepping then (so finished transfers free their blocks) even
+            when the scheduler has no unfinished request.
+
+    Thread-safety: every public method is called from the event loop thread.
+    """
+
+    def __init__(
+        self,
+        engine: Any,
+        loop: asyncio.AbstractEventLoop,
+        has_pending_transfers: Callable[[], bool] | None = None,
+    ) -> None:
+        self.engine = engine
+        self._has_pending_transfers = has_pending_transfers or (lambda: False)
+        self._loop = loop
+        self._commands: collections.deque[Callable[[], None]] = collections.deque()
+        self._wake = threading.Event()
+        # request_id -> queue of EngineCoreOutput | BaseException; engine thread only.
+        self._queues: dict[str, asyncio.Queue[EngineCoreOutput | BaseException]] = {}
+        self._accepting = True
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self.num_steps = 0
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the engine thread."""
+        self._thread.start()
+
+    def stop_accepting(self) -> None:
+        """New requests get :class:`ShuttingDownError` (UNAVAILABLE); in-flight ones continue."""
+        self._accepting = False
+
+    @property
+    def num_in_flight(self) -> int:
+        """Requests added and not yet finished (approximate: read across threads)."""
+        return len(self._queues)
+
+    async def shutdown(self) -> None:
+        """Abort what is left, stop the thread and wait for it (blocks the loop at most briefly)."""
+        self._accepting = False
+        if self._thread.is_alive():
+            await self.call(self._abort_all)
+        self._stop = True
+        self._wake.set()
+        await asyncio.to_thread(self._thread.join, 30.0)
+
+    # -- commands ------------------------------------------------------------------------------
+
+    async def call(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run ``fn(*args)`` in the engine thread and return its result (or raise its exception)."""
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+
+        def job() -> None:
+            if not future.set_running_or_notify_cancel():
+                return
+            try:
+                future.set_result(fn(*args))
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                future.set_exception(exc)
+
+        self._post(job)
+        return await asyncio.wrap_future(future)
+
+    def _post(self, job: Callable[[], None]) -> None:
+        if self._stop or not self._thread.is_alive():
+            raise ShuttingDownError("engine loop is not running")
+        self._commands.append(job)
+        self._wake.set()
+
+    async def add_request(self, request: Request) -> RequestStream:
+        """Add ``request`` to the engine; return the stream of its outputs.
+
+        Raises:
+            ShuttingDownError: the server is draining.
+            ValueError: the engine rejected the request (the message names the
+                field), or the request id is already in flight.
+        """
+        if not self._accepting:
+            raise ShuttingDownError("server is shutting down")
+        queue: asyncio.Queue[EngineCoreOutput | BaseException] = asyncio.Queue()
+        await self.call(self._add, request, queue)
+        return RequestStream(self, request.request_id, queue)
+
+    def abort_nowait(self, request_id: str) -> None:
+        """Abort a request (fire and forget; safe from a cancelled task)."""
+        try:
+            self._post(lambda: self._abort([request_id]))
+        except ShuttingDownError:
+            pass  # the thread is gone: nothing holds blocks any more
+
+    # -- engine thread -------------------------------------------------------------------------
+
+    def _add(self, request: Request, queue: asyncio.Queue) -> None:
+        if request.request_id in self._queues:
+            raise ValueError(f"request_id {request.request_id!r} is already in flight")
+        self.engine.add_request(request)
+        self._queues[request.request_id] = queue
+
+    def _abort(self, request_ids: list[str]) -> None:
+        live = [rid for rid in request_ids if rid in self._queues]
+        for rid in live:
+            del self._queues[rid]
+        if live:
+            self.engine.abort_requests(live)
+
+    def _abort_all(self) -> None:
+        ids = list(self._queues)
+        queues = [self._queues[rid] for rid in ids]
+        self._abort(ids)
+        exc = ShuttingDownError("server shut down before the request finished")
+        self._deliver([(q, exc) for q in queues])
+
+    def _deliver(self, items: list[tuple[asyncio.Queue, Any]]) -> None:
+        if not items:
+            return
+
+        def put_all() -> None:
+            for queue, item in items:
+                queue.put_nowait(item)
+
+        try:
+            self._loop.call_soon_threadsafe(put_all)
+        except RuntimeError:
+            logger.warning("event loop closed; dropped %d engine outputs", len(items))
+
+    def _run(self) -> None:
+        while True:
+            self._wake.clear()
+            while self._commands:
+                self._commands.popleft()()
+            if self._stop:
+                return
+            if not self.engine.has_unfinished_requests() and not self._has_pending_transfers():
+                self._wake.wait()
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as exc:  # noqa: BLE001 - handed to every waiting handler
+                logger.exception("engine step failed; failing all in-flight requests")
+                queues = list(self._queues.values())
+                try:
+                    self._abort(list(self._queues))
+                except Exception:  # noqa: BLE001 - the engine is already broken
+                    logger.exception("abort after a failed step failed")
+                    self._queues.clear()
+                self._deliver([(q, exc) for q in queues])
+                continue
+            self.num_steps += 1
+            items = []
+            for out in outputs:
+                queue = self._queues.get(out.request_id)
+                if queue is None:
+                    continue  # aborted by its handler meanwhile
+                items.append((queue, out))
+                if out.finished:
+                    del self._queues[out.request_id]
+            self._deliver(items)
+            if not outputs:
+                # Nothing sampled (only waiting for KV transfers): don't spin.
+                self._wake.wait(_IDLE_POLL_S)
+
+
+class RequestStream:
+    """The outputs of one request, consumed by its RPC handler.
+
+    Use as an async context manager: leaving it before the request finished
+    aborts the request (so cancellation frees its blocks).
+    """
+
+    def __init__(self, engine_loop: EngineLoop, request_id: str, queue: asyncio.Queue) -> None:
+        self.request_id = request_id
+        self._engine_loop = engine_loop
+        self._queue = queue
+        self.finished = False
+        #: ``time.monotonic_ns()`` when the first output arrived.
+        self.first_output_ns: int | None = None
+
+    async def __aenter__(self) -> RequestStream:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        if not self.finished:
+            self._engine_loop.abort_nowait(self.request_id)
+
+    def __aiter__(self) -> AsyncIterator[EngineCoreOutput]:
+        return self._iter()
+
+    async def _iter(self) -> AsyncIterator[EngineCoreOutput]:
+        while not self.finished:
+            item = await self._queue.get()
+            if isinstance(item, BaseException):
+                self.finished = True  # the engine already dropped the request
+                raise item
+            if self.first_output_ns is None:
+                self.first_output_ns = time.monotonic_ns()
+            if item.finished:
+                self.finished = True
+            yield item

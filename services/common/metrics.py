@@ -1,0 +1,66 @@
+"""Prometheus metrics of an engine service, vLLM's names under ``tandem:``.
+
+One ``CollectorRegistry`` per service (no global state), served over HTTP on
+``--metrics-port`` at ``/metrics``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+_LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+
+
+class ServiceMetrics:
+    """The metrics of one instance.
+
+    Args:
+        role: "prefill", "decode" or "both" (a label on every metric).
+    """
+
+    def __init__(self, role: str) -> None:
+        self.registry = CollectorRegistry()
+        labels = ["role"]
+        r = self.registry
+        self.num_requests_running = Gauge(
+            "tandem:num_requests_running", "Requests in the running batch.", labels, registry=r)
+        self.num_requests_waiting = Gauge(
+            "tandem:num_requests_waiting", "Requests queued.", labels, registry=r)
+        self.kv_cache_usage_perc = Gauge(
+            "tandem:kv_cache_usage_perc", "Fraction of KV blocks in use (0..1).", labels,
+            registry=r)
+        self.request_success = Counter(
+            "tandem:request_success", "Finished requests by finish reason.",
+            [*labels, "finished_reason"], registry=r)
+        self.time_to_first_token = Histogram(
+            "tandem:time_to_first_token_seconds", "Arrival at this engine -> first token, s.",
+            labels, buckets=_LATENCY_BUCKETS_S, registry=r)
+        self.kv_publish_seconds = Histogram(
+            "tandem:kv_publish_seconds", "First token -> KV blocks published (prefill), s.",
+            labels, buckets=_LATENCY_BUCKETS_S, registry=r)
+        self.kv_pull_seconds = Histogram(
+            "tandem:kv_pull_seconds", "Arrival -> remote KV loaded (decode), s.",
+            labels, buckets=_LATENCY_BUCKETS_S, registry=r)
+        self.kv_load_failures = Gauge(
+            "tandem:kv_load_failures_total",
+            "Requests whose remote KV was missing or corrupt and got recomputed.",
+            labels, registry=r)
+        self._role = role
+
+    def labels(self, metric: Any, **extra: str) -> Any:
+        """``metric`` with this instance's role label (and ``extra`` labels)."""
+        return metric.labels(role=self._role, **extra)
+
+    def observe_stats(self, stats: Any, num_kv_load_failures: int) -> None:
+        """Refresh the gauges from the scheduler's stats."""
+        self.labels(self.num_requests_running).set(stats.num_running)
+        self.labels(self.num_requests_waiting).set(stats.num_waiting)
+        self.labels(self.kv_cache_usage_perc).set(stats.kv_cache_usage)
+        self.labels(self.kv_load_failures).set(num_kv_load_failures)
+
+    def serve(self, port: int) -> Any:
+        """Serve ``/metrics`` on ``port`` in a daemon thread; returns the server (``.shutdown()``)."""
+        server, _thread = start_http_server(port, registry=self.registry)
+        return server

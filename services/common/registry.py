@@ -1,0 +1,104 @@
+"""Registration of an engine instance in Redis, with a heartbeat TTL.
+
+Key ``tandem:instance:<role>:<instance_id>``: a hash with fields ``role``
+(prefill|decode|both), ``address`` (host:port of the gRPC server), ``model``,
+``running``, ``waiting``, ``kv_usage`` (0..1), ``num_free_blocks`` and
+``updated_at`` (Unix seconds). The key expires ``ttl_s`` (10 s) after the last
+heartbeat, which comes every ``interval_s`` (2 s): a crashed instance vanishes
+from the registry within 10 s; a stopped one deletes its key at once.
+The router (services/router/discovery.py) reads these keys.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+import redis.asyncio as aioredis
+
+logger = logging.getLogger(__name__)
+
+KEY_PREFIX = "tandem:instance"
+TTL_S = 10
+INTERVAL_S = 2.0
+
+
+def instance_key(role: str, instance_id: str) -> str:
+    """Redis key of one instance."""
+    return f"{KEY_PREFIX}:{role}:{instance_id}"
+
+
+class InstanceRegistration:
+    """Keeps one instance's registry entry fresh.
+
+    Args:
+        redis_url: ``redis://host:port/db``.
+        role: "prefill", "decode" or "both".
+        instance_id: unique id of this process.
+        address: gRPC ``host:port`` the router should dial.
+        model: model id served.
+        load_fn: async callable returning the load fields (``running``,
+            ``waiting``, ``kv_usage``, ``num_free_blocks``) as a dict.
+    """
+
+    def __init__(
+        self,
+        redis_url: str,
+        role: str,
+        instance_id: str,
+        address: str,
+        model: str,
+        load_fn: Callable[[], Awaitable[dict[str, float | int]]],
+        ttl_s: int = TTL_S,
+        interval_s: float = INTERVAL_S,
+    ) -> None:
+        self.key = instance_key(role, instance_id)
+        self._redis = aioredis.from_url(redis_url)
+        self._static = {"role": role, "address": address, "model": model}
+        self._load_fn = load_fn
+        self._ttl_s = ttl_s
+        self._interval_s = interval_s
+        self._task: asyncio.Task[None] | None = None
+
+    async def beat(self) -> None:
+        """Write the entry once (fields + TTL) in one transaction.
+
+        Raises:
+            redis.RedisError: Redis unreachable (callers in the heartbeat task log it).
+        """
+        fields: dict[str, str | float | int] = dict(self._static)
+        fields.update(await self._load_fn())
+        fields["updated_at"] = time.time()
+        async with self._redis.pipeline(transaction=True) as pipe:
+            pipe.hset(self.key, mapping=fields)
+            pipe.expire(self.key, self._ttl_s)
+            await pipe.execute()
+
+    async def start(self) -> None:
+        """Register now (raising if Redis is unreachable), then heartbeat in the background."""
+        await self.beat()
+        self._task = asyncio.create_task(self._heartbeat(), name="registry-heartbeat")
+
+    async def _heartbeat(self) -> None:
+        while True:
+            await asyncio.sleep(self._interval_s)
+            try:
+                await self.beat()
+            except Exception:  # noqa: BLE001 - keep beating; Redis may come back
+                logger.warning("registry heartbeat to Redis failed", exc_info=True)
+
+    async def stop(self) -> None:
+        """Stop the heartbeat and delete the entry (so the router stops routing here)."""
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        try:
+            await self._redis.delete(self.key)
+        except Exception:  # noqa: BLE001 - the TTL removes it anyway
+            logger.warning("could not delete registry key %s", self.key, exc_info=True)
+        await self._redis.aclose()

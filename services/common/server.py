@@ -1,0 +1,203 @@
+"""Shared entry point of the engine services: flags, engine, gRPC server, lifecycle.
+
+``tandem prefill``, ``tandem decode`` and ``tandem serve --role ...`` all end in
+:func:`run`. It builds the frozen ``EngineConfig`` from the flags, loads the
+engine, starts the engine thread (:mod:`.engine_loop`), serves the role's
+servicer(s) plus ``grpc.health.v1`` and server reflection on ``--listen``,
+registers the instance in Redis with a heartbeat, and on SIGTERM/SIGINT drains:
+health NOT_SERVING and registry entry deleted (the router stops sending),
+new RPCs refused, in-flight ones given ``--shutdown-grace-s`` to finish, then
+the rest aborted and the process exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import socket
+import uuid
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from tandem.engine.config import (
+    CacheConfig,
+    EngineConfig,
+    KVTransferConfig,
+    ModelConfig,
+    SchedulerConfig,
+)
+from tandem.services.common.context import ServiceContext, find_store_connector
+from tandem.services.common.engine_loop import EngineLoop
+from tandem.services.common.errors import ErrorMappingInterceptor
+from tandem.services.common.registry import InstanceRegistration
+
+logger = logging.getLogger(__name__)
+
+ROLES = ("prefill", "decode", "both")
+_KV_ROLE = {"prefill": "kv_producer", "decode": "kv_consumer"}
+# 64 MiB: a 32k-token prompt's ids plus its block hashes fit with room to spare.
+_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+
+def build_parser(prog: str, role: str | None) -> argparse.ArgumentParser:
+    """The binding flags of ``tandem prefill|decode|serve`` (``role=None`` adds ``--role``)."""
+    p = argparse.ArgumentParser(prog=prog, description=f"tandem {role or 'engine'} gRPC service")
+    if role is None:
+        p.add_argument("--role", choices=ROLES, required=True,
+                       help="prefill | decode | both (colocated, no KV store)")
+    p.add_argument("--listen", default="127.0.0.1:50061", help="gRPC HOST:PORT to bind")
+    p.add_argument("--model", default=None,
+                   help="HF model folder or .gguf (default: the bundled SmolLM2-135M-Instruct)")
+    p.add_argument("--redis-url", default=None,
+                   help="Redis URL for the instance registry and the KV store index "
+                        "(required for prefill and decode)")
+    p.add_argument("--advertise-address", default=None,
+                   help="HOST:PORT the router dials (default: --listen, wildcard host -> hostname)")
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
+    p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
+    p.add_argument("--max-model-len", type=int, default=None, help="context length in tokens")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step")
+    p.add_argument("--max-num-seqs", type=int, default=128, help="most requests running at once")
+    p.add_argument("--kv-cache-memory", type=int, default=None,
+                   help="KV cache budget in bytes (default: profiled)")
+    p.add_argument("--num-kv-blocks", type=int, default=None,
+                   help="force this many KV blocks (tests)")
+    p.add_argument("--kvstore", default=None,
+                   help="HOST:PORT of a KV store node (default: nodes found in Redis)")
+    p.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics HTTP port")
+    p.add_argument("--max-waiting", type=int, default=1024,
+                   help="queued requests beyond which new ones get RESOURCE_EXHAUSTED")
+    p.add_argument("--shutdown-grace-s", type=float, default=20.0,
+                   help="seconds in-flight requests get to finish after SIGTERM")
+    p.add_argument("--instance-id", default=None, help="registry id (default: random)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the engine's global generator")
+    p.add_argument("--log-level", default="INFO")
+    return p
+
+
+def build_engine_config(ns: argparse.Namespace, role: str) -> EngineConfig:
+    """The frozen engine config of a role from parsed flags.
+
+    Raises:
+        ValueError: an invalid flag value (naming it), or prefill/decode without --redis-url.
+    """
+    if role not in ROLES:
+        raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
+    if role != "both" and not ns.redis_url:
+        raise ValueError(f"--redis-url is required for role {role!r} (KV store index)")
+    kv = KVTransferConfig()
+    if role != "both":
+        params = {"redis_url": ns.redis_url}
+        if ns.kvstore:
+            params["kvstore_address"] = ns.kvstore
+        kv = KVTransferConfig(kv_connector="store", kv_role=_KV_ROLE[role], params=params)
+    return EngineConfig(
+        model=ModelConfig(model=ns.model, dtype=ns.dtype, device=ns.device,
+                          max_model_len=ns.max_model_len, seed=ns.seed),
+        cache=CacheConfig(block_size=ns.block_size, kv_cache_memory_bytes=ns.kv_cache_memory,
+                          num_blocks_override=ns.num_kv_blocks),
+        scheduler=SchedulerConfig(max_num_batched_tokens=ns.max_num_batched_tokens,
+                                  max_num_seqs=ns.max_num_seqs),
+        kv_transfer=kv,
+    )
+
+
+def advertise_address(listen: str, advertise: str | None, bound_port: int) -> str:
+    """The address the router should dial: ``advertise`` or ``listen`` with a real host/port."""
+    if advertise:
+        return advertise
+    host, _, _ = listen.rpartition(":")
+    host = host.strip("[]")
+    if host in ("", "0.0.0.0", "::"):
+        host = socket.gethostname()
+    return f"{host}:{bound_port}"
+
+
+def run(argv: list[str] | None, prog: str, role: str | None) -> int:
+    """Parse flags, serve until SIGTERM/SIGINT, return the exit code (2 on bad flags)."""
+    ns = build_parser(prog, role).parse_args(argv)
+    role = role or ns.role
+    logging.basicConfig(level=ns.log_level.upper(),
+                        format=f"%(asctime)s {role} %(levelname)s %(name)s: %(message)s")
+    try:
+        config = build_engine_config(ns, role)
+    except ValueError as exc:
+        print(f"{prog}: error: {exc}")
+        return 2
+    asyncio.run(_serve(ns, role, config))
+    return 0
+
+
+async def _serve(ns: argparse.Namespace, role: str, config: EngineConfig) -> None:
+    # Imported here: `tandem serve --help` should not pay for torch.
+    from tandem.engine.engine_core import EngineCore
+    from tandem.services.decode.servicer import DecodeServicer
+    from tandem.services.prefill.servicer import PrefillServicer
+    from tandem.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+
+    engine = await asyncio.to_thread(EngineCore, config)
+    connector = find_store_connector(engine)
+    engine_loop = EngineLoop(engine, loop, connector.has_pending if connector else None)
+    ctx = ServiceContext(role=role, engine_loop=engine_loop, config=config,
+                         max_waiting=ns.max_waiting)
+    ctx.attach_connector_events(loop)
+    engine_loop.start()
+
+    server = grpc.aio.server(
+        interceptors=[ErrorMappingInterceptor()],
+        options=[("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
+                 ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES)],
+    )
+    names = [reflection.SERVICE_NAME, health.SERVICE_NAME]
+    if role == "prefill":
+        prefill_pb2_grpc.add_PrefillServiceServicer_to_server(PrefillServicer(ctx), server)
+        names.append(prefill_pb2.DESCRIPTOR.services_by_name["PrefillService"].full_name)
+    else:
+        decode_pb2_grpc.add_DecodeServiceServicer_to_server(DecodeServicer(ctx), server)
+        names.append(decode_pb2.DESCRIPTOR.services_by_name["DecodeService"].full_name)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(names, server)
+    port = server.add_insecure_port(ns.listen)
+    if port == 0:
+        raise RuntimeError(f"could not bind --listen {ns.listen}")
+    await server.start()
+    address = advertise_address(ns.listen, ns.advertise_address, port)
+
+    metrics_server = None
+    if ns.metrics_port is not None:
+        metrics_server = ctx.metrics.serve(ns.metrics_port)
+
+    registration = None
+    if ns.redis_url:
+        registration = InstanceRegistration(
+            ns.redis_url, role, ns.instance_id or uuid.uuid4().hex[:12], address,
+            ctx.model_id, ctx.registry_load)
+        await registration.start()
+    for name in ["", *names[2:]]:
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    logger.info("serving %s on %s (advertised %s), model %s", role, ns.listen, address,
+                ctx.model_id)
+
+    await stop.wait()
+    logger.info("shutting down: draining for up to %.1f s", ns.shutdown_grace_s)
+    await health_servicer.enter_graceful_shutdown()
+    if registration is not None:
+        await registration.stop()
+    engine_loop.stop_accepting()
+    await server.stop(ns.shutdown_grace_s)
+    await engine_loop.shutdown()
+    ctx.close()
+    if metrics_server is not None:
+        metrics_server.shutdown()
+    logger.info("stopped")

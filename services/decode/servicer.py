@@ -1,0 +1,135 @@
+"""DecodeService: continue a prefilled request from its KV blocks, or run it whole.
+
+Disaggregated form (``first_token_id`` set): the request enters the engine with
+the prompt and the first token as output token 1; with ``block_hashes`` the
+store KV connector loads the prompt's blocks (the request waits in
+WAITING_FOR_REMOTE_KV, other requests keep decoding), recomputing whatever it
+could not load; then each step streams the new tokens. A seeded request's
+generator continues from ``generator_state`` (the prefill side's state after
+token 1), so sampling continues the same random stream.
+
+Colocated form (no ``first_token_id``): the engine computes the prompt and
+streams every token from the first.
+"""
+
+from __future__ import annotations
+
+import grpc
+import torch
+
+from tandem.engine.kv_connector_store import make_kv_transfer_params
+from tandem.services.common.context import ServiceContext, cdiv, now_ns
+from tandem.services.common.convert import (
+    check_token_ids,
+    finish_reason_to_proto,
+    logprobs_to_proto,
+)
+from tandem.services.common.errors import LayoutMismatchError
+from tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc
+
+
+class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
+    """Thin servicer: protobuf -> engine -> protobuf. Errors map in ``common.errors``."""
+
+    def __init__(self, ctx: ServiceContext) -> None:
+        self._ctx = ctx
+
+    def _build(self, request: decode_pb2.DecodeRequest):  # -> Request
+        ctx = self._ctx
+        req = ctx.new_request(
+            request.request_id, request.prompt_token_ids, request.sampling_params, request.priority
+        )
+        if request.HasField("generator_state"):
+            if req.generator is None:
+                raise ValueError("generator_state requires sampling_params.seed")
+            try:
+                state = torch.tensor(list(request.generator_state), dtype=torch.uint8)
+                req.generator.set_state(state)
+            except RuntimeError as exc:
+                raise ValueError(f"generator_state is not a torch CPU generator state: {exc}") from exc
+        if not request.HasField("first_token_id"):
+            if request.block_hashes:
+                raise ValueError("block_hashes requires first_token_id (the disaggregated form)")
+            return req
+        check_token_ids([request.first_token_id], ctx.vocab_size, "first_token_id")
+        req.append_output_token(request.first_token_id)
+        if request.block_hashes:
+            if not ctx.has_store:
+                raise ValueError(
+                    "block_hashes: this colocated instance has no KV store; send no block_hashes"
+                )
+            if request.kv_layout_fingerprint != ctx.kv_layout_fingerprint:
+                raise LayoutMismatchError(
+                    "kv_layout_fingerprint differs from this engine's KV layout "
+                    "(another model, dtype or block size)"
+                )
+            if request.hash_algorithm != ctx.hash_algorithm:
+                raise LayoutMismatchError(
+                    f"hash_algorithm {request.hash_algorithm!r} differs from this engine's "
+                    f"{ctx.hash_algorithm!r}"
+                )
+            expected = cdiv(req.num_prompt_tokens, ctx.block_size)
+            if len(request.block_hashes) != expected:
+                raise ValueError(
+                    f"block_hashes has {len(request.block_hashes)} entries; a prompt of "
+                    f"{req.num_prompt_tokens} tokens in blocks of {ctx.block_size} has {expected}"
+                )
+            req.kv_transfer_params = make_kv_transfer_params(
+                list(request.block_hashes), request.kv_layout_fingerprint
+            )
+        return req
+
+    async def Decode(self, request: decode_pb2.DecodeRequest, context: grpc.aio.ServicerContext):
+        ctx = self._ctx
+        arrival_ns = now_ns()
+        req = self._build(request)
+        disaggregated = request.HasField("first_token_id")
+        if disaggregated:
+            reason = ctx.first_token_finish_reason(req, request.first_token_id)
+            if reason is not None:
+                yield decode_pb2.DecodeResponse(
+                    finish_reason=finish_reason_to_proto(reason), num_cached_tokens=0
+                )
+                return
+        num_top = req.sampling_params.logprobs
+        first = True
+        try:
+            async with await ctx.engine_loop.add_request(req) as stream:
+                async for out in stream:
+                    resp = decode_pb2.DecodeResponse(
+                        token_ids=out.new_token_ids,
+                        finish_reason=finish_reason_to_proto(out.finish_reason),
+                    )
+                    if isinstance(out.stop_reason, int):
+                        resp.stop_token_id = out.stop_reason
+                    if out.new_logprobs and num_top is not None:
+                        for tok, pos in zip(out.new_token_ids, out.new_logprobs, strict=True):
+                            resp.logprobs.append(logprobs_to_proto(tok, pos, num_top))
+                    if first:
+                        first = False
+                        self._first_message_fields(req, resp, out, arrival_ns)
+                    if out.finish_reason is not None:
+                        ctx.metrics.labels(
+                            ctx.metrics.request_success, finished_reason=out.finish_reason
+                        ).inc()
+                    yield resp
+        finally:
+            if ctx.transfers is not None:
+                ctx.transfers.forget(req.request_id)
+
+    def _first_message_fields(self, req, resp, out, arrival_ns: int) -> None:
+        ctx = self._ctx
+        m = ctx.metrics
+        resp.num_cached_tokens = max(out.num_cached_tokens, 0)
+        if req.first_scheduled_time is not None:
+            resp.queue_ns = max(int(req.first_scheduled_time * 1e9) - arrival_ns, 0)
+        load = ctx.transfers.pop_load(req.request_id) if ctx.transfers is not None else None
+        if load is not None:
+            resp.kv_pull_ns = max(load.done_ns - arrival_ns, 0)
+            m.labels(m.kv_pull_seconds).observe(resp.kv_pull_ns / 1e9)
+        m.labels(m.time_to_first_token).observe((now_ns() - arrival_ns) / 1e9)
+
+    async def GetLoad(
+        self, request: common_pb2.GetLoadRequest, context: grpc.aio.ServicerContext
+    ) -> common_pb2.GetLoadResponse:
+        return await self._ctx.load_response()

@@ -1,0 +1,329 @@
+"""The router's FastAPI app: OpenAI routes, health, metrics.
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream`` as server-sent
+events or not), ``GET /v1/models``, ``GET /health`` (the router is up; body counts the
+instances), ``GET /ready`` (200 only when some instance path can serve), ``GET /metrics``.
+
+A streamed response starts only once the first token exists: errors found before it
+(engine rejects the prompt, no instance, overload) are plain HTTP errors with their status;
+the first chat chunk carries the role together with the first token. A failure after that
+is sent as ``data: {"error": ...}`` followed by ``data: [DONE]``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from tandem.services.router import protocol as P
+from tandem.services.router.errors import OpenAIError, openai_error_handler, to_openai_error
+from tandem.services.router.frontend import Frontend
+from tandem.services.router.metrics import CONTENT_TYPE
+from tandem.services.router.pipeline import GenerationRequest, SeqDelta
+from tandem.services.router.responses import (
+    DONE,
+    ChoiceState,
+    chat_logprobs,
+    completion_logprobs,
+    merged,
+    sse,
+    usage,
+)
+
+
+def create_app(fe: Frontend, lifespan: Any = None) -> FastAPI:
+    """Build the FastAPI app around a ready ``Frontend``.
+
+    Args:
+        fe: tokenizer, pipeline and settings.
+        lifespan: optional async context manager factory (starts/stops discovery).
+    """
+    app = FastAPI(title="tandem router", lifespan=lifespan)
+    # NOTE: one handler; the ``Exception`` entry only catches router bugs (-> 500, logged).
+    for exc_type in (OpenAIError, ValidationError, RequestValidationError,
+                     StarletteHTTPException, Exception):
+        app.add_exception_handler(exc_type, openai_error_handler)
+
+    def check_auth(request: Request) -> None:
+        if fe.api_key is None:
+            return
+        if request.headers.get("authorization", "") != f"Bearer {fe.api_key}":
+            raise OpenAIError("invalid or missing API key", status_code=401,
+                              code="invalid_api_key")
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        counts = {role: len(fe.pipeline.discovery.instances(role))
+                  for role in ("prefill", "decode", "both")}
+        return JSONResponse({"status": "ok", "instances": counts})
+
+    @app.get("/ready")
+    async def ready() -> JSONResponse:
+        d = fe.pipeline.discovery
+        if d.has_live("prefill") and d.has_live("decode"):
+            return JSONResponse({"status": "ready", "mode": "disagg"})
+        if d.has_live("both"):
+            return JSONResponse({"status": "ready", "mode": "colocated"})
+        raise OpenAIError("no live engine instance yet", status_code=503, retry_after_s=1)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        fe.pipeline.metrics.set_instances(fe.pipeline.discovery.all_instances())
+        return Response(fe.pipeline.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> JSONResponse:
+        check_auth(request)
+        cards = [P.ModelCard(id=name, root=fe.served_model_names[0],
+                             max_model_len=fe.max_model_len) for name in fe.served_model_names]
+        return JSONResponse(P.ModelList(data=cards).model_dump(mode="json"))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        check_auth(request)
+        rid = fe.new_request_id(request.headers.get("x-request-id"))
+        arrival_ns = time.monotonic_ns()
+        req = P.CompletionRequest.model_validate(await _json_body(request))
+        fe.check_model(req.model)
+        prompts = fe.tokenize_prompts(req.prompt)
+        gens = []
+        for p, ids in enumerate(prompts):
+            sp = req.to_sampling_params(num_prompt_tokens=len(ids),
+                                        max_model_len=fe.max_model_len)
+            fe.check_sampling_params(sp)
+            gens.append(GenerationRequest(rid if len(prompts) == 1 else f"{rid}-p{p}", ids, sp,
+                                          req.priority, arrival_ns))
+        if isinstance(req.prompt, str):
+            echo_texts = [req.prompt]
+        elif isinstance(req.prompt[0], str):
+            echo_texts = list(req.prompt)
+        else:
+            echo_texts = [fe.tokenizer.decode(ids) for ids in prompts]
+        n = gens[0].sampling_params.n
+        resp_id = f"cmpl-{rid}"
+        num_prompt_tokens = sum(len(ids) for ids in prompts)
+        if req.stream:
+            return await _stream(request, rid, merged(fe, gens), _CompletionStreamer(
+                fe, req, resp_id, n, echo_texts, num_prompt_tokens))
+        states = await _collect(request, merged(fe, gens), len(prompts) * n)
+        choices = []
+        for i, st in enumerate(states):
+            prefix = echo_texts[i // n] if req.echo else ""
+            lps = completion_logprobs(fe, st.logprobs, len(prefix)) if req.logprobs is not None \
+                else None
+            choices.append(P.CompletionChoice(index=i, text=prefix + st.text, logprobs=lps,
+                                              finish_reason=st.finish_reason,
+                                              stop_reason=st.stop_reason))
+        body = P.CompletionResponse(
+            id=resp_id, model=req.model or fe.model_name, choices=choices,
+            usage=usage(num_prompt_tokens, sum(s.num_tokens for s in states)),
+            timings=_timings(states))
+        return JSONResponse(body.model_dump(mode="json"), headers={"X-Request-Id": rid})
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        check_auth(request)
+        rid = fe.new_request_id(request.headers.get("x-request-id"))
+        arrival_ns = time.monotonic_ns()
+        req = P.ChatCompletionRequest.model_validate(await _json_body(request))
+        fe.check_model(req.model)
+        messages = [{"role": m.role, "content": m.text(),
+                     **({"name": m.name} if m.name else {})} for m in req.messages]
+        ids = fe.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt,
+                                     continue_final_message=req.continue_final_message,
+                                     kwargs=req.chat_template_kwargs)
+        sp = req.to_sampling_params(num_prompt_tokens=len(ids), max_model_len=fe.max_model_len)
+        fe.check_sampling_params(sp)
+        gen = GenerationRequest(rid, ids, sp, req.priority, arrival_ns)
+        resp_id = f"chatcmpl-{rid}"
+        if req.stream:
+            return await _stream(request, rid, merged(fe, [gen]),
+                                 _ChatStreamer(fe, req, resp_id, len(ids)))
+        states = await _collect(request, merged(fe, [gen]), sp.n)
+        choices = [P.ChatChoice(index=st.index,
+                                message=P.ChatResponseMessage(content=st.text),
+                                logprobs=chat_logprobs(fe, st.logprobs) if req.logprobs else None,
+                                finish_reason=st.finish_reason, stop_reason=st.stop_reason)
+                   for st in states]
+        body = P.ChatCompletionResponse(
+            id=resp_id, model=req.model or fe.model_name, choices=choices,
+            usage=usage(len(ids), sum(s.num_tokens for s in states)), timings=_timings(states))
+        return JSONResponse(body.model_dump(mode="json"), headers={"X-Request-Id": rid})
+
+    return app
+
+
+async def _json_body(request: Request) -> Any:
+    body = await request.body()
+    if not body:
+        raise OpenAIError("request body is empty; expected a JSON object")
+    try:
+        import json
+
+        return json.loads(body)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise OpenAIError(f"request body is not valid JSON: {exc}") from exc
+
+
+def _timings(states: list[ChoiceState]) -> dict[str, Any] | None:
+    t = states[0].timings if states else None
+    return t.to_dict() if t is not None else None
+
+
+async def _until_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _collect(request: Request, deltas: AsyncIterator[tuple[int, SeqDelta]],
+                   num_choices: int) -> list[ChoiceState]:
+    """Gather all deltas; a client that disconnects first cancels the generation."""
+    states = [ChoiceState(index=i) for i in range(num_choices)]
+
+    async def consume() -> None:
+        async for idx, d in deltas:
+            states[idx].add(d)
+
+    work = asyncio.create_task(consume())
+    watch = asyncio.create_task(_until_disconnect(request))
+    try:
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not work.done():
+            work.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await work
+        await deltas.aclose()
+    work.result()  # re-raise a generation error (OpenAIError -> its status)
+    return states
+
+
+async def _stream(request: Request, rid: str, deltas: AsyncIterator[tuple[int, SeqDelta]],
+                  streamer: _Streamer) -> StreamingResponse:
+    """Start an SSE response once the first delta exists (earlier errors: plain HTTP)."""
+    try:
+        first = await deltas.__anext__()
+    except StopAsyncIteration:
+        first = None
+    except BaseException:
+        await deltas.aclose()
+        raise
+
+    async def body() -> AsyncIterator[str]:
+        try:
+            if first is not None:
+                for chunk in streamer.chunks(*first):
+                    yield chunk
+                async for idx, d in deltas:
+                    for chunk in streamer.chunks(idx, d):
+                        yield chunk
+            for chunk in streamer.final():
+                yield chunk
+        except Exception as exc:  # noqa: BLE001 - reported to the client as an error event
+            yield sse({"error": to_openai_error(exc).to_dict()})
+        finally:
+            await deltas.aclose()
+        yield DONE
+
+    headers = {"X-Request-Id": rid, "Cache-Control": "no-cache"}
+    return StreamingResponse(body(), media_type="text/event-stream", headers=headers)
+
+
+class _Streamer:
+    """Builds the SSE chunks of one streamed request."""
+
+    def __init__(self, fe: Frontend, req: P._SamplingRequest, resp_id: str, num_choices: int,
+                 num_prompt_tokens: int) -> None:
+        self.fe = fe
+        self.req = req
+        self.resp_id = resp_id
+        self.created = int(time.time())
+        self.model = req.model or fe.model_name
+        self.states = [ChoiceState(index=i) for i in range(num_choices)]
+        self.num_prompt_tokens = num_prompt_tokens
+
+    def chunks(self, idx: int, d: SeqDelta) -> list[str]:
+        raise NotImplementedError
+
+    def final(self) -> list[str]:
+        if not self.req.include_usage:
+            return []
+        u = usage(self.num_prompt_tokens, sum(s.num_tokens for s in self.states))
+        return [sse(self._usage_chunk(u))]
+
+    def _usage_chunk(self, u: P.UsageInfo) -> P.BaseModel:
+        raise NotImplementedError
+
+
+class _ChatStreamer(_Streamer):
+    def __init__(self, fe: Frontend, req: P.ChatCompletionRequest, resp_id: str,
+                 num_prompt_tokens: int) -> None:
+        super().__init__(fe, req, resp_id, req.n, num_prompt_tokens)
+
+    def chunks(self, idx: int, d: SeqDelta) -> list[str]:
+        st = self.states[idx]
+        st.add(d)
+        first = not st.sent_role
+        if not (d.text or d.finish_reason or first or (self.req.logprobs and d.logprobs)):
+            return []
+        st.sent_role = True
+        choice = P.ChatStreamChoice(
+            index=idx, delta=P.DeltaMessage(role="assistant" if first else None,
+                                            content=d.text),
+            logprobs=chat_logprobs(self.fe, d.logprobs) if self.req.logprobs and d.logprobs
+            else None,
+            finish_reason=d.finish_reason, stop_reason=d.stop_reason)
+        chunk = P.ChatCompletionChunk(id=self.resp_id, created=self.created, model=self.model,
+                                      choices=[choice])
+        if d.finish_reason is not None and d.timings is not None:
+            chunk.timings = d.timings.to_dict()
+        return [sse(chunk)]
+
+    def _usage_chunk(self, u: P.UsageInfo) -> P.BaseModel:
+        return P.ChatCompletionChunk(id=self.resp_id, created=self.created, model=self.model,
+                                     choices=[], usage=u)
+
+
+class _CompletionStreamer(_Streamer):
+    def __init__(self, fe: Frontend, req: P.CompletionRequest, resp_id: str, n: int,
+                 echo_texts: list[str], num_prompt_tokens: int) -> None:
+        super().__init__(fe, req, resp_id, n * len(echo_texts), num_prompt_tokens)
+        self.n = n
+        self.echo_texts = echo_texts
+
+    def chunks(self, idx: int, d: SeqDelta) -> list[str]:
+        st = self.states[idx]
+        first = not st.sent_role
+        st.sent_role = True
+        st.add(d)
+        text = d.text
+        if first and self.req.echo:
+            text = self.echo_texts[idx // self.n] + text
+        lps = None
+        if self.req.logprobs is not None and d.logprobs:
+            lps = completion_logprobs(self.fe, d.logprobs, st.text_offset)
+            st.text_offset += sum(len(t) for t in lps.tokens)
+        if not (text or d.finish_reason or lps):
+            return []
+        chunk = P.CompletionChunk(id=self.resp_id, created=self.created, model=self.model,
+                                  choices=[P.CompletionChoice(
+                                      index=idx, text=text, logprobs=lps,
+                                      finish_reason=d.finish_reason,
+                                      stop_reason=d.stop_reason)])
+        if d.finish_reason is not None and d.timings is not None:
+            chunk.timings = d.timings.to_dict()
+        return [sse(chunk)]
+
+    def _usage_chunk(self, u: P.UsageInfo) -> P.BaseModel:
+        return P.CompletionChunk(id=self.resp_id, created=self.created, model=self.model,
+                                 choices=[], usage=u)

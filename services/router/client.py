@@ -1,0 +1,146 @@
+"""gRPC clients of the engine instances (PrefillService, DecodeService), one channel each.
+
+:class:`InstancePool` keeps one ``grpc.aio`` channel per address for the router's life
+(HTTP/2 multiplexes every concurrent request over it) and closes them on shutdown.
+Also converts the engine's ``SamplingParams`` to the protobuf form.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+
+from tandem.engine.sampling_params import SamplingParams
+from tandem.services.router.discovery import Discovery
+from tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+# Large prompts' token lists and logprobs fit easily; keep the limit explicit.
+_CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+    ("grpc.max_send_message_length", 64 * 1024 * 1024),
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+]
+
+#: gRPC codes that mean "the request itself is bad": reported to the client, not retried.
+CALLER_ERROR_CODES = frozenset({grpc.StatusCode.INVALID_ARGUMENT,
+                                grpc.StatusCode.OUT_OF_RANGE})
+
+
+def to_proto_sampling(sp: SamplingParams) -> common_pb2.SamplingParams:
+    """The protobuf ``SamplingParams`` for the engine (stop strings stay in the router)."""
+    msg = common_pb2.SamplingParams(
+        temperature=sp.temperature,
+        top_k=sp.top_k,
+        top_p=sp.top_p,
+        min_p=sp.min_p,
+        presence_penalty=sp.presence_penalty,
+        frequency_penalty=sp.frequency_penalty,
+        repetition_penalty=sp.repetition_penalty,
+        min_tokens=sp.min_tokens,
+        ignore_eos=sp.ignore_eos,
+        stop_token_ids=sp.stop_token_ids,
+    )
+    if sp.seed is not None:
+        msg.seed = sp.seed
+    if sp.max_tokens is not None:
+        msg.max_tokens = sp.max_tokens
+    if sp.logprobs is not None:
+        msg.logprobs = sp.logprobs
+    for tok, bias in (sp.logit_bias or {}).items():
+        msg.logit_bias[tok] = bias
+    return msg
+
+
+class InstancePool:
+    """Channels and stubs per instance address; reused by every request.
+
+    Args:
+        discovery: where GetLoad results are written by :meth:`poll_loads`.
+    """
+
+    def __init__(self, discovery: Discovery) -> None:
+        self._discovery = discovery
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._task: asyncio.Task | None = None
+
+    def channel(self, address: str) -> grpc.aio.Channel:
+        ch = self._channels.get(address)
+        if ch is None:
+            ch = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
+            self._channels[address] = ch
+        return ch
+
+    def prefill_stub(self, address: str) -> prefill_pb2_grpc.PrefillServiceStub:
+        return prefill_pb2_grpc.PrefillServiceStub(self.channel(address))
+
+    def decode_stub(self, address: str) -> decode_pb2_grpc.DecodeServiceStub:
+        return decode_pb2_grpc.DecodeServiceStub(self.channel(address))
+
+    async def prefill(self, address: str, req: prefill_pb2.PrefillRequest,
+                      metadata: tuple[tuple[str, str], ...] = ()) -> prefill_pb2.PrefillResponse:
+        """One Prefill call. Cancelling the awaiting task cancels the RPC.
+
+        Raises:
+            grpc.aio.AioRpcError: the call failed (code tells why).
+        """
+        return await self.prefill_stub(address).Prefill(req, metadata=metadata)
+
+    def decode(self, address: str, req: decode_pb2.DecodeRequest,
+               metadata: tuple[tuple[str, str], ...] = ()) -> grpc.aio.UnaryStreamCall:
+        """Start a Decode stream; iterate it, and ``cancel()`` it to abort the request."""
+        return self.decode_stub(address).Decode(req, metadata=metadata)
+
+    async def get_load(self, address: str, role: str, timeout_s: float = 2.0
+                       ) -> common_pb2.GetLoadResponse:
+        stub = self.prefill_stub(address) if role == "prefill" else self.decode_stub(address)
+        return await stub.GetLoad(common_pb2.GetLoadRequest(), timeout=timeout_s)
+
+    async def poll_loads(self) -> None:
+        """GetLoad from every known instance; copies the results into discovery's view."""
+        infos = self._discovery.all_instances()
+        results = await asyncio.gather(
+            *(self.get_load(i.address, i.role) for i in infos), return_exceptions=True
+        )
+        for info, res in zip(infos, results, strict=True):
+            info.alive = not isinstance(res, BaseException)
+            if isinstance(res, BaseException):
+                continue
+            info.running = res.num_running_requests
+            info.waiting = res.num_waiting_requests
+            info.kv_usage = res.kv_cache_usage
+            info.num_free_blocks = res.num_free_blocks
+            info.prefix_cache_hit_rate = res.prefix_cache_hit_rate
+            info.block_size = res.block_size or info.block_size
+            info.model = res.model or info.model
+
+    async def start(self, interval_s: float = 1.0) -> None:
+        """Poll loads now and then every ``interval_s`` in the background."""
+        await self._safe_poll()
+        self._task = asyncio.create_task(self._loop(interval_s))
+
+    async def _loop(self, interval_s: float) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            await self._safe_poll()
+
+    async def _safe_poll(self) -> None:
+        try:
+            await self.poll_loads()
+        except Exception as exc:  # noqa: BLE001 - load reports are advisory
+            logger.debug("load poll failed: %s", exc)
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+        channels, self._channels = self._channels, {}
+        await asyncio.gather(*(ch.close() for ch in channels.values()), return_exceptions=True)

@@ -1,0 +1,234 @@
+"""Where the engine instances are: the Redis registry (heartbeats) or static address lists.
+
+The registry contract (written by the prefill/decode/colocated services): one hash per
+instance at ``tandem:instance:<role>:<instance_id>`` with fields ``role`` (prefill | decode |
+both), ``address`` (gRPC host:port), ``model``, ``running``, ``waiting``, ``kv_usage``,
+``num_free_blocks``, ``updated_at``; TTL 10 s, refreshed every 2 s. A dead instance's key
+expires, so it drops out of routing within 10 s; the router also benches an instance for
+:data:`FAILURE_COOLDOWN_S` as soon as a call to it fails, so new requests go to the
+survivors at once.
+
+:class:`Discovery` refreshes in a background task (never blocking I/O on the request
+path); :meth:`Discovery.instances` is a cheap in-memory read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+logger = logging.getLogger(__name__)
+
+REGISTRY_PREFIX = "tandem:instance:"
+ROLES = ("prefill", "decode", "both")
+#: Seconds an instance is skipped after a failed call (unless it is the only one left).
+FAILURE_COOLDOWN_S = 5.0
+
+
+@dataclass
+class InstanceInfo:
+    """One engine instance as the router sees it.
+
+    Attributes:
+        role: "prefill", "decode" or "both" (colocated).
+        address: gRPC ``host:port``.
+        model: model id the instance serves ("" when unknown).
+        running / waiting: requests in its batch / queue (last report).
+        kv_usage: fraction of its KV blocks in use, 0..1 (last report).
+        num_free_blocks: free KV blocks (last report; -1 unknown).
+        prefix_cache_hit_rate: 0..1, from GetLoad; ``None`` unknown.
+        block_size: tokens per KV block (from GetLoad; 16 until known).
+        updated_at: wall-clock seconds of the last report.
+        alive: the last GetLoad answered (``None``: not polled yet).
+        inflight: requests this router has in flight on it (fresher than reports).
+    """
+
+    role: str
+    address: str
+    model: str = ""
+    running: int = 0
+    waiting: int = 0
+    kv_usage: float = 0.0
+    num_free_blocks: int = -1
+    prefix_cache_hit_rate: float | None = None
+    block_size: int = 16
+    updated_at: float = 0.0
+    alive: bool | None = None
+    inflight: int = 0
+
+    @property
+    def load(self) -> int:
+        """Requests on the instance: the larger of its report and our own count."""
+        return max(self.running + self.waiting, self.inflight)
+
+
+class Discovery(ABC):
+    """Source of instances. Subclasses fill ``self._by_address`` in :meth:`refresh`."""
+
+    def __init__(self) -> None:
+        self._by_address: dict[str, InstanceInfo] = {}
+        self._failed_until: dict[str, float] = {}
+        # Requests this router has in flight per address; kept apart from InstanceInfo
+        # because a Redis refresh replaces those objects.
+        self._inflight: dict[str, int] = {}
+        self._task: asyncio.Task | None = None
+
+    @abstractmethod
+    async def refresh(self) -> None:
+        """Re-read the source (may do I/O). Errors are logged by the caller's loop."""
+
+    def instances(self, role: str, *, exclude: set[str] | frozenset[str] = frozenset()
+                  ) -> list[InstanceInfo]:
+        """Healthy instances of ``role``, without ``exclude`` (addresses already tried).
+
+        Instances benched after a failure are left out unless nothing else is left.
+        Never blocks; never raises.
+        """
+        now = time.monotonic()
+        cands = [i for i in self._by_address.values()
+                 if i.role == role and i.address not in exclude]
+        for i in cands:
+            i.inflight = self._inflight.get(i.address, 0)
+        healthy = [i for i in cands if self._failed_until.get(i.address, 0.0) <= now
+                   and i.alive is not False]
+        return healthy or cands
+
+    def has_live(self, role: str) -> bool:
+        """Some instance of ``role`` answered its last load poll (readiness)."""
+        return any(i.alive for i in self._by_address.values() if i.role == role)
+
+    def acquire(self, address: str) -> None:
+        """Count one more request of ours in flight on ``address``."""
+        self._inflight[address] = self._inflight.get(address, 0) + 1
+
+    def release(self, address: str) -> None:
+        """Undo :meth:`acquire`."""
+        n = self._inflight.get(address, 0) - 1
+        if n > 0:
+            self._inflight[address] = n
+        else:
+            self._inflight.pop(address, None)
+
+    def all_instances(self) -> list[InstanceInfo]:
+        return list(self._by_address.values())
+
+    def get(self, address: str) -> InstanceInfo | None:
+        return self._by_address.get(address)
+
+    def mark_failed(self, address: str) -> None:
+        """Bench ``address`` for :data:`FAILURE_COOLDOWN_S` after a failed call."""
+        self._failed_until[address] = time.monotonic() + FAILURE_COOLDOWN_S
+
+    def mark_ok(self, address: str) -> None:
+        self._failed_until.pop(address, None)
+
+    async def start(self, interval_s: float = 1.0) -> None:
+        """First refresh now, then every ``interval_s`` in a background task."""
+        await self._safe_refresh()
+        self._task = asyncio.create_task(self._loop(interval_s))
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    async def _loop(self, interval_s: float) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            await self._safe_refresh()
+
+    async def _safe_refresh(self) -> None:
+        try:
+            await self.refresh()
+        except Exception as exc:  # noqa: BLE001 - keep the last view; log and retry next tick
+            logger.warning("instance discovery refresh failed: %s", exc)
+
+
+class StaticDiscovery(Discovery):
+    """Fixed address lists (``--prefill``, ``--decode``, ``--colocated``).
+
+    Load fields are filled by the router's load poller (GetLoad), not here.
+    """
+
+    def __init__(self, *, prefill: list[str] = (), decode: list[str] = (),
+                 both: list[str] = ()) -> None:
+        super().__init__()
+        for role, addrs in (("prefill", prefill), ("decode", decode), ("both", both)):
+            for addr in addrs:
+                if addr in self._by_address:
+                    raise ValueError(f"--{role}: address {addr} listed twice")
+                self._by_address[addr] = InstanceInfo(role=role, address=addr)
+
+    async def refresh(self) -> None:
+        return None
+
+
+class RedisDiscovery(Discovery):
+    """Instances from the Redis registry (``tandem:instance:<role>:<id>`` hashes).
+
+    Args:
+        redis_url: ``redis://host:port/db``.
+        model: when set, instances registered for another model are ignored (an
+            instance with an empty ``model`` field is accepted).
+    """
+
+    def __init__(self, redis_url: str, model: str | None = None) -> None:
+        super().__init__()
+        import redis.asyncio as aioredis  # imported here: static mode needs no Redis client
+
+        self._redis = aioredis.from_url(redis_url, decode_responses=True)
+        self._model = model
+
+    async def refresh(self) -> None:
+        keys = [k async for k in self._redis.scan_iter(match=REGISTRY_PREFIX + "*", count=500)]
+        seen: dict[str, InstanceInfo] = {}
+        if keys:
+            pipe = self._redis.pipeline(transaction=False)
+            for k in keys:
+                pipe.hgetall(k)
+            for key, fields in zip(keys, await pipe.execute(), strict=True):
+                info = _parse_entry(key, fields)
+                if info is None:
+                    continue
+                if self._model and info.model and info.model != self._model:
+                    continue
+                old = self._by_address.get(info.address)
+                if old is not None:  # keep the fields only GetLoad reports
+                    info.alive = old.alive
+                    info.prefix_cache_hit_rate = old.prefix_cache_hit_rate
+                    info.block_size = old.block_size
+                seen[info.address] = info
+        # NOTE: replace the dict wholesale (not in place) so readers never see a half update.
+        self._by_address = seen
+
+    async def stop(self) -> None:
+        await super().stop()
+        await self._redis.aclose()
+
+
+def _parse_entry(key: str, fields: dict[str, str]) -> InstanceInfo | None:
+    role = fields.get("role") or key[len(REGISTRY_PREFIX):].split(":", 1)[0]
+    address = fields.get("address")
+    if role not in ROLES or not address:
+        logger.warning("ignoring malformed registry entry %s", key)
+        return None
+    try:
+        return InstanceInfo(
+            role=role,
+            address=address,
+            model=fields.get("model", ""),
+            running=int(float(fields.get("running", 0))),
+            waiting=int(float(fields.get("waiting", 0))),
+            kv_usage=float(fields.get("kv_usage", 0.0)),
+            num_free_blocks=int(float(fields.get("num_free_blocks", -1))),
+            updated_at=float(fields.get("updated_at", 0.0)),
+        )
+    except ValueError:
+        logger.warning("ignoring registry entry %s with non-numeric fields", key)
+        return None

@@ -1,0 +1,114 @@
+"""The router's one error type and its one FastAPI exception handler (OpenAI error JSON).
+
+Every failure the HTTP layer reports goes through :func:`openai_error_handler`, which
+renders ``{"error": {"message", "type", "param", "code"}}`` as the OpenAI API does:
+caller mistakes are 4xx (pydantic validation errors and malformed JSON become 400, never
+422 or 500), a full queue is 503 with ``Retry-After``, and only a bug in the router is 500.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from http import HTTPStatus
+
+from fastapi import Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+logger = logging.getLogger(__name__)
+
+_TYPE_BY_STATUS = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    503: "service_unavailable_error",
+    504: "timeout_error",
+}
+
+
+class OpenAIError(Exception):
+    """An error reported to the client as OpenAI error JSON.
+
+    NOTE: deliberately not a ``ValueError``: pydantic would wrap a ``ValueError`` raised
+    in a validator into its own ``ValidationError`` and lose ``param`` and ``code``.
+
+    Attributes:
+        message: human-readable text.
+        status_code: HTTP status (400 unless given).
+        param: the offending request field, if any.
+        code: machine-readable code, e.g. ``context_length_exceeded``.
+        retry_after_s: seconds for the ``Retry-After`` header (503 only).
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        status_code: int = 400,
+        param: str | None = None,
+        code: str | None = None,
+        retry_after_s: int | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status_code = status_code
+        self.param = param
+        self.code = code
+        self.retry_after_s = retry_after_s
+
+    @property
+    def type(self) -> str:
+        return _TYPE_BY_STATUS.get(self.status_code, "server_error" if self.status_code >= 500
+                                   else "invalid_request_error")
+
+    def to_dict(self) -> dict:
+        """The error object (``{"message", "type", "param", "code"}``), without the wrapper."""
+        return {"message": self.message, "type": self.type, "param": self.param,
+                "code": self.code if self.code is not None else self.status_code}
+
+
+def from_validation_error(exc: ValidationError | RequestValidationError) -> OpenAIError:
+    """A 400 naming the first invalid field of a pydantic validation error."""
+    errors = exc.errors()
+    if not errors:
+        return OpenAIError("invalid request")
+    first = errors[0]
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    param = ".".join(loc) or None
+    msg = first.get("msg", "invalid value")
+    return OpenAIError(f"{param}: {msg}" if param else msg, param=param)
+
+
+def to_openai_error(exc: Exception) -> OpenAIError:
+    """Map any exception the HTTP layer sees to an ``OpenAIError``."""
+    if isinstance(exc, OpenAIError):
+        return exc
+    if isinstance(exc, (ValidationError, RequestValidationError)):
+        return from_validation_error(exc)
+    if isinstance(exc, json.JSONDecodeError):
+        return OpenAIError(f"request body is not valid JSON: {exc.msg}")
+    if isinstance(exc, StarletteHTTPException):
+        phrase = HTTPStatus(exc.status_code).phrase if exc.status_code in HTTPStatus._value2member_map_ else ""
+        return OpenAIError(str(exc.detail or phrase), status_code=exc.status_code)
+    logger.exception("internal error", exc_info=exc)
+    return OpenAIError(f"internal error: {type(exc).__name__}", status_code=500)
+
+
+def error_response(err: OpenAIError, request_id: str | None = None) -> JSONResponse:
+    headers = {}
+    if err.retry_after_s is not None:
+        headers["Retry-After"] = str(err.retry_after_s)
+    if request_id:
+        headers["X-Request-Id"] = request_id
+    return JSONResponse({"error": err.to_dict()}, status_code=err.status_code, headers=headers)
+
+
+async def openai_error_handler(request: Request, exc: Exception) -> JSONResponse:
+    """The one exception handler: any exception -> OpenAI error JSON with its status."""
+    return error_response(to_openai_error(exc), request.headers.get("x-request-id"))

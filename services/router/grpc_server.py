@@ -1,0 +1,153 @@
+"""The public gRPC API: ``tandem.v1.GenerationService.Generate`` (server streaming).
+
+Same pipeline as the HTTP routes; text in, text deltas and token ids out. Errors map from
+``OpenAIError`` status to gRPC codes: 400 -> INVALID_ARGUMENT, 401 -> UNAUTHENTICATED,
+404 -> NOT_FOUND, 503 overloaded -> RESOURCE_EXHAUSTED, 503 no instance -> UNAVAILABLE.
+A cancelled client stream cancels the pipeline (and so every engine RPC).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+
+import grpc
+
+from tandem.engine.sampling_params import SamplingParams
+from tandem.services.router.errors import OpenAIError
+from tandem.services.router.frontend import Frontend
+from tandem.services.router.pipeline import GenerationRequest
+from tandem.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+_FINISH_TO_PROTO = {
+    "stop": common_pb2.FINISH_REASON_STOP,
+    "length": common_pb2.FINISH_REASON_LENGTH,
+    "abort": common_pb2.FINISH_REASON_ABORT,
+}
+
+
+def _grpc_code(err: OpenAIError) -> grpc.StatusCode:
+    if err.status_code == 503:
+        return (grpc.StatusCode.RESOURCE_EXHAUSTED if "overloaded" in err.message
+                else grpc.StatusCode.UNAVAILABLE)
+    return {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTICATED,
+            404: grpc.StatusCode.NOT_FOUND}.get(err.status_code, grpc.StatusCode.INTERNAL)
+
+
+def sampling_from_proto(msg: common_pb2.SamplingParams, *, stop: list[str],
+                        include_stop_str_in_output: bool, skip_special_tokens: bool,
+                        max_tokens: int | None) -> SamplingParams:
+    """Engine ``SamplingParams`` from the protobuf form (unset fields: engine defaults).
+
+    Raises:
+        ValueError: naming the field, for an invalid value.
+    """
+    kw: dict = {}
+    for name in ("temperature", "top_k", "top_p", "min_p", "seed", "presence_penalty",
+                 "frequency_penalty", "repetition_penalty", "min_tokens", "ignore_eos",
+                 "logprobs"):
+        if msg.HasField(name):
+            kw[name] = getattr(msg, name)
+    return SamplingParams(
+        max_tokens=max_tokens, logit_bias=dict(msg.logit_bias) or None,
+        stop_token_ids=list(msg.stop_token_ids), stop=stop,
+        include_stop_str_in_output=include_stop_str_in_output,
+        skip_special_tokens=skip_special_tokens, **kw)
+
+
+class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
+    """Thin servicer: protobuf -> pipeline -> protobuf."""
+
+    def __init__(self, fe: Frontend) -> None:
+        self.fe = fe
+
+    async def Generate(self, request: generation_pb2.GenerateRequest,  # noqa: N802
+                       context: grpc.aio.ServicerContext
+                       ) -> AsyncIterator[generation_pb2.GenerateResponse]:
+        try:
+            gen = self._to_generation_request(request, context)
+            num_tokens = 0
+            async for d in self.fe.pipeline.generate(gen):
+                num_tokens += len(d.token_ids)
+                out = generation_pb2.GenerateResponse(
+                    request_id=gen.request_id, text=d.text, token_ids=d.token_ids,
+                    logprobs=d.logprobs or [])
+                if d.finish_reason is not None:
+                    out.finish_reason = _FINISH_TO_PROTO[d.finish_reason]
+                    if d.stop_reason is not None:
+                        out.stop_reason = str(d.stop_reason)
+                    out.usage.CopyFrom(common_pb2.Usage(
+                        prompt_tokens=len(gen.prompt_token_ids), completion_tokens=num_tokens))
+                    if d.timings is not None:
+                        t = d.timings
+                        out.timings.CopyFrom(common_pb2.RequestTimings(
+                            ttft_ns=t.ttft_ns, prefill_queue_ns=t.prefill_queue_ns,
+                            prefill_compute_ns=t.prefill_compute_ns,
+                            kv_publish_ns=t.kv_publish_ns, kv_pull_ns=t.kv_pull_ns,
+                            e2e_ns=t.e2e_ns))
+                yield out
+        except OpenAIError as err:
+            await context.abort(_grpc_code(err), err.message)
+
+    def _to_generation_request(self, request: generation_pb2.GenerateRequest,
+                               context: grpc.aio.ServicerContext) -> GenerationRequest:
+        fe = self.fe
+        if fe.api_key is not None:
+            md = dict(context.invocation_metadata() or ())
+            if md.get("authorization") != f"Bearer {fe.api_key}":
+                raise OpenAIError("invalid or missing API key", status_code=401)
+        fe.check_model(request.model or None)
+        rid = fe.new_request_id(request.request_id)
+        which = request.WhichOneof("prompt")
+        if which == "text":
+            ids = fe.tokenize_prompts(request.text)[0] if request.text else []
+            fe.check_token_ids(ids, "text")
+        elif which == "token_ids":
+            ids = list(request.token_ids.ids)
+            fe.check_token_ids(ids, "token_ids")
+        elif which == "chat":
+            if not request.chat.messages:
+                raise OpenAIError("chat.messages must not be empty", param="chat")
+            ids = fe.apply_chat_template(
+                [{"role": m.role, "content": m.content} for m in request.chat.messages])
+        else:
+            raise OpenAIError("one of text, token_ids or chat is required", param="prompt")
+        room = fe.max_model_len - len(ids)
+        msg = request.sampling_params
+        max_tokens = msg.max_tokens if msg.HasField("max_tokens") else None
+        if room < 1 or (max_tokens is not None and max_tokens > room):
+            raise OpenAIError(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceed "
+                              f"the context length {fe.max_model_len}",
+                              code="context_length_exceeded")
+        try:
+            sp = sampling_from_proto(
+                msg, stop=list(request.stop),
+                include_stop_str_in_output=request.include_stop_str_in_output,
+                skip_special_tokens=(request.skip_special_tokens
+                                     if request.HasField("skip_special_tokens") else True),
+                max_tokens=room if max_tokens is None else max_tokens)
+        except ValueError as exc:
+            raise OpenAIError(str(exc)) from exc
+        fe.check_sampling_params(sp)
+        return GenerationRequest(rid, ids, sp)
+
+
+async def start_grpc_server(fe: Frontend, port: int, host: str = "0.0.0.0") -> grpc.aio.Server:
+    """Start the public gRPC server (health service included) on ``host:port``.
+
+    Raises:
+        RuntimeError: the port could not be bound.
+    """
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 * 1024 * 1024)])
+    generation_pb2_grpc.add_GenerationServiceServicer_to_server(GenerationServicer(fe), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    if server.add_insecure_port(f"{host}:{port}") == 0:
+        raise RuntimeError(f"cannot bind the gRPC port {host}:{port}")
+    await server.start()
+    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    return server

@@ -1,0 +1,188 @@
+"""`tandem router`: the OpenAI-compatible HTTP gateway (+ public gRPC API) in one process.
+
+Flags and the ``TANDEM_API_KEY`` environment variable are read here and nowhere else.
+Instances come from the Redis registry (``--redis-url``) or static lists (``--prefill``,
+``--decode``, ``--colocated``); both sources may be combined.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from tandem.services.router.routing import RoutingPolicy
+
+logger = logging.getLogger("tandem.router")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tandem router", description=__doc__.splitlines()[0])
+    p.add_argument("--host", default="0.0.0.0", help="HTTP and gRPC bind address")
+    p.add_argument("--port", type=int, default=8000, help="HTTP port (OpenAI API, /metrics)")
+    p.add_argument("--grpc-port", type=int, default=50051,
+                   help="public gRPC GenerationService port (0 disables it)")
+    p.add_argument("--model", default=None,
+                   help="model path (GGUF file or HF folder); default: SmolLM2-135M-Instruct")
+    p.add_argument("--served-model-name", default=None,
+                   help="name clients pass as `model` (default: the model's file/folder name)")
+    p.add_argument("--redis-url", default=None, help="instance registry, redis://host:port")
+    p.add_argument("--prefill", default="", help="static prefill instances ADDR,ADDR...")
+    p.add_argument("--decode", default="", help="static decode instances ADDR,ADDR...")
+    p.add_argument("--colocated", default="", help="static colocated (role both) instances")
+    p.add_argument("--routing-policy", default=RoutingPolicy.KV_AWARE.value,
+                   choices=[r.value for r in RoutingPolicy])
+    p.add_argument("--api-key", default=None,
+                   help="require `Authorization: Bearer KEY` (default: $TANDEM_API_KEY)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="context length in tokens (default: the model config's)")
+    p.add_argument("--max-running-requests", type=int, default=256,
+                   help="requests in flight through the router at once")
+    p.add_argument("--max-queued-requests", type=int, default=1024,
+                   help="requests queued behind those; more get 503 + Retry-After")
+    p.add_argument("--max-attempts", type=int, default=3,
+                   help="tries per stage (prefill, decode) on different instances")
+    p.add_argument("--log-level", default="info")
+    return p
+
+
+def _split(value: str) -> list[str]:
+    return [a.strip() for a in value.split(",") if a.strip()]
+
+
+def model_facts(model: str | None) -> tuple[str, int, int]:
+    """(served name, max_model_len, bytes of one 16-token KV block) from the model config.
+
+    The block size is an estimate for the handoff-bytes metric (16 tokens, 2-byte dtype
+    unless the config says float32).
+    """
+    from transformers import AutoConfig
+
+    from tandem.engine.model_loader import default_model_path, model_id_of
+
+    path = Path(model or default_model_path()).expanduser().resolve()
+    name = model_id_of(model)
+    if path.is_file():  # a GGUF file: transformers reads the config from its metadata
+        cfg = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+    else:
+        cfg = AutoConfig.from_pretrained(str(path))
+    max_len = int(getattr(cfg, "max_position_embeddings", 0) or 2048)
+    heads = cfg.num_attention_heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    dtype_bytes = 4 if str(getattr(cfg, "dtype", "")).endswith("float32") else 2
+    block_bytes = cfg.num_hidden_layers * 2 * 16 * kv_heads * head_dim * dtype_bytes
+    return name, max_len, block_bytes
+
+
+class _Server:
+    """uvicorn's server without its signal capture.
+
+    NOTE: uvicorn re-raises a captured SIGTERM after shutdown, so the process would exit
+    by the signal (-15) even after a clean stop; here the signal only asks it to exit and
+    ``main`` returns 0 once gRPC, channels and discovery are closed.
+    """
+
+    def __init__(self, config: Any) -> None:
+        import uvicorn
+
+        class Server(uvicorn.Server):
+            @contextlib.contextmanager
+            def capture_signals(self) -> Iterator[None]:
+                yield
+
+        self._server = Server(config)
+
+    def request_exit(self) -> None:
+        self._server.should_exit = True
+
+    async def serve(self) -> None:
+        await self._server.serve()
+
+
+async def serve(args: argparse.Namespace) -> None:
+    """Build everything, serve HTTP and gRPC until SIGINT/SIGTERM, then close cleanly."""
+    import uvicorn
+
+    from tandem.engine.model_loader import load_tokenizer
+    from tandem.services.router.app import create_app
+    from tandem.services.router.client import InstancePool
+    from tandem.services.router.discovery import Discovery, RedisDiscovery, StaticDiscovery
+    from tandem.services.router.frontend import Frontend
+    from tandem.services.router.grpc_server import start_grpc_server
+    from tandem.services.router.metrics import RouterMetrics
+    from tandem.services.router.pipeline import Pipeline
+    from tandem.services.router.routing import make_router
+
+    name, max_len, block_bytes = model_facts(args.model)
+    served = [args.served_model_name or name]
+    # Also accept the model's base name without a quantization suffix, and its path.
+    for alias in (name, name.split(".")[0], args.model):
+        if alias and alias not in served:
+            served.append(alias)
+    tokenizer = load_tokenizer(args.model)
+    discovery: Discovery
+    static = dict(prefill=_split(args.prefill), decode=_split(args.decode),
+                  both=_split(args.colocated))
+    if args.redis_url:
+        if any(static.values()):
+            raise SystemExit("tandem router: give --redis-url or static lists, not both")
+        discovery = RedisDiscovery(args.redis_url, model=name)
+    else:
+        if not any(static.values()):
+            raise SystemExit("tandem router: give --redis-url or --prefill/--decode/--colocated")
+        discovery = StaticDiscovery(**static)
+    pool = InstancePool(discovery)
+    metrics = RouterMetrics(served[0])
+    pipeline = Pipeline(tokenizer=tokenizer, discovery=discovery, pool=pool,
+                        router=make_router(args.routing_policy), metrics=metrics,
+                        max_running=args.max_running_requests,
+                        max_waiting=args.max_queued_requests, max_attempts=args.max_attempts,
+                        kv_block_bytes=block_bytes)
+    api_key = args.api_key or os.environ.get("TANDEM_API_KEY") or None
+    fe = Frontend(tokenizer=tokenizer, pipeline=pipeline, served_model_names=served,
+                  max_model_len=args.max_model_len or max_len, api_key=api_key)
+    await discovery.start()
+    await pool.start()
+    grpc_server: Any = None
+    try:
+        if args.grpc_port:
+            grpc_server = await start_grpc_server(fe, args.grpc_port, args.host)
+        config = uvicorn.Config(create_app(fe), host=args.host, port=args.port,
+                                log_level=args.log_level.lower(), timeout_graceful_shutdown=3,
+                                access_log=False)
+        logger.info("router: http://%s:%d (OpenAI API), grpc %s:%d, model %s", args.host,
+                    args.port, args.host, args.grpc_port, served[0])
+        server = _Server(config)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, server.request_exit)
+        await server.serve()
+    finally:
+        if grpc_server is not None:
+            await grpc_server.stop(grace=2)
+        await pool.close()
+        await discovery.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of `tandem router`. Returns the exit code."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        asyncio.run(serve(args))
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

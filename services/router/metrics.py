@@ -1,0 +1,110 @@
+"""Prometheus metrics of the router, with vLLM's metric names under the ``tandem:`` prefix.
+
+One :class:`RouterMetrics` per app owns its own ``CollectorRegistry`` (no global state, so
+several routers in one test process do not collide). Request-level series are observed by
+the pipeline; per-instance gauges (KV usage, prefix-cache hit rate, queue lengths) are
+refreshed from discovery each time ``/metrics`` is scraped.
+
+Names follow vLLM v1 (``vllm:time_to_first_token_seconds``, ``vllm:inter_token_latency_seconds``,
+``vllm:e2e_request_latency_seconds``, ``vllm:prompt_tokens_total``,
+``vllm:generation_tokens_total``, ``vllm:num_requests_running``, ``vllm:num_requests_waiting``,
+``vllm:kv_cache_usage_perc``); the KV handoff series are ours.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+# Buckets from vLLM's metrics (seconds).
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0)
+_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+_HANDOFF_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+                    5.0, 10.0)
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class RouterMetrics:
+    """The router's Prometheus series.
+
+    Args:
+        model_name: value of the ``model_name`` label (the served model name).
+    """
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        self.model_name = model_name
+        r = self.registry
+        lbl = ["model_name"]
+        self.ttft = Histogram("tandem:time_to_first_token_seconds",
+                              "Time to first token (router arrival to first token sent), s.",
+                              lbl, buckets=_TTFT_BUCKETS, registry=r)
+        self.itl = Histogram("tandem:inter_token_latency_seconds",
+                             "Time between consecutive tokens of a request, s.",
+                             lbl, buckets=_ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("tandem:e2e_request_latency_seconds",
+                             "End-to-end request latency at the router, s.",
+                             lbl, buckets=_E2E_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("tandem:prompt_tokens", "Prompt tokens processed.",
+                                     lbl, registry=r)
+        self.generation_tokens = Counter("tandem:generation_tokens", "Tokens generated.",
+                                         lbl, registry=r)
+        self.request_success = Counter("tandem:request_success",
+                                       "Finished requests by finish reason.",
+                                       lbl + ["finished_reason"], registry=r)
+        self.num_running = Gauge("tandem:num_requests_running",
+                                 "Requests in prefill or decode at the router.", lbl, registry=r)
+        self.num_waiting = Gauge("tandem:num_requests_waiting",
+                                 "Requests admitted by the router, waiting for a prefill.",
+                                 lbl, registry=r)
+        self.retries = Counter("tandem:request_retries",
+                               "Prefill/decode calls retried on another instance.",
+                               lbl + ["stage"], registry=r)
+        self.kv_handoff_bytes = Counter("tandem:kv_handoff_bytes",
+                                        "KV bytes moved from prefill to decode via the store.",
+                                        lbl, registry=r)
+        self.kv_handoff_seconds = Histogram("tandem:kv_handoff_seconds",
+                                            "Time to move one request's KV blocks, s.", lbl,
+                                            buckets=_HANDOFF_BUCKETS, registry=r)
+        inst = ["instance", "role"]
+        self.inst_kv_usage = Gauge("tandem:kv_cache_usage_perc",
+                                   "KV cache usage of an instance, 0..1.", inst, registry=r)
+        self.inst_running = Gauge("tandem:instance_num_requests_running",
+                                  "Requests running on an instance.", inst, registry=r)
+        self.inst_waiting = Gauge("tandem:instance_num_requests_waiting",
+                                  "Requests waiting on an instance.", inst, registry=r)
+        self.inst_hit_rate = Gauge("tandem:prefix_cache_hit_rate",
+                                   "Prefix-cache hit rate of an instance (tokens), 0..1.",
+                                   inst, registry=r)
+
+    def labels(self, metric):  # noqa: ANN001, ANN201 - prometheus child types are untyped
+        return metric.labels(model_name=self.model_name)
+
+    def set_instances(self, instances: Iterable) -> None:  # noqa: ANN001
+        """Replace the per-instance gauges with the given ``InstanceInfo`` values."""
+        for g in (self.inst_kv_usage, self.inst_running, self.inst_waiting, self.inst_hit_rate):
+            g.clear()
+        for info in instances:
+            key = {"instance": info.address, "role": info.role}
+            self.inst_kv_usage.labels(**key).set(info.kv_usage)
+            self.inst_running.labels(**key).set(info.running)
+            self.inst_waiting.labels(**key).set(info.waiting)
+            if info.prefix_cache_hit_rate is not None:
+                self.inst_hit_rate.labels(**key).set(info.prefix_cache_hit_rate)
+
+    def render(self) -> bytes:
+        """The exposition text of every series."""
+        return generate_latest(self.registry)

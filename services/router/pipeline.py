@@ -1,0 +1,481 @@
+"""One request through the cluster: admission, Prefill then Decode (or a colocated engine),
+retries, incremental detokenization, stop strings, usage and metrics.
+
+Flow of one completion (``n`` completions run as ``n`` such flows, concurrently):
+
+1. Admission: at most ``max_running`` requests past the router at once and at most
+   ``max_waiting`` queued behind them; beyond that a 503 with ``Retry-After`` (bounded
+   memory under overload).
+2. Disaggregated: ``Prefill`` on a prefill instance chosen by the routing policy; a
+   failure (instance down, internal error) is retried on another prefill instance. The
+   first token is emitted at once (that is the TTFT), then ``Decode`` on a decode instance
+   with the prefill's block hashes. A Decode that fails before it produced any token is
+   retried on another decode instance (the first token is fixed by prefill, so this is
+   safe for any sampling); after that the stream ends with an error.
+   Colocated: one ``Decode`` without first token on a ``both`` instance, same retry rule.
+3. Each token batch goes through ``engine.detokenizer.IncrementalDetokenizer``; when a stop
+   string matches, the decode stream is cancelled (the engine aborts and frees its blocks).
+4. The consumer closing the iterator (client disconnect) cancels every RPC in flight.
+
+Errors are ``OpenAIError``: 400 for the caller's mistakes (the engine's INVALID_ARGUMENT),
+503 when no instance could serve; the HTTP layer turns a failure after streaming began
+into an error event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from tandem.engine.detokenizer import IncrementalDetokenizer
+from tandem.engine.sampling_params import SamplingParams
+from tandem.services.router.client import CALLER_ERROR_CODES, InstancePool, to_proto_sampling
+from tandem.services.router.discovery import Discovery, InstanceInfo
+from tandem.services.router.errors import OpenAIError
+from tandem.services.router.metrics import RouterMetrics
+from tandem.services.router.routing import RouteContext, Router
+from tandem.v1 import common_pb2, decode_pb2, prefill_pb2
+
+logger = logging.getLogger(__name__)
+
+_FINISH = {
+    common_pb2.FINISH_REASON_STOP: "stop",
+    common_pb2.FINISH_REASON_LENGTH: "length",
+    common_pb2.FINISH_REASON_ABORT: "abort",
+}
+
+
+@dataclass
+class GenerationRequest:
+    """A tokenized request as the pipeline takes it.
+
+    Attributes:
+        request_id: id used for every RPC (``-<i>`` appended per completion when n > 1).
+        prompt_token_ids: templated prompt, token ids.
+        sampling_params: validated; ``stop`` strings are handled here, not by engines.
+        priority: engine scheduling priority (lower first).
+        arrival_ns: ``time.monotonic_ns()`` when the router received it.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    priority: int = 0
+    arrival_ns: int = field(default_factory=time.monotonic_ns)
+
+
+@dataclass
+class Timings:
+    """Where one completion's time went, in ns (``None``: not on this path).
+
+    ``ttft_ns`` = router_queue + prefill (queue + compute + publish) + RPC overhead in the
+    disaggregated path: the first token comes from prefill. ``kv_pull_ns`` and
+    ``first_decode_ns`` (Decode call to its first token, KV pull included) follow it.
+    """
+
+    router_queue_ns: int | None = None
+    prefill_queue_ns: int | None = None
+    prefill_compute_ns: int | None = None
+    kv_publish_ns: int | None = None
+    kv_pull_ns: int | None = None
+    decode_queue_ns: int | None = None
+    first_decode_ns: int | None = None
+    ttft_ns: int | None = None
+    e2e_ns: int | None = None
+    prefill_instance: str | None = None
+    decode_instance: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+
+
+@dataclass
+class SeqDelta:
+    """New output of completion ``index``.
+
+    Attributes:
+        text: text since the previous delta (stop-string holdback applied).
+        token_ids: tokens since the previous delta.
+        logprobs: per token, its ``TopLogprobs`` (when requested), else ``None``.
+        finish_reason: "stop" | "length" on the last delta, else ``None``.
+        stop_reason: matched stop string or stop token id.
+        num_cached_tokens: prompt tokens served from a cache (first delta).
+        timings: on the last delta.
+    """
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[common_pb2.TopLogprobs] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+    timings: Timings | None = None
+
+
+class _Admission:
+    """Bounded admission: ``max_running`` concurrent, ``max_waiting`` queued, else 503."""
+
+    def __init__(self, max_running: int, max_waiting: int, metrics: RouterMetrics) -> None:
+        self._sem = asyncio.Semaphore(max_running)
+        self._max_waiting = max_waiting
+        self.num_waiting = 0
+        self.num_running = 0
+        self._metrics = metrics
+
+    @contextlib.asynccontextmanager
+    async def slot(self) -> AsyncIterator[None]:
+        if self._sem.locked() and self.num_waiting >= self._max_waiting:
+            raise OpenAIError("the server is overloaded: request queue is full",
+                              status_code=503, retry_after_s=1)
+        self._set_waiting(+1)
+        try:
+            await self._sem.acquire()
+        finally:
+            self._set_waiting(-1)
+        self._set_running(+1)
+        try:
+            yield
+        finally:
+            self._set_running(-1)
+            self._sem.release()
+
+    def _set_waiting(self, d: int) -> None:
+        self.num_waiting += d
+        self._metrics.labels(self._metrics.num_waiting).set(self.num_waiting)
+
+    def _set_running(self, d: int) -> None:
+        self.num_running += d
+        self._metrics.labels(self._metrics.num_running).set(self.num_running)
+
+
+class Pipeline:
+    """Runs requests through the instances. One per router; safe for concurrent use.
+
+    Args:
+        tokenizer: HF tokenizer of the served model (detokenization).
+        discovery: instance source.
+        pool: gRPC channels to instances.
+        router: routing strategy.
+        metrics: the router's Prometheus series.
+        max_running / max_waiting: admission bounds (requests).
+        max_attempts: tries per stage (first call included).
+        kv_block_bytes: bytes of one KV block (all layers, K and V), for the handoff-bytes
+            metric; 0 disables it.
+    """
+
+    def __init__(self, *, tokenizer: Any, discovery: Discovery, pool: InstancePool,
+                 router: Router, metrics: RouterMetrics, max_running: int = 256,
+                 max_waiting: int = 1024, max_attempts: int = 3, kv_block_bytes: int = 0
+                 ) -> None:
+        self.tokenizer = tokenizer
+        self.discovery = discovery
+        self.pool = pool
+        self.router = router
+        self.metrics = metrics
+        self.admission = _Admission(max_running, max_waiting, metrics)
+        self.max_attempts = max_attempts
+        self.kv_block_bytes = kv_block_bytes
+
+    def mode(self) -> str:
+        """"disagg" when prefill and decode instances exist, else "colocated".
+
+        Raises:
+            OpenAIError: 503 when no instance can serve at all.
+        """
+        if self.discovery.instances("prefill") and self.discovery.instances("decode"):
+            return "disagg"
+        if self.discovery.instances("both"):
+            return "colocated"
+        raise OpenAIError("no healthy engine instance is available", status_code=503,
+                          retry_after_s=1)
+
+    async def generate(self, req: GenerationRequest) -> AsyncIterator[SeqDelta]:
+        """Deltas of all ``n`` completions, in the order they are produced.
+
+        Raises:
+            OpenAIError: 503 overloaded / no instance, 400 rejected by the engine, 503 an
+                instance failed after this completion's tokens were already produced.
+        """
+        async with self.admission.slot():
+            router_queue_ns = time.monotonic_ns() - req.arrival_ns
+            self.mode()  # fail fast (503) before any RPC
+            m = self.metrics
+            m.labels(m.prompt_tokens).inc(len(req.prompt_token_ids))
+            sp = req.sampling_params
+            if sp.n == 1:
+                async for d in self._run_seq(0, req, sp, req.request_id, router_queue_ns):
+                    yield d
+                return
+            queue: asyncio.Queue[SeqDelta | BaseException | None] = asyncio.Queue()
+            tasks = [
+                asyncio.create_task(self._pump(queue, i, req, dataclasses.replace(
+                    sp, n=1, seed=None if sp.seed is None else sp.seed + i),
+                    f"{req.request_id}-{i}", router_queue_ns))
+                for i in range(sp.n)
+            ]
+            try:
+                num_done = 0
+                while num_done < sp.n:
+                    item = await queue.get()
+                    if item is None:
+                        num_done += 1
+                    elif isinstance(item, BaseException):
+                        raise item
+                    else:
+                        yield item
+            finally:
+                for t in tasks:
+                    t.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _pump(self, queue: asyncio.Queue, index: int, req: GenerationRequest,
+                    sp: SamplingParams, seq_id: str, router_queue_ns: int) -> None:
+        try:
+            async for d in self._run_seq(index, req, sp, seq_id, router_queue_ns):
+                queue.put_nowait(d)
+            queue.put_nowait(None)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer, which raises it
+            queue.put_nowait(exc)
+
+    async def _run_seq(self, index: int, req: GenerationRequest, sp: SamplingParams,
+                       seq_id: str, router_queue_ns: int) -> AsyncIterator[SeqDelta]:
+        mode = self.mode()
+        timings = Timings(router_queue_ns=router_queue_ns)
+        state = _SeqState(self, index, req, sp, timings)
+        psp = to_proto_sampling(sp)
+        metadata = (("x-request-id", seq_id),)
+        if mode == "disagg":
+            ctx = RouteContext("prefill", req.prompt_token_ids, seq_id)
+            presp = await self._prefill(ctx, prefill_pb2.PrefillRequest(
+                request_id=seq_id, prompt_token_ids=req.prompt_token_ids,
+                sampling_params=psp, priority=req.priority), metadata, timings)
+            state.num_cached_tokens = presp.num_cached_tokens
+            lps = [presp.first_logprobs] if presp.HasField("first_logprobs") else None
+            delta = state.add([presp.first_token_id], lps, presp.finish_reason, None)
+            if delta is not None:
+                yield delta
+            if state.finished:
+                return
+            dreq = decode_pb2.DecodeRequest(
+                request_id=seq_id, prompt_token_ids=req.prompt_token_ids,
+                first_token_id=presp.first_token_id, block_hashes=presp.block_hashes,
+                sampling_params=psp, kv_layout_fingerprint=presp.kv_layout_fingerprint,
+                hash_algorithm=presp.hash_algorithm, priority=req.priority)
+            if presp.HasField("generator_state"):
+                dreq.generator_state = presp.generator_state
+            stage = "decode"
+        else:
+            dreq = decode_pb2.DecodeRequest(
+                request_id=seq_id, prompt_token_ids=req.prompt_token_ids,
+                sampling_params=psp, priority=req.priority)
+            stage = "both"
+        ctx = RouteContext(stage, req.prompt_token_ids, seq_id)
+        async for delta in self._decode(ctx, dreq, metadata, state):
+            yield delta
+
+    async def _prefill(self, ctx: RouteContext, preq: prefill_pb2.PrefillRequest,
+                       metadata: Sequence[tuple[str, str]], timings: Timings
+                       ) -> prefill_pb2.PrefillResponse:
+        tried: set[str] = set()
+        last: grpc.aio.AioRpcError | None = None
+        for _ in range(self.max_attempts):
+            cands = self.discovery.instances("prefill", exclude=tried)
+            if not cands:
+                break
+            info = await self.router.choose(cands, ctx)
+            tried.add(info.address)
+            self.discovery.acquire(info.address)
+            try:
+                presp = await self.pool.prefill(info.address, preq, tuple(metadata))
+            except grpc.aio.AioRpcError as exc:
+                _raise_if_caller_error(exc)
+                last = exc
+                self._failed(info, "prefill", exc)
+                continue
+            finally:
+                self.discovery.release(info.address)
+            self.discovery.mark_ok(info.address)
+            self.router.on_routed(info, ctx)
+            timings.prefill_instance = info.address
+            timings.prefill_queue_ns = presp.queue_ns
+            timings.prefill_compute_ns = presp.compute_ns
+            timings.kv_publish_ns = presp.publish_ns
+            return presp
+        raise _unavailable("prefill", last)
+
+    async def _decode(self, ctx: RouteContext, dreq: decode_pb2.DecodeRequest,
+                      metadata: Sequence[tuple[str, str]], state: _SeqState
+                      ) -> AsyncIterator[SeqDelta]:
+        tried: set[str] = set()
+        last: grpc.aio.AioRpcError | None = None
+        for _ in range(self.max_attempts):
+            cands = self.discovery.instances(ctx.stage, exclude=tried)
+            if not cands:
+                break
+            info = await self.router.choose(cands, ctx)
+            tried.add(info.address)
+            state.timings.decode_instance = info.address
+            if ctx.stage == "both":
+                state.timings.prefill_instance = info.address
+            self.discovery.acquire(info.address)
+            call = self.pool.decode(info.address, dreq, tuple(metadata))
+            start_ns = time.monotonic_ns()
+            num_emitted = 0
+            try:
+                async for msg in call:
+                    if num_emitted == 0:
+                        self._first_decode_message(msg, state, start_ns, info, ctx)
+                    if not msg.token_ids and not msg.finish_reason:
+                        continue
+                    stop_tok = msg.stop_token_id if msg.HasField("stop_token_id") else None
+                    delta = state.add(list(msg.token_ids), list(msg.logprobs) or None,
+                                      msg.finish_reason, stop_tok)
+                    num_emitted += len(msg.token_ids)
+                    if delta is not None:
+                        yield delta
+                    if state.finished:
+                        return
+                raise OpenAIError(f"decode stream from {info.address} ended unfinished",
+                                  status_code=503)
+            except grpc.aio.AioRpcError as exc:
+                _raise_if_caller_error(exc)
+                self._failed(info, ctx.stage, exc)
+                if num_emitted:
+                    raise OpenAIError(
+                        f"decode instance {info.address} failed mid-stream: {exc.details()}",
+                        status_code=503, code="instance_failed") from exc
+                last = exc
+            except _EngineAbort as exc:
+                self.discovery.mark_failed(info.address)
+                if num_emitted:
+                    raise OpenAIError(str(exc), status_code=503, code="instance_failed") from exc
+            finally:
+                # Stop string matched, client gone, or error: abort on the engine.
+                call.cancel()
+                self.discovery.release(info.address)
+        raise _unavailable(ctx.stage, last)
+
+    def _first_decode_message(self, msg: decode_pb2.DecodeResponse, state: _SeqState,
+                              start_ns: int, info: InstanceInfo, ctx: RouteContext) -> None:
+        self.discovery.mark_ok(info.address)
+        self.router.on_routed(info, ctx)
+        t = state.timings
+        t.first_decode_ns = time.monotonic_ns() - start_ns
+        if msg.HasField("kv_pull_ns"):
+            t.kv_pull_ns = msg.kv_pull_ns
+        if msg.HasField("queue_ns"):
+            t.decode_queue_ns = msg.queue_ns
+            if ctx.stage == "both":
+                t.prefill_queue_ns = msg.queue_ns
+        if msg.HasField("num_cached_tokens") and ctx.stage == "both":
+            state.num_cached_tokens = msg.num_cached_tokens
+        m = self.metrics
+        if ctx.stage == "decode" and t.kv_pull_ns is not None:
+            handoff_s = ((t.kv_publish_ns or 0) + t.kv_pull_ns) / 1e9
+            m.labels(m.kv_handoff_seconds).observe(handoff_s)
+            if self.kv_block_bytes and msg.HasField("num_cached_tokens"):
+                block_size = info.block_size or 16
+                num_blocks = -(-msg.num_cached_tokens // block_size)
+                m.labels(m.kv_handoff_bytes).inc(num_blocks * self.kv_block_bytes)
+
+    def _failed(self, info: InstanceInfo, stage: str, exc: grpc.aio.AioRpcError) -> None:
+        logger.warning("%s call to %s failed (%s): %s", stage, info.address, exc.code().name,
+                       exc.details())
+        if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+            self.discovery.mark_failed(info.address)
+        self.metrics.retries.labels(model_name=self.metrics.model_name, stage=stage).inc()
+
+
+class _EngineAbort(Exception):
+    """The engine aborted the request (e.g. it is shutting down)."""
+
+
+def _raise_if_caller_error(exc: grpc.aio.AioRpcError) -> None:
+    if exc.code() in CALLER_ERROR_CODES:
+        raise OpenAIError(exc.details() or "invalid request", status_code=400) from exc
+
+
+def _unavailable(stage: str, last: grpc.aio.AioRpcError | None) -> OpenAIError:
+    why = f": {last.code().name} {last.details()}" if last is not None else ""
+    role = "colocated" if stage == "both" else stage
+    return OpenAIError(f"no {role} instance could serve the request{why}", status_code=503,
+                       retry_after_s=1)
+
+
+class _SeqState:
+    """Text, counts and metrics of one completion."""
+
+    def __init__(self, pipe: Pipeline, index: int, req: GenerationRequest,
+                 sp: SamplingParams, timings: Timings) -> None:
+        self._pipe = pipe
+        self.index = index
+        self.req = req
+        self.sp = sp
+        self.timings = timings
+        self.detok = IncrementalDetokenizer(pipe.tokenizer, req.prompt_token_ids, sp)
+        self.finished = False
+        self.num_tokens = 0
+        self.num_cached_tokens = 0
+        self._last_token_ns: int | None = None
+        self._sent_first = False
+
+    def add(self, token_ids: list[int], logprobs: list[common_pb2.TopLogprobs] | None,
+            finish: int, stop_token_id: int | None) -> SeqDelta | None:
+        """Feed engine tokens; returns the delta to send (``None``: nothing to send yet).
+
+        Raises:
+            _EngineAbort: the engine aborted the request.
+        """
+        if finish == common_pb2.FINISH_REASON_ABORT:
+            raise _EngineAbort("the engine aborted the request")
+        max_tokens = self.sp.max_tokens
+        if max_tokens is not None and self.num_tokens + len(token_ids) > max_tokens:
+            # NOTE: never pass more than max_tokens on, even if an engine overshoots.
+            token_ids = token_ids[: max_tokens - self.num_tokens]
+            logprobs = logprobs[: len(token_ids)] if logprobs else logprobs
+            finish = common_pb2.FINISH_REASON_LENGTH
+        now = time.monotonic_ns()
+        self._observe_tokens(len(token_ids), now)
+        reason = _FINISH.get(finish)
+        stop_reason: int | str | None = stop_token_id
+        matched = self.detok.update(token_ids, stop_terminated=reason == "stop")
+        if matched is not None:
+            reason, stop_reason = "stop", matched
+        finished = reason is not None
+        text = self.detok.get_next_output_text(finished=finished, delta=True)
+        delta = SeqDelta(self.index, text, list(token_ids), logprobs,
+                         num_cached_tokens=self.num_cached_tokens if not self._sent_first else 0)
+        self._sent_first = True
+        if finished:
+            self.finished = True
+            delta.finish_reason, delta.stop_reason = reason, stop_reason
+            self.timings.e2e_ns = now - self.req.arrival_ns
+            delta.timings = self.timings
+            m = self._pipe.metrics
+            m.labels(m.e2e).observe(self.timings.e2e_ns / 1e9)
+            m.request_success.labels(model_name=m.model_name, finished_reason=reason).inc()
+        return delta
+
+    def _observe_tokens(self, num: int, now_ns: int) -> None:
+        m = self._pipe.metrics
+        if num == 0:
+            return
+        if self._last_token_ns is None:
+            self.timings.ttft_ns = now_ns - self.req.arrival_ns
+            m.labels(m.ttft).observe(self.timings.ttft_ns / 1e9)
+        else:
+            m.labels(m.itl).observe((now_ns - self._last_token_ns) / 1e9 / num)
+        self._last_token_ns = now_ns
+        self.num_tokens += num
+        m.labels(m.generation_tokens).inc(num)

@@ -1,0 +1,357 @@
+"""OpenAI request and response models (pydantic), as the official ``openai`` client uses them.
+
+Requests accept OpenAI's fields plus vLLM's extra sampling fields. Unknown fields are
+ignored with a warning in the log, as vLLM does. Every request model converts itself
+to the engine's ``SamplingParams`` with :meth:`to_sampling_params`; a value the engine
+rejects becomes an ``OpenAIError`` (HTTP 400) naming the field.
+
+Source of the shapes: the OpenAI API reference (Completions, Chat Completions) and
+vLLM's ``entrypoints/openai/protocol.py`` for the extra fields and their defaults.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from tandem.engine.sampling_params import SamplingParams
+from tandem.services.router.errors import OpenAIError
+
+logger = logging.getLogger(__name__)
+
+#: Most completions one request may ask for (``n``); bounds the router's fan-out.
+MAX_N = 16
+
+
+class StreamOptions(BaseModel):
+    """``stream_options``: ``include_usage`` adds a final chunk with token counts."""
+
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _SamplingRequest(BaseModel):
+    """Fields shared by ``/v1/completions`` and ``/v1/chat/completions``."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # vLLM extras.
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    priority: int = 0
+
+    @model_validator(mode="after")
+    def _warn_unknown(self) -> _SamplingRequest:
+        if self.model_extra:
+            logger.warning("ignoring unknown request fields: %s", sorted(self.model_extra))
+        return self
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def _requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def _num_logprobs(self) -> int | None:
+        raise NotImplementedError
+
+    def to_sampling_params(self, *, num_prompt_tokens: int, max_model_len: int) -> SamplingParams:
+        """Build the engine's sampling parameters and check the context length.
+
+        Args:
+            num_prompt_tokens: tokens in the (templated) prompt.
+            max_model_len: the model's context length in tokens.
+
+        Returns:
+            ``SamplingParams``; ``max_tokens`` defaults to the room left in the context.
+
+        Raises:
+            OpenAIError: 400 ``context_length_exceeded`` when prompt + max_tokens does not
+                fit, 400 naming the field for any other invalid value.
+        """
+        max_tokens = self._requested_max_tokens()
+        room = max_model_len - num_prompt_tokens
+        if room < 1 or (max_tokens is not None and max_tokens > room):
+            want = num_prompt_tokens + (max_tokens or 1)
+            raise OpenAIError(
+                f"This model's maximum context length is {max_model_len} tokens. However, you "
+                f"requested {want} tokens ({num_prompt_tokens} in the messages, "
+                f"{max_tokens or 1} in the completion). Please reduce the length of the "
+                "messages or completion.",
+                param="max_tokens" if room >= 1 else "messages",
+                code="context_length_exceeded",
+            )
+        if not 1 <= self.n <= MAX_N:
+            raise OpenAIError(f"n must be in [1, {MAX_N}], got {self.n}", param="n")
+        logit_bias = None
+        if self.logit_bias:
+            try:
+                logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+            except ValueError as exc:
+                raise OpenAIError(
+                    "logit_bias keys must be token ids (integers as strings)", param="logit_bias"
+                ) from exc
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        try:
+            return SamplingParams(
+                n=self.n,
+                temperature=1.0 if self.temperature is None else self.temperature,
+                top_p=1.0 if self.top_p is None else self.top_p,
+                top_k=-1 if self.top_k is None else self.top_k,
+                min_p=0.0 if self.min_p is None else self.min_p,
+                seed=self.seed,
+                presence_penalty=self.presence_penalty,
+                frequency_penalty=self.frequency_penalty,
+                repetition_penalty=(
+                    1.0 if self.repetition_penalty is None else self.repetition_penalty
+                ),
+                logit_bias=logit_bias,
+                min_tokens=self.min_tokens,
+                max_tokens=room if max_tokens is None else max_tokens,
+                ignore_eos=self.ignore_eos,
+                stop_token_ids=list(self.stop_token_ids or []),
+                stop=stop,
+                include_stop_str_in_output=self.include_stop_str_in_output,
+                logprobs=self._num_logprobs(),
+                skip_special_tokens=self.skip_special_tokens,
+                spaces_between_special_tokens=self.spaces_between_special_tokens,
+            )
+        except ValueError as exc:
+            raise OpenAIError(str(exc), param=_field_of(str(exc))) from exc
+
+
+def _field_of(message: str) -> str | None:
+    """The field a ``SamplingParams`` error message names (its first word)."""
+    word = message.split(" ", 1)[0].split("[", 1)[0]
+    return word if word.isidentifier() else None
+
+
+class CompletionRequest(_SamplingRequest):
+    """``POST /v1/completions``. ``prompt``: a string, strings, token ids, or lists of ids."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool = False
+    logprobs: int | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def _num_logprobs(self) -> int | None:
+        return self.logprobs
+
+    @model_validator(mode="after")
+    def _check(self) -> CompletionRequest:
+        if self.suffix:
+            raise OpenAIError("suffix is not supported", param="suffix")
+        if self.best_of is not None and self.best_of != self.n:
+            raise OpenAIError("best_of != n is not supported", param="best_of")
+        if self.echo and self.logprobs is not None:
+            raise OpenAIError(
+                "echo together with logprobs needs prompt logprobs, which are not supported",
+                param="echo",
+            )
+        return self
+
+
+class ChatMessage(BaseModel):
+    """One chat message. ``content`` may be a string or a list of text parts."""
+
+    model_config = ConfigDict(extra="allow")
+
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        """The message's text; text parts are joined, other part types rejected."""
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        parts = []
+        for part in self.content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise OpenAIError("only text content parts are supported", param="messages")
+            parts.append(part["text"])
+        return "".join(parts)
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def _requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else (
+            self.max_tokens
+        )
+
+    def _num_logprobs(self) -> int | None:
+        if not self.logprobs:
+            if self.top_logprobs:
+                raise OpenAIError("top_logprobs needs logprobs=true", param="top_logprobs")
+            return None
+        return self.top_logprobs or 0
+
+    @model_validator(mode="after")
+    def _check(self) -> ChatCompletionRequest:
+        if not self.messages:
+            raise OpenAIError("messages must not be empty", param="messages")
+        return self
+
+
+# ---- responses -------------------------------------------------------------------------
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    prompt_tokens_details: dict[str, int] | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    """Legacy completions logprobs: parallel lists, one entry per generated token."""
+
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+    # tandem extension: where the time went (ns), on the final response/chunk only.
+    timings: dict[str, Any] | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None = None
+
+
+class ChatResponseMessage(BaseModel):
+    role: str = "assistant"
+    content: str | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo | None = None
+    # tandem extension: where the time went (ns), on the final response/chunk only.
+    timings: dict[str, Any] | None = None
+
+
+class DeltaMessage(BaseModel):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatStreamChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: UsageInfo | None = None
+    # tandem extension: where the time went (ns), on the final response/chunk only.
+    timings: dict[str, Any] | None = None
+
+
+class CompletionChunk(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+    # tandem extension: where the time went (ns), on the final response/chunk only.
+    timings: dict[str, Any] | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "tandem"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

@@ -1,0 +1,135 @@
+"""Turning pipeline deltas into OpenAI response bodies and stream chunks.
+
+Kept apart from the routes so that the shapes are in one place: completions use the legacy
+parallel-list logprobs (``tokens``, ``token_logprobs``, ``top_logprobs``, ``text_offset``),
+chat uses ``logprobs.content`` entries with ``bytes`` and ``top_logprobs``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+
+from tandem.services.router import protocol as P
+from tandem.services.router.frontend import Frontend
+from tandem.services.router.pipeline import GenerationRequest, SeqDelta, Timings
+from tandem.v1 import common_pb2
+
+
+@dataclass
+class ChoiceState:
+    """Everything one choice produced (non-streaming), or its running offsets (streaming)."""
+
+    index: int
+    text: str = ""
+    num_tokens: int = 0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: list[common_pb2.TopLogprobs] = field(default_factory=list)
+    text_offset: int = 0
+    sent_role: bool = False
+    timings: Timings | None = None
+
+    def add(self, d: SeqDelta) -> None:
+        self.text += d.text
+        self.num_tokens += len(d.token_ids)
+        if d.logprobs:
+            self.logprobs.extend(d.logprobs)
+        if d.finish_reason is not None:
+            self.finish_reason, self.stop_reason = d.finish_reason, d.stop_reason
+            self.timings = d.timings
+
+
+async def merged(frontend: Frontend, requests: Sequence[GenerationRequest]
+                 ) -> AsyncIterator[tuple[int, SeqDelta]]:
+    """Deltas of several prompts' generations, with OpenAI choice indices (prompt * n + i).
+
+    Closing this iterator closes (and so cancels) every generation.
+    """
+    if len(requests) == 1:
+        async for d in frontend.pipeline.generate(requests[0]):
+            yield d.index, d
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(p: int, req: GenerationRequest) -> None:
+        try:
+            async for d in frontend.pipeline.generate(req):
+                queue.put_nowait((p * req.sampling_params.n + d.index, d))
+            queue.put_nowait(None)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - re-raised by the consumer below
+            queue.put_nowait(exc)
+
+    tasks = [asyncio.create_task(pump(p, r)) for p, r in enumerate(requests)]
+    try:
+        num_done = 0
+        while num_done < len(tasks):
+            item = await queue.get()
+            if item is None:
+                num_done += 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def usage(num_prompt_tokens: int, num_completion_tokens: int, num_cached: int = 0
+          ) -> P.UsageInfo:
+    return P.UsageInfo(
+        prompt_tokens=num_prompt_tokens, completion_tokens=num_completion_tokens,
+        total_tokens=num_prompt_tokens + num_completion_tokens,
+        prompt_tokens_details={"cached_tokens": num_cached} if num_cached else None)
+
+
+def completion_logprobs(fe: Frontend, lps: Sequence[common_pb2.TopLogprobs], start_offset: int
+                        ) -> P.CompletionLogprobs:
+    """Legacy logprobs of generated tokens; ``text_offset`` counts from ``start_offset``."""
+    out = P.CompletionLogprobs()
+    offset = start_offset
+    for lp in lps:
+        tok = fe.token_text(lp.sampled.token_id)
+        out.tokens.append(tok)
+        out.token_logprobs.append(lp.sampled.logprob)
+        out.text_offset.append(offset)
+        offset += len(tok)
+        top: dict[str, float] = {}
+        for t in lp.top:
+            top.setdefault(fe.token_text(t.token_id), t.logprob)
+        out.top_logprobs.append(top)
+    return out
+
+
+def chat_logprobs(fe: Frontend, lps: Sequence[common_pb2.TopLogprobs]) -> P.ChatLogprobs:
+    content = []
+    for lp in lps:
+        tok = fe.token_text(lp.sampled.token_id)
+        top = []
+        for t in lp.top:
+            text = fe.token_text(t.token_id)
+            top.append(P.TopLogprob(token=text, logprob=t.logprob, bytes=list(text.encode())))
+        content.append(P.ChatTokenLogprob(token=tok, logprob=lp.sampled.logprob,
+                                          bytes=list(tok.encode()), top_logprobs=top))
+    return P.ChatLogprobs(content=content)
+
+
+def sse(obj: P.BaseModel | dict) -> str:
+    """One server-sent event line pair."""
+    data = obj.model_dump(mode="json") if isinstance(obj, P.BaseModel) else obj
+    if data.get("timings", 0) is None:
+        del data["timings"]
+    for choice in data.get("choices") or ():
+        delta = choice.get("delta")
+        if delta is not None:  # as OpenAI: a delta holds only the fields it sets
+            choice["delta"] = {k: v for k, v in delta.items() if v is not None}
+    return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
+
+
+DONE = "data: [DONE]\n\n"

@@ -1,0 +1,400 @@
+"""`tandem up`: the whole pipeline on one machine, as child processes.
+
+Disaggregated (default): redis-server (unless ``--redis-url``), one KV store node,
+``--prefill N`` prefill and ``--decode M`` decode services, and the router.
+``--colocated [--replicas K]``: K engines in the colocated role (no store) behind the same
+router. Waits until every part reports healthy, prints the URLs, and on Ctrl-C or SIGTERM
+stops everything: the children share one process group that is terminated (then killed),
+each child also gets SIGTERM from the kernel if this process dies (``PR_SET_PDEATHSIG``),
+and the temporary directory (logs, redis working dir) is removed.
+
+:class:`Stack` is the same thing as a context manager, used by ``tandem.demo``, the
+benchmarks and the end-to-end tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+_PR_SET_PDEATHSIG = 1
+
+
+class StackError(RuntimeError):
+    """A part of the stack failed to start or died."""
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child_setup(cpus: list[int] | None) -> Callable[[], None]:
+    """What a child runs before exec: die with us (Linux), and pin its CPUs if asked."""
+
+    def setup() -> None:  # pragma: no cover - runs in the child
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        if cpus:
+            os.sched_setaffinity(0, cpus)
+
+    return setup
+
+
+@dataclass
+class Part:
+    """One child process of the stack."""
+
+    name: str
+    argv: list[str]
+    ready: Callable[[], bool]
+    url: str = ""
+    cpus: list[int] | None = None
+    proc: subprocess.Popen | None = None
+    log_path: Path | None = None
+
+    def log_tail(self, num_lines: int = 30) -> str:
+        if self.log_path is None or not self.log_path.exists():
+            return ""
+        lines = self.log_path.read_text(errors="replace").splitlines()
+        return "\n".join(lines[-num_lines:])
+
+
+@dataclass
+class StackConfig:
+    """What to start. Ports of 0 are picked free at start.
+
+    Attributes:
+        num_prefill / num_decode: disaggregated instance counts.
+        colocated: run ``replicas`` colocated engines instead.
+        port / grpc_port: router HTTP and gRPC ports.
+        model: model path (``None``: the default model).
+        redis_url: use this Redis instead of starting one.
+        engine_args: extra flags for every engine (``--dtype float32``...).
+        router_args: extra flags for the router.
+        kvstore_capacity_bytes: KV store node memory.
+        cpus_per_engine: pin engine i to its own CPU set of this size (0: no pinning).
+        startup_timeout_s: how long every part gets to become healthy.
+        verbose: children write to this terminal instead of log files.
+    """
+
+    num_prefill: int = 1
+    num_decode: int = 1
+    colocated: bool = False
+    replicas: int = 1
+    port: int = 8000
+    grpc_port: int = 50051
+    host: str = "127.0.0.1"
+    model: str | None = None
+    redis_url: str | None = None
+    engine_args: list[str] = field(default_factory=list)
+    router_args: list[str] = field(default_factory=list)
+    kvstore_capacity_bytes: int = 1 << 30
+    cpus_per_engine: int = 0
+    startup_timeout_s: float = 600.0
+    verbose: bool = False
+
+
+def _tandem(*args: str) -> list[str]:
+    return [sys.executable, "-P", "-m", "tandem.cli", *args]
+
+
+def _http_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as resp:
+            return resp.status == 200
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+def _grpc_serving(address: str) -> bool:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    try:
+        with grpc.insecure_channel(address) as ch:
+            resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(),
+                                                        timeout=2)
+            return resp.status == health_pb2.HealthCheckResponse.SERVING
+    except grpc.RpcError:
+        return False
+
+
+def _redis_ok(url: str) -> bool:
+    import redis
+
+    try:
+        client = redis.Redis.from_url(url, socket_timeout=2)
+        try:
+            return bool(client.ping())
+        finally:
+            client.close()
+    except redis.RedisError:
+        return False
+
+
+class Stack:
+    """Start the parts of ``config`` as child processes; ``close()`` stops them all.
+
+    Usage: ``with Stack(StackConfig(...)) as stack: stack.http_url ...``.
+
+    Raises:
+        StackError: a binary is missing, a part exits early or is not healthy in time.
+    """
+
+    def __init__(self, config: StackConfig) -> None:
+        self.config = config
+        self.parts: list[Part] = []
+        self.tmpdir: Path | None = None
+        self._pgid: int | None = None
+        self.redis_url = config.redis_url or ""
+        self.http_url = ""
+        self.grpc_address = ""
+        self._cpu_next = 0
+
+    # ---- lifecycle ---------------------------------------------------------------------
+
+    def __enter__(self) -> Stack:
+        try:
+            self.start()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def start(self) -> None:
+        cfg = self.config
+        self.tmpdir = Path(tempfile.mkdtemp(prefix="tandem-up-"))
+        if not self.redis_url:
+            binary = shutil.which("redis-server")
+            if binary is None:
+                raise StackError("redis-server not found on PATH: install it (e.g. `apt-get "
+                                 "install redis-server`, `brew install redis`) or pass "
+                                 "--redis-url redis://HOST:PORT")
+            port = free_port()
+            self.redis_url = f"redis://127.0.0.1:{port}/0"
+            self._launch([Part("redis", [binary, "--port", str(port), "--bind", "127.0.0.1",
+                                         "--save", "", "--appendonly", "no",
+                                         "--dir", str(self.tmpdir)],
+                               lambda u=self.redis_url: _redis_ok(u), self.redis_url)])
+        engines: list[Part] = []
+        if cfg.colocated:
+            for i in range(cfg.replicas):
+                engines.append(self._engine_part(f"colocated-{i}", ["serve", "--role", "both"]))
+        else:
+            kv_port, kv_metrics = free_port(), free_port()
+            self._launch([Part("kvstore", _tandem(
+                "kvstore", "--listen", f"127.0.0.1:{kv_port}", "--capacity",
+                str(cfg.kvstore_capacity_bytes), "--redis-url", self.redis_url,
+                "--metrics-port", str(kv_metrics)),
+                lambda p=kv_metrics: _http_ok(f"http://127.0.0.1:{p}/health"),
+                f"127.0.0.1:{kv_port}")])
+            for i in range(cfg.num_prefill):
+                engines.append(self._engine_part(f"prefill-{i}", ["prefill"],
+                                                 kvstore=f"127.0.0.1:{kv_port}"))
+            for i in range(cfg.num_decode):
+                engines.append(self._engine_part(f"decode-{i}", ["decode"],
+                                                 kvstore=f"127.0.0.1:{kv_port}"))
+        self._launch(engines)
+        port = cfg.port or free_port()
+        grpc_port = cfg.grpc_port or free_port()
+        router_argv = ["router", "--host", cfg.host, "--port", str(port), "--grpc-port",
+                       str(grpc_port), "--redis-url", self.redis_url, *cfg.router_args]
+        if cfg.model:
+            router_argv += ["--model", cfg.model]
+        self.http_url = f"http://{cfg.host}:{port}"
+        self.grpc_address = f"{cfg.host}:{grpc_port}"
+        self._launch([Part("router", _tandem(*router_argv),
+                           lambda u=self.http_url: _http_ok(f"{u}/ready"), self.http_url)])
+
+    def _engine_part(self, name: str, cmd: list[str], kvstore: str | None = None) -> Part:
+        cfg = self.config
+        port = free_port()
+        argv = [*cmd, "--listen", f"127.0.0.1:{port}", "--redis-url", self.redis_url,
+                "--instance-id", name, *cfg.engine_args]
+        if kvstore:
+            argv += ["--kvstore", kvstore]
+        if cfg.model:
+            argv += ["--model", cfg.model]
+        cpus = None
+        if cfg.cpus_per_engine:
+            ncpu = os.cpu_count() or 1
+            cpus = [(self._cpu_next + j) % ncpu for j in range(cfg.cpus_per_engine)]
+            self._cpu_next += cfg.cpus_per_engine
+        return Part(name, _tandem(*argv), lambda a=f"127.0.0.1:{port}": _grpc_serving(a),
+                    f"127.0.0.1:{port}", cpus=cpus)
+
+    def _launch(self, parts: Sequence[Part]) -> None:
+        """Start ``parts`` together, then wait until each is ready (or fail)."""
+        assert self.tmpdir is not None, "start() creates tmpdir first"
+        env = dict(os.environ)
+        if self.config.cpus_per_engine:
+            env.setdefault("OMP_NUM_THREADS", str(self.config.cpus_per_engine))
+        for part in parts:
+            out: int | object = None
+            if not self.config.verbose:
+                part.log_path = self.tmpdir / f"{part.name}.log"
+                out = part.log_path.open("wb")
+            part.proc = subprocess.Popen(
+                part.argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                env=env, process_group=self._pgid or 0, preexec_fn=_child_setup(part.cpus))
+            if out is not None:
+                out.close()  # the child holds its own descriptor
+            if self._pgid is None:
+                self._pgid = part.proc.pid
+            self.parts.append(part)
+        deadline = time.monotonic() + self.config.startup_timeout_s
+        pending = list(parts)
+        while pending:
+            for part in list(pending):
+                assert part.proc is not None
+                if part.proc.poll() is not None:
+                    raise StackError(f"{part.name} exited with code {part.proc.returncode} "
+                                     f"during start-up:\n{part.log_tail()}")
+                if part.ready():
+                    pending.remove(part)
+            if pending and time.monotonic() > deadline:
+                names = ", ".join(p.name for p in pending)
+                raise StackError(f"not healthy after {self.config.startup_timeout_s:.0f} s: "
+                                 f"{names}\n{pending[0].log_tail()}")
+            if pending:
+                time.sleep(0.2)  # polling interval of the health checks
+
+    def dead_parts(self) -> list[Part]:
+        """Parts whose process has exited."""
+        return [p for p in self.parts if p.proc is not None and p.proc.poll() is not None]
+
+    def part(self, name: str) -> Part:
+        return next(p for p in self.parts if p.name == name)
+
+    def close(self, timeout_s: float = 15.0) -> None:
+        """Stop every part (SIGTERM to the group, then SIGKILL) and remove the temp dir."""
+        procs = [p.proc for p in self.parts if p.proc is not None]
+        # Router first so no new work arrives, then everything else.
+        for part in reversed(self.parts):
+            if part.proc is not None and part.proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    part.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        for proc in procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        if self._pgid is not None:
+            # Anything left in the group (stragglers, grandchildren) is killed.
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self._pgid, signal.SIGKILL)
+        for proc in procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=5)
+        self.parts.clear()
+        self._pgid = None
+        if self.tmpdir is not None:
+            shutil.rmtree(self.tmpdir, ignore_errors=True)
+            self.tmpdir = None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tandem up", description=__doc__.splitlines()[0])
+    p.add_argument("--prefill", type=int, default=1, help="prefill instances")
+    p.add_argument("--decode", type=int, default=1, help="decode instances")
+    p.add_argument("--colocated", action="store_true",
+                   help="colocated engines (prefill+decode in one) instead of disaggregated")
+    p.add_argument("--replicas", type=int, default=1, help="colocated engines (--colocated)")
+    p.add_argument("--port", type=int, default=8000, help="router HTTP port")
+    p.add_argument("--grpc-port", type=int, default=50051, help="router gRPC port")
+    p.add_argument("--host", default="127.0.0.1", help="router bind address")
+    p.add_argument("--model", default=None, help="model path (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--redis-url", default=None, help="use this Redis instead of starting one")
+    p.add_argument("--kvstore-capacity", type=int, default=1 << 30, help="KV store bytes")
+    p.add_argument("--cpus-per-engine", type=int, default=0,
+                   help="pin each engine to its own N CPUs (0: no pinning)")
+    p.add_argument("--engine-arg", action="append", default=[],
+                   help="extra flag for every engine, e.g. --engine-arg=--dtype=float32")
+    p.add_argument("--router-arg", action="append", default=[],
+                   help="extra flag for the router, e.g. --router-arg=--api-key=KEY")
+    p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds")
+    p.add_argument("--verbose", action="store_true", help="children log to this terminal")
+    return p
+
+
+def config_from_args(ns: argparse.Namespace) -> StackConfig:
+    if ns.prefill < 1 or ns.decode < 1 or ns.replicas < 1:
+        raise ValueError("--prefill, --decode and --replicas must be >= 1")
+    return StackConfig(num_prefill=ns.prefill, num_decode=ns.decode, colocated=ns.colocated,
+                       replicas=ns.replicas, port=ns.port, grpc_port=ns.grpc_port,
+                       host=ns.host, model=ns.model, redis_url=ns.redis_url,
+                       engine_args=list(ns.engine_arg), router_args=list(ns.router_arg),
+                       kvstore_capacity_bytes=ns.kvstore_capacity,
+                       cpus_per_engine=ns.cpus_per_engine, startup_timeout_s=ns.startup_timeout,
+                       verbose=ns.verbose)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of `tandem up`: start, print URLs, wait for Ctrl-C/SIGTERM, stop."""
+    ns = build_parser().parse_args(argv)
+    try:
+        cfg = config_from_args(ns)
+    except ValueError as exc:
+        print(f"tandem up: error: {exc}", file=sys.stderr)
+        return 2
+    stop = {"signal": None}
+
+    def on_signal(signum: int, _frame: object) -> None:
+        stop["signal"] = signum
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_signal)
+    stack = Stack(cfg)
+    try:
+        mode = (f"colocated x{cfg.replicas}" if cfg.colocated
+                else f"{cfg.num_prefill} prefill + {cfg.num_decode} decode")
+        print(f"tandem up: starting {mode} (model: {cfg.model or 'SmolLM2-135M-Instruct'}) ...",
+              flush=True)
+        stack.start()
+        print(f"\ntandem is up ({mode}):\n"
+              f"  OpenAI API   {stack.http_url}/v1   (curl {stack.http_url}/v1/models)\n"
+              f"  gRPC         {stack.grpc_address}   (tandem.v1.GenerationService)\n"
+              f"  metrics      {stack.http_url}/metrics\n"
+              f"  redis        {stack.redis_url}\n"
+              "Press Ctrl-C to stop.", flush=True)
+        while True:
+            dead = stack.dead_parts()
+            if dead:
+                part = dead[0]
+                print(f"tandem up: {part.name} exited with code {part.proc.returncode}:\n"
+                      f"{part.log_tail()}", file=sys.stderr)
+                return 1
+            time.sleep(1.0)  # supervision interval
+    except StackError as exc:
+        print(f"tandem up: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("\ntandem up: stopping ...", flush=True)
+        return 0
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        stack.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

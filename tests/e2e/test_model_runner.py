@@ -1,0 +1,257 @@
+"""ModelRunner driven by hand-built SchedulerOutputs, against transformers generate.
+
+A tiny random Llama: a prompt prefilled in chunks, then decoded greedily, mixed into
+batches with other requests, equals ``generate(do_sample=False)``. The real default
+model (float32) on two prompts batched together equals transformers token for token.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from tandem.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from tandem.engine.model_loader import LoadedModel, load_model
+from tandem.engine.model_runner import ModelRunner
+from tandem.engine.models.registry import build_model
+from tandem.engine.request import Request
+from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.sched_output import SchedulerOutput
+
+BLOCK_SIZE = 4
+
+
+def tiny_loaded(arch: str = "LlamaForCausalLM") -> tuple[LoadedModel, transformers.PreTrainedModel]:
+    config = getattr(transformers, arch.replace("ForCausalLM", "Config"))(
+        vocab_size=101,
+        hidden_size=48,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        architectures=[arch],
+        eos_token_id=None,
+        bos_token_id=None,
+        pad_token_id=None,
+    )
+    torch.manual_seed(0)
+    hf = getattr(transformers, arch)(config).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "norm" not in name:
+                p.normal_(0.0, 0.2)
+    model = build_model(config, hf.state_dict(), torch.float32, "cpu", 128)
+    loaded = LoadedModel(
+        model=model,
+        hf_config=config,
+        tokenizer=None,
+        model_id="tiny",
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+        eos_token_id=None,
+        max_position=128,
+    )
+    return loaded, hf
+
+
+def make_runner(loaded: LoadedModel, num_blocks: int = 64, max_model_len: int = 128):
+    config = EngineConfig(
+        model=ModelConfig(dtype="float32", max_model_len=max_model_len),
+        cache=CacheConfig(block_size=BLOCK_SIZE, num_blocks_override=num_blocks),
+    )
+    runner = ModelRunner(config, loaded)
+    runner.initialize_kv_cache(runner.determine_num_blocks())
+    return runner
+
+
+class HandScheduler:
+    """Minimal stand-in for the scheduler: fixed block tables, explicit chunks."""
+
+    def __init__(self, num_blocks: int, block_size: int = BLOCK_SIZE) -> None:
+        self.block_size = block_size
+        self.free = list(range(num_blocks - 1, -1, -1))  # hand out high ids first
+        self.tables: dict[str, list[int]] = {}
+
+    def output(self, work: list[tuple[Request, int]]) -> SchedulerOutput:
+        out = SchedulerOutput()
+        for req, n in work:
+            table = self.tables.setdefault(req.request_id, [])
+            need = -(-(req.num_computed_tokens + n) // self.block_size)
+            while len(table) < need:
+                table.append(self.free.pop())
+            out.scheduled_requests.append(req)
+            out.num_scheduled_tokens[req.request_id] = n
+            out.block_tables[req.request_id] = list(table)
+            out.total_num_scheduled_tokens += n
+        return out
+
+    @staticmethod
+    def update(sched: SchedulerOutput, result) -> None:
+        for req in sched.scheduled_requests:
+            req.num_computed_tokens += sched.num_scheduled_tokens[req.request_id]
+            if req.request_id in result.sampled_token_ids:
+                req.append_output_token(result.sampled_token_ids[req.request_id])
+
+
+def greedy(request_id: str, prompt: list[int], max_tokens: int) -> Request:
+    return Request(request_id, prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens))
+
+
+def hf_greedy(hf, prompt: list[int], max_new_tokens: int) -> list[int]:
+    with torch.no_grad():
+        out = hf.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            do_sample=False,
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=max_new_tokens,
+        )
+    return out[0, len(prompt) :].tolist()
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_loaded()
+
+
+def test_runner_reports_layout(tiny):
+    loaded, _ = tiny
+    runner = make_runner(loaded, num_blocks=10)
+    assert runner.kv_cache.shape == (10, 2, 2, BLOCK_SIZE, 2, 12)
+    assert (runner.vocab_size, runner.num_layers, runner.num_kv_heads, runner.head_dim) == (
+        101,
+        2,
+        2,
+        12,
+    )
+    assert runner.max_model_len == 128 and runner.dtype == torch.float32
+
+
+def test_chunked_prefill_then_greedy_decode_matches_hf(tiny):
+    loaded, hf = tiny
+    runner = make_runner(loaded)
+    hand = HandScheduler(64)
+    prompt = torch.randint(0, 101, (21,), generator=torch.Generator().manual_seed(1)).tolist()
+    req = greedy("r0", prompt, 12)
+    for chunk in (8, 5, 8):
+        sched = hand.output([(req, chunk)])
+        result = runner.execute_model(sched)
+        # Only the last chunk samples.
+        assert bool(result.sampled_token_ids) == (req.num_computed_tokens + chunk == len(prompt))
+        hand.update(sched, result)
+    while req.num_output_tokens < 12:
+        sched = hand.output([(req, 1)])
+        hand.update(sched, runner.execute_model(sched))
+    assert req.output_token_ids == hf_greedy(hf, prompt, 12)
+
+
+def test_mixed_batches_match_hf_per_request(tiny):
+    """Decodes and prefill chunks of other requests share steps; each request's
+    greedy tokens still equal its own transformers generate."""
+    loaded, hf = tiny
+    runner = make_runner(loaded)
+    hand = HandScheduler(64)
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, 101, (n,), generator=gen).tolist() for n in (1, 9, 30, 5)]
+    reqs = [greedy(f"r{i}", p, 10) for i, p in enumerate(prompts)]
+    budget = 11  # small token budget: forces chunking and mixing
+    while any(r.num_output_tokens < 10 for r in reqs):
+        work, left = [], budget
+        # Decodes first, then prefill chunks (as the scheduler orders them).
+        for r in reqs:
+            if r.num_computed_tokens >= r.num_prompt_tokens and r.num_output_tokens < 10:
+                work.append((r, 1))
+                left -= 1
+        for r in reqs:
+            remaining = r.num_prompt_tokens - r.num_computed_tokens
+            if remaining > 0 and left > 0:
+                work.append((r, min(remaining, left)))
+                left -= work[-1][1]
+        sched = hand.output(work)
+        hand.update(sched, runner.execute_model(sched))
+    for r, p in zip(reqs, prompts, strict=True):
+        assert r.output_token_ids == hf_greedy(hf, p, 10), r.request_id
+
+
+def test_determine_num_blocks_from_memory_budget(tiny):
+    loaded, _ = tiny
+    config = EngineConfig(
+        model=ModelConfig(dtype="float32", max_model_len=128),
+        cache=CacheConfig(block_size=BLOCK_SIZE, kv_cache_memory_bytes=10_000),
+    )
+    runner = ModelRunner(config, loaded)
+    # 2 layers * K,V * 4 tokens * 2 heads * 12 dims * 4 bytes = 1536 bytes per block
+    assert runner.block_bytes == 1536
+    assert runner.determine_num_blocks() == 10_000 // 1536
+
+
+def test_determine_num_blocks_profiles_when_no_budget(tiny):
+    loaded, _ = tiny
+    config = EngineConfig(
+        model=ModelConfig(dtype="float32", max_model_len=64),
+        cache=CacheConfig(block_size=BLOCK_SIZE),
+        scheduler=SchedulerConfig(max_num_batched_tokens=100, max_num_seqs=3),
+    )
+    runner = ModelRunner(config, loaded)
+    # Capped at max_num_seqs full-length sequences: 3 * 64 / 4 blocks.
+    assert runner.determine_num_blocks() == 48
+
+
+def test_max_model_len_beyond_rotary_table_rejected(tiny):
+    loaded, _ = tiny
+    with pytest.raises(ValueError, match="max_model_len"):
+        ModelRunner(EngineConfig(model=ModelConfig(max_model_len=4096)), loaded)
+
+
+@pytest.mark.slow
+class TestDefaultModel:
+    """The real default model (SmolLM2-135M-Instruct GGUF) in float32."""
+
+    @pytest.fixture(scope="class")
+    def real(self):
+        loaded = load_model(ModelConfig(dtype="float32", max_model_len=512))
+        folder, name = loaded_gguf_path()
+        hf = transformers.AutoModelForCausalLM.from_pretrained(
+            folder, gguf_file=name, dtype=torch.float32, local_files_only=True
+        ).eval()
+        return loaded, hf
+
+    def test_two_prompts_batched_match_hf(self, real):
+        loaded, hf = real
+        tok = loaded.tokenizer
+        assert loaded.eos_token_id == tok.eos_token_id
+        chat = tok.apply_chat_template(
+            [{"role": "user", "content": "What is the capital of France?"}],
+            add_generation_prompt=True,
+            tokenize=False,
+        )
+        prompts = [
+            tok.encode(chat),
+            tok.encode("The three primary colors are"),
+        ]
+        config = EngineConfig(
+            model=ModelConfig(dtype="float32", max_model_len=512),
+            cache=CacheConfig(num_blocks_override=32),
+        )
+        runner = ModelRunner(config, loaded)
+        runner.initialize_kv_cache(runner.determine_num_blocks())
+        hand = HandScheduler(32, block_size=16)
+        reqs = [greedy(f"p{i}", p, 16) for i, p in enumerate(prompts)]
+        sched = hand.output([(r, r.num_prompt_tokens) for r in reqs])
+        hand.update(sched, runner.execute_model(sched))
+        while reqs[0].num_output_tokens < 16:
+            sched = hand.output([(r, 1) for r in reqs])
+            hand.update(sched, runner.execute_model(sched))
+        for r, p in zip(reqs, prompts, strict=True):
+            assert r.output_token_ids == hf_greedy(hf, p, 16), tok.decode(r.output_token_ids)
+
+
+def loaded_gguf_path() -> tuple[str, str]:
+    import os
+
+    from tandem.engine.model_loader import default_model_path
+
+    path = default_model_path()
+    return os.path.dirname(path), os.path.basename(path)

@@ -1,0 +1,227 @@
+"""The router's error surface: every invalid input gets the right OpenAI 4xx JSON.
+
+A real `tandem router` subprocess (the default model's tokenizer, no weights) in front of
+static instance addresses where nothing listens: every check here happens before any
+engine is called, and a valid request then fails with 503 + Retry-After (no instance),
+never with a 500. The same checks through the public gRPC API map to gRPC codes.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import grpc
+import httpx
+import openai
+import pytest
+
+from tandem.up import free_port
+from tandem.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+
+API_KEY = "sk-test-key"
+MODEL = "SmolLM2-135M-Instruct"
+MAX_MODEL_LEN = 512
+
+
+def _wait_for(cond, timeout_s: float, what: str):  # noqa: ANN001, ANN202
+    deadline = time.monotonic() + timeout_s
+    while not (value := cond()):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out waiting for {what}")
+        time.sleep(0.1)
+    return value
+
+
+@pytest.fixture(scope="module")
+def router(tmp_path_factory):
+    port, grpc_port = free_port(), free_port()
+    dead = [f"127.0.0.1:{free_port()}" for _ in range(2)]
+    log = (tmp_path_factory.mktemp("router") / "router.log").open("wb")
+    env = dict(os.environ, TANDEM_API_KEY=API_KEY)
+    proc = subprocess.Popen(
+        [sys.executable, "-P", "-m", "tandem.cli", "router", "--host", "127.0.0.1",
+         "--port", str(port), "--grpc-port", str(grpc_port), "--prefill", dead[0],
+         "--decode", dead[1], "--max-model-len", str(MAX_MODEL_LEN)],
+        stdout=log, stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+
+    def up() -> bool:
+        assert proc.poll() is None, f"router exited with {proc.returncode}"
+        try:
+            return httpx.get(f"{url}/health", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    try:
+        _wait_for(up, 120, "router /health")
+        yield url, f"127.0.0.1:{grpc_port}"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            assert proc.wait(timeout=20) == 0, "router did not exit cleanly on SIGTERM"
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            log.close()
+
+
+@pytest.fixture(scope="module")
+def http(router):
+    with httpx.Client(base_url=router[0], timeout=30,
+                      headers={"Authorization": f"Bearer {API_KEY}"}) as client:
+        yield client
+
+
+def _error(resp: httpx.Response, status: int) -> dict:
+    assert resp.status_code == status, resp.text
+    body = resp.json()
+    err = body["error"]
+    assert set(err) >= {"message", "type", "param", "code"}
+    assert isinstance(err["message"], str) and err["message"]
+    return err
+
+
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hello"}]}
+COMPLETION = {"model": MODEL, "prompt": "Hello"}
+
+
+@pytest.mark.parametrize(("path", "body", "param"), [
+    ("/v1/chat/completions", {**CHAT, "temperature": -1}, "temperature"),
+    ("/v1/chat/completions", {**CHAT, "top_p": 0}, "top_p"),
+    ("/v1/chat/completions", {**CHAT, "top_k": 0}, "top_k"),
+    ("/v1/chat/completions", {**CHAT, "n": 0}, "n"),
+    ("/v1/chat/completions", {**CHAT, "n": 1000}, "n"),
+    ("/v1/chat/completions", {**CHAT, "max_tokens": 0}, "max_tokens"),
+    ("/v1/chat/completions", {**CHAT, "presence_penalty": 3}, "presence_penalty"),
+    ("/v1/chat/completions", {**CHAT, "frequency_penalty": -5}, "frequency_penalty"),
+    ("/v1/chat/completions", {**CHAT, "repetition_penalty": 0}, "repetition_penalty"),
+    ("/v1/chat/completions", {**CHAT, "min_p": 2}, "min_p"),
+    ("/v1/chat/completions", {**CHAT, "min_tokens": 9, "max_tokens": 3}, "min_tokens"),
+    ("/v1/chat/completions", {**CHAT, "top_logprobs": 3}, "top_logprobs"),
+    ("/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 50}, "logprobs"),
+    ("/v1/chat/completions", {**CHAT, "logit_bias": {"abc": 1}}, "logit_bias"),
+    ("/v1/chat/completions", {**CHAT, "logit_bias": {"5": 500}}, "logit_bias"),
+    ("/v1/chat/completions", {**CHAT, "logit_bias": {"99999999": 1}}, "logit_bias"),
+    ("/v1/chat/completions", {**CHAT, "stop_token_ids": [-1]}, "stop_token_ids"),
+    ("/v1/chat/completions", {**CHAT, "stop": [""]}, "stop"),
+    ("/v1/chat/completions", {**CHAT, "messages": "hi"}, "messages"),
+    ("/v1/chat/completions", {**CHAT, "messages": []}, "messages"),
+    ("/v1/chat/completions", {"model": MODEL}, "messages"),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"content": "no role"}]}, "messages.0.role"),
+    ("/v1/chat/completions", {**CHAT, "messages": [
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+        "messages"),
+    ("/v1/chat/completions", {**CHAT, "temperature": "hot"}, "temperature"),
+    ("/v1/completions", {**COMPLETION, "prompt": ""}, "prompt"),
+    ("/v1/completions", {**COMPLETION, "prompt": []}, "prompt"),
+    ("/v1/completions", {**COMPLETION, "prompt": [1, 99999999]}, "prompt"),
+    ("/v1/completions", {**COMPLETION, "prompt": [[1, 2], [-3]]}, "prompt"),
+    ("/v1/completions", {**COMPLETION, "logprobs": 21}, "logprobs"),
+    ("/v1/completions", {**COMPLETION, "echo": True, "logprobs": 1}, "echo"),
+    ("/v1/completions", {**COMPLETION, "suffix": "x"}, "suffix"),
+    ("/v1/completions", {**COMPLETION, "best_of": 3}, "best_of"),
+    ("/v1/completions", {"model": MODEL}, "prompt"),
+])
+def test_invalid_parameter_is_400_naming_the_field(http, path, body, param) -> None:
+    err = _error(http.post(path, json=body), 400)
+    assert err["type"] == "invalid_request_error"
+    assert err["param"] == param, err
+
+
+def test_context_length_exceeded(http) -> None:
+    err = _error(http.post("/v1/chat/completions", json={**CHAT, "max_tokens": MAX_MODEL_LEN}),
+                 400)
+    assert err["code"] == "context_length_exceeded"
+    long_prompt = " ".join(["word"] * (MAX_MODEL_LEN + 10))
+    err = _error(http.post("/v1/completions", json={**COMPLETION, "prompt": long_prompt}), 400)
+    assert err["code"] == "context_length_exceeded"
+
+
+@pytest.mark.parametrize("content", [b"{not json", b"", b"[1, 2]", b"\xff\xfe"])
+def test_malformed_body_is_400(http, content: bytes) -> None:
+    resp = http.post("/v1/chat/completions", content=content,
+                     headers={"Content-Type": "application/json"})
+    _error(resp, 400)
+
+
+def test_unknown_model_is_404(http) -> None:
+    err = _error(http.post("/v1/chat/completions", json={**CHAT, "model": "gpt-17"}), 404)
+    assert err["code"] == "model_not_found"
+    assert err["param"] == "model"
+
+
+def test_api_key_required(router) -> None:
+    url = router[0]
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
+        err = _error(httpx.post(f"{url}/v1/chat/completions", json=CHAT, headers=headers), 401)
+        assert err["type"] == "authentication_error"
+    _error(httpx.get(f"{url}/v1/models"), 401)
+    # Health and metrics stay open (probes and scrapers carry no key).
+    assert httpx.get(f"{url}/health").status_code == 200
+    assert httpx.get(f"{url}/metrics").status_code == 200
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        client.models.list()
+
+
+def test_models_lists_served_name(router) -> None:
+    client = openai.OpenAI(base_url=f"{router[0]}/v1", api_key=API_KEY, max_retries=0)
+    ids = [m.id for m in client.models.list().data]
+    assert MODEL in ids
+
+
+def test_no_instance_is_503_with_retry_after_and_request_id_echoed(http) -> None:
+    # Unknown fields are ignored (warning in the log), so this is a valid request.
+    body = {**CHAT, "max_tokens": 4, "some_future_field": {"x": 1}}
+    resp = http.post("/v1/chat/completions", json=body, headers={"X-Request-Id": "req-503"})
+    err = _error(resp, 503)
+    assert resp.headers["Retry-After"] == "1"
+    assert resp.headers["X-Request-Id"] == "req-503"
+    assert err["type"] == "service_unavailable_error"
+    resp = http.post("/v1/completions", json={**COMPLETION, "stream": True})
+    _error(resp, 503)  # nothing streamed yet: a plain HTTP error
+    assert http.get("/ready").status_code == 503
+
+
+def test_unknown_route_and_method(http) -> None:
+    _error(http.get("/v1/nothing-here"), 404)
+    _error(http.get("/v1/chat/completions"), 405)
+
+
+def test_openai_client_sees_bad_request(router) -> None:
+    client = openai.OpenAI(base_url=f"{router[0]}/v1", api_key=API_KEY, max_retries=0)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
+                                       temperature=-2)
+    assert info.value.status_code == 400
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="nope", prompt="x")
+
+
+def test_grpc_errors(router) -> None:
+    md = (("authorization", f"Bearer {API_KEY}"),)
+    with grpc.insecure_channel(router[1]) as ch:
+        stub = generation_pb2_grpc.GenerationServiceStub(ch)
+
+        def code(req: generation_pb2.GenerateRequest, metadata=md) -> grpc.StatusCode:  # noqa: ANN001
+            with pytest.raises(grpc.RpcError) as info:
+                list(stub.Generate(req, metadata=metadata, timeout=30))
+            return info.value.code()
+
+        sp = common_pb2.SamplingParams
+        assert code(generation_pb2.GenerateRequest(text="hi"), ()) == \
+            grpc.StatusCode.UNAUTHENTICATED
+        assert code(generation_pb2.GenerateRequest(
+            text="hi", sampling_params=sp(temperature=-1))) == grpc.StatusCode.INVALID_ARGUMENT
+        assert code(generation_pb2.GenerateRequest()) == grpc.StatusCode.INVALID_ARGUMENT
+        assert code(generation_pb2.GenerateRequest(
+            token_ids=generation_pb2.TokenIds(ids=[10**8]))) == grpc.StatusCode.INVALID_ARGUMENT
+        assert code(generation_pb2.GenerateRequest(
+            text="hi", model="gpt-17")) == grpc.StatusCode.NOT_FOUND
+        assert code(generation_pb2.GenerateRequest(
+            text="hi", sampling_params=sp(max_tokens=4))) == grpc.StatusCode.UNAVAILABLE

@@ -1,0 +1,292 @@
+"""Helpers of the services tests: real processes (engine services, KV store) and oracles.
+
+Every process is started with ``python -P -m tandem.cli ...`` and stopped (SIGTERM,
+then SIGKILL) by its owner's fixture teardown. Readiness is polled with a deadline
+(gRPC health SERVING), never slept for.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for(cond: Callable[[], object], timeout_s: float, what: str, poll_s: float = 0.05):
+    """Poll ``cond`` until it returns a truthy value (returned) or fail after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = cond()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout_s} s waiting for {what}")
+        time.sleep(poll_s)
+
+
+def make_tiny_model(folder: Path, tokenizer_dir: Path | None = None) -> Path:
+    """Save a tiny random-weight Llama (float32, safetensors) with a tokenizer as an HF folder.
+
+    The tokenizer is SmolLM2's (saved once into ``tokenizer_dir`` and copied), so
+    the folder loads like any local model; the vocabulary is 49152 tokens.
+    """
+    import shutil
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tandem.engine.model_loader import load_tokenizer
+
+    folder.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=True,
+        # NOTE: weights larger than the default 0.02 init give varied greedy tokens
+        # with clear argmax margins (the default repeats one token).
+        initializer_range=0.3,
+    )
+    model = LlamaForCausalLM(config).to(torch.float32)
+    model.save_pretrained(folder, safe_serialization=True)
+    if tokenizer_dir is not None and (tokenizer_dir / "tokenizer_config.json").exists():
+        for f in tokenizer_dir.iterdir():
+            shutil.copy(f, folder / f.name)
+    else:
+        tok = load_tokenizer(None)
+        tok.save_pretrained(folder)
+        if tokenizer_dir is not None:
+            tok.save_pretrained(tokenizer_dir)
+    return folder
+
+
+def hf_greedy(model_dir: str | None, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """The oracle: transformers ``generate(do_sample=False)`` in float32, one prompt at a time.
+
+    Returns the generated ids (EOS included when it ended the sequence).
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tandem.engine.model_loader import _resolve_path
+
+    folder, gguf = _resolve_path(model_dir)
+    kwargs = {"local_files_only": True, "dtype": torch.float32}
+    if gguf is not None:
+        kwargs["gguf_file"] = gguf
+    model = AutoModelForCausalLM.from_pretrained(folder, **kwargs).eval()
+    outs = []
+    with torch.no_grad():
+        for prompt in prompts:
+            ids = torch.tensor([prompt])
+            gen = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                pad_token_id=model.config.eos_token_id,
+            )
+            outs.append(gen[0, len(prompt):].tolist())
+    return outs
+
+
+class Proc:
+    """A `tandem <cmd>` subprocess with its log file."""
+
+    def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None) -> None:
+        self.args = args
+        self.log_path = log_path
+        self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
+        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.popen = subprocess.Popen(
+            [sys.executable, "-P", "-m", "tandem.cli", *args],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            cwd=REPO,
+            env=full_env,
+        )
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-4000:]
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def stop(self, timeout_s: float = 30.0) -> int | None:
+        """SIGTERM, wait, SIGKILL if needed; returns the exit code."""
+        if self.alive():
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait(10)
+        self._log.close()
+        return self.popen.returncode
+
+    def kill(self) -> None:
+        self.popen.kill()
+        self.popen.wait(10)
+
+
+def grpc_healthy(address: str) -> bool:
+    """True when ``address`` answers the gRPC health check with SERVING."""
+    with grpc.insecure_channel(address) as ch:
+        try:
+            resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=1)
+        except grpc.RpcError:
+            return False
+        return resp.status == health_pb2.HealthCheckResponse.SERVING
+
+
+class EngineService:
+    """A running `tandem serve --role ...` process and blocking stubs to it."""
+
+    def __init__(self, role: str, model: str | None, tmp: Path, redis_url: str | None,
+                 extra: list[str] = (), startup_timeout_s: float = 180.0) -> None:
+        self.role = role
+        self.port = free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        args = ["serve", "--role", role, "--listen", self.address, "--dtype", "float32",
+                "--log-level", "INFO", *extra]
+        if model is not None:
+            args += ["--model", model]
+        if redis_url is not None:
+            args += ["--redis-url", redis_url]
+        self.proc = Proc(args, tmp / f"{role}-{self.port}.log")
+        try:
+            wait_for(lambda: not self.proc.alive() or grpc_healthy(self.address),
+                     startup_timeout_s, f"{role} service health")
+        except TimeoutError:
+            self.proc.stop()
+            raise
+        assert self.proc.alive(), f"{role} service exited:\n{self.proc.log()}"
+        self.channel = grpc.insecure_channel(self.address)
+        self.prefill = prefill_pb2_grpc.PrefillServiceStub(self.channel)
+        self.decode = decode_pb2_grpc.DecodeServiceStub(self.channel)
+
+    def get_load(self) -> common_pb2.GetLoadResponse:
+        stub = self.prefill if self.role == "prefill" else self.decode
+        return stub.GetLoad(common_pb2.GetLoadRequest(), timeout=10)
+
+    def stop(self) -> int | None:
+        self.channel.close()
+        return self.proc.stop()
+
+
+def params(max_tokens: int, **kw: object) -> common_pb2.SamplingParams:
+    """Greedy sampling params by default."""
+    kw.setdefault("temperature", 0.0)
+    return common_pb2.SamplingParams(max_tokens=max_tokens, **kw)
+
+
+def decode_request_from(prefill: prefill_pb2.PrefillResponse, prompt: list[int],
+                        sp: common_pb2.SamplingParams) -> decode_pb2.DecodeRequest:
+    """The Decode request a router sends after a Prefill (what H6's router does)."""
+    req = decode_pb2.DecodeRequest(
+        request_id=prefill.request_id,
+        prompt_token_ids=prompt,
+        first_token_id=prefill.first_token_id,
+        block_hashes=prefill.block_hashes,
+        sampling_params=sp,
+        kv_layout_fingerprint=prefill.kv_layout_fingerprint,
+        hash_algorithm=prefill.hash_algorithm,
+    )
+    if prefill.HasField("generator_state"):
+        req.generator_state = prefill.generator_state
+    return req
+
+
+def run_disaggregated(prefill: EngineService, decode: EngineService, prompt: list[int],
+                      sp: common_pb2.SamplingParams, request_id: str = "") -> tuple[list[int], object]:
+    """Prefill then Decode, like the router; returns (all generated ids, prefill response)."""
+    pre = prefill.prefill.Prefill(
+        prefill_pb2.PrefillRequest(request_id=request_id, prompt_token_ids=prompt,
+                                   sampling_params=sp), timeout=120)
+    tokens = [pre.first_token_id]
+    if pre.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
+        return tokens, pre
+    for msg in decode.decode.Decode(decode_request_from(pre, prompt, sp), timeout=120):
+        tokens.extend(msg.token_ids)
+    return tokens, pre
+
+
+def run_colocated(service: EngineService, prompt: list[int], sp: common_pb2.SamplingParams,
+                  request_id: str = "") -> list[int]:
+    """Decode without a first token: the whole generation in one engine."""
+    tokens: list[int] = []
+    req = decode_pb2.DecodeRequest(request_id=request_id, prompt_token_ids=prompt,
+                                   sampling_params=sp)
+    for msg in service.decode.Decode(req, timeout=120):
+        tokens.extend(msg.token_ids)
+    return tokens
+
+
+def http_ok(url: str) -> bool:
+    """True when GET ``url`` answers 200."""
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=1) as resp:
+            return resp.status == 200
+    except OSError:
+        return False
+
+
+class KVStoreNode:
+    """A running `tandem kvstore` process (UCX data plane, Redis index)."""
+
+    def __init__(self, redis_url: str, tmp: Path, capacity_bytes: int = 256 << 20) -> None:
+        self.port = free_port()
+        self.metrics_port = free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self.proc = Proc(
+            ["kvstore", "--listen", self.address, "--capacity", str(capacity_bytes),
+             "--redis-url", redis_url, "--metrics-port", str(self.metrics_port)],
+            tmp / f"kvstore-{self.port}.log",
+        )
+        try:
+            wait_for(lambda: not self.proc.alive()
+                     or http_ok(f"http://127.0.0.1:{self.metrics_port}/health"),
+                     120, "kvstore health")
+        except TimeoutError:
+            self.proc.stop()
+            raise
+        assert self.proc.alive(), f"kvstore exited:\n{self.proc.log()}"
+
+    def stop(self) -> int | None:
+        return self.proc.stop()
+
+
+def tiny_model_dir(base: Path) -> Path:
+    """The tiny model under ``base`` (pytest's session temp root), made once per session."""
+    folder = base / "h5_tiny_llama"
+    if not (folder / "model.safetensors").exists():
+        make_tiny_model(folder, base / "h5_smollm2_tokenizer")
+    return folder

@@ -1,0 +1,130 @@
+"""The colocated engine service (`tandem serve --role both`) over real gRPC: no store needed.
+
+Covers the parts every role shares: the engine thread bridge, the error mapping,
+cancellation freeing blocks, health and graceful SIGTERM. Tiny random Llama, float32,
+oracle transformers ``generate(do_sample=False)``.
+"""
+
+from __future__ import annotations
+
+import signal
+
+import grpc
+import pytest
+from services_harness import (
+    EngineService,
+    hf_greedy,
+    params,
+    run_colocated,
+    tiny_model_dir,
+    wait_for,
+)
+
+from tandem.v1 import common_pb2, decode_pb2
+
+ARGS = ["--max-num-batched-tokens", "64", "--num-kv-blocks", "32", "--block-size", "16"]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> str:
+    return str(tiny_model_dir(tmp_path_factory.getbasetemp()))
+
+
+@pytest.fixture(scope="module")
+def svc(tiny, tmp_path_factory):
+    service = EngineService("both", tiny, tmp_path_factory.mktemp("both"), None, ARGS)
+    yield service
+    assert service.stop() == 0, "colocated service did not exit cleanly on SIGTERM"
+
+
+def test_greedy_matches_transformers_with_chunked_prefill(tiny, svc):
+    prompts = [[7, 8, 9], list(range(1000, 1100)), list(range(3000, 3017))]  # 100 > 64: chunked
+    want = hf_greedy(tiny, prompts, max_new_tokens=10)
+    got = [run_colocated(svc, p, params(10)) for p in prompts]
+    assert got == want
+
+
+def test_stream_shape_and_usage_fields(svc):
+    msgs = list(svc.decode.Decode(decode_pb2.DecodeRequest(
+        prompt_token_ids=[1, 2, 3, 4], sampling_params=params(3)), timeout=60))
+    assert [len(m.token_ids) for m in msgs] == [1, 1, 1]
+    assert [m.finish_reason for m in msgs] == [0, 0, common_pb2.FINISH_REASON_LENGTH]
+    assert msgs[0].HasField("num_cached_tokens") and not msgs[0].HasField("kv_pull_ns")
+
+
+@pytest.mark.parametrize(
+    ("request_kwargs", "field"),
+    [
+        ({"prompt_token_ids": []}, "prompt_token_ids"),
+        ({"prompt_token_ids": [1, 49152]}, "prompt_token_ids"),
+        ({"prompt_token_ids": [1, -5]}, "prompt_token_ids"),
+        ({"sampling_params": common_pb2.SamplingParams(top_k=0)}, "top_k"),
+        ({"sampling_params": common_pb2.SamplingParams(max_tokens=0)}, "max_tokens"),
+        ({"sampling_params": common_pb2.SamplingParams(stop_token_ids=[10**7])}, "stop_token_ids"),
+        ({"sampling_params": common_pb2.SamplingParams(presence_penalty=3)}, "presence_penalty"),
+        ({"block_hashes": [b"h" * 32]}, "block_hashes"),
+        ({"prompt_token_ids": list(range(1, 1100))}, "prompt_token_ids"),  # > context (1024)
+    ],
+)
+def test_bad_requests_are_invalid_argument(svc, request_kwargs, field):
+    kwargs = {"prompt_token_ids": [1, 2, 3], "sampling_params": params(2), **request_kwargs}
+    with pytest.raises(grpc.RpcError) as err:
+        list(svc.decode.Decode(decode_pb2.DecodeRequest(**kwargs), timeout=60))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert field in err.value.details()
+
+
+def test_prompt_that_never_fits_is_resource_exhausted(svc):
+    # 32 blocks of 16 tokens = 512 tokens of KV cache; the context is 1024.
+    req = decode_pb2.DecodeRequest(prompt_token_ids=list(range(1, 600)),
+                                   sampling_params=params(2))
+    with pytest.raises(grpc.RpcError) as err:
+        list(svc.decode.Decode(req, timeout=60))
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert run_colocated(svc, [5, 6], params(2)), "other requests are undisturbed"
+
+
+def test_duplicate_in_flight_request_id_is_invalid_argument(svc):
+    long = decode_pb2.DecodeRequest(request_id="dup", prompt_token_ids=[1, 2, 3],
+                                    sampling_params=params(300, ignore_eos=True))
+    call = svc.decode.Decode(long, timeout=60)
+    next(call)
+    with pytest.raises(grpc.RpcError) as err:
+        list(svc.decode.Decode(long, timeout=60))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "request_id" in err.value.details()
+    call.cancel()
+
+
+def test_cancel_and_deadline_free_all_blocks(svc):
+    total = svc.get_load().num_total_blocks
+    call = svc.decode.Decode(decode_pb2.DecodeRequest(
+        prompt_token_ids=list(range(10, 90)), sampling_params=params(400, ignore_eos=True)),
+        timeout=60)
+    next(call)
+    assert svc.get_load().num_running_requests == 1
+    call.cancel()
+    wait_for(lambda: svc.get_load().num_running_requests == 0, 30, "request aborted")
+    assert svc.get_load().num_free_blocks == total
+    with pytest.raises(grpc.RpcError) as err:
+        list(svc.decode.Decode(decode_pb2.DecodeRequest(
+            prompt_token_ids=list(range(10, 90)), sampling_params=params(400, ignore_eos=True)),
+            timeout=0.5))
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    wait_for(lambda: svc.get_load().num_free_blocks == total, 30, "pool back to full")
+
+
+def test_sigterm_drains_in_flight_requests_then_exits(tiny, tmp_path):
+    service = EngineService("both", tiny, tmp_path, None, [*ARGS, "--shutdown-grace-s", "60"])
+    try:
+        call = service.decode.Decode(decode_pb2.DecodeRequest(
+            prompt_token_ids=[3, 4, 5], sampling_params=params(40, ignore_eos=True)), timeout=120)
+        first = next(call)
+        service.proc.popen.send_signal(signal.SIGTERM)
+        rest = list(call)
+        tokens = list(first.token_ids) + [t for m in rest for t in m.token_ids]
+        assert len(tokens) == 40, "the in-flight request must finish during the grace period"
+        assert rest[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+        assert service.proc.popen.wait(60) == 0
+    finally:
+        service.stop()

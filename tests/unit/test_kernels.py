@@ -1,0 +1,226 @@
+"""Kernels against independent references: transformers' RMSNorm / RoPE, and a dense
+float64 causal attention for the paged attention over block tables."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import (
+    LlamaRMSNorm,
+    LlamaRotaryEmbedding,
+    apply_rotary_pos_emb,
+)
+
+from tandem.kernels.attention import build_attention_metadata, paged_attention
+from tandem.kernels.cache import allocate_kv_cache, kv_cache_bytes_per_block, reshape_and_cache
+from tandem.kernels.layernorm import rms_norm
+from tandem.kernels.rotary import RotaryEmbedding, compute_inv_freq, rotary_embedding
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_matches_transformers(dtype):
+    torch.manual_seed(0)
+    x = torch.randn(7, 64, dtype=dtype) * 3
+    hf = LlamaRMSNorm(64, eps=1e-5)
+    with torch.no_grad():
+        hf.weight.copy_(torch.randn(64))
+    hf = hf.to(dtype)
+    ours = rms_norm(x, hf.weight.detach(), 1e-5)
+    torch.testing.assert_close(ours, hf(x).detach(), rtol=0, atol=0)
+
+
+def test_rms_norm_fused_residual():
+    torch.manual_seed(0)
+    x, res, w = torch.randn(5, 32), torch.randn(5, 32), torch.randn(32)
+    out, new_res = rms_norm(x, w, 1e-6, residual=res)
+    torch.testing.assert_close(new_res, x + res)
+    torch.testing.assert_close(out, rms_norm(x + res, w, 1e-6))
+
+
+def test_rms_norm_rejects_bad_weight():
+    with pytest.raises(ValueError, match="weight"):
+        rms_norm(torch.randn(2, 8), torch.randn(4), 1e-6)
+
+
+@pytest.mark.parametrize(
+    "rope_parameters",
+    [
+        {"rope_type": "default", "rope_theta": 10000.0},
+        {"rope_type": "default", "rope_theta": 100000.0},
+        {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0},
+        {
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    ],
+    ids=["default", "theta1e5", "linear", "llama3"],
+)
+def test_rotary_matches_transformers(rope_parameters):
+    torch.manual_seed(0)
+    head_dim, num_heads, num_kv = 32, 4, 2
+    cfg = LlamaConfig(
+        hidden_size=head_dim * num_heads,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv,
+        max_position_embeddings=512,
+        rope_parameters=rope_parameters,
+    )
+    hf_rope = LlamaRotaryEmbedding(cfg)
+    positions = torch.tensor([0, 1, 5, 17, 300, 511])
+    q = torch.randn(len(positions), num_heads, head_dim)
+    k = torch.randn(len(positions), num_kv, head_dim)
+    cos_hf, sin_hf = hf_rope(q, positions[None])
+    q_hf, k_hf = apply_rotary_pos_emb(
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos_hf, sin_hf
+    )
+    scaling = rope_parameters if rope_parameters["rope_type"] != "default" else None
+    rope = RotaryEmbedding(head_dim, 512, rope_parameters["rope_theta"], scaling)
+    cos, sin = rope.cos_sin(positions)
+    q_ours, k_ours = rotary_embedding(q, k, cos, sin)
+    torch.testing.assert_close(q_ours, q_hf[0].transpose(0, 1), rtol=0, atol=1e-6)
+    torch.testing.assert_close(k_ours, k_hf[0].transpose(0, 1), rtol=0, atol=1e-6)
+
+
+def test_rotary_rejects_unknown_rope_type():
+    with pytest.raises(ValueError, match="yarn"):
+        compute_inv_freq(32, 10000.0, {"rope_type": "yarn", "factor": 2.0})
+
+
+def test_reshape_and_cache_writes_only_its_slots():
+    torch.manual_seed(0)
+    num_blocks, layers, bs, kvh, hd = 6, 3, 4, 2, 8
+    kv = allocate_kv_cache(num_blocks, layers, bs, kvh, hd, torch.float32)
+    assert kv.shape == (num_blocks, layers, 2, bs, kvh, hd)
+    assert kv_cache_bytes_per_block(layers, bs, kvh, hd, torch.float32) == kv[0].numel() * 4
+    slots = torch.tensor([5 * bs + 3, 0, 2 * bs + 1])
+    key, value = torch.randn(3, kvh, hd), torch.randn(3, kvh, hd)
+    reshape_and_cache(key, value, (kv[:, 1, 0], kv[:, 1, 1]), slots)
+    expected = torch.zeros_like(kv)
+    for t, (b, o) in enumerate([(5, 3), (0, 0), (2, 1)]):
+        expected[b, 1, 0, o] = key[t]
+        expected[b, 1, 1, o] = value[t]
+    torch.testing.assert_close(kv, expected, rtol=0, atol=0)
+
+
+def test_reshape_and_cache_rejects_bad_slot_mapping():
+    kv = allocate_kv_cache(2, 1, 4, 1, 8, torch.float32)
+    with pytest.raises(ValueError, match="slot_mapping"):
+        reshape_and_cache(
+            torch.randn(2, 1, 8),
+            torch.randn(2, 1, 8),
+            (kv[:, 0, 0], kv[:, 0, 1]),
+            torch.tensor([0, 1], dtype=torch.int32),
+        )
+
+
+def _dense_attention(q, k, v, num_computed, window=None):
+    """float64 reference: q [n, H, D] at positions num_computed.., k/v [L, KVH, D]."""
+    n, num_heads, hd = q.shape
+    group = num_heads // k.shape[1]
+    k = k.double().repeat_interleave(group, dim=1)
+    v = v.double().repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.double(), k) / math.sqrt(hd)
+    q_pos = torch.arange(num_computed, num_computed + n)[:, None]
+    k_pos = torch.arange(k.shape[0])[None, :]
+    allowed = k_pos <= q_pos
+    if window is not None:
+        allowed &= k_pos > q_pos - window
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+
+
+# (num_computed, num_new) per sequence: decodes, a fresh prompt, prefix-cached
+# prompts and later chunks, a 1-token prompt, in a deliberately mixed order.
+MIXED_BATCH = [(9, 1), (0, 13), (16, 1), (32, 7), (0, 1), (5, 11), (47, 1), (3, 1)]
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (6, 2), (4, 1)])
+@pytest.mark.parametrize("window", [None, 6])
+@pytest.mark.parametrize("decodes_first", [True, False])
+def test_paged_attention_matches_dense(num_heads, num_kv_heads, window, decodes_first):
+    torch.manual_seed(1)
+    bs, hd, num_blocks = 4, 16, 64
+    seqs = sorted(MIXED_BATCH, key=lambda s: s[1] != 1) if decodes_first else MIXED_BATCH
+    kv = allocate_kv_cache(num_blocks, 2, bs, num_kv_heads, hd, torch.float32)
+    layer = (kv[:, 1, 0], kv[:, 1, 1])
+    # Scattered, shuffled block ids so that block order != physical order.
+    free = torch.randperm(num_blocks).tolist()
+    tables, full_k, full_v = [], [], []
+    for c, n in seqs:
+        nb = -(-(c + n) // bs)
+        tables.append([free.pop() for _ in range(nb)])
+        full_k.append(torch.randn(c + n, num_kv_heads, hd))
+        full_v.append(torch.randn(c + n, num_kv_heads, hd))
+        # Cached prefix: written the way an earlier step would have.
+        if c:
+            pos = torch.arange(c)
+            slots = torch.tensor(tables[-1])[pos // bs] * bs + pos % bs
+            reshape_and_cache(full_k[-1][:c], full_v[-1][:c], layer, slots)
+    meta = build_attention_metadata([n for _, n in seqs], [c for c, _ in seqs], tables, bs)
+    key = torch.cat([k[c:] for k, (c, _) in zip(full_k, seqs, strict=True)])
+    value = torch.cat([v[c:] for v, (c, _) in zip(full_v, seqs, strict=True)])
+    query = torch.randn(meta.num_tokens, num_heads, hd)
+    reshape_and_cache(key, value, layer, meta.slot_mapping)
+    out = paged_attention(query, key, value, layer, meta, hd**-0.5, window)
+    start = 0
+    for (c, n), k, v in zip(seqs, full_k, full_v, strict=True):
+        ref = _dense_attention(query[start : start + n], k, v, c, window)
+        torch.testing.assert_close(out[start : start + n].double(), ref, rtol=1e-5, atol=1e-5)
+        start += n
+    expected_positions = [p for c, n in seqs for p in range(c, c + n)]
+    assert meta.positions.tolist() == expected_positions
+    assert meta.num_decodes == sum(1 for _, n in seqs if n == 1)
+    assert (meta.decode_token_idx is None) == decodes_first
+
+
+def test_paged_attention_bfloat16_close_to_dense():
+    torch.manual_seed(2)
+    bs, hd, kvh, heads = 16, 64, 3, 9
+    seqs = [(40, 1), (0, 37), (20, 20)]
+    kv = allocate_kv_cache(16, 1, bs, kvh, hd, torch.bfloat16)
+    layer = (kv[:, 0, 0], kv[:, 0, 1])
+    tables = [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
+    full_k = [torch.randn(c + n, kvh, hd, dtype=torch.bfloat16) for c, n in seqs]
+    full_v = [torch.randn(c + n, kvh, hd, dtype=torch.bfloat16) for c, n in seqs]
+    meta = build_attention_metadata([n for _, n in seqs], [c for c, _ in seqs], tables, bs)
+    for (c, _), t, k, v in zip(seqs, tables, full_k, full_v, strict=True):
+        if c:
+            pos = torch.arange(c)
+            reshape_and_cache(k[:c], v[:c], layer, torch.tensor(t)[pos // bs] * bs + pos % bs)
+    key = torch.cat([k[c:] for k, (c, _) in zip(full_k, seqs, strict=True)])
+    value = torch.cat([v[c:] for v, (c, _) in zip(full_v, seqs, strict=True)])
+    query = torch.randn(meta.num_tokens, heads, hd, dtype=torch.bfloat16)
+    reshape_and_cache(key, value, layer, meta.slot_mapping)
+    out = paged_attention(query, key, value, layer, meta, hd**-0.5)
+    assert out.dtype == torch.bfloat16
+    start = 0
+    for (c, n), k, v in zip(seqs, full_k, full_v, strict=True):
+        ref = _dense_attention(query[start : start + n], k, v, c)
+        torch.testing.assert_close(out[start : start + n].double(), ref, rtol=0, atol=3e-2)
+        start += n
+
+
+def test_build_metadata_rejects_short_block_table():
+    with pytest.raises(ValueError, match="block table"):
+        build_attention_metadata([5], [12], [[0, 1, 2, 3]], 4)
+
+
+def test_paged_attention_rejects_mismatched_heads():
+    kv = allocate_kv_cache(2, 1, 4, 2, 8, torch.float32)
+    meta = build_attention_metadata([2], [0], [[0]], 4)
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        paged_attention(
+            torch.randn(2, 3, 8),
+            torch.randn(2, 2, 8),
+            torch.randn(2, 2, 8),
+            (kv[:, 0, 0], kv[:, 0, 1]),
+            meta,
+            1.0,
+        )

@@ -1,0 +1,165 @@
+"""Our model implementations against transformers on tiny random-weight configs.
+
+float32 logits of our Llama / Mistral / Qwen2 / Qwen3 (tied and untied embeddings)
+must match the transformers model's to ~1e-4, whole-prompt and chunked through the
+paged cache; plus weight mapping, registry and loader errors.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from tandem.engine.config import ModelConfig
+from tandem.engine.model_loader import load_model, resolve_dtype
+from tandem.engine.models.registry import build_model, get_model_class, supported_architectures
+from tandem.kernels.attention import build_attention_metadata
+from tandem.kernels.cache import allocate_kv_cache
+
+ARCHS = {
+    "LlamaForCausalLM": (transformers.LlamaConfig, {}),
+    "MistralForCausalLM": (transformers.MistralConfig, {"sliding_window": 12}),
+    "Qwen2ForCausalLM": (transformers.Qwen2Config, {}),
+    "Qwen3ForCausalLM": (transformers.Qwen3Config, {"head_dim": 24}),
+}
+
+
+def make_hf_model(arch: str, tie: bool, seed: int = 0):
+    """A tiny transformers model with random weights (biases and norms too)."""
+    config_cls, extra = ARCHS[arch]
+    config = config_cls(
+        vocab_size=97,
+        hidden_size=48,
+        intermediate_size=80,
+        num_hidden_layers=2,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=tie,
+        architectures=[arch],
+        **extra,
+    )
+    torch.manual_seed(seed)
+    model = getattr(transformers, arch)(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+            else:
+                p.normal_(0.0, 0.15)
+    return model
+
+
+def run_ours(model, token_ids: list[int], chunks: list[int], block_size: int = 4):
+    """Feed ``token_ids`` in chunks through the paged cache; logits of every token."""
+    cfg = model.config
+    head_dim = model.model.layers[0].self_attn.head_dim
+    kv = allocate_kv_cache(
+        32, cfg.num_hidden_layers, block_size, cfg.num_key_value_heads, head_dim, torch.float32
+    )
+    views = [(kv[:, i, 0], kv[:, i, 1]) for i in range(cfg.num_hidden_layers)]
+    table = [31 - i for i in range(32)]  # reversed physical order on purpose
+    logits, done = [], 0
+    with torch.inference_mode():
+        for n in chunks:
+            meta = build_attention_metadata([n], [done], [table], block_size)
+            ids = torch.tensor(token_ids[done : done + n])
+            logits.append(model.compute_logits(model(ids, meta.positions, views, meta)))
+            done += n
+    return torch.cat(logits)
+
+
+@pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_logits_match_transformers(arch, tie):
+    hf = make_hf_model(arch, tie)
+    ours = build_model(hf.config, hf.state_dict(), torch.float32, "cpu", 128)
+    assert (ours.lm_head is None) == tie
+    token_ids = torch.randint(0, 97, (30,), generator=torch.Generator().manual_seed(3)).tolist()
+    with torch.no_grad():
+        ref = hf(torch.tensor([token_ids])).logits[0]
+    assert ref.std() > 0.1, "random weights too small to make a meaningful comparison"
+    whole = run_ours(ours, token_ids, [30])
+    torch.testing.assert_close(whole, ref, rtol=0, atol=1e-4)
+    # Chunked prefill then token-by-token decode through the cache.
+    chunked = run_ours(ours, token_ids, [7, 9, 1, 5] + [1] * 8)
+    torch.testing.assert_close(chunked, ref, rtol=0, atol=1e-4)
+
+
+def test_qwen2_has_qkv_bias_and_qwen3_qk_norm():
+    qwen2 = build_model(
+        make_hf_model("Qwen2ForCausalLM", False).config,
+        make_hf_model("Qwen2ForCausalLM", False).state_dict(),
+        torch.float32,
+        "cpu",
+        128,
+    )
+    assert qwen2.model.layers[0].self_attn.qkv_proj.bias is not None
+    hf3 = make_hf_model("Qwen3ForCausalLM", False)
+    qwen3 = build_model(hf3.config, hf3.state_dict(), torch.float32, "cpu", 128)
+    torch.testing.assert_close(
+        qwen3.model.layers[1].self_attn.k_norm.weight,
+        hf3.model.layers[1].self_attn.k_norm.weight.detach(),
+    )
+
+
+def test_unsupported_architecture_names_it_and_lists_supported():
+    config = transformers.GPT2Config(architectures=["GPT2LMHeadModel"])
+    with pytest.raises(ValueError) as err:
+        get_model_class(config)
+    assert "GPT2LMHeadModel" in str(err.value)
+    for arch in supported_architectures():
+        assert arch in str(err.value)
+
+
+def test_missing_weight_is_reported():
+    hf = make_hf_model("LlamaForCausalLM", False)
+    state = dict(hf.state_dict())
+    del state["model.layers.1.mlp.up_proj.weight"]
+    with pytest.raises(ValueError, match="gate_up_proj"):
+        build_model(hf.config, state, torch.float32, "cpu", 128)
+
+
+def test_load_local_hf_folder(tmp_path):
+    hf = make_hf_model("Qwen2ForCausalLM", True, seed=5)
+    hf.save_pretrained(tmp_path)  # config.json + model.safetensors, no tokenizer
+    loaded = load_model(ModelConfig(model=str(tmp_path), dtype="float32", max_model_len=64))
+    assert loaded.model_id == tmp_path.name
+    assert loaded.dtype == torch.float32 and loaded.tokenizer is None
+    assert type(loaded.model).__name__ == "Qwen2ForCausalLM"
+    token_ids = list(range(3, 20))
+    with torch.no_grad():
+        ref = hf(torch.tensor([token_ids])).logits[0]
+    torch.testing.assert_close(run_ours(loaded.model, token_ids, [17]), ref, rtol=0, atol=1e-4)
+
+
+def test_load_bfloat16_weights(tmp_path):
+    hf = make_hf_model("LlamaForCausalLM", False)
+    hf.save_pretrained(tmp_path)
+    loaded = load_model(ModelConfig(model=str(tmp_path), dtype="bfloat16", max_model_len=64))
+    assert loaded.dtype == torch.bfloat16
+    assert all(p.dtype == torch.bfloat16 for p in loaded.model.parameters())
+
+
+def test_unknown_model_path_names_model(tmp_path):
+    with pytest.raises(ValueError, match="model"):
+        load_model(ModelConfig(model=str(tmp_path / "nope")))
+
+
+def test_unsupported_architecture_fails_at_load(tmp_path):
+    transformers.GPT2Config(
+        n_layer=1, n_embd=16, n_head=2, architectures=["GPT2LMHeadModel"]
+    ).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="GPT2LMHeadModel"):
+        load_model(ModelConfig(model=str(tmp_path)))
+
+
+def test_resolve_dtype():
+    cpu = torch.device("cpu")
+    assert resolve_dtype("float32", cpu) == torch.float32
+    assert resolve_dtype("bfloat16", cpu) == torch.bfloat16
+    from tandem.engine.model_loader import cpu_supports_bf16
+
+    expected = torch.bfloat16 if cpu_supports_bf16() else torch.float32
+    assert resolve_dtype("auto", cpu) == expected

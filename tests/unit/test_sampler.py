@@ -1,0 +1,238 @@
+"""Sampler: processors, distributions (chi-square), seeded reproducibility, logprobs."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from tandem.engine.request import Request
+from tandem.engine.sampler import Sampler
+from tandem.engine.sampling_params import SamplingParams
+
+_ids = itertools.count()
+
+
+def make_request(
+    params: SamplingParams,
+    prompt: list[int] | None = None,
+    outputs: list[int] | None = None,
+    eos: int | None = None,
+) -> Request:
+    req = Request(
+        request_id=f"r{next(_ids)}",
+        prompt_token_ids=list(prompt or [0]),
+        sampling_params=params,
+        eos_token_id=eos,
+    )
+    for t in outputs or []:
+        req.append_output_token(t)
+    return req
+
+
+LOGITS = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -1.0])
+
+
+def draw(params: SamplingParams, logits: torch.Tensor, num: int, seed: int = 0) -> torch.Tensor:
+    """``num`` samples of one distribution through batches of 500 unseeded rows."""
+    sampler = Sampler(seed=seed)
+    counts = torch.zeros(logits.numel())
+    batch = 500
+    for _ in range(num // batch):
+        reqs = [make_request(params) for _ in range(batch)]
+        out = sampler(logits.repeat(batch, 1), reqs)
+        for tok, _ in out:
+            counts[tok] += 1
+    return counts
+
+
+def check_distribution(counts: torch.Tensor, expected: torch.Tensor) -> None:
+    support = expected > 0
+    assert counts[~support].sum() == 0, f"sampled outside the support: {counts}"
+    exp = expected[support] / expected[support].sum() * counts.sum()
+    _, pvalue = chisquare(counts[support].numpy(), exp.numpy())
+    assert pvalue > 1e-3, f"counts {counts.tolist()} vs expected {exp.tolist()} (p={pvalue})"
+
+
+@pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])
+def test_temperature_distribution(temperature: float) -> None:
+    counts = draw(SamplingParams(temperature=temperature), LOGITS, 10_000)
+    check_distribution(counts, torch.softmax(LOGITS / temperature, dim=0))
+
+
+def test_top_k_distribution() -> None:
+    counts = draw(SamplingParams(temperature=1.0, top_k=3), LOGITS, 10_000)
+    expected = torch.softmax(LOGITS, dim=0)
+    expected[3:] = 0
+    check_distribution(counts, expected)
+
+
+def test_top_p_distribution() -> None:
+    probs = torch.softmax(LOGITS, dim=0)
+    # cumulative: 0.39, 0.62, 0.77, 0.86, ... -> top_p=0.7 keeps three tokens.
+    counts = draw(SamplingParams(temperature=1.0, top_p=0.7), LOGITS, 10_000)
+    expected = probs.clone()
+    expected[3:] = 0
+    check_distribution(counts, expected)
+
+
+def test_top_k_and_top_p_and_min_p_compose() -> None:
+    probs = torch.softmax(LOGITS, dim=0)
+    # top_k=4 renormalises to 4 tokens; top_p=0.85 then drops the 4th (0.90 before it).
+    counts = draw(SamplingParams(temperature=1.0, top_k=4, top_p=0.85), LOGITS, 6_000)
+    expected = probs.clone()
+    expected[3:] = 0
+    check_distribution(counts, expected)
+    # min_p=0.5: keep tokens with p >= 0.5 * p_max -> 2.0, 1.5 (exp(-0.5)=0.61), not 1.0 (0.37).
+    counts = draw(SamplingParams(temperature=1.0, min_p=0.5), LOGITS, 6_000)
+    expected = probs.clone()
+    expected[2:] = 0
+    check_distribution(counts, expected)
+
+
+def test_greedy_is_argmax_and_ignores_generators() -> None:
+    logits = torch.randn(8, 100)
+    reqs = [make_request(SamplingParams(temperature=0.0, seed=i)) for i in range(8)]
+    states = [r.generator.get_state().clone() for r in reqs]
+    out = Sampler()(logits.clone(), reqs)
+    assert [t for t, _ in out] == logits.argmax(dim=-1).tolist()
+    for r, s in zip(reqs, states, strict=True):
+        assert torch.equal(r.generator.get_state(), s), "greedy must not consume the generator"
+
+
+def test_mixed_greedy_and_random_rows() -> None:
+    logits = torch.randn(4, 50)
+    reqs = [
+        make_request(SamplingParams(temperature=0.0)),
+        make_request(SamplingParams(temperature=1.0)),
+        make_request(SamplingParams(temperature=0.0)),
+        make_request(SamplingParams(temperature=0.8, top_k=5)),
+    ]
+    out = Sampler()(logits.clone(), reqs)
+    assert out[0][0] == int(logits[0].argmax())
+    assert out[2][0] == int(logits[2].argmax())
+    assert out[3][0] in logits[3].topk(5).indices.tolist()
+
+
+def test_seeded_sampling_independent_of_batch_composition() -> None:
+    torch.manual_seed(0)
+    vocab = 300
+    steps = [torch.randn(vocab) for _ in range(12)]
+    params = SamplingParams(temperature=1.0, top_p=0.9, seed=1234)
+
+    def run(batch_extra: int, sampler_seed: int) -> list[int]:
+        target = make_request(params)
+        others = [
+            make_request(SamplingParams(temperature=1.0 + 0.1 * j, seed=None if j % 2 else j))
+            for j in range(batch_extra)
+        ]
+        sampler = Sampler(seed=sampler_seed)
+        tokens = []
+        for step_logits in steps:
+            batch = others[: batch_extra // 2] + [target] + others[batch_extra // 2 :]
+            logits = torch.randn(len(batch), vocab)
+            logits[batch_extra // 2] = step_logits
+            out = sampler(logits, batch)
+            tok = out[batch_extra // 2][0]
+            target.append_output_token(tok)
+            tokens.append(tok)
+        return tokens
+
+    alone = run(0, sampler_seed=0)
+    assert run(7, sampler_seed=1) == alone
+    assert run(15, sampler_seed=2) == alone
+    # A different seed gives a different sequence (12 draws from a 300-token vocabulary).
+    other = make_request(SamplingParams(temperature=1.0, top_p=0.9, seed=4321))
+    sampler = Sampler()
+    diff = [sampler(s.unsqueeze(0).clone(), [other])[0][0] for s in steps]
+    assert diff != alone
+
+
+def test_logit_bias_forces_token() -> None:
+    logits = torch.zeros(2, 10)
+    logits[:, 3] = 5.0
+    reqs = [
+        make_request(SamplingParams(temperature=0.0, logit_bias={7: 10.0})),
+        make_request(SamplingParams(temperature=1.0, logit_bias={3: -100.0, 8: 100.0})),
+    ]
+    out = Sampler()(logits, reqs)
+    assert [t for t, _ in out] == [7, 8]
+
+
+def test_min_tokens_masks_eos_and_stop_tokens() -> None:
+    logits = torch.zeros(1, 10)
+    logits[0, 2] = 10.0  # EOS
+    logits[0, 5] = 9.0  # stop token
+    logits[0, 6] = 8.0
+    p = SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[5])
+    before = make_request(p, outputs=[1], eos=2)
+    assert Sampler()(logits.clone(), [before])[0][0] == 6
+    reached = make_request(p, outputs=[1, 1], eos=2)
+    assert Sampler()(logits.clone(), [reached])[0][0] == 2
+    # ignore_eos: EOS is not a stop token, so it is not masked.
+    p2 = SamplingParams(temperature=0.0, min_tokens=3, ignore_eos=True)
+    assert Sampler()(logits.clone(), [make_request(p2, eos=2)])[0][0] == 2
+
+
+def test_repetition_penalty_ctrl_rule() -> None:
+    logits = torch.tensor([[4.0, 3.0, -1.0, -1.5, 0.5]])
+    p = SamplingParams(temperature=0.0, repetition_penalty=2.0, logprobs=4)
+    # prompt holds token 0, output holds token 2: 4.0 -> 2.0, -1.0 -> -2.0
+    req = make_request(p, prompt=[0], outputs=[2])
+    tok, lps = Sampler()(logits.clone(), [req])[0]
+    assert tok == 1
+    expected = torch.log_softmax(torch.tensor([2.0, 3.0, -2.0, -1.5, 0.5]), dim=0)
+    for t, lp in lps.items():
+        assert math.isclose(lp.logprob, float(expected[t]), rel_tol=1e-5)
+
+
+def test_frequency_and_presence_penalties() -> None:
+    logits = torch.tensor([[3.0, 2.0, 1.0, 0.0]])
+    p = SamplingParams(temperature=0.0, frequency_penalty=0.6, presence_penalty=0.5, logprobs=3)
+    # output: token 0 twice -> 3 - 1.2 - 0.5 = 1.3 ; token 1 once -> 2 - 0.6 - 0.5 = 0.9
+    # prompt tokens are not penalised.
+    req = make_request(p, prompt=[2, 2, 2], outputs=[0, 0, 1])
+    tok, lps = Sampler()(logits.clone(), [req])[0]
+    assert tok == 0
+    expected = torch.log_softmax(torch.tensor([1.3, 0.9, 1.0, 0.0]), dim=0)
+    for t, lp in lps.items():
+        assert math.isclose(lp.logprob, float(expected[t]), rel_tol=1e-5)
+    # A stronger frequency penalty flips the choice away from the repeated token.
+    p2 = SamplingParams(temperature=0.0, frequency_penalty=2.0)
+    assert Sampler()(logits.clone(), [make_request(p2, outputs=[0, 0])])[0][0] == 1
+    assert Sampler()(logits.clone(), [make_request(SamplingParams(temperature=0.0))])[0][0] == 0
+
+
+def test_logprobs_top_n_and_rank() -> None:
+    logits = torch.tensor([[0.1, 3.0, 2.0, -1.0, 1.0]])
+    p = SamplingParams(temperature=0.0, logprobs=2)
+    tok, lps = Sampler()(logits.clone(), [make_request(p)])[0]
+    expected = torch.log_softmax(logits[0], dim=0)
+    assert tok == 1
+    assert list(lps) == [1, 2]
+    assert lps[1].rank == 1 and lps[2].rank == 2
+    assert math.isclose(lps[2].logprob, float(expected[2]), rel_tol=1e-6)
+    # A sampled token outside the top-N is included with its rank (forced by bias).
+    p0 = SamplingParams(temperature=0.0, logprobs=1, logit_bias={3: 4.5})
+    tok, lps = Sampler()(logits.clone(), [make_request(p0)])[0]
+    assert tok == 3 and lps[3].rank == 1
+    # Random sampling between two near-equal tokens: find a draw of the second one.
+    close = torch.tensor([[0.1, 3.0, 2.999, -1.0, 1.0]])
+    for seed in range(64):
+        p1 = SamplingParams(temperature=1.0, logprobs=1, top_k=2, seed=seed)
+        tok, lps = Sampler()(close.clone(), [make_request(p1)])[0]
+        if tok == 2:
+            break
+    assert tok == 2
+    assert list(lps) == [2, 1] and lps[2].rank == 2 and lps[1].rank == 1
+    p2 = SamplingParams(temperature=1.0, logprobs=0, top_k=2, seed=seed)
+    tok, lps = Sampler()(close.clone(), [make_request(p2)])[0]
+    assert tok == 2 and list(lps) == [2]
+
+
+def test_no_logprobs_when_not_requested() -> None:
+    out = Sampler()(torch.randn(2, 9), [make_request(SamplingParams()) for _ in range(2)])
+    assert all(lp is None for _, lp in out)
