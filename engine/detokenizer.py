@@ -30,7 +30,8 @@ class IncrementalDetokenizer:
     """Turns one completion's token ids into text, token by token.
 
     Args:
-        tokenizer: a Hugging Face tokenizer (``decode`` is all that is used).
+        tokenizer: a Hugging Face tokenizer (``decode`` is all that is used), or
+            ``None`` for a model without one (the text then stays empty).
         prompt_token_ids: the prompt; its last few tokens are decoding context.
         params: the request's sampling parameters (stop strings,
             ``include_stop_str_in_output``, ``skip_special_tokens``, ``min_tokens``).
@@ -100,7 +101,7 @@ class IncrementalDetokenizer:
         return delta
 
     def _decode(self, ids: list[int]) -> str:
-        if not ids:
+        if not ids or self.tokenizer is None:
             return ""
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
@@ -149,4 +150,6 @@ class IncrementalDetokenizer:
 
     def decode_token(self, token_id: int) -> str:
         """Text of one token on its own (for ``Logprob.decoded_token``)."""
+        if self.tokenizer is None:
+            return ""
         return self.tokenizer.decode([token_id], skip_special_tokens=False)

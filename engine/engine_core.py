@@ -145,7 +145,8 @@ class EngineCore:
         Raises:
             ValueError: naming the field and the allowed range: empty
                 ``prompt_token_ids``, a prompt of ``max_model_len`` tokens or more
-                (at least one token must fit after it), a prompt token id outside
+                (at least one token must fit after it), or that the KV cache or (without
+                chunked prefill) one step's token budget cannot hold, a prompt token id outside
                 ``[0, vocab_size)``, a ``logit_bias`` / ``stop_token_ids`` id outside
                 the vocabulary, or a request id already in the engine.
         """
@@ -156,6 +157,18 @@ class EngineCore:
             raise ValueError(
                 f"prompt length {len(prompt)} must be < max_model_len {self.max_model_len} "
                 f"(prompt_token_ids: 1..{self.max_model_len - 1} tokens)"
+            )
+        cache_tokens = self.scheduler.max_seq_len
+        if len(prompt) >= cache_tokens:
+            raise ValueError(
+                f"prompt length {len(prompt)} must be < {cache_tokens}, the tokens the KV "
+                f"cache holds ({self.num_blocks} blocks of {self.config.cache.block_size})"
+            )
+        sched_cfg = self.config.scheduler
+        if not sched_cfg.enable_chunked_prefill and len(prompt) > sched_cfg.max_num_batched_tokens:
+            raise ValueError(
+                f"prompt length {len(prompt)} must be <= max_num_batched_tokens "
+                f"{sched_cfg.max_num_batched_tokens} when chunked prefill is off"
             )
         lo, hi = min(prompt), max(prompt)
         if lo < 0 or hi >= self.vocab_size:

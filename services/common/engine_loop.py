@@ -34,10 +34,10 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-#: How long the thread waits for a command when a step made no progress (the
-#: engine only waits for remote KV loads or saves), in seconds. Bounds the
-#: latency of noticing a finished transfer without spinning a core.
-_IDLE_POLL_S = 0.0005
+#: How long the thread waits when a step ran no forward pass (the engine only
+#: waits for remote KV loads or saves), in seconds. Finished transfers wake the
+#: thread at once (:meth:`EngineLoop.wake`); this only bounds a missed wake-up.
+_IDLE_POLL_S = 0.005
 
 
 class EngineLoop:
@@ -69,7 +69,6 @@ class EngineLoop:
         self._accepting = True
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
-        self.num_steps = 0
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -111,6 +110,10 @@ class EngineLoop:
 
         self._post(job)
         return await asyncio.wrap_future(future)
+
+    def wake(self) -> None:
+        """Make the thread step now (thread-safe; e.g. a KV transfer finished)."""
+        self._wake.set()
 
     def _post(self, job: Callable[[], None]) -> None:
         if self._stop or not self._thread.is_alive():
@@ -178,12 +181,17 @@ class EngineLoop:
         while True:
             self._wake.clear()
             while self._commands:
-                self._commands.popleft()()
+                job = self._commands.popleft()
+                try:
+                    job()
+                except Exception:  # noqa: BLE001 - fire-and-forget jobs (aborts) only
+                    logger.exception("engine command failed")
             if self._stop:
                 return
             if not self.engine.has_unfinished_requests() and not self._has_pending_transfers():
                 self._wake.wait()
                 continue
+            steps_before = self.engine.num_steps
             try:
                 outputs = self.engine.step()
             except Exception as exc:  # noqa: BLE001 - handed to every waiting handler
@@ -196,7 +204,6 @@ class EngineLoop:
                     self._queues.clear()
                 self._deliver([(q, exc) for q in queues])
                 continue
-            self.num_steps += 1
             items = []
             for out in outputs:
                 queue = self._queues.get(out.request_id)
@@ -206,8 +213,8 @@ class EngineLoop:
                 if out.finished:
                     del self._queues[out.request_id]
             self._deliver(items)
-            if not outputs:
-                # Nothing sampled (only waiting for KV transfers): don't spin.
+            if self.engine.num_steps == steps_before:
+                # No forward ran (only waiting for KV transfers): don't spin.
                 self._wake.wait(_IDLE_POLL_S)
 
 

@@ -174,9 +174,10 @@ async def _serve(ns: argparse.Namespace, role: str, config: EngineConfig) -> Non
     await server.start()
     address = advertise_address(ns.listen, ns.advertise_address, port)
 
-    metrics_server = None
+    metrics_server = gauges_task = None
     if ns.metrics_port is not None:
         metrics_server = ctx.metrics.serve(ns.metrics_port)
+        gauges_task = asyncio.create_task(_refresh_gauges(ctx), name="metrics-gauges")
 
     registration = None
     if ns.redis_url:
@@ -198,6 +199,18 @@ async def _serve(ns: argparse.Namespace, role: str, config: EngineConfig) -> Non
     await server.stop(ns.shutdown_grace_s)
     await engine_loop.shutdown()
     ctx.close()
+    if gauges_task is not None:
+        gauges_task.cancel()
     if metrics_server is not None:
         metrics_server.shutdown()
     logger.info("stopped")
+
+
+async def _refresh_gauges(ctx: ServiceContext, interval_s: float = 1.0) -> None:
+    """Keep the Prometheus gauges (queues, KV usage) current, with or without Redis."""
+    while True:
+        try:
+            await ctx.registry_load()
+        except Exception:  # noqa: BLE001 - metrics must never take the server down
+            logger.warning("refreshing metrics gauges failed", exc_info=True)
+        await asyncio.sleep(interval_s)

@@ -58,28 +58,41 @@ def _split(value: str) -> list[str]:
 
 
 def model_facts(model: str | None) -> tuple[str, int, int]:
-    """(served name, max_model_len, bytes of one 16-token KV block) from the model config.
+    """(model id, max_model_len, bytes of one 16-token KV block) from the model's config.
 
     The block size is an estimate for the handoff-bytes metric (16 tokens, 2-byte dtype
-    unless the config says float32).
+    unless the config says float32). A GGUF file's metadata is read with ``gguf`` directly:
+    several times faster than building a transformers config from it.
     """
-    from transformers import AutoConfig
-
     from tandem.engine.model_loader import default_model_path, model_id_of
 
     path = Path(model or default_model_path()).expanduser().resolve()
     name = model_id_of(model)
-    if path.is_file():  # a GGUF file: transformers reads the config from its metadata
-        cfg = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+    if path.is_file():
+        from gguf import GGUFReader
+
+        fields = GGUFReader(str(path)).fields
+        arch = fields["general.architecture"].contents()
+
+        def meta(key: str, default: int = 0) -> int:
+            f = fields.get(f"{arch}.{key}")
+            return int(f.contents()) if f is not None else default
+
+        heads = meta("attention.head_count", 1)
+        kv_heads = meta("attention.head_count_kv", heads)
+        head_dim = meta("attention.key_length", meta("embedding_length") // heads)
+        max_len, layers, dtype_bytes = meta("context_length", 2048), meta("block_count"), 2
     else:
+        from transformers import AutoConfig
+
         cfg = AutoConfig.from_pretrained(str(path))
-    max_len = int(getattr(cfg, "max_position_embeddings", 0) or 2048)
-    heads = cfg.num_attention_heads
-    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    dtype_bytes = 4 if str(getattr(cfg, "dtype", "")).endswith("float32") else 2
-    block_bytes = cfg.num_hidden_layers * 2 * 16 * kv_heads * head_dim * dtype_bytes
-    return name, max_len, block_bytes
+        max_len = int(getattr(cfg, "max_position_embeddings", 0) or 2048)
+        heads = cfg.num_attention_heads
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+        layers = cfg.num_hidden_layers
+        dtype_bytes = 4 if str(getattr(cfg, "dtype", "")).endswith("float32") else 2
+    return name, max_len, layers * 2 * 16 * kv_heads * head_dim * dtype_bytes
 
 
 class _Server:

@@ -377,7 +377,10 @@ class Pipeline:
         if msg.HasField("queue_ns"):
             t.decode_queue_ns = msg.queue_ns
             if ctx.stage == "both":
+                # Colocated: the first message carries the first token, so everything after
+                # the engine's queue up to it is prefill compute (RPC overhead included).
                 t.prefill_queue_ns = msg.queue_ns
+                t.prefill_compute_ns = max(0, t.first_decode_ns - msg.queue_ns)
         if msg.HasField("num_cached_tokens") and ctx.stage == "both":
             state.num_cached_tokens = msg.num_cached_tokens
         m = self.metrics

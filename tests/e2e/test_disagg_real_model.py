@@ -34,8 +34,8 @@ def test_real_model_disaggregated_greedy_matches_transformers(redis_url, tmp_pat
         [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}],
         [{"role": "user", "content": "Write a haiku about the sea, with lots of detail please."}],
     ]
-    prompts = [tok.apply_chat_template(c, add_generation_prompt=True, tokenize=True) for c in chats]
-    prompts = [list(p["input_ids"]) if isinstance(p, dict) else list(p) for p in prompts]
+    texts = [tok.apply_chat_template(c, add_generation_prompt=True, tokenize=False) for c in chats]
+    prompts = [tok.encode(t, add_special_tokens=False) for t in texts]
     store = KVStoreNode(redis_url, tmp_path)
     prefill = decode = None
     try:

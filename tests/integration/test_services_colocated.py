@@ -13,6 +13,7 @@ import grpc
 import pytest
 from services_harness import (
     EngineService,
+    free_port,
     hf_greedy,
     params,
     run_colocated,
@@ -31,8 +32,14 @@ def tiny(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def svc(tiny, tmp_path_factory):
-    service = EngineService("both", tiny, tmp_path_factory.mktemp("both"), None, ARGS)
+def metrics_port() -> int:
+    return free_port()
+
+
+@pytest.fixture(scope="module")
+def svc(tiny, metrics_port, tmp_path_factory):
+    service = EngineService("both", tiny, tmp_path_factory.mktemp("both"), None,
+                            [*ARGS, "--metrics-port", str(metrics_port)])
     yield service
     assert service.stop() == 0, "colocated service did not exit cleanly on SIGTERM"
 
@@ -128,3 +135,18 @@ def test_sigterm_drains_in_flight_requests_then_exits(tiny, tmp_path):
         assert service.proc.popen.wait(60) == 0
     finally:
         service.stop()
+
+
+def test_prometheus_metrics(svc, metrics_port):
+    import urllib.request
+
+    run_colocated(svc, [9, 9, 9], params(2))
+
+    def scrape() -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as r:
+            return r.read().decode()
+
+    text = scrape()
+    assert 'tandem:request_success_total{finished_reason="length",role="both"}' in text
+    assert "tandem:time_to_first_token_seconds_count" in text
+    wait_for(lambda: 'tandem:kv_cache_usage_perc{role="both"}' in scrape(), 30, "gauges")

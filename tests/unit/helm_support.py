@@ -68,7 +68,6 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
             "autoscaling": {"enabled": True, "minReplicas": 2, "maxReplicas": 6},
         },
         "prefill": {
-            "gpus": 2,
             "cache": {"kvCacheMemoryBytes": 40 * 2**30},
             "scheduler": {"maxNumBatchedTokens": 16384, "maxNumSeqs": 32},
             "nodeSelector": {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"},

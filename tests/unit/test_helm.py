@@ -122,6 +122,7 @@ def test_schema_rejects_missing_model_path(chart: Any) -> None:
         ({"model": {"source": "pvc"}}, "/model/pvc/claimName"),
         ({"model": {"source": "hostPath"}}, "/model/hostPath/path"),
         ({"prefill": {"gpus": -1}}, "/prefill/gpus"),
+        ({"decode": {"gpus": 2}}, "/decode/gpus"),
         ({"decode": {"replica": 2}}, "'replica' not allowed"),
         ({"router": {"routingPolicy": "random"}}, "/router/routingPolicy"),
         ({"cache": {"blockSize": 24}}, "/cache/blockSize"),

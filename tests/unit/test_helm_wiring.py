@@ -422,3 +422,23 @@ def test_service_monitor_scrapes_every_metrics_endpoint() -> None:
             resolve_port(c, svc_port["targetPort"])
             == listens["http" if component(svc) == "router" else "metrics"]
         )
+
+
+@pytest.mark.parametrize("name", ["default", "production"])
+def test_helm_test_hook_calls_the_router(name: str) -> None:
+    """`helm test`'s Pod runs valid Python against the router Service's HTTP port, with the
+    API key when the router requires one."""
+    docs = manifests(name)
+    (pod,) = [d for d in by_kind(docs, "Pod").values()]
+    assert pod["metadata"]["annotations"]["helm.sh/hook"] == "test"
+    (c,) = pod["spec"]["containers"]
+    compile(c["args"][0], "helm-test", "exec")  # raises SyntaxError on a broken script
+    url = env_value(docs, c, "TANDEM_URL")
+    match = re.fullmatch(r"http://([^:/]+):(\d+)", url)
+    assert match, url
+    service = by_kind(docs, "Service")[match.group(1)]
+    assert component(service) == "router"
+    (http,) = [p for p in service["spec"]["ports"] if p["name"] == "http"]
+    assert int(match.group(2)) == http["port"]
+    has_key = any(e["name"] == "TANDEM_API_KEY" for e in c.get("env", []))
+    assert has_key == (name == "production")

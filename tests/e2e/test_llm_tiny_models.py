@@ -1,0 +1,166 @@
+"""Offline ``LLM`` on tiny random-weight models of every supported architecture.
+
+Each model is built from its transformers config class, saved as a local Hugging
+Face folder (config.json + safetensors, no tokenizer) and loaded by path, so the
+whole path (loader -> engine -> scheduler -> runner -> sampler) is exercised.
+Oracle: transformers ``generate(do_sample=False)`` in float32, token for token.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from tandem import LLM, SamplingParams
+
+ARCHS = ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"]
+VOCAB = 256
+MAX_LEN = 256
+NEW_TOKENS = 12
+PROMPT_LENS = [1, 3, 16, 17, 45, 110]
+
+
+def build_tiny(arch: str, folder: str, tie: bool) -> transformers.PreTrainedModel:
+    config = getattr(transformers, arch.replace("ForCausalLM", "Config"))(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=MAX_LEN,
+        architectures=[arch],
+        tie_word_embeddings=tie,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
+    torch.manual_seed(hash(arch) % 1000)
+    model = getattr(transformers, arch)(config).eval()
+    with torch.no_grad():
+        # Larger than the default init so that logits are far from ties.
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.normal_(0.0, 0.2)
+    model.save_pretrained(folder)
+    return model
+
+
+def prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(7)
+    return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in PROMPT_LENS]
+
+
+def hf_greedy(model: transformers.PreTrainedModel, prompt: list[int], n: int):
+    """(tokens, per-step logits) of transformers' greedy generate."""
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=n,
+            min_new_tokens=n,
+            output_logits=True,
+            return_dict_in_generate=True,
+            pad_token_id=0,
+        )
+    return out.sequences[0, len(prompt) :].tolist(), [lg[0] for lg in out.logits]
+
+
+def assert_matches_hf(ours: list[int], hf: list[int], hf_logits: list[torch.Tensor]) -> None:
+    """Equal token for token; a first difference is allowed only at a near-tie."""
+    for i, (a, b) in enumerate(zip(ours, hf, strict=True)):
+        if a != b:
+            top2 = hf_logits[i].topk(2).values
+            gap = float(top2[0] - top2[1])
+            assert gap < 1e-4, f"position {i}: ours {a} vs hf {b}, top-2 gap {gap}"
+            return
+
+
+@pytest.fixture(scope="module", params=[(a, a in ("Qwen3ForCausalLM", "LlamaForCausalLM"))
+                                        for a in ARCHS], ids=ARCHS)
+def tiny(request, tmp_path_factory):
+    arch, tie = request.param
+    folder = str(tmp_path_factory.mktemp(arch))
+    hf = build_tiny(arch, folder, tie)
+    return folder, hf
+
+
+def make_llm(folder: str, **kwargs) -> LLM:
+    kwargs.setdefault("kv_cache_memory", 4 << 20)
+    return LLM(model=folder, dtype="float32", max_model_len=MAX_LEN, **kwargs)
+
+
+def assert_pool_full(llm: LLM) -> None:
+    pool = llm.llm_engine.engine_core.scheduler.kv_cache_manager.block_pool
+    assert pool.num_free_blocks == pool.num_blocks
+    assert not llm.llm_engine.engine_core.has_unfinished_requests()
+
+
+def test_greedy_matches_transformers(tiny) -> None:
+    folder, hf = tiny
+    llm = make_llm(folder, block_size=4)
+    ps = prompts()
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)
+    outs = llm.generate(ps, params, use_tqdm=False)
+    for prompt, out in zip(ps, outs, strict=True):
+        ref, logits = hf_greedy(hf, prompt, NEW_TOKENS)
+        assert out.prompt_token_ids == prompt
+        assert out.outputs[0].finish_reason == "length"
+        assert_matches_hf(out.outputs[0].token_ids, ref, logits)
+    assert_pool_full(llm)
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"enable_prefix_caching": False},
+        {"enable_chunked_prefill": True, "max_num_batched_tokens": 16},
+        {"num_blocks": 34, "block_size": 4, "kv_cache_memory": None},  # forces preemption
+        {"max_num_seqs": 1},
+    ],
+    ids=["no-prefix-cache", "chunked-16", "preemption", "one-at-a-time"],
+)
+def test_engine_settings_do_not_change_tokens(tiny, settings) -> None:
+    folder, hf = tiny
+    if "Llama" not in folder and settings.get("max_num_seqs") == 1:
+        pytest.skip("one architecture is enough for the sequential baseline")
+    ps = prompts()
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)
+    base = make_llm(folder).generate(ps, params, use_tqdm=False)
+    llm = make_llm(folder, **settings)
+    outs = llm.generate(ps, params, use_tqdm=False)
+    for a, b in zip(base, outs, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    stats = llm.llm_engine.engine_core.get_stats()
+    if "num_blocks" in settings:
+        assert stats.num_preemptions > 0, "the tiny KV cache must force preemption"
+    assert_pool_full(llm)
+
+
+def test_prefix_cache_hit_gives_same_tokens(tiny) -> None:
+    folder, _ = tiny
+    llm = make_llm(folder, block_size=4)
+    prompt = prompts()[-1]
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)
+    first = llm.generate([prompt], params, use_tqdm=False)[0]
+    again = llm.generate([prompt], params, use_tqdm=False)[0]
+    assert again.num_cached_tokens >= len(prompt) - 4
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids
+    assert_pool_full(llm)
+
+
+def test_aborts_free_blocks_tiny(tiny) -> None:
+    folder, _ = tiny
+    llm = make_llm(folder, max_num_batched_tokens=16)
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)
+    engine.add_request("a", prompts()[-1], params)
+    engine.step()  # "a" is mid-prefill (110 tokens, budget 16)
+    engine.abort_request("a")
+    outs = engine.step()
+    assert [o.outputs[0].finish_reason for o in outs] == ["abort"]
+    assert_pool_full(llm)
+    assert engine.engine_core.scheduler.requests == {}

@@ -1,0 +1,365 @@
+"""The OpenAI API end to end: `tandem up`'s disaggregated stack with the real default model.
+
+One stack per module (redis from the ``redis_url`` fixture, a KV store node, 1 prefill,
+1 decode, the router; float32) driven by the official ``openai`` client. The oracle is
+the offline ``LLM`` on the same model in float32: greedy text must match exactly, streamed
+or not, through chat and completions, over HTTP and gRPC.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import grpc
+import httpx
+import openai
+import pytest
+
+from tandem.engine.sampling_params import SamplingParams
+from tandem.up import Stack, StackConfig
+from tandem.v1 import common_pb2, decode_pb2_grpc, generation_pb2, generation_pb2_grpc
+
+pytestmark = pytest.mark.slow
+
+MODEL = "SmolLM2-135M-Instruct"
+MAX_TOKENS = 24
+QUESTIONS = ["What is the capital of France?", "Name three colors.", "Write a haiku about tea."]
+PROMPTS = ["The quick brown fox", "Once upon a time, in a small village,"]
+ENGINE_ARGS = ["--dtype", "float32", "--kv-cache-memory", str(192 << 20),
+               "--max-model-len", "2048"]
+
+
+def _chat(q: str) -> list[dict]:
+    return [{"role": "user", "content": q}]
+
+
+@pytest.fixture(scope="module")
+def oracle():
+    """Greedy outputs of the offline LLM (float32), computed once; the model is freed after."""
+    from tandem.engine.llm import LLM
+
+    llm = LLM(dtype="float32", kv_cache_memory=64 << 20, max_model_len=2048)
+    greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    chat = {q: o.outputs[0] for q, o in zip(
+        QUESTIONS, llm.chat([_chat(q) for q in QUESTIONS], greedy, use_tqdm=False), strict=True)}
+    comp = {p: o.outputs[0] for p, o in zip(
+        PROMPTS, llm.generate(PROMPTS, greedy, use_tqdm=False), strict=True)}
+    tok = llm.get_tokenizer()
+    del llm
+    return {"chat": chat, "completion": comp, "tokenizer": tok}
+
+
+import os  # TEMP-H6
+
+@pytest.fixture(scope="module")
+def redis_url():  # TEMP-H6 until H4's fixture lands
+    yield None
+
+
+@pytest.fixture(scope="module")
+def stack(redis_url, oracle):
+    cfg = StackConfig(num_prefill=1, num_decode=1, port=0, grpc_port=0, redis_url=redis_url,
+                      colocated=os.environ.get("H6_COLO") == "1",  # TEMP-H6
+                      engine_args=ENGINE_ARGS, router_args=["--max-model-len", "2048"],
+                      startup_timeout_s=600)
+    with Stack(cfg) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(stack):
+    return openai.OpenAI(base_url=f"{stack.http_url}/v1", api_key="none", max_retries=0,
+                         timeout=300)
+
+
+@pytest.fixture
+def aclient(stack):
+    return openai.AsyncOpenAI(base_url=f"{stack.http_url}/v1", api_key="none", max_retries=0,
+                              timeout=300)
+
+
+def test_chat_greedy_matches_offline_llm(client, oracle) -> None:
+    for q in QUESTIONS:
+        want = oracle["chat"][q]
+        resp = client.chat.completions.create(model=MODEL, messages=_chat(q),
+                                              max_tokens=MAX_TOKENS, temperature=0)
+        choice = resp.choices[0]
+        assert choice.message.content == want.text, q
+        assert choice.message.role == "assistant"
+        assert choice.finish_reason == want.finish_reason
+        assert resp.usage.completion_tokens == len(want.token_ids)
+        ids = oracle["tokenizer"].apply_chat_template(_chat(q), tokenize=False,
+                                                     add_generation_prompt=True)
+        assert resp.usage.prompt_tokens == len(oracle["tokenizer"].encode(
+            ids, add_special_tokens=False))
+        assert resp.usage.total_tokens == resp.usage.prompt_tokens + len(want.token_ids)
+
+
+def test_chat_stream_matches_and_is_well_formed(client, oracle) -> None:
+    q = QUESTIONS[0]
+    want = oracle["chat"][q]
+    stream = client.chat.completions.create(
+        model=MODEL, messages=_chat(q), max_tokens=MAX_TOKENS, temperature=0, stream=True,
+        stream_options={"include_usage": True})
+    chunks = list(stream)
+    content = [c for c in chunks if c.choices]
+    # The role arrives together with the first token, never alone before it.
+    assert content[0].choices[0].delta.role == "assistant"
+    assert content[0].choices[0].delta.content
+    assert all(c.choices[0].delta.role is None for c in content[1:])
+    assert "".join(c.choices[0].delta.content or "" for c in content) == want.text
+    assert [c.choices[0].finish_reason for c in content][-1] == want.finish_reason
+    assert all(c.choices[0].finish_reason is None for c in content[:-1])
+    usage = chunks[-1]
+    assert usage.choices == [] and usage.usage.completion_tokens == len(want.token_ids)
+    assert len({c.id for c in chunks}) == 1
+
+
+def test_completions_greedy_stream_and_not(client, oracle) -> None:
+    for p in PROMPTS:
+        want = oracle["completion"][p]
+        resp = client.completions.create(model=MODEL, prompt=p, max_tokens=MAX_TOKENS,
+                                         temperature=0)
+        assert resp.choices[0].text == want.text
+        assert resp.usage.completion_tokens == len(want.token_ids)
+        assert resp.usage.prompt_tokens == len(oracle["tokenizer"].encode(p))
+        text = "".join(c.choices[0].text for c in client.completions.create(
+            model=MODEL, prompt=p, max_tokens=MAX_TOKENS, temperature=0, stream=True))
+        assert text == want.text
+
+
+def test_token_id_prompts_and_batches(client, oracle) -> None:
+    ids = oracle["tokenizer"].encode(PROMPTS[0])
+    resp = client.completions.create(model=MODEL, prompt=ids, max_tokens=MAX_TOKENS,
+                                     temperature=0)
+    assert resp.choices[0].text == oracle["completion"][PROMPTS[0]].text
+    resp = client.completions.create(model=MODEL, prompt=PROMPTS, max_tokens=MAX_TOKENS,
+                                     temperature=0, n=2)
+    assert [c.index for c in resp.choices] == [0, 1, 2, 3]
+    texts = [c.text for c in resp.choices]
+    assert texts == [oracle["completion"][p].text for p in PROMPTS for _ in range(2)]
+
+
+def test_stop_string_cuts_text_and_cancels_decode(client, oracle) -> None:
+    want = oracle["completion"][PROMPTS[1]].text
+    words = want.split()
+    assert len(words) > 4, want
+    stop = words[3]
+    cut = want[: want.index(stop)]
+    for stream in (False, True):
+        resp = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=MAX_TOKENS,
+                                         temperature=0, stop=[stop, "zzzz-never"],
+                                         stream=stream)
+        if stream:
+            chunks = list(resp)
+            text = "".join(c.choices[0].text for c in chunks)
+            finish = chunks[-1].choices[0].finish_reason
+        else:
+            text, finish = resp.choices[0].text, resp.choices[0].finish_reason
+        assert text == cut, (stream, stop)
+        assert finish == "stop"
+    resp = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=MAX_TOKENS,
+                                     temperature=0, stop=stop,
+                                     extra_body={"include_stop_str_in_output": True})
+    assert resp.choices[0].text == cut + stop
+    assert resp.choices[0].model_extra["stop_reason"] == stop
+
+
+def test_n_choices_greedy_and_seeded(client, oracle) -> None:
+    q = QUESTIONS[1]
+    resp = client.chat.completions.create(model=MODEL, messages=_chat(q), n=3,
+                                          max_tokens=MAX_TOKENS, temperature=0)
+    assert sorted(c.index for c in resp.choices) == [0, 1, 2]
+    assert all(c.message.content == oracle["chat"][q].text for c in resp.choices)
+    assert resp.usage.completion_tokens == 3 * len(oracle["chat"][q].token_ids)
+    kw = dict(model=MODEL, messages=_chat(q), n=2, max_tokens=12, temperature=1.0, seed=7)
+    a = client.chat.completions.create(**kw)
+    b = client.chat.completions.create(**kw)
+    assert [c.message.content for c in a.choices] == [c.message.content for c in b.choices]
+    chunks = list(client.chat.completions.create(**kw, stream=True))
+    by_index = {0: "", 1: ""}
+    for c in chunks:
+        for ch in c.choices:
+            by_index[ch.index] += ch.delta.content or ""
+    assert [by_index[0], by_index[1]] == [c.message.content for c in a.choices]
+
+
+def test_max_tokens_one(client) -> None:
+    for stream in (False, True):
+        resp = client.chat.completions.create(model=MODEL, messages=_chat("Hi"), max_tokens=1,
+                                              temperature=0, stream=stream,
+                                              stream_options={"include_usage": True}
+                                              if stream else None)
+        if stream:
+            chunks = list(resp)
+            assert chunks[-1].usage.completion_tokens == 1
+            assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+        else:
+            assert resp.usage.completion_tokens == 1
+            assert resp.choices[0].finish_reason == "length"
+
+
+def test_logprobs_chat_and_completions(client, oracle) -> None:
+    q = QUESTIONS[0]
+    resp = client.chat.completions.create(model=MODEL, messages=_chat(q), max_tokens=8,
+                                          temperature=0, logprobs=True, top_logprobs=3)
+    content = resp.choices[0].logprobs.content
+    assert len(content) == resp.usage.completion_tokens == 8
+    for entry in content:
+        assert len(entry.top_logprobs) == 3
+        assert entry.logprob <= 0
+        # Greedy: the sampled token is the most likely one.
+        assert entry.logprob == pytest.approx(max(t.logprob for t in entry.top_logprobs))
+        assert entry.token == entry.top_logprobs[0].token
+    # Token texts spell the message (the EOS token's text, if it came, is not in it).
+    assert "".join(e.token for e in content).startswith(resp.choices[0].message.content)
+    comp = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=6,
+                                     temperature=0, logprobs=2)
+    lp = comp.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6
+    assert all(len(t) <= 2 for t in lp.top_logprobs)
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
+
+
+def test_echo_prepends_prompt(client, oracle) -> None:
+    p = PROMPTS[0]
+    resp = client.completions.create(model=MODEL, prompt=p, max_tokens=MAX_TOKENS,
+                                     temperature=0, echo=True)
+    assert resp.choices[0].text == p + oracle["completion"][p].text
+    text = "".join(c.choices[0].text for c in client.completions.create(
+        model=MODEL, prompt=p, max_tokens=MAX_TOKENS, temperature=0, echo=True, stream=True))
+    assert text == p + oracle["completion"][p].text
+
+
+def test_request_id_propagated_and_echoed(stack) -> None:
+    resp = httpx.post(f"{stack.http_url}/v1/chat/completions",
+                      json={"model": MODEL, "messages": _chat("Hi"), "max_tokens": 2},
+                      headers={"X-Request-Id": "my-req-42"}, timeout=120)
+    assert resp.status_code == 200, resp.text
+    assert resp.headers["X-Request-Id"] == "my-req-42"
+    assert resp.json()["id"] == "chatcmpl-my-req-42"
+    timings = resp.json()["timings"]
+    if not stack.config.colocated:
+        assert timings["prefill_instance"] != timings["decode_instance"]
+
+
+def test_grpc_generate_matches_http(stack, oracle) -> None:
+    q = QUESTIONS[2]
+    with grpc.insecure_channel(stack.grpc_address) as ch:
+        stub = generation_pb2_grpc.GenerationServiceStub(ch)
+        req = generation_pb2.GenerateRequest(
+            request_id="grpc-1",
+            chat=generation_pb2.ChatMessages(messages=[
+                generation_pb2.ChatMessage(role="user", content=q)]),
+            sampling_params=common_pb2.SamplingParams(temperature=0, max_tokens=MAX_TOKENS))
+        msgs = list(stub.Generate(req, timeout=300))
+    assert "".join(m.text for m in msgs) == oracle["chat"][q].text
+    assert [t for m in msgs for t in m.token_ids] == oracle["chat"][q].token_ids
+    assert all(m.request_id == "grpc-1" for m in msgs)
+    last = msgs[-1]
+    assert last.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
+    assert last.usage.completion_tokens == len(oracle["chat"][q].token_ids)
+    assert last.timings.ttft_ns > 0 and last.timings.prefill_compute_ns > 0
+
+
+def test_bad_request_amid_good_ones_disturbs_none(stack, oracle) -> None:
+    async def run() -> list:
+        async with openai.AsyncOpenAI(base_url=f"{stack.http_url}/v1", api_key="none",
+                                      max_retries=0, timeout=300) as ac:
+            async def good(i: int) -> str:
+                q = QUESTIONS[i % len(QUESTIONS)]
+                r = await ac.chat.completions.create(model=MODEL, messages=_chat(q),
+                                                     max_tokens=MAX_TOKENS, temperature=0)
+                return r.choices[0].message.content
+
+            async def bad() -> int:
+                try:
+                    await ac.chat.completions.create(model=MODEL, messages=_chat("x"),
+                                                     max_tokens=MAX_TOKENS, temperature=-1)
+                except openai.BadRequestError as exc:
+                    return exc.status_code
+                return 200
+
+            tasks = [good(i) for i in range(16)]
+            tasks.insert(8, bad())
+            return await asyncio.gather(*tasks)
+
+    results = asyncio.run(run())
+    assert results[8] == 400
+    goods = results[:8] + results[9:]
+    assert goods == [oracle["chat"][QUESTIONS[i % len(QUESTIONS)]].text for i in range(16)]
+
+
+def test_64_concurrent_streams_complete(stack) -> None:
+    async def run() -> list[tuple[str, str | None]]:
+        async with openai.AsyncOpenAI(base_url=f"{stack.http_url}/v1", api_key="none",
+                                      max_retries=0, timeout=600) as ac:
+            async def one(i: int) -> tuple[str, str | None]:
+                stream = await ac.completions.create(
+                    model=MODEL, prompt=f"Request {i}: count to ten.", max_tokens=8,
+                    temperature=0, stream=True)
+                text, finish = "", None
+                async for c in stream:
+                    text += c.choices[0].text
+                    finish = c.choices[0].finish_reason or finish
+                return text, finish
+
+            return await asyncio.gather(*(one(i) for i in range(64)))
+
+    results = asyncio.run(run())
+    assert len(results) == 64
+    assert all(finish in ("stop", "length") for _, finish in results)
+    assert all(text for text, _ in results)
+
+
+def _decode_load(stack) -> common_pb2.GetLoadResponse:
+    address = stack.part("colocated-0" if stack.config.colocated else "decode-0").url
+    with grpc.insecure_channel(address) as ch:
+        return decode_pb2_grpc.DecodeServiceStub(ch).GetLoad(common_pb2.GetLoadRequest(),
+                                                             timeout=10)
+
+
+def _wait_for(cond, timeout_s: float, what: str):  # noqa: ANN001, ANN202
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not (value := cond()):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out waiting for {what}")
+        time.sleep(0.1)
+    return value
+
+
+def test_disconnect_mid_stream_frees_decode_blocks(stack) -> None:
+    body = {"model": MODEL, "prompt": "Tell me a very long story.", "max_tokens": 1500,
+            "ignore_eos": True, "temperature": 0, "stream": True}
+    with httpx.Client(timeout=120) as http:
+        with http.stream("POST", f"{stack.http_url}/v1/completions", json=body) as resp:
+            assert resp.status_code == 200
+            events = []
+            for line in resp.iter_lines():
+                if line.startswith("data: {"):
+                    events.append(json.loads(line[6:]))
+                if len(events) >= 5:
+                    break
+            load = _decode_load(stack)
+            assert load.num_running_requests + load.num_waiting_requests >= 1
+        # Leaving the block closes the connection mid-stream.
+    load = _wait_for(lambda: (lambda r: r if r.num_running_requests == 0
+                              and r.num_waiting_requests == 0
+                              and r.num_free_blocks == r.num_total_blocks else None)(
+        _decode_load(stack)), 60, "decode instance to free the request's blocks")
+    assert load.num_total_blocks > 0
+
+
+def test_metrics_exposed(stack) -> None:
+    text = httpx.get(f"{stack.http_url}/metrics", timeout=30).text
+    for name in ("tandem:time_to_first_token_seconds_bucket",
+                 "tandem:inter_token_latency_seconds_bucket",
+                 "tandem:e2e_request_latency_seconds_count",
+                 "tandem:prompt_tokens_total", "tandem:generation_tokens_total",
+                 "tandem:num_requests_running", "tandem:num_requests_waiting",
+                 "tandem:kv_cache_usage_perc", "tandem:prefix_cache_hit_rate",
+                 "tandem:kv_handoff_seconds_count"):
+        assert name in text, name
