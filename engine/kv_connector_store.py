@@ -35,7 +35,6 @@ import logging
 import queue
 import threading
 import time
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -77,19 +76,19 @@ def layout_fingerprint(layout: Any) -> bytes:
 
 
 class BlockStoreClient(Protocol):
-    """What this connector needs from the KV store (kvstore's sync client).
+    """What this connector needs from the KV store: ``tandem.kvstore.client.KVStoreClient``,
+    the synchronous facade of kvstore's batched ``BlockStore``, callable from a thread.
 
     All calls block the calling (transfer) thread, never the engine thread.
     """
 
-    def contains(self, keys: list[Any]) -> list[bool]:
-        """Whether each key is in the store (a metadata lookup)."""
+    def put_blocks(self, keys: list[Any], blocks: list[Any]) -> int:
+        """Store ``blocks[i]`` (contiguous CPU buffers) under ``keys[i]``; keys already
+        present are not sent again. Returns how many blocks are stored. Raises on failure."""
 
-    def put(self, keys: list[Any], values: list[Any]) -> Any:
-        """Store each value (a bytes-like block) under its key."""
-
-    def get(self, keys: list[Any]) -> list[Any | None]:
-        """Each key's bytes, or ``None`` on a miss or a bad checksum (never raises on a miss)."""
+    def get_blocks(self, keys: list[Any], into: list[Any]) -> int:
+        """Load the leading present blocks into ``into[i]`` (writable contiguous buffers);
+        returns how many leading blocks arrived intact (a miss or bad checksum stops it)."""
 
     def close(self) -> None:
         """Release connections."""
@@ -102,14 +101,14 @@ class SaveResult:
     Attributes:
         ok: False when the store failed (the blocks are freed anyway).
         num_blocks: blocks of the request.
-        num_uploaded: blocks the store lacked and received.
+        num_stored: blocks the store holds after the put (present ones were not resent).
         done_ns: ``time.monotonic_ns()`` at completion.
         error: the failure's message, if any.
     """
 
     ok: bool
     num_blocks: int
-    num_uploaded: int
+    num_stored: int
     done_ns: int
     error: str | None = None
 
@@ -236,29 +235,23 @@ class _Transfers:
             else:
                 self._load(job)
 
-    def _block_bytes(self, block_id: int) -> Any:
+    def _host_block(self, block_id: int) -> torch.Tensor:
+        """Block ``block_id`` as a contiguous CPU tensor (a view on CPU, a copy on GPU)."""
         assert self.kv_cache is not None, "register_kv_caches was not called"
         block = self.kv_cache[block_id]
-        if block.device.type != "cpu":
-            block = block.cpu()
-        # NOTE: a zero-copy byte view of the contiguous block; the scheduler keeps
-        # the block allocated until this save reports done.
-        return block.contiguous().view(torch.uint8).reshape(-1).numpy()
+        return block if block.device.type == "cpu" else block.cpu()
 
     def _save(self, job: _Job) -> None:
-        uploaded, error = 0, None
+        stored, error = 0, None
         try:
-            client = self._client_or_connect()
-            present = client.contains(job.keys)
-            missing = [i for i, hit in enumerate(present) if not hit]
-            if missing:
-                values = [self._block_bytes(job.block_ids[i]) for i in missing]
-                client.put([job.keys[i] for i in missing], values)
-            uploaded = len(missing)
+            # NOTE: on CPU these are views of the cache, sent without a copy; the
+            # scheduler keeps the blocks allocated until this save reports done.
+            blocks = [self._host_block(b) for b in job.block_ids]
+            stored = self._client_or_connect().put_blocks(job.keys, blocks)
         except Exception as exc:  # noqa: BLE001 - a failed publish is a later miss, not a crash
             logger.warning("publishing KV of %s failed: %s", job.request_id, exc, exc_info=True)
             error = f"{type(exc).__name__}: {exc}"
-        result = SaveResult(error is None, len(job.keys), uploaded, time.monotonic_ns(), error)
+        result = SaveResult(error is None, len(job.keys), stored, time.monotonic_ns(), error)
         with self._lock:
             self._in_flight.pop(job.request_id, None)
             self._finished_sending.add(job.request_id)
@@ -269,19 +262,19 @@ class _Transfers:
         loaded = 0
         if not job.cancelled:
             try:
-                values = self._client_or_connect().get(job.keys)
                 assert self.kv_cache is not None, "register_kv_caches was not called"
-                for value, block_id, n in zip(values, job.block_ids, job.num_tokens, strict=True):
-                    if value is None or job.cancelled:
-                        break  # a miss ends the usable prefix; the rest is recomputed
-                    dst = self.kv_cache[block_id].view(torch.uint8).reshape(-1)
-                    src = _byte_tensor(value)
-                    if src.numel() != dst.numel():
-                        logger.warning("block of %d bytes, expected %d: treated as a miss",
-                                       src.numel(), dst.numel())
-                        break
-                    dst.copy_(src)
-                    loaded += n
+                on_cpu = self.kv_cache.device.type == "cpu"
+                # On CPU the store writes straight into the cache blocks; on GPU
+                # through host staging buffers.
+                into = [
+                    self.kv_cache[b] if on_cpu else torch.empty_like(self.kv_cache[b], device="cpu")
+                    for b in job.block_ids
+                ]
+                num_blocks = self._client_or_connect().get_blocks(job.keys, into)
+                if not on_cpu:
+                    for b, buf in zip(job.block_ids[:num_blocks], into, strict=False):
+                        self.kv_cache[b].copy_(buf)
+                loaded = sum(job.num_tokens[:num_blocks])
             except Exception as exc:  # noqa: BLE001 - a failed load is a miss: recompute
                 logger.warning("loading KV of %s failed: %s", job.request_id, exc, exc_info=True)
         requested = sum(job.num_tokens)
@@ -293,15 +286,6 @@ class _Transfers:
             self._finished_recving[job.request_id] = loaded
         if self.listener is not None and not job.cancelled:
             self.listener.on_load_done(job.request_id, result)
-
-
-def _byte_tensor(value: Any) -> torch.Tensor:
-    """A uint8 tensor over a bytes-like block without copying (only ever read)."""
-    with warnings.catch_warnings():
-        # NOTE: torch warns that a read-only buffer could be written through the
-        # tensor; this tensor is only the source of a copy.
-        warnings.simplefilter("ignore", UserWarning)
-        return torch.frombuffer(memoryview(value), dtype=torch.uint8)
 
 
 class StoreConnectorScheduler(KVConnectorScheduler):
@@ -442,7 +426,7 @@ def _default_client_factory(params: dict[str, Any]) -> Callable[[], BlockStoreCl
 
 
 def _default_make_key(block_hash: bytes, fingerprint: bytes) -> Any:
-    from tandem.kvstore.client import BlockKey
+    from tandem.kvstore.keys import BlockKey
 
     return BlockKey(block_hash, fingerprint)
 

@@ -17,8 +17,10 @@ core, which passes ``runner.kv_cache`` to ``KVConnectorWorker.register_kv_caches
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
+import sys
 
 import torch
 
@@ -37,6 +39,28 @@ logger = logging.getLogger(__name__)
 # services may run on one laptop), so the profiled budget is capped like vLLM's
 # CPU backend does (VLLM_CPU_KVCACHE_SPACE, 4 GiB by default).
 CPU_MAX_KV_CACHE_BYTES = 4 << 30
+
+
+def tune_glibc_malloc() -> bool:
+    """Keep freed memory in the process instead of returning it to the OS.
+
+    NOTE: every step allocates and frees activations of 1-30 MiB per op. With
+    glibc's defaults such blocks are mmap'd / trimmed on free, so each new one
+    page-faults on first write; on the 2-core test VMs that made the decode KV
+    gather 8x slower (14 ms vs 1.5 ms per layer at batch 64) and a whole decode
+    step 2x slower. Raising the mmap and trim thresholds makes the heap act as
+    a caching allocator (as PyTorch's CUDA allocator does). Process-wide and
+    idempotent; a no-op (False) where glibc's ``mallopt`` is unavailable.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    m_trim_threshold, m_top_pad, m_mmap_threshold = -1, -2, -3
+    ok = libc.mallopt(m_mmap_threshold, 1 << 30) == 1 or libc.mallopt(m_mmap_threshold, 32 << 20)
+    ok = libc.mallopt(m_trim_threshold, 1 << 30) == 1 and bool(ok)
+    libc.mallopt(m_top_pad, 64 << 20)
+    return ok
 
 
 def _available_memory_bytes() -> int:
@@ -71,6 +95,8 @@ class ModelRunner:
 
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         self.config = config
+        if config.model.device == "cpu" and sys.platform.startswith("linux"):
+            tune_glibc_malloc()
         self.loaded = loaded if loaded is not None else load_model(config.model)
         self.model = self.loaded.model
         hf = self.loaded.hf_config

@@ -362,6 +362,8 @@ class Pipeline:
                     raise OpenAIError(str(exc), status_code=503, code="instance_failed") from exc
             finally:
                 # Stop string matched, client gone, or error: abort on the engine.
+                if not call.done():
+                    logger.debug("cancelling decode of %s on %s", dreq.request_id, info.address)
                 call.cancel()
                 self.discovery.release(info.address)
         raise _unavailable(ctx.stage, last)

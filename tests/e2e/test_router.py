@@ -337,14 +337,17 @@ def test_disconnect_mid_stream_frees_decode_blocks(stack) -> None:
     with httpx.Client(timeout=120) as http:
         with http.stream("POST", f"{stack.http_url}/v1/completions", json=body) as resp:
             assert resp.status_code == 200
+            # NOTE: next() on one iterator, not a `for ... break`: closing the iterator
+            # would close the response (disconnect) before the check below.
+            lines = resp.iter_lines()
             events = []
-            for line in resp.iter_lines():
+            while len(events) < 5:
+                line = next(lines)
                 if line.startswith("data: {"):
                     events.append(json.loads(line[6:]))
-                if len(events) >= 5:
-                    break
+            assert all("error" not in e for e in events), events
             load = _decode_load(stack)
-            assert load.num_running_requests + load.num_waiting_requests >= 1
+            assert load.num_running_requests + load.num_waiting_requests >= 1, events
         # Leaving the block closes the connection mid-stream.
     load = _wait_for(lambda: (lambda r: r if r.num_running_requests == 0
                               and r.num_waiting_requests == 0

@@ -9,15 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import random
-import sys
-from pathlib import Path
 
 import grpc
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
-
-from services_harness import (  # noqa: E402
+from services_harness import (
     EngineService,
     KVStoreNode,
     decode_request_from,
@@ -29,7 +24,7 @@ from services_harness import (  # noqa: E402
     wait_for,
 )
 
-from tandem.v1 import (  # noqa: E402
+from tandem.v1 import (
     common_pb2,
     decode_pb2,
     decode_pb2_grpc,

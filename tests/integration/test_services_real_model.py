@@ -6,14 +6,8 @@ Loads the model three times (two services + the oracle), once per module.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
-
-from services_harness import (  # noqa: E402
+from services_harness import (
     EngineService,
     KVStoreNode,
     hf_greedy,

@@ -3,15 +3,9 @@ a decode process killed mid-stream. Tiny random Llama, float32."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import grpc
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
-
-from services_harness import (  # noqa: E402
+from services_harness import (
     EngineService,
     KVStoreNode,
     decode_request_from,
@@ -20,7 +14,7 @@ from services_harness import (  # noqa: E402
     tiny_model_dir,
 )
 
-from tandem.v1 import decode_pb2, prefill_pb2  # noqa: E402
+from tandem.v1 import decode_pb2, prefill_pb2
 
 ARGS = ["--num-kv-blocks", "128", "--block-size", "16"]
 

@@ -1,0 +1,103 @@
+"""The store's metadata in Redis: block index entries and the node registry.
+
+Schema (all keys under ``tandem:``):
+
+- ``tandem:kv:blk:<fingerprint hex>:<hash hex>`` -> string
+  ``"<node_id>|<slot>|<size_bytes>|<xxh3-64 hex>"``: where a block lives. Written
+  only by the node that holds the bytes, after the bytes are complete (the
+  entry is the commit marker); optional Redis TTL for block expiry.
+- ``tandem:kvnode:<node_id>`` -> hash (``address``, ``ucx_address`` hex,
+  ``capacity_bytes``, ``used_bytes``, ``num_blocks``, ``slot_bytes``, ``hostname``,
+  ``pid``, ``updated_at``) with a heartbeat TTL: a node whose key expired is dead
+  and its blocks are misses.
+- ``tandem:kvnodes`` -> set of node ids ever registered (dead ones are pruned by readers).
+
+A batch's index update (new entries plus removal of the blocks evicted to make
+room) is one Lua script, so it is atomic.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+NODE_PREFIX = "tandem:kvnode:"
+NODES_SET = "tandem:kvnodes"
+
+# KEYS: ndel keys to delete-if-owned, then keys to set.
+# ARGV: ndel, then per deleted key the expected value prefix "<node>|<slot>|",
+# then per set key its value and TTL in ms (0: none).
+COMMIT_LUA = """
+local ndel = tonumber(ARGV[1])
+local i = 2
+for k = 1, ndel do
+  local v = redis.call('GET', KEYS[k])
+  if v and string.sub(v, 1, string.len(ARGV[i])) == ARGV[i] then
+    redis.call('DEL', KEYS[k])
+  end
+  i = i + 1
+end
+for k = ndel + 1, #KEYS do
+  local ttl = tonumber(ARGV[i + 1])
+  if ttl > 0 then
+    redis.call('SET', KEYS[k], ARGV[i], 'PX', ttl)
+  else
+    redis.call('SET', KEYS[k], ARGV[i])
+  end
+  i = i + 2
+end
+return #KEYS - ndel
+"""
+
+
+def node_key(node_id: str) -> str:
+    """Redis key of a node's registry hash."""
+    return NODE_PREFIX + node_id
+
+
+@dataclass(frozen=True)
+class IndexEntry:
+    """Where one block lives (the value of its index key)."""
+
+    node_id: str
+    slot: int
+    size_bytes: int
+    checksum: str
+
+    def encode(self) -> str:
+        return f"{self.node_id}|{self.slot}|{self.size_bytes}|{self.checksum}"
+
+    @property
+    def owner_prefix(self) -> str:
+        """Prefix that identifies this node's slot (compare-and-delete)."""
+        return f"{self.node_id}|{self.slot}|"
+
+    @classmethod
+    def decode(cls, raw: bytes | str | None) -> IndexEntry | None:
+        """Parse an index value; ``None`` (a miss) for absent or malformed values."""
+        if raw is None:
+            return None
+        text = raw.decode() if isinstance(raw, bytes) else raw
+        parts = text.split("|")
+        if len(parts) != 4:
+            return None
+        try:
+            return cls(parts[0], int(parts[1]), int(parts[2]), parts[3])
+        except ValueError:
+            return None
+
+
+def commit_args(
+    evicted: list[tuple[str, str]], new: list[tuple[str, str, int]]
+) -> tuple[list[str], list[str | int]]:
+    """KEYS and ARGV of :data:`COMMIT_LUA`.
+
+    Args:
+        evicted: ``(redis key, owner prefix)`` of index entries to remove if still owned.
+        new: ``(redis key, encoded entry, ttl_ms)`` to write.
+    """
+    keys = [k for k, _ in evicted] + [k for k, _, _ in new]
+    argv: list[str | int] = [len(evicted)]
+    argv += [prefix for _, prefix in evicted]
+    for _, value, ttl_ms in new:
+        argv += [value, ttl_ms]
+    return keys, argv

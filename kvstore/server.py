@@ -1,0 +1,592 @@
+"""`tandem kvstore`: one KV store node (UCX data plane, Redis index).
+
+    tandem kvstore --listen HOST:PORT --capacity BYTES --redis-url URL
+                   [--node-id ID] [--metrics-port PORT] [--heartbeat-ttl-s S]
+                   [--block-ttl-s S] [--slot-bytes N] [--transfer-timeout-s S]
+
+The node preallocates ``--capacity`` bytes of host memory (kvstore/pool.py),
+registers itself in Redis with its UCX worker address and a heartbeat TTL,
+and serves batched put/get requests (kvstore/protocol.py): payloads move
+between the wire and pool slots directly. ``--listen HOST:PORT`` is the node's
+address in the registry (what ``--kvstore HOST:PORT`` of prefill/decode names
+as their local node); HTTP ``/health`` and ``/metrics`` are served on
+``--metrics-port`` (default: the ``--listen`` port).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import redis.asyncio as aioredis
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from redis.exceptions import RedisError
+
+from tandem.kvstore import protocol as proto
+from tandem.kvstore.index import COMMIT_LUA, NODES_SET, IndexEntry, commit_args, node_key
+from tandem.kvstore.keys import INDEX_PREFIX, BlockKey
+from tandem.kvstore.metrics import NodeMetrics
+from tandem.kvstore.pool import Entry, PoolFullError, SlotPool
+from tandem.kvstore.ucx import endpoint_to, init_ucx, worker_address, worker_recv
+
+logger = logging.getLogger("tandem.kvstore.server")
+
+_SIZE_SUFFIX = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def parse_bytes(text: str) -> int:
+    """``"1073741824"``, ``"512MiB"``, ``"1G"``, ``"64KB"`` -> bytes (binary units).
+
+    Raises:
+        ValueError: not a size.
+    """
+    t = text.strip().upper().removesuffix("IB").removesuffix("B")
+    suffix = t[-1:] if t[-1:] in _SIZE_SUFFIX and not t[-1:].isdigit() else ""
+    try:
+        value = float(t[: len(t) - len(suffix)] if suffix else t)
+    except ValueError as exc:
+        raise ValueError(f"not a byte size: {text!r}") from exc
+    return int(value * _SIZE_SUFFIX[suffix])
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    """A store node's settings (from the command line).
+
+    Attributes:
+        host, port: the ``--listen`` address, advertised in the registry.
+        capacity_bytes: pool size.
+        redis_url: the index.
+        node_id: registry id (default: hostname-port-random).
+        metrics_port: HTTP /health and /metrics port (0: pick a free one).
+        heartbeat_ttl_s: registry TTL; refreshed every third of it.
+        block_ttl_s: drop blocks this long after their put (``None``: never).
+        slot_bytes: fix the slot size up front (default: the first block's size).
+        transfer_timeout_s: a payload transfer that takes longer fails and its
+            connection is dropped (dead or stuck client).
+    """
+
+    host: str
+    port: int
+    capacity_bytes: int
+    redis_url: str
+    node_id: str
+    metrics_port: int
+    heartbeat_ttl_s: float = 10.0
+    block_ttl_s: float | None = None
+    slot_bytes: int | None = None
+    transfer_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.capacity_bytes < 1:
+            raise ValueError(f"capacity must be >= 1 byte, got {self.capacity_bytes}")
+        if self.heartbeat_ttl_s <= 0:
+            raise ValueError(f"heartbeat_ttl_s must be > 0, got {self.heartbeat_ttl_s}")
+        if self.block_ttl_s is not None and self.block_ttl_s <= 0:
+            raise ValueError(f"block_ttl_s must be > 0, got {self.block_ttl_s}")
+        if self.transfer_timeout_s <= 0:
+            raise ValueError(f"transfer_timeout_s must be > 0, got {self.transfer_timeout_s}")
+
+
+class _Conn:
+    """One client connection: our endpoint to it and the ids each side chose."""
+
+    def __init__(self, conn_id: int, peer_conn_id: int, ep: Any) -> None:
+        self.conn_id = conn_id
+        self.peer_conn_id = peer_conn_id
+        self.ep = ep
+        self.closed = False
+
+    async def reply(self, request_id: int, msg: dict[str, Any]) -> None:
+        tag = proto.make_tag(self.peer_conn_id, request_id, proto.CTRL_PART)
+        await self.ep.send(proto.encode(msg), tag=tag, force_tag=True)
+
+    def abort(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.ep.abort()
+
+
+class StoreNode:
+    """The node's state and request handlers; everything runs on one event loop."""
+
+    def __init__(self, cfg: NodeConfig) -> None:
+        self.cfg = cfg
+        self.pool = SlotPool(cfg.capacity_bytes, cfg.slot_bytes)
+        self.metrics = NodeMetrics()
+        self.metrics.capacity_bytes.set(cfg.capacity_bytes)
+        self.redis = aioredis.from_url(cfg.redis_url, socket_timeout=5, socket_connect_timeout=5)
+        self._commit = self.redis.register_script(COMMIT_LUA)
+        self._next_conn = 1
+        self._conns: dict[int, _Conn] = {}
+        self._fp_sizes: dict[str, int] = {}  # layout fingerprint hex -> block bytes
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self.redis_ok = False
+        self.test_hooks = os.environ.get("TANDEM_KVSTORE_TEST_HOOKS") == "1"
+        self.ucx_address = b""
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        init_ucx()
+        self.ucx_address = worker_address()
+        self._spawn(self._hello_loop())
+        await self._heartbeat_once()
+        self._spawn(self._heartbeat_loop())
+        self._spawn(self._expiry_loop())
+        logger.info("kvstore node %s on %s:%d: %d bytes, heartbeat TTL %.1fs",
+                    self.cfg.node_id, self.cfg.host, self.cfg.port, self.cfg.capacity_bytes,
+                    self.cfg.heartbeat_ttl_s)
+
+    def _spawn(self, coro: Any) -> asyncio.Task[Any]:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+        return task
+
+    def _task_done(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            logger.error("task failed: %r", task.exception(), exc_info=task.exception())
+
+    async def stop(self) -> None:
+        for t in list(self._tasks):
+            t.cancel()
+        for c in self._conns.values():
+            c.abort()
+        try:
+            await self.redis.delete(node_key(self.cfg.node_id))
+        except RedisError:
+            pass
+        await self.redis.aclose()
+
+    # -- registry -----------------------------------------------------------------------------
+
+    def _registry_fields(self) -> dict[str, Any]:
+        return {
+            "address": f"{self.cfg.host}:{self.cfg.port}",
+            "ucx_address": self.ucx_address.hex(),
+            "capacity_bytes": self.cfg.capacity_bytes,
+            "used_bytes": self.pool.used_bytes,
+            "num_blocks": self.pool.num_blocks,
+            "slot_bytes": self.pool.slot_bytes or 0,
+            "hostname": socket.gethostname(),
+            "pid": os.getpid(),
+            "updated_at": time.time(),
+        }
+
+    async def _heartbeat_once(self) -> None:
+        key = node_key(self.cfg.node_id)
+        fields = self._registry_fields()
+        ttl_ms = int(self.cfg.heartbeat_ttl_s * 1000)
+        try:
+            async with self.redis.pipeline(transaction=True) as pipe:
+                pipe.exists(key)
+                pipe.hset(key, mapping=fields)
+                pipe.pexpire(key, ttl_ms)
+                pipe.sadd(NODES_SET, self.cfg.node_id)
+                existed, *_ = await pipe.execute()
+        except (RedisError, OSError) as exc:
+            if self.redis_ok:
+                logger.warning("heartbeat failed (Redis unreachable?): %s", exc)
+            self.redis_ok = False
+            return
+        if not existed and self.pool.num_blocks:
+            # Registry entry was gone: Redis restarted (or we were partitioned long
+            # enough to expire). Re-publish what this node holds.
+            await self._republish()
+        self.redis_ok = True
+
+    async def _republish(self) -> None:
+        new = []
+        for key in self.pool.lru_keys():
+            e = self.pool.entries[key]
+            ttl_ms = self._ttl_ms(e)
+            if ttl_ms is None:
+                continue
+            new.append((key, self._entry(e).encode(), ttl_ms))
+        if new:
+            keys, argv = commit_args([], new)
+            await self._commit(keys=keys, args=argv)
+            logger.info("re-published %d index entries after a registry loss", len(new))
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.heartbeat_ttl_s / 3)
+            await self._heartbeat_once()
+            self._update_gauges()
+
+    async def _expiry_loop(self) -> None:
+        while True:
+            await asyncio.sleep(min(1.0, self.cfg.heartbeat_ttl_s / 3))
+            gone = self.pool.expire()
+            if gone:
+                self.metrics.expirations.inc(len(gone))
+                await self._try_commit([(e.key, self._entry(e).owner_prefix) for e in gone], [])
+                self._update_gauges()
+
+    def _update_gauges(self) -> None:
+        self.metrics.blocks_stored.set(self.pool.num_blocks)
+        self.metrics.bytes_stored.set(self.pool.used_bytes)
+
+    def _entry(self, e: Entry) -> IndexEntry:
+        return IndexEntry(self.cfg.node_id, e.slot, e.size_bytes, e.checksum)
+
+    @staticmethod
+    def _ttl_ms(e: Entry) -> int | None:
+        """Remaining TTL in ms (0: none); ``None`` if already expired."""
+        if e.expires_at is None:
+            return 0
+        left = e.expires_at - time.monotonic()
+        return int(left * 1000) if left > 0.001 else None
+
+    async def _try_commit(self, evicted: list[tuple[str, str]],
+                          new: list[tuple[str, str, int]]) -> bool:
+        keys, argv = commit_args(evicted, new)
+        if not keys:
+            return True
+        try:
+            await self._commit(keys=keys, args=argv)
+            return True
+        except (RedisError, OSError) as exc:
+            logger.warning("index update failed: %s", exc)
+            self.metrics.errors.labels("index").inc()
+            return False
+
+    # -- connections --------------------------------------------------------------------------
+
+    async def _hello_loop(self) -> None:
+        while True:
+            buf = proto.ctrl_buffer()
+            await worker_recv(buf, proto.HELLO_TAG)
+            try:
+                msg = proto.decode(buf)
+                address = bytes.fromhex(msg["address"])
+                peer_conn = int(msg["conn_id"])
+                ep = await endpoint_to(address)
+            except Exception as exc:  # noqa: BLE001 - a bad hello must not stop the node
+                logger.warning("bad HELLO: %s", exc)
+                continue
+            conn_id = self._next_conn
+            self._next_conn = self._next_conn % 0xFFFE + 1
+            conn = _Conn(conn_id, peer_conn, ep)
+            self._conns[conn_id] = conn
+            await conn.reply(0, {"op": "welcome", "conn_id": conn_id,
+                                 "node_id": self.cfg.node_id})
+            self._spawn(self._serve(conn))
+
+    async def _serve(self, conn: _Conn) -> None:
+        tag = proto.make_tag(conn.conn_id, 0xFFFFFF, proto.CTRL_PART)
+        try:
+            while not conn.closed:
+                buf = proto.ctrl_buffer()
+                await conn.ep.recv(buf, tag=tag, force_tag=True)
+                try:
+                    msg = proto.decode(buf)
+                    request_id = int(msg["req"])
+                except Exception as exc:  # noqa: BLE001 - malformed: drop the message
+                    logger.warning("malformed request on connection %d: %s", conn.conn_id, exc)
+                    continue
+                self._spawn(self._handle(conn, request_id, msg))
+        except Exception as exc:  # noqa: BLE001 - connection gone
+            logger.info("connection %d closed: %s", conn.conn_id, exc)
+        finally:
+            conn.abort()
+            self._conns.pop(conn.conn_id, None)
+
+    async def _handle(self, conn: _Conn, request_id: int, msg: dict[str, Any]) -> None:
+        op = msg.get("op")
+        try:
+            if op == "put":
+                await self._put(conn, request_id, msg)
+            elif op == "get":
+                await self._get(conn, request_id, msg)
+            elif op == "stat":
+                await conn.reply(request_id, self._stat())
+            elif op == "corrupt" and self.test_hooks:
+                e = self.pool.entries[str(msg["key"])]
+                self.pool.view(e.slot, e.size_bytes)[0] ^= 0xFF
+                await conn.reply(request_id, {"op": "ok"})
+            else:
+                raise ValueError(f"unknown op {op!r}")
+        except ValueError as exc:
+            self.metrics.errors.labels("bad_request").inc()
+            await self._reply_error(conn, request_id, str(exc))
+        except (TimeoutError, asyncio.TimeoutError):
+            self.metrics.errors.labels("timeout").inc()
+            logger.warning("transfer on connection %d timed out; dropping it", conn.conn_id)
+            conn.abort()
+        except Exception as exc:  # noqa: BLE001 - one bad request must not stop the node
+            self.metrics.errors.labels("internal").inc()
+            logger.exception("request %s failed", op)
+            await self._reply_error(conn, request_id, f"{type(exc).__name__}: {exc}")
+
+    async def _reply_error(self, conn: _Conn, request_id: int, error: str) -> None:
+        if conn.closed:
+            return
+        try:
+            await asyncio.wait_for(conn.reply(request_id, {"op": "error", "error": error}),
+                                   self.cfg.transfer_timeout_s)
+        except Exception:  # noqa: BLE001 - client gone
+            conn.abort()
+
+    def _stat(self) -> dict[str, Any]:
+        return {
+            "op": "stat", "node_id": self.cfg.node_id, "lru": self.pool.lru_keys(),
+            "num_blocks": self.pool.num_blocks, "used_bytes": self.pool.used_bytes,
+            "slot_bytes": self.pool.slot_bytes, "num_slots": self.pool.num_slots,
+            "num_evictions": self.pool.num_evictions,
+            "pinned": sorted(k for k, e in self.pool.entries.items() if e.pins),
+        }
+
+    # -- put / get ----------------------------------------------------------------------------
+
+    def _validate_put(self, msg: dict[str, Any]) -> tuple[list[str], list[int], list[str]]:
+        keys, sizes, sums = msg.get("keys"), msg.get("sizes"), msg.get("checksums")
+        if not (isinstance(keys, list) and isinstance(sizes, list) and isinstance(sums, list)):
+            raise ValueError("put needs lists keys, sizes and checksums")
+        if not len(keys) == len(sizes) == len(sums):
+            raise ValueError("keys, sizes and checksums must have the same length")
+        if len(keys) > proto.MAX_BLOCKS_PER_REQUEST:
+            raise ValueError(f"at most {proto.MAX_BLOCKS_PER_REQUEST} blocks per request")
+        total = 0
+        for i, (k, n) in enumerate(zip(keys, sizes, strict=True)):
+            if not isinstance(k, str) or not k.startswith(INDEX_PREFIX):
+                raise ValueError(f"keys[{i}] is not a block index key")
+            fp = str(BlockKey.from_str(k[len(INDEX_PREFIX):]).layout_fingerprint.hex())
+            if not isinstance(n, int):
+                raise ValueError(f"sizes[{i}] must be an int")
+            self.pool.check_size(n)
+            known = self._fp_sizes.get(fp)
+            if known is not None and known != n:
+                raise ValueError(
+                    f"sizes[{i}]={n} bytes but layout {fp} has {known}-byte blocks "
+                    "(wrong block size)"
+                )
+            total += n
+        if total > self.cfg.capacity_bytes:
+            raise ValueError(
+                f"put of {total} bytes is larger than the node capacity "
+                f"{self.cfg.capacity_bytes} bytes"
+            )
+        slot = self.pool.slot_bytes or (sizes[0] if sizes else 1)
+        if len(keys) > self.cfg.capacity_bytes // slot:
+            raise ValueError(
+                f"put of {len(keys)} blocks is larger than the node capacity "
+                f"({self.cfg.capacity_bytes // slot} slots)"
+            )
+        return keys, sizes, [str(s) for s in sums]
+
+    async def _put(self, conn: _Conn, request_id: int, msg: dict[str, Any]) -> None:
+        t0 = time.perf_counter()
+        keys, sizes, sums = self._validate_put(msg)
+        ttl_s = msg.get("ttl_s") or self.cfg.block_ttl_s
+        if ttl_s is not None and (not isinstance(ttl_s, int | float) or ttl_s <= 0):
+            raise ValueError(f"ttl_s must be > 0, got {ttl_s!r}")
+        accepted: list[int] = []
+        pending: list[Entry] = []
+        evicted: list[Entry] = []
+        try:
+            for i, (k, n, s) in enumerate(zip(keys, sizes, sums, strict=True)):
+                have = self.pool.entries.get(k)
+                if have is not None and have.committed and have.checksum == s:
+                    continue  # already here: only its index entry is rewritten
+                entry, gone = self.pool.allocate(k, n, s, ttl_s)
+                pending.append(entry)
+                evicted += gone
+                accepted.append(i)
+        except (PoolFullError, ValueError) as exc:
+            for e in pending:
+                self.pool.abort(e)
+            await self._try_commit([(e.key, self._entry(e).owner_prefix) for e in evicted], [])
+            raise ValueError(str(exc)) from exc
+        for k, n in zip(keys, sizes, strict=True):
+            self._fp_sizes.setdefault(k[len(INDEX_PREFIX):].partition(":")[0], n)
+        self.metrics.evictions.inc(len(evicted))
+        ok = False
+        try:
+            await conn.reply(request_id, {"op": "accept", "accept": accepted})
+            recvs = [
+                conn.ep.recv(self.pool.view(e.slot, e.size_bytes),
+                             tag=proto.make_tag(conn.conn_id, request_id, i), force_tag=True)
+                for i, e in zip(accepted, pending, strict=True)
+            ]
+            if recvs:
+                await asyncio.wait_for(asyncio.gather(*recvs), self.cfg.transfer_timeout_s)
+            ok = True
+        finally:
+            if not ok:
+                conn.abort()  # cancels the posted receives before the slots are reused
+                for e in pending:
+                    self.pool.abort(e)
+                await self._try_commit(
+                    [(e.key, self._entry(e).owner_prefix) for e in evicted], [])
+        new = []
+        for k in keys:
+            e = self.pool.entries.get(k)
+            if e is None:
+                continue
+            ttl_ms = self._ttl_ms(e)
+            if ttl_ms is not None:
+                new.append((k, self._entry(e).encode(), ttl_ms))
+        committed = await self._try_commit(
+            [(e.key, self._entry(e).owner_prefix) for e in evicted], new)
+        if not committed:
+            for e in pending:
+                self.pool.abort(e)
+            raise RuntimeError("index (Redis) unreachable: blocks not stored")
+        for e in pending:
+            self.pool.commit(e)
+        self.metrics.put_bytes.inc(sum(e.size_bytes for e in pending))
+        self.metrics.put_latency.observe(time.perf_counter() - t0)
+        self._update_gauges()
+        await conn.reply(request_id, {"op": "stored", "num_stored": len(new),
+                                      "num_sent": len(pending)})
+
+    async def _get(self, conn: _Conn, request_id: int, msg: dict[str, Any]) -> None:
+        t0 = time.perf_counter()
+        keys = msg.get("keys")
+        if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
+            raise ValueError("get needs a list of key strings")
+        if len(keys) > proto.MAX_BLOCKS_PER_REQUEST:
+            raise ValueError(f"at most {proto.MAX_BLOCKS_PER_REQUEST} blocks per request")
+        entries = [self.pool.acquire(k) for k in keys]
+        held = [e for e in entries if e is not None]
+        self.metrics.hits.inc(len(held))
+        self.metrics.misses.inc(len(keys) - len(held))
+        ok = False
+        try:
+            await conn.reply(request_id, {
+                "op": "present",
+                "present": [e is not None for e in entries],
+                "sizes": [e.size_bytes if e else 0 for e in entries],
+            })
+            sends = [
+                conn.ep.send(self.pool.view(e.slot, e.size_bytes),
+                             tag=proto.make_tag(conn.peer_conn_id, request_id, i),
+                             force_tag=True)
+                for i, e in enumerate(entries) if e is not None
+            ]
+            if sends:
+                await asyncio.wait_for(asyncio.gather(*sends), self.cfg.transfer_timeout_s)
+            ok = True
+        finally:
+            if not ok:
+                conn.abort()  # cancel sends before the slots can be evicted
+            for e in held:
+                self.pool.release(e)
+        self.metrics.get_bytes.inc(sum(e.size_bytes for e in held))
+        self.metrics.get_latency.observe(time.perf_counter() - t0)
+
+
+# -- HTTP /health and /metrics --------------------------------------------------------------
+
+
+def _start_http(node: StoreNode, port: int) -> ThreadingHTTPServer:
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - http.server's API
+            if self.path.startswith("/metrics"):
+                body, ctype, code = generate_latest(node.metrics.registry), \
+                    CONTENT_TYPE_LATEST, 200
+            elif self.path.startswith("/health"):
+                status = {"status": "ok" if node.redis_ok else "degraded",
+                          "node_id": node.cfg.node_id, "redis": node.redis_ok,
+                          "num_blocks": node.pool.num_blocks}
+                body, ctype = json.dumps(status).encode(), "application/json"
+                code = 200 if node.redis_ok else 503
+            else:
+                body, ctype, code = b"not found", "text/plain", 404
+            self.send_response(code)
+            self.send_header("Content-Type", ctype)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
+            pass
+
+    server = ThreadingHTTPServer(("0.0.0.0", port), Handler)
+    threading.Thread(target=server.serve_forever, name="kvstore-http", daemon=True).start()
+    return server
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tandem kvstore", description=__doc__.split("\n\n")[0])
+    p.add_argument("--listen", required=True, help="HOST:PORT advertised as this node's address")
+    p.add_argument("--capacity", required=True, type=parse_bytes,
+                   help="pool size in bytes (suffixes K/M/G[iB] accepted)")
+    p.add_argument("--redis-url", required=True, help="Redis of the block index")
+    p.add_argument("--node-id", default=None, help="registry id (default: host-port-random)")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="HTTP /health and /metrics port (default: the --listen port)")
+    p.add_argument("--heartbeat-ttl-s", type=float, default=10.0)
+    p.add_argument("--block-ttl-s", type=float, default=None,
+                   help="drop blocks this many seconds after their put")
+    p.add_argument("--slot-bytes", type=parse_bytes, default=None,
+                   help="fix the slot size (default: the first block's size)")
+    p.add_argument("--transfer-timeout-s", type=float, default=30.0)
+    p.add_argument("--log-level", default="INFO")
+    return p
+
+
+def config_from_args(argv: list[str]) -> NodeConfig:
+    """Parse flags into a :class:`NodeConfig`. Raises SystemExit on bad flags."""
+    parser = build_parser()
+    a = parser.parse_args(argv)
+    host, sep, port = a.listen.rpartition(":")
+    if not sep or not port.isdigit():
+        parser.error(f"--listen must be HOST:PORT, got {a.listen!r}")
+    try:
+        return NodeConfig(
+            host=host or "127.0.0.1", port=int(port), capacity_bytes=a.capacity,
+            redis_url=a.redis_url,
+            node_id=a.node_id or f"{socket.gethostname()}-{port}-{uuid.uuid4().hex[:6]}",
+            metrics_port=int(port) if a.metrics_port is None else a.metrics_port,
+            heartbeat_ttl_s=a.heartbeat_ttl_s, block_ttl_s=a.block_ttl_s,
+            slot_bytes=a.slot_bytes, transfer_timeout_s=a.transfer_timeout_s,
+        )
+    except ValueError as exc:
+        parser.error(str(exc))
+        raise  # unreachable: parser.error exits
+
+
+async def serve(cfg: NodeConfig) -> None:
+    """Run a node until SIGTERM/SIGINT."""
+    node = StoreNode(cfg)
+    http = _start_http(node, cfg.metrics_port)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await node.start()
+    print(f"kvstore ready node_id={cfg.node_id} metrics_port={http.server_address[1]}",
+          flush=True)
+    await stop.wait()
+    await node.stop()
+    http.shutdown()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``tandem kvstore``. Returns the exit code."""
+    import sys
+
+    cfg = config_from_args(list(sys.argv[1:] if argv is None else argv))
+    logging.basicConfig(level=logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    asyncio.run(serve(cfg))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,174 @@
+"""The seam to ``ucxx``: initialisation, worker addresses, byte views of buffers.
+
+ucxx keeps one UCX context per process, bound to the asyncio loop that
+initialised it (completions are delivered to that loop's futures). Store nodes
+initialise it on their main loop; clients on one background loop thread shared
+by every client of the process (:func:`client_loop`).
+
+Progress: a UCX progress thread that sleeps in epoll while idle, with
+completions handed to asyncio futures by ucxx's notifier thread
+(``enable_python_future``). Measured on a loaded 2-core machine this beat
+polling modes (which spin a core per process and starve the peer process)
+by 2-5x. ``UCXPY_PROGRESS_MODE`` / ``UCXPY_ENABLE_PYTHON_FUTURE`` and every
+``UCX_*`` variable (``UCX_TLS``...) pass through unchanged.
+
+UCX is not fork-safe: start processes that use it with ``spawn`` or subprocess.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+import numpy as np
+
+T = TypeVar("T")
+
+
+def init_ucx() -> None:
+    """Initialise ucxx on the running event loop (once per process)."""
+    import ucxx
+
+    if ucxx.core._ctx is not None:  # already initialised in this process
+        return
+    progress_mode = os.environ.get("UCXPY_PROGRESS_MODE", "thread")
+    python_future = None if "UCXPY_ENABLE_PYTHON_FUTURE" in os.environ else True
+    if not progress_mode.startswith("thread"):
+        python_future = False
+    ucxx.init(progress_mode=progress_mode, enable_python_future=python_future)
+
+
+def worker_address() -> bytes:
+    """This process's UCX worker address (what peers need to reach it)."""
+    import ucxx
+
+    return bytes(ucxx.get_worker_address().tobytes())
+
+
+async def endpoint_to(address: bytes) -> Any:
+    """An endpoint to the worker at ``address``.
+
+    NOTE: peer error handling is off: with it on, UCX excludes the shared-memory
+    transports. A dead peer is detected by our timeouts, not by UCX.
+    """
+    import ucxx
+
+    return await ucxx.create_endpoint_from_worker_address(
+        ucxx.get_ucx_address_from_buffer(address), endpoint_error_handling=False
+    )
+
+
+async def worker_recv(buf: np.ndarray, tag: int) -> None:
+    """Receive one message with ``tag`` from any peer into ``buf``."""
+    import ucxx
+
+    await ucxx.core._get_ctx().recv(buf, tag=tag)
+
+
+def transports() -> str:
+    """UCX transports in use (``UCX_TLS``), for logs and benchmark records."""
+    import ucxx
+
+    cfg = ucxx.get_config()
+    return str(cfg.get("TLS", "all"))
+
+
+def byte_view(obj: Any, *, writable: bool, name: str) -> np.ndarray:
+    """A flat uint8 numpy view of a contiguous CPU buffer, without copying.
+
+    Args:
+        obj: torch tensor, numpy array, memoryview, bytes or bytearray.
+        writable: the view will be written (a get's destination).
+        name: the argument's name for error messages, e.g. ``"into[3]"``.
+
+    Raises:
+        ValueError: not contiguous, not on the CPU, or read-only when ``writable``.
+    """
+    try:
+        import torch
+    except ImportError:  # pragma: no cover - torch is a project dependency
+        torch = None  # type: ignore[assignment]
+    if torch is not None and isinstance(obj, torch.Tensor):
+        if obj.device.type != "cpu":
+            raise ValueError(f"{name} must be a CPU tensor, got device {obj.device}")
+        if not obj.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
+        return obj.reshape(-1).view(torch.uint8).numpy()
+    if isinstance(obj, np.ndarray):
+        if not obj.flags.c_contiguous:
+            raise ValueError(f"{name} must be C-contiguous")
+        arr = obj.reshape(-1).view(np.uint8)
+    else:
+        try:
+            arr = np.frombuffer(memoryview(obj), dtype=np.uint8)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"{name} must be a contiguous buffer: {exc}") from exc
+    if writable and not arr.flags.writeable:
+        raise ValueError(f"{name} is read-only")
+    return arr
+
+
+class LoopThread:
+    """A daemon thread running one asyncio loop with ucxx initialised on it."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name="tandem-kvstore-ucx", daemon=True)
+        self.thread.start()
+        self._ready.wait()
+        if self._error is not None:
+            raise self._error
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+
+        async def _init() -> None:
+            init_ucx()
+
+        try:
+            self.loop.run_until_complete(_init())
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the constructor
+            self._error = exc
+            self._ready.set()
+            return
+        self._ready.set()
+        self.loop.run_forever()
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout_s: float | None) -> T:
+        """Run ``coro`` on the loop from another thread and wait for its result.
+
+        Raises:
+            RuntimeError: called from the loop thread itself (would deadlock).
+            TimeoutError: not done within ``timeout_s`` (the coroutine is cancelled).
+        """
+        if threading.current_thread() is self.thread:
+            coro.close()
+            raise RuntimeError("blocking KV store call made from the store's own loop thread")
+        fut = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        try:
+            return fut.result(timeout_s)
+        except TimeoutError:
+            fut.cancel()
+            raise
+
+
+_loop_lock = threading.Lock()
+_loop: LoopThread | None = None
+
+
+def client_loop() -> LoopThread:
+    """The process's one client loop thread (started on first use).
+
+    NOTE: a process-wide singleton on purpose: ucxx allows one context per
+    process and binds it to the loop that initialised it.
+    """
+    global _loop
+    with _loop_lock:
+        if _loop is None:
+            _loop = LoopThread()
+        return _loop

@@ -1,0 +1,81 @@
+"""Shared fixtures of the integration tests: a real redis-server on a free port.
+
+``redis_url`` (session scoped) is used by the KV store, services and router tests.
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+
+import pytest
+
+
+def free_port() -> int:
+    """A TCP port free right now on 127.0.0.1."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RedisServer:
+    """A ``redis-server`` subprocess without persistence; restartable on the same port."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.url = f"redis://127.0.0.1:{port}/0"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout_s: float = 10.0) -> None:
+        exe = shutil.which("redis-server")
+        if exe is None:
+            pytest.skip("redis-server is not installed (make redis)")
+        self.proc = subprocess.Popen(
+            [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        import redis
+
+        client = redis.Redis(port=self.port, socket_timeout=1)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                if client.ping():
+                    return
+            except redis.exceptions.ConnectionError:
+                pass
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"redis-server exited with {self.proc.returncode}")
+            if time.monotonic() > deadline:
+                raise TimeoutError("redis-server did not answer PING")
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        self.proc = None
+
+    def restart(self) -> None:
+        """Kill and start again on the same port: every key is lost."""
+        self.stop()
+        self.start()
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[RedisServer]:
+    """The session's redis-server (tests that restart it must leave it running)."""
+    server = RedisServer(free_port())
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_url(redis_server: RedisServer) -> str:
+    """URL of a real Redis started for this test session, e.g. ``redis://127.0.0.1:P/0``."""
+    return redis_server.url
