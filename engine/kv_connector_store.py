@@ -160,15 +160,21 @@ class StoreConnectorMetadata:
 
 
 class _Transfers:
-    """The transfer thread and the state both connector sides share.
+    """The transfer threads and the state both connector sides share.
 
     Thread-safety: ``submit``/``cancel``/``get_finished`` come from the engine
-    thread, ``_run`` is the transfer thread; ``_lock`` guards the shared sets.
+    thread, ``_run`` runs on ``num_threads`` transfer threads (the store client
+    is thread-safe); ``_lock`` guards the shared sets and the client's creation.
     """
 
-    def __init__(self, client_factory: Callable[[], BlockStoreClient]) -> None:
+    def __init__(
+        self, client_factory: Callable[[], BlockStoreClient], num_threads: int = 2
+    ) -> None:
+        if num_threads < 1:
+            raise ValueError(f"num_transfer_threads must be >= 1, got {num_threads}")
         self._client_factory = client_factory
         self._client: BlockStoreClient | None = None
+        self._client_lock = threading.Lock()
         self._queue: queue.Queue[_Job | None] = queue.Queue()
         self._lock = threading.Lock()
         self._finished_sending: set[str] = set()
@@ -177,8 +183,12 @@ class _Transfers:
         self.kv_cache: torch.Tensor | None = None
         self.listener: TransferListener | None = None
         self.num_load_failures = 0
-        self._thread = threading.Thread(target=self._run, name="kv-transfer", daemon=True)
-        self._thread.start()
+        self._threads = [
+            threading.Thread(target=self._run, name=f"kv-transfer-{i}", daemon=True)
+            for i in range(num_threads)
+        ]
+        for thread in self._threads:
+            thread.start()
 
     def submit(self, job: _Job) -> None:
         with self._lock:
@@ -196,9 +206,7 @@ class _Transfers:
 
     def num_pending(self) -> int:
         with self._lock:
-            return len(self._in_flight) + len(self._finished_sending) + len(
-                self._finished_recving
-            )
+            return len(self._in_flight) + len(self._finished_sending) + len(self._finished_recving)
 
     def get_finished(self) -> tuple[set[str], dict[str, int]]:
         with self._lock:
@@ -207,17 +215,20 @@ class _Transfers:
         return sending, recving
 
     def close(self) -> None:
-        self._queue.put(None)
-        self._thread.join(timeout=30)
+        for _ in self._threads:
+            self._queue.put(None)
+        for thread in self._threads:
+            thread.join(timeout=30)
         if self._client is not None:
             self._client.close()
 
     # -- transfer thread ---------------------------------------------------------------------
 
     def _client_or_connect(self) -> BlockStoreClient:
-        if self._client is None:
-            self._client = self._client_factory()
-        return self._client
+        with self._client_lock:
+            if self._client is None:
+                self._client = self._client_factory()
+            return self._client
 
     def _run(self) -> None:
         # Connect before the first request needs it (connection setup is slow);
@@ -278,10 +289,10 @@ class _Transfers:
             except Exception as exc:  # noqa: BLE001 - a failed load is a miss: recompute
                 logger.warning("loading KV of %s failed: %s", job.request_id, exc, exc_info=True)
         requested = sum(job.num_tokens)
-        if loaded < requested and not job.cancelled:
-            self.num_load_failures += 1
         result = LoadResult(loaded, requested, time.monotonic_ns())
         with self._lock:
+            if loaded < requested and not job.cancelled:
+                self.num_load_failures += 1
             self._in_flight.pop(job.request_id, None)
             self._finished_recving[job.request_id] = loaded
         if self.listener is not None and not job.cancelled:
@@ -291,8 +302,14 @@ class _Transfers:
 class StoreConnectorScheduler(KVConnectorScheduler):
     """Scheduler side: which tokens are remote, what to load, what to publish."""
 
-    def __init__(self, transfers: _Transfers, kv_role: str, block_size: int,
-                 fingerprint: bytes, make_key: Callable[[bytes, bytes], Any]) -> None:
+    def __init__(
+        self,
+        transfers: _Transfers,
+        kv_role: str,
+        block_size: int,
+        fingerprint: bytes,
+        make_key: Callable[[bytes, bytes], Any],
+    ) -> None:
         self._transfers = transfers
         self.is_producer = kv_role in ("kv_producer", "kv_both")
         self.is_consumer = kv_role in ("kv_consumer", "kv_both")
@@ -358,13 +375,15 @@ class StoreConnectorScheduler(KVConnectorScheduler):
             return False
         assert len(hashes) <= len(block_ids), f"{rid}: fewer blocks than computed KV"
         bs = self.block_size
-        self._transfers.submit(_Job(
-            request_id=rid,
-            is_save=True,
-            keys=[self._make_key(h, self.fingerprint) for h in hashes],
-            block_ids=list(block_ids[: len(hashes)]),
-            num_tokens=[min(bs, len(tokens) - i * bs) for i in range(len(hashes))],
-        ))
+        self._transfers.submit(
+            _Job(
+                request_id=rid,
+                is_save=True,
+                keys=[self._make_key(h, self.fingerprint) for h in hashes],
+                block_ids=list(block_ids[: len(hashes)]),
+                num_tokens=[min(bs, len(tokens) - i * bs) for i in range(len(hashes))],
+            )
+        )
         return True
 
 
@@ -437,7 +456,8 @@ def create_connector(
     """Factory of the ``"store"`` connector (registered in engine/kv_connector.py).
 
     ``params``: ``redis_url`` (the store's index), optionally ``kvstore_address``
-    (a store node ``host:port``); tests may pass ``client_factory`` (a zero-arg
+    (a store node ``host:port``), ``num_transfer_threads`` (default 2); tests may
+    pass ``client_factory`` (a zero-arg
     callable returning a :class:`BlockStoreClient`) and ``make_key``.
 
     Raises:
@@ -450,10 +470,11 @@ def create_connector(
             raise ValueError("store connector needs params['redis_url'] (the KV store index)")
         factory = _default_client_factory(params)
     make_key = params.get("make_key", _default_make_key)
-    transfers = _Transfers(factory)
+    transfers = _Transfers(factory, int(params.get("num_transfer_threads", 2)))
     fingerprint = layout_fingerprint(layout)
     return (
-        StoreConnectorScheduler(transfers, kv_transfer_config.kv_role, layout.block_size,
-                                fingerprint, make_key),
+        StoreConnectorScheduler(
+            transfers, kv_transfer_config.kv_role, layout.block_size, fingerprint, make_key
+        ),
         StoreConnectorWorker(transfers, layout),
     )

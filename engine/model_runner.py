@@ -103,11 +103,14 @@ class ModelRunner:
         self.vocab_size: int = int(hf.vocab_size)
         self.eos_token_id: int | None = self.loaded.eos_token_id
         self.max_model_len: int = int(config.model.max_model_len or hf.max_position_embeddings)
-        if self.max_model_len > self.model.rotary.max_position:
+        if self.max_model_len > hf.max_position_embeddings:
             raise ValueError(
-                f"max_model_len {self.max_model_len} exceeds the loaded model's "
-                f"{self.model.rotary.max_position} positions"
+                f"max_model_len {self.max_model_len} exceeds the model's "
+                f"max_position_embeddings {hf.max_position_embeddings}"
             )
+        if self.max_model_len > self.model.rotary.max_position:
+            # The model was loaded for a shorter context (a shared LoadedModel).
+            self.model.extend_rotary(self.max_model_len)
         self.num_layers: int = int(hf.num_hidden_layers)
         self.num_kv_heads: int = int(hf.num_key_value_heads)
         self.head_dim: int = int(head_dim_of(hf))
@@ -168,19 +171,41 @@ class ModelRunner:
         return int(num_blocks)
 
     def _profile_budget_bytes(self) -> int:
-        """KV budget after a profiling forward of ``max_num_batched_tokens`` tokens."""
+        """KV budget left by the weights and the activations of the largest step.
+
+        CUDA: a real profiling forward; budget = ``util * total - peak allocated``
+        (vLLM's rule). CPU: host memory has no peak counter and a 2048-token
+        forward costs seconds on a small CPU, so the activation peak is
+        estimated instead (``activation_bytes_estimate``) and subtracted from
+        the available memory (the weights are already resident).
+        """
         util = self.config.cache.memory_utilization
-        on_cuda = self.device.type == "cuda"
-        if on_cuda:
+        if self.device.type == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(self.device)
-        self.profile_run()
-        if on_cuda:
+            self.profile_run()
             torch.cuda.synchronize(self.device)
             peak = torch.cuda.max_memory_allocated(self.device)
             _, total = torch.cuda.mem_get_info(self.device)
             return max(0, int(total * util) - peak)
-        return int(min(_available_memory_bytes() * util, CPU_MAX_KV_CACHE_BYTES))
+        budget = _available_memory_bytes() * util - self.activation_bytes_estimate()
+        return int(max(0, min(budget, CPU_MAX_KV_CACHE_BYTES)))
+
+    def activation_bytes_estimate(self) -> int:
+        """Upper estimate of one step's live activations at the maximum batch, in bytes.
+
+        Per token: the residual stream and norm output, the fused QKV output, the
+        attention output and the fused gate/up plus SiLU product, doubled for
+        temporaries; plus float32 logits of ``max_num_seqs`` rows (twice, for
+        the sampler's copies).
+        """
+        hf = self.loaded.hf_config
+        sched = self.config.scheduler
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        qkv = (hf.num_attention_heads + 2 * hf.num_key_value_heads) * self.head_dim
+        per_token = (4 * hf.hidden_size + qkv + 3 * hf.intermediate_size) * elem * 2
+        logits = sched.max_num_seqs * self.vocab_size * 4 * 2
+        return sched.max_num_batched_tokens * per_token + logits
 
     @torch.inference_mode()
     def profile_run(self) -> None:

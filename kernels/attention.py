@@ -241,6 +241,7 @@ def paged_attention_ref(
         idx = meta.decode_token_idx
         q = query[:nd] if idx is None else query[idx]
         bt = meta.decode_block_tables
+        assert bt is not None, "decode group without block tables"
         k = _gather(k_cache, bt).transpose(1, 2)  # [nd, kvh, L, hd]
         v = _gather(v_cache, bt).transpose(1, 2)
         # GQA without repeat: the group's query heads play the query-length axis.

@@ -37,9 +37,8 @@ def compute_inv_freq(
         torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").to(torch.float32) / head_dim
     )
     inv_freq = 1.0 / (rope_theta**exponent)
-    rope_type = "default"
-    if rope_scaling:
-        rope_type = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
+    rope_scaling = rope_scaling or {}
+    rope_type = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
     if rope_type == "default":
         return inv_freq
     if rope_type == "linear":

@@ -27,6 +27,7 @@ those coroutines there, so the two never drift apart.
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import itertools
 import logging
 import time
@@ -40,7 +41,14 @@ import xxhash
 from redis.exceptions import RedisError
 
 from tandem.kvstore import protocol as proto
-from tandem.kvstore.index import COMMIT_LUA, NODES_SET, IndexEntry, node_key
+from tandem.kvstore.index import (
+    COMMIT_LUA,
+    LOOKUP_LUA,
+    NODE_PREFIX,
+    NODES_SET,
+    IndexEntry,
+    node_key,
+)
 from tandem.kvstore.keys import BlockKey, LayoutFingerprint
 from tandem.kvstore.store import BlockStore, KVStoreError, KVStoreNodeError, KVStoreTimeoutError
 from tandem.kvstore.ucx import byte_view, client_loop, endpoint_to, worker_address
@@ -64,6 +72,26 @@ def _next_conn_id() -> int:
 
 def _next_request_id() -> int:
     return next(_request_ids) % (proto.CTRL_PART - 1) + 1
+
+
+def _address(view: np.ndarray) -> int:
+    return int(view.__array_interface__["data"][0])
+
+
+def _span(views: list[np.ndarray], first: int, count: int) -> np.ndarray:
+    """One uint8 array over ``views[first:first + count]``, which are adjacent in memory.
+
+    NOTE: built from the address; valid while the caller's buffers live, i.e.
+    for the duration of the transfer that uses it.
+    """
+    if count == 1:
+        return views[first]
+    nbytes = sum(v.nbytes for v in views[first : first + count])
+    return np.ctypeslib.as_array((ctypes.c_ubyte * nbytes).from_address(_address(views[first])))
+
+
+def _runs(views: list[np.ndarray]) -> list[list[int]]:
+    return proto.adjacent_runs([_address(v) for v in views], [v.nbytes for v in views])
 
 
 def checksum(view: np.ndarray) -> str:
@@ -100,6 +128,7 @@ class _Conn:
         self.my_id = my_id
         self.peer_id = peer_id
         self.closed = False
+        self.watcher: asyncio.Future[Any] | None = None
 
     def abort(self) -> None:
         if not self.closed:
@@ -147,6 +176,8 @@ class AsyncKVStoreClient(BlockStore):
         self.redis = aioredis.from_url(redis_url, socket_timeout=timeout_s,
                                        socket_connect_timeout=timeout_s)
         self._commit = self.redis.register_script(COMMIT_LUA)
+        self._lookup = self.redis.register_script(LOOKUP_LUA)
+        self._nodes_cache: tuple[float, dict[str, NodeInfo]] | None = None
         self._conns: dict[str, _Conn] = {}
         self._conn_locks: dict[str, asyncio.Lock] = {}
         self._closed = False
@@ -210,6 +241,14 @@ class AsyncKVStoreClient(BlockStore):
                 nodes[i] = info
         return nodes
 
+    async def _live_nodes_cached(self) -> dict[str, NodeInfo]:
+        """:meth:`live_nodes`, reused for up to a second (the put policy needs only a
+        recent view; a node that died since then costs one put timeout)."""
+        now = time.monotonic()
+        if self._nodes_cache is None or now - self._nodes_cache[0] > 1.0:
+            self._nodes_cache = (now, await self.live_nodes())
+        return self._nodes_cache[1]
+
     async def _conn(self, node: NodeInfo) -> _Conn:
         lock = self._conn_locks.setdefault(node.node_id, asyncio.Lock())
         async with lock:
@@ -237,9 +276,21 @@ class AsyncKVStoreClient(BlockStore):
             msg = proto.decode(buf)
             conn = _Conn(node.node_id, node.ucx_address, ep, my_id, int(msg["conn_id"]))
             self._conns[node.node_id] = conn
+            conn.watcher = asyncio.ensure_future(self._watch(conn))
             return conn
 
+    async def _watch(self, conn: _Conn) -> None:
+        """Wait for the node's ``bye`` (request id 0) and drop the connection then: its
+        pending requests fail at once instead of at their timeout."""
+        try:
+            msg = await conn.next_reply(0)
+        except Exception:  # noqa: BLE001 - endpoint aborted: the connection is gone anyway
+            return
+        logger.info("store node %s closed our connection: %s", conn.node_id, msg.get("reason"))
+        self._drop(conn)
+
     def _drop(self, conn: _Conn) -> None:
+        self._nodes_cache = None
         conn.abort()
         if self._conns.get(conn.node_id) is conn:
             del self._conns[conn.node_id]
@@ -264,9 +315,15 @@ class AsyncKVStoreClient(BlockStore):
     async def _index(self, keys: list[BlockKey]) -> tuple[list[IndexEntry | None],
                                                           dict[str, NodeInfo]]:
         """Index entries of ``keys`` with dead nodes' entries turned into misses."""
-        raw = await self.redis.mget([k.redis_key for k in keys]) if keys else []
+        if not keys:
+            return [], {}
+        raw, flat = await self._lookup(keys=[k.redis_key for k in keys], args=[NODE_PREFIX])
         entries = [IndexEntry.decode(r) for r in raw]
-        nodes = await self.live_nodes() if any(entries) else {}
+        nodes = {}
+        for j in range(0, len(flat), 5):
+            nid, address, ucx_address, cap, used = (
+                x.decode() if isinstance(x, bytes) else str(x) for x in flat[j : j + 5])
+            nodes[nid] = NodeInfo(nid, address, bytes.fromhex(ucx_address), int(cap), int(used))
         return [e if e is not None and e.node_id in nodes else None for e in entries], nodes
 
     async def lookup(self, keys: Sequence[BlockKey]) -> int:
@@ -306,19 +363,20 @@ class AsyncKVStoreClient(BlockStore):
                 raise ValueError(f"blocks[{i}] has {v.nbytes} bytes, other blocks of its "
                                  f"layout have {sizes_by_fp[k.layout_fingerprint]}")
         total = sum(v.nbytes for v in views)
-        node = self._choose_node(await self.live_nodes(), total)
+        node = self._choose_node(await self._live_nodes_cached(), total)
         conn = await self._conn(node)
         request_id = _next_request_id()
         msg = {"op": "put", "keys": [k.redis_key for k in keys],
                "sizes": [v.nbytes for v in views],
-               "checksums": [checksum(v) for v in views], "ttl_s": ttl_s}
+               "checksums": [checksum(v) for v in views], "ttl_s": ttl_s, "runs": _runs(views)}
 
         async def run() -> dict[str, Any]:
             reply = await (await conn.request(request_id, msg))
             _raise_if_error(reply, node)
             done = asyncio.ensure_future(conn.next_reply(request_id))
-            sends = [conn.ep.send(views[i], tag=proto.make_tag(conn.peer_id, request_id, i),
-                                  force_tag=True) for i in reply["accept"]]
+            sends = [conn.ep.send(_span(views, i, n),
+                                  tag=proto.make_tag(conn.peer_id, request_id, i),
+                                  force_tag=True) for i, n in reply["msgs"]]
             await asyncio.gather(*sends)
             return await done
 
@@ -329,6 +387,11 @@ class AsyncKVStoreClient(BlockStore):
             raise KVStoreTimeoutError(
                 f"put to store node {node.node_id} ({node.address}) timed out after "
                 f"{self.timeout_s}s (node dead or overloaded)") from exc
+        except KVStoreError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - UCX failure: connection unusable
+            self._drop(conn)
+            raise KVStoreError(f"put to store node {node.node_id} failed: {exc!r}") from exc
         _raise_if_error(final, node)
         return int(final["num_stored"])
 
@@ -373,16 +436,15 @@ class AsyncKVStoreClient(BlockStore):
         request_id = _next_request_id()
 
         async def run() -> list[bool]:
+            mine = [views[i] for i in idx]
             reply = await (await conn.request(
-                request_id, {"op": "get", "keys": [keys[i].redis_key for i in idx]}))
+                request_id,
+                {"op": "get", "keys": [keys[i].redis_key for i in idx], "runs": _runs(mine)}))
             _raise_if_error(reply, node)
             present = [bool(p) for p in reply["present"]]
-            recvs = []
-            for j, (i, hit) in enumerate(zip(idx, present, strict=True)):
-                if hit:
-                    recvs.append(conn.ep.recv(
-                        views[i], tag=proto.make_tag(conn.my_id, request_id, j),
-                        force_tag=True))
+            recvs = [conn.ep.recv(_span(mine, j, n),
+                                  tag=proto.make_tag(conn.my_id, request_id, j), force_tag=True)
+                     for j, n in reply["msgs"]]
             await asyncio.gather(*recvs)
             return present
 
@@ -395,6 +457,11 @@ class AsyncKVStoreClient(BlockStore):
             raise KVStoreTimeoutError(
                 f"get from store node {node.node_id} ({node.address}) timed out after "
                 f"{self.timeout_s}s (node dead or overloaded)") from exc
+        except KVStoreError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - UCX failure: connection unusable
+            self._drop(conn)
+            raise KVStoreError(f"get from store node {node.node_id} failed: {exc!r}") from exc
         return {i for i, hit in zip(idx, present, strict=True) if hit}
 
     async def _forget(self, key: BlockKey, entry: IndexEntry) -> None:
@@ -422,6 +489,11 @@ class AsyncKVStoreClient(BlockStore):
         except (TimeoutError, asyncio.TimeoutError) as exc:
             self._drop(conn)
             raise KVStoreTimeoutError(f"store node {node_id} timed out") from exc
+        except KVStoreError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - UCX failure: connection unusable
+            self._drop(conn)
+            raise KVStoreError(f"request to store node {node_id} failed: {exc!r}") from exc
         _raise_if_error(reply, nodes[node_id])
         return reply
 

@@ -49,6 +49,38 @@ return #KEYS - ndel
 """
 
 
+# KEYS: index keys; ARGV[1]: NODE_PREFIX. One round trip for a lookup: the
+# entries, plus (node id, address, ucx address, capacity, used) of every live
+# node they name.
+# NOTE: reads node keys not passed in KEYS; fine on a single Redis, not on a cluster.
+LOOKUP_LUA = """
+local vals = {}
+for s = 1, #KEYS, 1000 do
+  local part = redis.call('MGET', unpack(KEYS, s, math.min(s + 999, #KEYS)))
+  for i = 1, #part do vals[#vals + 1] = part[i] end
+end
+local nodes = {}
+local seen = {}
+for i = 1, #vals do
+  local v = vals[i]
+  if v then
+    local nid = string.match(v, '^([^|]+)|')
+    if nid and not seen[nid] then
+      seen[nid] = true
+      local h = redis.call('HMGET', ARGV[1] .. nid, 'address', 'ucx_address',
+                           'capacity_bytes', 'used_bytes')
+      if h[2] then
+        for _, x in ipairs({nid, h[1] or '', h[2], h[3] or '0', h[4] or '0'}) do
+          nodes[#nodes + 1] = x
+        end
+      end
+    end
+  end
+end
+return {vals, nodes}
+"""
+
+
 def node_key(node_id: str) -> str:
     """Redis key of a node's registry hash."""
     return NODE_PREFIX + node_id

@@ -9,6 +9,7 @@ by the server's event loop.
 
 from __future__ import annotations
 
+import heapq
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -84,7 +85,9 @@ class SlotPool:
             )
         self.slot_bytes = slot_bytes
         self.num_slots = self.capacity_bytes // slot_bytes
-        self._free = list(range(self.num_slots - 1, -1, -1))
+        # a min-heap: a batch gets ascending, mostly consecutive slots, so runs of
+        # blocks move as one message (protocol.group_messages)
+        self._free = list(range(self.num_slots))
 
     # -- views ------------------------------------------------------------------------------
 
@@ -93,6 +96,12 @@ class SlotPool:
         assert self.slot_bytes is not None and 0 <= slot < self.num_slots, f"bad slot {slot}"
         start = slot * self.slot_bytes
         return self.buffer[start : start + size_bytes]
+
+    def span(self, first_slot: int, num_slots: int, last_size_bytes: int) -> np.ndarray:
+        """View over consecutive slots: all of each but the last, ``last_size_bytes`` of it."""
+        assert self.slot_bytes is not None and first_slot + num_slots <= self.num_slots
+        start = first_slot * self.slot_bytes
+        return self.buffer[start : start + (num_slots - 1) * self.slot_bytes + last_size_bytes]
 
     @property
     def used_bytes(self) -> int:
@@ -154,7 +163,7 @@ class SlotPool:
             self._drop(victim)
             self.num_evictions += 1
             evicted.append(victim)
-        slot = self._free.pop()
+        slot = heapq.heappop(self._free)
         expires = time.monotonic() + ttl_s if ttl_s else None
         entry = Entry(key, slot, size_bytes, checksum, expires, pins=1)
         self.entries[key] = entry
@@ -176,7 +185,7 @@ class SlotPool:
     def _drop(self, entry: Entry) -> None:
         del self.entries[entry.key]
         self._lru.pop(entry.key, None)
-        self._free.append(entry.slot)
+        heapq.heappush(self._free, entry.slot)
 
     def commit(self, entry: Entry) -> None:
         """Mark a pending write complete: unpin it and make it the most recently used."""

@@ -16,11 +16,17 @@ buffer); parts ``0..n-1`` carry block ``i``'s payload, straight from/to slot
 memory and the caller's buffers.
 
 Requests (client -> node control, ``request_id`` chosen by the client):
-- ``put``: ``keys``, ``sizes``, ``checksums``, ``ttl_s`` -> reply ``accept``
-  (indices the node wants sent, the rest are already stored) or ``error``; the
-  client sends the accepted payloads; the node commits and replies ``stored``.
-- ``get``: ``keys`` -> reply ``present`` (bool per key) and ``sizes``; the node
-  then sends each present block.
+- ``put``: ``keys``, ``sizes``, ``checksums``, ``ttl_s``, ``runs`` -> reply
+  ``accept`` with ``msgs`` (:func:`group_messages`; blocks already stored are
+  not in any) or ``error``; the client sends the messages; the node commits and
+  replies ``stored``.
+- ``get``: ``keys``, ``runs`` -> reply ``present`` (bool per key), ``sizes`` and
+  ``msgs``; the node then sends the messages.
+
+NOTE: a message may span several blocks: runs of blocks adjacent both in the
+client's memory (consecutive ``kv_cache`` block ids) and in the pool move as
+one UCX message, because the per-message cost in Python, not bandwidth, bounds
+small blocks.
 - ``stat``: -> node statistics; ``corrupt`` (test hook, only with
   ``TANDEM_KVSTORE_TEST_HOOKS=1``): flip a byte of a stored block.
 """
@@ -42,6 +48,51 @@ MAX_CTRL_BYTES = 1 << 20
 #: Largest number of blocks in one request (part numbers are 24 bit).
 MAX_BLOCKS_PER_REQUEST = CTRL_PART - 1
 _LEN = struct.Struct("<Q")
+
+
+def group_messages(runs: list[list[int]], slots: list[int | None], sizes: list[int],
+                   slot_bytes: int) -> list[tuple[int, int]]:
+    """Cut a batch into messages: ``(first index, count)`` per message.
+
+    A message covers consecutive blocks that are adjacent on both ends: inside
+    one of the client's ``runs`` (``[start, count]`` of blocks adjacent in its
+    memory) and in consecutive slots, each but the last filling its slot. Blocks
+    with ``slots[i] is None`` are not sent. Both sides derive the same cut.
+
+    Raises:
+        ValueError: a run outside the batch.
+    """
+    n = len(slots)
+    msgs: list[tuple[int, int]] = []
+    for run in runs:
+        if len(run) != 2 or run[0] < 0 or run[1] < 1 or run[0] + run[1] > n:
+            raise ValueError(f"run {run!r} outside the batch of {n} blocks")
+        start, count = run
+        i = start
+        while i < start + count:
+            slot = slots[i]
+            if slot is None:
+                i += 1
+                continue
+            j = i
+            while (j + 1 < start + count and slots[j + 1] is not None
+                   and slots[j + 1] == slots[j] + 1 and sizes[j] == slot_bytes):  # type: ignore[operator]
+                j += 1
+            msgs.append((i, j - i + 1))
+            i = j + 1
+    return msgs
+
+
+def adjacent_runs(addresses: list[int], sizes: list[int]) -> list[list[int]]:
+    """``[start, count]`` runs of buffers that follow each other in memory."""
+    runs: list[list[int]] = []
+    for i, (a, n) in enumerate(zip(addresses, sizes, strict=True)):
+        if runs and addresses[i - 1] + sizes[i - 1] == a:
+            runs[-1][1] += 1
+        else:
+            runs.append([i, 1])
+        del n
+    return runs
 
 
 def make_tag(conn_id: int, request_id: int, part: int) -> int:

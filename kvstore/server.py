@@ -117,6 +117,16 @@ class _Conn:
             self.closed = True
             self.ep.abort()
 
+    async def close_with_bye(self, reason: str) -> None:
+        """Tell the client (best effort) that this connection is dropped, then abort it."""
+        if self.closed:
+            return
+        try:
+            await asyncio.wait_for(self.reply(0, {"op": "bye", "reason": reason}), 1.0)
+        except Exception:  # noqa: BLE001 - client may be gone; abort regardless
+            pass
+        self.abort()
+
 
 class StoreNode:
     """The node's state and request handlers; everything runs on one event loop."""
@@ -326,7 +336,7 @@ class StoreNode:
         except (TimeoutError, asyncio.TimeoutError):
             self.metrics.errors.labels("timeout").inc()
             logger.warning("transfer on connection %d timed out; dropping it", conn.conn_id)
-            conn.abort()
+            await conn.close_with_bye("transfer timed out")
         except Exception as exc:  # noqa: BLE001 - one bad request must not stop the node
             self.metrics.errors.labels("internal").inc()
             logger.exception("request %s failed", op)
@@ -391,6 +401,8 @@ class StoreNode:
     async def _put(self, conn: _Conn, request_id: int, msg: dict[str, Any]) -> None:
         t0 = time.perf_counter()
         keys, sizes, sums = self._validate_put(msg)
+        runs = msg.get("runs") or [[i, 1] for i in range(len(keys))]
+        proto.group_messages(runs, [None] * len(keys), sizes, 1)  # validates the runs
         ttl_s = msg.get("ttl_s") or self.cfg.block_ttl_s
         if ttl_s is not None and (not isinstance(ttl_s, int | float) or ttl_s <= 0):
             raise ValueError(f"ttl_s must be > 0, got {ttl_s!r}")
@@ -416,11 +428,14 @@ class StoreNode:
         self.metrics.evictions.inc(len(evicted))
         ok = False
         try:
-            await conn.reply(request_id, {"op": "accept", "accept": accepted})
+            by_index = dict(zip(accepted, pending, strict=True))
+            slots = [by_index[i].slot if i in by_index else None for i in range(len(keys))]
+            msgs = proto.group_messages(runs, slots, sizes, self.pool.slot_bytes or 1)
+            await conn.reply(request_id, {"op": "accept", "msgs": msgs})
             recvs = [
-                conn.ep.recv(self.pool.view(e.slot, e.size_bytes),
+                conn.ep.recv(self.pool.span(by_index[i].slot, n, by_index[i + n - 1].size_bytes),
                              tag=proto.make_tag(conn.conn_id, request_id, i), force_tag=True)
-                for i, e in zip(accepted, pending, strict=True)
+                for i, n in msgs
             ]
             if recvs:
                 await asyncio.wait_for(asyncio.gather(*recvs), self.cfg.transfer_timeout_s)
@@ -461,22 +476,27 @@ class StoreNode:
             raise ValueError("get needs a list of key strings")
         if len(keys) > proto.MAX_BLOCKS_PER_REQUEST:
             raise ValueError(f"at most {proto.MAX_BLOCKS_PER_REQUEST} blocks per request")
+        runs = msg.get("runs") or [[i, 1] for i in range(len(keys))]
+        proto.group_messages(runs, [None] * len(keys), [0] * len(keys), 1)  # validates the runs
         entries = [self.pool.acquire(k) for k in keys]
         held = [e for e in entries if e is not None]
         self.metrics.hits.inc(len(held))
         self.metrics.misses.inc(len(keys) - len(held))
         ok = False
         try:
+            sizes = [e.size_bytes if e else 0 for e in entries]
+            msgs = proto.group_messages(runs, [e.slot if e else None for e in entries], sizes,
+                                        self.pool.slot_bytes or 1)
             await conn.reply(request_id, {
-                "op": "present",
-                "present": [e is not None for e in entries],
-                "sizes": [e.size_bytes if e else 0 for e in entries],
+                "op": "present", "present": [e is not None for e in entries],
+                "sizes": sizes, "msgs": msgs,
             })
             sends = [
-                conn.ep.send(self.pool.view(e.slot, e.size_bytes),
+                conn.ep.send(self.pool.span(entries[i].slot, n,  # type: ignore[union-attr]
+                                            entries[i + n - 1].size_bytes),  # type: ignore[union-attr]
                              tag=proto.make_tag(conn.peer_conn_id, request_id, i),
                              force_tag=True)
-                for i, e in enumerate(entries) if e is not None
+                for i, n in msgs
             ]
             if sends:
                 await asyncio.wait_for(asyncio.gather(*sends), self.cfg.transfer_timeout_s)
@@ -575,6 +595,10 @@ async def serve(cfg: NodeConfig) -> None:
     await stop.wait()
     await node.stop()
     http.shutdown()
+    logging.shutdown()
+    # NOTE: ucxx's teardown can block on endpoints of clients that went away; the
+    # registry entry is already removed and no state needs flushing, so leave now.
+    os._exit(0)
 
 
 def main(argv: list[str] | None = None) -> int:

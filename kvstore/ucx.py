@@ -28,17 +28,28 @@ import numpy as np
 T = TypeVar("T")
 
 
+_initialised = False
+
+
 def init_ucx() -> None:
     """Initialise ucxx on the running event loop (once per process)."""
+    global _initialised
+    if _initialised:
+        return
+    # ucxx sets UCX_* variables of its own that UCX then warns about on every start
+    os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
     import ucxx
 
-    if ucxx.core._ctx is not None:  # already initialised in this process
-        return
     progress_mode = os.environ.get("UCXPY_PROGRESS_MODE", "thread")
     python_future = None if "UCXPY_ENABLE_PYTHON_FUTURE" in os.environ else True
     if not progress_mode.startswith("thread"):
         python_future = False
     ucxx.init(progress_mode=progress_mode, enable_python_future=python_future)
+    _initialised = True
+    # NOTE: ucxx's notifier thread is not a daemon thread and would keep the
+    # interpreter from exiting; stop it before Python joins non-daemon threads
+    # (the hook concurrent.futures uses for the same purpose).
+    threading._register_atexit(ucxx.stop_notifier_thread)  # type: ignore[attr-defined]
 
 
 def worker_address() -> bytes:
@@ -65,7 +76,7 @@ async def worker_recv(buf: np.ndarray, tag: int) -> None:
     """Receive one message with ``tag`` from any peer into ``buf``."""
     import ucxx
 
-    await ucxx.core._get_ctx().recv(buf, tag=tag)
+    await ucxx.recv(buf, tag=tag)
 
 
 def transports() -> str:

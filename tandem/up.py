@@ -27,6 +27,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -229,8 +230,10 @@ class Stack:
     def _engine_part(self, name: str, cmd: list[str], kvstore: str | None = None) -> Part:
         cfg = self.config
         port = free_port()
+        # NOTE: a random suffix keeps registry keys apart when stacks share one Redis.
+        instance_id = f"{name}-{uuid.uuid4().hex[:8]}"
         argv = [*cmd, "--listen", f"127.0.0.1:{port}", "--redis-url", self.redis_url,
-                "--instance-id", name, *cfg.engine_args]
+                "--instance-id", instance_id, *cfg.engine_args]
         if kvstore:
             argv += ["--kvstore", kvstore]
         if cfg.model:

@@ -94,7 +94,7 @@ class Attention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None:
             q = self.q_norm(q)
             k = self.k_norm(k)
         cos, sin = cos_sin
@@ -198,6 +198,14 @@ class LlamaForCausalLM(nn.Module):
             head_dim_of(config), max_position, theta, scaling, dtype=dtype, device=device
         )
 
+    def extend_rotary(self, max_position: int) -> None:
+        """Rebuild the rotary tables for ``max_position`` tokens (same dtype/device)."""
+        theta, scaling = rope_params(self.config)
+        old = self.rotary
+        self.rotary = RotaryEmbedding(
+            old.head_dim, max_position, theta, scaling, dtype=old.cos.dtype, device=old.cos.device
+        )
+
     @staticmethod
     def sliding_windows(config: Any) -> list[int | None]:
         """Per-layer sliding window (tokens) or ``None`` for full attention."""
@@ -285,9 +293,8 @@ class LlamaForCausalLM(nn.Module):
             param = params.get(target)
             if param is None:
                 raise ValueError(f"unexpected weight {name!r} for {type(self).__name__}")
-            if shard is None:
-                dst = param
-            else:
+            dst: torch.Tensor = param
+            if shard is not None:
                 offsets = self._shard_offsets(target.split(".")[-2])
                 dst = param[offsets[shard] : offsets[shard + 1]]
             if dst.shape != tensor.shape:

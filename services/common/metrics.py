@@ -43,11 +43,12 @@ class ServiceMetrics:
         self.kv_pull_seconds = Histogram(
             "tandem:kv_pull_seconds", "Arrival -> remote KV loaded (decode), s.",
             labels, buckets=_LATENCY_BUCKETS_S, registry=r)
-        self.kv_load_failures = Gauge(
-            "tandem:kv_load_failures_total",
+        self.kv_load_failures = Counter(
+            "tandem:kv_load_failures",
             "Requests whose remote KV was missing or corrupt and got recomputed.",
             labels, registry=r)
         self._role = role
+        self._num_kv_load_failures = 0
 
     def labels(self, metric: Any, **extra: str) -> Any:
         """``metric`` with this instance's role label (and ``extra`` labels)."""
@@ -58,7 +59,11 @@ class ServiceMetrics:
         self.labels(self.num_requests_running).set(stats.num_running)
         self.labels(self.num_requests_waiting).set(stats.num_waiting)
         self.labels(self.kv_cache_usage_perc).set(stats.kv_cache_usage)
-        self.labels(self.kv_load_failures).set(num_kv_load_failures)
+        # The connector counts; the Prometheus counter follows its increments.
+        delta = num_kv_load_failures - self._num_kv_load_failures
+        if delta > 0:
+            self.labels(self.kv_load_failures).inc(delta)
+            self._num_kv_load_failures = num_kv_load_failures
 
     def serve(self, port: int) -> Any:
         """Serve ``/metrics`` on ``port`` in a daemon thread; returns the server (``.shutdown()``)."""

@@ -77,8 +77,13 @@ class InstanceRegistration:
             await pipe.execute()
 
     async def start(self) -> None:
-        """Register now (raising if Redis is unreachable), then heartbeat in the background."""
-        await self.beat()
+        """Register now, then heartbeat in the background (an unreachable Redis is
+        logged and retried every interval, never fatal)."""
+        try:
+            await self.beat()
+        except Exception:  # noqa: BLE001 - the heartbeat retries
+            logger.warning("registering in Redis failed; retrying every %.1f s",
+                           self._interval_s, exc_info=True)
         self._task = asyncio.create_task(self._heartbeat(), name="registry-heartbeat")
 
     async def _heartbeat(self) -> None:

@@ -17,6 +17,7 @@ import asyncio
 import logging
 import signal
 import socket
+import sys
 import uuid
 
 import grpc
@@ -127,7 +128,7 @@ def run(argv: list[str] | None, prog: str, role: str | None) -> int:
     try:
         config = build_engine_config(ns, role)
     except ValueError as exc:
-        print(f"{prog}: error: {exc}")
+        print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2
     asyncio.run(_serve(ns, role, config))
     return 0

@@ -14,10 +14,14 @@ streams every token from the first.
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+
 import grpc
 import torch
 
 from tandem.engine.kv_connector_store import make_kv_transfer_params
+from tandem.engine.outputs import EngineCoreOutput
+from tandem.engine.request import Request
 from tandem.services.common.context import ServiceContext, cdiv, now_ns
 from tandem.services.common.convert import (
     check_token_ids,
@@ -34,7 +38,12 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
     def __init__(self, ctx: ServiceContext) -> None:
         self._ctx = ctx
 
-    def _build(self, request: decode_pb2.DecodeRequest):  # -> Request
+    def _build(self, request: decode_pb2.DecodeRequest) -> Request:
+        """Validate the request and build the engine ``Request`` (first token appended).
+
+        Raises:
+            ValueError: a bad field (named); LayoutMismatchError: foreign KV layout.
+        """
         ctx = self._ctx
         req = ctx.new_request(
             request.request_id, request.prompt_token_ids, request.sampling_params, request.priority
@@ -79,7 +88,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             )
         return req
 
-    async def Decode(self, request: decode_pb2.DecodeRequest, context: grpc.aio.ServicerContext):
+    async def Decode(
+        self, request: decode_pb2.DecodeRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[decode_pb2.DecodeResponse]:
         ctx = self._ctx
         arrival_ns = now_ns()
         req = self._build(request)
@@ -117,7 +128,14 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             if ctx.transfers is not None:
                 ctx.transfers.forget(req.request_id)
 
-    def _first_message_fields(self, req, resp, out, arrival_ns: int) -> None:
+    def _first_message_fields(
+        self,
+        req: Request,
+        resp: decode_pb2.DecodeResponse,
+        out: EngineCoreOutput,
+        arrival_ns: int,
+    ) -> None:
+        """Fill the first message's one-off fields (cached tokens, queue, KV pull time)."""
         ctx = self._ctx
         m = ctx.metrics
         resp.num_cached_tokens = max(out.num_cached_tokens, 0)

@@ -7,12 +7,21 @@ model (float32) on two prompts batched together equals transformers token for to
 
 from __future__ import annotations
 
+import dataclasses
+import os
+
 import pytest
 import torch
 import transformers
 
 from tandem.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from tandem.engine.model_loader import LoadedModel, load_model
+from tandem.engine.model_loader import (
+    LoadedModel,
+    default_model_path,
+    gguf_cache_path,
+    load_model,
+    load_tokenizer,
+)
 from tandem.engine.model_runner import ModelRunner
 from tandem.engine.models.registry import build_model
 from tandem.engine.request import Request
@@ -205,19 +214,60 @@ def test_determine_num_blocks_profiles_when_no_budget(tiny):
     runner = ModelRunner(config, loaded)
     # Capped at max_num_seqs full-length sequences: 3 * 64 / 4 blocks.
     assert runner.determine_num_blocks() == 48
+    assert 0 < runner.activation_bytes_estimate() < 10 << 20
 
 
-def test_max_model_len_beyond_rotary_table_rejected(tiny):
+def test_max_model_len_beyond_model_rejected(tiny):
     loaded, _ = tiny
     with pytest.raises(ValueError, match="max_model_len"):
         ModelRunner(EngineConfig(model=ModelConfig(max_model_len=4096)), loaded)
+
+
+def test_prefix_cached_blocks_are_attended(tiny):
+    """A request whose first blocks were computed by another request (a prefix-cache
+    hit: shared block ids, num_computed_tokens > 0 at its first step) equals HF."""
+    loaded, hf = tiny
+    runner = make_runner(loaded)
+    hand = HandScheduler(64)
+    gen = torch.Generator().manual_seed(11)
+    shared = torch.randint(0, 101, (8,), generator=gen).tolist()  # 2 full blocks
+    first = greedy("a", shared + torch.randint(0, 101, (5,), generator=gen).tolist(), 3)
+    sched = hand.output([(first, first.num_prompt_tokens)])
+    hand.update(sched, runner.execute_model(sched))
+    second = greedy("b", shared + torch.randint(0, 101, (6,), generator=gen).tolist(), 6)
+    hand.tables["b"] = hand.tables["a"][:2]  # reuse the cached prefix blocks
+    second.num_computed_tokens = 8
+    sched = hand.output([(first, 1), (second, 6)])
+    hand.update(sched, runner.execute_model(sched))
+    while second.num_output_tokens < 6:
+        sched = hand.output([(second, 1)])
+        hand.update(sched, runner.execute_model(sched))
+    assert second.output_token_ids == hf_greedy(hf, second.prompt_token_ids, 6)
+    assert first.output_token_ids == hf_greedy(hf, first.prompt_token_ids, 2)
+
+
+def test_shorter_loaded_rotary_table_is_extended(tiny):
+    loaded, hf = tiny
+    small = build_model(loaded.hf_config, hf.state_dict(), torch.float32, "cpu", 16)
+    loaded_small = dataclasses.replace(loaded, model=small, max_position=16)
+    runner = make_runner(loaded_small, max_model_len=64)
+    assert small.rotary.max_position == 64
+    hand = HandScheduler(64)
+    prompt = list(range(40))
+    req = greedy("long", prompt, 2)
+    sched = hand.output([(req, 40)])
+    hand.update(sched, runner.execute_model(sched))
+    sched = hand.output([(req, 1)])
+    hand.update(sched, runner.execute_model(sched))
+    assert req.output_token_ids == hf_greedy(hf, prompt, 2)
 
 
 @pytest.fixture(scope="module")
 def real():
     """Our loader's default model and transformers' own load of the same GGUF."""
     loaded = load_model(ModelConfig(dtype="float32", max_model_len=512))
-    folder, name = loaded_gguf_path()
+    path = default_model_path()
+    folder, name = os.path.dirname(path), os.path.basename(path)
     hf = transformers.AutoModelForCausalLM.from_pretrained(
         folder, gguf_file=name, dtype=torch.float32, local_files_only=True
     ).eval()
@@ -259,10 +309,18 @@ class TestDefaultModel:
             assert_same_greedy(r.output_token_ids, theirs, loaded.eos_token_id)
 
 
-def loaded_gguf_path() -> tuple[str, str]:
-    import os
-
-    from tandem.engine.model_loader import default_model_path
-
-    path = default_model_path()
-    return os.path.dirname(path), os.path.basename(path)
+@pytest.mark.slow
+def test_default_model_loader_facts(real):
+    """The default GGUF loads into our Llama, with its tokenizer and EOS, and leaves a
+    complete dequantized cache folder behind for the next load."""
+    loaded, hf = real
+    assert loaded.model_id == "SmolLM2-135M-Instruct.Q4_1"
+    assert type(loaded.model).__name__ == "LlamaForCausalLM"
+    assert loaded.model.lm_head is None  # tied embeddings
+    assert loaded.dtype == torch.float32 and loaded.max_position == 512
+    assert loaded.eos_token_id == hf.generation_config.eos_token_id == 2
+    cache = gguf_cache_path(default_model_path())
+    for name in ("config.json", "model.safetensors", "tokenizer.json"):
+        assert os.path.isfile(os.path.join(cache, name)), name
+    tok = load_tokenizer(None)
+    assert tok.encode("Hello world") == loaded.tokenizer.encode("Hello world")

@@ -262,7 +262,8 @@ def http_ok(url: str) -> bool:
 class KVStoreNode:
     """A running `tandem kvstore` process (UCX data plane, Redis index)."""
 
-    def __init__(self, redis_url: str, tmp: Path, capacity_bytes: int = 256 << 20) -> None:
+    def __init__(self, redis_url: str, tmp: Path, capacity_bytes: int = 256 << 20,
+                 env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.metrics_port = free_port()
         self.address = f"127.0.0.1:{self.port}"
@@ -270,6 +271,7 @@ class KVStoreNode:
             ["kvstore", "--listen", self.address, "--capacity", str(capacity_bytes),
              "--redis-url", redis_url, "--metrics-port", str(self.metrics_port)],
             tmp / f"kvstore-{self.port}.log",
+            env,
         )
         try:
             wait_for(lambda: not self.proc.alive()

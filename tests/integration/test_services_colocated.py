@@ -121,9 +121,16 @@ def test_cancel_and_deadline_free_all_blocks(svc):
     wait_for(lambda: svc.get_load().num_free_blocks == total, 30, "pool back to full")
 
 
-def test_sigterm_drains_in_flight_requests_then_exits(tiny, tmp_path):
-    service = EngineService("both", tiny, tmp_path, None, [*ARGS, "--shutdown-grace-s", "60"])
+def test_sigterm_drains_in_flight_requests_then_exits(tiny, tmp_path, redis_url):
+    import redis
+
+    service = EngineService("both", tiny, tmp_path, redis_url,
+                            [*ARGS, "--shutdown-grace-s", "60"])
+    r = redis.Redis.from_url(redis_url, decode_responses=True)
+    mine = [k for k in r.scan_iter("tandem:instance:both:*")
+            if r.hget(k, "address") == service.address]
     try:
+        assert len(mine) == 1, "registered as role both"
         call = service.decode.Decode(decode_pb2.DecodeRequest(
             prompt_token_ids=[3, 4, 5], sampling_params=params(40, ignore_eos=True)), timeout=120)
         first = next(call)
@@ -133,6 +140,7 @@ def test_sigterm_drains_in_flight_requests_then_exits(tiny, tmp_path):
         assert len(tokens) == 40, "the in-flight request must finish during the grace period"
         assert rest[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
         assert service.proc.popen.wait(60) == 0
+        assert not r.exists(mine[0]), "the registry entry is deleted on shutdown"
     finally:
         service.stop()
 

@@ -1,5 +1,10 @@
-"""Faults in disaggregated serving, caused for real: a store node killed before the pull,
-a decode process killed mid-stream. Tiny random Llama, float32."""
+"""Faults in disaggregated serving, caused for real: a corrupt block in the store, the
+store node killed before the pull, a decode process killed mid-stream. Tiny random Llama,
+float32, oracle transformers ``generate(do_sample=False)``.
+
+NOTE: the tests run in file order on purpose: the store-kill test ends the module's
+store node, so it comes after the test that needs that node alive.
+"""
 
 from __future__ import annotations
 
@@ -24,29 +29,64 @@ def tiny(tmp_path_factory) -> str:
     return str(tiny_model_dir(tmp_path_factory.getbasetemp()))
 
 
-def test_store_node_killed_before_pull_decode_recomputes(tiny, redis_url, tmp_path):
-    store = KVStoreNode(redis_url, tmp_path)
-    prefill = decode = None
-    try:
-        prefill = EngineService("prefill", tiny, tmp_path, redis_url, ARGS)
-        decode = EngineService("decode", tiny, tmp_path, redis_url, ARGS)
-        prompt = list(range(700, 790))
-        sp = params(8)
-        pre = prefill.prefill.Prefill(
-            prefill_pb2.PrefillRequest(prompt_token_ids=prompt, sampling_params=sp), timeout=60)
-        assert pre.publish_ns > 0
-        store.proc.kill()  # the only node holding the blocks is gone
-        failures_before = decode.get_load().num_kv_load_failures
-        msgs = list(decode.decode.Decode(decode_request_from(pre, prompt, sp), timeout=120))
-        tokens = [pre.first_token_id] + [t for m in msgs for t in m.token_ids]
-        assert tokens == hf_greedy(tiny, [prompt], 8)[0], "recomputed output must be unchanged"
-        assert msgs[0].num_cached_tokens < len(prompt), "the prompt was recomputed, not loaded"
-        assert decode.get_load().num_kv_load_failures == failures_before + 1
-    finally:
-        for svc in (decode, prefill):
-            if svc is not None:
-                svc.stop()
-        store.stop()
+@pytest.fixture(scope="module")
+def store(redis_url, tmp_path_factory):
+    # Test hooks on: the `corrupt` control request flips a byte of a stored block.
+    node = KVStoreNode(redis_url, tmp_path_factory.mktemp("store"),
+                       env={"TANDEM_KVSTORE_TEST_HOOKS": "1"})
+    yield node
+    node.stop()
+
+
+@pytest.fixture(scope="module")
+def prefill(tiny, redis_url, store, tmp_path_factory):
+    svc = EngineService("prefill", tiny, tmp_path_factory.mktemp("prefill"), redis_url, ARGS)
+    yield svc
+    svc.stop()
+
+
+@pytest.fixture(scope="module")
+def decode(tiny, redis_url, store, tmp_path_factory):
+    svc = EngineService("decode", tiny, tmp_path_factory.mktemp("decode"), redis_url, ARGS)
+    yield svc
+    svc.stop()
+
+
+def test_corrupt_block_is_a_miss_and_the_rest_is_recomputed(tiny, redis_url, store, prefill,
+                                                            decode):
+    from tandem.kvstore.client import KVStoreClient
+    from tandem.kvstore.keys import BlockKey
+
+    prompt = list(range(900, 980))  # 5 blocks of 16
+    sp = params(8)
+    pre = prefill.prefill.Prefill(
+        prefill_pb2.PrefillRequest(prompt_token_ids=prompt, sampling_params=sp), timeout=60)
+    with KVStoreClient(redis_url) as client:
+        (node_id,) = [n for n, info in client.live_nodes().items()
+                      if info.address == store.address]
+        key = BlockKey(pre.block_hashes[2], pre.kv_layout_fingerprint)
+        client._run(client.aio.node_request(node_id, {"op": "corrupt", "key": key.redis_key}))
+    failures_before = decode.get_load().num_kv_load_failures
+    msgs = list(decode.decode.Decode(decode_request_from(pre, prompt, sp), timeout=120))
+    tokens = [pre.first_token_id] + [t for m in msgs for t in m.token_ids]
+    assert tokens == hf_greedy(tiny, [prompt], 8)[0], "bad bytes must never reach the output"
+    assert msgs[0].num_cached_tokens == 32, "blocks 0-1 loaded, block 2 on recomputed"
+    assert decode.get_load().num_kv_load_failures == failures_before + 1
+
+
+def test_store_node_killed_before_pull_decode_recomputes(tiny, store, prefill, decode):
+    prompt = list(range(700, 790))
+    sp = params(8)
+    pre = prefill.prefill.Prefill(
+        prefill_pb2.PrefillRequest(prompt_token_ids=prompt, sampling_params=sp), timeout=60)
+    assert pre.publish_ns > 0
+    store.proc.kill()  # the only node holding the blocks is gone
+    failures_before = decode.get_load().num_kv_load_failures
+    msgs = list(decode.decode.Decode(decode_request_from(pre, prompt, sp), timeout=120))
+    tokens = [pre.first_token_id] + [t for m in msgs for t in m.token_ids]
+    assert tokens == hf_greedy(tiny, [prompt], 8)[0], "recomputed output must be unchanged"
+    assert msgs[0].num_cached_tokens == 0, "the prompt was recomputed, not loaded"
+    assert decode.get_load().num_kv_load_failures == failures_before + 1
 
 
 def test_decode_killed_mid_stream_gives_unavailable_promptly(tiny, redis_url, tmp_path):

@@ -156,11 +156,12 @@ def test_docs_values_examples_render(chart: Any) -> None:
         assert any(name.endswith("router-deployment.yaml") for name in files)
 
 
-def test_docs_helm_install_commands_render(chart: Any) -> None:
-    """The `helm install ... --set` commands in docs/deploy.md pass the schema and render."""
-    text = (REPO / "docs" / "deploy.md").read_text().replace("\\\n", " ")
+@pytest.mark.parametrize(("doc", "min_commands"), [("docs/deploy.md", 2), ("README.md", 0)])
+def test_docs_helm_install_commands_render(chart: Any, doc: str, min_commands: int) -> None:
+    """The `helm install ... --set` commands in the docs pass the schema and render."""
+    text = (REPO / doc).read_text().replace("\\\n", " ")
     commands = [line for line in text.splitlines() if line.startswith("helm install ")]
-    assert len(commands) >= 2
+    assert len(commands) >= min_commands
     for command in commands:
         args = shlex.split(command)
         values: dict[str, Any] = {}

@@ -1,0 +1,371 @@
+"""`tandem bench serve`: online serving load test against a running router (HTTP, SSE).
+
+Mirrors ``vllm bench serve``: the same flags (``--request-rate``, ``--burstiness``,
+``--num-prompts``, ``--random-input-len``/``--random-output-len``/``--random-range-ratio``,
+``--max-concurrency``, ``--goodput``, ``--percentile-metrics``, ``--metric-percentiles``,
+``--save-result``), the same printed labels and the same JSON keys, so results compare
+directly. Arrivals are a gamma process (Poisson for ``--burstiness 1``) as in vLLM.
+
+Beyond vLLM: several request rates in one run (``--request-rate 1 2 4``), ``--slo
+ttft=MS,tpot=MS`` for goodput, a mix of prompt lengths (``--input-len-mix 128:0.8,2048:0.2``),
+each request's TTFT broken down from the router's ``timings`` (router queue, prefill queue,
+prefill compute, KV handoff = publish + pull, first decode step), ``--json`` to print the
+result as JSON and ``--plot`` for a PNG of latency percentiles over request rate.
+
+Prompts are random token ids sent as ``prompt: [ids]`` so input lengths are exact.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+_BREAKDOWN = {  # label -> timings keys summed (ns)
+    "router_queue": ("router_queue_ns",),
+    "prefill_queue": ("prefill_queue_ns",),
+    "prefill_compute": ("prefill_compute_ns",),
+    "kv_handoff": ("kv_publish_ns", "kv_pull_ns"),
+    "first_decode_step": ("first_decode_ns",),
+}
+
+
+@dataclass
+class RequestResult:
+    """One request's measurements (seconds)."""
+
+    prompt_len: int
+    success: bool = False
+    output_tokens: int = 0
+    ttft: float = 0.0
+    latency: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    generated_text: str = ""
+    error: str = ""
+    timings: dict[str, Any] = field(default_factory=dict)
+
+
+def sample_prompts(n: int, input_len: int, output_len: int, range_ratio: float,
+                   vocab_size: int, seed: int, mix: list[tuple[int, float]] | None = None
+                   ) -> list[tuple[list[int], int]]:
+    """``n`` random prompts (token ids) with their output lengths, as vLLM's random dataset.
+
+    Lengths are uniform in ``[len * (1 - r), len * (1 + r)]``; with ``mix`` the input length
+    is first drawn from ``(length, weight)`` pairs.
+    """
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        base = input_len
+        if mix:
+            base = rng.choices([m[0] for m in mix], weights=[m[1] for m in mix])[0]
+        lo, hi = max(1, int(base * (1 - range_ratio))), max(1, int(base * (1 + range_ratio)))
+        olo, ohi = max(1, int(output_len * (1 - range_ratio))), max(1, int(
+            output_len * (1 + range_ratio)))
+        # Ids from 1000 up avoid special and control tokens of common vocabularies.
+        ids = [rng.randrange(1000, vocab_size) for _ in range(rng.randint(lo, hi))]
+        out.append((ids, rng.randint(olo, ohi)))
+    return out
+
+
+async def _one(client: Any, url: str, model: str, prompt: list[int], max_tokens: int,
+               ignore_eos: bool) -> RequestResult:
+    res = RequestResult(prompt_len=len(prompt))
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+            "stream": True, "ignore_eos": ignore_eos, "stream_options": {"include_usage": True}}
+    start = time.perf_counter()
+    last = start
+    try:
+        async with client.stream("POST", url, json=body) as resp:
+            if resp.status_code != 200:
+                res.error = f"HTTP {resp.status_code}: {(await resp.aread())[:300]!r}"
+                return res
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                data = json.loads(line[6:])
+                if "error" in data:
+                    res.error = str(data["error"].get("message"))
+                    return res
+                if data.get("usage"):
+                    res.output_tokens = data["usage"]["completion_tokens"]
+                if data.get("timings"):
+                    res.timings = data["timings"]
+                for choice in data.get("choices") or ():
+                    now = time.perf_counter()
+                    if not res.ttft:
+                        res.ttft = now - start
+                    else:
+                        res.itl.append(now - last)
+                    last = now
+                    res.generated_text += choice.get("text") or ""
+        res.latency = time.perf_counter() - start
+        res.success = res.ttft > 0
+    except Exception as exc:  # noqa: BLE001 - a failed request is a measurement, not a crash
+        res.error = f"{type(exc).__name__}: {exc}"
+    return res
+
+
+async def run_rate(url: str, model: str, prompts: list[tuple[list[int], int]],
+                   request_rate: float, burstiness: float, max_concurrency: int | None,
+                   ignore_eos: bool, seed: int) -> tuple[list[RequestResult], float]:
+    """Send ``prompts`` with gamma-distributed gaps at ``request_rate`` req/s (inf: at once)."""
+    import httpx
+
+    rng = np.random.default_rng(seed)
+    sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(3600.0), limits=limits) as client:
+        async def guarded(p: list[int], o: int) -> RequestResult:
+            if sem is None:
+                return await _one(client, url, model, p, o, ignore_eos)
+            async with sem:
+                return await _one(client, url, model, p, o, ignore_eos)
+
+        tasks = []
+        start = time.perf_counter()
+        for p, o in prompts:
+            tasks.append(asyncio.create_task(guarded(p, o)))
+            if request_rate != float("inf"):
+                theta = 1.0 / (request_rate * burstiness)
+                await asyncio.sleep(float(rng.gamma(shape=burstiness, scale=theta)))
+        results = await asyncio.gather(*tasks)
+        return list(results), time.perf_counter() - start
+
+
+def _pcts(values_s: list[float], percentiles: list[float], name: str) -> dict[str, float]:
+    arr = np.array(values_s or [0.0]) * 1000.0
+    out = {f"mean_{name}_ms": float(arr.mean()), f"median_{name}_ms": float(np.median(arr)),
+           f"std_{name}_ms": float(arr.std())}
+    for p in percentiles:
+        out[f"p{p:g}_{name}_ms"] = float(np.percentile(arr, p))
+    return out
+
+
+def compute_metrics(results: list[RequestResult], duration_s: float, percentiles: list[float],
+                    slo_ms: dict[str, float]) -> dict[str, Any]:
+    """vLLM's result dict (same keys) plus the TTFT breakdown."""
+    ok = [r for r in results if r.success]
+    tpots = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    total_in = sum(r.prompt_len for r in ok)
+    total_out = sum(r.output_tokens for r in ok)
+    good = 0
+    for r in ok:
+        tpot = (r.latency - r.ttft) / (r.output_tokens - 1) if r.output_tokens > 1 else 0.0
+        if (r.ttft * 1000 <= slo_ms.get("ttft", float("inf"))
+                and tpot * 1000 <= slo_ms.get("tpot", float("inf"))
+                and r.latency * 1000 <= slo_ms.get("e2el", float("inf"))):
+            good += 1
+    m: dict[str, Any] = {
+        "duration": duration_s,
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "total_input_tokens": total_in,
+        "total_output_tokens": total_out,
+        "request_throughput": len(ok) / duration_s,
+        "request_goodput": good / duration_s if slo_ms else None,
+        "output_throughput": total_out / duration_s,
+        "total_token_throughput": (total_in + total_out) / duration_s,
+    }
+    m.update(_pcts([r.ttft for r in ok], percentiles, "ttft"))
+    m.update(_pcts(tpots, percentiles, "tpot"))
+    m.update(_pcts([x for r in ok for x in r.itl], percentiles, "itl"))
+    m.update(_pcts([r.latency for r in ok], percentiles, "e2el"))
+    breakdown = {}
+    for label, keys in _BREAKDOWN.items():
+        vals = [sum(r.timings.get(k, 0) for k in keys) / 1e9 for r in ok
+                if any(k in r.timings for k in keys)]
+        if vals:
+            breakdown.update(_pcts(vals, percentiles, label))
+    m["ttft_breakdown"] = breakdown
+    m["input_lens"] = [r.prompt_len for r in results]
+    m["output_lens"] = [r.output_tokens for r in results]
+    m["ttfts"] = [r.ttft for r in results]
+    m["itls"] = [r.itl for r in results]
+    m["generated_texts"] = [r.generated_text for r in results]
+    m["errors"] = [r.error for r in results]
+    return m
+
+
+def print_result(m: dict[str, Any], percentiles: list[float], request_rate: float) -> None:
+    """Print with ``vllm bench serve``'s labels."""
+    w = 50
+
+    def row(label: str, value: Any, fmt: str = "<10.2f") -> None:
+        print(f"{label:<40} {value:{fmt}}")
+
+    print("{s:{c}^{n}}".format(s=" Serving Benchmark Result ", n=w, c="="))
+    row("Successful requests:", m["completed"], "<10")
+    row("Failed requests:", m["failed"], "<10")
+    row("Request rate configured (RPS):", request_rate)
+    row("Benchmark duration (s):", m["duration"])
+    row("Total input tokens:", m["total_input_tokens"], "<10")
+    row("Total generated tokens:", m["total_output_tokens"], "<10")
+    row("Request throughput (req/s):", m["request_throughput"])
+    if m["request_goodput"] is not None:
+        row("Request goodput (req/s):", m["request_goodput"])
+    row("Output token throughput (tok/s):", m["output_throughput"])
+    row("Total Token throughput (tok/s):", m["total_token_throughput"])
+    sections = [("ttft", "Time to First Token", "TTFT"),
+                ("tpot", "Time per Output Token (excl. 1st token)", "TPOT"),
+                ("itl", "Inter-token Latency", "ITL"),
+                ("e2el", "End-to-end Latency", "E2EL")]
+    for key, title, short in sections:
+        print("{s:{c}^{n}}".format(s=title, n=w, c="-"))
+        row(f"Mean {short} (ms):", m[f"mean_{key}_ms"])
+        row(f"Median {short} (ms):", m[f"median_{key}_ms"])
+        for p in percentiles:
+            row(f"P{p:g} {short} (ms):", m[f"p{p:g}_{key}_ms"])
+    if m["ttft_breakdown"]:
+        print("{s:{c}^{n}}".format(s="TTFT breakdown (tandem)", n=w, c="-"))
+        for label in _BREAKDOWN:
+            if f"mean_{label}_ms" in m["ttft_breakdown"]:
+                b = m["ttft_breakdown"]
+                print(f"{label + ' (ms) mean/median/p99:':<40} {b[f'mean_{label}_ms']:.2f} / "
+                      f"{b[f'median_{label}_ms']:.2f} / {b.get(f'p99_{label}_ms', float('nan')):.2f}")
+    print("=" * w)
+
+
+def plot(results_by_rate: list[dict[str, Any]], path: str, percentiles: list[float]) -> None:
+    """PNG of TTFT / TPOT / ITL / E2EL percentiles (ms) over the request rate."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rates = [r["request_rate"] for r in results_by_rate]
+    fig, axes = plt.subplots(1, 4, figsize=(18, 4))
+    for ax, key in zip(axes, ("ttft", "tpot", "itl", "e2el"), strict=True):
+        for stat in ["median", *[f"p{p:g}" for p in percentiles]]:
+            ax.plot(rates, [r[f"{stat}_{key}_ms"] for r in results_by_rate], marker="o",
+                    label=stat)
+        ax.set_title(key.upper())
+        ax.set_xlabel("request rate (req/s)")
+        ax.set_ylabel("ms")
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def _parse_slo(items: list[str], sep: str) -> dict[str, float]:
+    """``ttft=500,tpot=50`` or vLLM's ``ttft:500 tpot:50`` -> {metric: ms}."""
+    out: dict[str, float] = {}
+    for item in items:
+        for part in item.split(","):
+            if not part.strip():
+                continue
+            name, _, value = part.partition(sep)
+            name = name.strip().lower()
+            if name not in ("ttft", "tpot", "e2el") or not value:
+                raise ValueError(f"SLO must look like ttft{sep}MS,tpot{sep}MS, got {part!r}")
+            out[name] = float(value)
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tandem bench serve", description=__doc__.splitlines()[0])
+    p.add_argument("--url", "--base-url", dest="url", default="http://127.0.0.1:8000",
+                   help="router base URL")
+    p.add_argument("--endpoint", default="/v1/completions")
+    p.add_argument("--model", default=None, help="model name (default: the router's first)")
+    p.add_argument("--dataset-name", default="random", choices=["random"])
+    p.add_argument("--num-prompts", type=int, default=100)
+    p.add_argument("--random-input-len", type=int, default=1024)
+    p.add_argument("--random-output-len", type=int, default=128)
+    p.add_argument("--random-range-ratio", type=float, default=0.0)
+    p.add_argument("--input-len-mix", default=None,
+                   help="LEN:WEIGHT,... draw each input length from these (e.g. 64:0.8,2048:0.2)")
+    p.add_argument("--request-rate", type=float, nargs="+", default=[float("inf")],
+                   help="requests/s; several values run one after another")
+    p.add_argument("--burstiness", type=float, default=1.0)
+    p.add_argument("--max-concurrency", type=int, default=None)
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--percentile-metrics", default="ttft,tpot,itl,e2el")
+    p.add_argument("--metric-percentiles", default="50,90,99")
+    p.add_argument("--goodput", nargs="+", default=[], help="vLLM form: ttft:MS tpot:MS")
+    p.add_argument("--slo", default="", help="ttft=MS,tpot=MS (same as --goodput)")
+    p.add_argument("--tokenizer", default=None,
+                   help="model path whose tokenizer sizes the vocabulary (default model if unset)")
+    p.add_argument("--vocab-size", type=int, default=None,
+                   help="token ids are drawn below this (default: from the model's tokenizer)")
+    p.add_argument("--json", default=None, nargs="?", const="-",
+                   help="write the result JSON to this file ('-' or no value: stdout)")
+    p.add_argument("--save-result", action="store_true")
+    p.add_argument("--result-dir", default=".")
+    p.add_argument("--result-filename", default=None)
+    p.add_argument("--plot", default=None, help="PNG of latency percentiles over request rate")
+    p.add_argument("--label", default=None, help="a name for this run (in the JSON)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of `tandem bench serve`. Returns 0 when every request succeeded."""
+    import httpx
+
+    args = build_parser().parse_args(argv)
+    percentiles = [float(x) for x in args.metric_percentiles.split(",") if x]
+    try:
+        slo = _parse_slo(args.goodput, ":") | _parse_slo([args.slo], "=")
+        mix = None
+        if args.input_len_mix:
+            mix = [(int(a), float(b)) for a, b in
+                   (x.split(":") for x in args.input_len_mix.split(","))]
+    except ValueError as exc:
+        print(f"tandem bench serve: error: {exc}", file=sys.stderr)
+        return 2
+    base = args.url.rstrip("/")
+    models = httpx.get(f"{base}/v1/models", timeout=30).json()["data"]
+    model = args.model or models[0]["id"]
+    vocab = args.vocab_size
+    if vocab is None:
+        from tandem.engine.model_loader import load_tokenizer
+
+        vocab = len(load_tokenizer(args.tokenizer))
+    prompts = sample_prompts(args.num_prompts, args.random_input_len, args.random_output_len,
+                             args.random_range_ratio, vocab, args.seed, mix)
+    all_results = []
+    failed = 0
+    for rate in args.request_rate:
+        print(f"Traffic request rate: {rate}\nBurstiness factor: {args.burstiness}"
+              f"\nMaximum request concurrency: {args.max_concurrency}", flush=True)
+        results, duration = asyncio.run(run_rate(
+            base + args.endpoint, model, prompts, rate, args.burstiness, args.max_concurrency,
+            args.ignore_eos, args.seed))
+        m = compute_metrics(results, duration, percentiles, slo)
+        m.update(date=datetime.now().strftime("%Y%m%d-%H%M%S"), backend="tandem",
+                 model_id=model, tokenizer_id=model, num_prompts=args.num_prompts,
+                 request_rate=rate, burstiness=args.burstiness,
+                 max_concurrency=args.max_concurrency, label=args.label)
+        print_result(m, percentiles, rate)
+        failed += m["failed"]
+        all_results.append(m)
+    out: Any = all_results[0] if len(all_results) == 1 else all_results
+    if args.json is not None:
+        text = json.dumps(out, indent=2)
+        if args.json == "-":
+            print(text)
+        else:
+            Path(args.json).write_text(text)
+    if args.save_result:
+        name = args.result_filename or f"tandem-{datetime.now():%Y%m%d-%H%M%S}.json"
+        Path(args.result_dir).mkdir(parents=True, exist_ok=True)
+        (Path(args.result_dir) / name).write_text(json.dumps(out, indent=2))
+    if args.plot:
+        plot(all_results, args.plot, percentiles)
+    return 0 if failed == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,281 @@
+"""Routing, overload and faults: 2 prefill + 2 decode with a tiny random model.
+
+One `tandem up`-style stack per module (tiny random-weight Llama, float32; redis from the
+``redis_url`` fixture), plus a colocated engine behind a second router for the colocated
+path and the bounded queue. Instances are killed for real (SIGKILL) while requests are in
+flight: every request either completes or ends with an error event, none hangs, and new
+requests go to the survivors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from tandem.up import Stack, StackConfig, free_port
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
+
+from services_harness import tiny_model_dir  # noqa: E402
+
+ENGINE_ARGS = ["--dtype", "float32", "--num-kv-blocks", "512", "--max-model-len", "1024"]
+ROUTER_ARGS = ["--max-model-len", "1024"]
+#: Client-side bound on any one request: a hang fails the test instead of blocking it.
+REQUEST_TIMEOUT_S = 120.0
+
+
+def _wait_for(cond, timeout_s: float, what: str):  # noqa: ANN001, ANN202
+    deadline = time.monotonic() + timeout_s
+    while not (value := cond()):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out waiting for {what}")
+        time.sleep(0.1)
+    return value
+
+
+@pytest.fixture(scope="module")
+def redis_url():  # TEMP-H6 until H4's fixture lands
+    yield None
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> str:
+    return str(tiny_model_dir(tmp_path_factory.getbasetemp()))
+
+
+@pytest.fixture(scope="module")
+def stack(tiny, redis_url):
+    cfg = StackConfig(num_prefill=2, num_decode=2, port=0, grpc_port=0, model=tiny,
+                      redis_url=redis_url, engine_args=ENGINE_ARGS, router_args=ROUTER_ARGS,
+                      startup_timeout_s=600)
+    with Stack(cfg) as s:
+        yield s
+
+
+def _model(url: str) -> str:
+    return httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
+
+
+async def _stream(http: httpx.AsyncClient, url: str, body: dict, events: list) -> str:
+    """Stream one completion; returns "done", "error" (error event) or raises."""
+    async with http.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}
+                           ) as resp:
+        assert resp.status_code == 200, await resp.aread()
+        outcome = None
+        async for line in resp.aiter_lines():
+            if line == "data: [DONE]":
+                assert outcome is not None, "[DONE] without a finish_reason or an error"
+                return outcome
+            if not line.startswith("data: "):
+                continue
+            data = json.loads(line[6:])
+            events.append(data)
+            if "error" in data:
+                outcome = "error"
+            elif data["choices"] and data["choices"][0]["finish_reason"]:
+                outcome = "done"
+    raise AssertionError("stream ended without [DONE]")
+
+
+def test_kv_aware_routes_shared_prefix_to_same_prefill(stack) -> None:
+    url, model = stack.http_url, _model(stack.http_url)
+    prefix = list(range(1000, 1000 + 96))  # six full blocks
+    seen = set()
+    for tail in ([5, 6, 7], [8, 9], [10, 11, 12, 13]):
+        resp = httpx.post(f"{url}/v1/completions", timeout=REQUEST_TIMEOUT_S,
+                          json={"model": model, "prompt": prefix + tail, "max_tokens": 2})
+        assert resp.status_code == 200, resp.text
+        seen.add(resp.json()["timings"]["prefill_instance"])
+    assert len(seen) == 1, f"one shared prefix went to several prefill instances: {seen}"
+
+
+def test_concurrent_requests_spread_over_decode_instances(stack) -> None:
+    url, model = stack.http_url, _model(stack.http_url)
+
+    async def run() -> set[str]:
+        async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S) as http:
+            resps = await asyncio.gather(*(http.post(f"{url}/v1/completions", json={
+                "model": model, "prompt": [100 + i, 200, 300], "max_tokens": 64,
+                "ignore_eos": True}) for i in range(8)))
+        assert all(r.status_code == 200 for r in resps)
+        return {r.json()["timings"]["decode_instance"] for r in resps}
+
+    assert len(asyncio.run(run())) == 2
+
+
+def test_decode_killed_mid_stream(stack) -> None:
+    url, model = stack.http_url, _model(stack.http_url)
+    victim = stack.part("decode-0")
+    body = {"model": model, "max_tokens": 600, "ignore_eos": True, "temperature": 0}
+
+    async def run() -> list[str]:
+        async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S) as http:
+            events: list[list] = [[] for _ in range(8)]
+            tasks = [asyncio.create_task(_stream(http, url, {**body, "prompt": [300 + i, 7]},
+                                                 events[i])) for i in range(8)]
+            # Kill once every stream has produced tokens (all are in flight on decode).
+            deadline = time.monotonic() + REQUEST_TIMEOUT_S
+            while not all(len(e) >= 2 for e in events):
+                assert time.monotonic() < deadline, "streams did not start"
+                await asyncio.sleep(0.05)
+            victim.proc.send_signal(signal.SIGKILL)
+            return list(await asyncio.wait_for(asyncio.gather(*tasks), REQUEST_TIMEOUT_S))
+
+    outcomes = asyncio.run(run())
+    assert set(outcomes) <= {"done", "error"}, outcomes
+    assert "done" in outcomes, "requests on the surviving decode instance must complete"
+    # Streams on the killed instance had tokens out already: they end with an error event.
+    assert "error" in outcomes, "no stream was in flight on the killed instance"
+    # New requests go to the survivor.
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0,
+                           timeout=REQUEST_TIMEOUT_S)
+    for i in range(4):
+        r = client.completions.create(model=model, prompt=[400 + i, 8], max_tokens=8)
+        assert r.choices[0].finish_reason in ("stop", "length")
+        assert r.model_extra["timings"]["decode_instance"] != victim.url
+
+
+def test_prefill_killed_requests_retry_on_survivor(stack) -> None:
+    url, model = stack.http_url, _model(stack.http_url)
+    victim = stack.part("prefill-0")
+    victim.proc.send_signal(signal.SIGKILL)
+    victim.proc.wait(timeout=30)
+
+    async def run() -> list:
+        async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S) as http:
+            return await asyncio.gather(*(http.post(f"{url}/v1/completions", json={
+                "model": model, "prompt": [500 + i] * 40, "max_tokens": 4})
+                for i in range(8)))
+
+    resps = asyncio.run(asyncio.wait_for(run(), REQUEST_TIMEOUT_S))
+    assert [r.status_code for r in resps] == [200] * 8, [r.text for r in resps]
+    assert {r.json()["timings"]["prefill_instance"] for r in resps} == {
+        stack.part("prefill-1").url}
+
+
+@pytest.fixture(scope="module")
+def colocated(tiny, tmp_path_factory):
+    """A colocated engine behind its own router with a queue of 0 and 1 running slot."""
+    tmp = tmp_path_factory.mktemp("colocated")
+    eng_port, port = free_port(), free_port()
+    procs = []
+
+    def start(args: list[str], name: str) -> subprocess.Popen:
+        log = (tmp / f"{name}.log").open("wb")
+        p = subprocess.Popen([sys.executable, "-P", "-m", "tandem.cli", *args],
+                             stdout=log, stderr=subprocess.STDOUT)
+        log.close()
+        procs.append(p)
+        return p
+
+    try:
+        start(["serve", "--role", "both", "--listen", f"127.0.0.1:{eng_port}", "--model", tiny,
+               *ENGINE_ARGS], "engine")
+        router = start(["router", "--host", "127.0.0.1", "--port", str(port), "--grpc-port", "0",
+                        "--model", tiny, "--colocated", f"127.0.0.1:{eng_port}",
+                        "--max-running-requests", "1", "--max-queued-requests", "0",
+                        *ROUTER_ARGS], "router")
+        url = f"http://127.0.0.1:{port}"
+
+        def ready() -> bool:
+            assert all(p.poll() is None for p in procs), (tmp / "router.log").read_text()
+            try:
+                return httpx.get(f"{url}/ready", timeout=2).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        _wait_for(ready, 300, "colocated router ready")
+        yield url
+        router.send_signal(signal.SIGTERM)
+        assert router.wait(timeout=30) == 0
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+                try:
+                    p.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()
+
+
+def test_colocated_matches_disaggregated(stack, colocated) -> None:
+    prompt = [1234, 2345, 3456, 4567, 5678]
+    texts = []
+    for url in (stack.http_url, colocated):
+        resp = httpx.post(f"{url}/v1/completions", timeout=REQUEST_TIMEOUT_S, json={
+            "model": _model(url), "prompt": prompt, "max_tokens": 16, "temperature": 0})
+        assert resp.status_code == 200, resp.text
+        texts.append(resp.json()["choices"][0]["text"])
+    assert texts[0] == texts[1]
+
+
+def test_full_queue_is_503_with_retry_after(colocated) -> None:
+    model = _model(colocated)
+    body = {"model": model, "prompt": [42, 43], "max_tokens": 800, "ignore_eos": True,
+            "stream": True}
+    with httpx.Client(timeout=REQUEST_TIMEOUT_S) as http:
+        with http.stream("POST", f"{colocated}/v1/completions", json=body) as first:
+            assert first.status_code == 200
+            lines = first.iter_lines()
+            while not next(lines).startswith("data: {"):
+                pass
+            # The one running slot is taken and the queue holds 0: the next gets 503.
+            resp = http.post(f"{colocated}/v1/completions",
+                             json={"model": model, "prompt": [1, 2], "max_tokens": 2})
+            assert resp.status_code == 503, resp.text
+            assert resp.headers["Retry-After"] == "1"
+            assert resp.json()["error"]["type"] == "service_unavailable_error"
+        # The first stream closed (client gone): its slot frees and requests pass again.
+        _wait_for(lambda: http.post(f"{colocated}/v1/completions", json={
+            "model": model, "prompt": [1, 2], "max_tokens": 2}).status_code == 200,
+            60, "the slot to free after the disconnect")
+
+
+def test_tandem_up_sigterm_stops_everything(tiny, tmp_path) -> None:
+    """`tandem up --colocated`: own redis-server, healthy, then SIGTERM leaves nothing."""
+    import os
+
+    import psutil
+
+    port, grpc_port = free_port(), free_port()
+    env = dict(os.environ, TMPDIR=str(tmp_path))
+    proc = subprocess.Popen(
+        [sys.executable, "-P", "-m", "tandem.cli", "up", "--colocated", "--model", tiny,
+         "--port", str(port), "--grpc-port", str(grpc_port),
+         *[f"--engine-arg={a}" for a in ENGINE_ARGS], "--router-arg=--max-model-len=1024"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
+    try:
+        def ready() -> bool:
+            assert proc.poll() is None, proc.stdout.read()
+            try:
+                return httpx.get(f"http://127.0.0.1:{port}/ready", timeout=2).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        _wait_for(ready, 300, "tandem up ready")
+        children = psutil.Process(proc.pid).children(recursive=True)
+        names = " ".join(" ".join(c.cmdline()) for c in children)
+        assert "redis-server" in names and "router" in names and "--role both" in names
+        assert list(tmp_path.glob("tandem-up-*")), "the stack's temp dir exists while it runs"
+        resp = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60, json={
+            "model": _model(f"http://127.0.0.1:{port}"), "prompt": [5, 6, 7], "max_tokens": 3})
+        assert resp.status_code == 200, resp.text
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+        _wait_for(lambda: not any(c.is_running() and c.status() != psutil.STATUS_ZOMBIE
+                                  for c in children), 30, "children to exit")
+        assert not list(tmp_path.glob("tandem-up-*")), "temp dir left behind"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

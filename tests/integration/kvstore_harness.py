@@ -1,0 +1,102 @@
+"""Real KV store nodes in subprocesses for the integration tests (and benchmarks)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from tandem.kvstore.client import KVStoreClient
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class StoreNodeProcess:
+    """``tandem kvstore`` in a subprocess (UCX is not fork-safe: never forked)."""
+
+    def __init__(self, redis_url: str, node_id: str, capacity_bytes: int, *,
+                 heartbeat_ttl_s: float = 10.0, transfer_timeout_s: float = 30.0,
+                 log_dir: Path | None = None, extra_args: tuple[str, ...] = ()) -> None:
+        self.node_id = node_id
+        self.port = _free_port()
+        self.metrics_port = _free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        args = [sys.executable, "-P", "-m", "tandem.kvstore.server",
+                "--listen", self.address, "--capacity", str(capacity_bytes),
+                "--redis-url", redis_url, "--node-id", node_id,
+                "--metrics-port", str(self.metrics_port),
+                "--heartbeat-ttl-s", str(heartbeat_ttl_s),
+                "--transfer-timeout-s", str(transfer_timeout_s), *extra_args]
+        env = dict(os.environ, TANDEM_KVSTORE_TEST_HOOKS="1", UCX_WARN_UNUSED_ENV_VARS="n")
+        self.log_path = (log_dir or Path("/tmp")) / f"kvstore-{node_id}-{self.port}.log"
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(args, env=env, stdout=self._log, stderr=subprocess.STDOUT)
+
+    def health(self) -> int | None:
+        """HTTP status of /health, ``None`` when not answering."""
+        try:
+            with urllib.request.urlopen(
+                f"http://127.0.0.1:{self.metrics_port}/health", timeout=1
+            ) as r:
+                return r.status
+        except urllib.error.HTTPError as e:
+            return e.code
+        except OSError:
+            return None
+
+    def metrics_text(self) -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics",
+                                    timeout=2) as r:
+            return r.read().decode()
+
+    def wait_ready(self, client: KVStoreClient, timeout_s: float = 60.0) -> None:
+        """Poll until the node is registered (live) in the index."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"store node exited with {self.proc.returncode}: "
+                    f"{self.log_path.read_text()[-2000:]}")
+            try:
+                if self.node_id in client.live_nodes():
+                    return
+            except Exception:  # noqa: BLE001 - Redis may be restarting
+                pass
+            time.sleep(0.05)
+        raise TimeoutError(f"store node {self.node_id} not live within {timeout_s}s")
+
+    def kill(self) -> None:
+        """SIGKILL: the node dies without deregistering (its heartbeat must expire)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self._log.close()
+
+
+def poll(predicate, timeout_s: float = 30.0, interval_s: float = 0.05) -> None:  # noqa: ANN001
+    """Wait until ``predicate()`` is true; AssertionError after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(interval_s)
+    raise AssertionError(f"condition not met within {timeout_s}s")

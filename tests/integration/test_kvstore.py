@@ -1,0 +1,386 @@
+"""KV store end to end: real redis-server, real store nodes in subprocesses, UCX on loopback."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+from kvstore_harness import StoreNodeProcess, poll
+
+from tandem.kvstore.client import KVStoreClient, wait_for_nodes
+from tandem.kvstore.keys import BlockKey, LayoutFingerprint
+from tandem.kvstore.store import KVStoreError, KVStoreNodeError, KVStoreTimeoutError
+
+pytest.importorskip("ucxx")
+
+# Equal block bytes (32 KiB, above UCX's rendezvous threshold) for both dtypes so
+# that both layouts share a node's slots.
+BF16 = LayoutFingerprint("tiny-test", num_layers=4, num_kv_heads=2, head_dim=64,
+                         dtype="bfloat16", block_size=16)
+FP32 = LayoutFingerprint("tiny-test", num_layers=4, num_kv_heads=2, head_dim=32,
+                         dtype="float32", block_size=16)
+BLOCK = BF16.block_bytes
+assert FP32.block_bytes == BLOCK
+
+
+def shape(layout: LayoutFingerprint) -> tuple[int, ...]:
+    return (layout.num_layers, 2, layout.block_size, layout.num_kv_heads, layout.head_dim)
+
+
+def random_blocks(layout: LayoutFingerprint, n: int, seed: int) -> list[torch.Tensor]:
+    """Blocks of random bit patterns (NaNs, infs, denormals included)."""
+    g = torch.Generator().manual_seed(seed)
+    dtype = getattr(torch, layout.dtype)
+    bits = torch.int16 if dtype.itemsize == 2 else torch.int32
+    info = torch.iinfo(bits)
+    return [torch.randint(info.min, info.max, shape(layout), generator=g, dtype=bits)
+            .view(dtype) for _ in range(n)]
+
+
+def hashes(tag: str, n: int) -> list[bytes]:
+    import hashlib
+
+    return [hashlib.sha256(f"{tag}/{i}".encode()).digest() for i in range(n)]
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return bytes(a.contiguous().view(torch.uint8).numpy()) == \
+        bytes(b.contiguous().view(torch.uint8).numpy())
+
+
+@pytest.fixture(scope="module")
+def store_url(redis_url: str) -> str:
+    # NOTE: a database of its own: other modules' nodes and keys stay invisible.
+    return redis_url.rsplit("/", 1)[0] + "/3"
+
+
+@pytest.fixture(scope="module")
+def nodes(store_url: str, tmp_path_factory: pytest.TempPathFactory):
+    logs = tmp_path_factory.mktemp("kvstore")
+    procs = {
+        "n1": StoreNodeProcess(store_url, "n1", 4 << 20, log_dir=logs),
+        "n2": StoreNodeProcess(store_url, "n2", 4 << 20, log_dir=logs),
+    }
+    client = KVStoreClient(store_url, timeout_s=10)
+    try:
+        for p in procs.values():
+            p.wait_ready(client)
+        yield procs
+    finally:
+        client.close()
+        for p in procs.values():
+            p.stop()
+
+
+@pytest.fixture(scope="module")
+def client(store_url: str, nodes) -> KVStoreClient:
+    c = KVStoreClient(store_url, local_node=nodes["n1"].address, timeout_s=10)
+    yield c
+    c.close()
+
+
+def test_round_trip_bf16_and_fp32_is_bit_exact(store_url: str, nodes) -> None:
+    for layout, seed in ((BF16, 1), (FP32, 2)):
+        c = KVStoreClient(store_url, layout=layout, local_node="n1", timeout_s=10)
+        keys = layout.keys(hashes(f"rt-{layout.dtype}", 6))
+        blocks = random_blocks(layout, 6, seed)
+        assert c.put_blocks(keys, blocks) == 6
+        assert c.lookup(keys) == 6
+        into = [torch.empty_like(b) for b in blocks]
+        assert c.get_blocks(keys, into) == 6
+        assert all(same_bits(a, b) for a, b in zip(blocks, into, strict=True))
+        c.close()
+
+
+def test_batched_get_across_nodes_and_lookup_agrees(store_url: str, nodes) -> None:
+    keys = BF16.keys(hashes("multi", 10))
+    blocks = random_blocks(BF16, 10, 3)
+    c1 = KVStoreClient(store_url, local_node=nodes["n1"].address)
+    c2 = KVStoreClient(store_url, local_node=nodes["n2"].address)
+    assert c1.put_blocks(keys[:5], blocks[:5]) == 5
+    assert c2.put_blocks(keys[5:], blocks[5:]) == 5
+    assert set(c1.stat("n1")["lru"]) >= {k.redis_key for k in keys[:5]}
+    assert set(c1.stat("n2")["lru"]) >= {k.redis_key for k in keys[5:]}
+    into = [torch.empty_like(b) for b in blocks]
+    assert c1.lookup(keys) == 10
+    assert c1.get_blocks(keys, into) == 10  # one call, two nodes
+    assert all(same_bits(a, b) for a, b in zip(blocks, into, strict=True))
+    # a gap ends the leading run for lookup and get alike
+    gap = keys[:3] + BF16.keys(hashes("never-stored", 1)) + keys[4:]
+    assert c1.lookup(gap) == 3
+    assert c1.get_blocks(gap, [torch.empty_like(b) for b in blocks]) == 3
+    assert c1.contains(gap) == [True] * 3 + [False] + [True] * 6
+    # the byte-returning form the connector used first agrees too
+    got = c1.get(gap)
+    assert [g is not None for g in got] == [True] * 3 + [False] * 7
+    assert bytes(got[0]) == bytes(blocks[0].view(torch.uint8).numpy().reshape(-1))
+    c1.close()
+    c2.close()
+
+
+def test_blocks_of_one_cache_tensor_move_in_runs(client: KVStoreClient) -> None:
+    """Consecutive cache blocks travel as one message; scattered ones block by block."""
+    src = torch.cat([b.unsqueeze(0) for b in random_blocks(BF16, 8, 12)])  # a kv_cache
+    keys = BF16.keys(hashes("runs", 8))
+    assert client.put_blocks(keys, [src[b] for b in range(8)]) == 8
+    dst = torch.zeros_like(src)
+    # block ids 1,2,3 adjacent, then 7, then 4,5 adjacent again, 0, 6
+    ids = [1, 2, 3, 7, 4, 5, 0, 6]
+    assert client.get_blocks(keys, [dst[b] for b in ids]) == 8
+    for i, b in enumerate(ids):
+        assert same_bits(dst[b], src[i])
+
+
+def test_put_of_present_keys_sends_nothing_and_keeps_data(client: KVStoreClient) -> None:
+    keys = BF16.keys(hashes("dedupe", 3))
+    blocks = random_blocks(BF16, 3, 4)
+    assert client.put_blocks(keys, blocks) == 3
+    assert client.put_blocks(keys, blocks) == 3
+    into = [torch.empty_like(b) for b in blocks]
+    assert client.get_blocks(keys, into) == 3
+    assert all(same_bits(a, b) for a, b in zip(blocks, into, strict=True))
+
+
+def test_eight_writers_and_eight_readers(store_url: str, nodes) -> None:
+    shared = KVStoreClient(store_url, local_node="n2", timeout_s=20)
+    seed_keys = BF16.keys(hashes("readers", 4))
+    seed_blocks = random_blocks(BF16, 4, 5)
+    assert shared.put_blocks(seed_keys, seed_blocks) == 4
+    errors: list[BaseException] = []
+
+    def writer(w: int) -> None:
+        try:
+            keys = BF16.keys(hashes(f"writer{w}", 3))
+            blocks = random_blocks(BF16, 3, 100 + w)
+            assert shared.put_blocks(keys, blocks) == 3
+            into = [torch.empty_like(b) for b in blocks]
+            assert shared.get_blocks(keys, into) == 3
+            assert all(same_bits(a, b) for a, b in zip(blocks, into, strict=True))
+        except BaseException as exc:  # noqa: BLE001 - reported by the main thread
+            errors.append(exc)
+
+    def reader(r: int) -> None:
+        try:
+            for _ in range(3):
+                into = [torch.empty_like(b) for b in seed_blocks]
+                assert shared.get_blocks(seed_keys, into) == 4
+                assert all(same_bits(a, b) for a, b in zip(seed_blocks, into, strict=True))
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=writer, args=(i,)) for i in range(8)]
+    threads += [threading.Thread(target=reader, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    shared.close()
+    assert not errors, errors
+
+
+def test_bad_inputs_are_clear_errors_and_the_node_keeps_serving(
+        store_url: str, client: KVStoreClient) -> None:
+    keys = BF16.keys(hashes("bad", 2))
+    blocks = random_blocks(BF16, 2, 6)
+    typed = KVStoreClient(store_url, layout=BF16, local_node="n1")
+    # wrong block size: checked by a client that knows the layout ...
+    with pytest.raises(ValueError, match=r"blocks\[0\].*wrong block size"):
+        typed.put_blocks(keys[:1], [torch.zeros(BLOCK // 2, dtype=torch.uint8)])
+    # ... and by the node, for a client that does not
+    with pytest.raises(KVStoreNodeError, match="wrong block size|does not fit"):
+        client.put_blocks(keys[:1], [torch.zeros(BLOCK * 2, dtype=torch.uint8)])
+    # a key of another layout
+    other = FP32.keys(hashes("bad", 1))
+    with pytest.raises(ValueError, match=r"keys\[0\].*layout fingerprint"):
+        typed.lookup(other)
+    with pytest.raises(ValueError, match=r"keys\[0\] must be a BlockKey"):
+        client.lookup([b"not a key"])  # type: ignore[list-item]
+    # unknown key: a miss, not an error
+    assert client.lookup(BF16.keys(hashes("unknown", 2))) == 0
+    assert client.get_blocks(BF16.keys(hashes("unknown", 1)), [torch.empty_like(blocks[0])]) == 0
+    # larger than any node's capacity
+    many = BF16.keys(hashes("huge", 200))
+    with pytest.raises(ValueError, match="larger than every node's capacity"):
+        client.put_blocks(many, [blocks[0]] * 200)
+    # read-only destination, mismatched lengths
+    with pytest.raises(ValueError, match="read-only"):
+        client.get_blocks(keys[:1], [bytes(BLOCK)])
+    with pytest.raises(ValueError, match="2 buffers for 1 keys"):
+        client.put_blocks(keys[:1], blocks)
+    # the node still serves
+    assert client.put_blocks(keys, blocks) == 2
+    into = [torch.empty_like(b) for b in blocks]
+    assert client.get_blocks(keys, into) == 2
+    assert all(same_bits(a, b) for a, b in zip(blocks, into, strict=True))
+    typed.close()
+
+
+def test_corrupted_slot_is_a_miss(client: KVStoreClient) -> None:
+    keys = BF16.keys(hashes("corrupt", 4))
+    blocks = random_blocks(BF16, 4, 7)
+    assert client.put_blocks(keys, blocks) == 4
+    client._run(client.aio.node_request("n1", {"op": "corrupt", "key": keys[2].redis_key}))
+    into = [torch.empty_like(b) for b in blocks]
+    assert client.get_blocks(keys, into) == 2
+    assert all(same_bits(a, b) for a, b in zip(blocks[:2], into[:2], strict=True))
+    assert client.aio.num_checksum_failures >= 1
+    assert client.lookup(keys) == 2  # the bad entry was removed from the index
+
+
+def test_health_and_metrics(nodes, client: KVStoreClient) -> None:
+    assert nodes["n1"].health() == 200
+    text = nodes["n1"].metrics_text()
+    for name in ("tandem:kvstore_hits_total", "tandem:kvstore_blocks_stored",
+                 "tandem:kvstore_get_latency_seconds_bucket", "tandem:kvstore_put_bytes_total"):
+        assert name in text
+
+
+# -- nodes of their own: eviction, TTL, failures ------------------------------------------------
+
+
+def test_lru_eviction_order_and_in_flight_read_guard(store_url: str, tmp_path) -> None:
+    node = StoreNodeProcess(store_url, "small", 4 * BLOCK, transfer_timeout_s=8,
+                            log_dir=tmp_path)
+    c = KVStoreClient(store_url, local_node="small")
+    try:
+        node.wait_ready(c)
+        k = BF16.keys(hashes("lru", 10))
+        blocks = random_blocks(BF16, 10, 8)
+
+        def lru() -> list[str]:
+            return c.stat("small")["lru"]
+
+        assert c.put_blocks(k[:4], blocks[:4]) == 4
+        assert c.get_blocks(k[:1], [torch.empty_like(blocks[0])]) == 1  # k0 becomes MRU
+        assert c.put_blocks(k[4:5], blocks[4:5]) == 1  # evicts k1, the LRU block
+        assert lru() == [x.redis_key for x in (k[2], k[3], k[0], k[4])]
+        assert c.contains(k[:5]) == [True, False, True, True, True]
+        assert c.stat("small")["num_evictions"] == 1
+
+        # A real in-flight read: ask for k2 but never post the receive, so the
+        # node's send of k2 stays in flight until its transfer timeout.
+        aio = c.aio
+
+        async def start_read() -> None:
+            nodes = await aio.live_nodes()
+            conn = await aio._conn(nodes["small"])
+            await conn.request(999_999, {"op": "get", "keys": [k[2].redis_key]})
+
+        c._run(start_read())
+        poll(lambda: c.stat("small")["pinned"] == [k[2].redis_key])
+        # the read made k2 most recent; three puts make it the LRU block again
+        for i in (5, 6, 7):
+            assert c.put_blocks(k[i:i + 1], blocks[i:i + 1]) == 1
+        assert lru()[0] == k[2].redis_key
+        assert c.put_blocks(k[8:9], blocks[8:9]) == 1  # k2 is pinned: k5 goes instead
+        assert c.contains([k[2], k[5]]) == [True, False]
+
+        # once the stuck read is dropped, k2 is unpinned and evictable again
+        def unpinned() -> bool:
+            try:
+                return c.stat("small")["pinned"] == []
+            except KVStoreError:  # our connection was the one the node dropped
+                return False
+
+        poll(unpinned, timeout_s=30)
+        assert c.put_blocks(k[9:10], blocks[9:10]) == 1
+        assert c.contains([k[2]]) == [False]
+    finally:
+        c.close()
+        node.stop()
+
+
+def test_block_ttl_expiry(store_url: str, tmp_path) -> None:
+    node = StoreNodeProcess(store_url, "ttl", 1 << 20, log_dir=tmp_path)
+    c = KVStoreClient(store_url, local_node="ttl")
+    try:
+        node.wait_ready(c)
+        keys = BF16.keys(hashes("ttl", 2))
+        blocks = random_blocks(BF16, 2, 9)
+        assert c.put_blocks(keys[:1], blocks[:1], ttl_s=0.5) == 1
+        assert c.put_blocks(keys[1:], blocks[1:]) == 1
+        poll(lambda: c.contains(keys) == [False, True])
+        poll(lambda: c.stat("ttl")["num_blocks"] == 1)
+    finally:
+        c.close()
+        node.stop()
+
+
+def test_killed_node_fails_fast_then_misses(store_url: str, tmp_path) -> None:
+    node = StoreNodeProcess(store_url, "doomed", 1 << 20, heartbeat_ttl_s=1.5,
+                            log_dir=tmp_path)
+    c = KVStoreClient(store_url, local_node="doomed", timeout_s=2)
+    try:
+        node.wait_ready(c)
+        keys = BF16.keys(hashes("doomed", 3))
+        blocks = random_blocks(BF16, 3, 10)
+        assert c.put_blocks(keys, blocks) == 3
+        node.kill()
+        into = [torch.empty_like(b) for b in blocks]
+        with pytest.raises(KVStoreTimeoutError, match="doomed.*timed out"):
+            c.get_blocks(keys, into)
+        poll(lambda: c.lookup(keys) == 0)  # heartbeat expired: a miss
+        assert c.get_blocks(keys, into) == 0
+    finally:
+        c.close()
+        node.stop()
+
+
+def test_redis_restart_nodes_reregister_and_clients_reconnect(tmp_path) -> None:
+    from conftest import RedisServer, free_port
+
+    redis = RedisServer(free_port())
+    redis.start()
+    node = StoreNodeProcess(redis.url, "phoenix", 1 << 20, heartbeat_ttl_s=1.5,
+                            log_dir=tmp_path)
+    c = KVStoreClient(redis.url, local_node="phoenix", timeout_s=5)
+    try:
+        node.wait_ready(c)
+        keys = BF16.keys(hashes("phoenix", 3))
+        blocks = random_blocks(BF16, 3, 11)
+        assert c.put_blocks(keys[:2], blocks[:2]) == 2
+        redis.restart()
+        # while the index is empty the blocks are misses, not errors
+        assert c.lookup(keys[:2]) in (0, 2)
+        node.wait_ready(c)  # re-registered by its heartbeat
+        # the node re-publishes what it holds; the client reconnected to Redis
+        poll(lambda: c.lookup(keys[:2]) == 2)
+        assert c.put_blocks(keys[2:], blocks[2:]) == 1
+        into = [torch.empty_like(b) for b in blocks]
+        assert c.get_blocks(keys, into) == 3
+        assert all(same_bits(a, b) for a, b in zip(blocks, into, strict=True))
+    finally:
+        c.close()
+        node.stop()
+        redis.stop()
+
+
+def test_no_live_node_is_a_clear_error(tmp_path) -> None:
+    from conftest import RedisServer, free_port
+
+    redis = RedisServer(free_port())
+    redis.start()
+    c = KVStoreClient(redis.url, timeout_s=2)
+    try:
+        with pytest.raises(KVStoreError, match="no live KV store node"):
+            c.put_blocks(BF16.keys(hashes("x", 1)), random_blocks(BF16, 1, 0))
+        assert c.lookup(BF16.keys(hashes("x", 1))) == 0
+        with pytest.raises(TimeoutError):
+            wait_for_nodes(c, 1, timeout_s=0.2)
+    finally:
+        c.close()
+        redis.stop()
+
+
+def test_block_key_forms_round_trip() -> None:
+    k = BF16.key(hashes("k", 1)[0])
+    assert BlockKey.from_str(str(k)) == k
+    assert BlockKey.from_bytes(k.to_bytes()) == k
+    assert k.redis_key.endswith(str(k))
+    with pytest.raises(ValueError, match="not hex"):
+        BlockKey.from_str("zz:yy")
+    assert isinstance(np.frombuffer(k.hash, dtype=np.uint8), np.ndarray)
+    assert time.monotonic() > 0

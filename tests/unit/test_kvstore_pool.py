@@ -1,0 +1,135 @@
+"""KV store pieces without I/O: keys, the slot pool, message grouping, byte sizes."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from tandem.engine.engine_core import KVCacheLayout
+from tandem.kvstore.index import IndexEntry, commit_args
+from tandem.kvstore.keys import BlockKey, LayoutFingerprint
+from tandem.kvstore.pool import PoolFullError, SlotPool
+from tandem.kvstore.protocol import adjacent_runs, decode, encode, group_messages, make_tag
+from tandem.kvstore.server import parse_bytes
+
+
+def test_fingerprint_matches_the_engine_layout_and_separates_layouts() -> None:
+    layout = KVCacheLayout("smollm2", 30, 3, 64, "bfloat16", 16)
+    fp = LayoutFingerprint.from_layout(layout)
+    assert fp.digest == layout.fingerprint
+    assert fp.block_bytes == layout.block_size_bytes == 30 * 2 * 16 * 3 * 64 * 2
+    others = [
+        LayoutFingerprint("smollm2", 30, 3, 64, "float32", 16),
+        LayoutFingerprint("smollm2", 30, 3, 64, "bfloat16", 32),
+        LayoutFingerprint("other", 30, 3, 64, "bfloat16", 16),
+        LayoutFingerprint("smollm2", 30, 3, 64, "bfloat16", 16, tp_rank=1, tp_size=2),
+    ]
+    assert len({fp.digest, *(o.digest for o in others)}) == 5
+    h = bytes(32)
+    assert fp.key(h) != others[0].key(h)
+
+
+def test_fingerprint_rejects_bad_fields() -> None:
+    with pytest.raises(ValueError, match="dtype"):
+        LayoutFingerprint("m", 1, 1, 1, "int8", 16)
+    with pytest.raises(ValueError, match="tp_rank"):
+        LayoutFingerprint("m", 1, 1, 1, "float32", 16, tp_rank=2, tp_size=2)
+    with pytest.raises(ValueError, match="num_layers"):
+        LayoutFingerprint("m", 0, 1, 1, "float32", 16)
+    with pytest.raises(ValueError, match="hash"):
+        BlockKey(b"", b"fp")
+
+
+def test_block_key_string_and_bytes_forms() -> None:
+    k = BlockKey(bytes(range(32)), bytes(16))
+    assert BlockKey.from_str(str(k)) == k
+    assert BlockKey.from_bytes(k.to_bytes()) == k
+    assert k.redis_key == "tandem:kv:blk:" + str(k)
+
+
+def test_lru_eviction_skips_pinned_and_pending_blocks() -> None:
+    pool = SlotPool(3 * 100)
+    entries = []
+    for k in "abc":
+        e, gone = pool.allocate(k, 100, "x", None)
+        assert gone == []
+        pool.commit(e)
+        entries.append(e)
+    assert pool.lru_keys() == ["a", "b", "c"]
+    read = pool.acquire("a")  # a is now most recent and pinned
+    assert read is not None and pool.lru_keys() == ["b", "c", "a"]
+    e, gone = pool.allocate("d", 100, "x", None)
+    assert [g.key for g in gone] == ["b"]
+    pool.commit(e)
+    # c is LRU, then a (pinned), then d
+    e2, gone = pool.allocate("e", 100, "x", None)
+    assert [g.key for g in gone] == ["c"]
+    # a pinned by the read, e pending: only d can go
+    e3, gone = pool.allocate("f", 100, "x", None)
+    assert [g.key for g in gone] == ["d"]
+    with pytest.raises(PoolFullError):
+        pool.allocate("g", 100, "x", None)
+    pool.release(read)
+    pool.commit(e2)
+    pool.abort(e3)
+    assert pool.acquire("f") is None
+    assert pool.num_evictions == 3
+
+
+def test_slot_size_is_fixed_by_the_first_block() -> None:
+    pool = SlotPool(1000)
+    e, _ = pool.allocate("a", 200, "x", None)
+    assert pool.slot_bytes == 200 and pool.num_slots == 5
+    pool.allocate("b", 150, "x", None)  # smaller blocks fit a slot
+    with pytest.raises(ValueError, match="does not fit"):
+        pool.allocate("c", 201, "x", None)
+    with pytest.raises(ValueError, match="larger than the node capacity"):
+        SlotPool(100).allocate("a", 101, "x", None)
+
+
+def test_ttl_expiry() -> None:
+    pool = SlotPool(1000, slot_bytes=100)
+    e, _ = pool.allocate("a", 100, "x", ttl_s=0.01)
+    pool.commit(e)
+    e, _ = pool.allocate("b", 100, "x", ttl_s=None)
+    pool.commit(e)
+    deadline = time.monotonic() + 5
+    while pool.acquire("a") is not None:
+        assert time.monotonic() < deadline
+        pool.release(pool.entries["a"])
+    assert [x.key for x in pool.expire()] == ["a"]
+    assert pool.lru_keys() == ["b"]
+
+
+def test_message_grouping() -> None:
+    # client runs [0..3] and [4..5]; slots 7,8,9 consecutive then 2; block 5 absent
+    runs = [[0, 4], [4, 2]]
+    slots = [7, 8, 9, 2, 3, None]
+    sizes = [10, 10, 10, 10, 10, 0]
+    assert group_messages(runs, slots, sizes, 10) == [(0, 3), (3, 1), (4, 1)]
+    # a short block ends a message (its slot is not full)
+    assert group_messages([[0, 3]], [0, 1, 2], [10, 5, 10], 10) == [(0, 2), (2, 1)]
+    with pytest.raises(ValueError, match="outside the batch"):
+        group_messages([[0, 9]], slots, sizes, 10)
+    assert adjacent_runs([100, 110, 120, 200, 210], [10] * 5) == [[0, 3], [3, 2]]
+
+
+def test_protocol_and_index_encodings() -> None:
+    msg = {"op": "get", "keys": ["a"], "req": 5}
+    assert decode(encode(msg)) == msg
+    assert make_tag(1, 2, 3) == (1 << 48) | (2 << 24) | 3
+    e = IndexEntry("node-1", 4, 100, "abcd")
+    assert IndexEntry.decode(e.encode().encode()) == e
+    assert IndexEntry.decode(b"garbage") is None
+    keys, argv = commit_args([("k1", "n|1|")], [("k2", "v", 0)])
+    assert keys == ["k1", "k2"] and argv == [1, "n|1|", "v", 0]
+
+
+def test_parse_bytes() -> None:
+    assert parse_bytes("1073741824") == 1 << 30
+    assert parse_bytes("512MiB") == 512 << 20
+    assert parse_bytes("64K") == 64 << 10
+    assert parse_bytes("1G") == 1 << 30
+    with pytest.raises(ValueError):
+        parse_bytes("lots")
