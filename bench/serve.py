@@ -242,12 +242,17 @@ def plot(results_by_rate: list[dict[str, Any]], path: str, percentiles: list[flo
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rates = [r["request_rate"] for r in results_by_rate]
+    labels = list(dict.fromkeys(r.get("label") for r in results_by_rate))
     fig, axes = plt.subplots(1, 4, figsize=(18, 4))
     for ax, key in zip(axes, ("ttft", "tpot", "itl", "e2el"), strict=True):
-        for stat in ["median", *[f"p{p:g}" for p in percentiles]]:
-            ax.plot(rates, [r[f"{stat}_{key}_ms"] for r in results_by_rate], marker="o",
-                    label=stat)
+        for color, label in enumerate(labels):
+            runs = [r for r in results_by_rate if r.get("label") == label]
+            rates = [r["request_rate"] for r in runs]
+            stats = ["median", *[f"p{p:g}" for p in percentiles if p != 50]]
+            for style, stat in zip(("-", "--", ":", "-."), stats, strict=False):
+                name = stat if label is None else f"{label} {stat}"
+                ax.plot(rates, [r[f"{stat}_{key}_ms"] for r in runs], marker="o",
+                        linestyle=style, color=f"C{color}", label=name)
         ax.set_title(key.upper())
         ax.set_xlabel("request rate (req/s)")
         ax.set_ylabel("ms")
@@ -307,25 +312,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--result-filename", default=None)
     p.add_argument("--plot", default=None, help="PNG of latency percentiles over request rate")
     p.add_argument("--label", default=None, help="a name for this run (in the JSON)")
+    p.add_argument("--launch", action="append", default=[], choices=["disagg", "colocated"],
+                   help="start this stack (tandem up) for the run instead of using --url; "
+                        "repeat to compare: --launch disagg --launch colocated")
+    p.add_argument("--launch-model", default=None, help="model for --launch")
+    p.add_argument("--launch-engine-arg", action="append", default=[],
+                   help="extra engine flag for --launch stacks, e.g. --launch-engine-arg="
+                        "--max-num-batched-tokens=512")
+    p.add_argument("--launch-disagg-cpus", type=int, default=1,
+                   help="CPUs pinned to each of the prefill and decode engines (--launch disagg)")
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of `tandem bench serve`. Returns 0 when every request succeeded."""
+def _run_all(args: argparse.Namespace, url: str, percentiles: list[float],
+             slo: dict[str, float], mix: list[tuple[int, float]] | None,
+             label: str | None) -> tuple[list[dict[str, Any]], int]:
+    """Every ``--request-rate`` against ``url``; returns (results, number of failed)."""
     import httpx
 
-    args = build_parser().parse_args(argv)
-    percentiles = [float(x) for x in args.metric_percentiles.split(",") if x]
-    try:
-        slo = _parse_slo(args.goodput, ":") | _parse_slo([args.slo], "=")
-        mix = None
-        if args.input_len_mix:
-            mix = [(int(a), float(b)) for a, b in
-                   (x.split(":") for x in args.input_len_mix.split(","))]
-    except ValueError as exc:
-        print(f"tandem bench serve: error: {exc}", file=sys.stderr)
-        return 2
-    base = args.url.rstrip("/")
+    base = url.rstrip("/")
     models = httpx.get(f"{base}/v1/models", timeout=30).json()["data"]
     model = args.model or models[0]["id"]
     vocab = args.vocab_size
@@ -347,10 +352,43 @@ def main(argv: list[str] | None = None) -> int:
         m.update(date=datetime.now().strftime("%Y%m%d-%H%M%S"), backend="tandem",
                  model_id=model, tokenizer_id=model, num_prompts=args.num_prompts,
                  request_rate=rate, burstiness=args.burstiness,
-                 max_concurrency=args.max_concurrency, label=args.label)
+                 max_concurrency=args.max_concurrency, label=label)
         print_result(m, percentiles, rate)
         failed += m["failed"]
         all_results.append(m)
+    return all_results, failed
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of `tandem bench serve`. Returns 0 when every request succeeded."""
+    args = build_parser().parse_args(argv)
+    percentiles = [float(x) for x in args.metric_percentiles.split(",") if x]
+    try:
+        slo = _parse_slo(args.goodput, ":") | _parse_slo([args.slo], "=")
+        mix = None
+        if args.input_len_mix:
+            mix = [(int(a), float(b)) for a, b in
+                   (x.split(":") for x in args.input_len_mix.split(","))]
+    except ValueError as exc:
+        print(f"tandem bench serve: error: {exc}", file=sys.stderr)
+        return 2
+    if args.launch:
+        from tandem.up import Stack, StackConfig
+
+        all_results, failed = [], 0
+        for mode in args.launch:
+            colocated = mode == "colocated"
+            cfg = StackConfig(port=0, grpc_port=0, model=args.launch_model, colocated=colocated,
+                              engine_args=list(args.launch_engine_arg),
+                              cpus_per_engine=0 if colocated else args.launch_disagg_cpus)
+            print(f"== launching {mode} stack ==", flush=True)
+            with Stack(cfg) as stack:
+                results, n_failed = _run_all(args, stack.http_url, percentiles, slo, mix,
+                                             label=mode)
+            all_results += results
+            failed += n_failed
+    else:
+        all_results, failed = _run_all(args, args.url, percentiles, slo, mix, args.label)
     out: Any = all_results[0] if len(all_results) == 1 else all_results
     if args.json is not None:
         text = json.dumps(out, indent=2)

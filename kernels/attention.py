@@ -16,16 +16,24 @@ reference): the model runner flattens every scheduled token of a step into one
   prefix (prefix-cache hit or a later chunk) it gathers its blocks and uses a
   causal mask offset by the number of cached tokens.
 
+On CUDA (with Triton installed) the decode group runs a Triton kernel that
+reads K/V straight from the blocks (no gather), one program per (sequence, KV
+head) with an online softmax; prefills use SDPA (FlashAttention) as above.
+
 Optional sliding-window attention (Mistral): key ``k`` is visible from query
 ``q`` iff ``k <= q`` and ``q - k < window`` (transformers' convention).
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from tandem.kernels.triton_utils import use_triton
 
 
 @dataclass
@@ -208,6 +216,66 @@ def _gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
     return g.view(*block_ids.shape[:-1], -1, *cache.shape[2:])
 
 
+def _decode_attention_sdpa(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """Decode group via gather + one SDPA call: ``q [nd, H, hd]`` -> ``[nd, H, hd]``."""
+    nd, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    bt = meta.decode_block_tables
+    assert bt is not None, "decode group without block tables"
+    k = _gather(k_cache, bt).transpose(1, 2)  # [nd, kvh, L, hd]
+    v = _gather(v_cache, bt).transpose(1, 2)
+    # GQA without repeat: the group's query heads play the query-length axis.
+    q = q.view(nd, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    o = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=meta.decode_mask(sliding_window), scale=scale
+    )
+    return o.reshape(nd, num_heads, head_dim)
+
+
+def _prefill_attention_sdpa(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None,
+) -> None:
+    """Every prefill sequence via SDPA (FlashAttention on CUDA), written into ``out``."""
+    group = query.shape[1] // key.shape[1]
+    for i, p in enumerate(meta.prefills):
+        s, e = p.token_start, p.token_end
+        q = query[s:e].transpose(0, 1).unsqueeze(0)  # [1, H, n, hd]
+        if p.block_ids is None:
+            k = key[s:e]
+            v = value[s:e]
+        else:
+            k = _gather(k_cache, p.block_ids)[: p.seq_len]
+            v = _gather(v_cache, p.block_ids)[: p.seq_len]
+        k = k.transpose(0, 1).unsqueeze(0)  # [1, kvh, L, hd]
+        v = v.transpose(0, 1).unsqueeze(0)
+        mask = meta.prefill_mask(i, sliding_window)
+        o = F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=mask,
+            is_causal=mask is None,
+            scale=scale,
+            enable_gqa=group > 1,
+        )
+        out[s:e] = o[0].transpose(0, 1)
+
+
 def paged_attention_ref(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -232,49 +300,187 @@ def paged_attention_ref(
     Returns:
         ``[num_tokens, num_heads, head_dim]`` in ``query.dtype``.
     """
-    num_tokens, num_heads, head_dim = query.shape
-    num_kv_heads = key.shape[1]
-    group = num_heads // num_kv_heads
     out = torch.empty_like(query)
     nd = meta.num_decodes
     if nd:
         idx = meta.decode_token_idx
         q = query[:nd] if idx is None else query[idx]
-        bt = meta.decode_block_tables
-        assert bt is not None, "decode group without block tables"
-        k = _gather(k_cache, bt).transpose(1, 2)  # [nd, kvh, L, hd]
-        v = _gather(v_cache, bt).transpose(1, 2)
-        # GQA without repeat: the group's query heads play the query-length axis.
-        q = q.view(nd, num_kv_heads, group, head_dim)
-        o = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=meta.decode_mask(sliding_window), scale=scale
-        ).reshape(nd, num_heads, head_dim)
+        o = _decode_attention_sdpa(q, k_cache, v_cache, meta, scale, sliding_window)
         if idx is None:
             out[:nd] = o
         else:
             out[idx] = o
-    for i, p in enumerate(meta.prefills):
-        s, e = p.token_start, p.token_end
-        q = query[s:e].transpose(0, 1).unsqueeze(0)  # [1, H, n, hd]
-        if p.block_ids is None:
-            k = key[s:e]
-            v = value[s:e]
-        else:
-            k = _gather(k_cache, p.block_ids)[: p.seq_len]
-            v = _gather(v_cache, p.block_ids)[: p.seq_len]
-        k = k.transpose(0, 1).unsqueeze(0)  # [1, kvh, L, hd]
-        v = v.transpose(0, 1).unsqueeze(0)
-        mask = meta.prefill_mask(i, sliding_window)
-        o = F.scaled_dot_product_attention(
+    _prefill_attention_sdpa(out, query, key, value, k_cache, v_cache, meta, scale, sliding_window)
+    return out
+
+
+@functools.cache
+def _decode_kernel() -> Any:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def kernel(
+        q_ptr,
+        k_ptr,
+        v_ptr,
+        bt_ptr,
+        lens_ptr,
+        out_ptr,
+        scale,
+        window,
+        stride_qt,
+        stride_qh,
+        stride_kb,
+        stride_ko,
+        stride_kh,
+        stride_vb,
+        stride_vo,
+        stride_vh,
+        stride_bt,
+        stride_ot,
+        stride_oh,
+        G: tl.constexpr,
+        G_PAD: tl.constexpr,
+        D: tl.constexpr,
+        D_PAD: tl.constexpr,
+        BS: tl.constexpr,
+    ):
+        # One program per (sequence, KV head): its G query heads attend to the
+        # sequence's blocks with an online softmax (Milakov & Gimelshein 2018).
+        s = tl.program_id(0)
+        h = tl.program_id(1)
+        seq_len = tl.load(lens_ptr + s)
+        g = tl.arange(0, G_PAD)
+        d = tl.arange(0, D_PAD)
+        t = tl.arange(0, BS)
+        gm = g < G
+        dm = d < D
+        q_off = s * stride_qt + (h * G + g)[:, None] * stride_qh + d[None, :]
+        q = tl.load(q_ptr + q_off, mask=gm[:, None] & dm[None, :], other=0.0).to(tl.float32)
+        q_pos = seq_len - 1
+        first = 0
+        if window > 0:
+            first = tl.maximum(q_pos - window + 1, 0) // BS
+        m_i = tl.full([G_PAD], float("-inf"), tl.float32)
+        l_i = tl.zeros([G_PAD], tl.float32)
+        acc = tl.zeros([G_PAD, D_PAD], tl.float32)
+        for j in range(first, tl.cdiv(seq_len, BS)):
+            blk = tl.load(bt_ptr + s * stride_bt + j)
+            pos = j * BS + t
+            valid = pos < seq_len
+            if window > 0:
+                valid = valid & (pos > q_pos - window)
+            kv_mask = valid[:, None] & dm[None, :]
+            k_off = blk * stride_kb + t[:, None] * stride_ko + h * stride_kh + d[None, :]
+            k = tl.load(k_ptr + k_off, mask=kv_mask, other=0.0).to(tl.float32)
+            scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [G_PAD, BS]
+            scores = tl.where(valid[None, :], scores, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+            p = tl.exp(scores - m_new[:, None])
+            alpha = tl.exp(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v_off = blk * stride_vb + t[:, None] * stride_vo + h * stride_vh + d[None, :]
+            v = tl.load(v_ptr + v_off, mask=kv_mask, other=0.0).to(tl.float32)
+            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+            m_i = m_new
+        o = acc / l_i[:, None]
+        o_off = s * stride_ot + (h * G + g)[:, None] * stride_oh + d[None, :]
+        tl.store(out_ptr + o_off, o.to(out_ptr.dtype.element_ty), mask=gm[:, None] & dm[None, :])
+
+    return kernel
+
+
+def decode_attention_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """Triton paged decode attention straight from the cache (no gather).
+
+    Args:
+        q: ``[nd, num_heads, head_dim]``, one query token per sequence.
+        k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+        block_tables: ``[nd, max_blocks]`` int64; seq_lens: ``[nd]`` int64.
+
+    Returns:
+        ``[nd, num_heads, head_dim]`` in ``q.dtype``.
+    """
+    import triton
+
+    nd, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    out = torch.empty((nd, num_heads, head_dim), dtype=q.dtype, device=q.device)
+    if nd == 0:
+        return out
+    _decode_kernel()[(nd, num_kv_heads)](
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        out,
+        scale,
+        sliding_window or 0,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
+        G=group,
+        G_PAD=max(triton.next_power_of_2(group), 2),
+        D=head_dim,
+        D_PAD=triton.next_power_of_2(head_dim),
+        BS=k_cache.shape[1],
+    )
+    return out
+
+
+def paged_attention_triton(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """GPU path: the decode group by the Triton kernel, prefills by SDPA
+    (FlashAttention); same contract as ``paged_attention_ref``."""
+    out = torch.empty_like(query)
+    nd = meta.num_decodes
+    if nd:
+        assert meta.decode_block_tables is not None and meta.decode_seq_lens is not None
+        idx = meta.decode_token_idx
+        q = query[:nd] if idx is None else query[idx]
+        o = decode_attention_triton(
             q,
-            k,
-            v,
-            attn_mask=mask,
-            is_causal=mask is None,
-            scale=scale,
-            enable_gqa=group > 1,
+            k_cache,
+            v_cache,
+            meta.decode_block_tables,
+            meta.decode_seq_lens,
+            scale,
+            sliding_window,
         )
-        out[s:e] = o[0].transpose(0, 1)
+        if idx is None:
+            out[:nd] = o
+        else:
+            out[idx] = o
+    _prefill_attention_sdpa(out, query, key, value, k_cache, v_cache, meta, scale, sliding_window)
     return out
 
 
@@ -318,4 +524,5 @@ def paged_attention(
         raise ValueError(f"cache view {tuple(k_cache.shape)} does not fit key {tuple(key.shape)}")
     if not (query.dtype == key.dtype == k_cache.dtype == v_cache.dtype):
         raise ValueError("query, key and the cache must share a dtype")
-    return paged_attention_ref(query, key, value, k_cache, v_cache, meta, scale, sliding_window)
+    impl = paged_attention_triton if use_triton(query) else paged_attention_ref
+    return impl(query, key, value, k_cache, v_cache, meta, scale, sliding_window)

@@ -6,11 +6,20 @@ the per-layer views are ``k_cache = kv_cache[:, layer, 0]`` and
 ``v_cache = kv_cache[:, layer, 1]``, each ``[num_blocks, block_size, num_kv_heads,
 head_dim]`` and strided (block ``b`` of all layers is the contiguous ``kv_cache[b]``).
 A token's slot is ``block_id * block_size + offset_in_block``.
+
+``reshape_and_cache_ref`` (torch ``index_put_``) serves the CPU; the Triton
+kernel (one program per token, copying its ``num_kv_heads * head_dim`` K and V
+values) serves CUDA tensors.
 """
 
 from __future__ import annotations
 
+import functools
+from typing import Any
+
 import torch
+
+from tandem.kernels.triton_utils import use_triton
 
 
 def allocate_kv_cache(
@@ -49,6 +58,82 @@ def reshape_and_cache_ref(
     v_cache.index_put_((block_idx, block_offset), value)
 
 
+@functools.cache
+def _cache_kernel() -> Any:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def kernel(
+        key_ptr,
+        value_ptr,
+        k_cache_ptr,
+        v_cache_ptr,
+        slot_ptr,
+        stride_kt,
+        stride_vt,
+        stride_kb,
+        stride_ko,
+        stride_vb,
+        stride_vo,
+        block_size,
+        N: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        t = tl.program_id(0)
+        slot = tl.load(slot_ptr + t)
+        b = slot // block_size
+        o = slot % block_size
+        offs = tl.arange(0, BLOCK)
+        mask = offs < N
+        k = tl.load(key_ptr + t * stride_kt + offs, mask=mask)
+        v = tl.load(value_ptr + t * stride_vt + offs, mask=mask)
+        tl.store(k_cache_ptr + b * stride_kb + o * stride_ko + offs, k, mask=mask)
+        tl.store(v_cache_ptr + b * stride_vb + o * stride_vo + offs, v, mask=mask)
+
+    return kernel
+
+
+def _heads_contiguous(t: torch.Tensor) -> bool:
+    """``t[..., kvh, hd]``'s last two dims are one dense run of ``kvh * hd`` elements."""
+    return t.stride(-1) == 1 and t.stride(-2) == t.shape[-1]
+
+
+def reshape_and_cache_triton(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Triton version of ``reshape_and_cache_ref`` (takes the slots directly)."""
+    import triton
+
+    if not _heads_contiguous(key):
+        key = key.contiguous()
+    if not _heads_contiguous(value):
+        value = value.contiguous()
+    assert _heads_contiguous(k_cache) and _heads_contiguous(v_cache), "cache heads not dense"
+    n = key.shape[1] * key.shape[2]
+    if key.shape[0]:
+        _cache_kernel()[(key.shape[0],)](
+            key,
+            value,
+            k_cache,
+            v_cache,
+            slot_mapping,
+            key.stride(0),
+            value.stride(0),
+            k_cache.stride(0),
+            k_cache.stride(1),
+            v_cache.stride(0),
+            v_cache.stride(1),
+            k_cache.shape[1],
+            N=n,
+            BLOCK=triton.next_power_of_2(n),
+        )
+
+
 def reshape_and_cache(
     key: torch.Tensor,
     value: torch.Tensor,
@@ -85,6 +170,9 @@ def reshape_and_cache(
             f"slot_mapping must be int64 [{key.shape[0]}], got "
             f"{slot_mapping.dtype} {tuple(slot_mapping.shape)}"
         )
+    if use_triton(key):
+        reshape_and_cache_triton(key, value, k_cache, v_cache, slot_mapping)
+        return
     if block_idx_offset is None:
         block_size = k_cache.shape[1]
         block_idx_offset = (slot_mapping // block_size, slot_mapping % block_size)

@@ -96,7 +96,7 @@ def _runs(views: list[np.ndarray]) -> list[list[int]]:
 
 def checksum(view: np.ndarray) -> str:
     """xxh3-64 of a block's bytes, hex (the index's checksum)."""
-    return xxhash.xxh3_64_hexdigest(view)
+    return xxhash.xxh3_64_hexdigest(view.data)
 
 
 @dataclass
@@ -227,7 +227,8 @@ class AsyncKVStoreClient(BlockStore):
             KVStoreError: Redis unreachable.
         """
         try:
-            ids = [i.decode() for i in await self.redis.smembers(NODES_SET)]
+            ids = [i.decode() if isinstance(i, bytes) else str(i)
+                   for i in await self.redis.smembers(NODES_SET)]
             async with self.redis.pipeline(transaction=False) as pipe:
                 for i in ids:
                     pipe.hgetall(node_key(i))

@@ -74,6 +74,8 @@ class SlotPool:
         # committed, unpinned-or-pinned entries in LRU order (oldest first)
         self._lru: OrderedDict[str, None] = OrderedDict()
         self.num_evictions = 0
+        self._num_ttl = 0  # entries with a TTL
+        self._used_bytes = 0
         if slot_bytes is not None:
             self._format(slot_bytes)
 
@@ -105,8 +107,8 @@ class SlotPool:
 
     @property
     def used_bytes(self) -> int:
-        """Bytes of slots holding committed blocks."""
-        return sum(e.size_bytes for e in self.entries.values() if e.committed)
+        """Payload bytes of committed blocks."""
+        return self._used_bytes
 
     @property
     def num_blocks(self) -> int:
@@ -167,15 +169,18 @@ class SlotPool:
         expires = time.monotonic() + ttl_s if ttl_s else None
         entry = Entry(key, slot, size_bytes, checksum, expires, pins=1)
         self.entries[key] = entry
+        self._num_ttl += expires is not None
         return entry, evicted
 
     def _pick_victim(self) -> Entry | None:
         now = time.monotonic()
-        # expired blocks go first, then the least recently used unpinned one
-        for key in self._lru:
-            e = self.entries[key]
-            if e.pins == 0 and e.expires_at is not None and e.expires_at <= now:
-                return e
+        # expired blocks go first (scanned only when some block has a TTL), then
+        # the least recently used unpinned one
+        if self._num_ttl:
+            for key in self._lru:
+                e = self.entries[key]
+                if e.pins == 0 and e.expires_at is not None and e.expires_at <= now:
+                    return e
         for key in self._lru:
             e = self.entries[key]
             if e.pins == 0:
@@ -183,6 +188,9 @@ class SlotPool:
         return None
 
     def _drop(self, entry: Entry) -> None:
+        self._num_ttl -= entry.expires_at is not None
+        if entry.committed:
+            self._used_bytes -= entry.size_bytes
         del self.entries[entry.key]
         self._lru.pop(entry.key, None)
         heapq.heappush(self._free, entry.slot)
@@ -191,6 +199,7 @@ class SlotPool:
         """Mark a pending write complete: unpin it and make it the most recently used."""
         entry.pins -= 1
         entry.committed = True
+        self._used_bytes += entry.size_bytes
         self._lru[entry.key] = None
         self._lru.move_to_end(entry.key)
 
@@ -218,12 +227,14 @@ class SlotPool:
 
     def expire(self) -> list[Entry]:
         """Drop every unpinned block whose TTL has passed; returns them (index cleanup)."""
+        if not self._num_ttl:
+            return []
         now = time.monotonic()
-        gone = [
-            self.entries[k] for k in self._lru
-            if self.entries[k].pins == 0 and self.entries[k].expires_at is not None
-            and self.entries[k].expires_at <= now
-        ]
+        gone = []
+        for k in self._lru:
+            e = self.entries[k]
+            if e.pins == 0 and e.expires_at is not None and e.expires_at <= now:
+                gone.append(e)
         for e in gone:
             self._drop(e)
         return gone

@@ -125,7 +125,7 @@ def decode(buf: np.ndarray) -> dict[str, Any]:
     Raises:
         ValueError: malformed message.
     """
-    (n,) = _LEN.unpack_from(buf, 0)
+    (n,) = _LEN.unpack_from(buf.data, 0)
     if n > MAX_CTRL_BYTES - _LEN.size:
         raise ValueError(f"control message length {n} out of range")
     msg = json.loads(bytes(buf[_LEN.size : _LEN.size + n]))

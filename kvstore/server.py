@@ -183,7 +183,7 @@ class StoreNode:
 
     # -- registry -----------------------------------------------------------------------------
 
-    def _registry_fields(self) -> dict[str, Any]:
+    def _registry_fields(self) -> dict[Any, Any]:
         return {
             "address": f"{self.cfg.host}:{self.cfg.port}",
             "ucx_address": self.ucx_address.hex(),
@@ -412,8 +412,10 @@ class StoreNode:
         try:
             for i, (k, n, s) in enumerate(zip(keys, sizes, sums, strict=True)):
                 have = self.pool.entries.get(k)
-                if have is not None and have.committed and have.checksum == s:
-                    continue  # already here: only its index entry is rewritten
+                if have is not None and (have.checksum == s or have.pins):
+                    # already here (its index entry is rewritten below), being written
+                    # by a concurrent put of the same prefix, or being read: keep it
+                    continue
                 entry, gone = self.pool.allocate(k, n, s, ttl_s)
                 pending.append(entry)
                 evicted += gone
@@ -448,10 +450,11 @@ class StoreNode:
                 await self._try_commit(
                     [(e.key, self._entry(e).owner_prefix) for e in evicted], [])
         new = []
+        mine = {id(e) for e in pending}
         for k in keys:
             e = self.pool.entries.get(k)
-            if e is None:
-                continue
+            if e is None or (not e.committed and id(e) not in mine):
+                continue  # another put's pending write commits it
             ttl_ms = self._ttl_ms(e)
             if ttl_ms is not None:
                 new.append((k, self._entry(e).encode(), ttl_ms))
@@ -605,8 +608,10 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of ``tandem kvstore``. Returns the exit code."""
     import sys
 
-    cfg = config_from_args(list(sys.argv[1:] if argv is None else argv))
-    logging.basicConfig(level=logging.INFO,
+    args = list(sys.argv[1:] if argv is None else argv)
+    cfg = config_from_args(args)
+    level = build_parser().parse_args(args).log_level.upper()
+    logging.basicConfig(level=getattr(logging, level, logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     asyncio.run(serve(cfg))
     return 0

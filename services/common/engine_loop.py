@@ -132,7 +132,12 @@ class EngineLoop:
         if not self._accepting:
             raise ShuttingDownError("server is shutting down")
         queue: asyncio.Queue[EngineCoreOutput | BaseException] = asyncio.Queue()
-        await self.call(self._add, request, queue)
+        try:
+            await self.call(self._add, request, queue)
+        except asyncio.CancelledError:
+            # The add may have run already: abort it (queued after it, so it applies).
+            self.abort_nowait(request.request_id)
+            raise
         return RequestStream(self, request.request_id, queue)
 
     def abort_nowait(self, request_id: str) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -28,7 +29,6 @@ from tandem.services.router import protocol as P
 from tandem.services.router.errors import OpenAIError, openai_error_handler, to_openai_error
 from tandem.services.router.frontend import Frontend
 from tandem.services.router.metrics import CONTENT_TYPE
-from tandem.services.router.pipeline import GenerationRequest, SeqDelta
 from tandem.services.router.responses import (
     DONE,
     ChoiceState,
@@ -38,6 +38,7 @@ from tandem.services.router.responses import (
     sse,
     usage,
 )
+from tandem.services.router.sequence import GenerationRequest, SeqDelta
 
 
 def create_app(fe: Frontend, lifespan: Any = None) -> FastAPI:
@@ -167,8 +168,6 @@ async def _json_body(request: Request) -> Any:
     if not body:
         raise OpenAIError("request body is empty; expected a JSON object")
     try:
-        import json
-
         return json.loads(body)
     except (ValueError, UnicodeDecodeError) as exc:
         raise OpenAIError(f"request body is not valid JSON: {exc}") from exc

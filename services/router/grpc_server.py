@@ -16,7 +16,7 @@ import grpc
 from tandem.engine.sampling_params import SamplingParams
 from tandem.services.router.errors import OpenAIError
 from tandem.services.router.frontend import Frontend
-from tandem.services.router.pipeline import GenerationRequest
+from tandem.services.router.sequence import GenerationRequest
 from tandem.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
 logger = logging.getLogger(__name__)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from tandem.services.router import protocol as P
 from tandem.services.router.frontend import Frontend
-from tandem.services.router.pipeline import GenerationRequest, SeqDelta, Timings
+from tandem.services.router.sequence import GenerationRequest, SeqDelta, Timings
 from tandem.v1 import common_pb2
 
 

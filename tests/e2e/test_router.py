@@ -51,11 +51,6 @@ def oracle():
 
 
 @pytest.fixture(scope="module")
-def redis_url():  # TEMP-H6 until H4's fixture lands
-    yield None
-
-
-@pytest.fixture(scope="module")
 def stack(redis_url, oracle):
     cfg = StackConfig(num_prefill=1, num_decode=1, port=0, grpc_port=0, redis_url=redis_url,
                       engine_args=ENGINE_ARGS, router_args=["--max-model-len", "2048"],

@@ -1,6 +1,6 @@
 """The router's error surface: every invalid input gets the right OpenAI 4xx JSON.
 
-A real `tandem router` subprocess (the default model's tokenizer, no weights) in front of
+A real `tandem router` subprocess (the tiny test model's tokenizer, no weights) in front of
 static instance addresses where nothing listens: every check here happens before any
 engine is called, and a valid request then fails with 503 + Retry-After (no instance),
 never with a 500. The same checks through the public gRPC API map to gRPC codes.
@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import grpc
 import httpx
@@ -22,8 +23,12 @@ import pytest
 from tandem.up import free_port
 from tandem.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
+
+from services_harness import tiny_model_dir  # noqa: E402
+
 API_KEY = "sk-test-key"
-MODEL = "SmolLM2-135M-Instruct"
+MODEL = "h5_tiny_llama"  # the tiny model folder's name, which the router serves
 MAX_MODEL_LEN = 512
 
 
@@ -38,13 +43,15 @@ def _wait_for(cond, timeout_s: float, what: str):  # noqa: ANN001, ANN202
 
 @pytest.fixture(scope="module")
 def router(tmp_path_factory):
+    model = str(tiny_model_dir(tmp_path_factory.getbasetemp()))
     port, grpc_port = free_port(), free_port()
     dead = [f"127.0.0.1:{free_port()}" for _ in range(2)]
     log = (tmp_path_factory.mktemp("router") / "router.log").open("wb")
     env = dict(os.environ, TANDEM_API_KEY=API_KEY)
     proc = subprocess.Popen(
         [sys.executable, "-P", "-m", "tandem.cli", "router", "--host", "127.0.0.1",
-         "--port", str(port), "--grpc-port", str(grpc_port), "--prefill", dead[0],
+         "--port", str(port), "--grpc-port", str(grpc_port), "--model", model,
+         "--prefill", dead[0],
          "--decode", dead[1], "--max-model-len", str(MAX_MODEL_LEN)],
         stdout=log, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"

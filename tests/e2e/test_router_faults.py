@@ -43,11 +43,6 @@ def _wait_for(cond, timeout_s: float, what: str):  # noqa: ANN001, ANN202
 
 
 @pytest.fixture(scope="module")
-def redis_url():  # TEMP-H6 until H4's fixture lands
-    yield None
-
-
-@pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> str:
     return str(tiny_model_dir(tmp_path_factory.getbasetemp()))
 

@@ -181,6 +181,31 @@ def test_eight_writers_and_eight_readers(store_url: str, nodes) -> None:
     assert not errors, errors
 
 
+def test_concurrent_puts_of_one_prefix_do_not_fail(store_url: str, nodes) -> None:
+    """Two prefills finishing the same prompt at once publish the same blocks."""
+    keys = BF16.keys(hashes("same-prefix", 6))
+    blocks = random_blocks(BF16, 6, 13)
+    c = KVStoreClient(store_url, local_node="n1")
+    errors: list[BaseException] = []
+
+    def put() -> None:
+        try:
+            c.put_blocks(keys, blocks)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=put) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    into = [torch.empty_like(b) for b in blocks]
+    assert c.get_blocks(keys, into) == 6
+    assert all(same_bits(a, b) for a, b in zip(blocks, into, strict=True))
+    c.close()
+
+
 def test_bad_inputs_are_clear_errors_and_the_node_keeps_serving(
         store_url: str, client: KVStoreClient) -> None:
     keys = BF16.keys(hashes("bad", 2))

@@ -1,0 +1,173 @@
+"""One completion's state at the router: the request, its deltas, text, counts, timings.
+
+``SeqState`` feeds engine tokens through ``engine.detokenizer.IncrementalDetokenizer``
+(incremental, UTF-8 safe, stop strings with holdback), enforces ``max_tokens``, and
+observes the per-token metrics (TTFT, inter-token latency, end-to-end latency).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from tandem.engine.detokenizer import IncrementalDetokenizer
+from tandem.engine.sampling_params import SamplingParams
+from tandem.services.router.metrics import RouterMetrics
+from tandem.v1 import common_pb2
+
+_FINISH = {
+    common_pb2.FINISH_REASON_STOP: "stop",
+    common_pb2.FINISH_REASON_LENGTH: "length",
+    common_pb2.FINISH_REASON_ABORT: "abort",
+}
+
+
+@dataclass
+class GenerationRequest:
+    """A tokenized request as the pipeline takes it.
+
+    Attributes:
+        request_id: id used for every RPC (``-<i>`` appended per completion when n > 1).
+        prompt_token_ids: templated prompt, token ids.
+        sampling_params: validated; ``stop`` strings are handled here, not by engines.
+        priority: engine scheduling priority (lower first).
+        arrival_ns: ``time.monotonic_ns()`` when the router received it.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    priority: int = 0
+    arrival_ns: int = field(default_factory=time.monotonic_ns)
+
+
+@dataclass
+class Timings:
+    """Where one completion's time went, in ns (``None``: not on this path).
+
+    ``ttft_ns`` = router_queue + prefill (queue + compute + publish) + RPC overhead in the
+    disaggregated path: the first token comes from prefill. ``kv_pull_ns`` and
+    ``first_decode_ns`` (Decode call to its first token, KV pull included) follow it.
+    """
+
+    router_queue_ns: int | None = None
+    prefill_queue_ns: int | None = None
+    prefill_compute_ns: int | None = None
+    kv_publish_ns: int | None = None
+    kv_pull_ns: int | None = None
+    decode_queue_ns: int | None = None
+    first_decode_ns: int | None = None
+    ttft_ns: int | None = None
+    e2e_ns: int | None = None
+    prefill_instance: str | None = None
+    decode_instance: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+
+
+@dataclass
+class SeqDelta:
+    """New output of completion ``index``.
+
+    Attributes:
+        text: text since the previous delta (stop-string holdback applied).
+        token_ids: tokens since the previous delta.
+        logprobs: per token, its ``TopLogprobs`` (when requested), else ``None``.
+        finish_reason: "stop" | "length" on the last delta, else ``None``.
+        stop_reason: matched stop string or stop token id.
+        num_cached_tokens: prompt tokens served from a cache (first delta).
+        timings: on the last delta.
+    """
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[common_pb2.TopLogprobs] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+    timings: Timings | None = None
+
+
+class EngineAbort(Exception):
+    """The engine aborted the request (e.g. it is shutting down)."""
+
+
+class SeqState:
+    """Text, counts and metrics of one completion.
+
+    Args:
+        tokenizer: HF tokenizer (detokenization).
+        metrics: the router's series (TTFT, ITL, E2E, generation tokens, finish reasons).
+        index: the completion's index among the request's ``n``.
+        req: the request (arrival time, prompt ids).
+        sp: this completion's sampling parameters (stop strings, ``max_tokens``).
+        timings: filled in by the pipeline; attached to the last delta.
+    """
+
+    def __init__(self, tokenizer: Any, metrics: RouterMetrics, index: int,
+                 req: GenerationRequest, sp: SamplingParams, timings: Timings) -> None:
+        self._metrics = metrics
+        self.index = index
+        self.req = req
+        self.sp = sp
+        self.timings = timings
+        self.detok = IncrementalDetokenizer(tokenizer, req.prompt_token_ids, sp)
+        self.finished = False
+        self.num_tokens = 0
+        self.num_cached_tokens = 0
+        self._last_token_ns: int | None = None
+        self._sent_first = False
+
+    def add(self, token_ids: list[int], logprobs: list[common_pb2.TopLogprobs] | None,
+            finish: int, stop_token_id: int | None) -> SeqDelta | None:
+        """Feed engine tokens; returns the delta to send (``None``: nothing to send yet).
+
+        Raises:
+            EngineAbort: the engine aborted the request.
+        """
+        if finish == common_pb2.FINISH_REASON_ABORT:
+            raise EngineAbort("the engine aborted the request")
+        max_tokens = self.sp.max_tokens
+        if max_tokens is not None and self.num_tokens + len(token_ids) > max_tokens:
+            # NOTE: never pass more than max_tokens on, even if an engine overshoots.
+            token_ids = token_ids[: max_tokens - self.num_tokens]
+            logprobs = logprobs[: len(token_ids)] if logprobs else logprobs
+            finish = common_pb2.FINISH_REASON_LENGTH
+        now = time.monotonic_ns()
+        self._observe_tokens(len(token_ids), now)
+        reason = _FINISH.get(finish)
+        stop_reason: int | str | None = stop_token_id
+        matched = self.detok.update(token_ids, stop_terminated=reason == "stop")
+        if matched is not None:
+            reason, stop_reason = "stop", matched
+        finished = reason is not None
+        text = self.detok.get_next_output_text(finished=finished, delta=True)
+        delta = SeqDelta(self.index, text, list(token_ids), logprobs,
+                         num_cached_tokens=self.num_cached_tokens if not self._sent_first else 0)
+        self._sent_first = True
+        if finished:
+            self.finished = True
+            delta.finish_reason, delta.stop_reason = reason, stop_reason
+            self.timings.e2e_ns = now - self.req.arrival_ns
+            delta.timings = self.timings
+            m = self._metrics
+            m.labels(m.e2e).observe(self.timings.e2e_ns / 1e9)
+            m.request_success.labels(model_name=m.model_name, finished_reason=reason).inc()
+        return delta
+
+    def _observe_tokens(self, num: int, now_ns: int) -> None:
+        m = self._metrics
+        if num == 0:
+            return
+        if self._last_token_ns is None:
+            self.timings.ttft_ns = now_ns - self.req.arrival_ns
+            m.labels(m.ttft).observe(self.timings.ttft_ns / 1e9)
+        else:
+            m.labels(m.itl).observe((now_ns - self._last_token_ns) / 1e9 / num)
+        self._last_token_ns = now_ns
+        self.num_tokens += num
+        m.labels(m.generation_tokens).inc(num)
