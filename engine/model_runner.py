@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 import sys
 
+import psutil
 import torch
 
 from tandem.engine.config import EngineConfig
@@ -65,12 +65,7 @@ def tune_glibc_malloc() -> bool:
 
 def _available_memory_bytes() -> int:
     """Host memory available to new allocations, in bytes."""
-    try:
-        import psutil
-
-        return int(psutil.virtual_memory().available)
-    except ImportError:  # pragma: no cover - psutil is a dependency
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return int(psutil.virtual_memory().available)
 
 
 class ModelRunner:
@@ -133,11 +128,12 @@ class ModelRunner:
 
         Order: ``cache.num_blocks_override``; else ``cache.kv_cache_memory_bytes //
         block_bytes``; else ``memory_utilization`` of the memory left after the
-        weights and a profiling forward pass of ``max_num_batched_tokens`` tokens
-        (CUDA: of total device memory minus the profiled peak, as vLLM does; CPU:
-        of available host memory, capped at ``CPU_MAX_KV_CACHE_BYTES``). The
-        profiled budget is also capped at what ``max_num_seqs`` full-length
-        sequences could use. Logs blocks, tokens and bytes.
+        weights and the activations of a ``max_num_batched_tokens`` step (CUDA:
+        measured by a profiling forward, of total device memory, as vLLM does;
+        CPU: estimated, of available host memory, capped at
+        ``CPU_MAX_KV_CACHE_BYTES``). The profiled budget is also capped at what
+        ``max_num_seqs`` full-length sequences could use. Logs blocks, tokens
+        and bytes.
 
         Raises:
             ValueError: when the budget holds less than one block.

@@ -314,6 +314,9 @@ def paged_attention_ref(
     return out
 
 
+_NO_WINDOW = 2**31 - 1
+
+
 @functools.cache
 def _decode_kernel() -> Any:
     import triton
@@ -359,18 +362,16 @@ def _decode_kernel() -> Any:
         q_off = s * stride_qt + (h * G + g)[:, None] * stride_qh + d[None, :]
         q = tl.load(q_ptr + q_off, mask=gm[:, None] & dm[None, :], other=0.0).to(tl.float32)
         q_pos = seq_len - 1
-        first = 0
-        if window > 0:
-            first = tl.maximum(q_pos - window + 1, 0) // BS
+        # Branch-free window (no window = a window longer than any sequence);
+        # blocks wholly before the window are skipped.
+        first = tl.maximum(q_pos - window + 1, 0) // BS
         m_i = tl.full([G_PAD], float("-inf"), tl.float32)
         l_i = tl.zeros([G_PAD], tl.float32)
         acc = tl.zeros([G_PAD, D_PAD], tl.float32)
         for j in range(first, tl.cdiv(seq_len, BS)):
             blk = tl.load(bt_ptr + s * stride_bt + j)
             pos = j * BS + t
-            valid = pos < seq_len
-            if window > 0:
-                valid = valid & (pos > q_pos - window)
+            valid = (pos < seq_len) & (pos > q_pos - window)
             kv_mask = valid[:, None] & dm[None, :]
             k_off = blk * stride_kb + t[:, None] * stride_ko + h * stride_kh + d[None, :]
             k = tl.load(k_ptr + k_off, mask=kv_mask, other=0.0).to(tl.float32)
@@ -428,7 +429,7 @@ def decode_attention_triton(
         seq_lens,
         out,
         scale,
-        sliding_window or 0,
+        sliding_window or _NO_WINDOW,
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),

@@ -108,12 +108,14 @@ class NodeInfo:
     ucx_address: bytes
     capacity_bytes: int
     used_bytes: int
+    slot_bytes: int = 0
 
     @classmethod
     def from_hash(cls, node_id: str, h: dict[bytes, bytes]) -> NodeInfo | None:
         try:
             return cls(node_id, h[b"address"].decode(), bytes.fromhex(h[b"ucx_address"].decode()),
-                       int(h[b"capacity_bytes"]), int(h[b"used_bytes"]))
+                       int(h[b"capacity_bytes"]), int(h[b"used_bytes"]),
+                       int(h.get(b"slot_bytes", b"0")))
         except (KeyError, ValueError):
             return None
 
@@ -182,6 +184,10 @@ class AsyncKVStoreClient(BlockStore):
         self._conn_locks: dict[str, asyncio.Lock] = {}
         self._closed = False
         self.num_checksum_failures = 0
+        #: gets whose receives were posted before the request (one round trip saved)
+        self.num_fast_gets = 0
+        #: of those, answered ``stale`` (index older than the node's slots) and redone
+        self.num_stale_gets = 0
 
     # -- validation ---------------------------------------------------------------------------
 
@@ -320,11 +326,15 @@ class AsyncKVStoreClient(BlockStore):
             return [], {}
         raw, flat = await self._lookup(keys=[k.redis_key for k in keys], args=[NODE_PREFIX])
         entries = [IndexEntry.decode(r) for r in raw]
-        nodes = {}
-        for j in range(0, len(flat), 5):
-            nid, address, ucx_address, cap, used = (
-                x.decode() if isinstance(x, bytes) else str(x) for x in flat[j : j + 5])
-            nodes[nid] = NodeInfo(nid, address, bytes.fromhex(ucx_address), int(cap), int(used))
+        nodes: dict[str, NodeInfo] = {}
+        for j in range(0, len(flat), 6):
+            nid, address, ucx_address, cap, used, slot = (
+                x.decode() if isinstance(x, bytes) else str(x) for x in flat[j : j + 6])
+            nodes[nid] = NodeInfo(nid, address, bytes.fromhex(ucx_address), int(cap), int(used),
+                                  int(slot))
+        # entries of dead nodes are misses, and cleaned up
+        await self._forget_many([(k.redis_key, e) for k, e in zip(keys, entries, strict=True)
+                                 if e is not None and e.node_id not in nodes])
         return [e if e is not None and e.node_id in nodes else None for e in entries], nodes
 
     async def lookup(self, keys: Sequence[BlockKey]) -> int:
@@ -415,8 +425,12 @@ class AsyncKVStoreClient(BlockStore):
                                  f"{e.size_bytes}")
             by_node.setdefault(e.node_id, []).append(i)
         results = await asyncio.gather(
-            *(self._get_from(nodes[nid], idx, keys, views) for nid, idx in by_node.items()))
+            *(self._get_from(nodes[nid], idx, keys, views, entries)
+              for nid, idx in by_node.items()))
         loaded = set().union(*results) if results else set()
+        # indexed but not on its node (evicted or lost since): a miss, cleaned up
+        await self._forget_many([(keys[i].redis_key, entries[i]) for i in range(n)  # type: ignore[misc]
+                                 if i not in loaded])
         count = 0
         for i in range(n):
             if i not in loaded:
@@ -432,45 +446,89 @@ class AsyncKVStoreClient(BlockStore):
         return count
 
     async def _get_from(self, node: NodeInfo, idx: list[int], keys: list[BlockKey],
-                        views: list[np.ndarray]) -> set[int]:
-        conn = await self._conn(node)
-        request_id = _next_request_id()
+                        views: list[np.ndarray],
+                        entries: list[IndexEntry | None]) -> set[int]:
+        """Fetch blocks ``idx`` from one node; returns the indices that arrived.
 
-        async def run() -> list[bool]:
-            mine = [views[i] for i in idx]
-            reply = await (await conn.request(
-                request_id,
-                {"op": "get", "keys": [keys[i].redis_key for i in idx], "runs": _runs(mine)}))
-            _raise_if_error(reply, node)
-            present = [bool(p) for p in reply["present"]]
-            recvs = [conn.ep.recv(_span(mine, j, n),
-                                  tag=proto.make_tag(conn.my_id, request_id, j), force_tag=True)
-                     for j, n in reply["msgs"]]
-            await asyncio.gather(*recvs)
-            return present
+        When the node's slot size is known, the receives are posted before the
+        request (the cut into messages follows from the index's slots), which saves
+        a round trip; if the node's blocks moved since the index was read, it
+        answers ``stale`` and sends nothing, and the classic two-step get runs.
+        """
+        mine = [views[i] for i in idx]
+        runs = _runs(mine)
+        request = {"op": "get", "keys": [keys[i].redis_key for i in idx], "runs": runs}
+        msgs = None
+        if node.slot_bytes:
+            slots: list[int | None] = [entries[i].slot for i in idx]  # type: ignore[union-attr]
+            sizes = [entries[i].size_bytes for i in idx]  # type: ignore[union-attr]
+            msgs = proto.group_messages(runs, slots, sizes, node.slot_bytes)
+        for attempt in (0, 1):
+            conn = await self._conn(node)
+            request_id = _next_request_id()
 
-        try:
-            present = await asyncio.wait_for(run(), self.timeout_s)
-        except (TimeoutError, asyncio.TimeoutError) as exc:
-            # NOTE: aborting the endpoint cancels the posted receives, so nothing is
-            # written into the caller's buffers after we return.
+            expect = msgs if attempt == 0 else None
+            try:
+                present = await asyncio.wait_for(
+                    self._get_once(conn, request_id, node, mine, request, expect), self.timeout_s)
+            except (TimeoutError, asyncio.TimeoutError) as exc:
+                # NOTE: aborting the endpoint cancels the posted receives, so nothing is
+                # written into the caller's buffers after we return.
+                self._drop(conn)
+                raise KVStoreTimeoutError(
+                    f"get from store node {node.node_id} ({node.address}) timed out after "
+                    f"{self.timeout_s}s (node dead or overloaded)") from exc
+            except KVStoreError:
+                self._drop(conn)  # cancels receives posted for an expected cut
+                raise
+            except Exception as exc:  # noqa: BLE001 - UCX failure: connection unusable
+                self._drop(conn)
+                raise KVStoreError(
+                    f"get from store node {node.node_id} failed: {exc!r}") from exc
+            if present is not None:
+                self.num_fast_gets += expect is not None
+                return {i for i, hit in zip(idx, present, strict=True) if hit}
+            # stale: cancel the receives posted for the expected cut, then retry
+            self.num_stale_gets += 1
             self._drop(conn)
-            raise KVStoreTimeoutError(
-                f"get from store node {node.node_id} ({node.address}) timed out after "
-                f"{self.timeout_s}s (node dead or overloaded)") from exc
-        except KVStoreError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - UCX failure: connection unusable
-            self._drop(conn)
-            raise KVStoreError(f"get from store node {node.node_id} failed: {exc!r}") from exc
-        return {i for i, hit in zip(idx, present, strict=True) if hit}
+            if expect is None:
+                break
+        return set()
+
+    async def _get_once(self, conn: _Conn, request_id: int, node: NodeInfo,
+                        mine: list[np.ndarray], request: dict[str, Any],
+                        expect: list[tuple[int, int]] | None) -> list[bool] | None:
+        """One get request; ``None`` when the node answered ``stale``."""
+        def post(cut: list[Any]) -> list[asyncio.Future[Any]]:
+            return [asyncio.ensure_future(conn.ep.recv(
+                _span(mine, j, n), tag=proto.make_tag(conn.my_id, request_id, j),
+                force_tag=True)) for j, n in cut]
+
+        recvs = post(expect) if expect is not None else []
+        msg = dict(request, msgs=expect) if expect is not None else request
+        reply = await (await conn.request(request_id, msg))
+        _raise_if_error(reply, node)
+        if reply.get("stale"):
+            return None
+        if expect is None:
+            recvs = post(reply["msgs"])
+        await asyncio.gather(*recvs)
+        return [bool(p) for p in reply["present"]]
 
     async def _forget(self, key: BlockKey, entry: IndexEntry) -> None:
-        """Remove a bad block's index entry if it still points at the same slot."""
+        """Remove a bad block's index entry (see :meth:`_forget_many`)."""
+        await self._forget_many([(key.redis_key, entry)])
+
+    async def _forget_many(self, gone: list[tuple[str, IndexEntry]]) -> None:
+        """Remove index entries whose payload is gone (dead node, evicted, bad checksum),
+        each only if it is still exactly the entry we read (a fresh put wins)."""
+        if not gone:
+            return
+        keys = [k for k, _ in gone]
         try:
-            await self._commit(keys=[key.redis_key], args=[1, entry.owner_prefix])
+            await self._commit(keys=keys, args=[len(keys), *(e.encode() for _, e in gone)])
         except (RedisError, OSError) as exc:
-            logger.warning("could not remove bad index entry %s: %s", key, exc)
+            logger.warning("could not remove %d stale index entries: %s", len(keys), exc)
 
     async def node_request(self, node_id: str, msg: dict[str, Any]) -> dict[str, Any]:
         """Send one control request (``stat``, or the test hook ``corrupt``) to a node.

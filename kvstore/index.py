@@ -50,8 +50,8 @@ return #KEYS - ndel
 
 
 # KEYS: index keys; ARGV[1]: NODE_PREFIX. One round trip for a lookup: the
-# entries, plus (node id, address, ucx address, capacity, used) of every live
-# node they name.
+# entries, plus (node id, address, ucx address, capacity, used, slot bytes) of
+# every live node they name.
 # NOTE: reads node keys not passed in KEYS; fine on a single Redis, not on a cluster.
 LOOKUP_LUA = """
 local vals = {}
@@ -68,9 +68,9 @@ for i = 1, #vals do
     if nid and not seen[nid] then
       seen[nid] = true
       local h = redis.call('HMGET', ARGV[1] .. nid, 'address', 'ucx_address',
-                           'capacity_bytes', 'used_bytes')
+                           'capacity_bytes', 'used_bytes', 'slot_bytes')
       if h[2] then
-        for _, x in ipairs({nid, h[1] or '', h[2], h[3] or '0', h[4] or '0'}) do
+        for _, x in ipairs({nid, h[1] or '', h[2], h[3] or '0', h[4] or '0', h[5] or '0'}) do
           nodes[#nodes + 1] = x
         end
       end

@@ -66,6 +66,7 @@ class SlotPool:
         # NOTE: np.zeros maps pages lazily; prefault touches them all once.
         self.buffer = np.zeros(capacity_bytes, dtype=np.uint8)
         if prefault:
+            self.buffer[::4096] = 1  # NOTE: a write of a non-zero byte faults the page in
             self.buffer[::4096] = 0
         self.slot_bytes: int | None = None
         self.num_slots = 0

@@ -75,6 +75,8 @@ class NodeConfig:
         slot_bytes: fix the slot size up front (default: the first block's size).
         transfer_timeout_s: a payload transfer that takes longer fails and its
             connection is dropped (dead or stuck client).
+        prefault: touch every page of the pool at start, so that no transfer pays
+            for page faults (the pool's memory is committed up front).
     """
 
     host: str
@@ -87,6 +89,7 @@ class NodeConfig:
     block_ttl_s: float | None = None
     slot_bytes: int | None = None
     transfer_timeout_s: float = 30.0
+    prefault: bool = True
 
     def __post_init__(self) -> None:
         if self.capacity_bytes < 1:
@@ -133,7 +136,7 @@ class StoreNode:
 
     def __init__(self, cfg: NodeConfig) -> None:
         self.cfg = cfg
-        self.pool = SlotPool(cfg.capacity_bytes, cfg.slot_bytes)
+        self.pool = SlotPool(cfg.capacity_bytes, cfg.slot_bytes, prefault=cfg.prefault)
         self.metrics = NodeMetrics()
         self.metrics.capacity_bytes.set(cfg.capacity_bytes)
         self.redis = aioredis.from_url(cfg.redis_url, socket_timeout=5, socket_connect_timeout=5)
@@ -175,9 +178,13 @@ class StoreNode:
             t.cancel()
         for c in self._conns.values():
             c.abort()
+        # a clean stop withdraws the node and its index entries (a killed node's
+        # entries are misses, removed by the clients that find them)
+        gone = [(k, self._entry(self.pool.entries[k]).owner_prefix) for k in self.pool.lru_keys()]
+        await self._try_commit(gone, [])
         try:
             await self.redis.delete(node_key(self.cfg.node_id))
-        except RedisError:
+        except (RedisError, OSError):
             pass
         await self.redis.aclose()
 
@@ -406,6 +413,7 @@ class StoreNode:
         ttl_s = msg.get("ttl_s") or self.cfg.block_ttl_s
         if ttl_s is not None and (not isinstance(ttl_s, int | float) or ttl_s <= 0):
             raise ValueError(f"ttl_s must be > 0, got {ttl_s!r}")
+        formatted = self.pool.slot_bytes is not None
         accepted: list[int] = []
         pending: list[Entry] = []
         evicted: list[Entry] = []
@@ -427,6 +435,10 @@ class StoreNode:
             raise ValueError(str(exc)) from exc
         for k, n in zip(keys, sizes, strict=True):
             self._fp_sizes.setdefault(k[len(INDEX_PREFIX):].partition(":")[0], n)
+        if not formatted:
+            # the slot size was just fixed: publish it now (clients use it to post
+            # get receives before their request)
+            self._spawn(self._heartbeat_once())
         self.metrics.evictions.inc(len(evicted))
         ok = False
         try:
@@ -490,10 +502,18 @@ class StoreNode:
             sizes = [e.size_bytes if e else 0 for e in entries]
             msgs = proto.group_messages(runs, [e.slot if e else None for e in entries], sizes,
                                         self.pool.slot_bytes or 1)
-            await conn.reply(request_id, {
-                "op": "present", "present": [e is not None for e in entries],
-                "sizes": sizes, "msgs": msgs,
-            })
+            expect = msg.get("msgs")
+            if expect is not None and (len(held) < len(keys)
+                                       or [list(m) for m in msgs] != expect):
+                # the client posted receives for another cut: send nothing
+                msgs = []
+                await conn.reply(request_id, {"op": "present", "stale": True,
+                                              "present": [e is not None for e in entries]})
+            else:
+                await conn.reply(request_id, {
+                    "op": "present", "present": [e is not None for e in entries],
+                    "sizes": sizes, "msgs": msgs,
+                })
             sends = [
                 conn.ep.send(self.pool.span(entries[i].slot, n,  # type: ignore[union-attr]
                                             entries[i + n - 1].size_bytes),  # type: ignore[union-attr]
@@ -559,6 +579,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--slot-bytes", type=parse_bytes, default=None,
                    help="fix the slot size (default: the first block's size)")
     p.add_argument("--transfer-timeout-s", type=float, default=30.0)
+    p.add_argument("--no-prefault", action="store_true",
+                   help="map pool pages lazily instead of touching them all at start")
     p.add_argument("--log-level", default="INFO")
     return p
 
@@ -578,6 +600,7 @@ def config_from_args(argv: list[str]) -> NodeConfig:
             metrics_port=int(port) if a.metrics_port is None else a.metrics_port,
             heartbeat_ttl_s=a.heartbeat_ttl_s, block_ttl_s=a.block_ttl_s,
             slot_bytes=a.slot_bytes, transfer_timeout_s=a.transfer_timeout_s,
+            prefault=not a.no_prefault,
         )
     except ValueError as exc:
         parser.error(str(exc))

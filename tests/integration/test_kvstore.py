@@ -7,6 +7,7 @@ import time
 
 import numpy as np
 import pytest
+import redis
 import torch
 from kvstore_harness import StoreNodeProcess, poll
 
@@ -132,6 +133,44 @@ def test_blocks_of_one_cache_tensor_move_in_runs(client: KVStoreClient) -> None:
     assert client.get_blocks(keys, [dst[b] for b in ids]) == 8
     for i, b in enumerate(ids):
         assert same_bits(dst[b], src[i])
+
+
+def test_stale_expected_cut_falls_back_to_two_step_get(client: KVStoreClient) -> None:
+    """A get that expects slots the index no longer describes gets nothing wrong."""
+    from dataclasses import replace
+
+    keys = BF16.keys(hashes("stale", 3))
+    blocks = random_blocks(BF16, 3, 14)
+    assert client.put_blocks(keys, blocks) == 3
+    aio = client.aio
+
+    async def get_with_stale_index() -> tuple[set[int], list[torch.Tensor]]:
+        entries, nodes = await aio._index(keys)
+        node = replace(nodes[entries[0].node_id], slot_bytes=BLOCK)
+        # slots that moved: adjacent where the real ones are not, and vice versa, so
+        # the cut into messages the client expects differs from the node's
+        real = [e.slot for e in entries]
+        adjacent = real == list(range(real[0], real[0] + 3))
+        moved = [real[0] + 10 * i for i in range(3)] if adjacent else [0, 1, 2]
+        wrong = [replace(e, slot=m) for e, m in zip(entries, moved, strict=True)]
+        cache = torch.zeros((3, *blocks[0].shape), dtype=blocks[0].dtype)
+        dst = list(cache)  # adjacent rows: one run on the client side
+        views = [d.view(torch.uint8).reshape(-1).numpy() for d in dst]
+        got = await aio._get_from(node, [0, 1, 2], keys, views, wrong)
+        return got, dst
+
+    # once the registry shows the node's slot size, gets post receives up front
+    poll(lambda: client.live_nodes()["n1"].slot_bytes == BLOCK)
+    fast, stale = aio.num_fast_gets, aio.num_stale_gets
+    into = [torch.empty_like(b) for b in blocks]
+    assert client.get_blocks(keys, into) == 3
+    assert aio.num_fast_gets == fast + 1
+    assert all(same_bits(a, b) for a, b in zip(blocks, into, strict=True))
+
+    got, dst = client._run(get_with_stale_index())
+    assert aio.num_stale_gets == stale + 1
+    assert got == {0, 1, 2}
+    assert all(same_bits(a, b) for a, b in zip(blocks, dst, strict=True))
 
 
 def test_put_of_present_keys_sends_nothing_and_keeps_data(client: KVStoreClient) -> None:
@@ -318,6 +357,25 @@ def test_lru_eviction_order_and_in_flight_read_guard(store_url: str, tmp_path) -
         node.stop()
 
 
+def test_clean_stop_withdraws_node_and_entries(store_url: str, tmp_path) -> None:
+    node = StoreNodeProcess(store_url, "leaver", 1 << 20, log_dir=tmp_path)
+    c = KVStoreClient(store_url, local_node="leaver")
+    r = redis.Redis.from_url(store_url)
+    try:
+        node.wait_ready(c)
+        keys = BF16.keys(hashes("leaver", 2))
+        assert c.put_blocks(keys, random_blocks(BF16, 2, 15)) == 2
+        assert r.exists(*(k.redis_key for k in keys)) == 2
+        node.stop()
+        assert node.proc.returncode == 0
+        assert "leaver" not in c.live_nodes()
+        assert r.exists(*(k.redis_key for k in keys)) == 0
+    finally:
+        r.close()
+        c.close()
+        node.stop()
+
+
 def test_block_ttl_expiry(store_url: str, tmp_path) -> None:
     node = StoreNodeProcess(store_url, "ttl", 1 << 20, log_dir=tmp_path)
     c = KVStoreClient(store_url, local_node="ttl")
@@ -349,6 +407,9 @@ def test_killed_node_fails_fast_then_misses(store_url: str, tmp_path) -> None:
             c.get_blocks(keys, into)
         poll(lambda: c.lookup(keys) == 0)  # heartbeat expired: a miss
         assert c.get_blocks(keys, into) == 0
+        r = redis.Redis.from_url(store_url)
+        assert r.exists(*(k.redis_key for k in keys)) == 0  # the dead entries were removed
+        r.close()
     finally:
         c.close()
         node.stop()

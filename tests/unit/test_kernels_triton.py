@@ -1,13 +1,18 @@
 """Triton kernels against the torch references, on the CPU via Triton's interpreter.
 
-``TRITON_INTERPRET=1`` must be set before a kernel is built; ours are built lazily on
-first use, so setting it at import of this module suffices.
+``TRITON_INTERPRET=1`` must be set before ``triton`` is first imported (its own
+library functions are decorated at import). When another test module of this
+pytest process imported it first (transformers may), this module re-runs itself
+in a fresh interpreter instead.
 """
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
+_TRITON_PREIMPORTED = "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
@@ -16,6 +21,20 @@ import torch  # noqa: E402
 pytest.importorskip("triton")
 if os.environ.get("TRITON_INTERPRET") != "1":  # pragma: no cover - explicit opt-out
     pytest.skip("TRITON_INTERPRET is not 1", allow_module_level=True)
+
+in_process = pytest.mark.skipif(
+    _TRITON_PREIMPORTED, reason="triton imported without the interpreter: see the rerun"
+)
+
+
+@pytest.mark.skipif(not _TRITON_PREIMPORTED, reason="running in this process")
+def test_rerun_in_fresh_interpreter():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    cmd = [sys.executable, "-P", "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert " passed" in proc.stdout
+
 
 from tandem.kernels.attention import (  # noqa: E402
     build_attention_metadata,
@@ -32,6 +51,7 @@ from tandem.kernels.layernorm import rms_norm_ref, rms_norm_triton  # noqa: E402
 
 # NOTE: float16, not bfloat16: the interpreter computes through numpy, which has no
 # bfloat16 (bf16 kernels give NaN there); the bf16 path is exercised on a GPU.
+@in_process
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("hidden", [64, 96])
 def test_rms_norm_triton_matches_ref(dtype, hidden):
@@ -44,6 +64,7 @@ def test_rms_norm_triton_matches_ref(dtype, hidden):
     )
 
 
+@in_process
 def test_reshape_and_cache_triton_matches_ref():
     torch.manual_seed(0)
     bs, kvh, hd = 4, 2, 8
@@ -59,6 +80,7 @@ def test_reshape_and_cache_triton_matches_ref():
     torch.testing.assert_close(tri, ref, rtol=0, atol=0)
 
 
+@in_process
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (6, 2), (3, 1)])
 @pytest.mark.parametrize("window", [None, 6])
 def test_paged_attention_triton_matches_ref(num_heads, num_kv_heads, window):

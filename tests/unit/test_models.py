@@ -163,3 +163,35 @@ def test_resolve_dtype():
 
     expected = torch.bfloat16 if cpu_supports_bf16() else torch.float32
     assert resolve_dtype("auto", cpu) == expected
+
+
+def test_llama3_rope_scaling_matches_transformers():
+    config = transformers.LlamaConfig(
+        vocab_size=97,
+        hidden_size=48,
+        intermediate_size=80,
+        num_hidden_layers=2,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        architectures=["LlamaForCausalLM"],
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 16,
+        },
+    )
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "norm" not in name:
+                p.normal_(0.0, 0.15)
+    ours = build_model(config, hf.state_dict(), torch.float32, "cpu", 128)
+    token_ids = list(range(5, 45))
+    with torch.no_grad():
+        ref = hf(torch.tensor([token_ids])).logits[0]
+    torch.testing.assert_close(run_ours(ours, token_ids, [25, 15]), ref, rtol=0, atol=1e-4)
