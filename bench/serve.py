@@ -338,11 +338,13 @@ def _run_all(args: argparse.Namespace, url: str, percentiles: list[float],
         from tandem.engine.model_loader import load_tokenizer
 
         vocab = len(load_tokenizer(args.tokenizer))
-    prompts = sample_prompts(args.num_prompts, args.random_input_len, args.random_output_len,
-                             args.random_range_ratio, vocab, args.seed, mix)
     all_results = []
     failed = 0
-    for rate in args.request_rate:
+    for i, rate in enumerate(args.request_rate):
+        # NOTE: fresh prompts per rate: repeating them would hit the prefix cache.
+        prompts = sample_prompts(args.num_prompts, args.random_input_len,
+                                 args.random_output_len, args.random_range_ratio, vocab,
+                                 args.seed + i, mix)
         print(f"Traffic request rate: {rate}\nBurstiness factor: {args.burstiness}"
               f"\nMaximum request concurrency: {args.max_concurrency}", flush=True)
         results, duration = asyncio.run(run_rate(
@@ -373,7 +375,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tandem bench serve: error: {exc}", file=sys.stderr)
         return 2
     if args.launch:
-        from tandem.up import Stack, StackConfig
+        from tandem.up import Stack, StackConfig, raise_on_sigterm
+
+        raise_on_sigterm()
 
         all_results, failed = [], 0
         for mode in args.launch:

@@ -156,7 +156,9 @@ class LLMEngine:
                 priority=priority,
             )
             self.engine_core.validate_request(req)
-            parent.children.append(_Child(i, req, IncrementalDetokenizer(self.tokenizer, ids, child_params)))
+            parent.children.append(
+                _Child(i, req, IncrementalDetokenizer(self.tokenizer, ids, child_params))
+            )
             requests.append(req)
         return parent, requests
 

@@ -69,7 +69,7 @@ def ask_grpc(address: str, question: str, max_tokens: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from tandem.up import Stack, StackConfig, StackError
+    from tandem.up import Stack, StackConfig, StackError, raise_on_sigterm
 
     p = argparse.ArgumentParser(prog="tandem demo", description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None)
@@ -79,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     cfg = StackConfig(port=0, grpc_port=0, model=args.model, colocated=args.colocated,
                       engine_args=["--kv-cache-memory", str(512 << 20)])
+    raise_on_sigterm()
     print("Starting tandem (redis, KV store, prefill, decode, router) ...", flush=True)
     try:
         with Stack(cfg) as stack:

@@ -162,6 +162,7 @@ class Stack:
     def __init__(self, config: StackConfig) -> None:
         self.config = config
         self.parts: list[Part] = []
+        self._tiers: list[list[Part]] = []  # parts started together, in start order
         self.tmpdir: Path | None = None
         self._pgid: int | None = None
         self.redis_url = config.redis_url or ""
@@ -249,6 +250,7 @@ class Stack:
     def _launch(self, parts: Sequence[Part]) -> None:
         """Start ``parts`` together, then wait until each is ready (or fail)."""
         assert self.tmpdir is not None, "start() creates tmpdir first"
+        self._tiers.append(list(parts))
         env = dict(os.environ)
         if self.config.cpus_per_engine:
             env.setdefault("OMP_NUM_THREADS", str(self.config.cpus_per_engine))
@@ -289,18 +291,23 @@ class Stack:
     def part(self, name: str) -> Part:
         return next(p for p in self.parts if p.name == name)
 
-    def close(self, timeout_s: float = 15.0) -> None:
-        """Stop every part (SIGTERM to the group, then SIGKILL) and remove the temp dir."""
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Stop every part, newest tier first, then SIGKILL the group; remove the temp dir.
+
+        Tiers stop in reverse start order (router, engines, KV store, redis), each after
+        the previous one exited (or ``timeout_s`` passed): a part never loses what it
+        depends on (e.g. Redis) while it shuts down.
+        """
         procs = [p.proc for p in self.parts if p.proc is not None]
-        # Router first so no new work arrives, then everything else.
-        for part in reversed(self.parts):
-            if part.proc is not None and part.proc.poll() is None:
+        for tier in reversed(self._tiers):
+            alive = [p.proc for p in tier if p.proc is not None and p.proc.poll() is None]
+            for proc in alive:
                 with contextlib.suppress(ProcessLookupError):
-                    part.proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + timeout_s
-        for proc in procs:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+                    proc.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + timeout_s
+            for proc in alive:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout=max(0.0, deadline - time.monotonic()))
         if self._pgid is not None:
             # Anything left in the group (stragglers, grandchildren) is killed.
             with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -309,10 +316,20 @@ class Stack:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=5)
         self.parts.clear()
+        self._tiers.clear()
         self._pgid = None
         if self.tmpdir is not None:
             shutil.rmtree(self.tmpdir, ignore_errors=True)
             self.tmpdir = None
+
+
+def raise_on_sigterm() -> None:
+    """Turn SIGTERM into ``KeyboardInterrupt`` so ``with Stack(...)`` blocks clean up."""
+
+    def on_signal(signum: int, _frame: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_signal)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -359,13 +376,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"tandem up: error: {exc}", file=sys.stderr)
         return 2
-    stop = {"signal": None}
-
-    def on_signal(signum: int, _frame: object) -> None:
-        stop["signal"] = signum
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, on_signal)
+    raise_on_sigterm()
     stack = Stack(cfg)
     try:
         mode = (f"colocated x{cfg.replicas}" if cfg.colocated

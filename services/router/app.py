@@ -254,6 +254,14 @@ class _Streamer:
     def chunks(self, idx: int, d: SeqDelta) -> list[str]:
         raise NotImplementedError
 
+    def _finish(self, chunk: P.ChatCompletionChunk | P.CompletionChunk, d: SeqDelta) -> None:
+        """Timings on a choice's last chunk; running usage with ``continuous_usage_stats``."""
+        if d.finish_reason is not None and d.timings is not None:
+            chunk.timings = d.timings.to_dict()
+        opts = self.req.stream_options
+        if opts is not None and opts.include_usage and opts.continuous_usage_stats:
+            chunk.usage = usage(self.num_prompt_tokens, sum(s.num_tokens for s in self.states))
+
     def final(self) -> list[str]:
         if not self.req.include_usage:
             return []
@@ -284,8 +292,7 @@ class _ChatStreamer(_Streamer):
             finish_reason=d.finish_reason, stop_reason=d.stop_reason)
         chunk = P.ChatCompletionChunk(id=self.resp_id, created=self.created, model=self.model,
                                       choices=[choice])
-        if d.finish_reason is not None and d.timings is not None:
-            chunk.timings = d.timings.to_dict()
+        self._finish(chunk, d)
         return [sse(chunk)]
 
     def _usage_chunk(self, u: P.UsageInfo) -> P.BaseModel:
@@ -319,8 +326,7 @@ class _CompletionStreamer(_Streamer):
                                       index=idx, text=text, logprobs=lps,
                                       finish_reason=d.finish_reason,
                                       stop_reason=d.stop_reason)])
-        if d.finish_reason is not None and d.timings is not None:
-            chunk.timings = d.timings.to_dict()
+        self._finish(chunk, d)
         return [sse(chunk)]
 
     def _usage_chunk(self, u: P.UsageInfo) -> P.BaseModel:

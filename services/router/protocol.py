@@ -68,6 +68,8 @@ class _SamplingRequest(BaseModel):
     def _warn_unknown(self) -> _SamplingRequest:
         if self.model_extra:
             logger.warning("ignoring unknown request fields: %s", sorted(self.model_extra))
+        if self.stream_options is not None and not self.stream:
+            raise OpenAIError("stream_options needs stream=true", param="stream_options")
         return self
 
     @property

@@ -11,6 +11,10 @@
   prefix-aware routing. To avoid piling every request that shares a system prompt onto one
   instance, a prefix match only wins while that instance's load is within
   ``balance_slack`` requests of the least loaded one.
+
+NOTE: the KV store's index is not consulted for the prefill choice: a prefill instance
+only publishes to the store (it never loads from it), so blocks in the store shorten no
+prefill; they shorten the decode side's load, which any decode instance does equally.
 """
 
 from __future__ import annotations

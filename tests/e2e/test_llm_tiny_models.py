@@ -79,8 +79,11 @@ def assert_matches_hf(ours: list[int], hf: list[int], hf_logits: list[torch.Tens
             return
 
 
-@pytest.fixture(scope="module", params=[(a, a in ("Qwen3ForCausalLM", "LlamaForCausalLM"))
-                                        for a in ARCHS], ids=ARCHS)
+@pytest.fixture(
+    scope="module",
+    params=[(a, a in ("Qwen3ForCausalLM", "LlamaForCausalLM")) for a in ARCHS],
+    ids=ARCHS,
+)
 def tiny(request, tmp_path_factory):
     arch, tie = request.param
     folder = str(tmp_path_factory.mktemp(arch))
@@ -113,6 +116,9 @@ def test_greedy_matches_transformers(tiny) -> None:
     assert_pool_full(llm)
 
 
+_BASELINES: dict[str, list] = {}  # model folder -> outputs with default settings
+
+
 @pytest.mark.parametrize(
     "settings",
     [
@@ -129,7 +135,9 @@ def test_engine_settings_do_not_change_tokens(tiny, settings) -> None:
         pytest.skip("one architecture is enough for the sequential baseline")
     ps = prompts()
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)
-    base = make_llm(folder).generate(ps, params, use_tqdm=False)
+    if folder not in _BASELINES:
+        _BASELINES[folder] = make_llm(folder).generate(ps, params, use_tqdm=False)
+    base = _BASELINES[folder]
     llm = make_llm(folder, **settings)
     outs = llm.generate(ps, params, use_tqdm=False)
     for a, b in zip(base, outs, strict=True):

@@ -93,7 +93,7 @@ def test_chat_stream_matches_and_is_well_formed(client, oracle) -> None:
     want = oracle["chat"][q]
     stream = client.chat.completions.create(
         model=MODEL, messages=_chat(q), max_tokens=MAX_TOKENS, temperature=0, stream=True,
-        stream_options={"include_usage": True})
+        stream_options={"include_usage": True, "continuous_usage_stats": True})
     chunks = list(stream)
     content = [c for c in chunks if c.choices]
     # The role arrives together with the first token, never alone before it.
@@ -105,6 +105,8 @@ def test_chat_stream_matches_and_is_well_formed(client, oracle) -> None:
     assert all(c.choices[0].finish_reason is None for c in content[:-1])
     usage = chunks[-1]
     assert usage.choices == [] and usage.usage.completion_tokens == len(want.token_ids)
+    running = [c.usage.completion_tokens for c in content]  # continuous_usage_stats
+    assert running == sorted(running) and running[-1] == len(want.token_ids)
     assert len({c.id for c in chunks}) == 1
 
 

@@ -124,6 +124,8 @@ COMPLETION = {"model": MODEL, "prompt": "Hello"}
         {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
         "messages"),
     ("/v1/chat/completions", {**CHAT, "temperature": "hot"}, "temperature"),
+    ("/v1/chat/completions", {**CHAT, "stream_options": {"include_usage": True}},
+     "stream_options"),
     ("/v1/completions", {**COMPLETION, "prompt": ""}, "prompt"),
     ("/v1/completions", {**COMPLETION, "prompt": []}, "prompt"),
     ("/v1/completions", {**COMPLETION, "prompt": [1, 99999999]}, "prompt"),

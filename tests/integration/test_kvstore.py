@@ -418,17 +418,17 @@ def test_killed_node_fails_fast_then_misses(store_url: str, tmp_path) -> None:
 def test_redis_restart_nodes_reregister_and_clients_reconnect(tmp_path) -> None:
     from conftest import RedisServer, free_port
 
-    redis = RedisServer(free_port())
-    redis.start()
-    node = StoreNodeProcess(redis.url, "phoenix", 1 << 20, heartbeat_ttl_s=1.5,
+    redis_srv = RedisServer(free_port())
+    redis_srv.start()
+    node = StoreNodeProcess(redis_srv.url, "phoenix", 1 << 20, heartbeat_ttl_s=1.5,
                             log_dir=tmp_path)
-    c = KVStoreClient(redis.url, local_node="phoenix", timeout_s=5)
+    c = KVStoreClient(redis_srv.url, local_node="phoenix", timeout_s=5)
     try:
         node.wait_ready(c)
         keys = BF16.keys(hashes("phoenix", 3))
         blocks = random_blocks(BF16, 3, 11)
         assert c.put_blocks(keys[:2], blocks[:2]) == 2
-        redis.restart()
+        redis_srv.restart()
         # while the index is empty the blocks are misses, not errors
         assert c.lookup(keys[:2]) in (0, 2)
         node.wait_ready(c)  # re-registered by its heartbeat
@@ -441,15 +441,15 @@ def test_redis_restart_nodes_reregister_and_clients_reconnect(tmp_path) -> None:
     finally:
         c.close()
         node.stop()
-        redis.stop()
+        redis_srv.stop()
 
 
 def test_no_live_node_is_a_clear_error(tmp_path) -> None:
     from conftest import RedisServer, free_port
 
-    redis = RedisServer(free_port())
-    redis.start()
-    c = KVStoreClient(redis.url, timeout_s=2)
+    redis_srv = RedisServer(free_port())
+    redis_srv.start()
+    c = KVStoreClient(redis_srv.url, timeout_s=2)
     try:
         with pytest.raises(KVStoreError, match="no live KV store node"):
             c.put_blocks(BF16.keys(hashes("x", 1)), random_blocks(BF16, 1, 0))
@@ -458,7 +458,7 @@ def test_no_live_node_is_a_clear_error(tmp_path) -> None:
             wait_for_nodes(c, 1, timeout_s=0.2)
     finally:
         c.close()
-        redis.stop()
+        redis_srv.stop()
 
 
 def test_block_key_forms_round_trip() -> None:

@@ -133,3 +133,16 @@ def test_parse_bytes() -> None:
     assert parse_bytes("1G") == 1 << 30
     with pytest.raises(ValueError):
         parse_bytes("lots")
+
+
+def test_server_flags() -> None:
+    from tandem.kvstore.server import config_from_args
+
+    cfg = config_from_args(["--listen", "0.0.0.0:7000", "--capacity", "1GiB",
+                            "--redis-url", "redis://r:6379", "--node-id", "a"])
+    assert (cfg.host, cfg.port, cfg.capacity_bytes, cfg.node_id) == ("0.0.0.0", 7000, 1 << 30, "a")
+    assert cfg.metrics_port == 7000 and cfg.prefault
+    for bad in (["--listen", "nohost"], ["--listen", "h:1", "--capacity", "0"]):
+        args = ["--listen", "h:1", "--capacity", "1K", "--redis-url", "r"] + bad
+        with pytest.raises(SystemExit):
+            config_from_args(args)

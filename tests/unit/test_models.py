@@ -195,3 +195,24 @@ def test_llama3_rope_scaling_matches_transformers():
     with torch.no_grad():
         ref = hf(torch.tensor([token_ids])).logits[0]
     torch.testing.assert_close(run_ours(ours, token_ids, [25, 15]), ref, rtol=0, atol=1e-4)
+
+
+def test_bfloat16_model_tracks_float32_logits():
+    hf = make_hf_model("Qwen3ForCausalLM", True)
+    ours = build_model(hf.config, hf.state_dict(), torch.bfloat16, "cpu", 128)
+    assert ours.model.layers[0].self_attn.qkv_proj.weight.dtype == torch.bfloat16
+    token_ids = list(range(10, 40))
+    with torch.no_grad():
+        ref = hf(torch.tensor([token_ids])).logits[0]
+    cfg = ours.config
+    kv = allocate_kv_cache(
+        16, cfg.num_hidden_layers, 4, cfg.num_key_value_heads, 24, torch.bfloat16
+    )
+    views = [(kv[:, i, 0], kv[:, i, 1]) for i in range(cfg.num_hidden_layers)]
+    meta = build_attention_metadata([30], [0], [list(range(8))], 4)
+    with torch.inference_mode():
+        logits = ours.compute_logits(ours(torch.tensor(token_ids), meta.positions, views, meta))
+    assert logits.dtype == torch.float32
+    # bf16 keeps ~3 significant digits: compare relative to the logits' spread.
+    assert (logits - ref).abs().max() < 0.05 * ref.abs().max()
+    assert (logits.argmax(-1) == ref.argmax(-1)).float().mean() > 0.8

@@ -1,0 +1,182 @@
+"""Per-step attention metadata: the flattened batch's positions, slots and groups.
+
+Built once per step by the model runner from the scheduled sequences and shared
+by every layer (see ``kernels/attention.py`` for how the groups are computed).
+Masks are built lazily and cached per sliding window.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class PrefillSeq:
+    """One multi-token sequence of a step.
+
+    Attributes:
+        token_start / token_end: its slice of the flattened batch (tokens).
+        num_computed: tokens of this sequence already in the cache before this
+            step (prefix hits and earlier chunks).
+        block_ids: ``[ceil(seq_len / block_size)]`` int64 block ids covering the
+            context, or ``None`` when ``num_computed == 0`` (attend to new K/V).
+    """
+
+    token_start: int
+    token_end: int
+    num_computed: int
+    block_ids: torch.Tensor | None
+
+    @property
+    def num_new(self) -> int:
+        return self.token_end - self.token_start
+
+    @property
+    def seq_len(self) -> int:
+        return self.num_computed + self.num_new
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step attention inputs, built once and shared by all layers.
+
+    Attributes:
+        num_tokens: tokens in the flattened batch.
+        block_size: tokens per KV block.
+        positions: ``[num_tokens]`` int64 absolute positions.
+        slot_mapping: ``[num_tokens]`` int64 cache slots (``block * block_size + off``).
+        block_idx / block_offset: ``slot_mapping // block_size`` and ``% block_size``.
+        num_decodes: sequences in the decode group (one new token each).
+        decode_token_idx: ``[num_decodes]`` int64 token indices of the decode
+            group, or ``None`` when they are the first ``num_decodes`` tokens.
+        decode_block_tables: ``[num_decodes, max_blocks]`` int64, padded with 0.
+        decode_seq_lens: ``[num_decodes]`` int64 context lengths (incl. the new token).
+        prefills: the multi-token sequences.
+    """
+
+    num_tokens: int
+    block_size: int
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    block_idx: torch.Tensor
+    block_offset: torch.Tensor
+    num_decodes: int = 0
+    decode_token_idx: torch.Tensor | None = None
+    decode_block_tables: torch.Tensor | None = None
+    decode_seq_lens: torch.Tensor | None = None
+    prefills: list[PrefillSeq] = field(default_factory=list)
+    _masks: dict[tuple, torch.Tensor | None] = field(default_factory=dict, repr=False)
+
+    def decode_mask(self, sliding_window: int | None = None) -> torch.Tensor:
+        """``[num_decodes, 1, 1, max_blocks * block_size]`` bool, True = attend."""
+        key = ("decode", sliding_window)
+        mask = self._masks.get(key)
+        if mask is None:
+            assert self.decode_block_tables is not None and self.decode_seq_lens is not None
+            max_len = self.decode_block_tables.shape[1] * self.block_size
+            k_pos = torch.arange(max_len, device=self.decode_seq_lens.device)
+            lens = self.decode_seq_lens[:, None]
+            mask = k_pos[None, :] < lens
+            if sliding_window is not None:
+                mask &= k_pos[None, :] > lens - 1 - sliding_window
+            mask = mask[:, None, None, :]
+            self._masks[key] = mask
+        return mask
+
+    def prefill_mask(self, i: int, sliding_window: int | None = None) -> torch.Tensor | None:
+        """``[num_new, seq_len]`` bool mask of prefill ``i``; ``None`` = plain causal."""
+        key = ("prefill", i, sliding_window)
+        if key in self._masks:
+            return self._masks[key]
+        p = self.prefills[i]
+        mask = None
+        if p.num_computed > 0 or (sliding_window is not None and p.seq_len > sliding_window):
+            device = self.positions.device
+            q_pos = torch.arange(p.num_computed, p.seq_len, device=device)[:, None]
+            k_pos = torch.arange(p.seq_len, device=device)[None, :]
+            mask = k_pos <= q_pos
+            if sliding_window is not None:
+                mask &= k_pos > q_pos - sliding_window
+        self._masks[key] = mask
+        return mask
+
+
+def build_attention_metadata(
+    query_lens: list[int],
+    num_computed: list[int],
+    block_tables: list[list[int]],
+    block_size: int,
+    device: torch.device | str = "cpu",
+) -> AttentionMetadata:
+    """Build the per-step metadata for sequences laid out back to back.
+
+    Args:
+        query_lens: new tokens per sequence (>= 1), in batch order.
+        num_computed: tokens already cached per sequence.
+        block_tables: block ids per sequence, covering at least
+            ``num_computed + query_len`` tokens.
+        block_size: tokens per block.
+        device: where the tensors go.
+
+    Raises:
+        ValueError: on length mismatches, empty queries or short block tables.
+    """
+    if not (len(query_lens) == len(num_computed) == len(block_tables)):
+        raise ValueError("query_lens, num_computed and block_tables must have equal lengths")
+    positions: list[int] = []
+    slots: list[int] = []
+    decode_idx: list[int] = []
+    decode_tables: list[list[int]] = []
+    decode_lens: list[int] = []
+    prefill_specs: list[tuple[int, int, int, list[int]]] = []
+    start = 0
+    for n, c, table in zip(query_lens, num_computed, block_tables, strict=True):
+        if n < 1:
+            raise ValueError(f"query_lens must be >= 1, got {n}")
+        end_pos = c + n
+        num_blocks = -(-end_pos // block_size)
+        if len(table) < num_blocks:
+            raise ValueError(
+                f"block table has {len(table)} blocks, {num_blocks} needed for {end_pos} tokens"
+            )
+        if n == 1:
+            positions.append(c)
+            slots.append(table[c // block_size] * block_size + c % block_size)
+            decode_idx.append(start)
+            decode_tables.append(table[:num_blocks])
+            decode_lens.append(end_pos)
+        else:
+            positions.extend(range(c, end_pos))
+            # Slots block by block: Python work per block, not per token.
+            pos = c
+            while pos < end_pos:
+                j, off = divmod(pos, block_size)
+                stop = min(end_pos, (j + 1) * block_size)
+                base = table[j] * block_size
+                slots.extend(range(base + off, base + off + stop - pos))
+                pos = stop
+            prefill_specs.append((start, start + n, c, table[:num_blocks]))
+        start += n
+    slot_mapping = torch.tensor(slots, dtype=torch.int64, device=device)
+    meta = AttentionMetadata(
+        num_tokens=start,
+        block_size=block_size,
+        positions=torch.tensor(positions, dtype=torch.int64, device=device),
+        slot_mapping=slot_mapping,
+        block_idx=slot_mapping // block_size,
+        block_offset=slot_mapping % block_size,
+    )
+    if decode_idx:
+        max_blocks = max(len(t) for t in decode_tables)
+        padded = [t + [0] * (max_blocks - len(t)) for t in decode_tables]
+        meta.num_decodes = len(decode_idx)
+        if decode_idx != list(range(len(decode_idx))):
+            meta.decode_token_idx = torch.tensor(decode_idx, dtype=torch.int64, device=device)
+        meta.decode_block_tables = torch.tensor(padded, dtype=torch.int64, device=device)
+        meta.decode_seq_lens = torch.tensor(decode_lens, dtype=torch.int64, device=device)
+    for s, e, c, table in prefill_specs:
+        ids = torch.tensor(table, dtype=torch.int64, device=device) if c > 0 else None
+        meta.prefills.append(PrefillSeq(s, e, c, ids))
+    return meta

@@ -1,0 +1,64 @@
+"""A store node's settings and the byte-size parser of its flags."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+_SIZE_SUFFIX = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def parse_bytes(text: str) -> int:
+    """``"1073741824"``, ``"512MiB"``, ``"1G"``, ``"64KB"`` -> bytes (binary units).
+
+    Raises:
+        ValueError: not a size.
+    """
+    t = text.strip().upper().removesuffix("IB").removesuffix("B")
+    suffix = t[-1:] if t[-1:] in _SIZE_SUFFIX and not t[-1:].isdigit() else ""
+    try:
+        value = float(t[: len(t) - len(suffix)] if suffix else t)
+    except ValueError as exc:
+        raise ValueError(f"not a byte size: {text!r}") from exc
+    return int(value * _SIZE_SUFFIX[suffix])
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    """A store node's settings (from the command line).
+
+    Attributes:
+        host, port: the ``--listen`` address, advertised in the registry.
+        capacity_bytes: pool size.
+        redis_url: the index.
+        node_id: registry id (default: hostname-port-random).
+        metrics_port: HTTP /health and /metrics port (0: pick a free one).
+        heartbeat_ttl_s: registry TTL; refreshed every third of it.
+        block_ttl_s: drop blocks this long after their put (``None``: never).
+        slot_bytes: fix the slot size up front (default: the first block's size).
+        transfer_timeout_s: a payload transfer that takes longer fails and its
+            connection is dropped (dead or stuck client).
+        prefault: touch every page of the pool at start, so that no transfer pays
+            for page faults (the pool's memory is committed up front).
+    """
+
+    host: str
+    port: int
+    capacity_bytes: int
+    redis_url: str
+    node_id: str
+    metrics_port: int
+    heartbeat_ttl_s: float = 10.0
+    block_ttl_s: float | None = None
+    slot_bytes: int | None = None
+    transfer_timeout_s: float = 30.0
+    prefault: bool = True
+
+    def __post_init__(self) -> None:
+        if self.capacity_bytes < 1:
+            raise ValueError(f"capacity must be >= 1 byte, got {self.capacity_bytes}")
+        if self.heartbeat_ttl_s <= 0:
+            raise ValueError(f"heartbeat_ttl_s must be > 0, got {self.heartbeat_ttl_s}")
+        if self.block_ttl_s is not None and self.block_ttl_s <= 0:
+            raise ValueError(f"block_ttl_s must be > 0, got {self.block_ttl_s}")
+        if self.transfer_timeout_s <= 0:
+            raise ValueError(f"transfer_timeout_s must be > 0, got {self.transfer_timeout_s}")

@@ -1,0 +1,457 @@
+"""A store node's state and request handlers (all on one asyncio loop).
+
+See kvstore/protocol.py for the messages and kvstore/index.py for the Redis schema.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import time
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from tandem.kvstore import protocol as proto
+from tandem.kvstore.config import NodeConfig
+from tandem.kvstore.index import COMMIT_LUA, NODES_SET, IndexEntry, commit_args, node_key
+from tandem.kvstore.keys import INDEX_PREFIX, BlockKey
+from tandem.kvstore.metrics import NodeMetrics
+from tandem.kvstore.pool import Entry, PoolFullError, SlotPool
+from tandem.kvstore.ucx import endpoint_to, init_ucx, worker_address, worker_recv
+
+logger = logging.getLogger("tandem.kvstore.server")
+
+
+class _Conn:
+    """One client connection: our endpoint to it and the ids each side chose."""
+
+    def __init__(self, conn_id: int, peer_conn_id: int, ep: Any) -> None:
+        self.conn_id = conn_id
+        self.peer_conn_id = peer_conn_id
+        self.ep = ep
+        self.closed = False
+
+    async def reply(self, request_id: int, msg: dict[str, Any]) -> None:
+        tag = proto.make_tag(self.peer_conn_id, request_id, proto.CTRL_PART)
+        await self.ep.send(proto.encode(msg), tag=tag, force_tag=True)
+
+    def abort(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.ep.abort()
+
+    async def close_with_bye(self, reason: str) -> None:
+        """Tell the client (best effort) that this connection is dropped, then abort it."""
+        if self.closed:
+            return
+        try:
+            await asyncio.wait_for(self.reply(0, {"op": "bye", "reason": reason}), 1.0)
+        except Exception:  # noqa: BLE001 - client may be gone; abort regardless
+            pass
+        self.abort()
+
+
+class StoreNode:
+    """The node's state and request handlers; everything runs on one event loop."""
+
+    def __init__(self, cfg: NodeConfig) -> None:
+        self.cfg = cfg
+        self.pool = SlotPool(cfg.capacity_bytes, cfg.slot_bytes, prefault=cfg.prefault)
+        self.metrics = NodeMetrics()
+        self.metrics.capacity_bytes.set(cfg.capacity_bytes)
+        self.redis = aioredis.from_url(cfg.redis_url, socket_timeout=5, socket_connect_timeout=5)
+        self._commit = self.redis.register_script(COMMIT_LUA)
+        self._next_conn = 1
+        self._conns: dict[int, _Conn] = {}
+        self._fp_sizes: dict[str, int] = {}  # layout fingerprint hex -> block bytes
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self.redis_ok = False
+        self.test_hooks = os.environ.get("TANDEM_KVSTORE_TEST_HOOKS") == "1"
+        self.ucx_address = b""
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        init_ucx()
+        self.ucx_address = worker_address()
+        self._spawn(self._hello_loop())
+        await self._heartbeat_once()
+        self._spawn(self._heartbeat_loop())
+        self._spawn(self._expiry_loop())
+        logger.info("kvstore node %s on %s:%d: %d bytes, heartbeat TTL %.1fs",
+                    self.cfg.node_id, self.cfg.host, self.cfg.port, self.cfg.capacity_bytes,
+                    self.cfg.heartbeat_ttl_s)
+
+    def _spawn(self, coro: Any) -> asyncio.Task[Any]:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+        return task
+
+    def _task_done(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            logger.error("task failed: %r", task.exception(), exc_info=task.exception())
+
+    async def stop(self) -> None:
+        for t in list(self._tasks):
+            t.cancel()
+        for c in self._conns.values():
+            c.abort()
+        # a clean stop withdraws the node and its index entries (a killed node's
+        # entries are misses, removed by the clients that find them)
+        gone = [(k, self._entry(self.pool.entries[k]).owner_prefix) for k in self.pool.lru_keys()]
+        await self._try_commit(gone, [])
+        try:
+            await self.redis.delete(node_key(self.cfg.node_id))
+        except (RedisError, OSError):
+            pass
+        await self.redis.aclose()
+
+    # -- registry -----------------------------------------------------------------------------
+
+    def _registry_fields(self) -> dict[Any, Any]:
+        return {
+            "address": f"{self.cfg.host}:{self.cfg.port}",
+            "ucx_address": self.ucx_address.hex(),
+            "capacity_bytes": self.cfg.capacity_bytes,
+            "used_bytes": self.pool.used_bytes,
+            "num_blocks": self.pool.num_blocks,
+            "slot_bytes": self.pool.slot_bytes or 0,
+            "hostname": socket.gethostname(),
+            "pid": os.getpid(),
+            "updated_at": time.time(),
+        }
+
+    async def _heartbeat_once(self) -> None:
+        key = node_key(self.cfg.node_id)
+        fields = self._registry_fields()
+        ttl_ms = int(self.cfg.heartbeat_ttl_s * 1000)
+        try:
+            async with self.redis.pipeline(transaction=True) as pipe:
+                pipe.exists(key)
+                pipe.hset(key, mapping=fields)
+                pipe.pexpire(key, ttl_ms)
+                pipe.sadd(NODES_SET, self.cfg.node_id)
+                existed, *_ = await pipe.execute()
+        except (RedisError, OSError) as exc:
+            if self.redis_ok:
+                logger.warning("heartbeat failed (Redis unreachable?): %s", exc)
+            self.redis_ok = False
+            return
+        if not existed and self.pool.num_blocks:
+            # Registry entry was gone: Redis restarted (or we were partitioned long
+            # enough to expire). Re-publish what this node holds.
+            await self._republish()
+        self.redis_ok = True
+
+    async def _republish(self) -> None:
+        new = []
+        for key in self.pool.lru_keys():
+            e = self.pool.entries[key]
+            ttl_ms = self._ttl_ms(e)
+            if ttl_ms is None:
+                continue
+            new.append((key, self._entry(e).encode(), ttl_ms))
+        if new:
+            keys, argv = commit_args([], new)
+            await self._commit(keys=keys, args=argv)
+            logger.info("re-published %d index entries after a registry loss", len(new))
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.heartbeat_ttl_s / 3)
+            await self._heartbeat_once()
+            self._update_gauges()
+
+    async def _expiry_loop(self) -> None:
+        while True:
+            await asyncio.sleep(min(1.0, self.cfg.heartbeat_ttl_s / 3))
+            gone = self.pool.expire()
+            if gone:
+                self.metrics.expirations.inc(len(gone))
+                await self._try_commit([(e.key, self._entry(e).owner_prefix) for e in gone], [])
+                self._update_gauges()
+
+    def _update_gauges(self) -> None:
+        self.metrics.blocks_stored.set(self.pool.num_blocks)
+        self.metrics.bytes_stored.set(self.pool.used_bytes)
+
+    def _entry(self, e: Entry) -> IndexEntry:
+        return IndexEntry(self.cfg.node_id, e.slot, e.size_bytes, e.checksum)
+
+    @staticmethod
+    def _ttl_ms(e: Entry) -> int | None:
+        """Remaining TTL in ms (0: none); ``None`` if already expired."""
+        if e.expires_at is None:
+            return 0
+        left = e.expires_at - time.monotonic()
+        return int(left * 1000) if left > 0.001 else None
+
+    async def _try_commit(self, evicted: list[tuple[str, str]],
+                          new: list[tuple[str, str, int]]) -> bool:
+        keys, argv = commit_args(evicted, new)
+        if not keys:
+            return True
+        try:
+            await self._commit(keys=keys, args=argv)
+            return True
+        except (RedisError, OSError) as exc:
+            logger.warning("index update failed: %s", exc)
+            self.metrics.errors.labels("index").inc()
+            return False
+
+    # -- connections --------------------------------------------------------------------------
+
+    async def _hello_loop(self) -> None:
+        while True:
+            buf = proto.ctrl_buffer()
+            await worker_recv(buf, proto.HELLO_TAG)
+            try:
+                msg = proto.decode(buf)
+                address = bytes.fromhex(msg["address"])
+                peer_conn = int(msg["conn_id"])
+                ep = await endpoint_to(address)
+            except Exception as exc:  # noqa: BLE001 - a bad hello must not stop the node
+                logger.warning("bad HELLO: %s", exc)
+                continue
+            conn_id = self._next_conn
+            self._next_conn = self._next_conn % 0xFFFE + 1
+            conn = _Conn(conn_id, peer_conn, ep)
+            self._conns[conn_id] = conn
+            await conn.reply(0, {"op": "welcome", "conn_id": conn_id,
+                                 "node_id": self.cfg.node_id})
+            self._spawn(self._serve(conn))
+
+    async def _serve(self, conn: _Conn) -> None:
+        tag = proto.make_tag(conn.conn_id, 0xFFFFFF, proto.CTRL_PART)
+        try:
+            while not conn.closed:
+                buf = proto.ctrl_buffer()
+                await conn.ep.recv(buf, tag=tag, force_tag=True)
+                try:
+                    msg = proto.decode(buf)
+                    request_id = int(msg["req"])
+                except Exception as exc:  # noqa: BLE001 - malformed: drop the message
+                    logger.warning("malformed request on connection %d: %s", conn.conn_id, exc)
+                    continue
+                self._spawn(self._handle(conn, request_id, msg))
+        except Exception as exc:  # noqa: BLE001 - connection gone
+            logger.info("connection %d closed: %s", conn.conn_id, exc)
+        finally:
+            conn.abort()
+            self._conns.pop(conn.conn_id, None)
+
+    async def _handle(self, conn: _Conn, request_id: int, msg: dict[str, Any]) -> None:
+        op = msg.get("op")
+        try:
+            if op == "put":
+                await self._put(conn, request_id, msg)
+            elif op == "get":
+                await self._get(conn, request_id, msg)
+            elif op == "stat":
+                await conn.reply(request_id, self._stat())
+            elif op == "corrupt" and self.test_hooks:
+                e = self.pool.entries[str(msg["key"])]
+                self.pool.view(e.slot, e.size_bytes)[0] ^= 0xFF
+                await conn.reply(request_id, {"op": "ok"})
+            else:
+                raise ValueError(f"unknown op {op!r}")
+        except ValueError as exc:
+            self.metrics.errors.labels("bad_request").inc()
+            await self._reply_error(conn, request_id, str(exc))
+        except (TimeoutError, asyncio.TimeoutError):
+            self.metrics.errors.labels("timeout").inc()
+            logger.warning("transfer on connection %d timed out; dropping it", conn.conn_id)
+            await conn.close_with_bye("transfer timed out")
+        except Exception as exc:  # noqa: BLE001 - one bad request must not stop the node
+            self.metrics.errors.labels("internal").inc()
+            logger.exception("request %s failed", op)
+            await self._reply_error(conn, request_id, f"{type(exc).__name__}: {exc}")
+
+    async def _reply_error(self, conn: _Conn, request_id: int, error: str) -> None:
+        if conn.closed:
+            return
+        try:
+            await asyncio.wait_for(conn.reply(request_id, {"op": "error", "error": error}),
+                                   self.cfg.transfer_timeout_s)
+        except Exception:  # noqa: BLE001 - client gone
+            conn.abort()
+
+    def _stat(self) -> dict[str, Any]:
+        return {
+            "op": "stat", "node_id": self.cfg.node_id, "lru": self.pool.lru_keys(),
+            "num_blocks": self.pool.num_blocks, "used_bytes": self.pool.used_bytes,
+            "slot_bytes": self.pool.slot_bytes, "num_slots": self.pool.num_slots,
+            "num_evictions": self.pool.num_evictions,
+            "pinned": sorted(k for k, e in self.pool.entries.items() if e.pins),
+        }
+
+    # -- put / get ----------------------------------------------------------------------------
+
+    def _validate_put(self, msg: dict[str, Any]) -> tuple[list[str], list[int], list[str]]:
+        keys, sizes, sums = msg.get("keys"), msg.get("sizes"), msg.get("checksums")
+        if not (isinstance(keys, list) and isinstance(sizes, list) and isinstance(sums, list)):
+            raise ValueError("put needs lists keys, sizes and checksums")
+        if not len(keys) == len(sizes) == len(sums):
+            raise ValueError("keys, sizes and checksums must have the same length")
+        if len(keys) > proto.MAX_BLOCKS_PER_REQUEST:
+            raise ValueError(f"at most {proto.MAX_BLOCKS_PER_REQUEST} blocks per request")
+        total = 0
+        for i, (k, n) in enumerate(zip(keys, sizes, strict=True)):
+            if not isinstance(k, str) or not k.startswith(INDEX_PREFIX):
+                raise ValueError(f"keys[{i}] is not a block index key")
+            fp = str(BlockKey.from_str(k[len(INDEX_PREFIX):]).layout_fingerprint.hex())
+            if not isinstance(n, int):
+                raise ValueError(f"sizes[{i}] must be an int")
+            self.pool.check_size(n)
+            known = self._fp_sizes.get(fp)
+            if known is not None and known != n:
+                raise ValueError(
+                    f"sizes[{i}]={n} bytes but layout {fp} has {known}-byte blocks "
+                    "(wrong block size)"
+                )
+            total += n
+        if total > self.cfg.capacity_bytes:
+            raise ValueError(
+                f"put of {total} bytes is larger than the node capacity "
+                f"{self.cfg.capacity_bytes} bytes"
+            )
+        slot = self.pool.slot_bytes or (sizes[0] if sizes else 1)
+        if len(keys) > self.cfg.capacity_bytes // slot:
+            raise ValueError(
+                f"put of {len(keys)} blocks is larger than the node capacity "
+                f"({self.cfg.capacity_bytes // slot} slots)"
+            )
+        return keys, sizes, [str(s) for s in sums]
+
+    async def _put(self, conn: _Conn, request_id: int, msg: dict[str, Any]) -> None:
+        t0 = time.perf_counter()
+        keys, sizes, sums = self._validate_put(msg)
+        runs = msg.get("runs") or [[i, 1] for i in range(len(keys))]
+        proto.group_messages(runs, [None] * len(keys), sizes, 1)  # validates the runs
+        ttl_s = msg.get("ttl_s") or self.cfg.block_ttl_s
+        if ttl_s is not None and (not isinstance(ttl_s, int | float) or ttl_s <= 0):
+            raise ValueError(f"ttl_s must be > 0, got {ttl_s!r}")
+        formatted = self.pool.slot_bytes is not None
+        accepted: list[int] = []
+        pending: list[Entry] = []
+        evicted: list[Entry] = []
+        try:
+            for i, (k, n, s) in enumerate(zip(keys, sizes, sums, strict=True)):
+                have = self.pool.entries.get(k)
+                if have is not None and (have.checksum == s or have.pins):
+                    # already here (its index entry is rewritten below), being written
+                    # by a concurrent put of the same prefix, or being read: keep it
+                    continue
+                entry, gone = self.pool.allocate(k, n, s, ttl_s)
+                pending.append(entry)
+                evicted += gone
+                accepted.append(i)
+        except (PoolFullError, ValueError) as exc:
+            for e in pending:
+                self.pool.abort(e)
+            await self._try_commit([(e.key, self._entry(e).owner_prefix) for e in evicted], [])
+            raise ValueError(str(exc)) from exc
+        for k, n in zip(keys, sizes, strict=True):
+            self._fp_sizes.setdefault(k[len(INDEX_PREFIX):].partition(":")[0], n)
+        if not formatted:
+            # the slot size was just fixed: publish it now (clients use it to post
+            # get receives before their request)
+            self._spawn(self._heartbeat_once())
+        self.metrics.evictions.inc(len(evicted))
+        ok = False
+        try:
+            by_index = dict(zip(accepted, pending, strict=True))
+            slots = [by_index[i].slot if i in by_index else None for i in range(len(keys))]
+            msgs = proto.group_messages(runs, slots, sizes, self.pool.slot_bytes or 1)
+            await conn.reply(request_id, {"op": "accept", "msgs": msgs})
+            recvs = [
+                conn.ep.recv(self.pool.span(by_index[i].slot, n, by_index[i + n - 1].size_bytes),
+                             tag=proto.make_tag(conn.conn_id, request_id, i), force_tag=True)
+                for i, n in msgs
+            ]
+            if recvs:
+                await asyncio.wait_for(asyncio.gather(*recvs), self.cfg.transfer_timeout_s)
+            ok = True
+        finally:
+            if not ok:
+                conn.abort()  # cancels the posted receives before the slots are reused
+                for e in pending:
+                    self.pool.abort(e)
+                await self._try_commit(
+                    [(e.key, self._entry(e).owner_prefix) for e in evicted], [])
+        new = []
+        mine = {id(e) for e in pending}
+        for k in keys:
+            e = self.pool.entries.get(k)
+            if e is None or (not e.committed and id(e) not in mine):
+                continue  # another put's pending write commits it
+            ttl_ms = self._ttl_ms(e)
+            if ttl_ms is not None:
+                new.append((k, self._entry(e).encode(), ttl_ms))
+        committed = await self._try_commit(
+            [(e.key, self._entry(e).owner_prefix) for e in evicted], new)
+        if not committed:
+            for e in pending:
+                self.pool.abort(e)
+            raise RuntimeError("index (Redis) unreachable: blocks not stored")
+        for e in pending:
+            self.pool.commit(e)
+        self.metrics.put_bytes.inc(sum(e.size_bytes for e in pending))
+        self.metrics.put_latency.observe(time.perf_counter() - t0)
+        self._update_gauges()
+        await conn.reply(request_id, {"op": "stored", "num_stored": len(new),
+                                      "num_sent": len(pending)})
+
+    async def _get(self, conn: _Conn, request_id: int, msg: dict[str, Any]) -> None:
+        t0 = time.perf_counter()
+        keys = msg.get("keys")
+        if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
+            raise ValueError("get needs a list of key strings")
+        if len(keys) > proto.MAX_BLOCKS_PER_REQUEST:
+            raise ValueError(f"at most {proto.MAX_BLOCKS_PER_REQUEST} blocks per request")
+        runs = msg.get("runs") or [[i, 1] for i in range(len(keys))]
+        proto.group_messages(runs, [None] * len(keys), [0] * len(keys), 1)  # validates the runs
+        entries = [self.pool.acquire(k) for k in keys]
+        held = [e for e in entries if e is not None]
+        self.metrics.hits.inc(len(held))
+        self.metrics.misses.inc(len(keys) - len(held))
+        ok = False
+        try:
+            sizes = [e.size_bytes if e else 0 for e in entries]
+            msgs = proto.group_messages(runs, [e.slot if e else None for e in entries], sizes,
+                                        self.pool.slot_bytes or 1)
+            expect = msg.get("msgs")
+            if expect is not None and (len(held) < len(keys)
+                                       or [list(m) for m in msgs] != expect):
+                # the client posted receives for another cut: send nothing
+                msgs = []
+                await conn.reply(request_id, {"op": "present", "stale": True,
+                                              "present": [e is not None for e in entries]})
+            else:
+                await conn.reply(request_id, {
+                    "op": "present", "present": [e is not None for e in entries],
+                    "sizes": sizes, "msgs": msgs,
+                })
+            sends = [
+                conn.ep.send(self.pool.span(entries[i].slot, n,  # type: ignore[union-attr]
+                                            entries[i + n - 1].size_bytes),  # type: ignore[union-attr]
+                             tag=proto.make_tag(conn.peer_conn_id, request_id, i),
+                             force_tag=True)
+                for i, n in msgs
+            ]
+            if sends:
+                await asyncio.wait_for(asyncio.gather(*sends), self.cfg.transfer_timeout_s)
+            ok = True
+        finally:
+            if not ok:
+                conn.abort()  # cancel sends before the slots can be evicted
+            for e in held:
+                self.pool.release(e)
+        self.metrics.get_bytes.inc(sum(e.size_bytes for e in held))
+        self.metrics.get_latency.observe(time.perf_counter() - t0)
