@@ -59,12 +59,31 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-def make_prompts(tokenizer: Any, num: int, length: int, seed: int) -> list[list[int]]:
+def prompt_vocab(model: str | None) -> tuple[int, set[int]]:
+    """(vocabulary size, special token ids) of the model; no weights are loaded.
+
+    A Hugging Face folder without tokenizer files (a weights-only test model) gives
+    the config's ``vocab_size`` and no special ids.
+    """
+    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+    if model is not None and os.path.isdir(model):
+        if not any(os.path.isfile(os.path.join(model, n)) for n in names):
+            from transformers import AutoConfig
+
+            return int(AutoConfig.from_pretrained(model).vocab_size), set()
+    from tandem.engine.model_loader import load_tokenizer
+
+    tok = load_tokenizer(model)
+    return len(tok), set(tok.all_special_ids)
+
+
+def make_prompts(
+    vocab_size: int, special: set[int], num: int, length: int, seed: int
+) -> list[list[int]]:
     """``num`` prompts of ``length`` token ids drawn uniformly from the non-special vocab."""
     import torch
 
-    special = set(tokenizer.all_special_ids)
-    allowed = torch.tensor([t for t in range(len(tokenizer)) if t not in special])
+    allowed = torch.tensor([t for t in range(vocab_size) if t not in special])
     gen = torch.Generator().manual_seed(seed)
     idx = torch.randint(0, len(allowed), (num, length), generator=gen)
     return allowed[idx].tolist()
@@ -219,11 +238,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
     import torch
 
-    from tandem.engine.model_loader import load_tokenizer
-
     if args.threads:
         torch.set_num_threads(args.threads)
-    prompts = make_prompts(load_tokenizer(args.model), args.num_prompts, args.input_len, args.seed)
+    vocab_size, special = prompt_vocab(args.model)
+    prompts = make_prompts(vocab_size, special, args.num_prompts, args.input_len, args.seed)
     results: dict[str, dict[str, Any]] = {}
     for backend in dict.fromkeys(args.backend):
         print(f"[{backend}] running {args.num_prompts} requests ...", file=sys.stderr, flush=True)

@@ -240,3 +240,9 @@ class EngineCore:
     def get_stats(self) -> Any:
         """The scheduler's ``SchedulerStats`` (queues, KV usage, prefix-cache counters)."""
         return self.scheduler.get_stats()
+
+    def shutdown(self) -> None:
+        """Abort every request (freeing its blocks) and stop the connector's worker side."""
+        self.abort_requests(list(self.scheduler.requests))
+        if self.connector_worker is not None:
+            self.connector_worker.shutdown()

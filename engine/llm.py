@@ -148,7 +148,7 @@ class LLM:
         if not messages:
             raise ValueError("messages must not be empty")
         convs: list[Conversation]
-        convs = [messages] if isinstance(messages[0], dict) else list(messages)  # type: ignore[list-item]
+        convs = [messages] if isinstance(messages[0], dict) else list(messages)  # type: ignore[list-item,arg-type]
         tok = self.get_tokenizer()
         if chat_template is None and not getattr(tok, "chat_template", None):
             raise ValueError("the model's tokenizer has no chat template; pass chat_template")
