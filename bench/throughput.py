@@ -252,6 +252,11 @@ def main(argv: list[str] | None = None) -> int:
         r["output_tokens_per_s"] = r["num_output_tokens"] / elapsed
         r["total_tokens_per_s"] = (num_in + r["num_output_tokens"]) / elapsed
         results[backend] = r
+        print(
+            f"[{backend}] {elapsed:.1f} s, {r['output_tokens_per_s']:.1f} output tok/s",
+            file=sys.stderr,
+            flush=True,
+        )
 
     print(
         f"\n{args.num_prompts} requests x ({args.input_len} in, {args.output_len} out), "

@@ -25,6 +25,11 @@ logger = logging.getLogger(__name__)
 
 #: Most completions one request may ask for (``n``); bounds the router's fan-out.
 MAX_N = 16
+# Widths of the protobuf fields these values travel in to the engines (common.proto:
+# ``int64 seed``, ``int32 top_k``; prefill/decode.proto: ``int32 priority``). A wider
+# value must be a 400 naming the field, not a ValueError while building the RPC (500).
+_INT32 = (-(2**31), 2**31 - 1)
+_INT64 = (-(2**63), 2**63 - 1)
 
 
 class StreamOptions(BaseModel):
@@ -45,7 +50,7 @@ class _SamplingRequest(BaseModel):
     top_p: float | None = None
     n: int = 1
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=_INT64[0], le=_INT64[1])
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
@@ -53,7 +58,7 @@ class _SamplingRequest(BaseModel):
     stream_options: StreamOptions | None = None
     user: str | None = None
     # vLLM extras.
-    top_k: int | None = None
+    top_k: int | None = Field(None, ge=_INT32[0], le=_INT32[1])
     min_p: float | None = None
     repetition_penalty: float | None = None
     min_tokens: int = 0
@@ -62,7 +67,7 @@ class _SamplingRequest(BaseModel):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
-    priority: int = 0
+    priority: int = Field(0, ge=_INT32[0], le=_INT32[1])
 
     @model_validator(mode="after")
     def _warn_unknown(self) -> _SamplingRequest:

@@ -8,6 +8,7 @@ never with a 500. The same checks through the public gRPC API map to gRPC codes.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -139,6 +140,26 @@ COMPLETION = {"model": MODEL, "prompt": "Hello"}
 def test_invalid_parameter_is_400_naming_the_field(http, path, body, param) -> None:
     err = _error(http.post(path, json=body), 400)
     assert err["type"] == "invalid_request_error"
+    assert err["param"] == param, err
+
+
+@pytest.mark.parametrize(("path", "body", "param"), [
+    ("/v1/chat/completions", {**CHAT, "seed": 10**30}, "seed"),
+    ("/v1/chat/completions", {**CHAT, "top_k": 2**40}, "top_k"),
+    ("/v1/chat/completions", {**CHAT, "priority": 2**40}, "priority"),
+    ("/v1/completions", {**COMPLETION, "seed": -(2**70)}, "seed"),
+    ("/v1/chat/completions", {**CHAT, "temperature": float("nan")}, "temperature"),
+    ("/v1/chat/completions", {**CHAT, "repetition_penalty": float("nan")}, "repetition_penalty"),
+])
+def test_out_of_range_numbers_are_400_not_500(http, path, body, param) -> None:
+    """Bug (H9): integers beyond the protobuf field widths (seed int64, top_k / priority
+    int32) passed validation and crashed the router when building the RPC (500, and the
+    keep-alive connection was dropped); NaN temperature / repetition_penalty (Python's
+    json accepts ``NaN``) were accepted and sampled garbage."""
+    # json.dumps writes NaN as Python's json (and so the router) reads it; httpx would not.
+    resp = http.post(path, content=json.dumps(body),
+                     headers={"Content-Type": "application/json"})
+    err = _error(resp, 400)
     assert err["param"] == param, err
 
 
