@@ -117,10 +117,13 @@ def resolve_device(device: str) -> torch.device:
     return dev
 
 
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    """Map a ``ModelConfig.dtype`` string to a torch dtype ("auto": bf16 where fast)."""
+def resolve_dtype(dtype: str, device: torch.device | str) -> torch.dtype:
+    """Map a ``ModelConfig.dtype`` string to a torch dtype ("auto": bf16 where fast).
+
+    ``device`` may be a ``torch.device`` or its string ("cpu", "cuda:0").
+    """
     if dtype == "auto":
-        fast_bf16 = device.type == "cuda" or cpu_supports_bf16()
+        fast_bf16 = torch.device(device).type == "cuda" or cpu_supports_bf16()
         return torch.bfloat16 if fast_bf16 else torch.float32
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}, got {dtype!r}")

@@ -324,12 +324,19 @@ class Stack:
 
 
 def raise_on_sigterm() -> None:
-    """Turn SIGTERM into ``KeyboardInterrupt`` so ``with Stack(...)`` blocks clean up."""
+    """Turn SIGTERM and SIGINT into ``KeyboardInterrupt`` so ``with Stack(...)`` blocks
+    clean up.
+
+    SIGINT is set explicitly: a process started in the background of a non-interactive
+    shell (``tandem up &`` in a script) inherits SIGINT ignored, and Python keeps an
+    inherited SIG_IGN, so ``kill -INT`` / Ctrl-C would otherwise do nothing.
+    """
 
     def on_signal(signum: int, _frame: object) -> None:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def build_parser() -> argparse.ArgumentParser:

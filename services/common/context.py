@@ -211,8 +211,9 @@ class ServiceContext:
         return None
 
     async def stats(self) -> Any:
-        """The scheduler's ``SchedulerStats`` (read in the engine thread)."""
-        return await self.engine_loop.call(self.engine_loop.engine.get_stats)
+        """The scheduler's ``SchedulerStats`` (read in the engine thread; the last
+        snapshot while a long step runs, see ``EngineLoop.stats``)."""
+        return await self.engine_loop.stats()
 
     async def load_response(self) -> common_pb2.GetLoadResponse:
         """``GetLoadResponse`` of this instance."""

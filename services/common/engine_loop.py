@@ -39,6 +39,11 @@ T = TypeVar("T")
 #: thread at once (:meth:`EngineLoop.wake`); this only bounds a missed wake-up.
 _IDLE_POLL_S = 0.005
 
+#: How long :meth:`EngineLoop.stats` waits for the engine thread before it answers with
+#: the last snapshot (seconds). One step can take tens of seconds (a long prefill on a
+#: CPU); load reports and heartbeats must not wait that long.
+STATS_MAX_WAIT_S = 0.25
+
 
 class EngineLoop:
     """Owns the engine thread.
@@ -69,6 +74,8 @@ class EngineLoop:
         self._accepting = True
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._stats: Any = None  # last SchedulerStats read; event loop only
+        self._stats_pending: asyncio.Future[Any] | None = None
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -110,6 +117,32 @@ class EngineLoop:
 
         self._post(job)
         return await asyncio.wrap_future(future)
+
+    async def stats(self, max_wait_s: float = STATS_MAX_WAIT_S) -> Any:
+        """The engine's ``SchedulerStats``, never waiting long for a step in progress.
+
+        Reads the stats in the engine thread; if that does not answer within
+        ``max_wait_s`` (the thread is inside a long step) returns the last snapshot
+        instead, and the pending read refreshes the snapshot when the step ends. Only
+        the very first read waits for the thread. At most one read is queued at a time.
+
+        Raises:
+            ShuttingDownError: the engine thread is not running.
+        """
+        if self._stats_pending is None:
+            pending = asyncio.ensure_future(self.call(self.engine.get_stats))
+            pending.add_done_callback(self._stats_done)
+            self._stats_pending = pending
+        pending = self._stats_pending
+        if self._stats is None:
+            return await asyncio.shield(pending)
+        await asyncio.wait({pending}, timeout=max_wait_s)
+        return self._stats
+
+    def _stats_done(self, future: asyncio.Future[Any]) -> None:
+        self._stats_pending = None
+        if not future.cancelled() and future.exception() is None:
+            self._stats = future.result()
 
     def wake(self) -> None:
         """Make the thread step now (thread-safe; e.g. a KV transfer finished)."""

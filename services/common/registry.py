@@ -61,15 +61,25 @@ class InstanceRegistration:
         self._ttl_s = ttl_s
         self._interval_s = interval_s
         self._task: asyncio.Task[None] | None = None
+        self._last_load: dict[str, float | int] = {}
 
     async def beat(self) -> None:
         """Write the entry once (fields + TTL) in one transaction.
+
+        The load fields come from ``load_fn`` if it answers within ``interval_s``, else
+        the last ones it gave: the entry's TTL must never depend on the engine thread
+        (busy for a long step, e.g. a long prefill), or the instance would vanish from
+        the registry while it works.
 
         Raises:
             redis.RedisError: Redis unreachable (callers in the heartbeat task log it).
         """
         fields: dict[str, str | float | int] = dict(self._static)
-        fields.update(await self._load_fn())
+        try:
+            self._last_load = await asyncio.wait_for(self._load_fn(), self._interval_s)
+        except asyncio.TimeoutError:  # noqa: UP041 - a distinct class on Python 3.10
+            logger.debug("load report slow (engine busy); heartbeat keeps the last one")
+        fields.update(self._last_load)
         fields["updated_at"] = time.time()
         async with self._redis.pipeline(transaction=True) as pipe:
             pipe.hset(self.key, mapping=fields)

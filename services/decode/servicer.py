@@ -31,6 +31,9 @@ from tandem.services.common.convert import (
 from tandem.services.common.errors import LayoutMismatchError
 from tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 
+#: Length of one block hash (the engine's SHA-256 prefix-chain hash, engine/block_hash.py).
+BLOCK_HASH_BYTES = 32
+
 
 class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
     """Thin servicer: protobuf -> engine -> protobuf. Errors map in ``common.errors``."""
@@ -76,6 +79,13 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                 raise LayoutMismatchError(
                     f"hash_algorithm {request.hash_algorithm!r} differs from this engine's "
                     f"{ctx.hash_algorithm!r}"
+                )
+            bad = next((i for i, h in enumerate(request.block_hashes)
+                        if len(h) != BLOCK_HASH_BYTES), None)
+            if bad is not None:
+                raise ValueError(
+                    f"block_hashes[{bad}] has {len(request.block_hashes[bad])} bytes; block "
+                    f"hashes are {BLOCK_HASH_BYTES} bytes (PrefillResponse.block_hashes)"
                 )
             expected = cdiv(req.num_prompt_tokens, ctx.block_size)
             if len(request.block_hashes) != expected:

@@ -288,18 +288,18 @@ def test_n_greater_than_one(real, llm) -> None:
 
 def test_stop_strings(real, llm) -> None:
     prompt = chat_ids(real.tok, "Write a short poem about the ocean.")
-    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     full = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].text
     words = full.split()
     stop = words[len(words) // 2]
     cut = full.index(stop)
     out = llm.generate(
-        [prompt], SamplingParams(temperature=0.0, max_tokens=40, stop=[stop]), use_tqdm=False
+        [prompt], SamplingParams(temperature=0.0, max_tokens=24, stop=[stop]), use_tqdm=False
     )[0].outputs[0]
     assert out.text == full[:cut]
     assert (out.finish_reason, out.stop_reason) == ("stop", stop)
     inc = SamplingParams(
-        temperature=0.0, max_tokens=40, stop=[stop], include_stop_str_in_output=True
+        temperature=0.0, max_tokens=24, stop=[stop], include_stop_str_in_output=True
     )
     out = llm.generate([prompt], inc, use_tqdm=False)[0].outputs[0]
     assert out.text == full[: cut + len(stop)]
@@ -309,7 +309,7 @@ def test_stop_strings(real, llm) -> None:
     engine.add_request(
         "s",
         prompt,
-        SamplingParams(temperature=0.0, max_tokens=40, stop=[stop]),
+        SamplingParams(temperature=0.0, max_tokens=24, stop=[stop]),
         kind=OutputKind.DELTA,
     )
     deltas = []

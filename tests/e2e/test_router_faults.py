@@ -274,3 +274,46 @@ def test_tandem_up_sigterm_stops_everything(tiny, tmp_path) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_tandem_up_sigint_during_startup_stops_everything(tiny, tmp_path) -> None:
+    """Bug (H9): `tandem up` started from a script (`tandem up &`: SIGINT is ignored in
+    every background job of a non-interactive shell) kept running on SIGINT (`kill -INT`,
+    Ctrl-C): Python leaves an inherited SIG_IGN in place. Sent during start-up, so the
+    interrupted start-up path is covered too."""
+    import os
+
+    import psutil
+
+    env = dict(os.environ, TMPDIR=str(tmp_path))
+    proc = subprocess.Popen(
+        [sys.executable, "-P", "-m", "tandem.cli", "up", "--colocated", "--model", tiny,
+         "--port", "0", "--grpc-port", "0", *[f"--engine-arg={a}" for a in ENGINE_ARGS]],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    try:
+        def children() -> list[psutil.Process]:
+            try:
+                return psutil.Process(proc.pid).children(recursive=True)
+            except psutil.NoSuchProcess:
+                return []
+
+        def engine_started() -> list[psutil.Process]:
+            assert proc.poll() is None, proc.stdout.read()
+            kids = children()
+            try:
+                started = any("--role" in c.cmdline() for c in kids)
+            except psutil.Error:
+                return []
+            return kids if started else []
+
+        kids = _wait_for(engine_started, 120, "the engine child to start")
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 0, proc.stdout.read()
+        _wait_for(lambda: not any(c.is_running() and c.status() != psutil.STATUS_ZOMBIE
+                                  for c in kids), 30, "children to exit")
+        assert not list(tmp_path.glob("tandem-up-*")), "temp dir left behind"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

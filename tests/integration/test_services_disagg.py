@@ -190,6 +190,11 @@ def test_cancelling_a_stream_frees_its_blocks(prefill, decode):
         (lambda r: r.block_hashes.append(b"x" * 32), "block_hashes"),
         (lambda r: setattr(r, "first_token_id", -3), "first_token_id"),
         (lambda r: setattr(r, "generator_state", b"junk"), "generator_state"),
+        # Bugs (H9): a block hash of the wrong length was taken (and silently recomputed);
+        # a NaN temperature was accepted and sampled garbage.
+        (lambda r: r.block_hashes.__setitem__(0, b"abc"), "block_hashes"),
+        (lambda r: r.sampling_params.MergeFrom(common_pb2.SamplingParams(
+            temperature=float("nan"))), "temperature"),
     ],
 )
 def test_bad_decode_requests_are_invalid_argument(prefill, decode, mutate, field):

@@ -97,7 +97,11 @@ def test_probes_hit_health_endpoints_on_listening_ports(name: str) -> None:
                 assert set(probe) & {"grpc", "httpGet", "tcpSocket", "exec"} == {"grpc"}
                 assert resolve_port(c, probe["grpc"]["port"]) == listens["grpc"]
             else:
-                assert probe["httpGet"]["path"] == "/health"
+                # The router is ready only once it can reach an engine (/ready answers 200
+                # then, 503 before), but alive as long as it answers at all (/health).
+                ready_path = "/ready" if role == "router" and kind == "readinessProbe" \
+                    else "/health"
+                assert probe["httpGet"]["path"] == ready_path, (role, kind)
                 endpoint = "http" if role == "router" else "metrics"
                 assert resolve_port(c, probe["httpGet"]["port"]) == listens[endpoint]
 
