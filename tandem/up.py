@@ -150,6 +150,30 @@ def _redis_ok(url: str) -> bool:
         return False
 
 
+def _preflight(cfg: StackConfig) -> None:
+    """Checks that need no child process, so a mistake fails at once (not after every
+    engine loaded its weights for a minute).
+
+    Raises:
+        StackError: a router port is in use, or ``--model`` does not exist.
+    """
+    for flag, port in (("--port", cfg.port), ("--grpc-port", cfg.grpc_port)):
+        if not port:
+            continue  # 0: a free one is picked
+        with socket.socket() as s:
+            # As uvicorn does: a port left in TIME_WAIT by a stack just stopped is free.
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind((cfg.host, port))
+            except OSError as exc:
+                raise StackError(f"{flag} {port}: {cfg.host}:{port} is in use or cannot be "
+                                 f"bound ({exc.strerror}); pass another {flag} (0 picks a "
+                                 "free one)") from exc
+    if cfg.model and not Path(cfg.model).exists():
+        raise StackError(f"--model {cfg.model}: no such file or folder (a local Hugging Face "
+                         "folder or .gguf file; nothing is downloaded)")
+
+
 class Stack:
     """Start the parts of ``config`` as child processes; ``close()`` stops them all.
 
@@ -185,6 +209,7 @@ class Stack:
 
     def start(self) -> None:
         cfg = self.config
+        _preflight(cfg)
         self.tmpdir = Path(tempfile.mkdtemp(prefix="tandem-up-"))
         if not self.redis_url:
             binary = shutil.which("redis-server")

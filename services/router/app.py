@@ -208,15 +208,32 @@ async def _collect(request: Request, deltas: AsyncIterator[tuple[int, SeqDelta]]
 
 
 async def _stream(request: Request, rid: str, deltas: AsyncIterator[tuple[int, SeqDelta]],
-                  streamer: _Streamer) -> StreamingResponse:
-    """Start an SSE response once the first delta exists (earlier errors: plain HTTP)."""
+                  streamer: _Streamer) -> Response:
+    """Start an SSE response once the first delta exists (earlier errors: plain HTTP).
+
+    The wait for the first delta (prefill: can be minutes for a long prompt under load)
+    watches the client: one that leaves meanwhile cancels the generation at once.
+    """
+    first_task = asyncio.ensure_future(deltas.__anext__())
+    watch = asyncio.create_task(_until_disconnect(request))
     try:
-        first = await deltas.__anext__()
+        await asyncio.wait({first_task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not first_task.done():
+            first_task.cancel()  # the client left: unwinds the generation (RPCs cancelled)
+            await asyncio.wait({first_task})  # (does not raise the task's outcome)
+    try:
+        first = None if first_task.cancelled() else first_task.result()
     except StopAsyncIteration:
         first = None
     except BaseException:
         await deltas.aclose()
         raise
+    if first_task.cancelled():
+        await deltas.aclose()
+        # Nobody reads this; nginx's 499 "client closed request" for the access log.
+        return Response(status_code=499)
 
     async def body() -> AsyncIterator[str]:
         try:

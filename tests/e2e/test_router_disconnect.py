@@ -1,0 +1,125 @@
+"""A client that goes away before its first token cancels the request on the engine.
+
+Bug (H9): a streamed request waited for its first token without watching the client, so a
+client that gave up during a long prefill (minutes for a long prompt on a loaded CPU)
+left the prefill running to the end, work for nobody. The prefill instance here is a
+gRPC server in the test process whose Prefill never answers (the slow prefill) and
+records the cancellation; the router is a real `tandem router` subprocess.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import grpc
+import httpx
+import pytest
+
+from tandem.up import free_port
+from tandem.v1 import common_pb2, prefill_pb2_grpc
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
+
+from services_harness import tiny_model_dir, wait_for  # noqa: E402
+
+
+class _SlowPrefill(prefill_pb2_grpc.PrefillServiceServicer):
+    """Prefill that never finishes; counts calls and cancellations (thread-safe reads)."""
+
+    def __init__(self) -> None:
+        self.started = 0
+        self.cancelled = 0
+
+    async def Prefill(self, request, context):  # noqa: ANN001, ANN201, N802
+        self.started += 1
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+
+    async def GetLoad(self, request, context):  # noqa: ANN001, ANN201, N802
+        return common_pb2.GetLoadResponse(role="prefill")
+
+
+@pytest.fixture(scope="module")
+def slow_prefill():
+    servicer = _SlowPrefill()
+    port = free_port()
+    ready = threading.Event()
+    holder: dict = {}
+
+    async def serve() -> None:
+        server = grpc.aio.server()
+        prefill_pb2_grpc.add_PrefillServiceServicer_to_server(servicer, server)
+        server.add_insecure_port(f"127.0.0.1:{port}")
+        await server.start()
+        holder["stop"] = asyncio.Event()
+        holder["loop"] = asyncio.get_running_loop()
+        ready.set()
+        await holder["stop"].wait()
+        await server.stop(0)
+
+    thread = threading.Thread(target=asyncio.run, args=(serve(),), daemon=True)
+    thread.start()
+    assert ready.wait(30)
+    yield servicer, f"127.0.0.1:{port}"
+    holder["loop"].call_soon_threadsafe(holder["stop"].set)
+    thread.join(30)
+
+
+@pytest.fixture(scope="module")
+def router(tmp_path_factory, slow_prefill):
+    model = str(tiny_model_dir(tmp_path_factory.getbasetemp()))
+    port = free_port()
+    log = (tmp_path_factory.mktemp("router") / "router.log").open("wb")
+    proc = subprocess.Popen(
+        [sys.executable, "-P", "-m", "tandem.cli", "router", "--host", "127.0.0.1",
+         "--port", str(port), "--grpc-port", "0", "--model", model,
+         "--prefill", slow_prefill[1], "--decode", f"127.0.0.1:{free_port()}",
+         "--max-model-len", "512"],
+        stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+
+    def up() -> bool:
+        assert proc.poll() is None, f"router exited with {proc.returncode}"
+        try:
+            return httpx.get(f"{url}/health", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    try:
+        wait_for(up, 120, "router /health", poll_s=0.1)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            log.close()
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_disconnect_before_first_token_cancels_prefill(router, slow_prefill, stream) -> None:
+    servicer, _ = slow_prefill
+    started, cancelled = servicer.started, servicer.cancelled
+    body = json.dumps({"prompt": "Hello there", "max_tokens": 4, "stream": stream}).encode()
+    host, port = router.removeprefix("http://").split(":")
+    # A raw socket: an HTTP client would block waiting for response headers, which a
+    # streamed response sends only with the first token.
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                     b"Content-Type: application/json\r\n"
+                     + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        wait_for(lambda: servicer.started > started, 60, "the request to reach prefill")
+    # The client is gone: the router must cancel the prefill RPC.
+    wait_for(lambda: servicer.cancelled > cancelled, 30, "the prefill RPC to be cancelled")
