@@ -150,6 +150,38 @@ def _redis_ok(url: str) -> bool:
         return False
 
 
+#: Most of the host memory available at start that the stack's KV caches may take together
+#: (the rest: weights, activations, router, store, the user's other programs).
+KV_SHARE_OF_AVAILABLE = 0.5
+#: Per-engine cap, as the engine's own CPU default (engine/model_runner.py).
+KV_CAP_BYTES = 4 << 30
+
+
+def kv_cache_args(cfg: StackConfig, available_bytes: int | None = None) -> list[str]:
+    """``--kv-cache-memory`` for each engine of the stack: a share of the memory available now.
+
+    Each engine on its own sizes its KV cache from the memory available when *it* starts;
+    engines starting together all see the same free memory, so N of them would claim it N
+    times over (4 engines x 4 GiB on an 8 GiB laptop: out of memory). Splitting
+    ``KV_SHARE_OF_AVAILABLE`` of it between them keeps the sum bounded. Nothing is added
+    when the user sized the cache (``--kv-cache-memory`` / ``--num-kv-blocks`` in
+    ``engine_args``) or the engines run on a GPU (sized from device memory).
+
+    Args:
+        available_bytes: host memory available (default: measured with psutil).
+    """
+    args = " ".join(cfg.engine_args)
+    if any(f in args for f in ("--kv-cache-memory", "--num-kv-blocks", "cuda")):
+        return []
+    if available_bytes is None:
+        import psutil
+
+        available_bytes = psutil.virtual_memory().available
+    num_engines = cfg.replicas if cfg.colocated else cfg.num_prefill + cfg.num_decode
+    budget = int(available_bytes * KV_SHARE_OF_AVAILABLE) // max(1, num_engines)
+    return ["--kv-cache-memory", str(max(64 << 20, min(KV_CAP_BYTES, budget)))]
+
+
 def _preflight(cfg: StackConfig) -> None:
     """Checks that need no child process, so a mistake fails at once (not after every
     engine loaded its weights for a minute).
@@ -259,7 +291,7 @@ class Stack:
         # NOTE: a random suffix keeps registry keys apart when stacks share one Redis.
         instance_id = f"{name}-{uuid.uuid4().hex[:8]}"
         argv = [*cmd, "--listen", f"127.0.0.1:{port}", "--redis-url", self.redis_url,
-                "--instance-id", instance_id, *cfg.engine_args]
+                "--instance-id", instance_id, *kv_cache_args(cfg), *cfg.engine_args]
         if kvstore:
             argv += ["--kvstore", kvstore]
         if cfg.model:

@@ -5,7 +5,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import shutil
+import signal
 import socket
 import subprocess
 import time
@@ -19,6 +22,12 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
+    """Linux: SIGTERM this process when its parent dies (no-op elsewhere)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 class RedisServer:
@@ -37,6 +46,9 @@ class RedisServer:
             [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
              "--appendonly", "no"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            # A pytest killed by a timeout runs no teardown: redis then dies with it
+            # instead of living on as an orphan (seen after a killed CI run).
+            preexec_fn=_die_with_parent,
         )
         import redis
 

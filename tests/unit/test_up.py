@@ -27,3 +27,24 @@ def test_port_in_use_fails_fast_naming_the_flag(tmp_path) -> None:
     assert f"--port {port}" in proc.stderr, proc.stderr
     assert "in use" in proc.stderr, proc.stderr
     assert not list(tmp_path.glob("tandem-up-*")), "temp dir left behind"
+
+
+def test_engines_share_the_available_memory_for_kv_caches() -> None:
+    """Bug (H9): every engine sized its KV cache from the memory free when it started (up
+    to 4 GiB each); engines started together all saw the same free memory, so `tandem up`
+    with 2+ engines could claim it several times over (out of memory on a small box)."""
+    from tandem.up import StackConfig, kv_cache_args
+
+    def budget(cfg: StackConfig, available: int) -> int:
+        args = kv_cache_args(cfg, available_bytes=available)
+        assert args[0] == "--kv-cache-memory"
+        return int(args[1])
+
+    gib = 1 << 30
+    for cfg, num_engines in ((StackConfig(num_prefill=2, num_decode=2), 4),
+                             (StackConfig(colocated=True, replicas=3), 3)):
+        assert budget(cfg, 6 * gib) * num_engines <= 6 * gib // 2
+    assert budget(StackConfig(), 64 * gib) == 4 * gib  # the engine's own cap
+    # The user's own sizing (or a GPU) is left alone.
+    for extra in (["--kv-cache-memory", "1000"], ["--num-kv-blocks=64"], ["--device=cuda"]):
+        assert kv_cache_args(StackConfig(engine_args=extra), available_bytes=gib) == []
