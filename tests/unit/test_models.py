@@ -163,6 +163,8 @@ def test_resolve_dtype():
 
     expected = torch.bfloat16 if cpu_supports_bf16() else torch.float32
     assert resolve_dtype("auto", cpu) == expected
+    # The bench passes the device as a string.
+    assert resolve_dtype("auto", "cpu") == expected
 
 
 def test_llama3_rope_scaling_matches_transformers():
