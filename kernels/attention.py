@@ -16,6 +16,10 @@ reference): the model runner flattens every scheduled token of a step into one
   prefix (prefix-cache hit or a later chunk) it gathers its blocks and uses a
   causal mask offset by the number of cached tokens.
 
+On the CPU the decode group runs a native kernel (``kernels/cpu_ext.py``) that
+also reads K/V in place, when a C compiler could build it; the gather + SDPA path
+above is the reference and the fallback.
+
 On CUDA (with Triton installed) the decode group runs a Triton kernel that
 reads K/V straight from the blocks (no gather), one program per (sequence, KV
 head) with an online softmax; prefills use SDPA (FlashAttention) as above.
@@ -27,11 +31,13 @@ Optional sliding-window attention (Mistral): key ``k`` is visible from query
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from tandem.kernels import cpu_ext
 from tandem.kernels.attention_metadata import (
     AttentionMetadata,
     PrefillSeq,
@@ -45,6 +51,7 @@ __all__ = [
     "build_attention_metadata",
     "decode_attention_triton",
     "paged_attention",
+    "paged_attention_cpu",
     "paged_attention_ref",
     "paged_attention_triton",
 ]
@@ -145,15 +152,63 @@ def paged_attention_ref(
         ``[num_tokens, num_heads, head_dim]`` in ``query.dtype``.
     """
     out = torch.empty_like(query)
+    _decode_group(
+        out,
+        query,
+        meta,
+        lambda q: _decode_attention_sdpa(q, k_cache, v_cache, meta, scale, sliding_window),
+    )
+    _prefill_attention_sdpa(out, query, key, value, k_cache, v_cache, meta, scale, sliding_window)
+    return out
+
+
+def _decode_group(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    meta: AttentionMetadata,
+    attend: Callable[[torch.Tensor], torch.Tensor],
+) -> None:
+    """Run ``attend`` on the decode group's queries ``[nd, H, hd]``, write into ``out``."""
     nd = meta.num_decodes
-    if nd:
-        idx = meta.decode_token_idx
-        q = query[:nd] if idx is None else query[idx]
-        o = _decode_attention_sdpa(q, k_cache, v_cache, meta, scale, sliding_window)
-        if idx is None:
-            out[:nd] = o
-        else:
-            out[idx] = o
+    if not nd:
+        return
+    idx = meta.decode_token_idx
+    o = attend(query[:nd] if idx is None else query[idx])
+    if idx is None:
+        out[:nd] = o
+    else:
+        out[idx] = o
+
+
+def paged_attention_cpu(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """CPU fast path: the decode group by the native kernel that reads K/V in
+    place (``kernels/cpu_ext.py``), prefills by SDPA; same contract as
+    ``paged_attention_ref``."""
+    out = torch.empty_like(query)
+    assert meta.decode_block_tables is not None or not meta.num_decodes
+    _decode_group(
+        out,
+        query,
+        meta,
+        lambda q: cpu_ext.paged_decode_attention_cpu(
+            q,
+            k_cache,
+            v_cache,
+            meta.decode_block_tables,  # type: ignore[arg-type]
+            meta.decode_seq_lens,  # type: ignore[arg-type]
+            scale,
+            sliding_window,
+        ),
+    )
     _prefill_attention_sdpa(out, query, key, value, k_cache, v_cache, meta, scale, sliding_window)
     return out
 
@@ -307,24 +362,20 @@ def paged_attention_triton(
     """GPU path: the decode group by the Triton kernel, prefills by SDPA
     (FlashAttention); same contract as ``paged_attention_ref``."""
     out = torch.empty_like(query)
-    nd = meta.num_decodes
-    if nd:
-        assert meta.decode_block_tables is not None and meta.decode_seq_lens is not None
-        idx = meta.decode_token_idx
-        q = query[:nd] if idx is None else query[idx]
-        o = decode_attention_triton(
+    _decode_group(
+        out,
+        query,
+        meta,
+        lambda q: decode_attention_triton(
             q,
             k_cache,
             v_cache,
-            meta.decode_block_tables,
-            meta.decode_seq_lens,
+            meta.decode_block_tables,  # type: ignore[arg-type]
+            meta.decode_seq_lens,  # type: ignore[arg-type]
             scale,
             sliding_window,
-        )
-        if idx is None:
-            out[:nd] = o
-        else:
-            out[idx] = o
+        ),
+    )
     _prefill_attention_sdpa(out, query, key, value, k_cache, v_cache, meta, scale, sliding_window)
     return out
 
@@ -338,7 +389,7 @@ def paged_attention(
     scale: float,
     sliding_window: int | None = None,
 ) -> torch.Tensor:
-    """Checked paged attention (dispatches to the torch reference).
+    """Checked paged attention (Triton on CUDA, the native kernel or the torch reference on CPU).
 
     Args:
         query: ``[num_tokens, num_heads, head_dim]``.
@@ -369,5 +420,10 @@ def paged_attention(
         raise ValueError(f"cache view {tuple(k_cache.shape)} does not fit key {tuple(key.shape)}")
     if not (query.dtype == key.dtype == k_cache.dtype == v_cache.dtype):
         raise ValueError("query, key and the cache must share a dtype")
-    impl = paged_attention_triton if use_triton(query) else paged_attention_ref
+    if use_triton(query):
+        impl = paged_attention_triton
+    elif meta.num_decodes and cpu_ext.supports(query, k_cache):
+        impl = paged_attention_cpu
+    else:
+        impl = paged_attention_ref
     return impl(query, key, value, k_cache, v_cache, meta, scale, sliding_window)

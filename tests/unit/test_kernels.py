@@ -14,6 +14,8 @@ from transformers.models.llama.modeling_llama import (
     apply_rotary_pos_emb,
 )
 
+from tandem.kernels import attention as attention_mod
+from tandem.kernels import cpu_ext
 from tandem.kernels.attention import build_attention_metadata, paged_attention
 from tandem.kernels.cache import allocate_kv_cache, kv_cache_bytes_per_block, reshape_and_cache
 from tandem.kernels.layernorm import rms_norm
@@ -141,10 +143,34 @@ def _dense_attention(q, k, v, num_computed, window=None):
 MIXED_BATCH = [(9, 1), (0, 13), (16, 1), (32, 7), (0, 1), (5, 11), (47, 1), (3, 1)]
 
 
+@pytest.fixture(params=["native", "torch"])
+def cpu_attention_path(request, monkeypatch):
+    """Run a test on the native CPU decode kernel and on the torch reference.
+
+    The native path is checked to be the one taken (a spy counts its calls)."""
+    calls = []
+    if request.param == "torch":
+        monkeypatch.setattr(cpu_ext, "supports", lambda q, k: False)
+    else:
+        if cpu_ext.load() is None:
+            pytest.skip("no C compiler here: the native CPU kernel could not be built")
+        real = cpu_ext.paged_decode_attention_cpu
+
+        def spy(*args, **kwargs):
+            calls.append(1)
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(cpu_ext, "paged_decode_attention_cpu", spy)
+    yield request.param
+    assert bool(calls) == (request.param == "native")
+
+
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (6, 2), (4, 1)])
 @pytest.mark.parametrize("window", [None, 6])
 @pytest.mark.parametrize("decodes_first", [True, False])
-def test_paged_attention_matches_dense(num_heads, num_kv_heads, window, decodes_first):
+def test_paged_attention_matches_dense(
+    num_heads, num_kv_heads, window, decodes_first, cpu_attention_path
+):
     torch.manual_seed(1)
     bs, hd, num_blocks = 4, 16, 64
     seqs = sorted(MIXED_BATCH, key=lambda s: s[1] != 1) if decodes_first else MIXED_BATCH
@@ -180,7 +206,7 @@ def test_paged_attention_matches_dense(num_heads, num_kv_heads, window, decodes_
     assert (meta.decode_token_idx is None) == decodes_first
 
 
-def test_paged_attention_bfloat16_close_to_dense():
+def test_paged_attention_bfloat16_close_to_dense(cpu_attention_path):
     torch.manual_seed(2)
     bs, hd, kvh, heads = 16, 64, 3, 9
     seqs = [(40, 1), (0, 37), (20, 20)]
@@ -205,6 +231,56 @@ def test_paged_attention_bfloat16_close_to_dense():
         ref = _dense_attention(query[start : start + n], k, v, c)
         torch.testing.assert_close(out[start : start + n].double(), ref, rtol=0, atol=3e-2)
         start += n
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim,num_heads,num_kv_heads", [(64, 9, 3), (128, 8, 2), (32, 4, 4)])
+@pytest.mark.parametrize("window", [None, 21])
+def test_native_decode_kernel_matches_reference(dtype, head_dim, num_heads, num_kv_heads, window):
+    """The native kernel against the gather + SDPA reference on a strided layer
+    view (block stride spans all layers), shuffled blocks, lengths from 1 token
+    to several blocks, partial last blocks."""
+    if cpu_ext.load() is None:
+        pytest.skip("no C compiler here: the native CPU kernel could not be built")
+    torch.manual_seed(3)
+    bs, num_blocks, num_layers = 16, 96, 3
+    kv = torch.randn(num_blocks, num_layers, 2, bs, num_kv_heads, head_dim).to(dtype)
+    layer = (kv[:, 2, 0], kv[:, 2, 1])
+    lens = [1, 15, 16, 17, 40, 100, 161]
+    free = torch.randperm(num_blocks).tolist()
+    tables = [[free.pop() for _ in range(-(-n // bs))] for n in lens]
+    meta = build_attention_metadata([1] * len(lens), [n - 1 for n in lens], tables, bs)
+    q = torch.randn(len(lens), num_heads, head_dim).to(dtype)
+    assert cpu_ext.supports(q, layer[0])
+    scale = head_dim**-0.5
+    out = cpu_ext.paged_decode_attention_cpu(
+        q, *layer, meta.decode_block_tables, meta.decode_seq_lens, scale, window
+    )
+    ref = attention_mod._decode_attention_sdpa(
+        q.float(), *(t.float() for t in layer), meta, scale, window
+    )
+    assert out.dtype == dtype and out.shape == q.shape
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), ref, rtol=tol, atol=tol)
+
+
+def test_native_kernel_declines_unsupported_shapes():
+    q = torch.randn(2, 4, 8)  # head_dim 8: not a multiple of the vector width
+    cache = torch.zeros(4, 16, 4, 8)
+    assert not cpu_ext.supports(q, cache)
+    assert not cpu_ext.supports(q.half(), cache.half())
+
+
+def test_native_kernel_build_failure_falls_back(monkeypatch, tmp_path):
+    """A compiler that fails leaves load() at None (the torch path serves)."""
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CC", "false")
+    cpu_ext.load.cache_clear()
+    try:
+        assert cpu_ext.load() is None
+        assert not list((tmp_path / "kernels").glob("*.so"))
+    finally:
+        cpu_ext.load.cache_clear()
 
 
 def test_build_metadata_rejects_short_block_table():
