@@ -32,6 +32,7 @@ from tandem.engine.sampler import Sampler
 from tandem.engine.sched_output import ModelRunnerOutput, SchedulerOutput
 from tandem.kernels.attention import build_attention_metadata
 from tandem.kernels.cache import allocate_kv_cache, kv_cache_bytes_per_block
+from tandem.kernels.linear import pack_linear_layers
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +95,10 @@ class ModelRunner:
             tune_glibc_malloc()
         self.loaded = loaded if loaded is not None else load_model(config.model)
         self.model = self.loaded.model
+        if self.loaded.dtype == torch.bfloat16 and self.loaded.device.type == "cpu":
+            n = pack_linear_layers(self.model)
+            if n:
+                logger.info("prepacked %d bf16 linear layers for oneDNN", n)
         hf = self.loaded.hf_config
         self.vocab_size: int = int(hf.vocab_size)
         self.eos_token_id: int | None = self.loaded.eos_token_id

@@ -105,15 +105,17 @@ def _prefill_attention_sdpa(
     group = query.shape[1] // key.shape[1]
     for i, p in enumerate(meta.prefills):
         s, e = p.token_start, p.token_end
-        q = query[s:e].transpose(0, 1).unsqueeze(0)  # [1, H, n, hd]
+        # contiguous(): SDPA on CPU runs several times slower on these strided
+        # views than on a [1, heads, n, hd] copy (measured, bf16 and fp32).
+        q = query[s:e].transpose(0, 1).unsqueeze(0).contiguous()  # [1, H, n, hd]
         if p.block_ids is None:
             k = key[s:e]
             v = value[s:e]
         else:
             k = _gather(k_cache, p.block_ids)[: p.seq_len]
             v = _gather(v_cache, p.block_ids)[: p.seq_len]
-        k = k.transpose(0, 1).unsqueeze(0)  # [1, kvh, L, hd]
-        v = v.transpose(0, 1).unsqueeze(0)
+        k = k.transpose(0, 1).unsqueeze(0).contiguous()  # [1, kvh, L, hd]
+        v = v.transpose(0, 1).unsqueeze(0).contiguous()
         mask = meta.prefill_mask(i, sliding_window)
         o = F.scaled_dot_product_attention(
             q,

@@ -172,3 +172,39 @@ def test_aborts_free_blocks_tiny(tiny) -> None:
     assert [o.outputs[0].finish_reason for o in outs] == ["abort"]
     assert_pool_full(llm)
     assert engine.engine_core.scheduler.requests == {}
+
+
+def test_bfloat16_cpu_fast_paths_match_reference_path(tiny, monkeypatch) -> None:
+    """bf16 on the CPU: native decode attention + prepacked linears give the
+    reference path's greedy tokens (a first difference only at a bf16 near-tie
+    of the reference's top-2 logprobs)."""
+    folder, _ = tiny
+    if "Llama" not in folder:
+        pytest.skip("one architecture is enough for the bf16 fast-path check")
+    from tandem.engine import model_runner
+    from tandem.kernels import cpu_ext, linear
+
+    ps = prompts()
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, logprobs=2)
+
+    def run() -> list:
+        llm = LLM(model=folder, dtype="bfloat16", max_model_len=MAX_LEN, kv_cache_memory=4 << 20)
+        layers = llm.llm_engine.engine_core.model_runner.model.modules()
+        n_packed = sum(isinstance(m, linear.PackedLinear) for m in layers)
+        return llm.generate(ps, params, use_tqdm=False), n_packed
+
+    fast, n_packed = run()
+    if linear.mkldnn_packing_available():
+        assert n_packed > 0
+    monkeypatch.setattr(cpu_ext, "supports", lambda q, k: False)
+    monkeypatch.setattr(model_runner, "pack_linear_layers", lambda model: 0)
+    ref, n_packed_ref = run()
+    assert n_packed_ref == 0
+    for a, b in zip(fast, ref, strict=True):
+        ours, theirs = a.outputs[0].token_ids, b.outputs[0].token_ids
+        for i, (x, y) in enumerate(zip(ours, theirs, strict=True)):
+            if x != y:
+                top2 = sorted(b.outputs[0].logprobs[i].values(), key=lambda lp: -lp.logprob)[:2]
+                gap = top2[0].logprob - top2[1].logprob
+                assert gap < 0.05, f"position {i}: {x} vs {y}, reference top-2 gap {gap}"
+                break

@@ -16,6 +16,7 @@ from transformers.models.llama.modeling_llama import (
 
 from tandem.kernels import attention as attention_mod
 from tandem.kernels import cpu_ext
+from tandem.kernels import linear as linear_mod
 from tandem.kernels.attention import build_attention_metadata, paged_attention
 from tandem.kernels.cache import allocate_kv_cache, kv_cache_bytes_per_block, reshape_and_cache
 from tandem.kernels.layernorm import rms_norm
@@ -300,3 +301,33 @@ def test_paged_attention_rejects_mismatched_heads():
             meta,
             1.0,
         )
+
+
+@pytest.mark.skipif(
+    not linear_mod.mkldnn_packing_available(), reason="no oneDNN weight packing in this build"
+)
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("tokens", [1, 5, 64, 300])
+def test_packed_linear_equals_f_linear_bf16(bias, tokens):
+    torch.manual_seed(4)
+    lin = torch.nn.Linear(96, 160, bias=bias).to(torch.bfloat16)
+    x = torch.randn(tokens, 96, dtype=torch.bfloat16)
+    ref = torch.nn.functional.linear(x, lin.weight, lin.bias)
+    packed = linear_mod.PackedLinear(lin)
+    out = packed(x)
+    assert out.dtype == torch.bfloat16 and out.shape == (tokens, 160)
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+
+
+def test_pack_linear_layers_only_touches_bf16_cpu_linears():
+    model = torch.nn.Sequential(
+        torch.nn.Linear(8, 8).to(torch.bfloat16),
+        torch.nn.Linear(8, 8),  # float32: left alone
+        torch.nn.Embedding(4, 8).to(torch.bfloat16),
+    )
+    expected = 1 if linear_mod.mkldnn_packing_available() else 0
+    assert linear_mod.pack_linear_layers(model) == expected
+    assert linear_mod.pack_linear_layers(model) == 0  # idempotent
+    assert type(model[1]) is torch.nn.Linear
+    with pytest.raises(ValueError, match="bf16 CPU weight"):
+        linear_mod.PackedLinear(torch.nn.Linear(4, 4))
