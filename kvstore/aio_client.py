@@ -24,6 +24,7 @@ from tandem.kvstore.index import (
     NODES_SET,
     IndexEntry,
     node_key,
+    parse_lookup,
 )
 from tandem.kvstore.keys import BlockKey, LayoutFingerprint
 from tandem.kvstore.store import BlockStore, KVStoreError, KVStoreNodeError, KVStoreTimeoutError
@@ -36,7 +37,7 @@ from tandem.kvstore.transport import (
     runs_of,
     span_of,
 )
-from tandem.kvstore.ucx import byte_view, endpoint_to, worker_address
+from tandem.kvstore.ucx import byte_view, endpoint_to, within, worker_address
 
 logger = logging.getLogger("tandem.kvstore.client")
 
@@ -210,14 +211,15 @@ class AsyncKVStoreClient(BlockStore):
         """Index entries of ``keys`` with dead nodes' entries turned into misses."""
         if not keys:
             return [], {}
-        raw, flat = await self._lookup(keys=[k.redis_key for k in keys], args=[NODE_PREFIX])
-        entries = [IndexEntry.decode(r) for r in raw]
-        nodes: dict[str, NodeInfo] = {}
-        for j in range(0, len(flat), 6):
-            nid, address, ucx_address, cap, used, slot = (
-                x.decode() if isinstance(x, bytes) else str(x) for x in flat[j : j + 6])
-            nodes[nid] = NodeInfo(nid, address, bytes.fromhex(ucx_address), int(cap), int(used),
-                                  int(slot))
+        reply = await self._lookup(keys=[k.redis_key for k in keys], args=[NODE_PREFIX])
+        try:
+            entries, records = parse_lookup(len(keys), reply)
+            nodes = {nid: NodeInfo(nid, address, bytes.fromhex(ucx), int(cap), int(used),
+                                   int(slot))
+                     for nid, address, ucx, cap, used, slot in records}
+        except ValueError as exc:
+            raise KVStoreError(f"KV store index (Redis) answered a malformed lookup: {exc}") \
+                from exc
         # entries of dead nodes are misses, and cleaned up
         await self._forget_many([(k.redis_key, e) for k, e in zip(keys, entries, strict=True)
                                  if e is not None and e.node_id not in nodes])
@@ -268,7 +270,7 @@ class AsyncKVStoreClient(BlockStore):
                "checksums": [checksum(v) for v in views], "ttl_s": ttl_s, "runs": runs_of(views)}
 
         async def run() -> dict[str, Any]:
-            reply = await (await conn.request(request_id, msg))
+            reply = await conn.request(request_id, msg)
             _raise_if_error(reply, node)
             done = asyncio.ensure_future(conn.next_reply(request_id))
             sends = [conn.ep.send(span_of(views, i, n),
@@ -278,7 +280,7 @@ class AsyncKVStoreClient(BlockStore):
             return await done
 
         try:
-            final = await asyncio.wait_for(run(), self.timeout_s)
+            final = await within(run(), self.timeout_s)
         except (TimeoutError, asyncio.TimeoutError) as exc:
             self._drop(conn)
             raise KVStoreTimeoutError(
@@ -360,7 +362,7 @@ class AsyncKVStoreClient(BlockStore):
 
             expect = msgs if attempt == 0 else None
             try:
-                present = await asyncio.wait_for(
+                present = await within(
                     self._get_once(conn, request_id, node, mine, request, expect), self.timeout_s)
             except (TimeoutError, asyncio.TimeoutError) as exc:
                 # NOTE: aborting the endpoint cancels the posted receives, so nothing is
@@ -397,7 +399,7 @@ class AsyncKVStoreClient(BlockStore):
 
         recvs = post(expect) if expect is not None else []
         msg = dict(request, msgs=expect) if expect is not None else request
-        reply = await (await conn.request(request_id, msg))
+        reply = await conn.request(request_id, msg)
         _raise_if_error(reply, node)
         if reply.get("stale"):
             return None
@@ -432,10 +434,10 @@ class AsyncKVStoreClient(BlockStore):
             raise KVStoreError(f"store node {node_id} is not live")
         conn = await self._conn(nodes[node_id])
         async def run() -> dict[str, Any]:
-            return await (await conn.request(next_request_id(), msg))
+            return await conn.request(next_request_id(), msg)
 
         try:
-            reply = await asyncio.wait_for(run(), self.timeout_s)
+            reply = await within(run(), self.timeout_s)
         except (TimeoutError, asyncio.TimeoutError) as exc:
             self._drop(conn)
             raise KVStoreTimeoutError(f"store node {node_id} timed out") from exc

@@ -54,6 +54,13 @@ class NodeConfig:
     prefault: bool = True
 
     def __post_init__(self) -> None:
+        # the id is the first "|"-separated field of index entries, and lookups join
+        # entries with newlines (kvstore/index.py): either character would turn every
+        # block of this node into a silent miss
+        if not self.node_id or any(c == "|" or c.isspace() or not c.isprintable()
+                                   for c in self.node_id):
+            raise ValueError(f"node_id must be non-empty, printable, without '|' or "
+                             f"whitespace, got {self.node_id!r}")
         if self.capacity_bytes < 1:
             raise ValueError(f"capacity must be >= 1 byte, got {self.capacity_bytes}")
         if self.heartbeat_ttl_s <= 0:

@@ -10,6 +10,7 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Coroutine
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -21,9 +22,13 @@ from tandem.kvstore.index import COMMIT_LUA, NODES_SET, IndexEntry, commit_args,
 from tandem.kvstore.keys import INDEX_PREFIX, BlockKey
 from tandem.kvstore.metrics import NodeMetrics
 from tandem.kvstore.pool import Entry, PoolFullError, SlotPool
-from tandem.kvstore.ucx import endpoint_to, init_ucx, worker_address, worker_recv
+from tandem.kvstore.ucx import endpoint_to, init_ucx, within, worker_address, worker_recv
 
 logger = logging.getLogger("tandem.kvstore.server")
+
+
+async def _raise(exc: BaseException) -> None:
+    raise exc
 
 
 class _Conn:
@@ -239,20 +244,29 @@ class StoreNode:
                 except Exception as exc:  # noqa: BLE001 - malformed: drop the message
                     logger.warning("malformed request on connection %d: %s", conn.conn_id, exc)
                     continue
-                self._spawn(self._handle(conn, request_id, msg))
+                work = None
+                if msg.get("op") == "get":
+                    # see _begin_get; a bad request is answered by _handle as usual
+                    try:
+                        work = self._begin_get(conn, request_id, msg)
+                    except Exception as exc:  # noqa: BLE001 - re-raised in _handle
+                        work = _raise(exc)
+                self._spawn(self._handle(conn, request_id, msg, work))
         except Exception as exc:  # noqa: BLE001 - connection gone
             logger.info("connection %d closed: %s", conn.conn_id, exc)
         finally:
             conn.abort()
             self._conns.pop(conn.conn_id, None)
 
-    async def _handle(self, conn: _Conn, request_id: int, msg: dict[str, Any]) -> None:
+    async def _handle(self, conn: _Conn, request_id: int, msg: dict[str, Any],
+                      work: Coroutine[Any, Any, None] | None = None) -> None:
+        """Serve one request; ``work``: a get already begun by :meth:`_begin_get`."""
         op = msg.get("op")
         try:
-            if op == "put":
+            if work is not None:
+                await work
+            elif op == "put":
                 await self._put(conn, request_id, msg)
-            elif op == "get":
-                await self._get(conn, request_id, msg)
             elif op == "stat":
                 await conn.reply(request_id, self._stat())
             elif op == "corrupt" and self.test_hooks:
@@ -369,14 +383,16 @@ class StoreNode:
             by_index = dict(zip(accepted, pending, strict=True))
             slots = [by_index[i].slot if i in by_index else None for i in range(len(keys))]
             msgs = proto.group_messages(runs, slots, sizes, self.pool.slot_bytes or 1)
-            await conn.reply(request_id, {"op": "accept", "msgs": msgs})
+            # the receives are posted before the accept goes out (gather starts them
+            # in order), and the accept's completion is not waited for first
             recvs = [
                 conn.ep.recv(self.pool.span(by_index[i].slot, n, by_index[i + n - 1].size_bytes),
                              tag=proto.make_tag(conn.conn_id, request_id, i), force_tag=True)
                 for i, n in msgs
             ]
-            if recvs:
-                await asyncio.wait_for(asyncio.gather(*recvs), self.cfg.transfer_timeout_s)
+            await within(
+                asyncio.gather(*recvs, conn.reply(request_id, {"op": "accept", "msgs": msgs})),
+                self.cfg.transfer_timeout_s)
             ok = True
         finally:
             if not ok:
@@ -408,7 +424,18 @@ class StoreNode:
         await conn.reply(request_id, {"op": "stored", "num_stored": len(new),
                                       "num_sent": len(pending)})
 
-    async def _get(self, conn: _Conn, request_id: int, msg: dict[str, Any]) -> None:
+    def _begin_get(self, conn: _Conn, request_id: int,
+                   msg: dict[str, Any]) -> Coroutine[Any, Any, None]:
+        """Pin the blocks of a get and start its reply and payload sends, without
+        yielding to the loop; returns the coroutine that waits for the sends.
+
+        NOTE: called by the connection's receive loop itself, not in a task of its
+        own: the sends are posted one loop iteration sooner, and each iteration on
+        the hot path costs a GIL hand-off with ucxx's notifier thread.
+
+        Raises:
+            ValueError: malformed request (nothing pinned, nothing sent).
+        """
         t0 = time.perf_counter()
         keys = msg.get("keys")
         if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
@@ -419,10 +446,9 @@ class StoreNode:
         proto.group_messages(runs, [None] * len(keys), [0] * len(keys), 1)  # validates the runs
         entries = [self.pool.acquire(k) for k in keys]
         held = [e for e in entries if e is not None]
-        self.metrics.hits.inc(len(held))
-        self.metrics.misses.inc(len(keys) - len(held))
-        ok = False
         try:
+            self.metrics.hits.inc(len(held))
+            self.metrics.misses.inc(len(keys) - len(held))
             sizes = [e.size_bytes if e else 0 for e in entries]
             msgs = proto.group_messages(runs, [e.slot if e else None for e in entries], sizes,
                                         self.pool.slot_bytes or 1)
@@ -431,22 +457,32 @@ class StoreNode:
                                        or [list(m) for m in msgs] != expect):
                 # the client posted receives for another cut: send nothing
                 msgs = []
-                await conn.reply(request_id, {"op": "present", "stale": True,
-                                              "present": [e is not None for e in entries]})
+                reply = {"op": "present", "stale": True,
+                         "present": [e is not None for e in entries]}
             else:
-                await conn.reply(request_id, {
-                    "op": "present", "present": [e is not None for e in entries],
-                    "sizes": sizes, "msgs": msgs,
-                })
-            sends = [
+                reply = {"op": "present", "present": [e is not None for e in entries],
+                         "sizes": sizes, "msgs": msgs}
+            # NOTE: the payload goes out together with the reply, not after its
+            # completion: tags keep them apart, and waiting would add a UCX-to-loop
+            # hand-off to every get's latency
+            sends = asyncio.gather(conn.reply(request_id, reply), *(
                 conn.ep.send(self.pool.span(entries[i].slot, n,  # type: ignore[union-attr]
                                             entries[i + n - 1].size_bytes),  # type: ignore[union-attr]
                              tag=proto.make_tag(conn.peer_conn_id, request_id, i),
                              force_tag=True)
-                for i, n in msgs
-            ]
-            if sends:
-                await asyncio.wait_for(asyncio.gather(*sends), self.cfg.transfer_timeout_s)
+                for i, n in msgs))
+        except BaseException:
+            for e in held:
+                self.pool.release(e)
+            raise
+        return self._end_get(conn, sends, held, t0)
+
+    async def _end_get(self, conn: _Conn, sends: asyncio.Future[Any], held: list[Entry],
+                       t0: float) -> None:
+        """Wait for a get's sends (see :meth:`_begin_get`), then unpin its blocks."""
+        ok = False
+        try:
+            await within(sends, self.cfg.transfer_timeout_s)
             ok = True
         finally:
             if not ok:

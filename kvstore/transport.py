@@ -32,7 +32,12 @@ def next_request_id() -> int:
 
 
 def address_of(view: np.ndarray) -> int:
-    return int(view.__array_interface__["data"][0])
+    """Address of a view's first byte."""
+    try:
+        # NOTE: ~0.3 us where __array_interface__ takes ~1 us (once per block per call)
+        return ctypes.addressof(ctypes.c_char.from_buffer(view))
+    except TypeError:  # read-only (a put's source): from_buffer needs a writable one
+        return int(view.__array_interface__["data"][0])
 
 
 def span_of(views: list[np.ndarray], first: int, count: int) -> np.ndarray:
@@ -94,15 +99,24 @@ class NodeConnection:
             self.closed = True
             self.ep.abort()
 
-    async def request(self, request_id: int, msg: dict[str, Any]) -> asyncio.Future[Any]:
-        """Post the reply's receive, then send ``msg``; returns the reply's future."""
-        buf = proto.ctrl_buffer()
-        reply = asyncio.ensure_future(self._recv_ctrl(buf, request_id))
-        msg = dict(msg, req=request_id)
-        await self.ep.send(proto.encode(msg),
-                           tag=proto.make_tag(self.peer_id, 0xFFFFFF, proto.CTRL_PART),
-                           force_tag=True)
-        return reply
+    async def request(self, request_id: int, msg: dict[str, Any]) -> dict[str, Any]:
+        """Post the reply's receive, send ``msg`` and return the node's reply.
+
+        The send's completion and the reply are awaited together: awaiting the send
+        first would put one more completion hand-off from UCX's threads to the loop
+        (~0.1-0.3 ms) on the request's critical path. On an error the reply's
+        receive may stay posted: the caller drops the connection, which cancels it.
+
+        Raises:
+            ValueError: ``msg`` too large (see :func:`protocol.encode`).
+            Exception: whatever UCX raises (the connection is unusable).
+        """
+        payload = proto.encode(dict(msg, req=request_id))
+        reply = asyncio.ensure_future(self._recv_ctrl(proto.ctrl_buffer(), request_id))
+        send = self.ep.send(payload, tag=proto.make_tag(self.peer_id, 0xFFFFFF, proto.CTRL_PART),
+                            force_tag=True)
+        _, answer = await asyncio.gather(send, reply)
+        return answer
 
     async def _recv_ctrl(self, buf: np.ndarray, request_id: int) -> dict[str, Any]:
         await self.ep.recv(buf, tag=proto.make_tag(self.my_id, request_id, proto.CTRL_PART),

@@ -146,3 +146,30 @@ def test_server_flags() -> None:
         args = ["--listen", "h:1", "--capacity", "1K", "--redis-url", "r"] + bad
         with pytest.raises(SystemExit):
             config_from_args(args)
+
+
+def test_node_ids_that_would_break_index_entries_are_refused() -> None:
+    # the node id is the first "|"-separated field of an index entry, and lookups
+    # join entries with newlines: such an id made every block of the node a miss
+    from tandem.kvstore.server import config_from_args
+
+    for bad in ("a|b", "a b", "a\nb"):
+        with pytest.raises(SystemExit):
+            config_from_args(["--listen", "h:1", "--capacity", "1K", "--redis-url", "r",
+                              "--node-id", bad])
+
+
+def test_lookup_reply_parsing() -> None:
+    from tandem.kvstore.index import parse_lookup
+
+    e = IndexEntry("n1", 3, 100, "ab")
+    node = ["n1", "127.0.0.1:7000", "ff00", "1024", "100", "256"]
+    entries, nodes = parse_lookup(3, [f"{e.encode()}\n\ngarbage".encode(),
+                                      "\n".join(node).encode()])
+    assert entries == [e, None, None] and nodes == [node]
+    assert parse_lookup(1, [b"", b""]) == ([None], [])
+    assert parse_lookup(0, [b"", b""]) == ([], [])
+    with pytest.raises(ValueError, match="fields for 2 keys"):
+        parse_lookup(2, [e.encode().encode(), b""])
+    with pytest.raises(ValueError, match="node fields"):
+        parse_lookup(1, [e.encode().encode(), b"n1\naddr"])
