@@ -69,17 +69,11 @@ class CacheConfig:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
-            raise ValueError(
-                f"kv_cache_memory_bytes must be > 0, got {self.kv_cache_memory_bytes}"
-            )
+            raise ValueError(f"kv_cache_memory_bytes must be > 0, got {self.kv_cache_memory_bytes}")
         if not 0.0 < self.memory_utilization <= 1.0:
-            raise ValueError(
-                f"memory_utilization must be in (0, 1], got {self.memory_utilization}"
-            )
+            raise ValueError(f"memory_utilization must be in (0, 1], got {self.memory_utilization}")
         if self.num_blocks_override is not None and self.num_blocks_override < 1:
-            raise ValueError(
-                f"num_blocks_override must be >= 1, got {self.num_blocks_override}"
-            )
+            raise ValueError(f"num_blocks_override must be >= 1, got {self.num_blocks_override}")
 
 
 @dataclass(frozen=True)

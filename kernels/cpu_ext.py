@@ -1,5 +1,9 @@
 """Native CPU kernels (``kernels/csrc/*.c``), built on first use and loaded with ctypes.
 
+Kernels: paged decode attention, fused residual add + RMSNorm, rotary embedding,
+SiLU-and-multiply. Each wrapper declines (``supports`` is False or it returns
+``None``) where it cannot serve the tensors, and the torch reference runs.
+
 Why a C kernel: paged decode attention is memory bound, and the torch path has to
 gather every context block into a padded copy before SDPA can run (see
 ``kernels/attention.py``); ``paged_decode_attention_cpu`` reads K/V in place.
@@ -31,11 +35,17 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SRC = Path(__file__).parent / "csrc" / "paged_attention_cpu.c"
+_CSRC = Path(__file__).parent / "csrc"
 # -ffast-math only at compile time (it lets GCC use libmvec's vector expf); the
 # separate link step leaves it out, so crtfastmath (which would flush denormals
 # process-wide, torch included) is never linked in.
-_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-std=gnu11", "-ffast-math"]
+_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-std=gnu11"]
+# (source, extra flags). The elementwise kernels round like torch step by step,
+# so they must not contract a*b-c*d into FMAs.
+_SOURCES = [
+    ("paged_attention_cpu.c", ["-ffast-math"]),
+    ("elementwise_cpu.c", ["-ffast-math", "-ffp-contract=off"]),
+]
 _LDFLAGS = ["-shared", "-fopenmp"]
 # Limits compiled into the kernel (stack scratch per work item).
 MAX_GROUP = 32
@@ -54,6 +64,15 @@ _ARGTYPES = [
     _i64, _i64, _i64, _i64, _i64,  # nd, num_heads, num_kv_heads, head_dim, block_size
     ctypes.c_float, _i64, ctypes.c_int,  # scale, window, threads
 ]  # fmt: skip
+_NORM_ARGTYPES = [
+    ctypes.c_int, _ptr, _ptr, _ptr, _ptr, _ptr,  # is_bf16, x, residual, weight, out, res_out
+    _i64, _i64, ctypes.c_float, ctypes.c_int,  # rows, hidden, eps, threads
+]  # fmt: skip
+_ROTARY_ARGTYPES = [
+    ctypes.c_int, _ptr, _i64, _i64, _ptr,  # is_bf16, x, strides (token, head), out
+    _i64, _i64, _i64, _ptr, _ptr, ctypes.c_int,  # tokens, heads, head_dim, cos, sin, threads
+]  # fmt: skip
+_SILU_ARGTYPES = [ctypes.c_int, _ptr, _ptr, _i64, _i64, ctypes.c_int]
 
 
 def _cpu_flags() -> str:
@@ -86,13 +105,12 @@ def _build(cc: str) -> Path:
     Raises:
         RuntimeError: with the compiler's output when the build fails.
     """
-    src = _SRC.read_bytes()
-    key = hashlib.sha256(
-        src
-        + " ".join([cc, *_CFLAGS, *_LDFLAGS]).encode()
-        + _cpu_flags().encode()
-        + platform.machine().encode()
-    ).hexdigest()[:16]
+    digest = hashlib.sha256()
+    for name, extra in _SOURCES:
+        digest.update((_CSRC / name).read_bytes() + " ".join(extra).encode())
+    digest.update(" ".join([cc, *_CFLAGS, *_LDFLAGS]).encode())
+    digest.update(_cpu_flags().encode() + platform.machine().encode())
+    key = digest.hexdigest()[:16]
     out_dir = _cache_dir()
     out_dir.mkdir(parents=True, exist_ok=True)
     lib = out_dir / f"tandem_cpu_kernels-{key}.so"
@@ -100,12 +118,14 @@ def _build(cc: str) -> Path:
         return lib
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
     os.close(fd)
-    obj = tmp[:-3] + ".o"
+    objs = [f"{tmp[:-3]}-{i}.o" for i in range(len(_SOURCES))]
     try:
-        for cmd in (
-            [cc, *_CFLAGS, "-c", str(_SRC), "-o", obj],
-            [cc, *_LDFLAGS, obj, "-o", tmp, "-lm"],
-        ):
+        cmds = [
+            [cc, *_CFLAGS, *extra, "-c", str(_CSRC / name), "-o", obj]
+            for (name, extra), obj in zip(_SOURCES, objs, strict=True)
+        ]
+        cmds.append([cc, *_LDFLAGS, *objs, "-o", tmp, "-lm"])
+        for cmd in cmds:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
             if proc.returncode != 0:
                 raise RuntimeError(
@@ -113,7 +133,7 @@ def _build(cc: str) -> Path:
                 )
         os.replace(tmp, lib)  # atomic: a concurrent builder's file is equally good
     finally:
-        for path in (tmp, obj):
+        for path in (tmp, *objs):
             if os.path.exists(path):
                 os.unlink(path)
     return lib
@@ -135,8 +155,15 @@ def load() -> ctypes.CDLL | None:
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         logger.warning("native CPU kernels unavailable (%s): using the torch path", exc)
         return None
-    lib.paged_decode_attention.argtypes = _ARGTYPES
-    lib.paged_decode_attention.restype = ctypes.c_int
+    for name, argtypes in (
+        ("paged_decode_attention", _ARGTYPES),
+        ("add_rms_norm", _NORM_ARGTYPES),
+        ("rotary_neox", _ROTARY_ARGTYPES),
+        ("silu_and_mul", _SILU_ARGTYPES),
+    ):
+        fn = getattr(lib, name)
+        fn.argtypes = argtypes
+        fn.restype = ctypes.c_int
     return lib
 
 
@@ -205,4 +232,106 @@ def paged_decode_attention_cpu(
     )  # fmt: skip
     if rc != 0:
         raise RuntimeError(f"paged_decode_attention_cpu failed with code {rc}")
+    return out
+
+
+def _elementwise_ok(*tensors: torch.Tensor) -> bool:
+    t0 = tensors[0]
+    return (
+        t0.device.type == "cpu"
+        and t0.dtype in (torch.float32, torch.bfloat16)
+        and all(t.dtype == t0.dtype and t.device == t0.device for t in tensors)
+        and load() is not None
+    )
+
+
+def add_rms_norm_cpu(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None:
+    """Fused ``residual add + RMSNorm`` (see ``kernels/layernorm.py`` for the math).
+
+    Args:
+        x: ``[..., hidden]`` bfloat16 (float32 is declined); weight ``[hidden]``;
+            residual like ``x``.
+
+    Returns:
+        ``normed`` (no residual) or ``(normed, x + residual)``, new contiguous
+        tensors; ``None`` when the native path cannot serve these tensors (the
+        caller then runs the torch reference).
+    """
+    tensors = (x, weight) if residual is None else (x, weight, residual)
+    # bf16 only: in float32 the torch path is kept bit-identical to
+    # transformers (the token-for-token oracle); a C sum runs in another order.
+    if x.dtype != torch.bfloat16 or not _elementwise_ok(*tensors) or not x.is_contiguous():
+        return None
+    if residual is not None and not residual.is_contiguous():
+        return None
+    lib = load()
+    assert lib is not None
+    hidden = x.shape[-1]
+    out = torch.empty_like(x)
+    res_out = torch.empty_like(x) if residual is not None else None
+    lib.add_rms_norm(
+        int(x.dtype == torch.bfloat16),
+        x.data_ptr(),
+        residual.data_ptr() if residual is not None else None,
+        weight.contiguous().data_ptr(),
+        out.data_ptr(),
+        res_out.data_ptr() if res_out is not None else None,
+        x.numel() // hidden if hidden else 0,
+        hidden,
+        float(eps),
+        torch.get_num_threads(),
+    )
+    return out if res_out is None else (out, res_out)
+
+
+def rotary_neox_cpu(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
+    """Rotary embedding of ``x: [T, H, D]`` (head dim contiguous, any token/head
+    strides) by ``cos, sin: [T, 1, D/2]``; a new contiguous ``[T, H, D]``, or
+    ``None`` when the native path cannot serve these tensors."""
+    if not _elementwise_ok(x, cos, sin) or x.stride(-1) != 1:
+        return None
+    lib = load()
+    assert lib is not None
+    tokens, heads, head_dim = x.shape
+    cos = cos.reshape(tokens, head_dim // 2).contiguous()
+    sin = sin.reshape(tokens, head_dim // 2).contiguous()
+    out = torch.empty((tokens, heads, head_dim), dtype=x.dtype)
+    lib.rotary_neox(
+        int(x.dtype == torch.bfloat16),
+        x.data_ptr(),
+        x.stride(0),
+        x.stride(1),
+        out.data_ptr(),
+        tokens,
+        heads,
+        head_dim,
+        cos.data_ptr(),
+        sin.data_ptr(),
+        torch.get_num_threads(),
+    )
+    return out
+
+
+def silu_and_mul_cpu(x: torch.Tensor) -> torch.Tensor | None:
+    """``silu(gate) * up`` for ``x = [T, 2 * I]`` holding ``gate | up`` (SwiGLU,
+    Shazeer 2020); ``[T, I]`` bfloat16, or ``None`` when the native path cannot
+    serve ``x`` (float32 is declined, see ``add_rms_norm_cpu``)."""
+    if x.dtype != torch.bfloat16 or not _elementwise_ok(x) or x.dim() != 2:
+        return None  # float32: torch's exp, as transformers computes it
+    if not x.is_contiguous() or x.shape[1] % 2:
+        return None
+    lib = load()
+    assert lib is not None
+    tokens, two_inter = x.shape
+    out = torch.empty((tokens, two_inter // 2), dtype=x.dtype)
+    lib.silu_and_mul(
+        int(x.dtype == torch.bfloat16),
+        x.data_ptr(),
+        out.data_ptr(),
+        tokens,
+        two_inter // 2,
+        torch.get_num_threads(),
+    )
     return out

@@ -4,7 +4,8 @@
 the Hugging Face Llama formulation exactly: normalise in float32, cast back to the
 input dtype, then multiply by the weight. ``rms_norm_triton`` is the GPU kernel (one
 program per row). ``rms_norm`` is the checked wrapper, optionally fused with the
-residual add that precedes every norm in a decoder layer.
+residual add that precedes every norm in a decoder layer; on the CPU it runs the
+fused native kernel (``kernels/cpu_ext.py``) where one could be built.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 
 import torch
 
+from tandem.kernels import cpu_ext
 from tandem.kernels.triton_utils import use_triton
 
 
@@ -104,13 +106,17 @@ def rms_norm(
         raise ValueError(f"weight must be [hidden={x.shape[-1]}], got {tuple(weight.shape)}")
     if x.dtype != weight.dtype:
         raise ValueError(f"x dtype {x.dtype} != weight dtype {weight.dtype}")
-    impl = rms_norm_triton if use_triton(x) else rms_norm_ref
-    if residual is None:
-        return impl(x, weight, eps)
-    if residual.shape != x.shape or residual.dtype != x.dtype:
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
         raise ValueError(
             f"residual must match x ({tuple(x.shape)}, {x.dtype}), "
             f"got ({tuple(residual.shape)}, {residual.dtype})"
         )
+    if not x.is_cuda:
+        fused = cpu_ext.add_rms_norm_cpu(x, weight, eps, residual)
+        if fused is not None:
+            return fused
+    impl = rms_norm_triton if use_triton(x) else rms_norm_ref
+    if residual is None:
+        return impl(x, weight, eps)
     residual = x + residual
     return impl(residual, weight, eps), residual

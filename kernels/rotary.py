@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from tandem.kernels import cpu_ext
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -135,4 +137,9 @@ def rotary_embedding(
         )
     if not (query.dtype == key.dtype == cos.dtype == sin.dtype):
         raise ValueError("query, key, cos and sin must share a dtype")
+    if not query.is_cuda:
+        q = cpu_ext.rotary_neox_cpu(query, cos, sin)
+        k = cpu_ext.rotary_neox_cpu(key, cos, sin) if q is not None else None
+        if q is not None and k is not None:
+            return q, k
     return rotary_embedding_ref(query, cos, sin), rotary_embedding_ref(key, cos, sin)

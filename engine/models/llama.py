@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tandem.kernels import cpu_ext
 from tandem.kernels.attention import AttentionMetadata, paged_attention
 from tandem.kernels.cache import reshape_and_cache
 from tandem.kernels.layernorm import rms_norm
@@ -117,8 +118,12 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        gate_up = self.gate_up_proj(x)
+        act = None if gate_up.is_cuda else cpu_ext.silu_and_mul_cpu(gate_up)
+        if act is None:
+            gate, up = gate_up.split(self.intermediate_size, dim=-1)
+            act = F.silu(gate) * up
+        return self.down_proj(act)
 
 
 class DecoderLayer(nn.Module):

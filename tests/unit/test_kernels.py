@@ -19,8 +19,13 @@ from tandem.kernels import cpu_ext
 from tandem.kernels import linear as linear_mod
 from tandem.kernels.attention import build_attention_metadata, paged_attention
 from tandem.kernels.cache import allocate_kv_cache, kv_cache_bytes_per_block, reshape_and_cache
-from tandem.kernels.layernorm import rms_norm
-from tandem.kernels.rotary import RotaryEmbedding, compute_inv_freq, rotary_embedding
+from tandem.kernels.layernorm import rms_norm, rms_norm_ref
+from tandem.kernels.rotary import (
+    RotaryEmbedding,
+    compute_inv_freq,
+    rotary_embedding,
+    rotary_embedding_ref,
+)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -331,3 +336,59 @@ def test_pack_linear_layers_only_touches_bf16_cpu_linears():
     assert type(model[1]) is torch.nn.Linear
     with pytest.raises(ValueError, match="bf16 CPU weight"):
         linear_mod.PackedLinear(torch.nn.Linear(4, 4))
+
+
+def _native_or_skip():
+    if cpu_ext.load() is None:
+        pytest.skip("no C compiler here: the native CPU kernels could not be built")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_rotary_is_bit_identical_to_reference(dtype):
+    _native_or_skip()
+    torch.manual_seed(5)
+    rope = RotaryEmbedding(64, 512, 10000.0, dtype=dtype)
+    qkv = torch.randn(37, (9 + 2 * 3) * 64).to(dtype) * 4
+    q = qkv[:, : 9 * 64].view(37, 9, 64)  # strided views, as the model passes them
+    k = qkv[:, 9 * 64 : 12 * 64].view(37, 3, 64)
+    cos, sin = rope.cos_sin(torch.randint(0, 512, (37,)))
+    for x in (q, k):
+        out = cpu_ext.rotary_neox_cpu(x, cos, sin)
+        assert out is not None
+        torch.testing.assert_close(out, rotary_embedding_ref(x, cos, sin), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_native_add_rms_norm_matches_reference_bf16(with_residual):
+    _native_or_skip()
+    torch.manual_seed(6)
+    x = (torch.randn(33, 576) * 3).bfloat16()
+    res = torch.randn(33, 576).bfloat16() if with_residual else None
+    w = torch.randn(576).bfloat16()
+    got = cpu_ext.add_rms_norm_cpu(x, w, 1e-5, res)
+    assert got is not None
+    if with_residual:
+        normed, new_res = got
+        torch.testing.assert_close(new_res, x + res, rtol=0, atol=0)
+        ref = rms_norm_ref(x + res, w, 1e-5)
+    else:
+        normed, ref = got, rms_norm_ref(x, w, 1e-5)
+    # Only the float32 sum of squares runs in another order: one bf16 ulp at most.
+    torch.testing.assert_close(normed.float(), ref.float(), rtol=2**-7, atol=1e-6)
+    assert (normed == ref).float().mean() > 0.99
+    assert cpu_ext.add_rms_norm_cpu(x.float(), w.float(), 1e-5) is None  # fp32: torch path
+
+
+def test_native_silu_and_mul_matches_reference_bf16():
+    _native_or_skip()
+    torch.manual_seed(7)
+    x = (torch.randn(19, 2 * 1536) * 4).bfloat16()
+    out = cpu_ext.silu_and_mul_cpu(x)
+    assert out is not None and out.shape == (19, 1536)
+    gate, up = x.split(1536, dim=-1)
+    ref = torch.nn.functional.silu(gate) * up
+    # expf's last bit may move silu across a bf16 rounding boundary, and the
+    # product then by up to two bf16 ulps; almost every element is identical.
+    torch.testing.assert_close(out.float(), ref.float(), rtol=2**-6, atol=1e-6)
+    assert (out == ref).float().mean() > 0.99
+    assert cpu_ext.silu_and_mul_cpu(x.float()) is None

@@ -1,0 +1,151 @@
+/*
+ * Fused elementwise kernels for CPUs: residual add + RMSNorm, rotary embedding
+ * (GPT-NeoX / rotate_half layout), SiLU-and-multiply (SwiGLU). The same fusions
+ * vLLM's csrc/cpu kernels make; they replace chains of 5-10 small torch ops per
+ * call, each a pass over memory and an OpenMP region of its own.
+ *
+ * Rounding follows the torch reference ops step by step: every intermediate that
+ * torch would store in the model dtype is rounded to it here too (bf16: round to
+ * nearest even), so rotary is bit-identical to the torch path and RMSNorm and
+ * SiLU differ only in summation order and expf's last bit. This file is built
+ * with -ffp-contract=off (no FMA contraction: a*b - c*d rounds as torch does)
+ * after -ffast-math (which lets `omp simd` loops call glibc's vector expf); the
+ * explicit bit-level rounding steps cannot be reassociated away.
+ *
+ * is_bf16 != 0: tensors hold bfloat16 bits, else float32. Rows are contiguous.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+static inline __attribute__((always_inline)) float ld(const void *p, int64_t i, int is_bf16) {
+    if (is_bf16) {
+        uint32_t u = ((uint32_t)((const uint16_t *)p)[i]) << 16;
+        float f;
+        memcpy(&f, &u, sizeof f);
+        return f;
+    }
+    return ((const float *)p)[i];
+}
+
+static inline __attribute__((always_inline)) float round_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) {
+        u |= 0x00400000u; /* quiet NaN */
+    } else {
+        u += 0x7fffu + ((u >> 16) & 1u);
+    }
+    u &= 0xffff0000u;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* Round to the storage dtype (identity for float32). */
+static inline __attribute__((always_inline)) float rd(float f, int is_bf16) { return is_bf16 ? round_bf16(f) : f; }
+
+static inline __attribute__((always_inline)) void st(void *p, int64_t i, float f, int is_bf16) {
+    if (is_bf16) {
+        uint32_t u;
+        f = round_bf16(f);
+        memcpy(&u, &f, sizeof u);
+        ((uint16_t *)p)[i] = (uint16_t)(u >> 16);
+    } else {
+        ((float *)p)[i] = f;
+    }
+}
+
+/* out = weight * dtype(h * rsqrt(mean(h^2) + eps)), h = dtype(x + residual)
+ * (h = x without a residual); res_out receives h. res/res_out may be NULL. */
+static inline __attribute__((always_inline)) void add_rms_norm_impl(
+    const int is_bf16, const void *x, const void *res, const void *w, void *out, void *res_out,
+    int64_t rows, int64_t hidden, float eps, int num_threads) {
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t r = 0; r < rows; ++r) {
+        const int64_t base = r * hidden;
+        float sumsq = 0.f;
+#pragma omp simd reduction(+ : sumsq)
+        for (int64_t i = 0; i < hidden; ++i) {
+            float h = ld(x, base + i, is_bf16);
+            if (res != NULL) h = rd(h + ld(res, base + i, is_bf16), is_bf16);
+            if (res_out != NULL) st(res_out, base + i, h, is_bf16);
+            sumsq += h * h;
+        }
+        const float rs = 1.f / sqrtf(sumsq / (float)hidden + eps);
+#pragma omp simd
+        for (int64_t i = 0; i < hidden; ++i) {
+            float h = res_out != NULL ? ld(res_out, base + i, is_bf16) : ld(x, base + i, is_bf16);
+            const float y = rd(h * rs, is_bf16);
+            st(out, base + i, ld(w, i, is_bf16) * y, is_bf16);
+        }
+    }
+}
+
+int add_rms_norm(int is_bf16, const void *x, const void *res, const void *w, void *out,
+                 void *res_out, int64_t rows, int64_t hidden, float eps, int num_threads) {
+    /* Literal dtype flags: each call below is specialised and vectorised. */
+    if (is_bf16)
+        add_rms_norm_impl(1, x, res, w, out, res_out, rows, hidden, eps, num_threads);
+    else
+        add_rms_norm_impl(0, x, res, w, out, res_out, rows, hidden, eps, num_threads);
+    return 0;
+}
+
+/* out[t, h] = rotate(x[t, h]) by the angles of token t: with x = (x1, x2) halves,
+ * (x1*cos - x2*sin, x2*cos + x1*sin). cos/sin: [T, D/2] contiguous; x strided
+ * (token stride sx_t, head stride sx_h); out contiguous [T, H, D]. */
+static inline __attribute__((always_inline)) void rotary_neox_impl(
+    const int is_bf16, const void *x, int64_t sx_t, int64_t sx_h, void *out, int64_t tokens,
+    int64_t heads, int64_t head_dim, const void *cos, const void *sin, int num_threads) {
+    const int64_t half = head_dim / 2;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t t = 0; t < tokens; ++t) {
+        for (int64_t h = 0; h < heads; ++h) {
+            const int64_t xi = t * sx_t + h * sx_h;
+            const int64_t oi = (t * heads + h) * head_dim;
+#pragma omp simd
+            for (int64_t i = 0; i < half; ++i) {
+                const float c = ld(cos, t * half + i, is_bf16);
+                const float s = ld(sin, t * half + i, is_bf16);
+                const float x1 = ld(x, xi + i, is_bf16);
+                const float x2 = ld(x, xi + half + i, is_bf16);
+                st(out, oi + i, rd(x1 * c, is_bf16) - rd(x2 * s, is_bf16), is_bf16);
+                st(out, oi + half + i, rd(x2 * c, is_bf16) + rd(x1 * s, is_bf16), is_bf16);
+            }
+        }
+    }
+}
+
+int rotary_neox(int is_bf16, const void *x, int64_t sx_t, int64_t sx_h, void *out, int64_t tokens,
+                int64_t heads, int64_t head_dim, const void *cos, const void *sin,
+                int num_threads) {
+    if (is_bf16)
+        rotary_neox_impl(1, x, sx_t, sx_h, out, tokens, heads, head_dim, cos, sin, num_threads);
+    else
+        rotary_neox_impl(0, x, sx_t, sx_h, out, tokens, heads, head_dim, cos, sin, num_threads);
+    return 0;
+}
+
+/* out[t, i] = dtype(silu(gate[t, i])) * up[t, i]; x = [T, 2I] holds gate | up. */
+static inline __attribute__((always_inline)) void silu_and_mul_impl(
+    const int is_bf16, const void *x, void *out, int64_t tokens, int64_t inter, int num_threads) {
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t t = 0; t < tokens; ++t) {
+        const int64_t xi = t * 2 * inter, oi = t * inter;
+#pragma omp simd
+        for (int64_t i = 0; i < inter; ++i) {
+            const float g = ld(x, xi + i, is_bf16);
+            const float a = rd(g / (1.f + expf(-g)), is_bf16);
+            st(out, oi + i, a * ld(x, xi + inter + i, is_bf16), is_bf16);
+        }
+    }
+}
+
+int silu_and_mul(int is_bf16, const void *x, void *out, int64_t tokens, int64_t inter,
+                 int num_threads) {
+    if (is_bf16)
+        silu_and_mul_impl(1, x, out, tokens, inter, num_threads);
+    else
+        silu_and_mul_impl(0, x, out, tokens, inter, num_threads);
+    return 0;
+}
