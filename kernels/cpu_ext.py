@@ -48,8 +48,9 @@ _SOURCES = [
 ]
 _LDFLAGS = ["-shared", "-fopenmp"]
 # Limits compiled into the kernel (stack scratch per work item).
-MAX_GROUP = 32
+MAX_HEADS = 256
 MAX_HEAD_DIM = 256
+MAX_HIDDEN = 16384  # row length of the fused RMSNorm (stack scratch)
 VECTOR_WIDTH = 16  # floats per vector; head_dim must be a multiple
 
 _i64 = ctypes.c_int64
@@ -172,9 +173,8 @@ def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     if q.device.type != "cpu" or q.dtype not in (torch.float32, torch.bfloat16):
         return False
     num_heads, head_dim = q.shape[1], q.shape[2]
-    group = num_heads // k_cache.shape[2]
     return (
-        group <= MAX_GROUP
+        num_heads <= MAX_HEADS
         and head_dim <= MAX_HEAD_DIM
         and head_dim % VECTOR_WIDTH == 0
         and q.stride(-1) == 1
@@ -235,6 +235,15 @@ def paged_decode_attention_cpu(
     return out
 
 
+# Below this many elements an elementwise kernel runs on the calling thread:
+# waking the pool's sleeping threads (passive wait policy) costs more.
+_SERIAL_NUMEL = 1 << 16
+
+
+def _threads_for(numel: int) -> int:
+    return 1 if numel < _SERIAL_NUMEL else torch.get_num_threads()
+
+
 def _elementwise_ok(*tensors: torch.Tensor) -> bool:
     t0 = tensors[0]
     return (
@@ -264,6 +273,8 @@ def add_rms_norm_cpu(
     # transformers (the token-for-token oracle); a C sum runs in another order.
     if x.dtype != torch.bfloat16 or not _elementwise_ok(*tensors) or not x.is_contiguous():
         return None
+    if x.shape[-1] > MAX_HIDDEN:
+        return None
     if residual is not None and not residual.is_contiguous():
         return None
     lib = load()
@@ -281,7 +292,7 @@ def add_rms_norm_cpu(
         x.numel() // hidden if hidden else 0,
         hidden,
         float(eps),
-        torch.get_num_threads(),
+        _threads_for(x.numel()),
     )
     return out if res_out is None else (out, res_out)
 
@@ -309,7 +320,7 @@ def rotary_neox_cpu(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> to
         head_dim,
         cos.data_ptr(),
         sin.data_ptr(),
-        torch.get_num_threads(),
+        _threads_for(out.numel()),
     )
     return out
 
@@ -332,6 +343,6 @@ def silu_and_mul_cpu(x: torch.Tensor) -> torch.Tensor | None:
         out.data_ptr(),
         tokens,
         two_inter // 2,
-        torch.get_num_threads(),
+        _threads_for(x.numel()),
     )
     return out

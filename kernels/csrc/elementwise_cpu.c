@@ -18,6 +18,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#define MAX_HIDDEN 16384
+
 static inline __attribute__((always_inline)) float ld(const void *p, int64_t i, int is_bf16) {
     if (is_bf16) {
         uint32_t u = ((uint32_t)((const uint16_t *)p)[i]) << 16;
@@ -56,38 +58,48 @@ static inline __attribute__((always_inline)) void st(void *p, int64_t i, float f
 }
 
 /* out = weight * dtype(h * rsqrt(mean(h^2) + eps)), h = dtype(x + residual)
- * (h = x without a residual); res_out receives h. res/res_out may be NULL. */
+ * (h = x without a residual); res_out receives h. has_res is a literal at every
+ * call site, so each variant is specialised and vectorised. */
 static inline __attribute__((always_inline)) void add_rms_norm_impl(
-    const int is_bf16, const void *x, const void *res, const void *w, void *out, void *res_out,
-    int64_t rows, int64_t hidden, float eps, int num_threads) {
-#pragma omp parallel for schedule(static) num_threads(num_threads)
-    for (int64_t r = 0; r < rows; ++r) {
-        const int64_t base = r * hidden;
-        float sumsq = 0.f;
+    const int is_bf16, const int has_res, const void *x, const void *res, const void *w,
+    void *out, void *res_out, int64_t rows, int64_t hidden, float eps, int num_threads) {
+#pragma omp parallel num_threads(num_threads)
+    {
+        float h[MAX_HIDDEN]; /* the Python side declines larger rows */
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; ++r) {
+            const int64_t base = r * hidden;
+            float sumsq = 0.f;
 #pragma omp simd reduction(+ : sumsq)
-        for (int64_t i = 0; i < hidden; ++i) {
-            float h = ld(x, base + i, is_bf16);
-            if (res != NULL) h = rd(h + ld(res, base + i, is_bf16), is_bf16);
-            if (res_out != NULL) st(res_out, base + i, h, is_bf16);
-            sumsq += h * h;
-        }
-        const float rs = 1.f / sqrtf(sumsq / (float)hidden + eps);
+            for (int64_t i = 0; i < hidden; ++i) {
+                float v = ld(x, base + i, is_bf16);
+                if (has_res) v = rd(v + ld(res, base + i, is_bf16), is_bf16);
+                h[i] = v;
+                sumsq += v * v;
+            }
+            const float rs = 1.f / sqrtf(sumsq / (float)hidden + eps);
 #pragma omp simd
-        for (int64_t i = 0; i < hidden; ++i) {
-            float h = res_out != NULL ? ld(res_out, base + i, is_bf16) : ld(x, base + i, is_bf16);
-            const float y = rd(h * rs, is_bf16);
-            st(out, base + i, ld(w, i, is_bf16) * y, is_bf16);
+            for (int64_t i = 0; i < hidden; ++i) {
+                if (has_res) st(res_out, base + i, h[i], is_bf16);
+                st(out, base + i, ld(w, i, is_bf16) * rd(h[i] * rs, is_bf16), is_bf16);
+            }
         }
     }
 }
 
 int add_rms_norm(int is_bf16, const void *x, const void *res, const void *w, void *out,
                  void *res_out, int64_t rows, int64_t hidden, float eps, int num_threads) {
-    /* Literal dtype flags: each call below is specialised and vectorised. */
-    if (is_bf16)
-        add_rms_norm_impl(1, x, res, w, out, res_out, rows, hidden, eps, num_threads);
+    /* Literal flags: each call below is specialised and vectorised. */
+    if (hidden > MAX_HIDDEN) return -1;
+    const int has_res = res != NULL && res_out != NULL;
+    if (is_bf16 && has_res)
+        add_rms_norm_impl(1, 1, x, res, w, out, res_out, rows, hidden, eps, num_threads);
+    else if (is_bf16)
+        add_rms_norm_impl(1, 0, x, res, w, out, res_out, rows, hidden, eps, num_threads);
+    else if (has_res)
+        add_rms_norm_impl(0, 1, x, res, w, out, res_out, rows, hidden, eps, num_threads);
     else
-        add_rms_norm_impl(0, x, res, w, out, res_out, rows, hidden, eps, num_threads);
+        add_rms_norm_impl(0, 0, x, res, w, out, res_out, rows, hidden, eps, num_threads);
     return 0;
 }
 

@@ -26,7 +26,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define MAX_GROUP 32
+#define MAX_HEADS 256
 #define MAX_HEAD_DIM 256
 #define VL 16
 
@@ -72,34 +72,39 @@ static inline uint16_t f32_to_bf16(float f) {
     return (uint16_t)(u >> 16);
 }
 
-/* Attend the G query heads of KV head h of one sequence. always_inline with a
- * literal nv (head_dim / 16) lets the compiler keep rows and accumulators in
- * registers for the common head sizes 64 and 128. */
-static inline __attribute__((always_inline)) void attend_kv_head(
-    int is_bf16, const void *k, const void *v, int64_t sk_b, int64_t sk_o, int64_t sv_b,
-    int64_t sv_o, int64_t k_head_off, int64_t v_head_off, const int64_t *table,
-    int64_t block_size, int64_t lo, int64_t len, int64_t G, const int64_t nv, const vf *qh,
-    float *sh, vf *ah, float *inv) {
+/* Attend every head of one sequence. Tokens are the outer loop so that each
+ * token's K (then V) row of all KV heads, contiguous in its block, streams in
+ * once. always_inline with a literal nv (head_dim / 16) lets the compiler
+ * unroll the head-dim loops for the common head sizes 64 and 128. */
+static inline __attribute__((always_inline)) void attend_seq(
+    int is_bf16, const void *k, const void *v, int64_t sk_b, int64_t sk_o, int64_t sk_h,
+    int64_t sv_b, int64_t sv_o, int64_t sv_h, const int64_t *table, int64_t block_size,
+    int64_t lo, int64_t len, int64_t num_kv_heads, int64_t G, const int64_t nv, const vf *qv,
+    float *sc, vf *acc, float *inv) {
     const int64_t n = len - lo;
-    float mx[MAX_GROUP];
-    vf row[MAX_HEAD_DIM / VL];
-    for (int64_t g = 0; g < G; ++g) mx[g] = -FLT_MAX;
+    const int64_t H = num_kv_heads * G;
+    float mx[MAX_HEADS];
+    for (int64_t hq = 0; hq < H; ++hq) mx[hq] = -FLT_MAX;
     for (int64_t p = lo; p < len; ++p) {
-        const int64_t ko = table[p / block_size] * sk_b + (p % block_size) * sk_o + k_head_off;
-        for (int64_t c = 0; c < nv; ++c) row[c] = load_vec(k, ko + c * VL, is_bf16);
-        for (int64_t g = 0; g < G; ++g) {
-            const vf *qg = qh + g * nv;
-            vf dot = qg[0] * row[0];
-            for (int64_t c = 1; c < nv; ++c) dot += qg[c] * row[c];
-            const float d = hsum(dot);
-            sh[g * n + (p - lo)] = d;
-            mx[g] = d > mx[g] ? d : mx[g];
+        const int64_t base = table[p / block_size] * sk_b + (p % block_size) * sk_o;
+        for (int64_t h = 0; h < num_kv_heads; ++h) {
+            vf row[MAX_HEAD_DIM / VL];
+            for (int64_t c = 0; c < nv; ++c) row[c] = load_vec(k, base + h * sk_h + c * VL, is_bf16);
+            for (int64_t g = 0; g < G; ++g) {
+                const int64_t hq = h * G + g;
+                const vf *qg = qv + hq * nv;
+                vf dot = qg[0] * row[0];
+                for (int64_t c = 1; c < nv; ++c) dot += qg[c] * row[c];
+                const float d = hsum(dot);
+                sc[hq * n + (p - lo)] = d;
+                mx[hq] = d > mx[hq] ? d : mx[hq];
+            }
         }
     }
-    for (int64_t g = 0; g < G; ++g) {
+    for (int64_t hq = 0; hq < H; ++hq) {
         float sum = 0.f;
-        float *r = sh + g * n;
-        const float m = mx[g];
+        float *r = sc + hq * n;
+        const float m = mx[hq];
         /* omp simd (with -ffast-math at compile time) lets GCC call glibc's
          * vector expf from libmvec. */
 #pragma omp simd reduction(+ : sum)
@@ -107,15 +112,19 @@ static inline __attribute__((always_inline)) void attend_kv_head(
             r[i] = expf(r[i] - m);
             sum += r[i];
         }
-        inv[g] = 1.f / sum;
+        inv[hq] = 1.f / sum;
     }
-    for (int64_t i = 0; i < G * nv; ++i) ah[i] = (vf){0};
+    for (int64_t i = 0; i < H * nv; ++i) acc[i] = (vf){0};
     for (int64_t p = lo; p < len; ++p) {
-        const int64_t vo = table[p / block_size] * sv_b + (p % block_size) * sv_o + v_head_off;
-        for (int64_t c = 0; c < nv; ++c) row[c] = load_vec(v, vo + c * VL, is_bf16);
-        for (int64_t g = 0; g < G; ++g) {
-            const float w = sh[g * n + (p - lo)];
-            for (int64_t c = 0; c < nv; ++c) ah[g * nv + c] += w * row[c];
+        const int64_t base = table[p / block_size] * sv_b + (p % block_size) * sv_o;
+        for (int64_t h = 0; h < num_kv_heads; ++h) {
+            vf row[MAX_HEAD_DIM / VL];
+            for (int64_t c = 0; c < nv; ++c) row[c] = load_vec(v, base + h * sv_h + c * VL, is_bf16);
+            for (int64_t g = 0; g < G; ++g) {
+                const int64_t hq = h * G + g;
+                const float w = sc[hq * n + (p - lo)];
+                for (int64_t c = 0; c < nv; ++c) acc[hq * nv + c] += w * row[c];
+            }
         }
     }
 }
@@ -131,10 +140,9 @@ int paged_decode_attention(
     int64_t block_size, float scale, int64_t window, int num_threads) {
     const int64_t G = num_heads / num_kv_heads;
     const int64_t nv = head_dim / VL;
-    if (G > MAX_GROUP || head_dim > MAX_HEAD_DIM || head_dim % VL) return -1;
+    if (num_heads > MAX_HEADS || head_dim > MAX_HEAD_DIM || head_dim % VL) return -1;
     int failed = 0;
-    /* One work item per sequence, all its heads: a token's K (or V) row of every
-     * KV head lies in one block, so the sequence's lines stay in cache. */
+    /* One work item per sequence, all its heads. */
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
     for (int64_t s = 0; s < nd; ++s) {
         const int64_t len = lens[s];
@@ -155,37 +163,31 @@ int paged_decode_attention(
         }
         vf *qv = buf, *acc = buf + nvec;
         float *sc = (float *)(buf + 2 * nvec);
-        float inv[MAX_GROUP];
+        float inv[MAX_HEADS];
         for (int64_t hq = 0; hq < num_heads; ++hq) {
             const int64_t qo = s * sq_t + hq * sq_h;
             for (int64_t c = 0; c < nv; ++c)
                 qv[hq * nv + c] = load_vec(q, qo + c * VL, is_bf16) * scale;
         }
         const int64_t *table = bt + s * sbt;
-        for (int64_t h = 0; h < num_kv_heads; ++h) {
-            const vf *qh = qv + h * G * nv;
-            float *sh = sc + h * G * n;
-            vf *ah = acc + h * G * nv;
-            const int64_t ko = h * sk_h, vo = h * sv_h;
-            if (nv == 4)
-                attend_kv_head(is_bf16, k, v, sk_b, sk_o, sv_b, sv_o, ko, vo, table, block_size,
-                               lo, len, G, 4, qh, sh, ah, inv);
-            else if (nv == 8)
-                attend_kv_head(is_bf16, k, v, sk_b, sk_o, sv_b, sv_o, ko, vo, table, block_size,
-                               lo, len, G, 8, qh, sh, ah, inv);
-            else
-                attend_kv_head(is_bf16, k, v, sk_b, sk_o, sv_b, sv_o, ko, vo, table, block_size,
-                               lo, len, G, nv, qh, sh, ah, inv);
-            for (int64_t g = 0; g < G; ++g) {
-                const int64_t oo = s * so_t + (h * G + g) * so_h;
-                for (int64_t c = 0; c < nv; ++c) {
-                    const vf r = ah[g * nv + c] * inv[g];
-                    for (int i = 0; i < VL; ++i) {
-                        if (is_bf16)
-                            ((uint16_t *)out)[oo + c * VL + i] = f32_to_bf16(r[i]);
-                        else
-                            ((float *)out)[oo + c * VL + i] = r[i];
-                    }
+        if (nv == 4)
+            attend_seq(is_bf16, k, v, sk_b, sk_o, sk_h, sv_b, sv_o, sv_h, table, block_size, lo,
+                       len, num_kv_heads, G, 4, qv, sc, acc, inv);
+        else if (nv == 8)
+            attend_seq(is_bf16, k, v, sk_b, sk_o, sk_h, sv_b, sv_o, sv_h, table, block_size, lo,
+                       len, num_kv_heads, G, 8, qv, sc, acc, inv);
+        else
+            attend_seq(is_bf16, k, v, sk_b, sk_o, sk_h, sv_b, sv_o, sv_h, table, block_size, lo,
+                       len, num_kv_heads, G, nv, qv, sc, acc, inv);
+        for (int64_t hq = 0; hq < num_heads; ++hq) {
+            const int64_t oo = s * so_t + hq * so_h;
+            for (int64_t c = 0; c < nv; ++c) {
+                const vf r = acc[hq * nv + c] * inv[hq];
+                for (int i = 0; i < VL; ++i) {
+                    if (is_bf16)
+                        ((uint16_t *)out)[oo + c * VL + i] = f32_to_bf16(r[i]);
+                    else
+                        ((float *)out)[oo + c * VL + i] = r[i];
                 }
             }
         }
