@@ -60,12 +60,15 @@ RUN mkdir -p /opt/tandem/models \
 FROM ${CUDA_IMAGE} AS runtime
 
 ARG DEBIAN_FRONTEND=noninteractive
+# gcc + libc6-dev: tandem builds its native CPU kernels (kernels/csrc) on first use with
+# -march=native for the CPU it runs on; without a compiler the torch path serves (slower).
 # libnuma: UCX's NUMA-aware shared-memory transports. NOTE: the libucx wheel is built
 # without verbs/rdmacm; for RDMA, install a UCX built with them in the image and set
 # RAPIDS_LIBUCX_PREFER_SYSTEM_LIBRARY=true (see docs/deploy.md).
 # hadolint ignore=DL3008
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends python3 ca-certificates libnuma1 \
+    && apt-get install -y --no-install-recommends \
+        python3 ca-certificates libnuma1 gcc libc6-dev libgomp1 \
     && rm -rf /var/lib/apt/lists/*
 
 ENV VIRTUAL_ENV=/opt/venv \

@@ -34,3 +34,24 @@ def test_cli_lists_commands() -> None:
     assert main(["--help"]) == 0
     assert main(["no-such-command"]) == 2
     assert importlib.util.find_spec("tandem.cli") is not None
+
+
+def test_native_kernel_sources_are_package_data() -> None:
+    """Every C source the CPU kernels build from ships in the wheel (package-data)."""
+    import fnmatch
+    from pathlib import Path
+
+    import tomllib
+
+    root = Path(__file__).resolve().parents[2]
+    data = tomllib.loads((root / "pyproject.toml").read_text())
+    patterns = data["tool"]["setuptools"]["package-data"]["tandem.kernels"]
+    sources = sorted(
+        p.relative_to(root / "kernels").as_posix() for p in (root / "kernels" / "csrc").glob("*.c")
+    )
+    assert sources, "no kernel sources found"
+    for src in sources:
+        assert any(fnmatch.fnmatch(src, pat) for pat in patterns), src
+    from tandem.kernels import cpu_ext
+
+    assert {name for name, _ in cpu_ext._SOURCES} == {Path(s).name for s in sources}
