@@ -129,6 +129,84 @@ static inline __attribute__((always_inline)) void attend_seq(
     }
 }
 
+/* One KV head of one sequence with literal G (query heads per KV head) and nv
+ * (head_dim / 16): the G x nv query and accumulator vectors then live in
+ * registers, and the head's rows are re-read from cache per head (a sequence's
+ * K/V of one layer is a few hundred KB). Used for the common shapes; other
+ * shapes take attend_seq. */
+static inline __attribute__((always_inline)) void attend_head_fixed(
+    int is_bf16, const void *k, const void *v, int64_t sk_b, int64_t sk_o, int64_t sv_b,
+    int64_t sv_o, int64_t koff, int64_t voff, const int64_t *table, int64_t block_size,
+    int64_t lo, int64_t len, const int64_t G, const int64_t nv, const vf *qh, float *sh,
+    vf *ah, float *inv) {
+    const int64_t n = len - lo;
+    vf qr[8][8];
+    float mx[8];
+    for (int64_t g = 0; g < G; ++g) {
+        for (int64_t c = 0; c < nv; ++c) qr[g][c] = qh[g * nv + c];
+        mx[g] = -FLT_MAX;
+    }
+    for (int64_t p = lo; p < len; ++p) {
+        const int64_t ko = table[p / block_size] * sk_b + (p % block_size) * sk_o + koff;
+        vf row[8];
+        for (int64_t c = 0; c < nv; ++c) row[c] = load_vec(k, ko + c * VL, is_bf16);
+        for (int64_t g = 0; g < G; ++g) {
+            vf dot = qr[g][0] * row[0];
+            for (int64_t c = 1; c < nv; ++c) dot += qr[g][c] * row[c];
+            const float d = hsum(dot);
+            sh[g * n + (p - lo)] = d;
+            mx[g] = d > mx[g] ? d : mx[g];
+        }
+    }
+    for (int64_t g = 0; g < G; ++g) {
+        float sum = 0.f;
+        float *r = sh + g * n;
+        const float m = mx[g];
+#pragma omp simd reduction(+ : sum)
+        for (int64_t i = 0; i < n; ++i) {
+            r[i] = expf(r[i] - m);
+            sum += r[i];
+        }
+        inv[g] = 1.f / sum;
+    }
+    vf acc[8][8];
+    for (int64_t g = 0; g < G; ++g)
+        for (int64_t c = 0; c < nv; ++c) acc[g][c] = (vf){0};
+    for (int64_t p = lo; p < len; ++p) {
+        const int64_t vo = table[p / block_size] * sv_b + (p % block_size) * sv_o + voff;
+        vf row[8];
+        for (int64_t c = 0; c < nv; ++c) row[c] = load_vec(v, vo + c * VL, is_bf16);
+        for (int64_t g = 0; g < G; ++g) {
+            const float w = sh[g * n + (p - lo)];
+            for (int64_t c = 0; c < nv; ++c) acc[g][c] += w * row[c];
+        }
+    }
+    for (int64_t g = 0; g < G; ++g)
+        for (int64_t c = 0; c < nv; ++c) ah[g * nv + c] = acc[g][c];
+}
+
+#define FIXED_CASE(GG, NV)                                                                  \
+    if (G == GG && nv == NV) {                                                              \
+        for (int64_t h = 0; h < num_kv_heads; ++h)                                          \
+            attend_head_fixed(is_bf16, k, v, sk_b, sk_o, sv_b, sv_o, h * sk_h, h * sv_h,    \
+                              table, block_size, lo, len, GG, NV, qv + h * GG * NV,         \
+                              sc + h * GG * (len - lo), acc + h * GG * NV, inv + h * GG);   \
+        return 1;                                                                           \
+    }
+
+/* Dispatch one sequence to a register-resident specialisation; 0 if none fits. */
+static int attend_seq_fixed(int is_bf16, const void *k, const void *v, int64_t sk_b,
+                            int64_t sk_o, int64_t sk_h, int64_t sv_b, int64_t sv_o, int64_t sv_h,
+                            const int64_t *table, int64_t block_size, int64_t lo, int64_t len,
+                            int64_t num_kv_heads, int64_t G, int64_t nv, const vf *qv, float *sc,
+                            vf *acc, float *inv) {
+    FIXED_CASE(1, 4) FIXED_CASE(2, 4) FIXED_CASE(3, 4) FIXED_CASE(4, 4)
+    FIXED_CASE(5, 4) FIXED_CASE(6, 4) FIXED_CASE(7, 4) FIXED_CASE(8, 4)
+    FIXED_CASE(1, 8) FIXED_CASE(2, 8) FIXED_CASE(3, 8) FIXED_CASE(4, 8)
+    FIXED_CASE(5, 8) FIXED_CASE(6, 8) FIXED_CASE(7, 8) FIXED_CASE(8, 8)
+    return 0;
+}
+
 int paged_decode_attention(
     int is_bf16,
     const void *q, int64_t sq_t, int64_t sq_h,
@@ -170,7 +248,10 @@ int paged_decode_attention(
                 qv[hq * nv + c] = load_vec(q, qo + c * VL, is_bf16) * scale;
         }
         const int64_t *table = bt + s * sbt;
-        if (nv == 4)
+        if (attend_seq_fixed(is_bf16, k, v, sk_b, sk_o, sk_h, sv_b, sv_o, sv_h, table,
+                             block_size, lo, len, num_kv_heads, G, nv, qv, sc, acc, inv))
+            ;
+        else if (nv == 4)
             attend_seq(is_bf16, k, v, sk_b, sk_o, sk_h, sv_b, sv_o, sv_h, table, block_size, lo,
                        len, num_kv_heads, G, 4, qv, sc, acc, inv);
         else if (nv == 8)
