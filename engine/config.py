@@ -85,12 +85,17 @@ class SchedulerConfig:
         max_num_seqs: most requests running at once.
         policy: "fcfs" or "priority" (lower ``priority`` value first, then arrival).
         enable_chunked_prefill: split prompts longer than the remaining budget.
+        long_prefill_token_threshold: with chunked prefill, the most prompt tokens
+            one request may take in a step (vLLM's name); 0 = no cap. A long prompt
+            then advances in chunks of this size instead of filling the whole step,
+            so the decodes and short prompts batched with it are not held up.
     """
 
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 128
     policy: Literal["fcfs", "priority"] = "fcfs"
     enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:
@@ -101,6 +106,11 @@ class SchedulerConfig:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.policy not in ("fcfs", "priority"):
             raise ValueError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError(
+                "long_prefill_token_threshold must be >= 0 (0 = no cap), "
+                f"got {self.long_prefill_token_threshold}"
+            )
 
 
 @dataclass(frozen=True)

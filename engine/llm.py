@@ -38,6 +38,8 @@ class LLM:
         max_num_seqs: most requests running at once.
         enable_prefix_caching: reuse cached KV blocks across requests.
         enable_chunked_prefill: split long prompts across steps.
+        long_prefill_token_threshold: most prompt tokens one request may take per
+            step (0 = no cap); see ``SchedulerConfig``.
         seed: seed of the generator used by unseeded random sampling.
         loaded: an already loaded model (``model_loader.load_model``) to reuse.
 
@@ -58,6 +60,7 @@ class LLM:
         max_num_seqs: int = 128,
         enable_prefix_caching: bool = True,
         enable_chunked_prefill: bool = True,
+        long_prefill_token_threshold: int = 0,
         seed: int = 0,
         policy: str = "fcfs",
         loaded: Any | None = None,
@@ -81,6 +84,7 @@ class LLM:
                 max_num_seqs=max_num_seqs,
                 policy=policy,  # type: ignore[arg-type]
                 enable_chunked_prefill=enable_chunked_prefill,
+                long_prefill_token_threshold=long_prefill_token_threshold,
             ),
         )
         self.llm_engine = LLMEngine(config, loaded=loaded)

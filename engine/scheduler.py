@@ -189,7 +189,7 @@ class Scheduler:
                 break
             if req.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            num_new = min(self._prefill_cap(req.num_tokens - req.num_computed_tokens), budget)
             if num_new <= 0:
                 continue
             while kvm.allocate_slots(req, num_new) is None:
@@ -278,7 +278,7 @@ class Scheduler:
                 and budget < num_new <= self.config.max_num_batched_tokens
             ):
                 break
-            num_new = min(num_new, budget)
+            num_new = min(self._prefill_cap(num_new), budget)
             if kvm.allocate_slots(req, num_new, num_hit, hits) is None:
                 break
             self.waiting.pop()
@@ -297,6 +297,13 @@ class Scheduler:
         if skipped:
             self.waiting.prepend(skipped)
         return budget
+
+    def _prefill_cap(self, num_new: int) -> int:
+        """``num_new`` tokens capped at ``long_prefill_token_threshold`` (if set)."""
+        cap = self.config.long_prefill_token_threshold
+        if cap > 0 and self.config.enable_chunked_prefill and num_new > cap:
+            return cap
+        return num_new
 
     def _victim_key(self, req: Request) -> tuple[float, ...]:
         seq = self._arrival_seq[req.request_id]

@@ -64,6 +64,8 @@ def build_parser(prog: str, role: str | None) -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step")
     p.add_argument("--max-num-seqs", type=int, default=128, help="most requests running at once")
+    p.add_argument("--long-prefill-token-threshold", type=int, default=0,
+                   help="most prompt tokens one request takes per step (0: no cap)")
     p.add_argument("--kv-cache-memory", type=int, default=None,
                    help="KV cache budget in bytes (default: profiled)")
     p.add_argument("--num-kv-blocks", type=int, default=None,
@@ -103,7 +105,8 @@ def build_engine_config(ns: argparse.Namespace, role: str) -> EngineConfig:
         cache=CacheConfig(block_size=ns.block_size, kv_cache_memory_bytes=ns.kv_cache_memory,
                           num_blocks_override=ns.num_kv_blocks),
         scheduler=SchedulerConfig(max_num_batched_tokens=ns.max_num_batched_tokens,
-                                  max_num_seqs=ns.max_num_seqs),
+                                  max_num_seqs=ns.max_num_seqs,
+                                  long_prefill_token_threshold=ns.long_prefill_token_threshold),
         kv_transfer=kv,
     )
 

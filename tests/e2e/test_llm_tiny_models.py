@@ -126,8 +126,9 @@ _BASELINES: dict[str, list] = {}  # model folder -> outputs with default setting
         {"enable_chunked_prefill": True, "max_num_batched_tokens": 16},
         {"num_blocks": 34, "block_size": 4, "kv_cache_memory": None},  # forces preemption
         {"max_num_seqs": 1},
+        {"long_prefill_token_threshold": 8, "max_num_batched_tokens": 32},
     ],
-    ids=["no-prefix-cache", "chunked-16", "preemption", "one-at-a-time"],
+    ids=["no-prefix-cache", "chunked-16", "preemption", "one-at-a-time", "long-prefill-cap-8"],
 )
 def test_engine_settings_do_not_change_tokens(tiny, settings) -> None:
     folder, hf = tiny

@@ -46,6 +46,7 @@ def make_scheduler(
     max_model_len: int = 4096,
     caching: bool = True,
     connector=None,
+    long_prefill_token_threshold: int = 0,
 ) -> Scheduler:
     return Scheduler(
         SchedulerConfig(
@@ -53,6 +54,7 @@ def make_scheduler(
             max_num_seqs=max_num_seqs,
             policy=policy,
             enable_chunked_prefill=chunked,
+            long_prefill_token_threshold=long_prefill_token_threshold,
         ),
         CacheConfig(block_size=block_size, enable_prefix_caching=caching),
         num_blocks=num_blocks,
@@ -243,6 +245,33 @@ def test_chunked_prefill_progresses_and_samples_only_at_the_last_chunk() -> None
         assert so.block_tables["a"] == list(range(len(so.block_tables["a"])))
     assert seen == [(16, 16, 0), (16, 32, 0), (8, 40, 1)]
     assert req.num_tokens == 41 and req.output_token_ids == [5]
+
+
+def test_long_prefill_threshold_caps_each_prompt_per_step() -> None:
+    """A long prompt advances 12 tokens a step; the short prompt that arrives behind
+    it gets into the same step instead of waiting for the long one's prefill."""
+    sched = make_scheduler(
+        num_blocks=20, max_num_batched_tokens=64, long_prefill_token_threshold=12
+    )
+    runner = FakeRunner(20)
+    long_req = make_request("long", 50)
+    sched.add_request(long_req)
+    sched.add_request(make_request("short", 8))
+    so, outs = step(sched, runner)
+    assert so.num_scheduled_tokens == {"long": 12, "short": 8}
+    assert [o.request_id for o in outs] == ["short"]
+    seen = []
+    while long_req.num_computed_tokens < 50:
+        so, _ = step(sched, runner)
+        seen.append(so.num_scheduled_tokens)
+    assert seen == [{"short": 1, "long": 12}] * 3 + [{"short": 1, "long": 2}]
+    so, outs = step(sched, runner)
+    assert so.num_scheduled_tokens == {"short": 1, "long": 1}
+
+
+def test_long_prefill_threshold_is_validated() -> None:
+    with pytest.raises(ValueError, match="long_prefill_token_threshold"):
+        SchedulerConfig(long_prefill_token_threshold=-1)
 
 
 def test_chunking_off_prompt_waits_for_a_step_where_it_fits() -> None:
