@@ -129,39 +129,10 @@ def _prefill_attention_sdpa(
         out[s:e] = o[0].transpose(0, 1)
 
 
-def paged_attention_ref(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    meta: AttentionMetadata,
-    scale: float,
-    sliding_window: int | None = None,
-) -> torch.Tensor:
-    """Reference paged attention; see the module docstring for the algorithm.
-
-    Args:
-        query: ``[num_tokens, num_heads, head_dim]``.
-        key, value: ``[num_tokens, num_kv_heads, head_dim]`` of the new tokens
-            (already written into the cache).
-        k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``.
-        meta: the step's ``AttentionMetadata``.
-        scale: softmax scale (usually ``head_dim ** -0.5``).
-        sliding_window: optional window in tokens.
-
-    Returns:
-        ``[num_tokens, num_heads, head_dim]`` in ``query.dtype``.
-    """
-    out = torch.empty_like(query)
-    _decode_group(
-        out,
-        query,
-        meta,
-        lambda q: _decode_attention_sdpa(q, k_cache, v_cache, meta, scale, sliding_window),
-    )
-    _prefill_attention_sdpa(out, query, key, value, k_cache, v_cache, meta, scale, sliding_window)
-    return out
+DecodeAttention = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, float, "int | None"],
+    torch.Tensor,
+]
 
 
 def _decode_group(
@@ -182,37 +153,83 @@ def _decode_group(
         out[idx] = o
 
 
-def paged_attention_cpu(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    meta: AttentionMetadata,
-    scale: float,
-    sliding_window: int | None = None,
-) -> torch.Tensor:
-    """CPU fast path: the decode group by the native kernel that reads K/V in
-    place (``kernels/cpu_ext.py``), prefills by SDPA; same contract as
-    ``paged_attention_ref``."""
-    out = torch.empty_like(query)
-    assert meta.decode_block_tables is not None or not meta.num_decodes
-    _decode_group(
-        out,
-        query,
-        meta,
-        lambda q: cpu_ext.paged_decode_attention_cpu(
+def _paged_attention_with(decode: DecodeAttention, doc: str) -> Callable[..., torch.Tensor]:
+    """A paged attention whose decode group runs ``decode``; prefills use SDPA."""
+
+    def impl(
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None = None,
+    ) -> torch.Tensor:
+        out = torch.empty_like(query)
+        _decode_group(
+            out, query, meta, lambda q: decode(q, k_cache, v_cache, meta, scale, sliding_window)
+        )
+        _prefill_attention_sdpa(
+            out, query, key, value, k_cache, v_cache, meta, scale, sliding_window
+        )
+        return out
+
+    impl.__doc__ = doc
+    return impl
+
+
+paged_attention_ref = _paged_attention_with(
+    _decode_attention_sdpa,
+    """Reference paged attention; see the module docstring for the algorithm.
+
+    Args:
+        query: ``[num_tokens, num_heads, head_dim]``.
+        key, value: ``[num_tokens, num_kv_heads, head_dim]`` of the new tokens
+            (already written into the cache).
+        k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+        meta: the step's ``AttentionMetadata``.
+        scale: softmax scale (usually ``head_dim ** -0.5``).
+        sliding_window: optional window in tokens.
+
+    Returns:
+        ``[num_tokens, num_heads, head_dim]`` in ``query.dtype``.
+    """,
+)
+
+
+def _block_table_decode(kernel: Callable[..., torch.Tensor]) -> DecodeAttention:
+    """Adapt a ``kernel(q, k_cache, v_cache, block_tables, seq_lens, scale, window)``
+    (the native CPU and Triton decode kernels) to the ``DecodeAttention`` shape."""
+
+    def decode(
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None,
+    ) -> torch.Tensor:
+        assert meta.decode_block_tables is not None and meta.decode_seq_lens is not None
+        return kernel(
             q,
             k_cache,
             v_cache,
-            meta.decode_block_tables,  # type: ignore[arg-type]
-            meta.decode_seq_lens,  # type: ignore[arg-type]
+            meta.decode_block_tables,
+            meta.decode_seq_lens,
             scale,
             sliding_window,
-        ),
-    )
-    _prefill_attention_sdpa(out, query, key, value, k_cache, v_cache, meta, scale, sliding_window)
-    return out
+        )
+
+    return decode
+
+
+paged_attention_cpu = _paged_attention_with(
+    _block_table_decode(lambda *args: cpu_ext.paged_decode_attention_cpu(*args)),
+    """CPU fast path: the decode group by the native kernel that reads K/V in
+    place (``kernels/cpu_ext.py``), prefills by SDPA; same contract as
+    ``paged_attention_ref``.""",
+)
 
 
 _NO_WINDOW = 2**31 - 1
@@ -351,35 +368,11 @@ def decode_attention_triton(
     return out
 
 
-def paged_attention_triton(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    meta: AttentionMetadata,
-    scale: float,
-    sliding_window: int | None = None,
-) -> torch.Tensor:
+paged_attention_triton = _paged_attention_with(
+    _block_table_decode(decode_attention_triton),
     """GPU path: the decode group by the Triton kernel, prefills by SDPA
-    (FlashAttention); same contract as ``paged_attention_ref``."""
-    out = torch.empty_like(query)
-    _decode_group(
-        out,
-        query,
-        meta,
-        lambda q: decode_attention_triton(
-            q,
-            k_cache,
-            v_cache,
-            meta.decode_block_tables,  # type: ignore[arg-type]
-            meta.decode_seq_lens,  # type: ignore[arg-type]
-            scale,
-            sliding_window,
-        ),
-    )
-    _prefill_attention_sdpa(out, query, key, value, k_cache, v_cache, meta, scale, sliding_window)
-    return out
+    (FlashAttention); same contract as ``paged_attention_ref``.""",
+)
 
 
 def paged_attention(

@@ -49,6 +49,7 @@ _SOURCES = [
 _LDFLAGS = ["-shared", "-fopenmp"]
 # Limits compiled into the kernel (stack scratch per work item).
 MAX_HEADS = 256
+MAX_GROUP = 32  # query heads per KV head
 MAX_HEAD_DIM = 256
 MAX_HIDDEN = 16384  # row length of the fused RMSNorm (stack scratch)
 VECTOR_WIDTH = 16  # floats per vector; head_dim must be a multiple
@@ -175,6 +176,7 @@ def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     num_heads, head_dim = q.shape[1], q.shape[2]
     return (
         num_heads <= MAX_HEADS
+        and num_heads // k_cache.shape[2] <= MAX_GROUP
         and head_dim <= MAX_HEAD_DIM
         and head_dim % VECTOR_WIDTH == 0
         and q.stride(-1) == 1

@@ -27,6 +27,7 @@
 #include <string.h>
 
 #define MAX_HEADS 256
+#define MAX_GROUP 32
 #define MAX_HEAD_DIM 256
 #define VL 16
 
@@ -72,83 +73,26 @@ static inline uint16_t f32_to_bf16(float f) {
     return (uint16_t)(u >> 16);
 }
 
-/* Attend every head of one sequence. Tokens are the outer loop so that each
- * token's K (then V) row of all KV heads, contiguous in its block, streams in
- * once. always_inline with a literal nv (head_dim / 16) lets the compiler
- * unroll the head-dim loops for the common head sizes 64 and 128. */
-static inline __attribute__((always_inline)) void attend_seq(
-    int is_bf16, const void *k, const void *v, int64_t sk_b, int64_t sk_o, int64_t sk_h,
-    int64_t sv_b, int64_t sv_o, int64_t sv_h, const int64_t *table, int64_t block_size,
-    int64_t lo, int64_t len, int64_t num_kv_heads, int64_t G, const int64_t nv, const vf *qv,
-    float *sc, vf *acc, float *inv) {
-    const int64_t n = len - lo;
-    const int64_t H = num_kv_heads * G;
-    float mx[MAX_HEADS];
-    for (int64_t hq = 0; hq < H; ++hq) mx[hq] = -FLT_MAX;
-    for (int64_t p = lo; p < len; ++p) {
-        const int64_t base = table[p / block_size] * sk_b + (p % block_size) * sk_o;
-        for (int64_t h = 0; h < num_kv_heads; ++h) {
-            vf row[MAX_HEAD_DIM / VL];
-            for (int64_t c = 0; c < nv; ++c) row[c] = load_vec(k, base + h * sk_h + c * VL, is_bf16);
-            for (int64_t g = 0; g < G; ++g) {
-                const int64_t hq = h * G + g;
-                const vf *qg = qv + hq * nv;
-                vf dot = qg[0] * row[0];
-                for (int64_t c = 1; c < nv; ++c) dot += qg[c] * row[c];
-                const float d = hsum(dot);
-                sc[hq * n + (p - lo)] = d;
-                mx[hq] = d > mx[hq] ? d : mx[hq];
-            }
-        }
-    }
-    for (int64_t hq = 0; hq < H; ++hq) {
-        float sum = 0.f;
-        float *r = sc + hq * n;
-        const float m = mx[hq];
-        /* omp simd (with -ffast-math at compile time) lets GCC call glibc's
-         * vector expf from libmvec. */
-#pragma omp simd reduction(+ : sum)
-        for (int64_t i = 0; i < n; ++i) {
-            r[i] = expf(r[i] - m);
-            sum += r[i];
-        }
-        inv[hq] = 1.f / sum;
-    }
-    for (int64_t i = 0; i < H * nv; ++i) acc[i] = (vf){0};
-    for (int64_t p = lo; p < len; ++p) {
-        const int64_t base = table[p / block_size] * sv_b + (p % block_size) * sv_o;
-        for (int64_t h = 0; h < num_kv_heads; ++h) {
-            vf row[MAX_HEAD_DIM / VL];
-            for (int64_t c = 0; c < nv; ++c) row[c] = load_vec(v, base + h * sv_h + c * VL, is_bf16);
-            for (int64_t g = 0; g < G; ++g) {
-                const int64_t hq = h * G + g;
-                const float w = sc[hq * n + (p - lo)];
-                for (int64_t c = 0; c < nv; ++c) acc[hq * nv + c] += w * row[c];
-            }
-        }
-    }
-}
-
-/* One KV head of one sequence with literal G (query heads per KV head) and nv
- * (head_dim / 16): the G x nv query and accumulator vectors then live in
- * registers, and the head's rows are re-read from cache per head (a sequence's
- * K/V of one layer is a few hundred KB). Used for the common shapes; other
- * shapes take attend_seq. */
-static inline __attribute__((always_inline)) void attend_head_fixed(
+/* One KV head of one sequence: its G query heads score every visible key, take
+ * an exact softmax, and sum the weighted values. Called with literal G (query
+ * heads per KV head) and nv (head_dim / 16) for the common shapes, so the G x nv
+ * query and accumulator vectors live in registers; the head's rows are re-read
+ * from cache per head (a sequence's K/V of one layer is a few hundred KB). */
+static inline __attribute__((always_inline)) void attend_head(
     int is_bf16, const void *k, const void *v, int64_t sk_b, int64_t sk_o, int64_t sv_b,
     int64_t sv_o, int64_t koff, int64_t voff, const int64_t *table, int64_t block_size,
     int64_t lo, int64_t len, const int64_t G, const int64_t nv, const vf *qh, float *sh,
     vf *ah, float *inv) {
     const int64_t n = len - lo;
-    vf qr[8][8];
-    float mx[8];
+    vf qr[MAX_GROUP][MAX_HEAD_DIM / VL];
+    float mx[MAX_GROUP];
     for (int64_t g = 0; g < G; ++g) {
         for (int64_t c = 0; c < nv; ++c) qr[g][c] = qh[g * nv + c];
         mx[g] = -FLT_MAX;
     }
     for (int64_t p = lo; p < len; ++p) {
         const int64_t ko = table[p / block_size] * sk_b + (p % block_size) * sk_o + koff;
-        vf row[8];
+        vf row[MAX_HEAD_DIM / VL];
         for (int64_t c = 0; c < nv; ++c) row[c] = load_vec(k, ko + c * VL, is_bf16);
         for (int64_t g = 0; g < G; ++g) {
             vf dot = qr[g][0] * row[0];
@@ -169,12 +113,12 @@ static inline __attribute__((always_inline)) void attend_head_fixed(
         }
         inv[g] = 1.f / sum;
     }
-    vf acc[8][8];
+    vf acc[MAX_GROUP][MAX_HEAD_DIM / VL];
     for (int64_t g = 0; g < G; ++g)
         for (int64_t c = 0; c < nv; ++c) acc[g][c] = (vf){0};
     for (int64_t p = lo; p < len; ++p) {
         const int64_t vo = table[p / block_size] * sv_b + (p % block_size) * sv_o + voff;
-        vf row[8];
+        vf row[MAX_HEAD_DIM / VL];
         for (int64_t c = 0; c < nv; ++c) row[c] = load_vec(v, vo + c * VL, is_bf16);
         for (int64_t g = 0; g < G; ++g) {
             const float w = sh[g * n + (p - lo)];
@@ -185,26 +129,30 @@ static inline __attribute__((always_inline)) void attend_head_fixed(
         for (int64_t c = 0; c < nv; ++c) ah[g * nv + c] = acc[g][c];
 }
 
-#define FIXED_CASE(GG, NV)                                                                  \
+#define HEAD_CASE(GG, NV)                                                                   \
     if (G == GG && nv == NV) {                                                              \
         for (int64_t h = 0; h < num_kv_heads; ++h)                                          \
-            attend_head_fixed(is_bf16, k, v, sk_b, sk_o, sv_b, sv_o, h * sk_h, h * sv_h,    \
-                              table, block_size, lo, len, GG, NV, qv + h * GG * NV,         \
-                              sc + h * GG * (len - lo), acc + h * GG * NV, inv + h * GG);   \
-        return 1;                                                                           \
+            attend_head(is_bf16, k, v, sk_b, sk_o, sv_b, sv_o, h * sk_h, h * sv_h, table,   \
+                        block_size, lo, len, GG, NV, qv + h * GG * NV,                      \
+                        sc + h * GG * (len - lo), acc + h * GG * NV, inv + h * GG);         \
+        return;                                                                             \
     }
 
-/* Dispatch one sequence to a register-resident specialisation; 0 if none fits. */
-static int attend_seq_fixed(int is_bf16, const void *k, const void *v, int64_t sk_b,
-                            int64_t sk_o, int64_t sk_h, int64_t sv_b, int64_t sv_o, int64_t sv_h,
-                            const int64_t *table, int64_t block_size, int64_t lo, int64_t len,
-                            int64_t num_kv_heads, int64_t G, int64_t nv, const vf *qv, float *sc,
-                            vf *acc, float *inv) {
-    FIXED_CASE(1, 4) FIXED_CASE(2, 4) FIXED_CASE(3, 4) FIXED_CASE(4, 4)
-    FIXED_CASE(5, 4) FIXED_CASE(6, 4) FIXED_CASE(7, 4) FIXED_CASE(8, 4)
-    FIXED_CASE(1, 8) FIXED_CASE(2, 8) FIXED_CASE(3, 8) FIXED_CASE(4, 8)
-    FIXED_CASE(5, 8) FIXED_CASE(6, 8) FIXED_CASE(7, 8) FIXED_CASE(8, 8)
-    return 0;
+/* All heads of one sequence: a literal-shape specialisation where one fits
+ * (group sizes 1-8, head_dim 64 or 128), else the same code with runtime shapes. */
+static void attend_seq(int is_bf16, const void *k, const void *v, int64_t sk_b, int64_t sk_o,
+                       int64_t sk_h, int64_t sv_b, int64_t sv_o, int64_t sv_h,
+                       const int64_t *table, int64_t block_size, int64_t lo, int64_t len,
+                       int64_t num_kv_heads, int64_t G, int64_t nv, const vf *qv, float *sc,
+                       vf *acc, float *inv) {
+    HEAD_CASE(1, 4) HEAD_CASE(2, 4) HEAD_CASE(3, 4) HEAD_CASE(4, 4)
+    HEAD_CASE(5, 4) HEAD_CASE(6, 4) HEAD_CASE(7, 4) HEAD_CASE(8, 4)
+    HEAD_CASE(1, 8) HEAD_CASE(2, 8) HEAD_CASE(3, 8) HEAD_CASE(4, 8)
+    HEAD_CASE(5, 8) HEAD_CASE(6, 8) HEAD_CASE(7, 8) HEAD_CASE(8, 8)
+    for (int64_t h = 0; h < num_kv_heads; ++h)
+        attend_head(is_bf16, k, v, sk_b, sk_o, sv_b, sv_o, h * sk_h, h * sv_h, table, block_size,
+                    lo, len, G, nv, qv + h * G * nv, sc + h * G * (len - lo), acc + h * G * nv,
+                    inv + h * G);
 }
 
 int paged_decode_attention(
@@ -218,7 +166,8 @@ int paged_decode_attention(
     int64_t block_size, float scale, int64_t window, int num_threads) {
     const int64_t G = num_heads / num_kv_heads;
     const int64_t nv = head_dim / VL;
-    if (num_heads > MAX_HEADS || head_dim > MAX_HEAD_DIM || head_dim % VL) return -1;
+    if (num_heads > MAX_HEADS || G > MAX_GROUP || head_dim > MAX_HEAD_DIM || head_dim % VL)
+        return -1;
     int failed = 0;
     /* One work item per sequence, all its heads. */
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
@@ -248,18 +197,8 @@ int paged_decode_attention(
                 qv[hq * nv + c] = load_vec(q, qo + c * VL, is_bf16) * scale;
         }
         const int64_t *table = bt + s * sbt;
-        if (attend_seq_fixed(is_bf16, k, v, sk_b, sk_o, sk_h, sv_b, sv_o, sv_h, table,
-                             block_size, lo, len, num_kv_heads, G, nv, qv, sc, acc, inv))
-            ;
-        else if (nv == 4)
-            attend_seq(is_bf16, k, v, sk_b, sk_o, sk_h, sv_b, sv_o, sv_h, table, block_size, lo,
-                       len, num_kv_heads, G, 4, qv, sc, acc, inv);
-        else if (nv == 8)
-            attend_seq(is_bf16, k, v, sk_b, sk_o, sk_h, sv_b, sv_o, sv_h, table, block_size, lo,
-                       len, num_kv_heads, G, 8, qv, sc, acc, inv);
-        else
-            attend_seq(is_bf16, k, v, sk_b, sk_o, sk_h, sv_b, sv_o, sv_h, table, block_size, lo,
-                       len, num_kv_heads, G, nv, qv, sc, acc, inv);
+        attend_seq(is_bf16, k, v, sk_b, sk_o, sk_h, sv_b, sv_o, sv_h, table, block_size, lo, len,
+                   num_kv_heads, G, nv, qv, sc, acc, inv);
         for (int64_t hq = 0; hq < num_heads; ++hq) {
             const int64_t oo = s * so_t + hq * so_h;
             for (int64_t c = 0; c < nv; ++c) {
