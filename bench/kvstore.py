@@ -8,8 +8,14 @@ reference (in a warm loop of its own: see ``_memcpy_times``). Blocks are
 consecutive rows of one cache array, as the engine's ``kv_cache[b]`` for
 consecutive block ids. Figures are medians over the iterations.
 
+The node runs on this host, so gets read its shared-memory pool (kvstore/shm.py)
+unless ``--get-path ucx`` (or ``--no-shm``, or ``TANDEM_KV_SHM=0``); ``--get-path
+both`` also times the UCX path on the same blocks (``get_ucx_*`` fields). Each
+record's ``get_path`` says which path its gets took.
+
     tandem bench kvstore [--sizes 64K,256K,1M,4M,16M,64M] [--block-bytes 256K]
-                         [--iters N] [--ucx-tls sm,self] [--json PATH]
+                         [--iters N] [--ucx-tls sm,self] [--get-path auto|ucx|both]
+                         [--json PATH]
 """
 
 from __future__ import annotations
@@ -114,6 +120,11 @@ def _memcpy_times(src: list[np.ndarray], dst: list[np.ndarray], reps: int) -> li
     return times
 
 
+def _shm_gets(client: Any) -> int:
+    """Node requests the client served from shared memory so far (0 for stand-ins)."""
+    return int(getattr(getattr(client, "aio", None), "num_shm_gets", 0))
+
+
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Measure every batch size; returns one record per size."""
     from tandem.kvstore.client import KVStoreClient, wait_for_nodes
@@ -136,7 +147,11 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
 
     records = []
     try:
-        client = KVStoreClient(redis_url, timeout_s=60)
+        get_path = getattr(args, "get_path", "auto")
+        client = KVStoreClient(redis_url, timeout_s=60,
+                               **({"shm": False} if get_path == "ucx" else {}))
+        ucx_client = KVStoreClient(redis_url, timeout_s=60, shm=False) \
+            if get_path == "both" else None
         wait_for_nodes(client, 1, timeout_s=60)
         # the first block fixes the node's slot size: make it the largest
         warm = np.random.default_rng(0).integers(0, 255, block_bytes, dtype=np.uint8)
@@ -153,11 +168,15 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             dst_cache = np.empty((n, bs), dtype=np.uint8)
             src = list(src_cache)
             dst = list(dst_cache)
-            put_s, get_s = [], []
+            ucx_cache = np.empty((n, bs), dtype=np.uint8) if ucx_client else None
+            put_s, get_s, ucx_s = [], [], []
+            shm_before = _shm_gets(client)
             for it in range(iters + 1):  # iteration 0 warms up
                 keys = _keys(n, fingerprint(bs))
                 if it == iters:
                     dst_cache.fill(0)  # so that the check below sees what this get wrote
+                    if ucx_cache is not None:
+                        ucx_cache.fill(0)
                 t = time.perf_counter()
                 stored = client.put_blocks(keys, src)
                 dt_put = time.perf_counter() - t
@@ -166,10 +185,20 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 got = client.get_blocks(keys, dst)
                 dt_get = time.perf_counter() - t
                 assert got == n, f"get loaded {got} of {n} blocks"
+                if ucx_client is not None and ucx_cache is not None:
+                    t = time.perf_counter()
+                    got = ucx_client.get_blocks(keys, list(ucx_cache))
+                    dt_ucx = time.perf_counter() - t
+                    assert got == n, f"UCX get loaded {got} of {n} blocks"
+                    if it:
+                        ucx_s.append(dt_ucx)
                 if it:
                     put_s.append(dt_put)
                     get_s.append(dt_get)
             assert np.array_equal(src_cache, dst_cache), "get returned other bytes than put"
+            if ucx_cache is not None:
+                assert np.array_equal(src_cache, ucx_cache), "UCX get returned other bytes"
+            path = "shm" if _shm_gets(client) > shm_before else "ucx"
             copy_s = _memcpy_times(src, dst, max(iters, 20))
             p_put, p_get, p_copy = (statistics.median(x) for x in (put_s, get_s, copy_s))
             rec = {
@@ -178,14 +207,24 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 "memcpy_gbps": total / p_copy / 1e9,
                 "put_p50_ms": p_put * 1e3, "get_p50_ms": p_get * 1e3,
                 "memcpy_p50_ms": p_copy * 1e3, "ucx_tls": tls, "machine": _machine(),
+                "get_path": path,
             }
             rec["get_vs_memcpy"] = rec["get_gbps"] / rec["memcpy_gbps"]
+            line = (f"{total / 2**20:9.3f} MiB  {n:5d} x {bs:>9d} B  put {rec['put_gbps']:6.2f} "
+                    f"GB/s ({rec['put_p50_ms']:8.3f} ms)  get[{path}] {rec['get_gbps']:6.2f} "
+                    f"GB/s ({rec['get_p50_ms']:8.3f} ms)  memcpy {rec['memcpy_gbps']:6.2f} GB/s  "
+                    f"get/memcpy {rec['get_vs_memcpy']:5.1%}")
+            if ucx_s:
+                p_ucx = statistics.median(ucx_s)
+                rec.update(get_ucx_gbps=total / p_ucx / 1e9, get_ucx_p50_ms=p_ucx * 1e3)
+                rec["get_ucx_vs_memcpy"] = rec["get_ucx_gbps"] / rec["memcpy_gbps"]
+                line += (f"  get[ucx] {rec['get_ucx_gbps']:6.2f} GB/s "
+                         f"({rec['get_ucx_p50_ms']:8.3f} ms, {rec['get_ucx_vs_memcpy']:5.1%})")
             records.append(rec)
-            print(f"{total / 2**20:9.3f} MiB  {n:5d} x {bs:>9d} B  put {rec['put_gbps']:6.2f} "
-                  f"GB/s ({rec['put_p50_ms']:8.3f} ms)  get {rec['get_gbps']:6.2f} GB/s "
-                  f"({rec['get_p50_ms']:8.3f} ms)  memcpy {rec['memcpy_gbps']:6.2f} GB/s  "
-                  f"get/memcpy {rec['get_vs_memcpy']:5.1%}", flush=True)
+            print(line, flush=True)
         client.close()
+        if ucx_client is not None:
+            ucx_client.close()
     finally:
         if stack is not None:
             stack.close()
@@ -200,6 +239,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="block size; smaller batches are one block")
     p.add_argument("--iters", type=int, default=0, help="iterations per size (0: auto)")
     p.add_argument("--ucx-tls", default=None, help="set UCX_TLS for node and client")
+    p.add_argument("--get-path", choices=("auto", "ucx", "both"), default="auto",
+                   help="auto: shared memory for a node on this host (unless TANDEM_KV_SHM=0), "
+                        "else UCX; ucx: UCX only; both: also time UCX gets")
+    p.add_argument("--no-shm", dest="get_path", action="store_const", const="ucx",
+                   help="same as --get-path ucx")
     p.add_argument("--redis-url", default=None,
                    help="use running nodes registered in this Redis instead of starting one")
     p.add_argument("--json", default=None, help="write the records (a JSON list) here")
@@ -207,7 +251,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"machine: {_machine()}")
     records = run(args)
     if records:
-        print(f"UCX transports: {records[0]['ucx_tls']}")
+        print(f"UCX transports: {records[0]['ucx_tls']}; get path: "
+              f"{', '.join(sorted({r['get_path'] for r in records}))}"
+              + (" (and UCX, get[ucx])" if "get_ucx_gbps" in records[0] else ""))
     if args.json:
         Path(args.json).write_text(json.dumps(records, indent=2))
     return 0

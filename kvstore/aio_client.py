@@ -27,6 +27,7 @@ from tandem.kvstore.index import (
     parse_lookup,
 )
 from tandem.kvstore.keys import BlockKey, LayoutFingerprint
+from tandem.kvstore.shm import Mapping, host_id, shm_enabled_by_env
 from tandem.kvstore.store import BlockStore, KVStoreError, KVStoreNodeError, KVStoreTimeoutError
 from tandem.kvstore.transport import (
     NodeConnection,
@@ -52,15 +53,23 @@ class AsyncKVStoreClient(BlockStore):
         local_node: ``host:port`` (or node id) of the node on this host: puts go
             there while it is alive, else to the least full live node.
         timeout_s: deadline of each node request (connect, put, get).
+        shm: read blocks of nodes on this host straight from their shared-memory
+            pool (kvstore/shm.py); ``None``: on unless ``TANDEM_KV_SHM=0``. Other
+            nodes, and nodes without a shared pool, are read over UCX.
     """
 
     def __init__(self, redis_url: str, *, layout: LayoutFingerprint | None = None,
-                 local_node: str | None = None, timeout_s: float = 10.0) -> None:
+                 local_node: str | None = None, timeout_s: float = 10.0,
+                 shm: bool | None = None) -> None:
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self.layout = layout
         self.local_node = local_node
         self.timeout_s = timeout_s
+        self.shm = shm_enabled_by_env() if shm is None else bool(shm)
+        # node id -> its mapped segment, or None when it cannot be mapped from here
+        self._maps: dict[str, tuple[str, Mapping | None]] = {}
+        self._releases: set[asyncio.Future[Any]] = set()
         self.redis = aioredis.from_url(redis_url, socket_timeout=timeout_s,
                                        socket_connect_timeout=timeout_s)
         self._commit = self.redis.register_script(COMMIT_LUA)
@@ -74,6 +83,11 @@ class AsyncKVStoreClient(BlockStore):
         self.num_fast_gets = 0
         #: of those, answered ``stale`` (index older than the node's slots) and redone
         self.num_stale_gets = 0
+        #: node requests served from a shared-memory segment (kvstore/shm.py)
+        self.num_shm_gets = 0
+        #: of those, served by a request sent together with the index lookup
+        self.num_speculative_gets = 0
+        self._shm_node: NodeInfo | None = None  # the last node read through shared memory
 
     # -- validation ---------------------------------------------------------------------------
 
@@ -132,6 +146,8 @@ class AsyncKVStoreClient(BlockStore):
             info = NodeInfo.from_hash(i, h) if h else None
             if info is not None:
                 nodes[i] = info
+        for gone in self._maps.keys() - nodes.keys():
+            del self._maps[gone]  # a dead node's segment lives while we map it
         return nodes
 
     async def _live_nodes_cached(self) -> dict[str, NodeInfo]:
@@ -186,6 +202,8 @@ class AsyncKVStoreClient(BlockStore):
         self._nodes_cache = None
         conn.abort()
         node_id = conn.node_id
+        # NOTE: a dead node's segment lives while mapped: map it afresh next time
+        self._maps.pop(node_id, None)
         if self._conns.get(node_id) is conn:
             del self._conns[node_id]
 
@@ -214,13 +232,16 @@ class AsyncKVStoreClient(BlockStore):
         reply = await self._lookup(keys=[k.redis_key for k in keys], args=[NODE_PREFIX])
         try:
             entries, records = parse_lookup(len(keys), reply)
-            nodes = {nid: NodeInfo(nid, address, bytes.fromhex(ucx), int(cap), int(used),
-                                   int(slot))
-                     for nid, address, ucx, cap, used, slot in records}
+            nodes = {r[0]: NodeInfo.from_lookup(r) for r in records}
         except ValueError as exc:
             raise KVStoreError(f"KV store index (Redis) answered a malformed lookup: {exc}") \
                 from exc
-        # entries of dead nodes are misses, and cleaned up
+        # entries of dead nodes are misses, and cleaned up (and their segments unmapped)
+        for dead in {e.node_id for e in entries if e is not None and e.node_id not in nodes}:
+            self._maps.pop(dead, None)
+            conn = self._conns.get(dead)
+            if conn is not None:
+                self._drop(conn)  # also fails a speculative get_shm sent to it at once
         await self._forget_many([(k.redis_key, e) for k, e in zip(keys, entries, strict=True)
                                  if e is not None and e.node_id not in nodes])
         return [e if e is not None and e.node_id in nodes else None for e in entries], nodes
@@ -298,16 +319,31 @@ class AsyncKVStoreClient(BlockStore):
         self._check_open()
         keys = self._check_keys(keys)
         views = self._views(into, len(keys), writable=True, name="into")
+        spec = self._speculate(keys)
         try:
             entries, nodes = await self._index(keys)
-        except (RedisError, OSError, KVStoreError) as exc:
-            logger.warning("get: index unreachable, reporting a miss: %s", exc)
-            return 0
-        return await self._get_indexed(keys, views, entries, nodes)
+        except BaseException as exc:
+            if spec is not None:
+                self._abandon(spec)
+            if isinstance(exc, RedisError | OSError | KVStoreError):
+                logger.warning("get: index unreachable, reporting a miss: %s", exc)
+                return 0
+            raise
+        return await self._get_indexed(keys, views, entries, nodes, spec)
 
     async def _get_indexed(self, keys: list[BlockKey], views: list[np.ndarray],
-                           entries: list[IndexEntry | None], nodes: dict[str, NodeInfo]) -> int:
-        """:meth:`get` once the index entries are known."""
+                           entries: list[IndexEntry | None], nodes: dict[str, NodeInfo],
+                           spec: _Speculation | None = None) -> int:
+        """:meth:`get` once the index entries are known (``spec``: see :meth:`_speculate`)."""
+        try:
+            return await self._get_indexed_inner(keys, views, entries, nodes, spec)
+        finally:
+            if spec is not None and not spec.used:
+                self._abandon(spec)
+
+    async def _get_indexed_inner(self, keys: list[BlockKey], views: list[np.ndarray],
+                                 entries: list[IndexEntry | None], nodes: dict[str, NodeInfo],
+                                 spec: _Speculation | None) -> int:
         n = leading_count(entries)
         by_node: dict[str, list[int]] = {}
         for i in range(n):
@@ -317,10 +353,16 @@ class AsyncKVStoreClient(BlockStore):
                 raise ValueError(f"into[{i}] has {views[i].nbytes} bytes, the stored block has "
                                  f"{e.size_bytes}")
             by_node.setdefault(e.node_id, []).append(i)
-        results = await asyncio.gather(
-            *(self._get_from(nodes[nid], idx, keys, views, entries)
-              for nid, idx in by_node.items()))
-        loaded = set().union(*results) if results else set()
+        work = [self._get_spec(spec, nodes[nid], idx, keys, views, entries)
+                if spec is not None and self._spec_fits(spec, nodes[nid])
+                else self._get_from(nodes[nid], idx, keys, views, entries)
+                for nid, idx in by_node.items()]
+        # NOTE: one node (the common case) is awaited in this task: gather would
+        # wrap it in a task of its own, one more trip through the loop
+        results = [await work[0]] if len(work) == 1 else await asyncio.gather(*work)
+        loaded: dict[int, bool | None] = {}
+        for r in results:
+            loaded.update(r)
         # indexed but not on its node (evicted or lost since): a miss, cleaned up
         await self._forget_many([(keys[i].redis_key, entries[i]) for i in range(n)  # type: ignore[misc]
                                  if i not in loaded])
@@ -330,7 +372,10 @@ class AsyncKVStoreClient(BlockStore):
                 break
             e = entries[i]
             assert e is not None
-            if checksum(views[i]) != e.checksum:
+            good = loaded[i]
+            if good is None:
+                good = checksum(views[i]) == e.checksum
+            if not good:
                 self.num_checksum_failures += 1
                 logger.warning("block %s failed its checksum: treated as a miss", keys[i])
                 await self._forget(keys[i], e)
@@ -340,8 +385,9 @@ class AsyncKVStoreClient(BlockStore):
 
     async def _get_from(self, node: NodeInfo, idx: list[int], keys: list[BlockKey],
                         views: list[np.ndarray],
-                        entries: list[IndexEntry | None]) -> set[int]:
-        """Fetch blocks ``idx`` from one node; returns the indices that arrived.
+                        entries: list[IndexEntry | None]) -> dict[int, bool | None]:
+        """Fetch blocks ``idx`` from one node; returns the indices that arrived, each
+        with whether its checksum matched (``None``: not checked yet).
 
         When the node's slot size is known, the receives are posted before the
         request (the cut into messages follows from the index's slots), which saves
@@ -349,6 +395,9 @@ class AsyncKVStoreClient(BlockStore):
         answers ``stale`` and sends nothing, and the classic two-step get runs.
         """
         mine = [views[i] for i in idx]
+        mapping = self._mapping(node)
+        if mapping is not None:
+            return await self._get_shm(node, mapping, idx, keys, mine, entries)
         runs = runs_of(mine)
         request = {"op": "get", "keys": [keys[i].redis_key for i in idx], "runs": runs}
         msgs = None
@@ -380,13 +429,13 @@ class AsyncKVStoreClient(BlockStore):
                     f"get from store node {node.node_id} failed: {exc!r}") from exc
             if present is not None:
                 self.num_fast_gets += expect is not None
-                return {i for i, hit in zip(idx, present, strict=True) if hit}
+                return {i: None for i, hit in zip(idx, present, strict=True) if hit}
             # stale: cancel the receives posted for the expected cut, then retry
             self.num_stale_gets += 1
             self._drop(conn)
             if expect is None:
                 break
-        return set()
+        return {}
 
     async def _get_once(self, conn: NodeConnection, request_id: int, node: NodeInfo,
                         mine: list[np.ndarray], request: dict[str, Any],
@@ -407,6 +456,186 @@ class AsyncKVStoreClient(BlockStore):
             recvs = post(reply["msgs"])
         await asyncio.gather(*recvs)
         return [bool(p) for p in reply["present"]]
+
+    # -- same-host shared-memory reads (kvstore/shm.py) ----------------------------------------
+
+    def _mapping(self, node: NodeInfo) -> Mapping | None:
+        """The node's segment mapped read-only, ``None`` if it must be read over UCX."""
+        if not (self.shm and node.shm_path and node.shm_id and node.host_id == host_id()):
+            return None
+        ident = f"{node.shm_path}|{node.shm_id}"
+        cached = self._maps.get(node.node_id)
+        if cached is not None and cached[0] == ident:
+            return cached[1]
+        try:
+            mapping: Mapping | None = Mapping(node.shm_path, node.shm_id)
+        except (OSError, ValueError) as exc:
+            logger.info("store node %s: cannot map its shared pool (%s); reading over UCX",
+                        node.node_id, exc)
+            mapping = None
+        self._maps[node.node_id] = (ident, mapping)
+        return mapping
+
+    async def _shm_request(self, conn: NodeConnection, node: NodeInfo,
+                           keys: list[str]) -> dict[str, Any]:
+        """Send ``get_shm`` for ``keys`` and return the node's reply (see protocol.py)."""
+        try:
+            reply = await within(conn.request(next_request_id(), {"op": "get_shm", "keys": keys}),
+                                 self.timeout_s)
+        except (TimeoutError, asyncio.TimeoutError) as exc:
+            self._drop(conn)
+            raise KVStoreTimeoutError(
+                f"get from store node {node.node_id} ({node.address}) timed out after "
+                f"{self.timeout_s}s (node dead or overloaded)") from exc
+        except Exception as exc:  # noqa: BLE001 - UCX failure: connection unusable
+            self._drop(conn)
+            raise KVStoreError(f"get from store node {node.node_id} failed: {exc!r}") from exc
+        _raise_if_error(reply, node)
+        offsets, sizes = reply.get("offsets"), reply.get("sizes")
+        if not (isinstance(offsets, list) and isinstance(sizes, list)
+                and len(offsets) == len(sizes) == len(keys)):
+            if reply.get("lease"):
+                self._release(conn, reply["lease"])
+            raise KVStoreError(f"store node {node.node_id} answered a malformed get_shm")
+        return reply
+
+    async def _get_shm(self, node: NodeInfo, mapping: Mapping, idx: list[int],
+                       keys: list[BlockKey], mine: list[np.ndarray],
+                       entries: list[IndexEntry | None]) -> dict[int, bool | None]:
+        """:meth:`_get_from` for a node on this host: the node pins the blocks and
+        answers with their offsets in its segment; we copy them straight into
+        ``mine`` (:meth:`_copy_shm`) and release the pins."""
+        conn = await self._conn(node)
+        reply = await self._shm_request(conn, node, [keys[i].redis_key for i in idx])
+        try:
+            good = self._copy_shm(mapping, reply["offsets"], reply["sizes"], idx, mine, entries)
+        finally:
+            if reply.get("lease"):
+                self._release(conn, reply["lease"])
+        self.num_shm_gets += 1
+        self._shm_node = node
+        return good
+
+    def _copy_shm(self, mapping: Mapping, offsets: list[int], sizes: list[int], idx: list[int],
+                  mine: list[np.ndarray],
+                  entries: list[IndexEntry | None]) -> dict[int, bool | None]:
+        """Copy blocks ``idx`` (at ``offsets[j]``, ``sizes[j]`` in the segment; -1: absent)
+        into ``mine[j]``; returns the indices copied, each with its checksum verdict.
+
+        Blocks adjacent on both sides (a run of consecutive cache blocks in
+        consecutive slots) move in one copy; then each block's checksum is verified
+        on the bytes that landed in ``mine``.
+
+        NOTE: one copy per run, not per block: glibc copies of up to the L2 size
+        (512 KiB on AMD Zen) use ``rep movsb``, which ran 3x slower here when the
+        destination is not 64-byte aligned relative to the (page-aligned) slot, as
+        numpy's 16-byte-aligned arrays are (torch's are 64-byte aligned); larger
+        copies use vector loops that do not care. Copying in 1-4 MiB pieces and
+        hashing each while still cached gained nothing measurable.
+        """
+        # a block is copied only where the node has it, with the size we expect,
+        # inside the segment
+        ok = [isinstance(o, int) and isinstance(n, int) and 0 <= o and n == v.nbytes
+              and o + n <= mapping.nbytes for o, n, v in zip(offsets, sizes, mine, strict=True)]
+        src = mapping.array
+        good: dict[int, bool | None] = {}
+        for start, count in runs_of(mine):
+            j, end = start, start + count
+            while j < end:
+                if not ok[j]:
+                    j += 1
+                    continue
+                k, stop = j, offsets[j] + sizes[j]
+                while k + 1 < end and ok[k + 1] and offsets[k + 1] == stop:
+                    k += 1
+                    stop += sizes[k]
+                np.copyto(span_of(mine, j, k - j + 1), src[offsets[j]:stop])
+                j = k + 1
+        for j, i in enumerate(idx):
+            if ok[j]:
+                e = entries[i]
+                assert e is not None
+                good[i] = checksum(mine[j]) == e.checksum
+        return good
+
+    # NOTE: speculation. A get's Redis lookup and its get_shm request to the node
+    # that served the previous shared-memory get are sent together, instead of one
+    # after the other (each costs a few hundred us of wake-ups on a busy host).
+    # The reply is used only for the blocks the index places on that node, and
+    # only if the node holds every one of them (a block committed to the index
+    # but not yet marked committed on the node is never taken for a miss); else
+    # it is released and the plain get runs.
+
+    def _speculate(self, keys: list[BlockKey]) -> _Speculation | None:
+        """Start a ``get_shm`` of ``keys`` to the last node read through shared memory."""
+        node = self._shm_node
+        if node is None or not self.shm or not keys:
+            return None
+        conn = self._conns.get(node.node_id)
+        cached = self._maps.get(node.node_id)
+        if (conn is None or conn.closed or conn.ucx_address != node.ucx_address
+                or cached is None or cached[1] is None):
+            return None
+        fut = asyncio.ensure_future(self._shm_request(conn, node, [k.redis_key for k in keys]))
+        return _Speculation(node, conn, cached[1], fut)
+
+    def _spec_fits(self, spec: _Speculation, node: NodeInfo) -> bool:
+        """Whether ``spec`` went to ``node`` as the index describes it now."""
+        return (spec.node.node_id == node.node_id and spec.node.ucx_address == node.ucx_address
+                and not spec.conn.closed and self._mapping(node) is spec.mapping)
+
+    async def _get_spec(self, spec: _Speculation, node: NodeInfo, idx: list[int],
+                        keys: list[BlockKey], views: list[np.ndarray],
+                        entries: list[IndexEntry | None]) -> dict[int, bool | None]:
+        """:meth:`_get_shm` with the speculative request's reply."""
+        spec.used = True
+        reply = await spec.fut
+        lease = reply.get("lease")
+        try:
+            offsets = [reply["offsets"][i] for i in idx]
+            if not all(isinstance(o, int) and o >= 0 for o in offsets):
+                if lease:
+                    self._release(spec.conn, lease)
+                    lease = None
+                return await self._get_from(node, idx, keys, views, entries)
+            sizes = [reply["sizes"][i] for i in idx]
+            good = self._copy_shm(spec.mapping, offsets, sizes, idx, [views[i] for i in idx],
+                                  entries)
+        finally:
+            if lease:
+                self._release(spec.conn, lease)
+        self.num_shm_gets += 1
+        self.num_speculative_gets += 1
+        return good
+
+    def _abandon(self, spec: _Speculation) -> None:
+        """Release an unused speculative request's pins once its reply is in."""
+        spec.used = True
+
+        def done(fut: asyncio.Future[dict[str, Any]]) -> None:
+            if fut.cancelled() or fut.exception() is not None:
+                return  # its connection was dropped (and the node's lease expires)
+            lease = fut.result().get("lease")
+            if lease:
+                self._release(spec.conn, lease)
+
+        spec.fut.add_done_callback(done)
+
+    def _release(self, conn: NodeConnection, lease: int) -> None:
+        """Tell the node a shared-memory read is done (no reply; if it never arrives,
+        the node unpins at the lease's expiry)."""
+        if conn.closed:
+            return
+        msg = proto.encode({"op": "release", "req": next_request_id(), "lease": lease})
+        try:
+            fut = asyncio.ensure_future(conn.ep.send(
+                msg, tag=proto.make_tag(conn.peer_id, 0xFFFFFF, proto.CTRL_PART),
+                force_tag=True))
+        except Exception as exc:  # noqa: BLE001 - endpoint unusable: the lease expires
+            logger.debug("release not sent (the lease expires instead): %r", exc)
+            return
+        self._releases.add(fut)
+        fut.add_done_callback(_release_done(self._releases))
 
     async def _forget(self, key: BlockKey, entry: IndexEntry) -> None:
         """Remove a bad block's index entry (see :meth:`_forget_many`)."""
@@ -454,6 +683,26 @@ class AsyncKVStoreClient(BlockStore):
         for c in list(self._conns.values()):
             self._drop(c)
         await self.redis.aclose()
+
+
+class _Speculation:
+    """A ``get_shm`` sent before the index lookup answered (see ``_speculate``)."""
+
+    def __init__(self, node: NodeInfo, conn: NodeConnection, mapping: Mapping,
+                 fut: asyncio.Future[dict[str, Any]]) -> None:
+        self.node = node
+        self.conn = conn
+        self.mapping = mapping
+        self.fut = fut
+        self.used = False  # its reply is (being) used or released
+
+
+def _release_done(pending: set[asyncio.Future[Any]]) -> Any:
+    def done(fut: asyncio.Future[Any]) -> None:
+        pending.discard(fut)
+        if not fut.cancelled() and fut.exception() is not None:
+            logger.debug("release not sent (the lease expires instead): %r", fut.exception())
+    return done
 
 
 def leading_count(entries: Sequence[IndexEntry | None]) -> int:

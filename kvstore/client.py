@@ -72,16 +72,19 @@ class KVStoreClient:
         layout: optional :class:`LayoutFingerprint`; keys and block sizes are then checked.
         local_node: ``host:port`` or node id of the node to put to first.
         timeout_s: deadline of each node request, seconds.
+        shm: read from nodes on this host through shared memory (default: on unless
+            ``TANDEM_KV_SHM=0``; see kvstore/shm.py).
     """
 
     def __init__(self, redis_url: str, *, layout: LayoutFingerprint | None = None,
-                 local_node: str | None = None, timeout_s: float = 10.0) -> None:
+                 local_node: str | None = None, timeout_s: float = 10.0,
+                 shm: bool | None = None) -> None:
         self._loop = client_loop()
         self.timeout_s = timeout_s
 
         async def make() -> AsyncKVStoreClient:
             return AsyncKVStoreClient(redis_url, layout=layout, local_node=local_node,
-                                      timeout_s=timeout_s)
+                                      timeout_s=timeout_s, shm=shm)
 
         self.aio = self._loop.run(make(), timeout_s)
 

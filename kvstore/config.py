@@ -39,6 +39,10 @@ class NodeConfig:
             connection is dropped (dead or stuck client).
         prefault: touch every page of the pool at start, so that no transfer pays
             for page faults (the pool's memory is committed up front).
+        shm: keep the pool in a shared-memory segment that clients on this host
+            read directly (kvstore/shm.py); off: private memory, UCX reads only.
+        shm_lease_s: a shared-memory read pins its blocks until the client's
+            ``release``, or this long if none comes (client crashed).
     """
 
     host: str
@@ -52,6 +56,8 @@ class NodeConfig:
     slot_bytes: int | None = None
     transfer_timeout_s: float = 30.0
     prefault: bool = True
+    shm: bool = True
+    shm_lease_s: float = 30.0
 
     def __post_init__(self) -> None:
         # the id is the first "|"-separated field of index entries, and lookups join
@@ -67,5 +73,7 @@ class NodeConfig:
             raise ValueError(f"heartbeat_ttl_s must be > 0, got {self.heartbeat_ttl_s}")
         if self.block_ttl_s is not None and self.block_ttl_s <= 0:
             raise ValueError(f"block_ttl_s must be > 0, got {self.block_ttl_s}")
+        if self.shm_lease_s <= 0:
+            raise ValueError(f"shm_lease_s must be > 0, got {self.shm_lease_s}")
         if self.transfer_timeout_s <= 0:
             raise ValueError(f"transfer_timeout_s must be > 0, got {self.transfer_timeout_s}")

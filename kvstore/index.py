@@ -8,7 +8,8 @@ Schema (all keys under ``tandem:``):
   entry is the commit marker); optional Redis TTL for block expiry.
 - ``tandem:kvnode:<node_id>`` -> hash (``address``, ``ucx_address`` hex,
   ``capacity_bytes``, ``used_bytes``, ``num_blocks``, ``slot_bytes``, ``hostname``,
-  ``pid``, ``updated_at``) with a heartbeat TTL: a node whose key expired is dead
+  ``host_id``, ``shm_path``, ``shm_id`` (kvstore/shm.py; empty without a shared
+  pool), ``pid``, ``updated_at``) with a heartbeat TTL: a node whose key expired is dead
   and its blocks are misses.
 - ``tandem:kvnodes`` -> set of node ids ever registered (dead ones are pruned by readers).
 
@@ -50,10 +51,10 @@ return #KEYS - ndel
 
 
 # KEYS: index keys; ARGV[1]: NODE_PREFIX. One round trip for a lookup: the
-# entries, plus (node id, address, ucx address, capacity, used, slot bytes) of
-# every live node they name.
+# entries, plus (node id, address, ucx address, capacity, used, slot bytes, host id,
+# shm path, shm id) of every live node they name.
 # Returns two strings: the entries joined by "\n" ("" for a missing key, so
-# there are exactly #KEYS fields) and the live nodes' six fields each, all
+# there are exactly #KEYS fields) and the live nodes' nine fields each, all
 # joined by "\n" (see parse_lookup). NOTE: one string instead of an array of
 # #KEYS bulk strings, because parsing a reply element costs ~5 us in redis-py's
 # Python parser: 0.3 ms of a 64-block get.
@@ -71,10 +72,12 @@ for i = 1, #vals do
   if nid and not seen[nid] then
     seen[nid] = true
     local h = redis.call('HMGET', ARGV[1] .. nid, 'address', 'ucx_address',
-                         'capacity_bytes', 'used_bytes', 'slot_bytes')
+                         'capacity_bytes', 'used_bytes', 'slot_bytes', 'host_id',
+                         'shm_path', 'shm_id')
     if h[2] then
       nodes[#nodes + 1] = table.concat({nid, h[1] or '', h[2], h[3] or '0', h[4] or '0',
-                                        h[5] or '0'}, '\\n')
+                                        h[5] or '0', h[6] or '', h[7] or '', h[8] or ''},
+                                       '\\n')
     end
   end
 end
@@ -137,7 +140,7 @@ def commit_args(
 
 
 #: Fields per node in :data:`LOOKUP_LUA`'s second string.
-LOOKUP_NODE_FIELDS = 6
+LOOKUP_NODE_FIELDS = 9
 
 
 def parse_lookup(num_keys: int, reply: list[bytes | str]
@@ -146,7 +149,8 @@ def parse_lookup(num_keys: int, reply: list[bytes | str]
 
     Returns ``(entries, nodes)``: ``entries[i]`` is key ``i``'s entry (``None`` when
     absent or malformed); each of ``nodes`` is ``[node id, address, ucx address hex,
-    capacity bytes, used bytes, slot bytes]`` of a live node the entries name.
+    capacity bytes, used bytes, slot bytes, host id, shm path, shm id]`` of a live
+    node the entries name.
 
     Raises:
         ValueError: the reply does not have one field per key or whole node records

@@ -22,6 +22,7 @@ from tandem.kvstore.index import COMMIT_LUA, NODES_SET, IndexEntry, commit_args,
 from tandem.kvstore.keys import INDEX_PREFIX, BlockKey
 from tandem.kvstore.metrics import NodeMetrics
 from tandem.kvstore.pool import Entry, PoolFullError, SlotPool
+from tandem.kvstore.shm import Segment, host_id
 from tandem.kvstore.ucx import endpoint_to, init_ucx, within, worker_address, worker_recv
 
 logger = logging.getLogger("tandem.kvstore.server")
@@ -65,7 +66,18 @@ class StoreNode:
 
     def __init__(self, cfg: NodeConfig) -> None:
         self.cfg = cfg
-        self.pool = SlotPool(cfg.capacity_bytes, cfg.slot_bytes, prefault=cfg.prefault)
+        self.segment: Segment | None = None
+        if cfg.shm:
+            try:
+                self.segment = Segment(cfg.node_id, cfg.capacity_bytes)
+            except OSError as exc:
+                logger.warning("no shared-memory pool (%s): same-host reads use UCX", exc)
+        self.pool = SlotPool(cfg.capacity_bytes, cfg.slot_bytes, prefault=cfg.prefault,
+                             buffer=self.segment.array if self.segment else None)
+        # shared-memory reads in progress: (connection id, lease id) -> (blocks pinned,
+        # expiry timer, start); only the connection that got a lease releases it
+        self._leases: dict[tuple[int, int], tuple[list[Entry], asyncio.TimerHandle, float]] = {}
+        self._next_lease = 1
         self.metrics = NodeMetrics()
         self.metrics.capacity_bytes.set(cfg.capacity_bytes)
         self.redis = aioredis.from_url(cfg.redis_url, socket_timeout=5, socket_connect_timeout=5)
@@ -116,6 +128,8 @@ class StoreNode:
         except (RedisError, OSError):
             pass
         await self.redis.aclose()
+        if self.segment is not None:
+            self.segment.close()
 
     # -- registry -----------------------------------------------------------------------------
 
@@ -128,6 +142,9 @@ class StoreNode:
             "num_blocks": self.pool.num_blocks,
             "slot_bytes": self.pool.slot_bytes or 0,
             "hostname": socket.gethostname(),
+            "host_id": host_id(),
+            "shm_path": self.segment.path if self.segment else "",
+            "shm_id": self.segment.ident if self.segment else "",
             "pid": os.getpid(),
             "updated_at": time.time(),
         }
@@ -245,10 +262,15 @@ class StoreNode:
                     logger.warning("malformed request on connection %d: %s", conn.conn_id, exc)
                     continue
                 work = None
-                if msg.get("op") == "get":
+                op = msg.get("op")
+                if op == "release":
+                    self._release_lease(conn.conn_id, msg.get("lease"))  # no reply
+                    continue
+                if op in ("get", "get_shm"):
                     # see _begin_get; a bad request is answered by _handle as usual
+                    begin = self._begin_get if op == "get" else self._begin_get_shm
                     try:
-                        work = self._begin_get(conn, request_id, msg)
+                        work = begin(conn, request_id, msg)
                     except Exception as exc:  # noqa: BLE001 - re-raised in _handle
                         work = _raise(exc)
                 self._spawn(self._handle(conn, request_id, msg, work))
@@ -491,3 +513,73 @@ class StoreNode:
                 self.pool.release(e)
         self.metrics.get_bytes.inc(sum(e.size_bytes for e in held))
         self.metrics.get_latency.observe(time.perf_counter() - t0)
+
+    # -- shared-memory get ----------------------------------------------------------------------
+
+    def _begin_get_shm(self, conn: _Conn, request_id: int,
+                       msg: dict[str, Any]) -> Coroutine[Any, Any, None]:
+        """Pin the blocks of a same-host get and start the reply with their offsets in
+        the shared segment, without yielding to the loop (see :meth:`_begin_get`).
+
+        The blocks stay pinned (not evicted, not overwritten) until the client's
+        ``release`` of the lease, or :attr:`NodeConfig.shm_lease_s` if none comes.
+
+        Raises:
+            ValueError: malformed request, or this node has no shared segment.
+        """
+        t0 = time.perf_counter()
+        if self.segment is None:
+            raise ValueError("this node's pool is not in shared memory (started with --no-shm)")
+        keys = msg.get("keys")
+        if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
+            raise ValueError("get_shm needs a list of key strings")
+        if len(keys) > proto.MAX_BLOCKS_PER_REQUEST:
+            raise ValueError(f"at most {proto.MAX_BLOCKS_PER_REQUEST} blocks per request")
+        entries = [self.pool.acquire(k) for k in keys]
+        held = [e for e in entries if e is not None]
+        self.metrics.hits.inc(len(held))
+        self.metrics.misses.inc(len(keys) - len(held))
+        lease = 0
+        if held:
+            lease = self._next_lease
+            self._next_lease += 1
+            timer = asyncio.get_running_loop().call_later(
+                self.cfg.shm_lease_s, self._expire_lease, conn.conn_id, lease)
+            self._leases[conn.conn_id, lease] = (held, timer, t0)
+        reply = {"op": "shm", "lease": lease,
+                 "offsets": [self.pool.offset(e.slot) if e else -1 for e in entries],
+                 "sizes": [e.size_bytes if e else 0 for e in entries]}
+        return self._end_get_shm(conn, conn.reply(request_id, reply), lease)
+
+    async def _end_get_shm(self, conn: _Conn, send: Coroutine[Any, Any, None],
+                           lease: int) -> None:
+        ok = False
+        try:
+            await within(send, self.cfg.transfer_timeout_s)
+            ok = True
+        finally:
+            if not ok:
+                self._release_lease(conn.conn_id, lease)  # the client never got the lease
+
+    def _release_lease(self, conn_id: int, lease: Any, expired: bool = False) -> None:
+        """Unpin a shared-memory read's blocks (unknown or released leases: no-op)."""
+        if not isinstance(lease, int):
+            return
+        held = self._leases.pop((conn_id, lease), None)
+        if held is None:
+            return
+        entries, timer, t0 = held
+        timer.cancel()
+        for e in entries:
+            self.pool.release(e)
+        if expired:
+            return
+        self.metrics.get_bytes.inc(sum(e.size_bytes for e in entries))
+        self.metrics.get_latency.observe(time.perf_counter() - t0)
+
+    def _expire_lease(self, conn_id: int, lease: int) -> None:
+        if (conn_id, lease) in self._leases:
+            logger.warning("shared-memory read lease %d of connection %d not released "
+                           "within %.1fs: unpinned", lease, conn_id, self.cfg.shm_lease_s)
+            self.metrics.errors.labels("lease_expired").inc()
+            self._release_lease(conn_id, lease, expired=True)

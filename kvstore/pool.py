@@ -51,20 +51,25 @@ class SlotPool:
         capacity_bytes: size of the buffer.
         slot_bytes: slot size; ``None`` fixes it at the first :meth:`allocate`.
         prefault: write every page now (slower start, no page faults on the hot path).
+        buffer: memory to use (e.g. a shared-memory segment, kvstore/shm.py), at least
+            ``capacity_bytes`` long; default: a private zeroed array.
 
     Raises:
         ValueError: capacity or slot size < 1.
     """
 
     def __init__(self, capacity_bytes: int, slot_bytes: int | None = None,
-                 prefault: bool = False) -> None:
+                 prefault: bool = False, buffer: np.ndarray | None = None) -> None:
         if capacity_bytes < 1:
             raise ValueError(f"capacity_bytes must be >= 1, got {capacity_bytes}")
         if slot_bytes is not None and slot_bytes < 1:
             raise ValueError(f"slot_bytes must be >= 1, got {slot_bytes}")
         self.capacity_bytes = capacity_bytes
-        # NOTE: np.zeros maps pages lazily; prefault touches them all once.
-        self.buffer = np.zeros(capacity_bytes, dtype=np.uint8)
+        if buffer is not None and (buffer.dtype != np.uint8 or buffer.size < capacity_bytes):
+            raise ValueError(f"buffer must be uint8 of >= {capacity_bytes} bytes")
+        # NOTE: np.zeros (and a fresh segment) map pages lazily; prefault touches them once.
+        self.buffer = (np.zeros(capacity_bytes, dtype=np.uint8) if buffer is None
+                       else buffer[:capacity_bytes])
         if prefault:
             self.buffer[::4096] = 1  # NOTE: a write of a non-zero byte faults the page in
             self.buffer[::4096] = 0
@@ -99,6 +104,11 @@ class SlotPool:
         assert self.slot_bytes is not None and 0 <= slot < self.num_slots, f"bad slot {slot}"
         start = slot * self.slot_bytes
         return self.buffer[start : start + size_bytes]
+
+    def offset(self, slot: int) -> int:
+        """Byte offset of ``slot`` in :attr:`buffer`."""
+        assert self.slot_bytes is not None and 0 <= slot < self.num_slots, f"bad slot {slot}"
+        return slot * self.slot_bytes
 
     def span(self, first_slot: int, num_slots: int, last_size_bytes: int) -> np.ndarray:
         """View over consecutive slots: all of each but the last, ``last_size_bytes`` of it."""

@@ -27,6 +27,12 @@ NOTE: a message may span several blocks: runs of blocks adjacent both in the
 client's memory (consecutive ``kv_cache`` block ids) and in the pool move as
 one UCX message, because the per-message cost in Python, not bandwidth, bounds
 small blocks.
+- ``get_shm`` (client on the node's host, kvstore/shm.py): ``keys`` -> reply
+  ``shm`` with ``offsets`` (byte offset of each block in the node's shared
+  segment, -1 when absent), ``sizes`` and ``lease``; the node pins the present
+  blocks (as a ``get`` does, LRU touch included) until the client's ``release``
+  (``lease``; no reply) or the lease's expiry. The client copies the blocks out
+  of its mapping of the segment itself; no payload crosses UCX.
 - ``stat``: -> node statistics; ``corrupt`` (test hook, only with
   ``TANDEM_KVSTORE_TEST_HOOKS=1``): flip a byte of a stored block.
 """

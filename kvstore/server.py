@@ -3,6 +3,7 @@
     tandem kvstore --listen HOST:PORT --capacity BYTES --redis-url URL
                    [--node-id ID] [--metrics-port PORT] [--heartbeat-ttl-s S]
                    [--block-ttl-s S] [--slot-bytes N] [--transfer-timeout-s S]
+                   [--no-shm] [--shm-lease-s S]
 
 The node preallocates ``--capacity`` bytes of host memory (kvstore/pool.py),
 registers itself in Redis with its UCX worker address and a heartbeat TTL,
@@ -10,7 +11,9 @@ and serves batched put/get requests (kvstore/protocol.py): payloads move
 between the wire and pool slots directly. ``--listen HOST:PORT`` is the node's
 address in the registry (what ``--kvstore HOST:PORT`` of prefill/decode names
 as their local node); HTTP ``/health`` and ``/metrics`` are served on
-``--metrics-port`` (default: the ``--listen`` port).
+``--metrics-port`` (default: the ``--listen`` port). The pool lives in a
+shared-memory segment that clients on the same host read directly
+(kvstore/shm.py); ``--no-shm`` keeps it private (UCX reads only).
 """
 
 from __future__ import annotations
@@ -81,6 +84,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--transfer-timeout-s", type=float, default=30.0)
     p.add_argument("--no-prefault", action="store_true",
                    help="map pool pages lazily instead of touching them all at start")
+    p.add_argument("--no-shm", action="store_true",
+                   help="keep the pool in private memory (no same-host shared-memory reads)")
+    p.add_argument("--shm-lease-s", type=float, default=30.0,
+                   help="unpin a shared-memory read's blocks after this long without release")
     p.add_argument("--log-level", default="INFO")
     return p
 
@@ -100,7 +107,7 @@ def config_from_args(argv: list[str]) -> NodeConfig:
             metrics_port=int(port) if a.metrics_port is None else a.metrics_port,
             heartbeat_ttl_s=a.heartbeat_ttl_s, block_ttl_s=a.block_ttl_s,
             slot_bytes=a.slot_bytes, transfer_timeout_s=a.transfer_timeout_s,
-            prefault=not a.no_prefault,
+            prefault=not a.no_prefault, shm=not a.no_shm, shm_lease_s=a.shm_lease_s,
         )
     except ValueError as exc:
         parser.error(str(exc))

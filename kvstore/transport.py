@@ -71,15 +71,31 @@ class NodeInfo:
     capacity_bytes: int
     used_bytes: int
     slot_bytes: int = 0
+    #: kvstore/shm.py: the node's host identity and shared segment ("" without one)
+    host_id: str = ""
+    shm_path: str = ""
+    shm_id: str = ""
 
     @classmethod
     def from_hash(cls, node_id: str, h: dict[bytes, bytes]) -> NodeInfo | None:
         try:
             return cls(node_id, h[b"address"].decode(), bytes.fromhex(h[b"ucx_address"].decode()),
                        int(h[b"capacity_bytes"]), int(h[b"used_bytes"]),
-                       int(h.get(b"slot_bytes", b"0")))
+                       int(h.get(b"slot_bytes", b"0")), h.get(b"host_id", b"").decode(),
+                       h.get(b"shm_path", b"").decode(), h.get(b"shm_id", b"").decode())
         except (KeyError, ValueError):
             return None
+
+    @classmethod
+    def from_lookup(cls, fields: list[str]) -> NodeInfo:
+        """From one node record of :func:`tandem.kvstore.index.parse_lookup`.
+
+        Raises:
+            ValueError: malformed fields.
+        """
+        nid, address, ucx, cap, used, slot, host, shm_path, shm_id = fields
+        return cls(nid, address, bytes.fromhex(ucx), int(cap), int(used), int(slot), host,
+                   shm_path, shm_id)
 
 
 class NodeConnection:

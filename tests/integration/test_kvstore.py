@@ -1,9 +1,15 @@
-"""KV store end to end: real redis-server, real store nodes in subprocesses, UCX on loopback."""
+"""KV store end to end: real redis-server, real store nodes in subprocesses, UCX on loopback.
+
+Gets from a node on this host read its shared-memory pool (kvstore/shm.py) unless the
+client has ``shm=False``: the get tests that matter run both ways (``read_path``).
+"""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -83,24 +89,45 @@ def client(store_url: str, nodes) -> KVStoreClient:
     c.close()
 
 
-def test_round_trip_bf16_and_fp32_is_bit_exact(store_url: str, nodes) -> None:
+@pytest.fixture(params=["shm", "ucx"])
+def read_path(request: pytest.FixtureRequest) -> str:
+    """How gets read a node on this host: its shared-memory pool, or UCX."""
+    return request.param
+
+
+def used_path(c: KVStoreClient, shm_gets_before: int) -> str:
+    return "shm" if c.aio.num_shm_gets > shm_gets_before else "ucx"
+
+
+@pytest.fixture(scope="module")
+def ucx_client(store_url: str, nodes) -> KVStoreClient:
+    c = KVStoreClient(store_url, local_node=nodes["n1"].address, timeout_s=10, shm=False)
+    yield c
+    c.close()
+
+
+def test_round_trip_bf16_and_fp32_is_bit_exact(store_url: str, nodes, read_path: str) -> None:
     for layout, seed in ((BF16, 1), (FP32, 2)):
-        c = KVStoreClient(store_url, layout=layout, local_node="n1", timeout_s=10)
-        keys = layout.keys(hashes(f"rt-{layout.dtype}", 6))
+        c = KVStoreClient(store_url, layout=layout, local_node="n1", timeout_s=10,
+                          shm=read_path == "shm")
+        keys = layout.keys(hashes(f"rt-{layout.dtype}-{read_path}", 6))
         blocks = random_blocks(layout, 6, seed)
         assert c.put_blocks(keys, blocks) == 6
         assert c.lookup(keys) == 6
         into = [torch.empty_like(b) for b in blocks]
         assert c.get_blocks(keys, into) == 6
+        assert used_path(c, 0) == read_path
         assert all(same_bits(a, b) for a, b in zip(blocks, into, strict=True))
         c.close()
 
 
-def test_batched_get_across_nodes_and_lookup_agrees(store_url: str, nodes) -> None:
-    keys = BF16.keys(hashes("multi", 10))
+def test_batched_get_across_nodes_and_lookup_agrees(store_url: str, nodes,
+                                                    read_path: str) -> None:
+    keys = BF16.keys(hashes(f"multi-{read_path}", 10))
     blocks = random_blocks(BF16, 10, 3)
-    c1 = KVStoreClient(store_url, local_node=nodes["n1"].address)
-    c2 = KVStoreClient(store_url, local_node=nodes["n2"].address)
+    shm = read_path == "shm"
+    c1 = KVStoreClient(store_url, local_node=nodes["n1"].address, shm=shm)
+    c2 = KVStoreClient(store_url, local_node=nodes["n2"].address, shm=shm)
     assert c1.put_blocks(keys[:5], blocks[:5]) == 5
     assert c2.put_blocks(keys[5:], blocks[5:]) == 5
     assert set(c1.stat("n1")["lru"]) >= {k.redis_key for k in keys[:5]}
@@ -108,6 +135,7 @@ def test_batched_get_across_nodes_and_lookup_agrees(store_url: str, nodes) -> No
     into = [torch.empty_like(b) for b in blocks]
     assert c1.lookup(keys) == 10
     assert c1.get_blocks(keys, into) == 10  # one call, two nodes
+    assert c1.aio.num_shm_gets == (2 if shm else 0)
     assert all(same_bits(a, b) for a, b in zip(blocks, into, strict=True))
     # a gap ends the leading run for lookup and get alike
     gap = keys[:3] + BF16.keys(hashes("never-stored", 1)) + keys[4:]
@@ -122,10 +150,12 @@ def test_batched_get_across_nodes_and_lookup_agrees(store_url: str, nodes) -> No
     c2.close()
 
 
-def test_blocks_of_one_cache_tensor_move_in_runs(client: KVStoreClient) -> None:
+@pytest.mark.parametrize("shm", [True, False])
+def test_blocks_of_one_cache_tensor_move_in_runs(store_url: str, nodes, shm: bool) -> None:
     """Consecutive cache blocks travel as one message; scattered ones block by block."""
+    client = KVStoreClient(store_url, local_node="n1", shm=shm)
     src = torch.cat([b.unsqueeze(0) for b in random_blocks(BF16, 8, 12)])  # a kv_cache
-    keys = BF16.keys(hashes("runs", 8))
+    keys = BF16.keys(hashes(f"runs-{shm}", 8))
     assert client.put_blocks(keys, [src[b] for b in range(8)]) == 8
     dst = torch.zeros_like(src)
     # block ids 1,2,3 adjacent, then 7, then 4,5 adjacent again, 0, 6
@@ -133,10 +163,12 @@ def test_blocks_of_one_cache_tensor_move_in_runs(client: KVStoreClient) -> None:
     assert client.get_blocks(keys, [dst[b] for b in ids]) == 8
     for i, b in enumerate(ids):
         assert same_bits(dst[b], src[i])
+    client.close()
 
 
-def test_stale_expected_cut_falls_back_to_two_step_get(client: KVStoreClient) -> None:
-    """A get that expects slots the index no longer describes gets nothing wrong."""
+def test_stale_expected_cut_falls_back_to_two_step_get(ucx_client: KVStoreClient) -> None:
+    """A get that expects slots the index no longer describes gets nothing wrong (UCX)."""
+    client = ucx_client
     from dataclasses import replace
 
     keys = BF16.keys(hashes("stale", 3))
@@ -169,7 +201,7 @@ def test_stale_expected_cut_falls_back_to_two_step_get(client: KVStoreClient) ->
 
     got, dst = client._run(get_with_stale_index())
     assert aio.num_stale_gets == stale + 1
-    assert got == {0, 1, 2}
+    assert set(got) == {0, 1, 2}
     assert all(same_bits(a, b) for a, b in zip(blocks, dst, strict=True))
 
 
@@ -183,16 +215,16 @@ def test_put_of_present_keys_sends_nothing_and_keeps_data(client: KVStoreClient)
     assert all(same_bits(a, b) for a, b in zip(blocks, into, strict=True))
 
 
-def test_eight_writers_and_eight_readers(store_url: str, nodes) -> None:
-    shared = KVStoreClient(store_url, local_node="n2", timeout_s=20)
-    seed_keys = BF16.keys(hashes("readers", 4))
+def test_eight_writers_and_eight_readers(store_url: str, nodes, read_path: str) -> None:
+    shared = KVStoreClient(store_url, local_node="n2", timeout_s=20, shm=read_path == "shm")
+    seed_keys = BF16.keys(hashes(f"readers-{read_path}", 4))
     seed_blocks = random_blocks(BF16, 4, 5)
     assert shared.put_blocks(seed_keys, seed_blocks) == 4
     errors: list[BaseException] = []
 
     def writer(w: int) -> None:
         try:
-            keys = BF16.keys(hashes(f"writer{w}", 3))
+            keys = BF16.keys(hashes(f"writer{w}-{read_path}", 3))
             blocks = random_blocks(BF16, 3, 100 + w)
             assert shared.put_blocks(keys, blocks) == 3
             into = [torch.empty_like(b) for b in blocks]
@@ -216,6 +248,7 @@ def test_eight_writers_and_eight_readers(store_url: str, nodes) -> None:
         t.start()
     for t in threads:
         t.join()
+    assert used_path(shared, 0) == read_path
     shared.close()
     assert not errors, errors
 
@@ -282,16 +315,19 @@ def test_bad_inputs_are_clear_errors_and_the_node_keeps_serving(
     typed.close()
 
 
-def test_corrupted_slot_is_a_miss(client: KVStoreClient) -> None:
-    keys = BF16.keys(hashes("corrupt", 4))
+def test_corrupted_slot_is_a_miss(store_url: str, nodes, read_path: str) -> None:
+    client = KVStoreClient(store_url, local_node="n1", shm=read_path == "shm")
+    keys = BF16.keys(hashes(f"corrupt-{read_path}", 4))
     blocks = random_blocks(BF16, 4, 7)
     assert client.put_blocks(keys, blocks) == 4
     client._run(client.aio.node_request("n1", {"op": "corrupt", "key": keys[2].redis_key}))
     into = [torch.empty_like(b) for b in blocks]
     assert client.get_blocks(keys, into) == 2
+    assert used_path(client, 0) == read_path
     assert all(same_bits(a, b) for a, b in zip(blocks[:2], into[:2], strict=True))
-    assert client.aio.num_checksum_failures >= 1
+    assert client.aio.num_checksum_failures == 1
     assert client.lookup(keys) == 2  # the bad entry was removed from the index
+    client.close()
 
 
 def test_health_and_metrics(nodes, client: KVStoreClient) -> None:
@@ -357,6 +393,186 @@ def test_lru_eviction_order_and_in_flight_read_guard(store_url: str, tmp_path) -
         node.stop()
 
 
+def test_shm_read_pins_until_release_and_the_lease_expires(store_url: str, tmp_path) -> None:
+    """A shared-memory read pins its blocks like a UCX get (not evicted while the client
+    copies); a client that never releases (crashed) loses its pins at the lease's end."""
+    node = StoreNodeProcess(store_url, "leases", 4 * BLOCK, log_dir=tmp_path,
+                            extra_args=("--shm-lease-s", "3"))
+    c = KVStoreClient(store_url, local_node="leases")
+    try:
+        node.wait_ready(c)
+        k = BF16.keys(hashes("lease", 8))
+        blocks = random_blocks(BF16, 8, 16)
+        assert c.put_blocks(k[:4], blocks[:4]) == 4
+        # a whole get releases its pins when done
+        into = [torch.empty_like(b) for b in blocks[:2]]
+        assert c.get_blocks(k[:2], into) == 2 and c.aio.num_shm_gets == 1
+        poll(lambda: c.stat("leases")["pinned"] == [])
+
+        aio = c.aio
+
+        async def read_without_release() -> dict:
+            nodes = await aio.live_nodes()
+            conn = await aio._conn(nodes["leases"])
+            return await conn.request(888_888, {"op": "get_shm", "keys": [k[2].redis_key]})
+
+        reply = c._run(read_without_release())
+        assert reply["op"] == "shm" and reply["lease"] > 0 and reply["sizes"] == [BLOCK]
+        t_pinned = time.monotonic()
+        assert c.stat("leases")["pinned"] == [k[2].redis_key]
+        # k2 is now the most recent; four puts evict everything else, never k2
+        for i in (4, 5, 6, 7):
+            assert c.put_blocks(k[i:i + 1], blocks[i:i + 1]) == 1
+        assert c.contains([k[2]]) == [True]
+        assert c.stat("leases")["pinned"] == [k[2].redis_key]
+        # only the connection that got the lease can release it
+        other = KVStoreClient(store_url)
+
+        async def release_from_elsewhere() -> None:
+            nodes = await other.aio.live_nodes()
+            other.aio._release(await other.aio._conn(nodes["leases"]), reply["lease"])
+
+        other._run(release_from_elsewhere())
+        other.close()
+        time.sleep(0.3)
+        assert c.stat("leases")["pinned"] == [k[2].redis_key]
+        # the slot still holds k2's bytes (read through the segment, as a client does)
+        mapping = aio._mapping(c.live_nodes()["leases"])
+        off = reply["offsets"][0]
+        assert bytes(mapping.array[off:off + BLOCK]) == bytes(blocks[2].view(torch.uint8)
+                                                              .numpy().reshape(-1))
+        # no release: the lease expires after ~3 s, on the same (live) connection
+        poll(lambda: c.stat("leases")["pinned"] == [], timeout_s=10)
+        assert time.monotonic() - t_pinned > 2
+        assert "lease_expired" in node.metrics_text()
+        assert c.put_blocks(k[:1], blocks[:1]) == 1  # k2, the LRU block, is evictable again
+        assert c.contains([k[2]]) == [False]
+    finally:
+        c.close()
+        node.stop()
+
+
+def _shm_files() -> set[str]:
+    return {f for f in os.listdir("/dev/shm") if "tandem" in f}
+
+
+def test_shm_segment_never_leaks(store_url: str, tmp_path) -> None:
+    """The pool segment has no /dev/shm name, and is gone with the node (stop or kill)."""
+    before = _shm_files()
+    c = KVStoreClient(store_url)
+    try:
+        for end in ("stop", "kill"):
+            node = StoreNodeProcess(store_url, f"leak-{end}", 1 << 20, heartbeat_ttl_s=1.5,
+                                    log_dir=tmp_path)
+            node.wait_ready(c)
+            info = c.live_nodes()[f"leak-{end}"]
+            assert info.shm_path == f"/proc/{node.proc.pid}/fd/" + info.shm_path.split("/")[-1]
+            assert os.path.exists(info.shm_path) and _shm_files() == before
+            keys = BF16.keys(hashes(f"leak-{end}", 2))
+            blocks = random_blocks(BF16, 2, 17)
+            assert c.put_blocks(keys, blocks) == 2
+            into = [torch.empty_like(b) for b in blocks]
+            shm_gets = c.aio.num_shm_gets
+            assert c.get_blocks(keys, into) == 2 and c.aio.num_shm_gets == shm_gets + 1
+            node.stop() if end == "stop" else node.kill()
+            assert not os.path.exists(info.shm_path)
+            poll(lambda: f"leak-{end}" not in c.live_nodes())  # noqa: B023
+            # the client let go of its mapping too (the segment's memory is freed)
+            assert f"leak-{end}" not in c.aio._maps
+            assert _shm_files() == before
+            node.stop()
+    finally:
+        c.close()
+
+
+def test_shm_get_sent_with_the_lookup_is_used_only_where_it_fits(store_url: str,
+                                                                 nodes) -> None:
+    """After a first shared-memory get, a get's get_shm goes out together with its index
+    lookup, to the node read last; its reply is used only for that node's blocks, and
+    only when the node holds all of them (else the plain path decides)."""
+    c = KVStoreClient(store_url, local_node="n1", shm=True)
+    c2 = KVStoreClient(store_url, local_node="n2", shm=True)
+    r = redis.Redis.from_url(store_url)
+    try:
+        keys = BF16.keys(hashes("spec", 6))
+        blocks = random_blocks(BF16, 6, 19)
+        assert c.put_blocks(keys[:3], blocks[:3]) == 3
+        assert c2.put_blocks(keys[3:], blocks[3:]) == 3
+        aio = c.aio
+        into = [torch.empty_like(b) for b in blocks]
+        assert c.get_blocks(keys[:3], into[:3]) == 3  # n1, not speculated
+        assert (aio.num_shm_gets, aio.num_speculative_gets) == (1, 0)
+        for _ in range(2):
+            into = [torch.empty_like(b) for b in blocks]
+            assert c.get_blocks(keys, into) == 6  # n1 speculated, n2 read on its own
+            assert all(same_bits(a, b) for a, b in zip(blocks, into, strict=True))
+        assert aio.num_speculative_gets >= 1
+        # only n2's blocks: the get_shm that went to n1 is released, nothing stays pinned
+        spec = aio.num_speculative_gets
+        assert c.get_blocks(keys[3:], into[3:]) == 3
+        assert aio.num_speculative_gets == spec
+        poll(lambda: c.stat("n1")["pinned"] == [] and c.stat("n2")["pinned"] == [])
+
+        # an index entry whose payload is not on the node (a commit marker without bytes):
+        # the speculative reply lacks it, so the plain path runs and finds the miss
+        ghost = BF16.keys(hashes("spec-ghost", 1))[0]
+        assert c.get_blocks(keys[:1], into[:1]) == 1  # n1 is the last node read
+        slot = int(r.get(keys[0].redis_key).decode().split("|")[1])
+        r.set(ghost.redis_key, f"n1|{slot}|{BLOCK}|0123456789abcdef")
+        got = c.get_blocks([*keys[:2], ghost], [torch.empty_like(b) for b in blocks[:3]])
+        assert got == 2
+        assert r.get(ghost.redis_key) is None  # the ghost entry was cleaned up
+        assert c.get_blocks(keys[:3], into[:3]) == 3
+        poll(lambda: c.stat("n1")["pinned"] == [])
+    finally:
+        r.close()
+        c.close()
+        c2.close()
+
+
+def test_shm_off_or_not_mappable_reads_over_ucx(store_url: str, tmp_path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    node = StoreNodeProcess(store_url, "private", 1 << 20, log_dir=tmp_path,
+                            extra_args=("--no-shm",))
+    c = KVStoreClient(store_url, local_node="private")
+    try:
+        node.wait_ready(c)
+        info = c.live_nodes()["private"]
+        assert info.shm_path == "" and info.host_id  # a node started with --no-shm
+        keys = BF16.keys(hashes("private", 3))
+        blocks = random_blocks(BF16, 3, 18)
+        assert c.put_blocks(keys, blocks) == 3
+        into = [torch.empty_like(b) for b in blocks]
+        assert c.get_blocks(keys, into) == 3 and c.aio.num_shm_gets == 0
+        assert all(same_bits(a, b) for a, b in zip(blocks, into, strict=True))
+        # asked anyway, it refuses clearly and keeps serving
+        with pytest.raises(KVStoreNodeError, match="not in shared memory"):
+            c._run(c.aio.node_request("private", {"op": "get_shm", "keys": []}))
+        assert c.get_blocks(keys, into) == 3
+    finally:
+        c.close()
+        node.stop()
+
+    # a node on another host, or a segment that is not the advertised one: UCX
+    monkeypatch.setenv("TANDEM_KV_SHM", "0")
+    assert KVStoreClient(store_url).aio.shm is False
+    monkeypatch.delenv("TANDEM_KV_SHM")
+    shm_node = StoreNodeProcess(store_url, "shared", 1 << 20, log_dir=tmp_path)
+    c = KVStoreClient(store_url)
+    try:
+        shm_node.wait_ready(c)
+        info = c.live_nodes()["shared"]
+        assert c.aio._mapping(info) is not None
+        assert c.aio._mapping(replace(info, node_id="x", host_id="elsewhere")) is None
+        dev, ino, size = info.shm_id.split(":")
+        assert c.aio._mapping(replace(info, node_id="y", shm_id=f"{dev}:{int(ino) + 1}:{size}")) \
+            is None
+        assert c.aio._mapping(replace(info, node_id="z", shm_path="/proc/1/fd/999999")) is None
+    finally:
+        c.close()
+        shm_node.stop()
+
+
 def test_clean_stop_withdraws_node_and_entries(store_url: str, tmp_path) -> None:
     node = StoreNodeProcess(store_url, "leaver", 1 << 20, log_dir=tmp_path)
     c = KVStoreClient(store_url, local_node="leaver")
@@ -392,19 +608,23 @@ def test_block_ttl_expiry(store_url: str, tmp_path) -> None:
         node.stop()
 
 
-def test_killed_node_fails_fast_then_misses(store_url: str, tmp_path) -> None:
+def test_killed_node_fails_fast_then_misses(store_url: str, tmp_path, read_path: str) -> None:
     node = StoreNodeProcess(store_url, "doomed", 1 << 20, heartbeat_ttl_s=1.5,
                             log_dir=tmp_path)
-    c = KVStoreClient(store_url, local_node="doomed", timeout_s=2)
+    c = KVStoreClient(store_url, local_node="doomed", timeout_s=2, shm=read_path == "shm")
     try:
         node.wait_ready(c)
-        keys = BF16.keys(hashes("doomed", 3))
+        keys = BF16.keys(hashes(f"doomed-{read_path}", 3))
         blocks = random_blocks(BF16, 3, 10)
         assert c.put_blocks(keys, blocks) == 3
-        node.kill()
         into = [torch.empty_like(b) for b in blocks]
+        assert c.get_blocks(keys, into) == 3
+        assert used_path(c, 0) == read_path
+        node.kill()
+        t0 = time.monotonic()
         with pytest.raises(KVStoreTimeoutError, match="doomed.*timed out"):
             c.get_blocks(keys, into)
+        assert time.monotonic() - t0 < 2 + 3  # the client's timeout, not a hang
         poll(lambda: c.lookup(keys) == 0)  # heartbeat expired: a miss
         assert c.get_blocks(keys, into) == 0
         r = redis.Redis.from_url(store_url)

@@ -163,7 +163,8 @@ def test_lookup_reply_parsing() -> None:
     from tandem.kvstore.index import parse_lookup
 
     e = IndexEntry("n1", 3, 100, "ab")
-    node = ["n1", "127.0.0.1:7000", "ff00", "1024", "100", "256"]
+    node = ["n1", "127.0.0.1:7000", "ff00", "1024", "100", "256", "h/boot/pid:[1]",
+            "/proc/7/fd/5", "1:2:1024"]
     entries, nodes = parse_lookup(3, [f"{e.encode()}\n\ngarbage".encode(),
                                       "\n".join(node).encode()])
     assert entries == [e, None, None] and nodes == [node]
