@@ -15,6 +15,7 @@ import grpc
 import httpx
 import openai
 import pytest
+from waiting import wait_until
 
 from tandem.engine.sampling_params import SamplingParams
 from tandem.up import Stack, StackConfig
@@ -314,17 +315,6 @@ def _decode_load(stack) -> common_pb2.GetLoadResponse:
                                                              timeout=10)
 
 
-def _wait_for(cond, timeout_s: float, what: str):  # noqa: ANN001, ANN202
-    import time
-
-    deadline = time.monotonic() + timeout_s
-    while not (value := cond()):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out waiting for {what}")
-        time.sleep(0.1)
-    return value
-
-
 def test_disconnect_mid_stream_frees_decode_blocks(stack) -> None:
     body = {"model": MODEL, "prompt": "Tell me a very long story.", "max_tokens": 1500,
             "ignore_eos": True, "temperature": 0, "stream": True}
@@ -343,7 +333,7 @@ def test_disconnect_mid_stream_frees_decode_blocks(stack) -> None:
             load = _decode_load(stack)
             assert load.num_running_requests + load.num_waiting_requests >= 1, events
         # Leaving the block closes the connection mid-stream.
-    load = _wait_for(lambda: (lambda r: r if r.num_running_requests == 0
+    load = wait_until(lambda: (lambda r: r if r.num_running_requests == 0
                               and r.num_waiting_requests == 0
                               and r.num_free_blocks == r.num_total_blocks else None)(
         _decode_load(stack)), 60, "decode instance to free the request's blocks")

@@ -13,13 +13,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import grpc
 import httpx
 import openai
 import pytest
+from waiting import wait_until
 
 from tandem.up import free_port
 from tandem.v1 import common_pb2, generation_pb2, generation_pb2_grpc
@@ -31,15 +31,6 @@ from services_harness import tiny_model_dir  # noqa: E402
 API_KEY = "sk-test-key"
 MODEL = "h5_tiny_llama"  # the tiny model folder's name, which the router serves
 MAX_MODEL_LEN = 512
-
-
-def _wait_for(cond, timeout_s: float, what: str):  # noqa: ANN001, ANN202
-    deadline = time.monotonic() + timeout_s
-    while not (value := cond()):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out waiting for {what}")
-        time.sleep(0.1)
-    return value
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +56,7 @@ def router(tmp_path_factory):
             return False
 
     try:
-        _wait_for(up, 120, "router /health")
+        wait_until(up, 120, "router /health")
         yield url, f"127.0.0.1:{grpc_port}"
     finally:
         proc.send_signal(signal.SIGTERM)

@@ -20,6 +20,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from waiting import wait_until
 
 from tandem.up import Stack, StackConfig, free_port
 
@@ -31,15 +32,6 @@ ENGINE_ARGS = ["--dtype", "float32", "--num-kv-blocks", "512", "--max-model-len"
 ROUTER_ARGS = ["--max-model-len", "1024"]
 #: Client-side bound on any one request: a hang fails the test instead of blocking it.
 REQUEST_TIMEOUT_S = 120.0
-
-
-def _wait_for(cond, timeout_s: float, what: str):  # noqa: ANN001, ANN202
-    deadline = time.monotonic() + timeout_s
-    while not (value := cond()):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out waiting for {what}")
-        time.sleep(0.1)
-    return value
 
 
 @pytest.fixture(scope="module")
@@ -188,7 +180,7 @@ def colocated(tiny, tmp_path_factory):
             except httpx.HTTPError:
                 return False
 
-        _wait_for(ready, 300, "colocated router ready")
+        wait_until(ready, 300, "colocated router ready")
         yield url
         router.send_signal(signal.SIGTERM)
         assert router.wait(timeout=30) == 0
@@ -231,7 +223,7 @@ def test_full_queue_is_503_with_retry_after(colocated) -> None:
             assert resp.headers["Retry-After"] == "1"
             assert resp.json()["error"]["type"] == "service_unavailable_error"
         # The first stream closed (client gone): its slot frees and requests pass again.
-        _wait_for(lambda: http.post(f"{colocated}/v1/completions", json={
+        wait_until(lambda: http.post(f"{colocated}/v1/completions", json={
             "model": model, "prompt": [1, 2], "max_tokens": 2}).status_code == 200,
             60, "the slot to free after the disconnect")
 
@@ -257,7 +249,7 @@ def test_tandem_up_sigterm_stops_everything(tiny, tmp_path) -> None:
             except httpx.HTTPError:
                 return False
 
-        _wait_for(ready, 300, "tandem up ready")
+        wait_until(ready, 300, "tandem up ready")
         children = psutil.Process(proc.pid).children(recursive=True)
         names = " ".join(" ".join(c.cmdline()) for c in children)
         assert "redis-server" in names and "router" in names and "--role both" in names
@@ -267,7 +259,7 @@ def test_tandem_up_sigterm_stops_everything(tiny, tmp_path) -> None:
         assert resp.status_code == 200, resp.text
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
-        _wait_for(lambda: not any(c.is_running() and c.status() != psutil.STATUS_ZOMBIE
+        wait_until(lambda: not any(c.is_running() and c.status() != psutil.STATUS_ZOMBIE
                                   for c in children), 30, "children to exit")
         assert not list(tmp_path.glob("tandem-up-*")), "temp dir left behind"
     finally:
@@ -305,12 +297,12 @@ def test_tandem_up_sigint_with_inherited_sig_ign_stops_everything(tiny, tmp_path
             except httpx.HTTPError:
                 return False
 
-        _wait_for(ready, 300, "tandem up ready")
+        wait_until(ready, 300, "tandem up ready")
         kids = psutil.Process(proc.pid).children(recursive=True)
         assert kids, "tandem up started no children"
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=60) == 0, proc.stdout.read()
-        _wait_for(lambda: not any(c.is_running() and c.status() != psutil.STATUS_ZOMBIE
+        wait_until(lambda: not any(c.is_running() and c.status() != psutil.STATUS_ZOMBIE
                                   for c in kids), 30, "children to exit")
         assert not list(tmp_path.glob("tandem-up-*")), "temp dir left behind"
     finally:

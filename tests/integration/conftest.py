@@ -11,10 +11,10 @@ import shutil
 import signal
 import socket
 import subprocess
-import time
 from collections.abc import Iterator
 
 import pytest
+from waiting import wait_until
 
 
 def free_port() -> int:
@@ -53,18 +53,18 @@ class RedisServer:
         import redis
 
         client = redis.Redis(port=self.port, socket_timeout=1)
-        deadline = time.monotonic() + timeout_s
-        while True:
+
+        def answers() -> bool:
             try:
                 if client.ping():
-                    return
+                    return True
             except redis.exceptions.ConnectionError:
                 pass
             if self.proc.poll() is not None:
                 raise RuntimeError(f"redis-server exited with {self.proc.returncode}")
-            if time.monotonic() > deadline:
-                raise TimeoutError("redis-server did not answer PING")
-            time.sleep(0.02)
+            return False
+
+        wait_until(answers, timeout_s, "redis-server to answer PING", interval_s=0.02)
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

@@ -6,9 +6,10 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
+
+from waiting import wait_until
 
 from tandem.kvstore.client import KVStoreClient
 
@@ -61,19 +62,18 @@ class StoreNodeProcess:
 
     def wait_ready(self, client: KVStoreClient, timeout_s: float = 60.0) -> None:
         """Poll until the node is registered (live) in the index."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
+
+        def live() -> bool:
             if self.proc.poll() is not None:
                 raise RuntimeError(
                     f"store node exited with {self.proc.returncode}: "
                     f"{self.log_path.read_text()[-2000:]}")
             try:
-                if self.node_id in client.live_nodes():
-                    return
+                return self.node_id in client.live_nodes()
             except Exception:  # noqa: BLE001 - Redis may be restarting
-                pass
-            time.sleep(0.05)
-        raise TimeoutError(f"store node {self.node_id} not live within {timeout_s}s")
+                return False
+
+        wait_until(live, timeout_s, f"store node {self.node_id} to be live")
 
     def kill(self) -> None:
         """SIGKILL: the node dies without deregistering (its heartbeat must expire)."""
@@ -94,9 +94,4 @@ class StoreNodeProcess:
 
 def poll(predicate, timeout_s: float = 30.0, interval_s: float = 0.05) -> None:  # noqa: ANN001
     """Wait until ``predicate()`` is true; AssertionError after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(interval_s)
-    raise AssertionError(f"condition not met within {timeout_s}s")
+    wait_until(predicate, timeout_s, interval_s=interval_s, error=AssertionError)

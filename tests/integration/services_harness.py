@@ -12,12 +12,12 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from waiting import wait_until
 
 from tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
@@ -33,14 +33,7 @@ def free_port() -> int:
 
 def wait_for(cond: Callable[[], object], timeout_s: float, what: str, poll_s: float = 0.05):
     """Poll ``cond`` until it returns a truthy value (returned) or fail after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = cond()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout_s} s waiting for {what}")
-        time.sleep(poll_s)
+    return wait_until(cond, timeout_s, what, interval_s=poll_s)
 
 
 def make_tiny_model(folder: Path, tokenizer_dir: Path | None = None) -> Path:

@@ -13,12 +13,12 @@ import importlib.util
 import re
 import shutil
 import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from waiting import wait_until
 
 helm = pytest.importorskip("helm_python")
 
@@ -135,14 +135,13 @@ def test_bundled_redis_command_runs_real_redis(name: str, tmp_path: Path) -> Non
     try:
         probe = c["readinessProbe"]["exec"]["command"]
         probe = [*probe[:2], str(port), *probe[3:]]
-        deadline = time.monotonic() + 30
-        while True:
+
+        def pong() -> bool:
             assert proc.poll() is None, f"redis-server exited: {proc.stdout.read()}"
             done = subprocess.run(probe, capture_output=True, text=True, timeout=10)
-            if done.stdout.strip() == "PONG":
-                break
-            assert time.monotonic() < deadline, f"no PONG: {done.stdout}{done.stderr}"
-            time.sleep(0.05)  # poll interval, not synchronisation: the loop checks PONG
+            return done.stdout.strip() == "PONG"
+
+        wait_until(pong, 30, "the readiness probe's PONG", error=AssertionError)
         persistence = name == "hostpath-nodeport"
         config = subprocess.run(
             ["redis-cli", "-p", str(port), "config", "get", "appendonly"],
