@@ -247,26 +247,25 @@ class AsyncKVStoreClient(BlockStore):
         return [e if e is not None and e.node_id in nodes else None for e in entries], nodes
 
     async def lookup(self, keys: Sequence[BlockKey]) -> int:
-        self._check_open()
-        keys = self._check_keys(keys)
-        try:
-            entries, _ = await self._index(keys)
-        except (RedisError, OSError, KVStoreError) as exc:
-            logger.warning("lookup: index unreachable, reporting a miss: %s", exc)
-            return 0
-        return leading_count(entries)
+        return leading_count(await self._entries_or_misses(keys, "lookup"))
 
     async def contains(self, keys: Sequence[BlockKey]) -> list[bool]:
         """Whether each key is present (not just the leading ones). Index unreachable: all
         False."""
+        return [e is not None for e in await self._entries_or_misses(keys, "contains")]
+
+    async def _entries_or_misses(
+        self, keys: Sequence[BlockKey], op: str
+    ) -> list[IndexEntry | None]:
+        """Live index entries of ``keys``; all misses (logged) when the index is unreachable."""
         self._check_open()
         keys = self._check_keys(keys)
         try:
             entries, _ = await self._index(keys)
         except (RedisError, OSError, KVStoreError) as exc:
-            logger.warning("contains: index unreachable, reporting misses: %s", exc)
-            return [False] * len(keys)
-        return [e is not None for e in entries]
+            logger.warning("%s: index unreachable, reporting misses: %s", op, exc)
+            return [None] * len(keys)
+        return entries
 
     async def put(self, keys: Sequence[BlockKey], blocks: Sequence[Any],
                   ttl_s: float | None = None) -> int:

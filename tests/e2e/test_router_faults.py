@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -228,28 +229,36 @@ def test_full_queue_is_503_with_retry_after(colocated) -> None:
             60, "the slot to free after the disconnect")
 
 
-def test_tandem_up_sigterm_stops_everything(tiny, tmp_path) -> None:
-    """`tandem up --colocated`: own redis-server, healthy, then SIGTERM leaves nothing."""
-    import os
-
-    import psutil
-
+def _launch_tandem_up(tiny: str, tmp_path: Path, **popen_kwargs) -> tuple[subprocess.Popen, int]:  # noqa: ANN003
+    """Start `tandem up --colocated` on free ports with its temp dir under ``tmp_path``."""
     port, grpc_port = free_port(), free_port()
     env = dict(os.environ, TMPDIR=str(tmp_path))
     proc = subprocess.Popen(
         [sys.executable, "-P", "-m", "tandem.cli", "up", "--colocated", "--model", tiny,
          "--port", str(port), "--grpc-port", str(grpc_port),
          *[f"--engine-arg={a}" for a in ENGINE_ARGS], "--router-arg=--max-model-len=1024"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
-    try:
-        def ready() -> bool:
-            assert proc.poll() is None, proc.stdout.read()
-            try:
-                return httpx.get(f"http://127.0.0.1:{port}/ready", timeout=2).status_code == 200
-            except httpx.HTTPError:
-                return False
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True, **popen_kwargs)
+    return proc, port
 
-        wait_until(ready, 300, "tandem up ready")
+
+def _wait_tandem_up_ready(proc: subprocess.Popen, port: int) -> None:
+    def ready() -> bool:
+        assert proc.poll() is None, proc.stdout.read()
+        try:
+            return httpx.get(f"http://127.0.0.1:{port}/ready", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    wait_until(ready, 300, "tandem up ready")
+
+
+def test_tandem_up_sigterm_stops_everything(tiny, tmp_path) -> None:
+    """`tandem up --colocated`: own redis-server, healthy, then SIGTERM leaves nothing."""
+    import psutil
+
+    proc, port = _launch_tandem_up(tiny, tmp_path)
+    try:
+        _wait_tandem_up_ready(proc, port)
         children = psutil.Process(proc.pid).children(recursive=True)
         names = " ".join(" ".join(c.cmdline()) for c in children)
         assert "redis-server" in names and "router" in names and "--role both" in names
@@ -277,27 +286,12 @@ def test_tandem_up_sigint_with_inherited_sig_ign_stops_everything(tiny, tmp_path
     hung `tandem up` (seen in one CI-like run; a KeyboardInterrupt landing inside a child's
     spawn), which is listed as an open problem rather than pinned by a racy test.
     """
-    import os
-
     import psutil
 
-    port, grpc_port = free_port(), free_port()
-    env = dict(os.environ, TMPDIR=str(tmp_path))
-    proc = subprocess.Popen(
-        [sys.executable, "-P", "-m", "tandem.cli", "up", "--colocated", "--model", tiny,
-         "--port", str(port), "--grpc-port", str(grpc_port),
-         *[f"--engine-arg={a}" for a in ENGINE_ARGS], "--router-arg=--max-model-len=1024"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True,
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    proc, port = _launch_tandem_up(
+        tiny, tmp_path, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     try:
-        def ready() -> bool:
-            assert proc.poll() is None, proc.stdout.read()
-            try:
-                return httpx.get(f"http://127.0.0.1:{port}/ready", timeout=2).status_code == 200
-            except httpx.HTTPError:
-                return False
-
-        wait_until(ready, 300, "tandem up ready")
+        _wait_tandem_up_ready(proc, port)
         kids = psutil.Process(proc.pid).children(recursive=True)
         assert kids, "tandem up started no children"
         proc.send_signal(signal.SIGINT)
