@@ -12,6 +12,7 @@ transformers.
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -23,13 +24,31 @@ logger = logging.getLogger(__name__)
 _PACK_BATCH_HINT = 64
 
 
+@functools.cache
 def mkldnn_packing_available() -> bool:
-    """Whether this PyTorch build can prepack bf16 linear weights for oneDNN."""
-    return bool(
+    """Whether this PyTorch build *and this CPU* can prepack bf16 linear weights.
+
+    The ops exist in every x86 build, but oneDNN's bf16 reorder refuses CPUs
+    without AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT, so a small weight is packed
+    once to find out (cached for the process).
+    """
+    if not (
         torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
         and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-    )
+    ):
+        return False
+    try:
+        probe = torch.ops.mkldnn._reorder_linear_weight(
+            torch.zeros(16, 16, dtype=torch.bfloat16), _PACK_BATCH_HINT
+        )
+        torch.ops.mkldnn._linear_pointwise(
+            torch.zeros(1, 16, dtype=torch.bfloat16), probe, None, "none", [], ""
+        )
+    except RuntimeError as exc:
+        logger.info("oneDNN bf16 weight packing unavailable on this CPU (%s): using F.linear", exc)
+        return False
+    return True
 
 
 class PackedLinear(nn.Module):

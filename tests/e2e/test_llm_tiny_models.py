@@ -8,6 +8,8 @@ Oracle: transformers ``generate(do_sample=False)`` in float32, token for token.
 
 from __future__ import annotations
 
+import zlib
+
 import pytest
 import torch
 import transformers
@@ -36,7 +38,9 @@ def build_tiny(arch: str, folder: str, tie: bool) -> transformers.PreTrainedMode
         eos_token_id=None,
         pad_token_id=None,
     )
-    torch.manual_seed(hash(arch) % 1000)
+    # crc32, not hash(): str hashes are salted per process, which made the
+    # weights (and so the near-ties) differ from one pytest run to the next.
+    torch.manual_seed(zlib.crc32(arch.encode()) % 1000)
     model = getattr(transformers, arch)(config).eval()
     with torch.no_grad():
         # Larger than the default init so that logits are far from ties.
@@ -205,7 +209,12 @@ def test_bfloat16_cpu_fast_paths_match_reference_path(tiny, monkeypatch) -> None
         ours, theirs = a.outputs[0].token_ids, b.outputs[0].token_ids
         for i, (x, y) in enumerate(zip(ours, theirs, strict=True)):
             if x != y:
-                top2 = sorted(b.outputs[0].logprobs[i].values(), key=lambda lp: -lp.logprob)[:2]
-                gap = top2[0].logprob - top2[1].logprob
-                assert gap < 0.05, f"position {i}: {x} vs {y}, reference top-2 gap {gap}"
+                ranked = sorted(b.outputs[0].logprobs[i].items(), key=lambda kv: -kv[1].logprob)
+                (top_id, top), (second_id, second) = ranked[:2]
+                gap = top.logprob - second.logprob
+                # The logits here are at most ~8 in size, where one bf16 ulp
+                # is 1/32: a few ulps of rounding (another summation order in
+                # attention) may flip a near-tie, nothing more.
+                assert x == second_id, f"position {i}: {x} is not the reference's runner-up"
+                assert gap <= 4 / 32, f"position {i}: {x} vs {y}, reference top-2 gap {gap}"
                 break
