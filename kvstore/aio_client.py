@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -42,6 +44,10 @@ from tandem.kvstore.ucx import byte_view, endpoint_to, within, worker_address
 
 logger = logging.getLogger("tandem.kvstore.client")
 
+#: shared-memory reads smaller than this are copied by one thread (a hand-off to
+#: the pool costs tens of microseconds)
+PARALLEL_COPY_MIN_BYTES = 2 << 20
+
 
 class AsyncKVStoreClient(BlockStore):
     """The store client's coroutines; run them on :func:`~tandem.kvstore.ucx.client_loop`.
@@ -56,11 +62,14 @@ class AsyncKVStoreClient(BlockStore):
         shm: read blocks of nodes on this host straight from their shared-memory
             pool (kvstore/shm.py); ``None``: on unless ``TANDEM_KV_SHM=0``. Other
             nodes, and nodes without a shared pool, are read over UCX.
+        copy_threads: threads that copy and checksum a shared-memory read of
+            at least ``PARALLEL_COPY_MIN_BYTES`` (``None``: ``TANDEM_KV_COPY_THREADS``,
+            default 2). ValueError when < 1.
     """
 
     def __init__(self, redis_url: str, *, layout: LayoutFingerprint | None = None,
                  local_node: str | None = None, timeout_s: float = 10.0,
-                 shm: bool | None = None) -> None:
+                 shm: bool | None = None, copy_threads: int | None = None) -> None:
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self.layout = layout
@@ -88,6 +97,12 @@ class AsyncKVStoreClient(BlockStore):
         #: of those, served by a request sent together with the index lookup
         self.num_speculative_gets = 0
         self._shm_node: NodeInfo | None = None  # the last node read through shared memory
+        if copy_threads is None:
+            copy_threads = int(os.environ.get("TANDEM_KV_COPY_THREADS", "2"))
+        if copy_threads < 1:
+            raise ValueError(f"copy_threads must be >= 1, got {copy_threads}")
+        self.copy_threads = copy_threads
+        self._copy_pool: ThreadPoolExecutor | None = None
 
     # -- validation ---------------------------------------------------------------------------
 
@@ -530,14 +545,16 @@ class AsyncKVStoreClient(BlockStore):
         destination is not 64-byte aligned relative to the (page-aligned) slot, as
         numpy's 16-byte-aligned arrays are (torch's are 64-byte aligned); larger
         copies use vector loops that do not care. Copying in 1-4 MiB pieces and
-        hashing each while still cached gained nothing measurable.
+        hashing each while still cached gained nothing measurable. Large reads are
+        split into ``copy_threads`` shares of about equal bytes (at block
+        boundaries), each copied then checksummed by its own thread: one core's
+        memory bandwidth was the limit.
         """
         # a block is copied only where the node has it, with the size we expect,
         # inside the segment
         ok = [isinstance(o, int) and isinstance(n, int) and 0 <= o and n == v.nbytes
               and o + n <= mapping.nbytes for o, n, v in zip(offsets, sizes, mine, strict=True)]
-        src = mapping.array
-        good: dict[int, bool | None] = {}
+        pieces: list[list[int]] = []  # each: blocks adjacent on both sides, one copy
         for start, count in runs_of(mine):
             j, end = start, start + count
             while j < end:
@@ -548,14 +565,41 @@ class AsyncKVStoreClient(BlockStore):
                 while k + 1 < end and ok[k + 1] and offsets[k + 1] == stop:
                     k += 1
                     stop += sizes[k]
-                np.copyto(span_of(mine, j, k - j + 1), src[offsets[j]:stop])
+                pieces.append(list(range(j, k + 1)))
                 j = k + 1
-        for j, i in enumerate(idx):
-            if ok[j]:
-                e = entries[i]
-                assert e is not None
-                good[i] = checksum(mine[j]) == e.checksum
+        src = mapping.array
+
+        def work(share: list[list[int]]) -> dict[int, bool | None]:
+            for piece in share:
+                first, last = piece[0], piece[-1]
+                np.copyto(span_of(mine, first, len(piece)),
+                          src[offsets[first]:offsets[last] + sizes[last]])
+            verdicts: dict[int, bool | None] = {}
+            for piece in share:
+                for j in piece:
+                    e = entries[idx[j]]
+                    assert e is not None
+                    verdicts[idx[j]] = checksum(mine[j]) == e.checksum
+            return verdicts
+
+        shares = split_shares(pieces, sizes, self._copy_workers(sum(sizes[j] for p in pieces
+                                                                     for j in p)))
+        # NOTE: numpy's copy and xxhash both release the GIL, so the shares run
+        # in parallel; this thread does the first, the pool the others.
+        futures = [self._copy_pool.submit(work, sh) for sh in shares[1:]] if self._copy_pool else []
+        good = work(shares[0]) if shares else {}
+        for fut in futures:
+            good.update(fut.result())
         return good
+
+    def _copy_workers(self, nbytes: int) -> int:
+        """How many threads copy-and-checksum ``nbytes`` of shared-memory reads."""
+        if self.copy_threads <= 1 or nbytes < PARALLEL_COPY_MIN_BYTES:
+            return 1
+        if self._copy_pool is None:
+            self._copy_pool = ThreadPoolExecutor(self.copy_threads - 1,
+                                                 thread_name_prefix="tandem-kv-copy")
+        return self.copy_threads
 
     # NOTE: speculation. A get's Redis lookup and its get_shm request to the node
     # that served the previous shared-memory get are sent together, instead of one
@@ -681,6 +725,9 @@ class AsyncKVStoreClient(BlockStore):
         self._closed = True
         for c in list(self._conns.values()):
             self._drop(c)
+        if self._copy_pool is not None:
+            self._copy_pool.shutdown(wait=True)
+            self._copy_pool = None
         await self.redis.aclose()
 
 
@@ -702,6 +749,30 @@ def _release_done(pending: set[asyncio.Future[Any]]) -> Any:
         if not fut.cancelled() and fut.exception() is not None:
             logger.debug("release not sent (the lease expires instead): %r", fut.exception())
     return done
+
+
+def split_shares(pieces: list[list[int]], sizes: list[int], n: int) -> list[list[list[int]]]:
+    """Cut copy ``pieces`` (lists of adjacent block indices, ``sizes[j]`` bytes each)
+    into at most ``n`` shares of about equal bytes, splitting a piece only
+    between blocks. Every block lands in exactly one share, order kept."""
+    total = sum(sizes[j] for p in pieces for j in p)
+    shares: list[list[list[int]]] = []
+    done, at = 0, -1
+    for piece in pieces:
+        cur: list[int] = []
+        for j in piece:
+            share = min(n - 1, done * n // total) if n > 1 else 0
+            if share != at:  # a new share starts at this block
+                if cur:
+                    shares[-1].append(cur)
+                    cur = []
+                shares.append([])
+                at = share
+            cur.append(j)
+            done += sizes[j]
+        if cur:
+            shares[-1].append(cur)
+    return shares
 
 
 def leading_count(entries: Sequence[IndexEntry | None]) -> int:

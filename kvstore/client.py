@@ -74,17 +74,20 @@ class KVStoreClient:
         timeout_s: deadline of each node request, seconds.
         shm: read from nodes on this host through shared memory (default: on unless
             ``TANDEM_KV_SHM=0``; see kvstore/shm.py).
+        copy_threads: threads that copy and checksum large shared-memory reads
+            (default ``TANDEM_KV_COPY_THREADS`` or 2).
     """
 
     def __init__(self, redis_url: str, *, layout: LayoutFingerprint | None = None,
                  local_node: str | None = None, timeout_s: float = 10.0,
-                 shm: bool | None = None) -> None:
+                 shm: bool | None = None, copy_threads: int | None = None) -> None:
         self._loop = client_loop()
         self.timeout_s = timeout_s
 
         async def make() -> AsyncKVStoreClient:
             return AsyncKVStoreClient(redis_url, layout=layout, local_node=local_node,
-                                      timeout_s=timeout_s, shm=shm)
+                                      timeout_s=timeout_s, shm=shm,
+                                      copy_threads=copy_threads)
 
         self.aio = self._loop.run(make(), timeout_s)
 

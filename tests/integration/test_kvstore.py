@@ -150,12 +150,17 @@ def test_batched_get_across_nodes_and_lookup_agrees(store_url: str, nodes,
     c2.close()
 
 
-@pytest.mark.parametrize("shm", [True, False])
-def test_blocks_of_one_cache_tensor_move_in_runs(store_url: str, nodes, shm: bool) -> None:
-    """Consecutive cache blocks travel as one message; scattered ones block by block."""
-    client = KVStoreClient(store_url, local_node="n1", shm=shm)
+@pytest.mark.parametrize(("shm", "copy_threads"), [(True, 1), (True, 3), (False, 1)])
+def test_blocks_of_one_cache_tensor_move_in_runs(store_url: str, nodes, shm: bool,
+                                                 copy_threads: int, monkeypatch) -> None:
+    """Consecutive cache blocks travel as one message; scattered ones block by block
+    (shared memory: also when the copy is split between threads)."""
+    from tandem.kvstore import aio_client
+
+    monkeypatch.setattr(aio_client, "PARALLEL_COPY_MIN_BYTES", 0)  # 256 KiB here
+    client = KVStoreClient(store_url, local_node="n1", shm=shm, copy_threads=copy_threads)
     src = torch.cat([b.unsqueeze(0) for b in random_blocks(BF16, 8, 12)])  # a kv_cache
-    keys = BF16.keys(hashes(f"runs-{shm}", 8))
+    keys = BF16.keys(hashes(f"runs-{shm}-{copy_threads}", 8))
     assert client.put_blocks(keys, [src[b] for b in range(8)]) == 8
     dst = torch.zeros_like(src)
     # block ids 1,2,3 adjacent, then 7, then 4,5 adjacent again, 0, 6
@@ -315,9 +320,16 @@ def test_bad_inputs_are_clear_errors_and_the_node_keeps_serving(
     typed.close()
 
 
-def test_corrupted_slot_is_a_miss(store_url: str, nodes, read_path: str) -> None:
-    client = KVStoreClient(store_url, local_node="n1", shm=read_path == "shm")
-    keys = BF16.keys(hashes(f"corrupt-{read_path}", 4))
+@pytest.mark.parametrize("copy_threads", [1, 3])
+def test_corrupted_slot_is_a_miss(store_url: str, nodes, read_path: str, copy_threads: int,
+                                  monkeypatch) -> None:
+    from tandem.kvstore import aio_client
+
+    # three threads: blocks 0-1, 2 and 3 are copied and checked by different threads
+    monkeypatch.setattr(aio_client, "PARALLEL_COPY_MIN_BYTES", 0)
+    client = KVStoreClient(store_url, local_node="n1", shm=read_path == "shm",
+                           copy_threads=copy_threads)
+    keys = BF16.keys(hashes(f"corrupt-{read_path}-{copy_threads}", 4))
     blocks = random_blocks(BF16, 4, 7)
     assert client.put_blocks(keys, blocks) == 4
     client._run(client.aio.node_request("n1", {"op": "corrupt", "key": keys[2].redis_key}))

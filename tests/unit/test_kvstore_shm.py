@@ -50,3 +50,15 @@ def test_host_id_and_env_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     assert shm_enabled_by_env()
     monkeypatch.delenv("TANDEM_KV_SHM")
     assert shm_enabled_by_env()
+
+
+def test_split_shares_cuts_between_blocks_into_equal_bytes() -> None:
+    from tandem.kvstore.aio_client import split_shares
+
+    # two pieces of adjacent blocks, six blocks of one size, two threads
+    assert split_shares([[0, 1, 2, 3], [4, 5]], [1] * 6, 2) == [[[0, 1, 2]], [[3], [4, 5]]]
+    assert split_shares([[0, 1, 2, 3], [4, 5]], [1] * 6, 1) == [[[0, 1, 2, 3], [4, 5]]]
+    # never more shares than blocks, none empty; a big block fills a share alone
+    assert split_shares([[0, 1, 2]], [1, 1, 1], 4) == [[[0]], [[1]], [[2]]]
+    assert split_shares([[0], [1, 2]], [8, 1, 1], 2) == [[[0]], [[1, 2]]]
+    assert split_shares([], [], 2) == []
