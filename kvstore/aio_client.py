@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -103,6 +104,7 @@ class AsyncKVStoreClient(BlockStore):
             raise ValueError(f"copy_threads must be >= 1, got {copy_threads}")
         self.copy_threads = copy_threads
         self._copy_pool: ThreadPoolExecutor | None = None
+        self._copy_pool_lock = threading.Lock()
 
     # -- validation ---------------------------------------------------------------------------
 
@@ -380,10 +382,20 @@ class AsyncKVStoreClient(BlockStore):
         # indexed but not on its node (evicted or lost since): a miss, cleaned up
         await self._forget_many([(keys[i].redis_key, entries[i]) for i in range(n)  # type: ignore[misc]
                                  if i not in loaded])
-        count = 0
+        count, bad = self.count_loaded(keys, views, entries, n, loaded)
+        if bad is not None:
+            await self._forget(keys[bad], entries[bad])  # type: ignore[arg-type]
+        return count
+
+    def count_loaded(self, keys: list[BlockKey], views: list[np.ndarray],
+                     entries: list[IndexEntry | None], n: int,
+                     loaded: dict[int, bool | None]) -> tuple[int, int | None]:
+        """How many of the first ``n`` blocks arrived intact, and the index of the
+        block that failed its checksum (``None``: none did). ``loaded``: block
+        index -> checksum verdict (``None``: not checked yet, checked here)."""
         for i in range(n):
             if i not in loaded:
-                break
+                return i, None
             e = entries[i]
             assert e is not None
             good = loaded[i]
@@ -392,10 +404,8 @@ class AsyncKVStoreClient(BlockStore):
             if not good:
                 self.num_checksum_failures += 1
                 logger.warning("block %s failed its checksum: treated as a miss", keys[i])
-                await self._forget(keys[i], e)
-                break
-            count += 1
-        return count
+                return i, i
+        return n, None
 
     async def _get_from(self, node: NodeInfo, idx: list[int], keys: list[BlockKey],
                         views: list[np.ndarray],
@@ -596,9 +606,10 @@ class AsyncKVStoreClient(BlockStore):
         """How many threads copy-and-checksum ``nbytes`` of shared-memory reads."""
         if self.copy_threads <= 1 or nbytes < PARALLEL_COPY_MIN_BYTES:
             return 1
-        if self._copy_pool is None:
-            self._copy_pool = ThreadPoolExecutor(self.copy_threads - 1,
-                                                 thread_name_prefix="tandem-kv-copy")
+        with self._copy_pool_lock:  # gets also run on callers' threads (kvstore/shm_read.py)
+            if self._copy_pool is None:
+                self._copy_pool = ThreadPoolExecutor(self.copy_threads - 1,
+                                                     thread_name_prefix="tandem-kv-copy")
         return self.copy_threads
 
     # NOTE: speculation. A get's Redis lookup and its get_shm request to the node

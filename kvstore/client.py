@@ -46,6 +46,7 @@ from redis.exceptions import RedisError
 
 from tandem.kvstore.aio_client import AsyncKVStoreClient, leading_count
 from tandem.kvstore.keys import BlockKey, LayoutFingerprint
+from tandem.kvstore.shm_read import SameHostReader
 from tandem.kvstore.store import KVStoreError, KVStoreNodeError, KVStoreTimeoutError
 from tandem.kvstore.transport import NodeInfo
 from tandem.kvstore.ucx import client_loop
@@ -90,6 +91,9 @@ class KVStoreClient:
                                       copy_threads=copy_threads)
 
         self.aio = self._loop.run(make(), timeout_s)
+        # same-host gets on the calling thread (kvstore/shm_read.py)
+        self._same_host = SameHostReader(self.aio, redis_url, timeout_s, self._run) \
+            if self.aio.shm else None
 
     def _run(self, coro: Any) -> Any:
         # NOTE: generous outer bound; the coroutine enforces timeout_s per node request.
@@ -129,6 +133,8 @@ class KVStoreClient:
             ValueError: bad keys/buffers (read-only, not contiguous, wrong size).
             KVStoreTimeoutError: a node holding a leading block stopped answering.
         """
+        if self._same_host is not None:
+            return self._same_host.get(keys, into)
         return self._run(self.aio.get(keys, into))
 
     # -- compatibility with engine/kv_connector_store.py's BlockStoreClient protocol --------
@@ -170,6 +176,8 @@ class KVStoreClient:
 
     def close(self) -> None:
         """Close connections; the process's loop thread stays for other clients."""
+        if self._same_host is not None:
+            self._same_host.close()
         self._run(self.aio.aclose())
 
     def __enter__(self) -> KVStoreClient:

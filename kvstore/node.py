@@ -23,6 +23,7 @@ from tandem.kvstore.keys import INDEX_PREFIX, BlockKey
 from tandem.kvstore.metrics import NodeMetrics
 from tandem.kvstore.pool import Entry, PoolFullError, SlotPool
 from tandem.kvstore.shm import Segment, host_id
+from tandem.kvstore.shm_ctl import CtlServer, ctl_address
 from tandem.kvstore.ucx import endpoint_to, init_ucx, within, worker_address, worker_recv
 
 logger = logging.getLogger("tandem.kvstore.server")
@@ -89,12 +90,21 @@ class StoreNode:
         self.redis_ok = False
         self.test_hooks = os.environ.get("TANDEM_KVSTORE_TEST_HOOKS") == "1"
         self.ucx_address = b""
+        self.ctl: CtlServer | None = None  # same-host get_shm channel (kvstore/shm_ctl.py)
 
     # -- lifecycle ----------------------------------------------------------------------------
 
     async def start(self) -> None:
         init_ucx()
         self.ucx_address = worker_address()
+        if self.segment is not None:
+            ctl = CtlServer(self.pin_shm, self._release_lease, self._release_leases_of)
+            try:
+                await ctl.start(ctl_address(self.cfg.node_id, self.segment.ident))
+                self.ctl = ctl
+            except OSError as exc:
+                logger.warning("no shared-memory control socket (%s): get_shm over UCX only",
+                               exc)
         self._spawn(self._hello_loop())
         await self._heartbeat_once()
         self._spawn(self._heartbeat_loop())
@@ -119,6 +129,8 @@ class StoreNode:
             t.cancel()
         for c in self._conns.values():
             c.abort()
+        if self.ctl is not None:
+            await self.ctl.stop()
         # a clean stop withdraws the node and its index entries (a killed node's
         # entries are misses, removed by the clients that find them)
         gone = [(k, self._entry(self.pool.entries[k]).owner_prefix) for k in self.pool.lru_keys()]
@@ -518,11 +530,18 @@ class StoreNode:
 
     def _begin_get_shm(self, conn: _Conn, request_id: int,
                        msg: dict[str, Any]) -> Coroutine[Any, Any, None]:
-        """Pin the blocks of a same-host get and start the reply with their offsets in
-        the shared segment, without yielding to the loop (see :meth:`_begin_get`).
+        """Pin the blocks of a same-host get (:meth:`pin_shm`) and start the reply,
+        without yielding to the loop (see :meth:`_begin_get`)."""
+        reply = self.pin_shm(conn.conn_id, msg)
+        return self._end_get_shm(conn, conn.reply(request_id, reply), reply["lease"])
 
-        The blocks stay pinned (not evicted, not overwritten) until the client's
-        ``release`` of the lease, or :attr:`NodeConfig.shm_lease_s` if none comes.
+    def pin_shm(self, conn_id: int, msg: dict[str, Any]) -> dict[str, Any]:
+        """Pin the blocks a ``get_shm`` request names; returns the ``shm`` reply with
+        their offsets in the shared segment (kvstore/protocol.py).
+
+        The blocks stay pinned (not evicted, not overwritten) until connection
+        ``conn_id`` releases the lease, closes, or :attr:`NodeConfig.shm_lease_s`
+        passes.
 
         Raises:
             ValueError: malformed request, or this node has no shared segment.
@@ -544,12 +563,11 @@ class StoreNode:
             lease = self._next_lease
             self._next_lease += 1
             timer = asyncio.get_running_loop().call_later(
-                self.cfg.shm_lease_s, self._expire_lease, conn.conn_id, lease)
-            self._leases[conn.conn_id, lease] = (held, timer, t0)
-        reply = {"op": "shm", "lease": lease,
-                 "offsets": [self.pool.offset(e.slot) if e else -1 for e in entries],
-                 "sizes": [e.size_bytes if e else 0 for e in entries]}
-        return self._end_get_shm(conn, conn.reply(request_id, reply), lease)
+                self.cfg.shm_lease_s, self._expire_lease, conn_id, lease)
+            self._leases[conn_id, lease] = (held, timer, t0)
+        return {"op": "shm", "lease": lease,
+                "offsets": [self.pool.offset(e.slot) if e else -1 for e in entries],
+                "sizes": [e.size_bytes if e else 0 for e in entries]}
 
     async def _end_get_shm(self, conn: _Conn, send: Coroutine[Any, Any, None],
                            lease: int) -> None:
@@ -576,6 +594,11 @@ class StoreNode:
             return
         self.metrics.get_bytes.inc(sum(e.size_bytes for e in entries))
         self.metrics.get_latency.observe(time.perf_counter() - t0)
+
+    def _release_leases_of(self, conn_id: int) -> None:
+        """Unpin every lease a closed connection still holds."""
+        for cid, lease in [k for k in self._leases if k[0] == conn_id]:
+            self._release_lease(cid, lease, expired=True)
 
     def _expire_lease(self, conn_id: int, lease: int) -> None:
         if (conn_id, lease) in self._leases:

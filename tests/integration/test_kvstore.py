@@ -499,49 +499,86 @@ def test_shm_segment_never_leaks(store_url: str, tmp_path) -> None:
         c.close()
 
 
-def test_shm_get_sent_with_the_lookup_is_used_only_where_it_fits(store_url: str,
-                                                                 nodes) -> None:
+@pytest.mark.parametrize("thread", ["caller", "loop"])
+def test_shm_get_sent_with_the_lookup_is_used_only_where_it_fits(store_url: str, nodes,
+                                                                 thread: str) -> None:
     """After a first shared-memory get, a get's get_shm goes out together with its index
     lookup, to the node read last; its reply is used only for that node's blocks, and
-    only when the node holds all of them (else the plain path decides)."""
+    only when the node holds all of them (else the plain path decides). Both on the
+    caller's thread (kvstore/shm_read.py) and on the client loop (AsyncKVStoreClient)."""
     c = KVStoreClient(store_url, local_node="n1", shm=True)
     c2 = KVStoreClient(store_url, local_node="n2", shm=True)
     r = redis.Redis.from_url(store_url)
+    aio = c.aio
+    counters = c._same_host if thread == "caller" else aio
+    assert counters is not None
+
+    def get(keys: list[BlockKey], into: list[torch.Tensor]) -> int:
+        return c.get_blocks(keys, into) if thread == "caller" else c._run(aio.get(keys, into))
+
     try:
-        keys = BF16.keys(hashes("spec", 6))
+        keys = BF16.keys(hashes(f"spec-{thread}", 6))
         blocks = random_blocks(BF16, 6, 19)
         assert c.put_blocks(keys[:3], blocks[:3]) == 3
         assert c2.put_blocks(keys[3:], blocks[3:]) == 3
-        aio = c.aio
         into = [torch.empty_like(b) for b in blocks]
-        assert c.get_blocks(keys[:3], into[:3]) == 3  # n1, not speculated
-        assert (aio.num_shm_gets, aio.num_speculative_gets) == (1, 0)
+        assert get(keys[:3], into[:3]) == 3  # n1, not speculated
+        assert (aio.num_shm_gets, counters.num_speculative_gets) == (1, 0)
+        assert get(keys[:3], into[:3]) == 3  # n1 again: speculated
+        assert (aio.num_shm_gets, counters.num_speculative_gets) == (2, 1)
         for _ in range(2):
             into = [torch.empty_like(b) for b in blocks]
-            assert c.get_blocks(keys, into) == 6  # n1 speculated, n2 read on its own
+            assert get(keys, into) == 6  # n1 and n2
             assert all(same_bits(a, b) for a, b in zip(blocks, into, strict=True))
-        assert aio.num_speculative_gets >= 1
         # only n2's blocks: the get_shm that went to n1 is released, nothing stays pinned
-        spec = aio.num_speculative_gets
-        assert c.get_blocks(keys[3:], into[3:]) == 3
-        assert aio.num_speculative_gets == spec
+        spec = counters.num_speculative_gets
+        assert get(keys[3:], into[3:]) == 3
+        assert counters.num_speculative_gets == spec
         poll(lambda: c.stat("n1")["pinned"] == [] and c.stat("n2")["pinned"] == [])
 
         # an index entry whose payload is not on the node (a commit marker without bytes):
         # the speculative reply lacks it, so the plain path runs and finds the miss
-        ghost = BF16.keys(hashes("spec-ghost", 1))[0]
-        assert c.get_blocks(keys[:1], into[:1]) == 1  # n1 is the last node read
+        ghost = BF16.keys(hashes(f"spec-ghost-{thread}", 1))[0]
+        assert get(keys[:1], into[:1]) == 1  # n1 is the last node read
         slot = int(r.get(keys[0].redis_key).decode().split("|")[1])
         r.set(ghost.redis_key, f"n1|{slot}|{BLOCK}|0123456789abcdef")
-        got = c.get_blocks([*keys[:2], ghost], [torch.empty_like(b) for b in blocks[:3]])
+        got = get([*keys[:2], ghost], [torch.empty_like(b) for b in blocks[:3]])
         assert got == 2
         assert r.get(ghost.redis_key) is None  # the ghost entry was cleaned up
-        assert c.get_blocks(keys[:3], into[:3]) == 3
+        assert get(keys[:3], into[:3]) == 3
         poll(lambda: c.stat("n1")["pinned"] == [])
     finally:
         r.close()
         c.close()
         c2.close()
+
+
+def test_shm_channel_closed_releases_its_pins(store_url: str, nodes) -> None:
+    """Pins taken over the same-host control socket (kvstore/shm_ctl.py) go away as
+    soon as the connection closes (a crashed client), not at the lease's expiry;
+    bad requests on it are answered with errors and the node keeps serving."""
+    from tandem.kvstore.shm_ctl import CtlChannel, ctl_address
+
+    c = KVStoreClient(store_url, local_node="n1", shm=True)
+    try:
+        keys = BF16.keys(hashes("ctl-close", 2))
+        blocks = random_blocks(BF16, 2, 23)
+        assert c.put_blocks(keys, blocks) == 2
+        info = c.live_nodes()["n1"]
+        ch = CtlChannel(ctl_address(info.node_id, info.shm_id), timeout_s=10)
+        reply = ch.recv_reply(ch.send_get([k.redis_key for k in keys] + ["tandem:kv:blk:nope"]))
+        assert reply["op"] == "shm" and reply["lease"] > 0
+        assert reply["sizes"] == [BLOCK, BLOCK, 0] and reply["offsets"][2] == -1
+        assert sorted(c.stat("n1")["pinned"]) == sorted(k.redis_key for k in keys)
+        bad = ch.recv_reply(ch.send_get("not a list"))  # type: ignore[arg-type]
+        assert bad["op"] == "error" and "list of key strings" in bad["error"]
+        ch.close()
+        poll(lambda: c.stat("n1")["pinned"] == [])
+        into = [torch.empty_like(b) for b in blocks]
+        assert c.get_blocks(keys, into) == 2
+        assert all(same_bits(a, b) for a, b in zip(blocks, into, strict=True))
+    finally:
+        c.close()
 
 
 def test_shm_off_or_not_mappable_reads_over_ucx(store_url: str, tmp_path,
