@@ -532,7 +532,8 @@ class AsyncKVStoreClient(BlockStore):
         conn = await self._conn(node)
         reply = await self._shm_request(conn, node, [keys[i].redis_key for i in idx])
         try:
-            good = self._copy_shm(mapping, reply["offsets"], reply["sizes"], idx, mine, entries)
+            good = verdicts(self._copy_shm(mapping, reply["offsets"], reply["sizes"], idx, mine),
+                            entries)
         finally:
             if reply.get("lease"):
                 self._release(conn, reply["lease"])
@@ -541,10 +542,10 @@ class AsyncKVStoreClient(BlockStore):
         return good
 
     def _copy_shm(self, mapping: Mapping, offsets: list[int], sizes: list[int], idx: list[int],
-                  mine: list[np.ndarray],
-                  entries: list[IndexEntry | None]) -> dict[int, bool | None]:
+                  mine: list[np.ndarray]) -> dict[int, str]:
         """Copy blocks ``idx`` (at ``offsets[j]``, ``sizes[j]`` in the segment; -1: absent)
-        into ``mine[j]``; returns the indices copied, each with its checksum verdict.
+        into ``mine[j]``; returns the indices copied, each with the checksum
+        (:func:`~tandem.kvstore.transport.checksum`) of the bytes that landed.
 
         Blocks adjacent on both sides (a run of consecutive cache blocks in
         consecutive slots) move in one copy; then each block's checksum is verified
@@ -579,18 +580,12 @@ class AsyncKVStoreClient(BlockStore):
                 j = k + 1
         src = mapping.array
 
-        def work(share: list[list[int]]) -> dict[int, bool | None]:
+        def work(share: list[list[int]]) -> dict[int, str]:
             for piece in share:
                 first, last = piece[0], piece[-1]
                 np.copyto(span_of(mine, first, len(piece)),
                           src[offsets[first]:offsets[last] + sizes[last]])
-            verdicts: dict[int, bool | None] = {}
-            for piece in share:
-                for j in piece:
-                    e = entries[idx[j]]
-                    assert e is not None
-                    verdicts[idx[j]] = checksum(mine[j]) == e.checksum
-            return verdicts
+            return {idx[j]: checksum(mine[j]) for piece in share for j in piece}
 
         shares = split_shares(pieces, sizes, self._copy_workers(sum(sizes[j] for p in pieces
                                                                      for j in p)))
@@ -653,8 +648,8 @@ class AsyncKVStoreClient(BlockStore):
                     lease = None
                 return await self._get_from(node, idx, keys, views, entries)
             sizes = [reply["sizes"][i] for i in idx]
-            good = self._copy_shm(spec.mapping, offsets, sizes, idx, [views[i] for i in idx],
-                                  entries)
+            good = verdicts(self._copy_shm(spec.mapping, offsets, sizes, idx,
+                                           [views[i] for i in idx]), entries)
         finally:
             if lease:
                 self._release(spec.conn, lease)
@@ -784,6 +779,17 @@ def split_shares(pieces: list[list[int]], sizes: list[int], n: int) -> list[list
         if cur:
             shares[-1].append(cur)
     return shares
+
+
+def verdicts(sums: dict[int, str],
+             entries: Sequence[IndexEntry | None]) -> dict[int, bool | None]:
+    """Block index -> whether the checksum of its copied bytes is the index's."""
+    out: dict[int, bool | None] = {}
+    for i, h in sums.items():
+        e = entries[i]
+        assert e is not None
+        out[i] = h == e.checksum
+    return out
 
 
 def leading_count(entries: Sequence[IndexEntry | None]) -> int:

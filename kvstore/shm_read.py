@@ -8,11 +8,13 @@ of this host, :class:`SameHostReader` does the whole get on the calling thread:
 
 1. ``get_shm`` for every key to the node the previous same-host get read
    (kvstore/shm_ctl.py), sent first so that the node pins while Redis answers;
-2. the index lookup (:data:`~tandem.kvstore.index.LOOKUP_LUA`, a blocking
-   redis-py client);
-3. the node's reply, if the index places the leading blocks on that node (else
-   one ``get_shm`` to the node it names, when that node is on this host);
-4. copy and checksum (``AsyncKVStoreClient._copy_shm``), then ``release``.
+2. the index lookup (:data:`~tandem.kvstore.index.LOOKUP_LUA`) sent on a
+   blocking redis-py connection, its reply read only after
+3. the pinned leading blocks are copied into the caller's buffers and
+   checksummed (``AsyncKVStoreClient._copy_shm``) and released: the copy
+   overlaps the Redis round trip;
+4. the index decides: blocks count only where it places them on that node with
+   that checksum (else one ``get_shm`` to the node it names, if on this host).
 
 Anything else (blocks on several nodes or another host, a dead node's entries,
 a block the node no longer has, an unreachable index or channel) goes to the
@@ -29,9 +31,9 @@ from typing import Any
 
 import numpy as np
 import redis
-from redis.exceptions import RedisError
+from redis.exceptions import NoScriptError, RedisError
 
-from tandem.kvstore.aio_client import AsyncKVStoreClient, leading_count
+from tandem.kvstore.aio_client import AsyncKVStoreClient, leading_count, verdicts
 from tandem.kvstore.index import LOOKUP_LUA, NODE_PREFIX, IndexEntry, parse_lookup
 from tandem.kvstore.keys import BlockKey
 from tandem.kvstore.shm import Mapping
@@ -123,95 +125,56 @@ class SameHostReader:
         if not keys:
             return 0
         names = [k.redis_key for k in keys]
-        # 1. speculative pin on the node of the previous same-host get
-        spec_node = aio._shm_node if aio.shm else None
-        spec: tuple[NodeInfo, CtlChannel, int] | None = None
-        if self._usable(spec_node) is not None:
-            assert spec_node is not None
-            ch = self._channel(spec_node)
-            if ch is not None:
-                try:
-                    spec = (spec_node, ch, ch.send_get(names))
-                except OSError:
-                    self._drop(spec_node.node_id)
+        # 1. pins on the node of the previous same-host get, requested first
+        spec = self._send_spec(names)
+        # 2. the index lookup goes out; while Redis answers, 3. the speculative
+        # blocks are copied (the index then says whether they count)
         try:
-            # 2. the index
-            try:
-                entries, records = parse_lookup(
-                    len(keys), self._lookup(keys=names, args=[NODE_PREFIX]))
-                nodes = {r[0]: NodeInfo.from_lookup(r) for r in records}
-            except (RedisError, OSError, ValueError):
-                return self._fallback(spec, lambda: aio.get(keys, into))
-            if any(e is not None and e.node_id not in nodes for e in entries):
-                # a dead node's entries: the loop's path turns them into misses and
-                # cleans them up
-                return self._fallback(spec, lambda: aio.get(keys, into))
-            n = leading_count(entries)
-            owners = {e.node_id for e in entries[:n] if e is not None}
-            node = nodes[owners.pop()] if len(owners) == 1 else None
-            mapping = self._usable(node) if aio.shm else None
-            if node is None or mapping is None:
-                return self._fallback(spec, lambda: aio._get_indexed(keys, views, entries, nodes))
-            for i in range(n):
-                e = entries[i]
-                assert e is not None
-                if e.size_bytes != views[i].nbytes:
-                    self._fallback(spec, None)
-                    spec = None
-                    raise ValueError(f"into[{i}] has {views[i].nbytes} bytes, the stored block "
-                                     f"has {e.size_bytes}")
-            # 3. the pins: the speculative request's, or one sent now
-            if spec is not None and (spec[0].node_id, spec[0].shm_id) == (node.node_id,
-                                                                        node.shm_id):
-                ch, req = spec[1], spec[2]
-                spec = None
-                self.num_speculative_gets += 1
-            else:
-                self._fallback(spec, None)
-                spec = None
-                got = self._channel(node)
-                if got is None:
-                    return self._run(aio._get_indexed(keys, views, entries, nodes))
-                ch = got
-                try:
-                    req = ch.send_get(names[:n])
-                except OSError:
-                    self._drop(node.node_id)
-                    return self._run(aio._get_indexed(keys, views, entries, nodes))
-            try:
-                reply = ch.recv_reply(req)
-            except (OSError, ValueError):
-                self._drop(node.node_id)  # closing it releases whatever it pinned
-                return self._run(aio._get_indexed(keys, views, entries, nodes))
-            return self._copy(node, ch, mapping, reply, keys, views, entries, nodes, n)
-        finally:
+            lookup = _PendingLookup(self, names)
+        except (RedisError, OSError):
+            self._settle(spec)
+            return self._run(aio.get(keys, into))
+        early: tuple[NodeInfo, dict[int, str]] | None = None
+        try:
             if spec is not None:
-                self._fallback(spec, None)
-
-    def _copy(self, node: NodeInfo, ch: CtlChannel, mapping: Mapping, reply: dict[str, Any],
-              keys: list[BlockKey], views: list[np.ndarray],
-              entries: list[IndexEntry | None], nodes: dict[str, NodeInfo], n: int) -> int:
-        """4. copy the pinned blocks, release them, count the intact leading ones."""
-        aio = self.aio
-        lease = reply.get("lease")
-        offsets, sizes = reply.get("offsets"), reply.get("sizes")
-        loaded: dict[int, bool | None] = {}
-        try:
-            if (reply.get("op") == "shm" and isinstance(offsets, list)
-                    and isinstance(sizes, list) and len(offsets) >= n and len(sizes) >= n):
-                loaded = aio._copy_shm(mapping, offsets[:n], sizes[:n], list(range(n)),
-                                       views[:n], entries)
+                early = self._copy_spec(spec, views)
+                spec = None
+            try:
+                entries, nodes = lookup.result()
+            except (RedisError, OSError, ValueError):
+                return self._run(aio.get(keys, into))
         finally:
-            if isinstance(lease, int) and lease:
-                try:
-                    ch.release(lease)
-                except OSError:
-                    self._drop(node.node_id)
-        if len(loaded) < n:
-            # an error reply, or a block the index names but the node no longer
-            # has: the loop's path tells which, and cleans up
+            lookup.close()
+            self._settle(spec)
+        if any(e is not None and e.node_id not in nodes for e in entries):
+            # a dead node's entries: the loop's path turns them into misses and
+            # cleans them up
+            return self._run(aio.get(keys, into))
+        n = leading_count(entries)
+        for i in range(n):
+            e = entries[i]
+            assert e is not None
+            if e.size_bytes != views[i].nbytes:
+                raise ValueError(f"into[{i}] has {views[i].nbytes} bytes, the stored block "
+                                 f"has {e.size_bytes}")
+        owners = {e.node_id for e in entries[:n] if e is not None}
+        node = nodes[owners.pop()] if len(owners) == 1 else None
+        if node is None:
             return self._run(aio._get_indexed(keys, views, entries, nodes))
-        count, bad = aio.count_loaded(keys, views, entries, n, loaded)
+        if early is not None and early[0].node_id == node.node_id and \
+                early[0].shm_id == node.shm_id and all(i in early[1] for i in range(n)):
+            self.num_speculative_gets += 1
+            sums = early[1]
+        else:
+            got = self._pin_and_copy(node, names[:n], views[:n])
+            if got is None:
+                return self._run(aio._get_indexed(keys, views, entries, nodes))
+            sums = got
+            # indexed but not on its node (evicted or lost since): a miss, cleaned up
+            gone = [(keys[i].redis_key, entries[i]) for i in range(n) if i not in sums]
+            if gone:
+                self._run(aio._forget_many(gone))  # type: ignore[arg-type]
+        count, bad = aio.count_loaded(keys, views, entries, n, verdicts(sums, entries[:n]))
         if bad is not None:
             self._run(aio._forget(keys[bad], entries[bad]))  # type: ignore[arg-type]
         aio.num_shm_gets += 1
@@ -219,15 +182,123 @@ class SameHostReader:
         self.num_gets += 1
         return count
 
-    def _fallback(self, spec: tuple[NodeInfo, CtlChannel, int] | None,
-                  then: Callable[[], Coroutine[Any, Any, int]] | None) -> int:
-        """Release the speculative pins (if any), then run ``then`` on the client loop."""
-        if spec is not None:
-            node, ch, req = spec
-            try:
-                lease = ch.recv_reply(req).get("lease")
-                if isinstance(lease, int) and lease:
+    def _send_spec(self, names: list[str]) -> tuple[NodeInfo, Mapping, CtlChannel, int] | None:
+        """``get_shm`` of ``names`` to the node of the previous same-host get."""
+        node = self.aio._shm_node if self.aio.shm else None
+        mapping = self._usable(node)
+        if node is None or mapping is None:
+            return None
+        ch = self._channel(node)
+        if ch is None:
+            return None
+        try:
+            return node, mapping, ch, ch.send_get(names)
+        except OSError:
+            self._drop(node.node_id)
+            return None
+
+    def _copy_spec(self, spec: tuple[NodeInfo, Mapping, CtlChannel, int],
+                   views: list[np.ndarray]) -> tuple[NodeInfo, dict[int, str]] | None:
+        """Copy the blocks the speculative reply pinned, then release them;
+        returns the node and each copied block's checksum."""
+        node, mapping, ch, req = spec
+        try:
+            reply = ch.recv_reply(req)
+        except (OSError, ValueError):
+            self._drop(node.node_id)  # closing it releases whatever it pinned
+            return None
+        return node, self._copy_reply(node, ch, mapping, reply, views)
+
+    def _pin_and_copy(self, node: NodeInfo, names: list[str],
+                      views: list[np.ndarray]) -> dict[int, str] | None:
+        """Pin ``names`` on ``node``, copy them, release; ``None`` when the node is not
+        reachable this way."""
+        mapping = self._usable(node) if self.aio.shm else None
+        ch = self._channel(node) if mapping is not None else None
+        if mapping is None or ch is None:
+            return None
+        try:
+            reply = ch.recv_reply(ch.send_get(names))
+        except (OSError, ValueError):
+            self._drop(node.node_id)
+            return None
+        return self._copy_reply(node, ch, mapping, reply, views)
+
+    def _copy_reply(self, node: NodeInfo, ch: CtlChannel, mapping: Mapping,
+                    reply: dict[str, Any], views: list[np.ndarray]) -> dict[int, str]:
+        """Copy the blocks a ``get_shm`` reply pinned (offset -1: absent, skipped), then
+        release the lease; returns each copied block's checksum."""
+        lease = reply.get("lease")
+        offsets, sizes = reply.get("offsets"), reply.get("sizes")
+        try:
+            if reply.get("op") != "shm" or not isinstance(offsets, list) \
+                    or not isinstance(sizes, list):
+                return {}
+            m = min(len(offsets), len(sizes), len(views))
+            return self.aio._copy_shm(mapping, offsets[:m], sizes[:m], list(range(m)), views[:m])
+        finally:
+            if isinstance(lease, int) and lease:
+                try:
                     ch.release(lease)
-            except (OSError, ValueError):
-                self._drop(node.node_id)
-        return self._run(then()) if then is not None else 0
+                except OSError:
+                    self._drop(node.node_id)
+
+    def _settle(self, spec: tuple[NodeInfo, Mapping, CtlChannel, int] | None) -> None:
+        """Release an unused speculative request's pins."""
+        if spec is None:
+            return
+        node, _, ch, req = spec
+        try:
+            lease = ch.recv_reply(req).get("lease")
+            if isinstance(lease, int) and lease:
+                ch.release(lease)
+        except (OSError, ValueError):
+            self._drop(node.node_id)
+
+
+class _PendingLookup:
+    """:data:`LOOKUP_LUA` sent on a connection of ``reader``'s pool, its reply read
+    later (:meth:`result`), so that work overlaps the round trip.
+
+    Raises:
+        RedisError / OSError: the command could not be sent.
+    """
+
+    def __init__(self, reader: SameHostReader, names: list[str]) -> None:
+        self.reader = reader
+        self.names = names
+        self.pool = reader.redis.connection_pool
+        self.conn: Any = self.pool.get_connection()
+        self.pending = False
+        try:
+            self.conn.send_command("EVALSHA", reader._lookup.sha, len(names), *names,
+                                   NODE_PREFIX)
+            self.pending = True
+        except BaseException:
+            self.close()
+            raise
+
+    def result(self) -> tuple[list[IndexEntry | None], dict[str, NodeInfo]]:
+        """Entries (``None``: absent) and the live nodes they name.
+
+        Raises:
+            RedisError / OSError: Redis failed; ValueError: malformed reply.
+        """
+        try:
+            reply = self.conn.read_response()
+            self.pending = False
+        except NoScriptError:
+            self.pending = False
+            # first use on this Redis (or it restarted): the script loads itself
+            reply = self.reader._lookup(keys=self.names, args=[NODE_PREFIX])
+        entries, records = parse_lookup(len(self.names), reply)
+        return entries, {r[0]: NodeInfo.from_lookup(r) for r in records}
+
+    def close(self) -> None:
+        """Give the connection back (dropped if its reply was never read)."""
+        if self.conn is None:
+            return
+        if self.pending:
+            self.conn.disconnect()
+        self.pool.release(self.conn)
+        self.conn = None
