@@ -65,6 +65,8 @@ class SameHostReader:
                                           socket_connect_timeout=timeout_s)
         self._lookup = self.redis.register_script(LOOKUP_LUA)
         self._local = threading.local()
+        self._all: set[CtlChannel] = set()  # every thread's channels, closed by close()
+        self._all_lock = threading.Lock()
         #: gets served entirely on the calling thread
         self.num_gets = 0
         #: of those, served by the pins requested before the index lookup
@@ -80,26 +82,30 @@ class SameHostReader:
         if ch is not None and ch.address == address:
             return ch
         if ch is not None:
-            ch.close()  # the node restarted with another segment
-            del chans[node.node_id]
+            self._drop(node.node_id)  # the node restarted with another segment
         try:
             ch = CtlChannel(address, self.timeout_s)
         except OSError as exc:
             logger.debug("no shared-memory channel to %s: %s", node.node_id, exc)
             return None
         chans[node.node_id] = ch
+        with self._all_lock:
+            self._all.add(ch)
         return ch
 
     def _drop(self, node_id: str) -> None:
         ch = self._local.__dict__.get("chans", {}).pop(node_id, None)
         if ch is not None:
+            with self._all_lock:
+                self._all.discard(ch)
             ch.close()  # the node releases the connection's leases
 
     def close(self) -> None:
-        """Close this thread's channels and the Redis connections (other threads'
-        channels close with their threads)."""
-        for node_id in list(self._local.__dict__.get("chans", {})):
-            self._drop(node_id)
+        """Close every thread's channels and the Redis connections."""
+        with self._all_lock:
+            chans, self._all = self._all, set()
+        for ch in chans:
+            ch.close()
         self.redis.close()
 
     # -- get ----------------------------------------------------------------------------------
