@@ -157,6 +157,8 @@ class SameHostReader:
             # cleans them up
             return self._run(aio.get(keys, into))
         n = leading_count(entries)
+        if n == 0:
+            return 0
         for i in range(n):
             e = entries[i]
             assert e is not None
@@ -180,7 +182,9 @@ class SameHostReader:
             gone = [(keys[i].redis_key, entries[i]) for i in range(n) if i not in sums]
             if gone:
                 self._run(aio._forget_many(gone))  # type: ignore[arg-type]
-        count, bad = aio.count_loaded(keys, views, entries, n, verdicts(sums, entries[:n]))
+        # (the speculative copy may hold blocks past the leading ones: not counted)
+        leading = {i: sums[i] for i in range(n) if i in sums}
+        count, bad = aio.count_loaded(keys, views, entries, n, verdicts(leading, entries))
         if bad is not None:
             self._run(aio._forget(keys[bad], entries[bad]))  # type: ignore[arg-type]
         aio.num_shm_gets += 1
