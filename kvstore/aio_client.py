@@ -360,15 +360,7 @@ class AsyncKVStoreClient(BlockStore):
     async def _get_indexed_inner(self, keys: list[BlockKey], views: list[np.ndarray],
                                  entries: list[IndexEntry | None], nodes: dict[str, NodeInfo],
                                  spec: _Speculation | None) -> int:
-        n = leading_count(entries)
-        by_node: dict[str, list[int]] = {}
-        for i in range(n):
-            e = entries[i]
-            assert e is not None
-            if e.size_bytes != views[i].nbytes:
-                raise ValueError(f"into[{i}] has {views[i].nbytes} bytes, the stored block has "
-                                 f"{e.size_bytes}")
-            by_node.setdefault(e.node_id, []).append(i)
+        n, by_node = leading_by_node(entries, views)
         work = [self._get_spec(spec, nodes[nid], idx, keys, views, entries)
                 if spec is not None and self._spec_fits(spec, nodes[nid])
                 else self._get_from(nodes[nid], idx, keys, views, entries)
@@ -790,6 +782,25 @@ def verdicts(sums: dict[int, str],
         assert e is not None
         out[i] = h == e.checksum
     return out
+
+
+def leading_by_node(entries: Sequence[IndexEntry | None],
+                    views: Sequence[np.ndarray]) -> tuple[int, dict[str, list[int]]]:
+    """The number of leading present blocks, and their indices grouped by node id.
+
+    Raises:
+        ValueError: a buffer's size is not its stored block's.
+    """
+    n = leading_count(entries)
+    by_node: dict[str, list[int]] = {}
+    for i in range(n):
+        e = entries[i]
+        assert e is not None
+        if e.size_bytes != views[i].nbytes:
+            raise ValueError(f"into[{i}] has {views[i].nbytes} bytes, the stored block has "
+                             f"{e.size_bytes}")
+        by_node.setdefault(e.node_id, []).append(i)
+    return n, by_node
 
 
 def leading_count(entries: Sequence[IndexEntry | None]) -> int:

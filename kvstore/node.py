@@ -291,6 +291,7 @@ class StoreNode:
         finally:
             conn.abort()
             self._conns.pop(conn.conn_id, None)
+            self._release_leases_of(conn.conn_id)  # its shared-memory reads are over
 
     async def _handle(self, conn: _Conn, request_id: int, msg: dict[str, Any],
                       work: Coroutine[Any, Any, None] | None = None) -> None:

@@ -33,7 +33,7 @@ import numpy as np
 import redis
 from redis.exceptions import NoScriptError, RedisError
 
-from tandem.kvstore.aio_client import AsyncKVStoreClient, leading_count, verdicts
+from tandem.kvstore.aio_client import AsyncKVStoreClient, leading_by_node, verdicts
 from tandem.kvstore.index import LOOKUP_LUA, NODE_PREFIX, IndexEntry, parse_lookup
 from tandem.kvstore.keys import BlockKey
 from tandem.kvstore.shm import Mapping
@@ -156,17 +156,10 @@ class SameHostReader:
             # a dead node's entries: the loop's path turns them into misses and
             # cleans them up
             return self._run(aio.get(keys, into))
-        n = leading_count(entries)
+        n, by_node = leading_by_node(entries, views)
         if n == 0:
             return 0
-        for i in range(n):
-            e = entries[i]
-            assert e is not None
-            if e.size_bytes != views[i].nbytes:
-                raise ValueError(f"into[{i}] has {views[i].nbytes} bytes, the stored block "
-                                 f"has {e.size_bytes}")
-        owners = {e.node_id for e in entries[:n] if e is not None}
-        node = nodes[owners.pop()] if len(owners) == 1 else None
+        node = nodes[next(iter(by_node))] if len(by_node) == 1 else None
         if node is None:
             return self._run(aio._get_indexed(keys, views, entries, nodes))
         if early is not None and early[0].node_id == node.node_id and \
