@@ -12,7 +12,7 @@ import os
 import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -35,6 +35,7 @@ from tandem.kvstore.store import BlockStore, KVStoreError, KVStoreNodeError, KVS
 from tandem.kvstore.transport import (
     NodeConnection,
     NodeInfo,
+    address_of,
     checksum,
     next_conn_id,
     next_request_id,
@@ -127,6 +128,14 @@ class AsyncKVStoreClient(BlockStore):
         if len(blocks) != n:
             raise ValueError(f"{name} has {len(blocks)} buffers for {n} keys")
         views = [byte_view(b, writable=writable, name=f"{name}[{i}]") for i, b in enumerate(blocks)]
+        if writable and len(views) > 1:
+            # two blocks landing in one buffer would fail their checksums, and a
+            # checksum failure removes the (intact) block from the shared index
+            spans = sorted((address_of(v), v.nbytes, i) for i, v in enumerate(views))
+            for (a0, n0, i0), (a1, _, i1) in zip(spans, spans[1:], strict=False):
+                if a1 < a0 + n0:
+                    raise ValueError(f"{name}[{min(i0, i1)}] and {name}[{max(i0, i1)}] overlap: "
+                                     "each block needs a buffer of its own")
         for i, v in enumerate(views):
             if v.nbytes == 0:
                 raise ValueError(f"{name}[{i}] is empty")
@@ -583,7 +592,12 @@ class AsyncKVStoreClient(BlockStore):
                                                                      for j in p)))
         # NOTE: numpy's copy and xxhash both release the GIL, so the shares run
         # in parallel; this thread does the first, the pool the others.
-        futures = [self._copy_pool.submit(work, sh) for sh in shares[1:]] if self._copy_pool else []
+        pool, futures = self._copy_pool, []
+        for sh in shares[1:]:
+            try:
+                futures.append(pool.submit(work, sh))  # type: ignore[union-attr]
+            except (AttributeError, RuntimeError):  # closed meanwhile: copy it here
+                futures.append(_done(work(sh)))
         good = work(shares[0]) if shares else {}
         for fut in futures:
             good.update(fut.result())
@@ -591,7 +605,7 @@ class AsyncKVStoreClient(BlockStore):
 
     def _copy_workers(self, nbytes: int) -> int:
         """How many threads copy-and-checksum ``nbytes`` of shared-memory reads."""
-        if self.copy_threads <= 1 or nbytes < PARALLEL_COPY_MIN_BYTES:
+        if self.copy_threads <= 1 or nbytes < PARALLEL_COPY_MIN_BYTES or self._closed:
             return 1
         with self._copy_pool_lock:  # gets also run on callers' threads (kvstore/shm_read.py)
             if self._copy_pool is None:
@@ -747,6 +761,12 @@ def _release_done(pending: set[asyncio.Future[Any]]) -> Any:
         if not fut.cancelled() and fut.exception() is not None:
             logger.debug("release not sent (the lease expires instead): %r", fut.exception())
     return done
+
+
+def _done(result: Any) -> Future[Any]:
+    fut: Future[Any] = Future()
+    fut.set_result(result)
+    return fut
 
 
 def split_shares(pieces: list[list[int]], sizes: list[int], n: int) -> list[list[list[int]]]:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
@@ -38,6 +39,7 @@ from tandem.kvstore.index import LOOKUP_LUA, NODE_PREFIX, IndexEntry, parse_look
 from tandem.kvstore.keys import BlockKey
 from tandem.kvstore.shm import Mapping
 from tandem.kvstore.shm_ctl import CtlChannel, ctl_address
+from tandem.kvstore.store import KVStoreError, KVStoreTimeoutError
 from tandem.kvstore.transport import NodeInfo
 
 logger = logging.getLogger("tandem.kvstore.client")
@@ -65,7 +67,9 @@ class SameHostReader:
                                           socket_connect_timeout=timeout_s)
         self._lookup = self.redis.register_script(LOOKUP_LUA)
         self._local = threading.local()
-        self._all: set[CtlChannel] = set()  # every thread's channels, closed by close()
+        # every live thread's channels, closed by close(); weak, so that a channel of
+        # a thread that has exited is collected (and its socket closed) with it
+        self._all: weakref.WeakSet[CtlChannel] = weakref.WeakSet()
         self._all_lock = threading.Lock()
         #: gets served entirely on the calling thread
         self.num_gets = 0
@@ -75,7 +79,9 @@ class SameHostReader:
     # -- channels ---------------------------------------------------------------------------
 
     def _channel(self, node: NodeInfo) -> CtlChannel | None:
-        """This thread's channel to ``node`` (``None``: cannot connect)."""
+        """This thread's channel to ``node`` (``None``: cannot connect, or closed)."""
+        if self.aio._closed:
+            return None
         chans: dict[str, CtlChannel] = self._local.__dict__.setdefault("chans", {})
         address = ctl_address(node.node_id, node.shm_id)
         ch = chans.get(node.node_id)
@@ -88,10 +94,29 @@ class SameHostReader:
         except OSError as exc:
             logger.debug("no shared-memory channel to %s: %s", node.node_id, exc)
             return None
-        chans[node.node_id] = ch
         with self._all_lock:
+            if self.aio._closed:
+                ch.close()
+                return None
             self._all.add(ch)
+        chans[node.node_id] = ch
         return ch
+
+    def _fail(self, node: NodeInfo, exc: BaseException) -> None:
+        """A channel to ``node`` failed (``exc``): close it, which releases whatever it
+        pinned, and stop speculating on that node.
+
+        Raises:
+            KVStoreTimeoutError: ``exc`` is a timeout (the node is hung).
+        """
+        self._drop(node.node_id)
+        shm_node = self.aio._shm_node
+        if shm_node is not None and shm_node.node_id == node.node_id:
+            self.aio._shm_node = None
+        if isinstance(exc, TimeoutError):
+            raise KVStoreTimeoutError(
+                f"get from store node {node.node_id} ({node.address}) timed out after "
+                f"{self.timeout_s}s (node hung or overloaded)") from exc
 
     def _drop(self, node_id: str) -> None:
         ch = self._local.__dict__.get("chans", {}).pop(node_id, None)
@@ -103,7 +128,7 @@ class SameHostReader:
     def close(self) -> None:
         """Close every thread's channels and the Redis connections."""
         with self._all_lock:
-            chans, self._all = self._all, set()
+            chans, self._all = list(self._all), weakref.WeakSet()
         for ch in chans:
             ch.close()
         self.redis.close()
@@ -119,11 +144,23 @@ class SameHostReader:
     def get(self, keys: Sequence[BlockKey], into: Sequence[Any]) -> int:
         """``BlockStore.get`` (kvstore/store.py): load the leading present blocks of
         ``keys`` into ``into`` (one contiguous CPU buffer per key); returns how many.
+        The index unreachable: a miss (0), as on the client loop's path.
 
         Raises:
             ValueError: bad keys or buffers (as ``get``).
-            KVStoreError / KVStoreTimeoutError: from the fallback path.
+            KVStoreTimeoutError: a node holding a leading block did not answer.
+            KVStoreError: the client was closed, or from the fallback path.
         """
+        try:
+            return self._get(keys, into)
+        except (ValueError, KVStoreError):
+            raise
+        except Exception as exc:
+            if self.aio._closed:  # close() pulled connections and pools from under us
+                raise KVStoreError("client is closed") from exc
+            raise
+
+    def _get(self, keys: Sequence[BlockKey], into: Sequence[Any]) -> int:
         aio = self.aio
         aio._check_open()
         keys = aio._check_keys(keys)
@@ -133,24 +170,27 @@ class SameHostReader:
         names = [k.redis_key for k in keys]
         # 1. pins on the node of the previous same-host get, requested first
         spec = self._send_spec(names)
-        # 2. the index lookup goes out; while Redis answers, 3. the speculative
-        # blocks are copied (the index then says whether they count)
+        early: tuple[NodeInfo, dict[int, str] | None] | None = None
         try:
+            # 2. the index lookup goes out; while Redis answers, 3. the speculative
+            # blocks are copied (the index then says whether they count)
             lookup = _PendingLookup(self, names)
-        except (RedisError, OSError):
-            self._settle(spec)
-            return self._run(aio.get(keys, into))
-        early: tuple[NodeInfo, dict[int, str]] | None = None
-        try:
-            if spec is not None:
-                early = self._copy_spec(spec, views)
-                spec = None
             try:
+                if spec is not None:
+                    taken, spec = spec, None
+                    early = self._copy_spec(taken, views)
                 entries, nodes = lookup.result()
-            except (RedisError, OSError, ValueError):
-                return self._run(aio.get(keys, into))
+            finally:
+                lookup.close()
+        except KVStoreError:
+            raise
+        except (RedisError, OSError) as exc:
+            logger.warning("get: index unreachable, reporting a miss: %s", exc)
+            return 0
+        except ValueError as exc:
+            raise KVStoreError(f"KV store index (Redis) answered a malformed lookup: {exc}") \
+                from exc
         finally:
-            lookup.close()
             self._settle(spec)
         if any(e is not None and e.node_id not in nodes for e in entries):
             # a dead node's entries: the loop's path turns them into misses and
@@ -162,8 +202,14 @@ class SameHostReader:
         node = nodes[next(iter(by_node))] if len(by_node) == 1 else None
         if node is None:
             return self._run(aio._get_indexed(keys, views, entries, nodes))
-        if early is not None and early[0].node_id == node.node_id and \
-                early[0].shm_id == node.shm_id and all(i in early[1] for i in range(n)):
+        same = early is not None and (early[0].node_id, early[0].shm_id) == (node.node_id,
+                                                                             node.shm_id)
+        if same and early is not None and early[1] is None:
+            raise KVStoreTimeoutError(
+                f"get from store node {node.node_id} ({node.address}) timed out after "
+                f"{self.timeout_s}s (node hung or overloaded)")
+        if same and early is not None and early[1] is not None and \
+                all(i in early[1] for i in range(n)):
             self.num_speculative_gets += 1
             sums = early[1]
         else:
@@ -196,19 +242,25 @@ class SameHostReader:
             return None
         try:
             return node, mapping, ch, ch.send_get(names)
+        except ValueError:
+            return None  # too many keys for one control message: nothing was sent
         except OSError:
             self._drop(node.node_id)
             return None
 
     def _copy_spec(self, spec: tuple[NodeInfo, Mapping, CtlChannel, int],
-                   views: list[np.ndarray]) -> tuple[NodeInfo, dict[int, str]] | None:
+                   views: list[np.ndarray]) -> tuple[NodeInfo, dict[int, str] | None] | None:
         """Copy the blocks the speculative reply pinned, then release them;
-        returns the node and each copied block's checksum."""
+        returns the node and each copied block's checksum (``None``: the node timed
+        out; ``None`` instead of the pair: no usable reply)."""
         node, mapping, ch, req = spec
         try:
             reply = ch.recv_reply(req)
-        except (OSError, ValueError):
-            self._drop(node.node_id)  # closing it releases whatever it pinned
+        except (OSError, ValueError) as exc:
+            try:
+                self._fail(node, exc)
+            except KVStoreTimeoutError:
+                return node, None  # hung: an error only if it holds the blocks we need
             return None
         return node, self._copy_reply(node, ch, mapping, reply, views)
 
@@ -221,9 +273,16 @@ class SameHostReader:
         if mapping is None or ch is None:
             return None
         try:
-            reply = ch.recv_reply(ch.send_get(names))
-        except (OSError, ValueError):
-            self._drop(node.node_id)
+            req = ch.send_get(names)
+        except ValueError:
+            return None  # too many keys for one control message: nothing was sent
+        except OSError as exc:
+            self._fail(node, exc)
+            return None
+        try:
+            reply = ch.recv_reply(req)
+        except (OSError, ValueError) as exc:
+            self._fail(node, exc)
             return None
         return self._copy_reply(node, ch, mapping, reply, views)
 
@@ -255,8 +314,11 @@ class SameHostReader:
             lease = ch.recv_reply(req).get("lease")
             if isinstance(lease, int) and lease:
                 ch.release(lease)
-        except (OSError, ValueError):
-            self._drop(node.node_id)
+        except (OSError, ValueError) as exc:
+            try:
+                self._fail(node, exc)
+            except KVStoreTimeoutError:
+                pass  # its blocks were not needed
 
 
 class _PendingLookup:

@@ -746,3 +746,140 @@ def test_block_key_forms_round_trip() -> None:
         BlockKey.from_str("zz:yy")
     assert isinstance(np.frombuffer(k.hash, dtype=np.uint8), np.ndarray)
     assert time.monotonic() > 0
+
+
+# -- same-host reads on the caller's thread (kvstore/shm_read.py): regressions -------------
+
+
+def test_hung_node_times_out_once_and_is_not_speculated_on_again(store_url: str,
+                                                                 tmp_path) -> None:
+    """A node that stops answering (SIGSTOP) fails the get with a timeout, and the
+    client stops sending it speculative requests (before: every later get waited a
+    full timeout on it, even after its heartbeat expired)."""
+    import signal
+
+    node = StoreNodeProcess(store_url, "frozen", 1 << 20, heartbeat_ttl_s=1.5, log_dir=tmp_path)
+    c = KVStoreClient(store_url, local_node="frozen", timeout_s=1.5)
+    stopped = False
+    try:
+        node.wait_ready(c)
+        keys = BF16.keys(hashes("frozen", 2))
+        blocks = random_blocks(BF16, 2, 29)
+        assert c.put_blocks(keys, blocks) == 2
+        into = [torch.empty_like(b) for b in blocks]
+        assert c.get_blocks(keys, into) == 2
+        assert c.aio._shm_node is not None and c.aio._shm_node.node_id == "frozen"
+        os.kill(node.proc.pid, signal.SIGSTOP)
+        stopped = True
+        with pytest.raises(KVStoreTimeoutError):
+            c.get_blocks(keys, into)
+        assert c.aio._shm_node is None  # no more speculation on the hung node
+        poll(lambda: "frozen" not in c.live_nodes(), timeout_s=15)
+        assert c.get_blocks(keys, into) == 0  # its blocks are misses now
+    finally:
+        if stopped:
+            os.kill(node.proc.pid, signal.SIGCONT)
+        c.close()
+        node.stop()
+
+
+def test_more_keys_than_one_control_message_holds(store_url: str, nodes) -> None:
+    """The speculative get_shm names every key; when they do not fit one control
+    message it is skipped, not raised (before: ValueError from the second get on)."""
+    c = KVStoreClient(store_url, local_node="n1", shm=True)
+    try:
+        keys = BF16.keys(hashes("many-keys", 10_004))
+        blocks = random_blocks(BF16, 4, 31)
+        assert c.put_blocks(keys[:4], blocks) == 4
+        for _ in range(3):
+            into = [torch.empty_like(blocks[0]) for _ in keys]
+            assert c.get_blocks(keys, into) == 4
+            assert all(same_bits(a, b) for a, b in zip(blocks, into[:4], strict=True))
+        assert c._same_host is not None and c._same_host.num_gets >= 2
+    finally:
+        c.close()
+
+
+def test_channels_of_exited_threads_are_closed(store_url: str, nodes) -> None:
+    """Each thread has its own channel to a node; a thread's channel goes (and its
+    socket closes) with the thread, not only at close() (before: kept until close)."""
+    import gc
+
+    c = KVStoreClient(store_url, local_node="n1", shm=True)
+    try:
+        keys = BF16.keys(hashes("threads", 1))
+        blocks = random_blocks(BF16, 1, 37)
+        assert c.put_blocks(keys, blocks) == 1
+        assert c.get_blocks(keys, [torch.empty_like(blocks[0])]) == 1  # this thread's
+
+        def read() -> None:
+            assert c.get_blocks(keys, [torch.empty_like(blocks[0])]) == 1
+
+        for _ in range(5):
+            t = threading.Thread(target=read)
+            t.start()
+            t.join()
+        gc.collect()
+        reader = c._same_host
+        assert reader is not None and len(reader._all) == 1  # only this thread's
+        info = c.live_nodes()["n1"]
+    finally:
+        c.close()
+    assert reader._channel(info) is None  # none (re)opened once closed
+
+
+def test_index_unreachable_is_a_miss_without_the_loop_path(tmp_path) -> None:
+    """Redis gone: a same-host get reports a miss at once instead of retrying the
+    lookup on the client loop (which doubled the wait when Redis hangs)."""
+    from conftest import RedisServer, free_port
+
+    redis_srv = RedisServer(free_port())
+    redis_srv.start()
+    node = StoreNodeProcess(redis_srv.url, "lonely", 1 << 20, log_dir=tmp_path)
+    c = KVStoreClient(redis_srv.url, local_node="lonely", timeout_s=2)
+    try:
+        node.wait_ready(c)
+        keys = BF16.keys(hashes("lonely", 2))
+        blocks = random_blocks(BF16, 2, 41)
+        assert c.put_blocks(keys, blocks) == 2
+        into = [torch.empty_like(b) for b in blocks]
+        assert c.get_blocks(keys, into) == 2
+        loop_gets = []
+        real_get = c.aio.get
+
+        async def counting_get(*args, **kwargs):
+            loop_gets.append(1)
+            return await real_get(*args, **kwargs)
+
+        c.aio.get = counting_get  # a spy: counts, changes nothing
+        redis_srv.stop()
+        assert c.get_blocks(keys, into) == 0
+        assert loop_gets == []
+    finally:
+        c.close()
+        node.stop()
+        redis_srv.stop()
+
+
+@pytest.mark.parametrize("read_path", ["shm", "ucx"])
+def test_overlapping_buffers_are_refused_and_the_index_kept(store_url: str, nodes,
+                                                             read_path: str) -> None:
+    """Two keys read into one buffer is a ValueError (before: the second block failed
+    its checksum there, and the intact block's index entry was removed for everyone)."""
+    c = KVStoreClient(store_url, local_node="n1", shm=read_path == "shm")
+    try:
+        keys = BF16.keys(hashes(f"alias-{read_path}", 2))
+        blocks = random_blocks(BF16, 2, 43)
+        assert c.put_blocks(keys, blocks) == 2
+        buf = torch.empty_like(blocks[0])
+        with pytest.raises(ValueError, match=r"into\[0\] and into\[1\] overlap"):
+            c.get_blocks(keys, [buf, buf])
+        whole = torch.empty(2 * BLOCK // 2, dtype=torch.bfloat16)
+        with pytest.raises(ValueError, match="overlap"):
+            c.get_blocks(keys, [whole[: BLOCK // 2], whole[BLOCK // 4: BLOCK // 4 + BLOCK // 2]])
+        assert c.lookup(keys) == 2
+        into = [torch.empty_like(b) for b in blocks]
+        assert c.get_blocks(keys, into) == 2
+        assert all(same_bits(a, b) for a, b in zip(blocks, into, strict=True))
+    finally:
+        c.close()
