@@ -445,14 +445,17 @@ class StoreNode:
             ttl_ms = self._ttl_ms(e)
             if ttl_ms is not None:
                 new.append((k, self._entry(e).encode(), ttl_ms))
+        # NOTE: readable here before the index commit: a get that finds a fresh index
+        # entry while the commit's reply is on its way must find the bytes too, or it
+        # removes the entry as one whose payload is gone. Nobody finds them through
+        # the index before the commit lands; if it fails they stay unindexed (evicted
+        # in LRU order; a later put of the same key indexes them again).
+        for e in pending:
+            self.pool.commit(e)
         committed = await self._try_commit(
             [(e.key, self._entry(e).owner_prefix) for e in evicted], new)
         if not committed:
-            for e in pending:
-                self.pool.abort(e)
             raise RuntimeError("index (Redis) unreachable: blocks not stored")
-        for e in pending:
-            self.pool.commit(e)
         self.metrics.put_bytes.inc(sum(e.size_bytes for e in pending))
         self.metrics.put_latency.observe(time.perf_counter() - t0)
         self._update_gauges()

@@ -883,3 +883,42 @@ def test_overlapping_buffers_are_refused_and_the_index_kept(store_url: str, node
         assert all(same_bits(a, b) for a, b in zip(blocks, into, strict=True))
     finally:
         c.close()
+
+
+def test_put_blocks_are_readable_on_the_node_before_their_index_commit(store_url: str,
+                                                                       nodes) -> None:
+    """While a put's index commit is in flight, the node already serves its blocks: a
+    reader that finds the fresh index entry then never takes it for one whose payload
+    is gone and removes it (before: the node answered 'absent' until the commit's
+    reply came back)."""
+    from tandem.kvstore.shm_ctl import CtlChannel, ctl_address
+
+    c = KVStoreClient(store_url, local_node="n1", shm=True)
+    r = redis.Redis.from_url(store_url)
+    keys = BF16.keys(hashes("commit-window", 1))
+    blocks = random_blocks(BF16, 1, 47)
+    info = c.live_nodes()["n1"]
+    ch = CtlChannel(ctl_address(info.node_id, info.shm_id), timeout_s=10)
+    result: list[object] = []
+    r.execute_command("CLIENT", "PAUSE", 20_000, "WRITE")  # the node's commit waits
+    putter = threading.Thread(target=lambda: result.append(c.put_blocks(keys, blocks)))
+    try:
+        putter.start()
+
+        def readable() -> bool:
+            reply = ch.recv_reply(ch.send_get([keys[0].redis_key]))
+            if reply["lease"]:
+                ch.release(reply["lease"])
+            return reply["offsets"][0] >= 0
+
+        poll(readable, timeout_s=15)
+        assert r.get(keys[0].redis_key) is None  # the index entry is not written yet
+    finally:
+        r.execute_command("CLIENT", "UNPAUSE")
+        putter.join()
+        ch.close()
+    assert result == [1] and c.lookup(keys) == 1
+    into = [torch.empty_like(blocks[0])]
+    assert c.get_blocks(keys, into) == 1 and same_bits(into[0], blocks[0])
+    r.close()
+    c.close()
