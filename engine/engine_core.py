@@ -15,7 +15,6 @@ The engine is single-threaded: callers serialize ``add_request`` / ``abort_reque
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -25,6 +24,7 @@ from tandem.engine.config import EngineConfig
 from tandem.engine.outputs import EngineCoreOutput
 from tandem.engine.request import Request
 from tandem.engine.sched_output import ModelRunnerOutput
+from tandem.kvstore.keys import LayoutFingerprint
 
 logger = logging.getLogger(__name__)
 
@@ -52,14 +52,14 @@ class KVCacheLayout:
     @property
     def block_size_bytes(self) -> int:
         """Bytes of one block (K and V of every layer)."""
-        itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}[self.dtype]
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * itemsize
+        return LayoutFingerprint.from_layout(self).block_bytes
 
     @property
     def fingerprint(self) -> bytes:
-        """16-byte SHA-256 prefix of the canonical field string (stable across machines)."""
-        canon = "|".join(f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self))
-        return hashlib.sha256(canon.encode()).digest()[:16]
+        """The KV store's layout fingerprint of this layout (``LayoutFingerprint.digest``:
+        16 bytes of SHA-256 over the fields, stable across machines): one definition,
+        so that engines and store keys can never disagree."""
+        return LayoutFingerprint.from_layout(self).digest
 
 
 class EngineCore:
