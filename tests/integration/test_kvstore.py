@@ -751,6 +751,17 @@ def test_block_key_forms_round_trip() -> None:
 # -- same-host reads on the caller's thread (kvstore/shm_read.py): regressions -------------
 
 
+def put_and_read_two(c: KVStoreClient, tag: str) -> tuple[list[BlockKey], list[torch.Tensor]]:
+    """Put two fresh blocks and read them back once (the client's first same-host get)."""
+    keys = BF16.keys(hashes(tag, 2))
+    blocks = random_blocks(BF16, 2, len(tag))
+    assert c.put_blocks(keys, blocks) == 2
+    into = [torch.empty_like(b) for b in blocks]
+    assert c.get_blocks(keys, into) == 2
+    assert all(same_bits(a, b) for a, b in zip(blocks, into, strict=True))
+    return keys, into
+
+
 def test_hung_node_times_out_once_and_is_not_speculated_on_again(store_url: str,
                                                                  tmp_path) -> None:
     """A node that stops answering (SIGSTOP) fails the get with a timeout, and the
@@ -763,11 +774,7 @@ def test_hung_node_times_out_once_and_is_not_speculated_on_again(store_url: str,
     stopped = False
     try:
         node.wait_ready(c)
-        keys = BF16.keys(hashes("frozen", 2))
-        blocks = random_blocks(BF16, 2, 29)
-        assert c.put_blocks(keys, blocks) == 2
-        into = [torch.empty_like(b) for b in blocks]
-        assert c.get_blocks(keys, into) == 2
+        keys, into = put_and_read_two(c, "frozen")
         assert c.aio._shm_node is not None and c.aio._shm_node.node_id == "frozen"
         os.kill(node.proc.pid, signal.SIGSTOP)
         stopped = True
@@ -839,11 +846,7 @@ def test_index_unreachable_is_a_miss_without_the_loop_path(tmp_path) -> None:
     c = KVStoreClient(redis_srv.url, local_node="lonely", timeout_s=2)
     try:
         node.wait_ready(c)
-        keys = BF16.keys(hashes("lonely", 2))
-        blocks = random_blocks(BF16, 2, 41)
-        assert c.put_blocks(keys, blocks) == 2
-        into = [torch.empty_like(b) for b in blocks]
-        assert c.get_blocks(keys, into) == 2
+        keys, into = put_and_read_two(c, "lonely")
         loop_gets = []
         real_get = c.aio.get
 
