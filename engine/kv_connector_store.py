@@ -121,11 +121,13 @@ class LoadResult:
         num_tokens: tokens loaded, counted from the load's first token.
         num_requested_tokens: tokens the load covered.
         done_ns: ``time.monotonic_ns()`` at completion.
+        num_bytes: bytes of the blocks loaded (all layers, K and V).
     """
 
     num_tokens: int
     num_requested_tokens: int
     done_ns: int
+    num_bytes: int = 0
 
     @property
     def complete(self) -> bool:
@@ -270,7 +272,7 @@ class _Transfers:
             self.listener.on_save_done(job.request_id, result)
 
     def _load(self, job: _Job) -> None:
-        loaded = 0
+        loaded = loaded_bytes = 0
         if not job.cancelled:
             try:
                 assert self.kv_cache is not None, "register_kv_caches was not called"
@@ -286,10 +288,11 @@ class _Transfers:
                     for b, buf in zip(job.block_ids[:num_blocks], into, strict=False):
                         self.kv_cache[b].copy_(buf)
                 loaded = sum(job.num_tokens[:num_blocks])
+                loaded_bytes = sum(buf.numel() * buf.element_size() for buf in into[:num_blocks])
             except Exception as exc:  # noqa: BLE001 - a failed load is a miss: recompute
                 logger.warning("loading KV of %s failed: %s", job.request_id, exc, exc_info=True)
         requested = sum(job.num_tokens)
-        result = LoadResult(loaded, requested, time.monotonic_ns())
+        result = LoadResult(loaded, requested, time.monotonic_ns(), loaded_bytes)
         with self._lock:
             if loaded < requested and not job.cancelled:
                 self.num_load_failures += 1

@@ -154,6 +154,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         load = ctx.transfers.pop_load(req.request_id) if ctx.transfers is not None else None
         if load is not None:
             resp.kv_pull_ns = max(load.done_ns - arrival_ns, 0)
+            resp.kv_pull_bytes = load.num_bytes
             m.labels(m.kv_pull_seconds).observe(resp.kv_pull_ns / 1e9)
         m.labels(m.time_to_first_token).observe((now_ns() - arrival_ns) / 1e9)
 

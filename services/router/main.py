@@ -57,12 +57,11 @@ def _split(value: str) -> list[str]:
     return [a.strip() for a in value.split(",") if a.strip()]
 
 
-def model_facts(model: str | None) -> tuple[str, int, int]:
-    """(model id, max_model_len, bytes of one 16-token KV block) from the model's config.
+def model_facts(model: str | None) -> tuple[str, int]:
+    """(model id, max_model_len) from the model's config.
 
-    The block size is an estimate for the handoff-bytes metric (16 tokens, 2-byte dtype
-    unless the config says float32). A GGUF file's metadata is read with ``gguf`` directly:
-    several times faster than building a transformers config from it.
+    A GGUF file's metadata is read with ``gguf`` directly: several times faster than
+    building a transformers config from it.
     """
     from tandem.engine.model_loader import default_model_path, model_id_of
 
@@ -73,26 +72,12 @@ def model_facts(model: str | None) -> tuple[str, int, int]:
 
         fields = GGUFReader(str(path)).fields
         arch = fields["general.architecture"].contents()
+        f = fields.get(f"{arch}.context_length")
+        return name, int(f.contents()) if f is not None else 2048
+    from transformers import AutoConfig
 
-        def meta(key: str, default: int = 0) -> int:
-            f = fields.get(f"{arch}.{key}")
-            return int(f.contents()) if f is not None else default
-
-        heads = meta("attention.head_count", 1)
-        kv_heads = meta("attention.head_count_kv", heads)
-        head_dim = meta("attention.key_length", meta("embedding_length") // heads)
-        max_len, layers, dtype_bytes = meta("context_length", 2048), meta("block_count"), 2
-    else:
-        from transformers import AutoConfig
-
-        cfg = AutoConfig.from_pretrained(str(path))
-        max_len = int(getattr(cfg, "max_position_embeddings", 0) or 2048)
-        heads = cfg.num_attention_heads
-        kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-        layers = cfg.num_hidden_layers
-        dtype_bytes = 4 if str(getattr(cfg, "dtype", "")).endswith("float32") else 2
-    return name, max_len, layers * 2 * 16 * kv_heads * head_dim * dtype_bytes
+    cfg = AutoConfig.from_pretrained(str(path))
+    return name, int(getattr(cfg, "max_position_embeddings", 0) or 2048)
 
 
 class _Server:
@@ -134,7 +119,7 @@ async def serve(args: argparse.Namespace) -> None:
     from tandem.services.router.pipeline import Pipeline
     from tandem.services.router.routing import make_router
 
-    name, max_len, block_bytes = model_facts(args.model)
+    name, max_len = model_facts(args.model)
     served = [args.served_model_name or name]
     # Also accept the model's base name without a quantization suffix, and its path.
     for alias in (name, name.split(".")[0], args.model):
@@ -157,8 +142,7 @@ async def serve(args: argparse.Namespace) -> None:
     pipeline = Pipeline(tokenizer=tokenizer, discovery=discovery, pool=pool,
                         router=make_router(args.routing_policy), metrics=metrics,
                         max_running=args.max_running_requests,
-                        max_waiting=args.max_queued_requests, max_attempts=args.max_attempts,
-                        kv_block_bytes=block_bytes)
+                        max_waiting=args.max_queued_requests, max_attempts=args.max_attempts)
     api_key = args.api_key or os.environ.get("TANDEM_API_KEY") or None
     fe = Frontend(tokenizer=tokenizer, pipeline=pipeline, served_model_names=served,
                   max_model_len=args.max_model_len or max_len, api_key=api_key)

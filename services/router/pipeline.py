@@ -99,14 +99,11 @@ class Pipeline:
         metrics: the router's Prometheus series.
         max_running / max_waiting: admission bounds (requests).
         max_attempts: tries per stage (first call included).
-        kv_block_bytes: bytes of one KV block (all layers, K and V), for the handoff-bytes
-            metric; 0 disables it.
     """
 
     def __init__(self, *, tokenizer: Any, discovery: Discovery, pool: InstancePool,
                  router: Router, metrics: RouterMetrics, max_running: int = 256,
-                 max_waiting: int = 1024, max_attempts: int = 3, kv_block_bytes: int = 0
-                 ) -> None:
+                 max_waiting: int = 1024, max_attempts: int = 3) -> None:
         self.tokenizer = tokenizer
         self.discovery = discovery
         self.pool = pool
@@ -114,7 +111,6 @@ class Pipeline:
         self.metrics = metrics
         self.admission = _Admission(max_running, max_waiting, metrics)
         self.max_attempts = max_attempts
-        self.kv_block_bytes = kv_block_bytes
 
     def mode(self) -> str:
         """"disagg" when prefill and decode instances exist, else "colocated".
@@ -320,10 +316,10 @@ class Pipeline:
         if ctx.stage == "decode" and t.kv_pull_ns is not None:
             handoff_s = ((t.kv_publish_ns or 0) + t.kv_pull_ns) / 1e9
             m.labels(m.kv_handoff_seconds).observe(handoff_s)
-            if self.kv_block_bytes and msg.HasField("num_cached_tokens"):
-                block_size = info.block_size or 16
-                num_blocks = -(-msg.num_cached_tokens // block_size)
-                m.labels(m.kv_handoff_bytes).inc(num_blocks * self.kv_block_bytes)
+            if msg.HasField("kv_pull_bytes"):
+                # what the decode engine pulled from the store, as it reports it
+                # (not blocks it already held, and in the dtype it runs)
+                m.labels(m.kv_handoff_bytes).inc(msg.kv_pull_bytes)
 
     def _failed(self, info: InstanceInfo, stage: str, exc: grpc.aio.AioRpcError) -> None:
         logger.warning("%s call to %s failed (%s): %s", stage, info.address, exc.code().name,

@@ -8,7 +8,9 @@ prompts longer than 64 tokens are prefilled in chunks on both sides.
 from __future__ import annotations
 
 import asyncio
+import json
 import random
+from pathlib import Path
 
 import grpc
 import pytest
@@ -259,7 +261,13 @@ def test_decode_accepts_colocated_form(tiny, decode):
     assert got == hf_greedy(tiny, [prompt], 6)[0]
 
 
-def test_first_message_reports_kv_pull(prefill, decode):
+def test_first_message_reports_kv_pull(tiny, prefill, decode):
+    """The first message says how long the KV pull took and how many bytes it moved:
+    every block of the prompt (two full, one partial), in the engine's float32 (the
+    router's handoff-bytes metric adds these up)."""
+    cfg = json.loads((Path(tiny) / "config.json").read_text())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    block_bytes = cfg["num_hidden_layers"] * 2 * 16 * cfg["num_key_value_heads"] * head_dim * 4
     prompt = list(range(500, 540))
     pre = prefill.prefill.Prefill(
         prefill_pb2.PrefillRequest(prompt_token_ids=prompt, sampling_params=params(3)),
@@ -268,6 +276,8 @@ def test_first_message_reports_kv_pull(prefill, decode):
         decode_request_from(pre, prompt, params(3)), timeout=60)))
     assert first.HasField("kv_pull_ns") and first.kv_pull_ns > 0
     assert first.num_cached_tokens == len(prompt), "the whole prompt should come from the store"
+    assert first.kv_pull_bytes == 3 * block_bytes
     colocated_req = decode_pb2.DecodeRequest(prompt_token_ids=prompt, sampling_params=params(2))
     first_colocated = next(iter(decode.decode.Decode(colocated_req, timeout=60)))
     assert not first_colocated.HasField("kv_pull_ns")
+    assert not first_colocated.HasField("kv_pull_bytes")

@@ -30,7 +30,7 @@ class DecodeRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., first_token_id: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., kv_layout_fingerprint: _Optional[bytes] = ..., hash_algorithm: _Optional[str] = ..., generator_state: _Optional[bytes] = ..., priority: _Optional[int] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
-    __slots__ = ("token_ids", "logprobs", "finish_reason", "stop_token_id", "kv_pull_ns", "num_cached_tokens", "queue_ns")
+    __slots__ = ("token_ids", "logprobs", "finish_reason", "stop_token_id", "kv_pull_ns", "num_cached_tokens", "queue_ns", "kv_pull_bytes")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
@@ -38,6 +38,7 @@ class DecodeResponse(_message.Message):
     KV_PULL_NS_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     QUEUE_NS_FIELD_NUMBER: _ClassVar[int]
+    KV_PULL_BYTES_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TopLogprobs]
     finish_reason: _common_pb2.FinishReason
@@ -45,4 +46,5 @@ class DecodeResponse(_message.Message):
     kv_pull_ns: int
     num_cached_tokens: int
     queue_ns: int
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TopLogprobs, _Mapping]]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., stop_token_id: _Optional[int] = ..., kv_pull_ns: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., queue_ns: _Optional[int] = ...) -> None: ...
+    kv_pull_bytes: int
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TopLogprobs, _Mapping]]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., stop_token_id: _Optional[int] = ..., kv_pull_ns: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., queue_ns: _Optional[int] = ..., kv_pull_bytes: _Optional[int] = ...) -> None: ...
