@@ -224,6 +224,7 @@ class Stack:
         self.redis_url = config.redis_url or ""
         self.http_url = ""
         self.grpc_address = ""
+        self.kvstore_metrics_url = ""  # set when a KV store node is started
         self._cpu_next = 0
 
     # ---- lifecycle ---------------------------------------------------------------------
@@ -261,6 +262,7 @@ class Stack:
                 engines.append(self._engine_part(f"colocated-{i}", ["serve", "--role", "both"]))
         else:
             kv_port, kv_metrics = free_port(), free_port()
+            self.kvstore_metrics_url = f"http://127.0.0.1:{kv_metrics}/metrics"
             self._launch([Part("kvstore", _tandem(
                 "kvstore", "--listen", f"127.0.0.1:{kv_port}", "--capacity",
                 str(cfg.kvstore_capacity_bytes), "--redis-url", self.redis_url,
@@ -453,7 +455,10 @@ def main(argv: list[str] | None = None) -> int:
               f"  gRPC         {stack.grpc_address}   (tandem.v1.GenerationService)\n"
               f"  metrics      {stack.http_url}/metrics\n"
               f"  redis        {stack.redis_url}\n"
-              "Press Ctrl-C to stop.", flush=True)
+              + (f"  KV store     {stack.kvstore_metrics_url}\n"
+                 if stack.kvstore_metrics_url else "")
+              + ("" if cfg.verbose else f"  logs         {stack.tmpdir}   (removed on exit)\n")
+              + "Press Ctrl-C to stop.", flush=True)
         while True:
             dead = stack.dead_parts()
             if dead:
