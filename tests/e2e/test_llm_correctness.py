@@ -8,7 +8,6 @@ engine's block pool is back to full: nothing leaks, aborts included.
 
 from __future__ import annotations
 
-import os
 from types import SimpleNamespace
 
 import pytest
@@ -32,20 +31,12 @@ LONG_TEXT = " ".join(
 @pytest.fixture(scope="module")
 def real():
     """The HF model (oracle), its tokenizer, and our model built from the same weights."""
-    from transformers import AutoModelForCausalLM
+    from hf_oracle import hf_default_model
 
-    from tandem.engine.model_loader import (
-        LoadedModel,
-        default_model_path,
-        load_tokenizer,
-        model_id_of,
-    )
+    from tandem.engine.model_loader import LoadedModel, load_tokenizer, model_id_of
     from tandem.engine.models.registry import build_model
 
-    path = default_model_path()
-    hf = AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
-    ).eval()
+    hf = hf_default_model()
     tok = load_tokenizer(None)
     max_pos = hf.config.max_position_embeddings
     model = build_model(hf.config, hf.state_dict(), torch.float32, "cpu", max_pos)

@@ -294,13 +294,10 @@ def test_shorter_loaded_rotary_table_is_extended(tiny):
 @pytest.fixture(scope="module")
 def real():
     """Our loader's default model and transformers' own load of the same GGUF."""
+    from hf_oracle import hf_default_model
+
     loaded = load_model(ModelConfig(dtype="float32", max_model_len=512))
-    path = default_model_path()
-    folder, name = os.path.dirname(path), os.path.basename(path)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(
-        folder, gguf_file=name, dtype=torch.float32, local_files_only=True
-    ).eval()
-    return loaded, hf
+    return loaded, hf_default_model()
 
 
 @pytest.mark.slow

@@ -89,11 +89,16 @@ def hf_greedy(model_dir: str | None, prompts: list[list[int]], max_new_tokens: i
 
     from tandem.engine.model_loader import _resolve_path
 
-    folder, gguf = _resolve_path(model_dir)
-    kwargs = {"local_files_only": True, "dtype": torch.float32}
-    if gguf is not None:
-        kwargs["gguf_file"] = gguf
-    model = AutoModelForCausalLM.from_pretrained(folder, **kwargs).eval()
+    if model_dir is None:
+        from hf_oracle import hf_default_model
+
+        model = hf_default_model()
+    else:
+        folder, gguf = _resolve_path(model_dir)
+        kwargs = {"local_files_only": True, "dtype": torch.float32}
+        if gguf is not None:
+            kwargs["gguf_file"] = gguf
+        model = AutoModelForCausalLM.from_pretrained(folder, **kwargs).eval()
     outs = []
     with torch.no_grad():
         for prompt in prompts:
