@@ -35,6 +35,20 @@ from pathlib import Path
 _PR_SET_PDEATHSIG = 1
 
 
+def banner(stack: Stack, mode: str) -> str:
+    """What ``tandem up`` prints once every part is ready: where to reach what."""
+    return (f"\ntandem is up ({mode}):\n"
+            f"  OpenAI API   {stack.http_url}/v1   (curl {stack.http_url}/v1/models)\n"
+            f"  gRPC         {stack.grpc_address}   (tandem.v1.GenerationService)\n"
+            f"  metrics      {stack.http_url}/metrics\n"
+            f"  redis        {stack.redis_url}\n"
+            + (f"  KV store     {stack.kvstore_metrics_url}\n" if stack.kvstore_metrics_url
+               else "")
+            + ("" if stack.config.verbose
+               else f"  logs         {stack.tmpdir}   (removed on exit)\n")
+            + "Press Ctrl-C to stop.")
+
+
 class StackError(RuntimeError):
     """A part of the stack failed to start or died."""
 
@@ -450,15 +464,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tandem up: starting {mode} (model: {cfg.model or 'SmolLM2-135M-Instruct'}) ...",
               flush=True)
         stack.start()
-        print(f"\ntandem is up ({mode}):\n"
-              f"  OpenAI API   {stack.http_url}/v1   (curl {stack.http_url}/v1/models)\n"
-              f"  gRPC         {stack.grpc_address}   (tandem.v1.GenerationService)\n"
-              f"  metrics      {stack.http_url}/metrics\n"
-              f"  redis        {stack.redis_url}\n"
-              + (f"  KV store     {stack.kvstore_metrics_url}\n"
-                 if stack.kvstore_metrics_url else "")
-              + ("" if cfg.verbose else f"  logs         {stack.tmpdir}   (removed on exit)\n")
-              + "Press Ctrl-C to stop.", flush=True)
+        print(banner(stack, mode), flush=True)
         while True:
             dead = stack.dead_parts()
             if dead:

@@ -268,10 +268,6 @@ def test_tandem_up_sigterm_stops_everything(tiny, tmp_path) -> None:
         assert resp.status_code == 200, resp.text
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
-        banner = proc.stdout.read()
-        # the banner names where the children's logs are (colocated: no KV store)
-        assert f"logs         {tmp_path}/tandem-up-" in banner, banner
-        assert "KV store" not in banner
         wait_until(lambda: not any(c.is_running() and c.status() != psutil.STATUS_ZOMBIE
                                   for c in children), 30, "children to exit")
         assert not list(tmp_path.glob("tandem-up-*")), "temp dir left behind"

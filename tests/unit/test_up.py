@@ -48,3 +48,23 @@ def test_engines_share_the_available_memory_for_kv_caches() -> None:
     # The user's own sizing (or a GPU) is left alone.
     for extra in (["--kv-cache-memory", "1000"], ["--num-kv-blocks=64"], ["--device=cuda"]):
         assert kv_cache_args(StackConfig(engine_args=extra), available_bytes=gib) == []
+
+
+def test_banner_names_logs_and_kv_store_metrics() -> None:
+    """The ready banner says where the children's logs are (unless --verbose sends them
+    to the terminal) and, disaggregated, where the KV store's metrics are."""
+    from types import SimpleNamespace
+
+    from tandem.up import StackConfig, banner
+
+    def stack(verbose: bool, kv: str) -> SimpleNamespace:
+        return SimpleNamespace(http_url="http://127.0.0.1:8000", grpc_address="127.0.0.1:50051",
+                               redis_url="redis://127.0.0.1:7/0", kvstore_metrics_url=kv,
+                               tmpdir="/tmp/tandem-up-x", config=StackConfig(verbose=verbose))
+
+    text = banner(stack(False, "http://127.0.0.1:9/metrics"), "1 prefill + 1 decode")
+    assert "  logs         /tmp/tandem-up-x   (removed on exit)" in text
+    assert "  KV store     http://127.0.0.1:9/metrics" in text
+    text = banner(stack(True, ""), "colocated x1")
+    assert "logs" not in text and "KV store" not in text
+    assert "  OpenAI API   http://127.0.0.1:8000/v1" in text
