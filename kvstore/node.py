@@ -10,7 +10,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -518,13 +518,10 @@ class StoreNode:
     async def _end_get(self, conn: _Conn, sends: asyncio.Future[Any], held: list[Entry],
                        t0: float) -> None:
         """Wait for a get's sends (see :meth:`_begin_get`), then unpin its blocks."""
-        ok = False
         try:
-            await within(sends, self.cfg.transfer_timeout_s)
-            ok = True
+            # on failure, cancel the sends before the slots can be evicted
+            await self._send_or_undo(sends, conn.abort)
         finally:
-            if not ok:
-                conn.abort()  # cancel sends before the slots can be evicted
             for e in held:
                 self.pool.release(e)
         self.metrics.get_bytes.inc(sum(e.size_bytes for e in held))
@@ -575,13 +572,17 @@ class StoreNode:
 
     async def _end_get_shm(self, conn: _Conn, send: Coroutine[Any, Any, None],
                            lease: int) -> None:
-        ok = False
+        # on failure the client never got the lease: unpin at once
+        await self._send_or_undo(send, lambda: self._release_lease(conn.conn_id, lease))
+
+    async def _send_or_undo(self, send: Awaitable[Any], undo: Callable[[], None]) -> None:
+        """Await a reply or payload send within the transfer timeout; if it fails (or
+        is cancelled), run ``undo`` before the error propagates."""
         try:
             await within(send, self.cfg.transfer_timeout_s)
-            ok = True
-        finally:
-            if not ok:
-                self._release_lease(conn.conn_id, lease)  # the client never got the lease
+        except BaseException:
+            undo()
+            raise
 
     def _release_lease(self, conn_id: int, lease: Any, expired: bool = False) -> None:
         """Unpin a shared-memory read's blocks (unknown or released leases: no-op)."""

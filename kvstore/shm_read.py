@@ -114,9 +114,12 @@ class SameHostReader:
         if shm_node is not None and shm_node.node_id == node.node_id:
             self.aio._shm_node = None
         if isinstance(exc, TimeoutError):
-            raise KVStoreTimeoutError(
-                f"get from store node {node.node_id} ({node.address}) timed out after "
-                f"{self.timeout_s}s (node hung or overloaded)") from exc
+            raise self._timeout(node) from exc
+
+    def _timeout(self, node: NodeInfo) -> KVStoreTimeoutError:
+        return KVStoreTimeoutError(
+            f"get from store node {node.node_id} ({node.address}) timed out after "
+            f"{self.timeout_s}s (node hung or overloaded)")
 
     def _drop(self, node_id: str) -> None:
         ch = self._local.__dict__.get("chans", {}).pop(node_id, None)
@@ -205,9 +208,7 @@ class SameHostReader:
         same = early is not None and (early[0].node_id, early[0].shm_id) == (node.node_id,
                                                                              node.shm_id)
         if same and early is not None and early[1] is None:
-            raise KVStoreTimeoutError(
-                f"get from store node {node.node_id} ({node.address}) timed out after "
-                f"{self.timeout_s}s (node hung or overloaded)")
+            raise self._timeout(node)
         if same and early is not None and early[1] is not None and \
                 all(i in early[1] for i in range(n)):
             self.num_speculative_gets += 1
