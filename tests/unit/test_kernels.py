@@ -242,14 +242,18 @@ def test_paged_attention_bfloat16_close_to_dense(cpu_attention_path):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim,num_heads,num_kv_heads", [(64, 9, 3), (128, 8, 2), (32, 4, 4)])
 @pytest.mark.parametrize("window", [None, 21])
-def test_native_decode_kernel_matches_reference(dtype, head_dim, num_heads, num_kv_heads, window):
+@pytest.mark.parametrize("bs", [16, 32, 8])
+def test_native_decode_kernel_matches_reference(
+    dtype, head_dim, num_heads, num_kv_heads, window, bs
+):
     """The native kernel against the gather + SDPA reference on a strided layer
     view (block stride spans all layers), shuffled blocks, lengths from 1 token
-    to several blocks, partial last blocks."""
+    to several blocks, partial last blocks; block sizes that take the
+    16-row VDPBF16PS path (16, 32) and one that cannot (8)."""
     if cpu_ext.load() is None:
         pytest.skip("no C compiler here: the native CPU kernel could not be built")
     torch.manual_seed(3)
-    bs, num_blocks, num_layers = 16, 96, 3
+    num_blocks, num_layers = 96 * 16 // bs, 3
     kv = torch.randn(num_blocks, num_layers, 2, bs, num_kv_heads, head_dim).to(dtype)
     layer = (kv[:, 2, 0], kv[:, 2, 1])
     lens = [1, 15, 16, 17, 40, 100, 161]
@@ -259,11 +263,18 @@ def test_native_decode_kernel_matches_reference(dtype, head_dim, num_heads, num_
     q = torch.randn(len(lens), num_heads, head_dim).to(dtype)
     assert cpu_ext.supports(q, layer[0])
     scale = head_dim**-0.5
-    out = cpu_ext.paged_decode_attention_cpu(
-        q, *layer, meta.decode_block_tables, meta.decode_seq_lens, scale, window
-    )
     ref = attention_mod._decode_attention_sdpa(
         q.float(), *(t.float() for t in layer), meta, scale, window
+    )
+    # Rows a sequence must not see (past its length, before its window) may hold
+    # anything, e.g. a block pulled from another instance: NaN must not leak in.
+    for n, table in zip(lens, tables, strict=True):
+        lo = max(0, n - window) if window else 0
+        for p in [*range(lo), *range(n, len(table) * bs)]:
+            for t in layer:
+                t[table[p // bs], p % bs] = float("nan")
+    out = cpu_ext.paged_decode_attention_cpu(
+        q, *layer, meta.decode_block_tables, meta.decode_seq_lens, scale, window
     )
     assert out.dtype == dtype and out.shape == q.shape
     tol = 1e-5 if dtype == torch.float32 else 2e-2
