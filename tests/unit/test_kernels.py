@@ -355,13 +355,14 @@ def _native_or_skip():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_native_rotary_is_bit_identical_to_reference(dtype):
+@pytest.mark.parametrize("head_dim", [64, 48])  # 48: a partial last vector
+def test_native_rotary_is_bit_identical_to_reference(dtype, head_dim):
     _native_or_skip()
     torch.manual_seed(5)
-    rope = RotaryEmbedding(64, 512, 10000.0, dtype=dtype)
-    qkv = torch.randn(37, (9 + 2 * 3) * 64).to(dtype) * 4
-    q = qkv[:, : 9 * 64].view(37, 9, 64)  # strided views, as the model passes them
-    k = qkv[:, 9 * 64 : 12 * 64].view(37, 3, 64)
+    rope = RotaryEmbedding(head_dim, 512, 10000.0, dtype=dtype)
+    qkv = torch.randn(37, (9 + 2 * 3) * head_dim).to(dtype) * 4
+    q = qkv[:, : 9 * head_dim].view(37, 9, head_dim)  # strided views, as the model passes them
+    k = qkv[:, 9 * head_dim : 12 * head_dim].view(37, 3, head_dim)
     cos, sin = rope.cos_sin(torch.randint(0, 512, (37,)))
     for x in (q, k):
         out = cpu_ext.rotary_neox_cpu(x, cos, sin)
@@ -370,12 +371,13 @@ def test_native_rotary_is_bit_identical_to_reference(dtype):
 
 
 @pytest.mark.parametrize("with_residual", [False, True])
-def test_native_add_rms_norm_matches_reference_bf16(with_residual):
+@pytest.mark.parametrize("hidden", [576, 200])  # 200: a partial last vector
+def test_native_add_rms_norm_matches_reference_bf16(with_residual, hidden):
     _native_or_skip()
     torch.manual_seed(6)
-    x = (torch.randn(33, 576) * 3).bfloat16()
-    res = torch.randn(33, 576).bfloat16() if with_residual else None
-    w = torch.randn(576).bfloat16()
+    x = (torch.randn(33, hidden) * 3).bfloat16()
+    res = torch.randn(33, hidden).bfloat16() if with_residual else None
+    w = torch.randn(hidden).bfloat16()
     got = cpu_ext.add_rms_norm_cpu(x, w, 1e-5, res)
     assert got is not None
     if with_residual:
@@ -390,13 +392,14 @@ def test_native_add_rms_norm_matches_reference_bf16(with_residual):
     assert cpu_ext.add_rms_norm_cpu(x.float(), w.float(), 1e-5) is None  # fp32: torch path
 
 
-def test_native_silu_and_mul_matches_reference_bf16():
+@pytest.mark.parametrize("inter", [1536, 100])  # 100: a partial last vector
+def test_native_silu_and_mul_matches_reference_bf16(inter):
     _native_or_skip()
     torch.manual_seed(7)
-    x = (torch.randn(19, 2 * 1536) * 4).bfloat16()
+    x = (torch.randn(19, 2 * inter) * 4).bfloat16()
     out = cpu_ext.silu_and_mul_cpu(x)
-    assert out is not None and out.shape == (19, 1536)
-    gate, up = x.split(1536, dim=-1)
+    assert out is not None and out.shape == (19, inter)
+    gate, up = x.split(inter, dim=-1)
     ref = torch.nn.functional.silu(gate) * up
     # expf's last bit may move silu across a bf16 rounding boundary, and the
     # product then by up to two bf16 ulps; almost every element is identical.
