@@ -96,7 +96,7 @@ class ModelRunner:
         self.loaded = loaded if loaded is not None else load_model(config.model)
         self.model = self.loaded.model
         if self.loaded.dtype == torch.bfloat16 and self.loaded.device.type == "cpu":
-            n = pack_linear_layers(self.model)
+            n = pack_linear_layers(self.model) + int(self.model.pack_tied_lm_head())
             if n:
                 logger.info("prepacked %d bf16 linear layers for oneDNN", n)
         hf = self.loaded.hf_config

@@ -1,7 +1,7 @@
 """Native CPU kernels (``kernels/csrc/*.c``), built on first use and loaded with ctypes.
 
 Kernels: paged decode attention, fused residual add + RMSNorm, rotary embedding,
-SiLU-and-multiply. Each wrapper declines (``supports`` is False or it returns
+SiLU-and-multiply, and bf16 linear layers on AMX tiles (where the CPU has them). Each wrapper declines (``supports`` is False or it returns
 ``None``) where it cannot serve the tensors, and the torch reference runs.
 
 Why a C kernel: paged decode attention is memory bound, and the torch path has to
@@ -45,6 +45,7 @@ _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-std=gnu11"]
 _SOURCES = [
     ("paged_attention_cpu.c", ["-ffast-math"]),
     ("elementwise_cpu.c", ["-ffast-math", "-ffp-contract=off"]),
+    ("amx_linear_cpu.c", []),
 ]
 _LDFLAGS = ["-shared", "-fopenmp"]
 # Limits compiled into the kernel (stack scratch per work item).
@@ -75,6 +76,10 @@ _ROTARY_ARGTYPES = [
     _i64, _i64, _i64, _ptr, _ptr, ctypes.c_int,  # tokens, heads, head_dim, cos, sin, threads
 ]  # fmt: skip
 _SILU_ARGTYPES = [ctypes.c_int, _ptr, _ptr, _i64, _i64, ctypes.c_int]
+_AMX_LINEAR_ARGTYPES = [
+    _ptr, _i64, _ptr, _ptr, _ptr, _i64,  # x, row stride, packed weight, bias, y, row stride
+    _i64, _i64, _i64, ctypes.c_int,  # M, N, K, threads
+]  # fmt: skip
 
 
 def _cpu_flags() -> str:
@@ -162,10 +167,15 @@ def load() -> ctypes.CDLL | None:
         ("add_rms_norm", _NORM_ARGTYPES),
         ("rotary_neox", _ROTARY_ARGTYPES),
         ("silu_and_mul", _SILU_ARGTYPES),
+        ("amx_available", []),
+        ("amx_init", []),
+        ("amx_linear", _AMX_LINEAR_ARGTYPES),
     ):
         fn = getattr(lib, name)
         fn.argtypes = argtypes
         fn.restype = ctypes.c_int
+    lib.amx_pack_weight.argtypes = [_ptr, _i64, _i64, _ptr]
+    lib.amx_pack_weight.restype = None
     return lib
 
 
@@ -348,3 +358,69 @@ def silu_and_mul_cpu(x: torch.Tensor) -> torch.Tensor | None:
         _threads_for(x.numel()),
     )
     return out
+
+
+@functools.cache
+def amx_available() -> bool:
+    """Whether the AMX linear kernel can run here: a build for a CPU with AMX-BF16
+    and the tile state granted to this process by Linux (cached)."""
+    lib = load()
+    if lib is None or not lib.amx_available():
+        return False
+    if lib.amx_init() != 0:
+        logger.info("Linux refused the AMX tile state: bf16 linears use oneDNN")
+        return False
+    return True
+
+
+def amx_supports(out_features: int, in_features: int) -> bool:
+    """Whether ``amx_linear`` takes a ``[out_features, in_features]`` weight."""
+    return in_features % 32 == 0 and out_features % 16 == 0 and amx_available()
+
+
+def amx_pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """Reorder a bf16 ``[N, K]`` weight into AMX tiles (see ``amx_linear_cpu.c``):
+    a flat ``[N * K]`` bf16 tensor. Needs ``amx_supports(N, K)``.
+
+    Raises:
+        ValueError: on a shape or dtype the kernel does not take.
+    """
+    n, k = weight.shape
+    if weight.dtype != torch.bfloat16 or not amx_supports(n, k):
+        raise ValueError(f"AMX packing needs a bf16 [N % 16, K % 32] weight, got {weight.dtype} "
+                         f"{tuple(weight.shape)}")
+    lib = load()
+    assert lib is not None
+    w = weight.detach().contiguous()
+    packed = torch.empty(n * k, dtype=torch.bfloat16)
+    lib.amx_pack_weight(w.data_ptr(), n, k, packed.data_ptr())
+    return packed
+
+
+def amx_linear(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int
+) -> torch.Tensor:
+    """``x [M, K] @ W.T + bias`` with ``W`` packed by ``amx_pack_weight``.
+
+    Args:
+        x: ``[M, K]`` bf16, unit stride in the last dim; packed: from
+            ``amx_pack_weight``; bias: ``[N]`` bf16 or ``None``.
+
+    Returns:
+        ``[M, N]`` bf16 (float32 accumulation, one rounding).
+
+    Raises:
+        RuntimeError: when the kernel rejects the shapes.
+    """
+    lib = load()
+    assert lib is not None
+    m, k = x.shape
+    y = torch.empty((m, out_features), dtype=torch.bfloat16)
+    rc = lib.amx_linear(
+        x.data_ptr(), x.stride(0), packed.data_ptr(),
+        bias.data_ptr() if bias is not None else None, y.data_ptr(), out_features,
+        m, out_features, k, torch.get_num_threads(),
+    )  # fmt: skip
+    if rc != 0:
+        raise RuntimeError(f"amx_linear failed with code {rc} for x {tuple(x.shape)}")
+    return y

@@ -198,6 +198,7 @@ class LlamaForCausalLM(nn.Module):
             if self.tie_word_embeddings
             else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         )
+        self.tied_lm_head: nn.Module | None = None
         theta, scaling = rope_params(config)
         self.rotary = RotaryEmbedding(
             head_dim_of(config), max_position, theta, scaling, dtype=dtype, device=device
@@ -249,9 +250,39 @@ class LlamaForCausalLM(nn.Module):
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``[num_seqs, hidden]`` -> ``[num_seqs, vocab_size]`` float32 logits."""
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        """``[num_seqs, hidden]`` -> ``[num_seqs, vocab_size]`` float32 logits.
+
+        The head is ``lm_head`` (which ``pack_linear_layers`` may have replaced by
+        a ``PackedLinear``), else ``tied_lm_head`` (a packed view of the
+        embedding, see ``pack_tied_lm_head``), else the embedding matrix itself.
+        """
+        head = self.lm_head if self.lm_head is not None else self.tied_lm_head
+        if head is not None:
+            return head(hidden).float()
+        return F.linear(hidden, self.model.embed_tokens.weight).float()
+
+    def pack_tied_lm_head(self) -> bool:
+        """Give a tied LM head its own ``PackedLinear`` (bf16 CPU only).
+
+        The embedding is an ``nn.Embedding``, so ``pack_linear_layers`` never sees
+        the head; the packed copies cost one more embedding matrix of memory per
+        packing. Returns whether a head was packed.
+        """
+        from tandem.kernels.linear import PackedLinear, mkldnn_packing_available
+
+        weight = self.model.embed_tokens.weight
+        if (
+            self.lm_head is not None
+            or self.tied_lm_head is not None
+            or weight.dtype != torch.bfloat16
+            or weight.device.type != "cpu"
+            or not mkldnn_packing_available()
+        ):
+            return False
+        head = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+        head.weight = weight
+        self.tied_lm_head = PackedLinear(head)
+        return True
 
     # HF name suffix -> (our fused parameter suffix, shard index)
     _stacked = {

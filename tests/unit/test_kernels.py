@@ -323,16 +323,45 @@ def test_paged_attention_rejects_mismatched_heads():
     not linear_mod.mkldnn_packing_available(), reason="no oneDNN weight packing in this build"
 )
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("tokens", [1, 5, 64, 300])
-def test_packed_linear_equals_f_linear_bf16(bias, tokens):
+@pytest.mark.parametrize("tokens", [1, 5, 17, 33, 64, 111, 112, 300])
+@pytest.mark.parametrize("in_features", [96, 100])  # 100: no AMX tiling (K % 32)
+def test_packed_linear_equals_f_linear_bf16(bias, tokens, in_features):
+    """oneDNN's prepacked path is bit-identical to F.linear; the AMX path
+    (fewer than AMX_MAX_ROWS rows, where the CPU has AMX) sums in float32 in
+    another order and rounds once, so it is checked against the float32
+    product: within one bf16 rounding."""
     torch.manual_seed(4)
-    lin = torch.nn.Linear(96, 160, bias=bias).to(torch.bfloat16)
-    x = torch.randn(tokens, 96, dtype=torch.bfloat16)
+    lin = torch.nn.Linear(in_features, 160, bias=bias).to(torch.bfloat16)
+    x = torch.randn(tokens, in_features, dtype=torch.bfloat16)
     ref = torch.nn.functional.linear(x, lin.weight, lin.bias)
     packed = linear_mod.PackedLinear(lin)
     out = packed(x)
     assert out.dtype == torch.bfloat16 and out.shape == (tokens, 160)
-    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    uses_amx = packed.amx_weight is not None and tokens < linear_mod.AMX_MAX_ROWS
+    assert packed.amx_weight is None or cpu_ext.amx_available()
+    if not uses_amx:
+        torch.testing.assert_close(out, ref, rtol=0, atol=0)
+        return
+    exact = torch.nn.functional.linear(x.float(), lin.weight.float())
+    if bias:
+        exact = exact + lin.bias.float()
+    torch.testing.assert_close(out.float(), exact, rtol=2**-8, atol=1e-3)
+    assert (out == exact.bfloat16()).float().mean() > 0.95
+
+
+@pytest.mark.skipif(not cpu_ext.amx_available(), reason="no AMX-BF16 on this CPU")
+def test_amx_linear_strided_rows_and_rejects_bad_shapes():
+    torch.manual_seed(8)
+    w = torch.randn(48, 64).bfloat16()
+    packed = cpu_ext.amx_pack_weight(w)
+    base = torch.randn(21, 128).bfloat16()
+    x = base[:, 32:96]  # row stride 128, as a slice of a fused projection
+    out = cpu_ext.amx_linear(x, packed, None, 48)
+    torch.testing.assert_close(out.float(), x.float() @ w.float().T, rtol=2**-8, atol=1e-3)
+    with pytest.raises(ValueError, match="AMX packing"):
+        cpu_ext.amx_pack_weight(torch.randn(48, 40).bfloat16())
+    with pytest.raises(ValueError, match="AMX packing"):
+        cpu_ext.amx_pack_weight(torch.randn(48, 64))
 
 
 def test_pack_linear_layers_only_touches_bf16_cpu_linears():

@@ -1,0 +1,236 @@
+/*
+ * bf16 linear layers on Intel AMX (Advanced Matrix Extensions) tiles.
+ *
+ * Why: at decode batch sizes (M = 1..128 tokens) oneDNN's bf16 GEMM ran at
+ * ~450-600 GFLOP/s on the 2-core Sapphire-Rapids-class dev box, a few percent
+ * of what the tiles can do, so the decode step paid ~0.8 ms per layer for 7 MB
+ * of weights. This kernel keeps the weights pre-packed in the tile layout
+ * TDPBF16PS wants and streams them through with one weight-tile load per two
+ * multiply instructions.
+ *
+ * Math: y[M, N] = x[M, K] @ W[N, K]^T (+ bias[N]); bf16 inputs, float32
+ * accumulation in the tiles, one rounding to bf16 at the end (round to
+ * nearest even by VCVTNEPS2BF16), as oneDNN does.
+ *
+ * Tiles (TDPBF16PS, Intel SDM vol. 2 / the AMX programming reference): an A tile
+ * is 16 rows x 32 bf16 taken straight from x (row stride = x's), a B tile is 16
+ * rows of 16 bf16 pairs: B[kp][2n + j] = W[n][2kp + j] for a 16-column, 32-deep
+ * slice of W (the "VNNI" layout, built once by amx_pack_weight), C tiles are
+ * 16 x 16 float32. Eight tile registers: C00 C10 C01 C11 (2 row chunks x 2
+ * column blocks), A0 A1, B0 B1: each k step loads 2 A and 2 B tiles for 4
+ * multiplies.
+ *
+ * Shapes: K % 32 == 0 and N % 16 == 0 (the Python side checks, else oneDNN).
+ * M is any size: rows are handled in chunks of 16, a partial last chunk through
+ * a zero-padded copy of its rows.
+ *
+ * Built only where the compiler targets AMX (-march=native on such a CPU); the
+ * process must be granted the tile state by the kernel (arch_prctl), which
+ * amx_init asks for.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && \
+    defined(__AVX512BW__) && defined(__linux__)
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+int amx_available(void) { return 1; }
+
+/* Ask Linux for the AMX tile state (once per process; idempotent). */
+int amx_init(void) {
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 0 : -1;
+}
+
+typedef struct {
+    uint8_t palette_id;
+    uint8_t start_row;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+static void configure_tiles(void) {
+    tile_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette_id = 1;
+    for (int t = 0; t < 8; ++t) {
+        cfg.rows[t] = 16;
+        cfg.colsb[t] = 64;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+/* wp[((nb * KB + kb) * 16 + kp) * 32 + 2n + j] = w[(nb*16 + n) * K + kb*32 + 2kp + j] */
+void amx_pack_weight(const uint16_t *w, int64_t N, int64_t K, uint16_t *wp) {
+    const int64_t KB = K / 32;
+#pragma omp parallel for schedule(static)
+    for (int64_t nb = 0; nb < N / 16; ++nb)
+        for (int64_t kb = 0; kb < KB; ++kb) {
+            uint16_t *tile = wp + (nb * KB + kb) * 512;
+            for (int64_t kp = 0; kp < 16; ++kp)
+                for (int64_t n = 0; n < 16; ++n)
+                    for (int64_t j = 0; j < 2; ++j)
+                        tile[kp * 32 + 2 * n + j] = w[(nb * 16 + n) * K + kb * 32 + 2 * kp + j];
+        }
+}
+
+/* Round a 16 x 16 float32 tile (+ bias) to bf16 rows of y; only `rows` rows. */
+static inline void store_tile(const float *c, const uint16_t *bias, uint16_t *y, int64_t sy,
+                              int64_t rows) {
+    __m512 b = _mm512_setzero_ps();
+    if (bias != NULL) {
+        const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)bias));
+        b = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+        const __m512 v = _mm512_add_ps(_mm512_loadu_ps(c + r * 16), b);
+        _mm256_storeu_si256((__m256i *)(y + r * sy), (__m256i)_mm512_cvtneps_pbh(v));
+    }
+}
+
+/* Rows [m0, m0 + 32) (or 16 when `one`) x column blocks nb, nb + 1 (or nb alone
+ * when `single`). x rows are read with stride sx (elements). */
+#define KLOOP(BODY)                                                                        \
+    for (int64_t kb = 0; kb < KB; ++kb) {                                                  \
+        prefetch_tiles(b0 + (kb + PF_TILES) * 512, b1 + (kb + PF_TILES) * 512);            \
+        BODY                                                                               \
+    }
+
+/* Weight tiles are prefetched PF_TILES k steps ahead: the packed weights of a
+ * thread are one contiguous run, but tile loads do not seem to train the
+ * hardware prefetchers (the kernel ran ~2x slower on weights not in cache). The
+ * addresses run past a column pair's panel into the next one's, which is the
+ * one this thread reads next. */
+#define PF_TILES 4
+static inline void prefetch_tiles(const uint16_t *a, const uint16_t *b) {
+    for (int i = 0; i < 1024; i += 64) {
+        _mm_prefetch((const char *)a + i, _MM_HINT_T0);
+        _mm_prefetch((const char *)b + i, _MM_HINT_T0);
+    }
+}
+
+static inline void tile_block(const uint16_t *x, int64_t sx, const uint16_t *wp, int64_t KB,
+                              int64_t nb, int one, int single, float *cbuf) {
+    const uint16_t *b0 = wp + nb * KB * 512;
+    const uint16_t *b1 = b0 + KB * 512;
+    const int64_t xs = sx * 2; /* bytes */
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    if (!one && !single) {
+        KLOOP(_tile_loadd(4, x + kb * 32, xs); _tile_loadd(5, x + 16 * sx + kb * 32, xs);
+              _tile_loadd(6, b0 + kb * 512, 64); _tile_loadd(7, b1 + kb * 512, 64);
+              _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(1, 5, 6); _tile_dpbf16ps(2, 4, 7);
+              _tile_dpbf16ps(3, 5, 7);)
+    } else if (one && !single) {
+        KLOOP(_tile_loadd(4, x + kb * 32, xs); _tile_loadd(6, b0 + kb * 512, 64);
+              _tile_loadd(7, b1 + kb * 512, 64); _tile_dpbf16ps(0, 4, 6);
+              _tile_dpbf16ps(2, 4, 7);)
+    } else if (!one) {
+        KLOOP(_tile_loadd(4, x + kb * 32, xs); _tile_loadd(5, x + 16 * sx + kb * 32, xs);
+              _tile_loadd(6, b0 + kb * 512, 64); _tile_dpbf16ps(0, 4, 6);
+              _tile_dpbf16ps(1, 5, 6);)
+    } else {
+        KLOOP(_tile_loadd(4, x + kb * 32, xs); _tile_loadd(6, b0 + kb * 512, 64);
+              _tile_dpbf16ps(0, 4, 6);)
+    }
+    _tile_stored(0, cbuf, 64);
+    _tile_stored(1, cbuf + 256, 64);
+    _tile_stored(2, cbuf + 512, 64);
+    _tile_stored(3, cbuf + 768, 64);
+}
+
+/* Rows of x per outer block: its slice (M_BLOCK x K bf16) stays in L2 while
+ * every column block streams past it. */
+#define M_BLOCK 256
+
+int amx_linear(const uint16_t *x, int64_t sx, const uint16_t *wp, const uint16_t *bias,
+               uint16_t *y, int64_t sy, int64_t M, int64_t N, int64_t K, int num_threads) {
+    if (K % 32 || N % 16 || M < 1) return -1;
+    const int64_t KB = K / 32, NB = N / 16;
+    const int64_t npairs = (NB + 1) / 2;
+    /* a partial last row chunk is copied into zero-padded rows */
+    const int64_t mfull = M / 16 * 16, mtail = M - mfull;
+    uint16_t *pad = NULL;
+    if (mtail) {
+        pad = (uint16_t *)aligned_alloc(64, (size_t)(16 * K * 2));
+        if (pad == NULL) return -2;
+        memset(pad, 0, (size_t)(16 * K * 2));
+        for (int64_t r = 0; r < mtail; ++r)
+            memcpy(pad + r * K, x + (mfull + r) * sx, (size_t)(K * 2));
+    }
+#pragma omp parallel num_threads(num_threads)
+    {
+        configure_tiles();
+        float cbuf[4 * 256] __attribute__((aligned(64)));
+        for (int64_t mb = 0; mb < M; mb += M_BLOCK) {
+            const int64_t me = mb + M_BLOCK < M ? mb + M_BLOCK : M;
+#pragma omp for schedule(static)
+            for (int64_t p = 0; p < npairs; ++p) {
+                const int64_t nb = 2 * p;
+                const int single = nb + 1 >= NB;
+                const uint16_t *bb = bias != NULL ? bias + nb * 16 : NULL;
+                for (int64_t m0 = mb; m0 < me; m0 += 32) {
+                    const int64_t rows0 = me - m0 < 16 ? me - m0 : 16;
+                    const int64_t rows1 = me - m0 - 16 < 16 ? me - m0 - 16 : 16;
+                    const int one = rows1 <= 0;
+                    /* a chunk of rows0 < 16 rows is the tail: read it from pad */
+                    const int tail0 = rows0 < 16, tail1 = !one && rows1 < 16;
+                    if (tail1) {
+                        /* rows m0..m0+15 full, the next chunk partial: two calls */
+                        tile_block(x + m0 * sx, sx, wp, KB, nb, 1, single, cbuf);
+                        store_tile(cbuf, bb, y + m0 * sy + nb * 16, sy, 16);
+                        if (!single)
+                            store_tile(cbuf + 512, bb ? bb + 16 : NULL,
+                                       y + m0 * sy + nb * 16 + 16, sy, 16);
+                        tile_block(pad, K, wp, KB, nb, 1, single, cbuf);
+                        store_tile(cbuf, bb, y + (m0 + 16) * sy + nb * 16, sy, rows1);
+                        if (!single)
+                            store_tile(cbuf + 512, bb ? bb + 16 : NULL,
+                                       y + (m0 + 16) * sy + nb * 16 + 16, sy, rows1);
+                        continue;
+                    }
+                    const uint16_t *xa = tail0 ? pad : x + m0 * sx;
+                    const int64_t sxa = tail0 ? K : sx;
+                    tile_block(xa, sxa, wp, KB, nb, one, single, cbuf);
+                    store_tile(cbuf, bb, y + m0 * sy + nb * 16, sy, rows0);
+                    if (!one) store_tile(cbuf + 256, bb, y + (m0 + 16) * sy + nb * 16, sy, rows1);
+                    if (!single) {
+                        const uint16_t *b2 = bb ? bb + 16 : NULL;
+                        store_tile(cbuf + 512, b2, y + m0 * sy + nb * 16 + 16, sy, rows0);
+                        if (!one)
+                            store_tile(cbuf + 768, b2, y + (m0 + 16) * sy + nb * 16 + 16, sy,
+                                       rows1);
+                    }
+                }
+            }
+        }
+        _tile_release();
+    }
+    free(pad);
+    return 0;
+}
+
+#else /* no AMX in this build */
+
+int amx_available(void) { return 0; }
+int amx_init(void) { return -1; }
+void amx_pack_weight(const uint16_t *w, int64_t N, int64_t K, uint16_t *wp) {
+    (void)w, (void)N, (void)K, (void)wp;
+}
+int amx_linear(const uint16_t *x, int64_t sx, const uint16_t *wp, const uint16_t *bias,
+               uint16_t *y, int64_t sy, int64_t M, int64_t N, int64_t K, int num_threads) {
+    (void)x, (void)sx, (void)wp, (void)bias, (void)y, (void)sy, (void)M, (void)N, (void)K;
+    (void)num_threads;
+    return -1;
+}
+
+#endif
