@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 import subprocess
 import sys
 
@@ -55,3 +56,15 @@ def test_native_kernel_sources_are_package_data() -> None:
     from tandem.kernels import cpu_ext
 
     assert {name for name, _ in cpu_ext._SOURCES} == {Path(s).name for s in sources}
+
+
+def test_import_sets_openmp_wait_defaults_and_keeps_explicit_ones() -> None:
+    """``import tandem`` (before torch loads libgomp) picks a short spin then
+    sleep for idle OpenMP workers; values a user exported win."""
+    code = "import os, tandem; print(os.environ['OMP_WAIT_POLICY'], os.environ['GOMP_SPINCOUNT'])"
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.stdout.split() == ["PASSIVE", "10000"], out.stderr
+    env.update(OMP_WAIT_POLICY="ACTIVE", GOMP_SPINCOUNT="5")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.stdout.split() == ["ACTIVE", "5"], out.stderr
