@@ -103,6 +103,18 @@ def test_greedy_is_argmax_and_ignores_generators() -> None:
         assert torch.equal(r.generator.get_state(), s), "greedy must not consume the generator"
 
 
+def test_greedy_ties_take_the_first_index_like_argmax() -> None:
+    """Exact ties (bf16 logits widened to float32 tie often) resolve to the
+    lowest token id, as transformers' argmax does; a vocabulary-sized row too."""
+    logits = torch.zeros(3, 49152)
+    logits[0, [7, 3, 40000]] = 5.0
+    logits[1, [49151, 12]] = 1.0
+    reqs = [make_request(SamplingParams(temperature=0.0)) for _ in range(3)]
+    out = Sampler()(logits.clone(), reqs)
+    assert [t for t, _ in out] == [3, 12, 0]
+    assert [t for t, _ in out] == logits.argmax(dim=-1).tolist()
+
+
 def test_mixed_greedy_and_random_rows() -> None:
     logits = torch.randn(4, 50)
     reqs = [
