@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from tandem.kernels.host_memory import empty_huge_page_tensor
 from tandem.kernels.triton_utils import use_triton
 
 
@@ -31,10 +32,15 @@ def allocate_kv_cache(
     dtype: torch.dtype,
     device: torch.device | str = "cpu",
 ) -> torch.Tensor:
-    """Zeroed ``[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]`` cache."""
-    return torch.zeros(
-        (num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim), dtype=dtype, device=device
-    )
+    """Zeroed ``[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]`` cache.
+
+    On the CPU it lives in transparent huge pages where the OS offers them
+    (``kernels/host_memory.py``): decode attention reads it in scattered blocks.
+    """
+    shape = (num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim)
+    if torch.device(device).type == "cpu":
+        return empty_huge_page_tensor(shape, dtype)
+    return torch.zeros(shape, dtype=dtype, device=device)
 
 
 def kv_cache_bytes_per_block(

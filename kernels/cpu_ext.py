@@ -391,8 +391,11 @@ def amx_pack_weight(weight: torch.Tensor) -> torch.Tensor:
                          f"{tuple(weight.shape)}")
     lib = load()
     assert lib is not None
+    from tandem.kernels.host_memory import empty_huge_page_tensor
+
     w = weight.detach().contiguous()
-    packed = torch.empty(n * k, dtype=torch.bfloat16)
+    # streamed from memory at every decode step: huge pages save the page walks
+    packed = empty_huge_page_tensor((n * k,), torch.bfloat16)
     lib.amx_pack_weight(w.data_ptr(), n, k, packed.data_ptr())
     return packed
 
