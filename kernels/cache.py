@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from tandem.kernels import cpu_ext
 from tandem.kernels.host_memory import empty_huge_page_tensor
 from tandem.kernels.triton_utils import use_triton
 
@@ -178,6 +179,10 @@ def reshape_and_cache(
         )
     if use_triton(key):
         reshape_and_cache_triton(key, value, k_cache, v_cache, slot_mapping)
+        return
+    if key.device.type == "cpu" and cpu_ext.cache_write_cpu(
+        key, value, k_cache, v_cache, slot_mapping
+    ):
         return
     if block_idx_offset is None:
         block_size = k_cache.shape[1]

@@ -76,6 +76,11 @@ _ROTARY_ARGTYPES = [
     _i64, _i64, _i64, _ptr, _ptr, ctypes.c_int,  # tokens, heads, head_dim, cos, sin, threads
 ]  # fmt: skip
 _SILU_ARGTYPES = [ctypes.c_int, _ptr, _ptr, _i64, _i64, ctypes.c_int]
+_CACHE_WRITE_ARGTYPES = [
+    _ptr, _i64, _i64, _ptr, _i64, _i64,  # key, strides (token, head); value, strides
+    _ptr, _i64, _i64, _i64, _ptr, _i64, _i64, _i64,  # k cache, strides; v cache, strides
+    _ptr, _i64, _i64, _i64, _i64, _i64, ctypes.c_int,  # slots, T, H, D, block size, elem, threads
+]  # fmt: skip
 _AMX_LINEAR_ARGTYPES = [
     _ptr, _i64, _ptr, _ptr, _ptr, _i64,  # x, row stride, packed weight, bias, y, row stride
     _i64, _i64, _i64, ctypes.c_int,  # M, N, K, threads
@@ -167,6 +172,7 @@ def load() -> ctypes.CDLL | None:
         ("add_rms_norm", _NORM_ARGTYPES),
         ("rotary_neox", _ROTARY_ARGTYPES),
         ("silu_and_mul", _SILU_ARGTYPES),
+        ("cache_write", _CACHE_WRITE_ARGTYPES),
         ("amx_available", []),
         ("amx_init", []),
         ("amx_linear", _AMX_LINEAR_ARGTYPES),
@@ -335,6 +341,40 @@ def rotary_neox_cpu(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> to
         _threads_for(out.numel()),
     )
     return out
+
+
+def cache_write_cpu(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> bool:
+    """Native ``reshape_and_cache``: copy ``key/value [T, H, D]`` rows (head dim
+    contiguous, any token/head strides) into the cache slots ``slot_mapping``
+    (``[T]`` int64, ``block * block_size + offset``) of ``k_cache/v_cache``
+    (``[blocks, block_size, H, D]`` views, head dim contiguous). Exact copies.
+
+    Returns whether it ran (False: not servable here, use the torch path).
+    """
+    if not _elementwise_ok(key, value, k_cache, v_cache):
+        return False
+    if not (key.stride(-1) == value.stride(-1) == k_cache.stride(-1) == v_cache.stride(-1) == 1):
+        return False
+    if not slot_mapping.is_contiguous():
+        return False
+    lib = load()
+    assert lib is not None
+    tokens, heads, head_dim = key.shape
+    lib.cache_write(
+        key.data_ptr(), key.stride(0), key.stride(1),
+        value.data_ptr(), value.stride(0), value.stride(1),
+        k_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.data_ptr(), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        slot_mapping.data_ptr(), tokens, heads, head_dim, k_cache.shape[1],
+        key.element_size(), _threads_for(2 * key.numel()),
+    )  # fmt: skip
+    return True
 
 
 def silu_and_mul_cpu(x: torch.Tensor) -> torch.Tensor | None:

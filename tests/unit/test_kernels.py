@@ -18,7 +18,12 @@ from tandem.kernels import attention as attention_mod
 from tandem.kernels import cpu_ext
 from tandem.kernels import linear as linear_mod
 from tandem.kernels.attention import build_attention_metadata, paged_attention
-from tandem.kernels.cache import allocate_kv_cache, kv_cache_bytes_per_block, reshape_and_cache
+from tandem.kernels.cache import (
+    allocate_kv_cache,
+    kv_cache_bytes_per_block,
+    reshape_and_cache,
+    reshape_and_cache_ref,
+)
 from tandem.kernels.layernorm import rms_norm, rms_norm_ref
 from tandem.kernels.rotary import (
     RotaryEmbedding,
@@ -115,6 +120,25 @@ def test_reshape_and_cache_writes_only_its_slots():
         expected[b, 1, 0, o] = key[t]
         expected[b, 1, 1, o] = value[t]
     torch.testing.assert_close(kv, expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_cache_write_matches_reference_on_strided_views(dtype):
+    """K/V as the model passes them (views into the fused qkv output) into one
+    layer of a multi-layer cache; the native copy equals index_put exactly."""
+    _native_or_skip()
+    torch.manual_seed(9)
+    num_blocks, layers, bs, kvh, hd, tokens = 8, 3, 16, 3, 64, 21
+    qkv = torch.randn(tokens, (9 + 2 * kvh) * hd).to(dtype)
+    key = qkv[:, 9 * hd : (9 + kvh) * hd].view(tokens, kvh, hd)
+    value = qkv[:, (9 + kvh) * hd :].view(tokens, kvh, hd)
+    slots = torch.randperm(num_blocks * bs)[:tokens]
+    ours = allocate_kv_cache(num_blocks, layers, bs, kvh, hd, dtype)
+    ref = allocate_kv_cache(num_blocks, layers, bs, kvh, hd, dtype)
+    assert cpu_ext.cache_write_cpu(key, value, ours[:, 2, 0], ours[:, 2, 1], slots)
+    reshape_and_cache_ref(key, value, ref[:, 2, 0], ref[:, 2, 1], slots // bs, slots % bs)
+    assert ref.any()
+    torch.testing.assert_close(ours, ref, rtol=0, atol=0)
 
 
 def test_reshape_and_cache_rejects_bad_slot_mapping():
