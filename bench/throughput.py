@@ -18,13 +18,14 @@ backend's ratio to tandem; ``--json PATH`` writes the same numbers.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 BACKENDS = ("tandem", "hf", "llama.cpp")
@@ -169,6 +170,45 @@ def run_hf(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, Any]
     }
 
 
+def _cpu_has_amx() -> bool:
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            return any(line.startswith("flags") and " amx_int8" in line for line in f)
+    except OSError:
+        return False
+
+
+@contextlib.contextmanager
+def _llama_cpp_without_extra_buffers() -> Iterator[bool]:
+    """Load llama.cpp models with ``use_extra_bufts = False`` on AMX CPUs.
+
+    Why: on AMX machines ggml repacks quantized weights into its AMX buffer
+    type, and there its batched matmul dies with a general protection fault on
+    some (virtualized) Sapphire/Granite Rapids hosts, ours included
+    (ggml-org/llama.cpp#20824; Ollama's and DSPy's CI hit it too). Q4_1, the
+    default model's type, has no other repacked layout, so this only turns the
+    AMX path off. Yields whether it did.
+    """
+    if not _cpu_has_amx():
+        yield False
+        return
+    import llama_cpp.llama as high_level
+
+    low = high_level.llama_cpp
+    default_params = low.llama_model_default_params
+
+    def no_extra_buffers() -> Any:
+        params = default_params()
+        params.use_extra_bufts = False
+        return params
+
+    low.llama_model_default_params = no_extra_buffers
+    try:
+        yield True
+    finally:
+        low.llama_model_default_params = default_params
+
+
 def run_llama_cpp(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, Any]:
     from llama_cpp import Llama
 
@@ -178,14 +218,15 @@ def run_llama_cpp(args: argparse.Namespace, prompts: list[list[int]]) -> dict[st
     if not path.endswith(".gguf"):
         raise ValueError("--backend llama.cpp needs a .gguf --model")
     threads = args.threads or os.cpu_count()
-    llm = Llama(
-        model_path=path,
-        n_ctx=args.input_len + args.output_len + 16,
-        n_batch=512,
-        n_threads=threads,
-        n_threads_batch=threads,
-        verbose=False,
-    )
+    with _llama_cpp_without_extra_buffers() as amx_off:
+        llm = Llama(
+            model_path=path,
+            n_ctx=args.input_len + args.output_len + 16,
+            n_batch=512,
+            n_threads=threads,
+            n_threads_batch=threads,
+            verbose=False,
+        )
 
     def generate(prompt: list[int], new_tokens: int) -> int:
         llm.reset()
@@ -201,7 +242,12 @@ def run_llama_cpp(args: argparse.Namespace, prompts: list[list[int]]) -> dict[st
     start = time.perf_counter()
     num_out = sum(generate(p, args.output_len) for p in prompts)
     elapsed = time.perf_counter() - start
-    return {"elapsed_s": elapsed, "num_output_tokens": num_out, "dtype": "gguf (its quantization)"}
+    return {
+        "elapsed_s": elapsed,
+        "num_output_tokens": num_out,
+        "dtype": "gguf (its quantization)",
+        "ggml_amx_buffers": not amx_off,
+    }
 
 
 RUNNERS: dict[str, Callable[[argparse.Namespace, list[list[int]]], dict[str, Any]]] = {

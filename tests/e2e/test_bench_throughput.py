@@ -68,3 +68,28 @@ def test_prompts_are_fixed_by_seed() -> None:
     assert a == throughput.make_prompts(50, {0, 1}, 4, 6, seed=3)
     assert a != throughput.make_prompts(50, {0, 1}, 4, 6, seed=4)
     assert all(len(p) == 6 and all(2 <= t < 50 for t in p) for p in a)
+
+
+def test_throughput_llama_cpp_peer_runs(tmp_path) -> None:
+    """The llama.cpp peer on the default GGUF, in a subprocess (a crash inside
+    ggml must fail this test, not kill pytest). On AMX CPUs ggml's AMX buffers
+    are turned off (they died with a general protection fault on the dev box)."""
+    import subprocess
+    import sys
+
+    import pytest
+
+    pytest.importorskip("llama_cpp")
+    out_json = tmp_path / "r.json"
+    argv = ["--backend", "llama.cpp", "--num-prompts", "2", "--input-len", "64",
+            "--output-len", "4", "--json", str(out_json)]  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "tandem.cli", "bench", "throughput", *argv],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(out_json.read_text())["results"]["llama.cpp"]
+    assert result["num_output_tokens"] == 8
+    assert result["ggml_amx_buffers"] is (not throughput._cpu_has_amx())
