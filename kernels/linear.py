@@ -107,6 +107,23 @@ class PackedLinear(nn.Module):
             )
         return y.view(*lead, self.out_features)
 
+    def forward_swiglu(self, x: torch.Tensor) -> torch.Tensor | None:
+        """``silu(gate) * up`` of this layer's output (``gate | up`` halves, as
+        in a fused SwiGLU projection) in one AMX pass: ``[..., out // 2]`` bf16,
+        bit-identical to ``forward`` then ``cpu_ext.silu_and_mul_cpu``. ``None``
+        when the AMX kernel does not serve this call (no AMX weight, too many
+        rows, an odd number of column blocks): the caller runs the two steps."""
+        x2 = x.reshape(-1, self.in_features)
+        if (
+            self.amx_weight is None
+            or x2.shape[0] >= AMX_MAX_ROWS
+            or x2.stride(1) != 1
+            or self.out_features % 32
+        ):
+            return None
+        y = cpu_ext.amx_linear_swiglu(x2, self.amx_weight, self.bias, self.out_features)
+        return y.view(*x.shape[:-1], self.out_features // 2)
+
 
 def pack_linear_layers(model: nn.Module) -> int:
     """Replace every bf16 CPU ``nn.Linear`` of ``model`` by a ``PackedLinear``.

@@ -118,6 +118,10 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fused = getattr(self.gate_up_proj, "forward_swiglu", None)
+        act = fused(x) if fused is not None else None
+        if act is not None:  # AMX: projection and SwiGLU in one pass (decode)
+            return self.down_proj(act)
         gate_up = self.gate_up_proj(x)
         act = None if gate_up.is_cuda else cpu_ext.silu_and_mul_cpu(gate_up)
         if act is None:

@@ -117,9 +117,9 @@ static inline void prefetch_tiles(const uint16_t *a, const uint16_t *b) {
 }
 
 static inline void tile_block(const uint16_t *x, int64_t sx, const uint16_t *wp, int64_t KB,
-                              int64_t nb, int one, int single, float *cbuf) {
-    const uint16_t *b0 = wp + nb * KB * 512;
-    const uint16_t *b1 = b0 + KB * 512;
+                              int64_t nb0, int64_t nb1, int one, int single, float *cbuf) {
+    const uint16_t *b0 = wp + nb0 * KB * 512;
+    const uint16_t *b1 = wp + (single ? nb0 + 1 : nb1) * KB * 512; /* prefetch only if single */
     const int64_t xs = sx * 2; /* bytes */
     _tile_zero(0);
     _tile_zero(1);
@@ -152,12 +152,65 @@ static inline void tile_block(const uint16_t *x, int64_t sx, const uint16_t *wp,
  * every column block streams past it. */
 #define M_BLOCK 256
 
-int amx_linear(const uint16_t *x, int64_t sx, const uint16_t *wp, const uint16_t *bias,
-               uint16_t *y, int64_t sy, int64_t M, int64_t N, int64_t K, int num_threads) {
-    if (K % 32 || N % 16 || M < 1) return -1;
+__m512 _ZGVeN16v_expf(__m512); /* glibc libmvec's vector expf */
+
+static inline __m512 bf16_round(__m512 v) {
+    const __m256i h = (__m256i)_mm512_cvtneps_pbh(v);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+static inline __m512 load_bias(const uint16_t *bias) {
+    if (bias == NULL) return _mm512_setzero_ps();
+    const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)bias));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+}
+
+/* SwiGLU epilogue (Shazeer 2020) of a fused gate/up projection: out[r] =
+ * bf16(bf16(silu(g)) * u) with g, u the bf16-rounded gate and up outputs, the
+ * same rounding steps (and expf) as the unfused linear + silu_and_mul kernels,
+ * so the result is bit-identical to running them one after the other. */
+static inline void swiglu_tile(const float *cg, const float *cu, const uint16_t *bg,
+                               const uint16_t *bu, uint16_t *y, int64_t sy, int64_t rows) {
+    const __m512 vbg = load_bias(bg), vbu = load_bias(bu), one = _mm512_set1_ps(1.f);
+    for (int64_t r = 0; r < rows; ++r) {
+        const __m512 g = bf16_round(_mm512_add_ps(_mm512_loadu_ps(cg + r * 16), vbg));
+        const __m512 u = bf16_round(_mm512_add_ps(_mm512_loadu_ps(cu + r * 16), vbu));
+        const __m512 e = _ZGVeN16v_expf(_mm512_sub_ps(_mm512_setzero_ps(), g));
+        const __m512 a = bf16_round(_mm512_div_ps(g, _mm512_add_ps(one, e)));
+        _mm256_storeu_si256((__m256i *)(y + r * sy), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(a, u)));
+    }
+}
+
+typedef struct {
+    const uint16_t *bias;
+    uint16_t *y;
+    int64_t sy;
+    int swiglu; /* y = silu(gate) * up, y is [M, N / 2] */
+} epilogue;
+
+/* Write one 16-row chunk (rows from `row`): c0 holds column block nb0, c1 block
+ * nb1 (NULL when there is none). */
+static inline void emit(const epilogue *e, const float *c0, const float *c1, int64_t nb0,
+                        int64_t nb1, int64_t row, int64_t rows) {
+    const uint16_t *b0 = e->bias != NULL ? e->bias + nb0 * 16 : NULL;
+    const uint16_t *b1 = e->bias != NULL ? e->bias + nb1 * 16 : NULL;
+    uint16_t *y0 = e->y + row * e->sy + nb0 * 16;
+    if (e->swiglu) {
+        swiglu_tile(c0, c1, b0, b1, y0, e->sy, rows);
+        return;
+    }
+    store_tile(c0, b0, y0, e->sy, rows);
+    if (c1 != NULL) store_tile(c1, b1, e->y + row * e->sy + nb1 * 16, e->sy, rows);
+}
+
+/* The shared driver: column blocks in pairs (nb0, nb1) per thread, rows in
+ * chunks of 32 (two C tiles each), a partial last chunk through `pad`. */
+static int amx_matmul(const uint16_t *x, int64_t sx, const uint16_t *wp, int64_t M, int64_t N,
+                      int64_t K, int num_threads, const epilogue *e) {
+    if (K % 32 || N % 16 || M < 1 || (e->swiglu && N % 32)) return -1;
     const int64_t KB = K / 32, NB = N / 16;
-    const int64_t npairs = (NB + 1) / 2;
-    /* a partial last row chunk is copied into zero-padded rows */
+    /* swiglu: gate block j pairs with up block NB/2 + j (same output columns) */
+    const int64_t npairs = e->swiglu ? NB / 2 : (NB + 1) / 2;
     const int64_t mfull = M / 16 * 16, mtail = M - mfull;
     uint16_t *pad = NULL;
     if (mtail) {
@@ -175,41 +228,27 @@ int amx_linear(const uint16_t *x, int64_t sx, const uint16_t *wp, const uint16_t
             const int64_t me = mb + M_BLOCK < M ? mb + M_BLOCK : M;
 #pragma omp for schedule(static)
             for (int64_t p = 0; p < npairs; ++p) {
-                const int64_t nb = 2 * p;
-                const int single = nb + 1 >= NB;
-                const uint16_t *bb = bias != NULL ? bias + nb * 16 : NULL;
+                const int64_t nb0 = e->swiglu ? p : 2 * p;
+                const int64_t nb1 = e->swiglu ? NB / 2 + p : 2 * p + 1;
+                const int single = !e->swiglu && nb1 >= NB;
                 for (int64_t m0 = mb; m0 < me; m0 += 32) {
                     const int64_t rows0 = me - m0 < 16 ? me - m0 : 16;
                     const int64_t rows1 = me - m0 - 16 < 16 ? me - m0 - 16 : 16;
                     const int one = rows1 <= 0;
-                    /* a chunk of rows0 < 16 rows is the tail: read it from pad */
                     const int tail0 = rows0 < 16, tail1 = !one && rows1 < 16;
                     if (tail1) {
-                        /* rows m0..m0+15 full, the next chunk partial: two calls */
-                        tile_block(x + m0 * sx, sx, wp, KB, nb, 1, single, cbuf);
-                        store_tile(cbuf, bb, y + m0 * sy + nb * 16, sy, 16);
-                        if (!single)
-                            store_tile(cbuf + 512, bb ? bb + 16 : NULL,
-                                       y + m0 * sy + nb * 16 + 16, sy, 16);
-                        tile_block(pad, K, wp, KB, nb, 1, single, cbuf);
-                        store_tile(cbuf, bb, y + (m0 + 16) * sy + nb * 16, sy, rows1);
-                        if (!single)
-                            store_tile(cbuf + 512, bb ? bb + 16 : NULL,
-                                       y + (m0 + 16) * sy + nb * 16 + 16, sy, rows1);
+                        /* rows m0..m0+15 full, the next chunk partial: two passes */
+                        tile_block(x + m0 * sx, sx, wp, KB, nb0, nb1, 1, single, cbuf);
+                        emit(e, cbuf, single ? NULL : cbuf + 512, nb0, nb1, m0, 16);
+                        tile_block(pad, K, wp, KB, nb0, nb1, 1, single, cbuf);
+                        emit(e, cbuf, single ? NULL : cbuf + 512, nb0, nb1, m0 + 16, rows1);
                         continue;
                     }
                     const uint16_t *xa = tail0 ? pad : x + m0 * sx;
-                    const int64_t sxa = tail0 ? K : sx;
-                    tile_block(xa, sxa, wp, KB, nb, one, single, cbuf);
-                    store_tile(cbuf, bb, y + m0 * sy + nb * 16, sy, rows0);
-                    if (!one) store_tile(cbuf + 256, bb, y + (m0 + 16) * sy + nb * 16, sy, rows1);
-                    if (!single) {
-                        const uint16_t *b2 = bb ? bb + 16 : NULL;
-                        store_tile(cbuf + 512, b2, y + m0 * sy + nb * 16 + 16, sy, rows0);
-                        if (!one)
-                            store_tile(cbuf + 768, b2, y + (m0 + 16) * sy + nb * 16 + 16, sy,
-                                       rows1);
-                    }
+                    tile_block(xa, tail0 ? K : sx, wp, KB, nb0, nb1, one, single, cbuf);
+                    emit(e, cbuf, single ? NULL : cbuf + 512, nb0, nb1, m0, rows0);
+                    if (!one)
+                        emit(e, cbuf + 256, single ? NULL : cbuf + 768, nb0, nb1, m0 + 16, rows1);
                 }
             }
         }
@@ -217,6 +256,22 @@ int amx_linear(const uint16_t *x, int64_t sx, const uint16_t *wp, const uint16_t
     }
     free(pad);
     return 0;
+}
+
+int amx_linear(const uint16_t *x, int64_t sx, const uint16_t *wp, const uint16_t *bias,
+               uint16_t *y, int64_t sy, int64_t M, int64_t N, int64_t K, int num_threads) {
+    const epilogue e = {bias, y, sy, 0};
+    return amx_matmul(x, sx, wp, M, N, K, num_threads, &e);
+}
+
+/* y[M, N/2] = silu(x @ Wg^T + bg) * (x @ Wu^T + bu) for W = [Wg; Wu] ([N, K],
+ * packed by amx_pack_weight), N % 32 == 0: a gate/up projection and its SwiGLU
+ * in one pass, so the [M, N] intermediate is never written back and re-read. */
+int amx_linear_swiglu(const uint16_t *x, int64_t sx, const uint16_t *wp, const uint16_t *bias,
+                      uint16_t *y, int64_t sy, int64_t M, int64_t N, int64_t K,
+                      int num_threads) {
+    const epilogue e = {bias, y, sy, 1};
+    return amx_matmul(x, sx, wp, M, N, K, num_threads, &e);
 }
 
 #else /* no AMX in this build */
@@ -231,6 +286,11 @@ int amx_linear(const uint16_t *x, int64_t sx, const uint16_t *wp, const uint16_t
     (void)x, (void)sx, (void)wp, (void)bias, (void)y, (void)sy, (void)M, (void)N, (void)K;
     (void)num_threads;
     return -1;
+}
+int amx_linear_swiglu(const uint16_t *x, int64_t sx, const uint16_t *wp, const uint16_t *bias,
+                      uint16_t *y, int64_t sy, int64_t M, int64_t N, int64_t K,
+                      int num_threads) {
+    return amx_linear(x, sx, wp, bias, y, sy, M, N, K, num_threads);
 }
 
 #endif

@@ -374,6 +374,22 @@ def test_packed_linear_equals_f_linear_bf16(bias, tokens, in_features):
 
 
 @pytest.mark.skipif(not cpu_ext.amx_available(), reason="no AMX-BF16 on this CPU")
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("tokens", [1, 17, 64, 111])
+def test_amx_swiglu_is_bit_identical_to_linear_then_silu(bias, tokens):
+    """The fused gate/up + SwiGLU pass (the MLP's decode path) rounds exactly
+    as the two kernels it replaces; beyond AMX_MAX_ROWS it declines."""
+    torch.manual_seed(10)
+    lin = torch.nn.Linear(96, 2 * 80, bias=bias).to(torch.bfloat16)
+    packed = linear_mod.PackedLinear(lin)
+    x = torch.randn(tokens, 96, dtype=torch.bfloat16)
+    fused = packed.forward_swiglu(x)
+    assert fused is not None and fused.shape == (tokens, 80)
+    torch.testing.assert_close(fused, cpu_ext.silu_and_mul_cpu(packed(x)), rtol=0, atol=0)
+    assert packed.forward_swiglu(torch.randn(linear_mod.AMX_MAX_ROWS, 96).bfloat16()) is None
+
+
+@pytest.mark.skipif(not cpu_ext.amx_available(), reason="no AMX-BF16 on this CPU")
 def test_amx_linear_strided_rows_and_rejects_bad_shapes():
     torch.manual_seed(8)
     w = torch.randn(48, 64).bfloat16()
