@@ -58,13 +58,27 @@ def test_native_kernel_sources_are_package_data() -> None:
     assert {name for name, _ in cpu_ext._SOURCES} == {Path(s).name for s in sources}
 
 
-def test_import_sets_openmp_wait_defaults_and_keeps_explicit_ones() -> None:
-    """``import tandem`` (before torch loads libgomp) picks a short spin then
-    sleep for idle OpenMP workers; values a user exported win."""
-    code = "import os, tandem; print(os.environ['OMP_WAIT_POLICY'], os.environ['GOMP_SPINCOUNT'])"
+def test_openmp_defaults_only_for_service_commands() -> None:
+    """``import tandem`` (the offline API) leaves libgomp's defaults alone; a
+    service command sets a short spin then sleep, unless the user set values."""
+    from tandem import cli
+
+    code = "import os, tandem; print(os.environ.get('OMP_WAIT_POLICY'), os.environ.get('GOMP_SPINCOUNT'))"
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
-    assert out.stdout.split() == ["PASSIVE", "10000"], out.stderr
-    env.update(OMP_WAIT_POLICY="ACTIVE", GOMP_SPINCOUNT="5")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
-    assert out.stdout.split() == ["ACTIVE", "5"], out.stderr
+    assert out.stdout.split() == ["None", "None"], out.stderr
+    saved = {k: os.environ.pop(k, None) for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    try:
+        cli.configure_openmp("bench")
+        assert "GOMP_SPINCOUNT" not in os.environ
+        cli.configure_openmp("serve")
+        assert (os.environ["OMP_WAIT_POLICY"], os.environ["GOMP_SPINCOUNT"]) == ("PASSIVE", "10000")
+        os.environ["GOMP_SPINCOUNT"] = "5"
+        cli.configure_openmp("decode")
+        assert os.environ["GOMP_SPINCOUNT"] == "5"
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
