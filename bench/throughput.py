@@ -12,7 +12,11 @@ generation only (weights loaded and one short warm-up request done before).
   weights), one request at a time, fed token ids.
 
 Prints requests/s, output tokens/s and total tokens/s per backend and each
-backend's ratio to tandem; ``--json PATH`` writes the same numbers.
+backend's ratio to tandem; ``--json PATH`` writes the same numbers. With
+``--repeat N`` every backend runs N timed passes, pass i on the prompts of seed
+``--seed + i`` (fresh prompts, so tandem's prefix cache cannot serve a pass from
+an earlier one), and the median pass is reported (all of them in the JSON's
+``runs_s``): shared machines vary by 10-15% from one run to the next.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import contextlib
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -51,10 +56,17 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     p.add_argument("--hf-batch-size", type=int, default=16, help="hf: static batch size")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all)")
+    p.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="timed runs per backend, each on fresh prompts (seed, seed+1, ...); "
+        "the median is reported",
+    )
     p.add_argument("--json", dest="json_path", default=None, help="write results to PATH")
     args = p.parse_args(argv)
     args.backend = args.backend or ["tandem"]
-    for name in ("num_prompts", "input_len", "output_len", "hf_batch_size"):
+    for name in ("num_prompts", "input_len", "output_len", "hf_batch_size", "repeat"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     return args
@@ -100,7 +112,28 @@ def _resolve_dtype(dtype: str) -> Any:
     return getattr(torch, dtype)
 
 
-def run_tandem(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, Any]:
+def _timed_runs(
+    run_one: Callable[[list[list[int]]], int], prompt_sets: list[list[list[int]]]
+) -> dict[str, Any]:
+    """Time ``run_one(prompts) -> output tokens`` on every prompt set.
+
+    Returns ``elapsed_s`` (the median run, seconds), ``runs_s`` (every run) and
+    ``num_output_tokens`` (of one run; every run must produce the same count).
+
+    Raises:
+        RuntimeError: when runs produce different numbers of output tokens.
+    """
+    runs, counts = [], set()
+    for prompts in prompt_sets:
+        start = time.perf_counter()
+        counts.add(run_one(prompts))
+        runs.append(time.perf_counter() - start)
+    if len(counts) != 1:
+        raise RuntimeError(f"runs produced different output token counts: {sorted(counts)}")
+    return {"elapsed_s": statistics.median(runs), "runs_s": runs, "num_output_tokens": counts.pop()}
+
+
+def run_tandem(args: argparse.Namespace, prompt_sets: list[list[list[int]]]) -> dict[str, Any]:
     from tandem.engine.llm import LLM
     from tandem.engine.sampling_params import SamplingParams
 
@@ -113,12 +146,16 @@ def run_tandem(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, 
         seed=args.seed,
     )
     params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=args.output_len)
-    llm.generate([prompts[0][:16]], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
-    start = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    elapsed = time.perf_counter() - start
-    num_out = sum(len(o.outputs[0].token_ids) for o in outs)
-    return {"elapsed_s": elapsed, "num_output_tokens": num_out, "dtype": str(_dtype_of(llm))}
+    warm = [prompt_sets[0][0][:16]]
+    llm.generate(warm, SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
+
+    def run_one(prompts: list[list[int]]) -> int:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        return sum(len(o.outputs[0].token_ids) for o in outs)
+
+    # Every repeat gets fresh prompts, so the prefix cache never serves one run
+    # from an earlier one.
+    return {**_timed_runs(run_one, prompt_sets), "dtype": str(_dtype_of(llm))}
 
 
 def _dtype_of(llm: Any) -> str:
@@ -134,7 +171,7 @@ def _hf_model_args(model: str | None) -> tuple[str, dict[str, Any]]:
     return path, {}
 
 
-def run_hf(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, Any]:
+def run_hf(args: argparse.Namespace, prompt_sets: list[list[list[int]]]) -> dict[str, Any]:
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -154,20 +191,17 @@ def run_hf(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, Any]
         )
         return (out.shape[1] - ids.shape[1]) * ids.shape[0]
 
+    bs = args.hf_batch_size
+
+    def run_one(prompts: list[list[int]]) -> int:
+        return sum(
+            generate(prompts[i : i + bs], args.output_len) for i in range(0, len(prompts), bs)
+        )
+
     with torch.inference_mode():
-        generate([prompts[0][:16]], 4)
-        start = time.perf_counter()
-        num_out = 0
-        bs = args.hf_batch_size
-        for i in range(0, len(prompts), bs):
-            num_out += generate(prompts[i : i + bs], args.output_len)
-        elapsed = time.perf_counter() - start
-    return {
-        "elapsed_s": elapsed,
-        "num_output_tokens": num_out,
-        "dtype": str(dtype).removeprefix("torch."),
-        "batch_size": bs,
-    }
+        generate([prompt_sets[0][0][:16]], 4)
+        timed = _timed_runs(run_one, prompt_sets)
+    return {**timed, "dtype": str(dtype).removeprefix("torch."), "batch_size": bs}
 
 
 def _cpu_has_amx() -> bool:
@@ -209,7 +243,7 @@ def _llama_cpp_without_extra_buffers() -> Iterator[bool]:
         low.llama_model_default_params = default_params
 
 
-def run_llama_cpp(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, Any]:
+def run_llama_cpp(args: argparse.Namespace, prompt_sets: list[list[list[int]]]) -> dict[str, Any]:
     from llama_cpp import Llama
 
     from tandem.engine.model_loader import default_model_path
@@ -238,19 +272,12 @@ def run_llama_cpp(args: argparse.Namespace, prompts: list[list[int]]) -> dict[st
                 break
         return n
 
-    generate(prompts[0][:16], 4)
-    start = time.perf_counter()
-    num_out = sum(generate(p, args.output_len) for p in prompts)
-    elapsed = time.perf_counter() - start
-    return {
-        "elapsed_s": elapsed,
-        "num_output_tokens": num_out,
-        "dtype": "gguf (its quantization)",
-        "ggml_amx_buffers": not amx_off,
-    }
+    generate(prompt_sets[0][0][:16], 4)
+    timed = _timed_runs(lambda ps: sum(generate(p, args.output_len) for p in ps), prompt_sets)
+    return {**timed, "dtype": "gguf (its quantization)", "ggml_amx_buffers": not amx_off}
 
 
-RUNNERS: dict[str, Callable[[argparse.Namespace, list[list[int]]], dict[str, Any]]] = {
+RUNNERS: dict[str, Callable[[argparse.Namespace, list[list[list[int]]]], dict[str, Any]]] = {
     "tandem": run_tandem,
     "hf": run_hf,
     "llama.cpp": run_llama_cpp,
@@ -287,11 +314,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     vocab_size, special = prompt_vocab(args.model)
-    prompts = make_prompts(vocab_size, special, args.num_prompts, args.input_len, args.seed)
+    prompt_sets = [
+        make_prompts(vocab_size, special, args.num_prompts, args.input_len, args.seed + i)
+        for i in range(args.repeat)
+    ]
     results: dict[str, dict[str, Any]] = {}
     for backend in dict.fromkeys(args.backend):
-        print(f"[{backend}] running {args.num_prompts} requests ...", file=sys.stderr, flush=True)
-        r = RUNNERS[backend](args, prompts)
+        print(
+            f"[{backend}] running {args.num_prompts} requests x {args.repeat} ...",
+            file=sys.stderr,
+            flush=True,
+        )
+        r = RUNNERS[backend](args, prompt_sets)
         elapsed = r["elapsed_s"]
         num_in = args.num_prompts * args.input_len
         r["requests_per_s"] = args.num_prompts / elapsed

@@ -48,6 +48,8 @@ def test_throughput_tandem_and_hf(tmp_path, capsys) -> None:
         "float32",
         "--hf-batch-size",
         "2",
+        "--repeat",
+        "3",
         "--json",
         str(out_json),
     ]
@@ -57,7 +59,8 @@ def test_throughput_tandem_and_hf(tmp_path, capsys) -> None:
     doc = json.loads(out_json.read_text())
     assert set(doc["results"]) == {"tandem", "hf"}
     for r in doc["results"].values():
-        assert r["num_output_tokens"] == 12
+        assert r["num_output_tokens"] == 12  # per pass
+        assert len(r["runs_s"]) == 3 and r["elapsed_s"] == sorted(r["runs_s"])[1]
         assert r["output_tokens_per_s"] > 0 and r["requests_per_s"] > 0
     assert doc["ratios"]["tandem/hf"] > 0
     assert doc["machine"]["num_cpus"] >= 1
@@ -93,3 +96,17 @@ def test_throughput_llama_cpp_peer_runs(tmp_path) -> None:
     result = json.loads(out_json.read_text())["results"]["llama.cpp"]
     assert result["num_output_tokens"] == 8
     assert result["ggml_amx_buffers"] is (not throughput._cpu_has_amx())
+
+
+def test_repeats_report_the_median_and_must_agree() -> None:
+    import pytest
+
+    counts = iter([5, 5, 5])
+    timed = throughput._timed_runs(lambda prompts: next(counts), [[[1]], [[2]], [[3]]])
+    assert timed["num_output_tokens"] == 5 and len(timed["runs_s"]) == 3
+    assert timed["elapsed_s"] == sorted(timed["runs_s"])[1]
+    uneven = iter([5, 4])
+    with pytest.raises(RuntimeError, match="different output token counts"):
+        throughput._timed_runs(lambda prompts: next(uneven), [[[1]], [[2]]])
+    with pytest.raises(SystemExit):
+        throughput.parse_args(["--repeat", "0"])
