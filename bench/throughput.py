@@ -205,11 +205,9 @@ def run_hf(args: argparse.Namespace, prompt_sets: list[list[list[int]]]) -> dict
 
 
 def _cpu_has_amx() -> bool:
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
-            return any(line.startswith("flags") and " amx_int8" in line for line in f)
-    except OSError:
-        return False
+    from tandem.kernels.cpu_ext import cpu_flags
+
+    return "amx_int8" in cpu_flags().split()
 
 
 @contextlib.contextmanager

@@ -33,6 +33,8 @@ from pathlib import Path
 
 import torch
 
+from tandem.kernels.host_memory import empty_huge_page_tensor
+
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
@@ -87,7 +89,9 @@ _AMX_LINEAR_ARGTYPES = [
 ]  # fmt: skip
 
 
-def _cpu_flags() -> str:
+def cpu_flags() -> str:
+    """The CPU's feature flags (``/proc/cpuinfo``'s ``flags`` line, space-separated;
+    ``platform.processor()`` where there is none)."""
     try:
         with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
             for line in f:
@@ -121,7 +125,7 @@ def _build(cc: str) -> Path:
     for name, extra in _SOURCES:
         digest.update((_CSRC / name).read_bytes() + " ".join(extra).encode())
     digest.update(" ".join([cc, *_CFLAGS, *_LDFLAGS]).encode())
-    digest.update(_cpu_flags().encode() + platform.machine().encode())
+    digest.update(cpu_flags().encode() + platform.machine().encode())
     key = digest.hexdigest()[:16]
     out_dir = _cache_dir()
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -432,8 +436,6 @@ def amx_pack_weight(weight: torch.Tensor) -> torch.Tensor:
                          f"{tuple(weight.shape)}")
     lib = load()
     assert lib is not None
-    from tandem.kernels.host_memory import empty_huge_page_tensor
-
     w = weight.detach().contiguous()
     # streamed from memory at every decode step: huge pages save the page walks
     packed = empty_huge_page_tensor((n * k,), torch.bfloat16)

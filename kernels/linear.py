@@ -96,10 +96,14 @@ class PackedLinear(nn.Module):
         bias = linear.bias.detach().contiguous() if linear.bias is not None else None
         self.register_buffer("bias", bias, persistent=False)
 
+    def _amx_serves(self, x2: torch.Tensor) -> bool:
+        """Whether the AMX kernel takes these ``[rows, in]`` inputs."""
+        return self.amx_weight is not None and x2.shape[0] < AMX_MAX_ROWS and x2.stride(1) == 1
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
-        if self.amx_weight is not None and x2.shape[0] < AMX_MAX_ROWS and x2.stride(1) == 1:
+        if self._amx_serves(x2):
             y = cpu_ext.amx_linear(x2, self.amx_weight, self.bias, self.out_features)
         else:
             y = torch.ops.mkldnn._linear_pointwise(
@@ -114,12 +118,7 @@ class PackedLinear(nn.Module):
         when the AMX kernel does not serve this call (no AMX weight, too many
         rows, an odd number of column blocks): the caller runs the two steps."""
         x2 = x.reshape(-1, self.in_features)
-        if (
-            self.amx_weight is None
-            or x2.shape[0] >= AMX_MAX_ROWS
-            or x2.stride(1) != 1
-            or self.out_features % 32
-        ):
+        if not self._amx_serves(x2) or self.out_features % 32:
             return None
         y = cpu_ext.amx_linear_swiglu(x2, self.amx_weight, self.bias, self.out_features)
         return y.view(*x.shape[:-1], self.out_features // 2)

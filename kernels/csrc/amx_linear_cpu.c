@@ -81,14 +81,17 @@ void amx_pack_weight(const uint16_t *w, int64_t N, int64_t K, uint16_t *wp) {
         }
 }
 
+/* 16 bf16 biases as float32 (zeros without a bias). */
+static inline __m512 load_bias(const uint16_t *bias) {
+    if (bias == NULL) return _mm512_setzero_ps();
+    const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)bias));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+}
+
 /* Round a 16 x 16 float32 tile (+ bias) to bf16 rows of y; only `rows` rows. */
 static inline void store_tile(const float *c, const uint16_t *bias, uint16_t *y, int64_t sy,
                               int64_t rows) {
-    __m512 b = _mm512_setzero_ps();
-    if (bias != NULL) {
-        const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)bias));
-        b = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
-    }
+    const __m512 b = load_bias(bias);
     for (int64_t r = 0; r < rows; ++r) {
         const __m512 v = _mm512_add_ps(_mm512_loadu_ps(c + r * 16), b);
         _mm256_storeu_si256((__m256i *)(y + r * sy), (__m256i)_mm512_cvtneps_pbh(v));
@@ -157,12 +160,6 @@ __m512 _ZGVeN16v_expf(__m512); /* glibc libmvec's vector expf */
 static inline __m512 bf16_round(__m512 v) {
     const __m256i h = (__m256i)_mm512_cvtneps_pbh(v);
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
-static inline __m512 load_bias(const uint16_t *bias) {
-    if (bias == NULL) return _mm512_setzero_ps();
-    const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)bias));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
 }
 
 /* SwiGLU epilogue (Shazeer 2020) of a fused gate/up projection: out[r] =

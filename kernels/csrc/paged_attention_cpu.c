@@ -123,11 +123,12 @@ static inline __attribute__((always_inline)) __m512 scores16_bf16(
  * prefetch the kernel ran ~3.5x slower on cold caches than on hot ones. */
 #define PREFETCH_BLOCKS 4
 
-/* Prefetch the rows [t0, t1) of one block (all KV heads) into L1/L2. */
-static inline void prefetch_rows(const void *base, int64_t off, int64_t t0, int64_t t1,
-                                 int64_t s_o, int64_t span, int64_t esize) {
+/* Prefetch `span` elements of each of the `rows` rows (row stride s_o) from
+ * element `off` on, into L2. */
+static inline void prefetch_rows(const void *base, int64_t off, int64_t rows, int64_t s_o,
+                                 int64_t span, int64_t esize) {
     const char *p = (const char *)base + off * esize;
-    for (int64_t t = t0; t < t1; ++t) {
+    for (int64_t t = 0; t < rows; ++t) {
         const char *row = p + t * s_o * esize;
         for (int64_t b = 0; b < span * esize; b += 64) __builtin_prefetch(row + b, 0, 1);
     }
@@ -153,7 +154,7 @@ static inline __attribute__((always_inline)) void attend_seq_impl(
     float mx[MAX_HEADS];
     for (int64_t i = 0; i < num_kv_heads * G; ++i) mx[i] = -FLT_MAX;
     for (int64_t b = b0; b < b0 + PREFETCH_BLOCKS && b <= b1; ++b)
-        prefetch_rows(k, table[b] * sk_b, 0, bs, sk_o, kspan, esize);
+        prefetch_rows(k, table[b] * sk_b, bs, sk_o, kspan, esize);
     for (int64_t b = b0; b <= b1; ++b) {
         const int64_t bp = b + PREFETCH_BLOCKS;
         /* prefetches are spread over the block's heads (a burst of a whole block's
@@ -175,7 +176,7 @@ static inline __attribute__((always_inline)) void attend_seq_impl(
         if (qb != NULL) {
             for (int64_t h = 0; h < num_kv_heads; ++h) {
                 if (pf_base != NULL)
-                    prefetch_rows(pf_base, h * pf_h, 0, bs, pf_o, nv * VL, esize);
+                    prefetch_rows(pf_base, h * pf_h, bs, pf_o, nv * VL, esize);
                 for (int64_t g = 0; g < G; ++g) {
                     __m512bh qg[MAX_HEAD_DIM / 32];
                     const uint16_t *qh = qb + (h * G + g) * nv * VL;
@@ -200,7 +201,7 @@ static inline __attribute__((always_inline)) void attend_seq_impl(
         }
 #endif
         for (int64_t h = 0; h < num_kv_heads; ++h) {
-            if (pf_base != NULL) prefetch_rows(pf_base, h * pf_h, 0, bs, pf_o, nv * VL, esize);
+            if (pf_base != NULL) prefetch_rows(pf_base, h * pf_h, bs, pf_o, nv * VL, esize);
             vf qr[MAX_GROUP][MAX_HEAD_DIM / VL];
             for (int64_t g = 0; g < G; ++g)
                 for (int64_t c = 0; c < nv; ++c) qr[g][c] = qv[(h * G + g) * nv + c];
@@ -239,7 +240,7 @@ static inline __attribute__((always_inline)) void attend_seq_impl(
         const int64_t t1 = (b + 1) * bs < len ? (b + 1) * bs : len;
         const int64_t base = table[b] * sv_b;
         for (int64_t h = 0; h < num_kv_heads; ++h) {
-            if (vnext >= 0) prefetch_rows(v, vnext + h * sv_h, 0, bs, sv_o, nv * VL, esize);
+            if (vnext >= 0) prefetch_rows(v, vnext + h * sv_h, bs, sv_o, nv * VL, esize);
             vf a[MAX_GROUP][MAX_HEAD_DIM / VL];
             for (int64_t g = 0; g < G; ++g)
                 for (int64_t c = 0; c < nv; ++c) a[g][c] = acc[(h * G + g) * nv + c];
