@@ -315,7 +315,7 @@ class ModelRunner:
             last = hidden
         else:
             last = hidden[torch.tensor(sample_rows, dtype=torch.int64, device=self.device)]
-        logits = self.model.compute_logits(last)
+        logits = self.model.compute_logits(last, upcast=False)
         for req, (token_id, logprobs) in zip(
             sample_reqs, self.sampler(logits, sample_reqs), strict=True
         ):

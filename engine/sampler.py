@@ -29,6 +29,7 @@ from collections.abc import Sequence
 import torch
 
 from tandem.engine.request import Logprob, PositionLogprobs, Request
+from tandem.kernels import cpu_ext
 
 SampleResult = tuple[int, PositionLogprobs | None]
 
@@ -48,8 +49,10 @@ class Sampler:
         """Pick the next token of every request.
 
         Args:
-            logits: ``[num_reqs, vocab_size]`` float32 (any device), row i belongs
-                to ``requests[i]``. Modified in place.
+            logits: ``[num_reqs, vocab_size]`` float32 or the model's dtype (any
+                device), row i belongs to ``requests[i]``. Modified in place
+                when float32 (other dtypes are widened to a float32 copy first,
+                except where every row is plain greedy).
             requests: requests in batch order; ``output_token_ids`` holds the tokens
                 generated before this step.
 
@@ -63,6 +66,12 @@ class Sampler:
         assert logits.dim() == 2 and logits.shape[0] == len(requests), (
             f"logits {tuple(logits.shape)} vs {len(requests)} requests"
         )
+        if all(_plain_greedy(r) for r in requests):
+            # No processor touches these rows and nobody wants logprobs: the argmax of
+            # the logits in their own dtype is the token (widening bf16 to float32 is
+            # exact, so the float32 path would pick the same index), and the
+            # [num_reqs, vocab] float32 copy is skipped.
+            return [(t, None) for t in _greedy(logits).tolist()]
         if logits.dtype != torch.float32:
             logits = logits.float()
         params = [r.sampling_params for r in requests]
@@ -155,12 +164,33 @@ def _apply_penalties(logits: torch.Tensor, requests: Sequence[Request]) -> None:
             logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
 
 
-def _greedy(logits: torch.Tensor) -> torch.Tensor:
-    """Row-wise argmax of ``[num_reqs, vocab]`` logits: ``[num_reqs]`` int64.
+def _plain_greedy(r: Request) -> bool:
+    """Whether request ``r`` is greedy this step with no logits processor and no
+    logprobs (its token is the plain argmax of the model's logits)."""
+    p = r.sampling_params
+    return (
+        p.greedy
+        and p.logprobs is None
+        and not p.logit_bias
+        and p.repetition_penalty == 1.0
+        and not p.frequency_penalty
+        and not p.presence_penalty
+        and not (p.min_tokens and r.num_output_tokens < p.min_tokens)
+    )
 
-    ``max(dim).indices`` returns the first maximal index, as ``argmax`` does,
-    and ran ~3x faster on the CPU ([64, 49152] float32: 0.9 ms vs 2.4 ms).
+
+def _greedy(logits: torch.Tensor) -> torch.Tensor:
+    """Row-wise argmax of ``[num_reqs, vocab]`` logits (float32 or bf16): ``[num_reqs]``
+    int64, the first maximal index as ``argmax`` returns it.
+
+    On the CPU the native kernel reads the rows once (``cpu_ext.argmax_rows_cpu``);
+    elsewhere ``max(dim).indices``, which ran ~3x faster than ``argmax`` on the
+    CPU ([64, 49152] float32: 0.9 ms vs 2.4 ms).
     """
+    if logits.device.type == "cpu":
+        native = cpu_ext.argmax_rows_cpu(logits)
+        if native is not None:
+            return native
     return logits.max(dim=-1).indices
 
 

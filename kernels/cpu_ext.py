@@ -78,6 +78,7 @@ _ROTARY_ARGTYPES = [
     _i64, _i64, _i64, _ptr, _ptr, ctypes.c_int,  # tokens, heads, head_dim, cos, sin, threads
 ]  # fmt: skip
 _SILU_ARGTYPES = [ctypes.c_int, _ptr, _ptr, _i64, _i64, ctypes.c_int]
+_ARGMAX_ARGTYPES = [ctypes.c_int, _ptr, _i64, _i64, _i64, _ptr, ctypes.c_int]
 _CACHE_WRITE_ARGTYPES = [
     _ptr, _i64, _i64, _ptr, _i64, _i64,  # key, strides (token, head); value, strides
     _ptr, _i64, _i64, _i64, _ptr, _i64, _i64, _i64,  # k cache, strides; v cache, strides
@@ -177,6 +178,7 @@ def load() -> ctypes.CDLL | None:
         ("rotary_neox", _ROTARY_ARGTYPES),
         ("silu_and_mul", _SILU_ARGTYPES),
         ("cache_write", _CACHE_WRITE_ARGTYPES),
+        ("argmax_rows", _ARGMAX_ARGTYPES),
         ("amx_available", []),
         ("amx_init", []),
         ("amx_linear", _AMX_LINEAR_ARGTYPES),
@@ -402,6 +404,28 @@ def silu_and_mul_cpu(x: torch.Tensor) -> torch.Tensor | None:
         two_inter // 2,
         _threads_for(x.numel()),
     )
+    return out
+
+
+def argmax_rows_cpu(x: torch.Tensor) -> torch.Tensor | None:
+    """Row-wise argmax of ``x [rows, cols]`` (float32 or bfloat16, unit stride in
+    the last dim): ``[rows]`` int64, the first index of each row's maximum (of
+    its first NaN when it has one), as ``x.max(dim=-1).indices`` returns it.
+
+    Why: the greedy sampler took ~2 ms per decode step on ``[64, 49152]``
+    logits through torch (a float32 copy, then a max over cold rows); this
+    reads the bf16 logits once with 16-lane compares. ``None`` when the native
+    path cannot serve ``x`` (the caller uses torch).
+    """
+    if x.dim() != 2 or x.shape[1] < 1 or x.stride(1) != 1 or not _elementwise_ok(x):
+        return None
+    lib = load()
+    assert lib is not None
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    lib.argmax_rows(
+        int(x.dtype == torch.bfloat16), x.data_ptr(), x.stride(0), x.shape[0], x.shape[1],
+        out.data_ptr(), _threads_for(x.numel()),
+    )  # fmt: skip
     return out
 
 

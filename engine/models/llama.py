@@ -253,8 +253,10 @@ class LlamaForCausalLM(nn.Module):
         hidden, _ = self.model.norm(hidden, residual)
         return hidden
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``[num_seqs, hidden]`` -> ``[num_seqs, vocab_size]`` float32 logits.
+    def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
+        """``[num_seqs, hidden]`` -> ``[num_seqs, vocab_size]`` logits: float32, or
+        the head's own dtype with ``upcast=False`` (the sampler widens them only
+        where a processor or logprobs need float32).
 
         The head is ``lm_head`` (which ``pack_linear_layers`` may have replaced by
         a ``PackedLinear``), else ``tied_lm_head`` (a packed view of the
@@ -262,8 +264,10 @@ class LlamaForCausalLM(nn.Module):
         """
         head = self.lm_head if self.lm_head is not None else self.tied_lm_head
         if head is not None:
-            return head(hidden).float()
-        return F.linear(hidden, self.model.embed_tokens.weight).float()
+            logits = head(hidden)
+        else:
+            logits = F.linear(hidden, self.model.embed_tokens.weight)
+        return logits.float() if upcast else logits
 
     def pack_tied_lm_head(self) -> bool:
         """Give a tied LM head its own ``PackedLinear`` (bf16 CPU only).

@@ -475,3 +475,25 @@ def test_native_silu_and_mul_matches_reference_bf16(inter):
     torch.testing.assert_close(out.float(), ref.float(), rtol=2**-6, atol=1e-6)
     assert (out == ref).float().mean() > 0.99
     assert cpu_ext.silu_and_mul_cpu(x.float()) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cols", [49152, 100, 1])  # 100: a partial last vector
+def test_native_argmax_rows_matches_torch_max_indices(dtype, cols):
+    """First maximal index on ties, the first NaN where a row has one, strided
+    rows; the same indices as ``max(dim=-1).indices``."""
+    _native_or_skip()
+    torch.manual_seed(3)
+    base = torch.randn(9, cols + 7).to(dtype)
+    x = base[:, 3 : 3 + cols]  # row stride != cols
+    if cols > 1:
+        x[1] = 0.0  # all tied: index 0
+        x[2, [cols - 1, cols // 2]] = 50.0  # tie between two maxima
+        x[3, -1] = 50.0  # maximum in the (partial) last vector
+        x[4, [cols // 3, cols - 1]] = float("nan")  # first NaN wins
+        x[5] = float("-inf")
+        x[6, cols // 2] = float("inf")
+    out = cpu_ext.argmax_rows_cpu(x)
+    assert out is not None and out.dtype == torch.int64
+    assert out.tolist() == x.max(dim=-1).indices.tolist()
+    assert cpu_ext.argmax_rows_cpu(x.t()) is None  # non-unit column stride: torch path

@@ -115,6 +115,31 @@ def test_greedy_ties_take_the_first_index_like_argmax() -> None:
     assert [t for t, _ in out] == logits.argmax(dim=-1).tolist()
 
 
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.0, logprobs=2),
+        SamplingParams(temperature=0.0, logit_bias={5: 100.0}),
+        SamplingParams(temperature=0.0, repetition_penalty=1.5),
+    ],
+    ids=["plain", "logprobs", "logit_bias", "penalty"],
+)
+def test_bf16_logits_give_the_float32_result(params: SamplingParams) -> None:
+    """The runner hands the sampler the model's bf16 logits: plain greedy rows take
+    their argmax as is, every other row is widened to float32 first; both must
+    give exactly what the float32 logits give (ties included)."""
+    torch.manual_seed(0)
+    logits = (torch.randn(6, 300) * 3).bfloat16()
+    logits[0, [9, 4]] = 20.0  # an exact tie: the lower id wins
+    reqs = [make_request(params, prompt=[5, 7]) for _ in range(6)]
+    got = Sampler()(logits.clone(), reqs)
+    want = Sampler()(logits.float(), reqs)
+    assert got == want
+    if params.logit_bias is None and params.repetition_penalty == 1.0:
+        assert got[0][0] == 4
+
+
 def test_mixed_greedy_and_random_rows() -> None:
     logits = torch.randn(4, 50)
     reqs = [
