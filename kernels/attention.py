@@ -129,6 +129,29 @@ def _prefill_attention_sdpa(
         out[s:e] = o[0].transpose(0, 1)
 
 
+def _prefill_attention_cpu(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None,
+) -> None:
+    """Every prefill sequence in one native AMX call (bf16, K/V from the cache)
+    where the CPU and shapes allow it, else SDPA per sequence."""
+    if meta.prefills and cpu_ext.amx_prefill_supports(query, k_cache):
+        desc, tables = meta.prefill_descriptors()
+        cpu_ext.amx_prefill_attention_cpu(
+            query, k_cache, v_cache, desc, tables, scale, sliding_window, out
+        )
+        return
+    _prefill_attention_sdpa(out, query, key, value, k_cache, v_cache, meta, scale, sliding_window)
+
+
+PrefillAttention = Callable[..., None]
 DecodeAttention = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, float, "int | None"],
     torch.Tensor,
@@ -153,8 +176,10 @@ def _decode_group(
         out[idx] = o
 
 
-def _paged_attention_with(decode: DecodeAttention, doc: str) -> Callable[..., torch.Tensor]:
-    """A paged attention whose decode group runs ``decode``; prefills use SDPA."""
+def _paged_attention_with(
+    decode: DecodeAttention, doc: str, prefill: PrefillAttention = _prefill_attention_sdpa
+) -> Callable[..., torch.Tensor]:
+    """A paged attention whose decode group runs ``decode`` and prefills ``prefill``."""
 
     def impl(
         query: torch.Tensor,
@@ -170,9 +195,7 @@ def _paged_attention_with(decode: DecodeAttention, doc: str) -> Callable[..., to
         _decode_group(
             out, query, meta, lambda q: decode(q, k_cache, v_cache, meta, scale, sliding_window)
         )
-        _prefill_attention_sdpa(
-            out, query, key, value, k_cache, v_cache, meta, scale, sliding_window
-        )
+        prefill(out, query, key, value, k_cache, v_cache, meta, scale, sliding_window)
         return out
 
     impl.__doc__ = doc
@@ -224,11 +247,31 @@ def _block_table_decode(kernel: Callable[..., torch.Tensor]) -> DecodeAttention:
     return decode
 
 
+_decode_attention_native = _block_table_decode(
+    lambda *args: cpu_ext.paged_decode_attention_cpu(*args)
+)
+
+
+def _decode_attention_cpu(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """The decode group by the native kernel where it serves these tensors, else SDPA."""
+    attend = _decode_attention_native if cpu_ext.supports(q, k_cache) else _decode_attention_sdpa
+    return attend(q, k_cache, v_cache, meta, scale, sliding_window)
+
+
 paged_attention_cpu = _paged_attention_with(
-    _block_table_decode(lambda *args: cpu_ext.paged_decode_attention_cpu(*args)),
-    """CPU fast path: the decode group by the native kernel that reads K/V in
-    place (``kernels/cpu_ext.py``), prefills by SDPA; same contract as
-    ``paged_attention_ref``.""",
+    _decode_attention_cpu,
+    """CPU path: the decode group by the native kernel that reads K/V in place
+    (``kernels/cpu_ext.py``), bf16 prefills by the native AMX kernel where the
+    CPU has AMX; each falls back to the gather + SDPA reference where its kernel
+    does not serve the tensors. Same contract as ``paged_attention_ref``.""",
+    _prefill_attention_cpu,
 )
 
 
@@ -417,7 +460,7 @@ def paged_attention(
         raise ValueError("query, key and the cache must share a dtype")
     if use_triton(query):
         impl = paged_attention_triton
-    elif meta.num_decodes and cpu_ext.supports(query, k_cache):
+    elif query.device.type == "cpu":
         impl = paged_attention_cpu
     else:
         impl = paged_attention_ref

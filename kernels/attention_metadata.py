@@ -68,6 +68,28 @@ class AttentionMetadata:
     decode_seq_lens: torch.Tensor | None = None
     prefills: list[PrefillSeq] = field(default_factory=list)
     _masks: dict[tuple, torch.Tensor | None] = field(default_factory=dict, repr=False)
+    _prefill_tables: list[list[int]] = field(default_factory=list, repr=False)
+    _prefill_desc: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
+
+    def prefill_descriptors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The prefills as the native prefill kernel reads them (built once, cached).
+
+        Returns:
+            ``desc [num_prefills, 4]`` int64 rows ``(token_start, num_new,
+            num_computed, table_offset)`` and ``tables [sum of blocks]`` int64:
+            every prefill's block ids (cached prefix included) back to back,
+            sequence ``i``'s starting at its ``table_offset``.
+        """
+        if self._prefill_desc is None:
+            rows, flat = [], []
+            for p, table in zip(self.prefills, self._prefill_tables, strict=True):
+                rows.append([p.token_start, p.num_new, p.num_computed, len(flat)])
+                flat.extend(table)
+            self._prefill_desc = (
+                torch.tensor(rows, dtype=torch.int64).reshape(-1, 4),
+                torch.tensor(flat, dtype=torch.int64),
+            )
+        return self._prefill_desc
 
     def decode_mask(self, sliding_window: int | None = None) -> torch.Tensor:
         """``[num_decodes, 1, 1, max_blocks * block_size]`` bool, True = attend."""
@@ -179,4 +201,5 @@ def build_attention_metadata(
     for s, e, c, table in prefill_specs:
         ids = torch.tensor(table, dtype=torch.int64, device=device) if c > 0 else None
         meta.prefills.append(PrefillSeq(s, e, c, ids))
+        meta._prefill_tables.append(table)
     return meta

@@ -48,6 +48,7 @@ _SOURCES = [
     ("paged_attention_cpu.c", ["-ffast-math"]),
     ("elementwise_cpu.c", ["-ffast-math", "-ffp-contract=off"]),
     ("amx_linear_cpu.c", []),
+    ("amx_attention_cpu.c", []),
 ]
 _LDFLAGS = ["-shared", "-fopenmp"]
 # Limits compiled into the kernel (stack scratch per work item).
@@ -78,6 +79,14 @@ _ROTARY_ARGTYPES = [
     _i64, _i64, _i64, _ptr, _ptr, ctypes.c_int,  # tokens, heads, head_dim, cos, sin, threads
 ]  # fmt: skip
 _SILU_ARGTYPES = [ctypes.c_int, _ptr, _ptr, _i64, _i64, ctypes.c_int]
+_AMX_PREFILL_ARGTYPES = [
+    _ptr, _i64, _i64,  # query, strides (token, head)
+    _ptr, _i64, _i64, _i64, _ptr, _i64, _i64, _i64,  # k cache, strides; v cache, strides
+    _ptr, _ptr, _i64,  # prefill descriptors [P, 4], block tables, P
+    _ptr, _i64, _i64,  # out, strides (token, head)
+    _i64, _i64, _i64, _i64,  # num_heads, num_kv_heads, head_dim, block_size
+    ctypes.c_float, _i64, ctypes.c_int,  # scale, window (0 = none), threads
+]  # fmt: skip
 _ARGMAX_ARGTYPES = [ctypes.c_int, _ptr, _i64, _i64, _i64, _ptr, ctypes.c_int]
 _CACHE_WRITE_ARGTYPES = [
     _ptr, _i64, _i64, _ptr, _i64, _i64,  # key, strides (token, head); value, strides
@@ -179,6 +188,7 @@ def load() -> ctypes.CDLL | None:
         ("silu_and_mul", _SILU_ARGTYPES),
         ("cache_write", _CACHE_WRITE_ARGTYPES),
         ("argmax_rows", _ARGMAX_ARGTYPES),
+        ("amx_prefill_attention", _AMX_PREFILL_ARGTYPES),
         ("amx_available", []),
         ("amx_init", []),
         ("amx_linear", _AMX_LINEAR_ARGTYPES),
@@ -526,3 +536,63 @@ def amx_linear(
         RuntimeError: when the kernel rejects the shapes.
     """
     return _amx_call("amx_linear", x, packed, bias, out_features, out_features)
+
+
+def amx_prefill_supports(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether ``amx_prefill_attention_cpu`` serves this query and cache."""
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    return (
+        query.dtype == torch.bfloat16
+        and k_cache.dtype == torch.bfloat16
+        and query.device.type == "cpu"
+        and head_dim % 32 == 0
+        and head_dim <= 256
+        and num_heads % k_cache.shape[2] == 0
+        and query.stride(-1) == 1
+        and k_cache.stride(-1) == 1
+        and amx_available()
+    )
+
+
+def amx_prefill_attention_cpu(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    desc: torch.Tensor,
+    tables: torch.Tensor,
+    scale: float,
+    sliding_window: int | None,
+    out: torch.Tensor,
+) -> None:
+    """Causal attention of every prefill sequence on AMX tiles, K/V read from the
+    paged cache (the new tokens' K/V must be written there first); see
+    ``csrc/amx_attention_cpu.c`` for the algorithm.
+
+    Args:
+        query: ``[num_tokens, num_heads, head_dim]`` bf16, head dim contiguous.
+        k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]`` bf16
+            views (any block / offset / head strides).
+        desc, tables: ``AttentionMetadata.prefill_descriptors()``.
+        scale: softmax scale; sliding_window: in tokens, or ``None``.
+        out: ``[num_tokens, num_heads, head_dim]`` bf16; the prefill rows are written.
+
+    Raises:
+        RuntimeError: without AMX here, or when the kernel rejects the shapes or
+            cannot allocate.
+    """
+    if not amx_available():  # also asks Linux for the tile state, once
+        raise RuntimeError("amx_prefill_attention_cpu needs AMX-BF16 (see amx_available)")
+    lib = load()
+    assert lib is not None
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    rc = lib.amx_prefill_attention(
+        query.data_ptr(), query.stride(0), query.stride(1),
+        k_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.data_ptr(), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        desc.data_ptr(), tables.data_ptr(), desc.shape[0],
+        out.data_ptr(), out.stride(0), out.stride(1),
+        num_heads, k_cache.shape[2], head_dim, k_cache.shape[1],
+        float(scale), int(sliding_window or 0), torch.get_num_threads(),
+    )  # fmt: skip
+    if rc != 0:
+        raise RuntimeError(f"amx_prefill_attention failed with code {rc}")

@@ -497,3 +497,72 @@ def test_native_argmax_rows_matches_torch_max_indices(dtype, cols):
     assert out is not None and out.dtype == torch.int64
     assert out.tolist() == x.max(dim=-1).indices.tolist()
     assert cpu_ext.argmax_rows_cpu(x.t()) is None  # non-unit column stride: torch path
+
+
+@pytest.mark.skipif(not cpu_ext.amx_available(), reason="no AMX-BF16 on this CPU")
+@pytest.mark.parametrize(
+    "head_dim,num_heads,num_kv_heads", [(64, 9, 3), (128, 8, 2), (32, 4, 4), (96, 6, 1)]
+)
+@pytest.mark.parametrize("window", [None, 21])
+@pytest.mark.parametrize("bs", [16, 8, 32])
+def test_amx_prefill_attention_matches_dense(head_dim, num_heads, num_kv_heads, window, bs):
+    """Fresh prompts, prefix-cached prompts and later chunks (num_computed > 0),
+    lengths off the 16-row and 32-key tile grid, beside decode tokens, in one
+    call; blocks the sequences do not own and the slots past each sequence's end
+    hold NaN, and rows of decode tokens must stay untouched."""
+    torch.manual_seed(11)
+    layers = 2  # the kernel reads a strided layer view
+    seqs = [(0, 37), (9, 1), (20, 20), (0, 300), (33, 16), (5, 17)]
+    blocks_per = [-(-(c + n) // bs) + 1 for c, n in seqs]  # one spare block each
+    kv = allocate_kv_cache(sum(blocks_per) + 3, layers, bs, num_kv_heads, head_dim, torch.bfloat16)
+    kv.fill_(float("nan"))
+    layer = (kv[:, 1, 0], kv[:, 1, 1])
+    ids = torch.randperm(kv.shape[0]).tolist()  # scattered blocks
+    tables, at = [], 0
+    for nb in blocks_per:
+        tables.append(ids[at : at + nb])
+        at += nb
+    full_k = [torch.randn(c + n, num_kv_heads, head_dim).bfloat16() for c, n in seqs]
+    full_v = [torch.randn(c + n, num_kv_heads, head_dim).bfloat16() for c, n in seqs]
+    for t, k, v in zip(tables, full_k, full_v, strict=True):
+        pos = torch.arange(k.shape[0])
+        reshape_and_cache(k, v, layer, torch.tensor(t)[pos // bs] * bs + pos % bs)
+    meta = build_attention_metadata([n for _, n in seqs], [c for c, _ in seqs], tables, bs)
+    query = (torch.randn(meta.num_tokens, num_heads, head_dim) * 2).bfloat16()
+    out = torch.full_like(query, float("nan"))
+    assert cpu_ext.amx_prefill_supports(query, layer[0])
+    desc, flat = meta.prefill_descriptors()
+    scale = head_dim**-0.5
+    cpu_ext.amx_prefill_attention_cpu(query, *layer, desc, flat, scale, window, out)
+    start = 0
+    for (c, n), k, v in zip(seqs, full_k, full_v, strict=True):
+        got = out[start : start + n]
+        if n == 1:
+            assert got.isnan().all(), "a decode row was written by the prefill kernel"
+        else:
+            ref = _dense_attention(query[start : start + n], k, v, c, window)
+            torch.testing.assert_close(got.double(), ref, rtol=0, atol=3e-2)
+        start += n
+
+
+@pytest.mark.skipif(not cpu_ext.amx_available(), reason="no AMX-BF16 on this CPU")
+def test_cpu_paged_attention_takes_the_amx_prefill_path(monkeypatch):
+    """bf16 prefills go to the AMX kernel (one call for all of them); float32 ones
+    stay on SDPA (the token-for-token float32 path)."""
+    calls = []
+    real = cpu_ext.amx_prefill_attention_cpu
+    monkeypatch.setattr(
+        cpu_ext, "amx_prefill_attention_cpu", lambda *a: calls.append(1) or real(*a)
+    )
+    bs, hd, kvh, heads = 16, 64, 3, 9
+    meta = build_attention_metadata([20, 1, 33], [0, 5, 0], [[0, 1], [2], [3, 4, 5]], bs)
+    for dtype, expected in ((torch.bfloat16, 1), (torch.float32, 0)):
+        calls.clear()
+        kv = allocate_kv_cache(8, 1, bs, kvh, hd, dtype)
+        layer = (kv[:, 0, 0], kv[:, 0, 1])
+        key = torch.randn(meta.num_tokens, kvh, hd, dtype=dtype)
+        value = torch.randn(meta.num_tokens, kvh, hd, dtype=dtype)
+        reshape_and_cache(key, value, layer, meta.slot_mapping)
+        query = torch.randn(meta.num_tokens, heads, hd, dtype=dtype)
+        attention_mod.paged_attention_cpu(query, key, value, *layer, meta, hd**-0.5)
+        assert len(calls) == expected
