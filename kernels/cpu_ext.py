@@ -49,7 +49,9 @@ _SOURCES = [
     ("elementwise_cpu.c", ["-ffast-math", "-ffp-contract=off"]),
     ("amx_linear_cpu.c", []),
     ("amx_attention_cpu.c", []),
+    ("decode_layers_cpu.c", []),
 ]
+_HEADERS = ["team.h"]
 _LDFLAGS = ["-shared", "-fopenmp"]
 # Limits compiled into the kernel (stack scratch per work item).
 MAX_HEADS = 256
@@ -134,6 +136,8 @@ def _build(cc: str) -> Path:
     digest = hashlib.sha256()
     for name, extra in _SOURCES:
         digest.update((_CSRC / name).read_bytes() + " ".join(extra).encode())
+    for name in _HEADERS:
+        digest.update((_CSRC / name).read_bytes())
     digest.update(" ".join([cc, *_CFLAGS, *_LDFLAGS]).encode())
     digest.update(cpu_flags().encode() + platform.machine().encode())
     key = digest.hexdigest()[:16]
@@ -189,6 +193,8 @@ def load() -> ctypes.CDLL | None:
         ("cache_write", _CACHE_WRITE_ARGTYPES),
         ("argmax_rows", _ARGMAX_ARGTYPES),
         ("amx_prefill_attention", _AMX_PREFILL_ARGTYPES),
+        ("decode_layers", [_ptr, _i64, _ptr, ctypes.c_int]),
+        ("decode_layers_available", []),
         ("amx_available", []),
         ("amx_init", []),
         ("amx_linear", _AMX_LINEAR_ARGTYPES),

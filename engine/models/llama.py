@@ -23,6 +23,7 @@ from torch import nn
 from tandem.kernels import cpu_ext
 from tandem.kernels.attention import AttentionMetadata, paged_attention
 from tandem.kernels.cache import reshape_and_cache
+from tandem.kernels.fused_decode import DecodeLayerParams, FusedDecode
 from tandem.kernels.layernorm import rms_norm
 from tandem.kernels.rotary import RotaryEmbedding, rotary_embedding
 
@@ -203,6 +204,10 @@ class LlamaForCausalLM(nn.Module):
             else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         )
         self.tied_lm_head: nn.Module | None = None
+        # Decode-only steps through one native call where the CPU and layers allow
+        # (kernels/fused_decode.py); built on first use per KV cache.
+        self.fused_decode_enabled = True
+        self._fused: tuple[list[KVCacheViews], FusedDecode | None] | None = None
         theta, scaling = rope_params(config)
         self.rotary = RotaryEmbedding(
             head_dim_of(config), max_position, theta, scaling, dtype=dtype, device=device
@@ -247,11 +252,60 @@ class LlamaForCausalLM(nn.Module):
         """
         hidden = self.model.embed_tokens(input_ids)
         cos_sin = self.rotary.cos_sin(positions)
+        fused = self._fused_decode(kv_caches) if self.fused_decode_enabled else None
+        if fused is not None and fused.serves(attn_metadata):
+            hidden, residual = fused(hidden, *cos_sin, attn_metadata)
+            hidden, _ = self.model.norm(hidden, residual)
+            return hidden
         residual = None
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             hidden, residual = layer(hidden, residual, cos_sin, kv_cache, attn_metadata)
         hidden, _ = self.model.norm(hidden, residual)
         return hidden
+
+    def _fused_decode(self, kv_caches: list[KVCacheViews]) -> FusedDecode | None:
+        """The one-call decode path for these caches, or ``None`` where it does not
+        apply (no AMX, float32, unpacked linears, per-head q/k norms...)."""
+        if self._fused is not None and self._fused[0] is kv_caches:
+            return self._fused[1]
+        fused = None
+        if not self.qk_norm and FusedDecode.available():
+            params = []
+            for layer, (k_cache, v_cache) in zip(self.model.layers, kv_caches, strict=True):
+                attn, mlp = layer.self_attn, layer.mlp
+                linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+                if not all(getattr(m, "amx_weight", None) is not None for m in linears):
+                    params = []
+                    break
+                params.append(
+                    DecodeLayerParams(
+                        input_norm=layer.input_layernorm.weight.detach(),
+                        post_norm=layer.post_attention_layernorm.weight.detach(),
+                        qkv=(attn.qkv_proj.amx_weight, attn.qkv_proj.bias),
+                        o=(attn.o_proj.amx_weight, attn.o_proj.bias),
+                        gate_up=(mlp.gate_up_proj.amx_weight, mlp.gate_up_proj.bias),
+                        down=(mlp.down_proj.amx_weight, mlp.down_proj.bias),
+                        k_cache=k_cache,
+                        v_cache=v_cache,
+                        sliding_window=attn.sliding_window,
+                    )
+                )
+            if params:
+                attn0 = self.model.layers[0].self_attn
+                try:
+                    fused = FusedDecode(
+                        params,
+                        attn0.num_heads,
+                        attn0.num_kv_heads,
+                        attn0.head_dim,
+                        self.model.layers[0].mlp.intermediate_size,
+                        self.model.layers[0].input_layernorm.eps,
+                        attn0.scale,
+                    )
+                except ValueError:
+                    fused = None  # shapes outside the kernel: the per-op path serves
+        self._fused = (kv_caches, fused)
+        return fused
 
     def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
         """``[num_seqs, hidden]`` -> ``[num_seqs, vocab_size]`` logits: float32, or

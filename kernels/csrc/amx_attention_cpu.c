@@ -57,7 +57,11 @@ static void configure_tiles(void) {
         cfg.rows[t] = 16;
         cfg.colsb[t] = 64;
     }
-    _tile_loadconfig(&cfg);
+    /* NOTE: not _tile_loadconfig: GCC 12's intrinsic declares an 8-byte memory
+     * operand, so the compiler may drop the stores to the rest of cfg as dead
+     * (seen: LDTILECFG read garbage rows/colsb and faulted once the function
+     * was inlined elsewhere). The operand here is the whole 64-byte struct. */
+    __asm__ volatile("ldtilecfg %0" ::"m"(cfg));
 }
 
 typedef struct {

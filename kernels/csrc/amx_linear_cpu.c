@@ -32,6 +32,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "team.h"
+
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && \
     defined(__AVX512BW__) && defined(__linux__)
 #include <immintrin.h>
@@ -64,7 +66,11 @@ static void configure_tiles(void) {
         cfg.rows[t] = 16;
         cfg.colsb[t] = 64;
     }
-    _tile_loadconfig(&cfg);
+    /* NOTE: not _tile_loadconfig: GCC 12's intrinsic declares an 8-byte memory
+     * operand, so the compiler may drop the stores to the rest of cfg as dead
+     * (seen: LDTILECFG read garbage rows/colsb and faulted once the function
+     * was inlined elsewhere). The operand here is the whole 64-byte struct. */
+    __asm__ volatile("ldtilecfg %0" ::"m"(cfg));
 }
 
 /* wp[((nb * KB + kb) * 16 + kp) * 32 + 2n + j] = w[(nb*16 + n) * K + kb*32 + 2kp + j] */
@@ -200,55 +206,76 @@ static inline void emit(const epilogue *e, const float *c0, const float *c1, int
     if (c1 != NULL) store_tile(c1, b1, e->y + row * e->sy + nb1 * 16, e->sy, rows);
 }
 
-/* The shared driver: column blocks in pairs (nb0, nb1) per thread, rows in
- * chunks of 32 (two C tiles each), a partial last chunk through `pad`. */
-static int amx_matmul(const uint16_t *x, int64_t sx, const uint16_t *wp, int64_t M, int64_t N,
-                      int64_t K, int num_threads, const epilogue *e) {
-    if (K % 32 || N % 16 || M < 1 || (e->swiglu && N % 32)) return -1;
+/* Column blocks in pairs (nb0, nb1) per thread, rows in chunks of 32 (two C
+ * tiles each), a partial last chunk through `pad`; a team body (team.h). */
+int team_amx_matmul(const uint16_t *x, int64_t sx, const uint16_t *wp, const uint16_t *bias,
+                    uint16_t *y, int64_t sy, int64_t M, int64_t N, int64_t K, int swiglu,
+                    uint16_t *pad) {
+    if (K % 32 || N % 16 || M < 1 || (swiglu && N % 32)) return -1;
+    const epilogue ep = {bias, y, sy, swiglu}, *e = &ep;
     const int64_t KB = K / 32, NB = N / 16;
     /* swiglu: gate block j pairs with up block NB/2 + j (same output columns) */
     const int64_t npairs = e->swiglu ? NB / 2 : (NB + 1) / 2;
     const int64_t mfull = M / 16 * 16, mtail = M - mfull;
-    uint16_t *pad = NULL;
     if (mtail) {
+#pragma omp single
+        for (int64_t r = 0; r < 16; ++r) {
+            if (r < mtail)
+                memcpy(pad + r * K, x + (mfull + r) * sx, (size_t)(K * 2));
+            else
+                memset(pad + r * K, 0, (size_t)(K * 2));
+        }
+    }
+    float cbuf[4 * 256] __attribute__((aligned(64)));
+    for (int64_t mb = 0; mb < M; mb += M_BLOCK) {
+        const int64_t me = mb + M_BLOCK < M ? mb + M_BLOCK : M;
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < npairs; ++p) {
+            const int64_t nb0 = e->swiglu ? p : 2 * p;
+            const int64_t nb1 = e->swiglu ? NB / 2 + p : 2 * p + 1;
+            const int single = !e->swiglu && nb1 >= NB;
+            for (int64_t m0 = mb; m0 < me; m0 += 32) {
+                const int64_t rows0 = me - m0 < 16 ? me - m0 : 16;
+                const int64_t rows1 = me - m0 - 16 < 16 ? me - m0 - 16 : 16;
+                const int one = rows1 <= 0;
+                const int tail0 = rows0 < 16, tail1 = !one && rows1 < 16;
+                if (tail1) {
+                    /* rows m0..m0+15 full, the next chunk partial: two passes */
+                    tile_block(x + m0 * sx, sx, wp, KB, nb0, nb1, 1, single, cbuf);
+                    emit(e, cbuf, single ? NULL : cbuf + 512, nb0, nb1, m0, 16);
+                    tile_block(pad, K, wp, KB, nb0, nb1, 1, single, cbuf);
+                    emit(e, cbuf, single ? NULL : cbuf + 512, nb0, nb1, m0 + 16, rows1);
+                    continue;
+                }
+                const uint16_t *xa = tail0 ? pad : x + m0 * sx;
+                tile_block(xa, tail0 ? K : sx, wp, KB, nb0, nb1, one, single, cbuf);
+                emit(e, cbuf, single ? NULL : cbuf + 512, nb0, nb1, m0, rows0);
+                if (!one)
+                    emit(e, cbuf + 256, single ? NULL : cbuf + 768, nb0, nb1, m0 + 16, rows1);
+            }
+        }
+    }
+    return 0;
+}
+
+int team_amx_available(void) { return 1; }
+void team_amx_begin(void) { configure_tiles(); }
+void team_amx_end(void) { _tile_release(); }
+
+/* The public kernels: one parallel region around the team body. */
+static int amx_matmul(const uint16_t *x, int64_t sx, const uint16_t *wp, const uint16_t *bias,
+                      uint16_t *y, int64_t sy, int64_t M, int64_t N, int64_t K, int swiglu,
+                      int num_threads) {
+    if (K % 32 || N % 16 || M < 1 || (swiglu && N % 32)) return -1;
+    uint16_t *pad = NULL;
+    if (M % 16) {
         pad = (uint16_t *)aligned_alloc(64, (size_t)(16 * K * 2));
         if (pad == NULL) return -2;
-        memset(pad, 0, (size_t)(16 * K * 2));
-        for (int64_t r = 0; r < mtail; ++r)
-            memcpy(pad + r * K, x + (mfull + r) * sx, (size_t)(K * 2));
     }
 #pragma omp parallel num_threads(num_threads)
     {
         configure_tiles();
-        float cbuf[4 * 256] __attribute__((aligned(64)));
-        for (int64_t mb = 0; mb < M; mb += M_BLOCK) {
-            const int64_t me = mb + M_BLOCK < M ? mb + M_BLOCK : M;
-#pragma omp for schedule(static)
-            for (int64_t p = 0; p < npairs; ++p) {
-                const int64_t nb0 = e->swiglu ? p : 2 * p;
-                const int64_t nb1 = e->swiglu ? NB / 2 + p : 2 * p + 1;
-                const int single = !e->swiglu && nb1 >= NB;
-                for (int64_t m0 = mb; m0 < me; m0 += 32) {
-                    const int64_t rows0 = me - m0 < 16 ? me - m0 : 16;
-                    const int64_t rows1 = me - m0 - 16 < 16 ? me - m0 - 16 : 16;
-                    const int one = rows1 <= 0;
-                    const int tail0 = rows0 < 16, tail1 = !one && rows1 < 16;
-                    if (tail1) {
-                        /* rows m0..m0+15 full, the next chunk partial: two passes */
-                        tile_block(x + m0 * sx, sx, wp, KB, nb0, nb1, 1, single, cbuf);
-                        emit(e, cbuf, single ? NULL : cbuf + 512, nb0, nb1, m0, 16);
-                        tile_block(pad, K, wp, KB, nb0, nb1, 1, single, cbuf);
-                        emit(e, cbuf, single ? NULL : cbuf + 512, nb0, nb1, m0 + 16, rows1);
-                        continue;
-                    }
-                    const uint16_t *xa = tail0 ? pad : x + m0 * sx;
-                    tile_block(xa, tail0 ? K : sx, wp, KB, nb0, nb1, one, single, cbuf);
-                    emit(e, cbuf, single ? NULL : cbuf + 512, nb0, nb1, m0, rows0);
-                    if (!one)
-                        emit(e, cbuf + 256, single ? NULL : cbuf + 768, nb0, nb1, m0 + 16, rows1);
-                }
-            }
-        }
+        team_amx_matmul(x, sx, wp, bias, y, sy, M, N, K, swiglu, pad);
         _tile_release();
     }
     free(pad);
@@ -257,8 +284,7 @@ static int amx_matmul(const uint16_t *x, int64_t sx, const uint16_t *wp, int64_t
 
 int amx_linear(const uint16_t *x, int64_t sx, const uint16_t *wp, const uint16_t *bias,
                uint16_t *y, int64_t sy, int64_t M, int64_t N, int64_t K, int num_threads) {
-    const epilogue e = {bias, y, sy, 0};
-    return amx_matmul(x, sx, wp, M, N, K, num_threads, &e);
+    return amx_matmul(x, sx, wp, bias, y, sy, M, N, K, 0, num_threads);
 }
 
 /* y[M, N/2] = silu(x @ Wg^T + bg) * (x @ Wu^T + bu) for W = [Wg; Wu] ([N, K],
@@ -267,11 +293,21 @@ int amx_linear(const uint16_t *x, int64_t sx, const uint16_t *wp, const uint16_t
 int amx_linear_swiglu(const uint16_t *x, int64_t sx, const uint16_t *wp, const uint16_t *bias,
                       uint16_t *y, int64_t sy, int64_t M, int64_t N, int64_t K,
                       int num_threads) {
-    const epilogue e = {bias, y, sy, 1};
-    return amx_matmul(x, sx, wp, M, N, K, num_threads, &e);
+    return amx_matmul(x, sx, wp, bias, y, sy, M, N, K, 1, num_threads);
 }
 
 #else /* no AMX in this build */
+
+int team_amx_available(void) { return 0; }
+void team_amx_begin(void) {}
+void team_amx_end(void) {}
+int team_amx_matmul(const uint16_t *x, int64_t sx, const uint16_t *wp, const uint16_t *bias,
+                    uint16_t *y, int64_t sy, int64_t M, int64_t N, int64_t K, int swiglu,
+                    uint16_t *pad) {
+    (void)x, (void)sx, (void)wp, (void)bias, (void)y, (void)sy, (void)M, (void)N, (void)K;
+    (void)swiglu, (void)pad;
+    return -1;
+}
 
 int amx_available(void) { return 0; }
 int amx_init(void) { return -1; }

@@ -18,6 +18,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "team.h"
+
 #define MAX_HIDDEN 16384
 
 static inline __attribute__((always_inline)) float ld(const void *p, int64_t i, int is_bf16) {
@@ -86,35 +88,52 @@ static inline __mmask16 tail_mask(int64_t left) {
     return left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1u);
 }
 
-/* add_rms_norm_impl for bf16: same rounding steps, 16 lanes. */
+/* add_rms_norm_impl for bf16: same rounding steps, 16 lanes; a team body (team.h). */
+void team_add_rms_norm_bf16(const uint16_t *x, const uint16_t *res, const uint16_t *w,
+                            uint16_t *out, uint16_t *res_out, int64_t rows, int64_t hidden,
+                            float eps) {
+    float h[MAX_HIDDEN];
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+        const int64_t base = r * hidden;
+        __m512 sumsq = _mm512_setzero_ps();
+        for (int64_t i = 0; i < hidden; i += 16) {
+            const __mmask16 m = tail_mask(hidden - i);
+            __m512 v = ld16(x + base + i, m);
+            if (res != NULL) {
+                v = rd16(_mm512_add_ps(v, ld16(res + base + i, m)));
+                st16(res_out + base + i, v, m);
+            }
+            _mm512_mask_storeu_ps(h + i, m, v);
+            sumsq = _mm512_add_ps(sumsq, _mm512_mul_ps(v, v));
+        }
+        const float rs = 1.f / sqrtf(_mm512_reduce_add_ps(sumsq) / (float)hidden + eps);
+        const __m512 vrs = _mm512_set1_ps(rs);
+        for (int64_t i = 0; i < hidden; i += 16) {
+            const __mmask16 m = tail_mask(hidden - i);
+            const __m512 n = rd16(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, h + i), vrs));
+            st16(out + base + i, _mm512_mul_ps(ld16(w + i, m), n), m);
+        }
+    }
+}
+
 static void add_rms_norm_bf16(const uint16_t *x, const uint16_t *res, const uint16_t *w,
                               uint16_t *out, uint16_t *res_out, int64_t rows, int64_t hidden,
                               float eps, int num_threads) {
 #pragma omp parallel num_threads(num_threads)
-    {
-        float h[MAX_HIDDEN];
-#pragma omp for schedule(static)
-        for (int64_t r = 0; r < rows; ++r) {
-            const int64_t base = r * hidden;
-            __m512 sumsq = _mm512_setzero_ps();
-            for (int64_t i = 0; i < hidden; i += 16) {
-                const __mmask16 m = tail_mask(hidden - i);
-                __m512 v = ld16(x + base + i, m);
-                if (res != NULL) {
-                    v = rd16(_mm512_add_ps(v, ld16(res + base + i, m)));
-                    st16(res_out + base + i, v, m);
-                }
-                _mm512_mask_storeu_ps(h + i, m, v);
-                sumsq = _mm512_add_ps(sumsq, _mm512_mul_ps(v, v));
-            }
-            const float rs = 1.f / sqrtf(_mm512_reduce_add_ps(sumsq) / (float)hidden + eps);
-            const __m512 vrs = _mm512_set1_ps(rs);
-            for (int64_t i = 0; i < hidden; i += 16) {
-                const __mmask16 m = tail_mask(hidden - i);
-                const __m512 n = rd16(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, h + i), vrs));
-                st16(out + base + i, _mm512_mul_ps(ld16(w + i, m), n), m);
-            }
-        }
+    team_add_rms_norm_bf16(x, res, w, out, res_out, rows, hidden, eps);
+}
+
+/* One head of one token: out = rotate(x) by that token's cos/sin [D/2]. */
+static inline void rotary_head_bf16(const uint16_t *x, uint16_t *out, const uint16_t *cos,
+                                    const uint16_t *sin, int64_t half) {
+    for (int64_t i = 0; i < half; i += 16) {
+        const __mmask16 m = tail_mask(half - i);
+        const __m512 c = ld16(cos + i, m), s = ld16(sin + i, m);
+        const __m512 x1 = ld16(x + i, m), x2 = ld16(x + half + i, m);
+        st16(out + i, _mm512_sub_ps(rd16(_mm512_mul_ps(x1, c)), rd16(_mm512_mul_ps(x2, s))), m);
+        st16(out + half + i, _mm512_add_ps(rd16(_mm512_mul_ps(x2, c)), rd16(_mm512_mul_ps(x1, s))),
+             m);
     }
 }
 
@@ -123,18 +142,36 @@ static void rotary_neox_bf16(const uint16_t *x, int64_t sx_t, int64_t sx_h, uint
                              const uint16_t *cos, const uint16_t *sin, int num_threads) {
     const int64_t half = head_dim / 2;
 #pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t t = 0; t < tokens; ++t)
+        for (int64_t h = 0; h < heads; ++h)
+            rotary_head_bf16(x + t * sx_t + h * sx_h, out + (t * heads + h) * head_dim,
+                             cos + t * half, sin + t * half, half);
+}
+
+int team_elementwise_bf16_available(void) { return 1; }
+
+void team_rotary_cache_bf16(const uint16_t *qkv, int64_t s_qkv, uint16_t *q_out, int64_t tokens,
+                            int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                            const uint16_t *cos, const uint16_t *sin, uint16_t *k_cache,
+                            int64_t ck_b, int64_t ck_o, int64_t ck_h, uint16_t *v_cache,
+                            int64_t cv_b, int64_t cv_o, int64_t cv_h, const int64_t *slots,
+                            int64_t block_size) {
+    const int64_t half = head_dim / 2;
+#pragma omp for schedule(static)
     for (int64_t t = 0; t < tokens; ++t) {
-        for (int64_t i = 0; i < half; i += 16) {
-            const __mmask16 m = tail_mask(half - i);
-            const __m512 c = ld16(cos + t * half + i, m), s = ld16(sin + t * half + i, m);
-            for (int64_t h = 0; h < heads; ++h) {
-                const uint16_t *xi = x + t * sx_t + h * sx_h;
-                uint16_t *oi = out + (t * heads + h) * head_dim;
-                const __m512 x1 = ld16(xi + i, m), x2 = ld16(xi + half + i, m);
-                st16(oi + i, _mm512_sub_ps(rd16(_mm512_mul_ps(x1, c)), rd16(_mm512_mul_ps(x2, s))), m);
-                st16(oi + half + i,
-                     _mm512_add_ps(rd16(_mm512_mul_ps(x2, c)), rd16(_mm512_mul_ps(x1, s))), m);
-            }
+        const uint16_t *row = qkv + t * s_qkv, *c = cos + t * half, *s = sin + t * half;
+        for (int64_t h = 0; h < num_heads; ++h)
+            rotary_head_bf16(row + h * head_dim, q_out + (t * num_heads + h) * head_dim, c, s,
+                             half);
+        const int64_t slot = slots[t];
+        if (slot < 0) continue; /* vLLM's padding marker, as cache_write */
+        const int64_t b = slot / block_size, o = slot % block_size;
+        const uint16_t *k = row + num_heads * head_dim, *v = k + num_kv_heads * head_dim;
+        for (int64_t h = 0; h < num_kv_heads; ++h) {
+            rotary_head_bf16(k + h * head_dim, k_cache + b * ck_b + o * ck_o + h * ck_h, c, s,
+                             half);
+            memcpy(v_cache + b * cv_b + o * cv_o + h * cv_h, v + h * head_dim,
+                   (size_t)(head_dim * 2));
         }
     }
 }
@@ -370,3 +407,22 @@ int argmax_rows(int is_bf16, const void *x, int64_t sx, int64_t rows, int64_t co
     }
     return 0;
 }
+
+#ifndef HAVE_AVX512_BF16
+int team_elementwise_bf16_available(void) { return 0; }
+void team_add_rms_norm_bf16(const uint16_t *x, const uint16_t *res, const uint16_t *w,
+                            uint16_t *out, uint16_t *res_out, int64_t rows, int64_t hidden,
+                            float eps) {
+    (void)x, (void)res, (void)w, (void)out, (void)res_out, (void)rows, (void)hidden, (void)eps;
+}
+void team_rotary_cache_bf16(const uint16_t *qkv, int64_t s_qkv, uint16_t *q_out, int64_t tokens,
+                            int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                            const uint16_t *cos, const uint16_t *sin, uint16_t *k_cache,
+                            int64_t ck_b, int64_t ck_o, int64_t ck_h, uint16_t *v_cache,
+                            int64_t cv_b, int64_t cv_o, int64_t cv_h, const int64_t *slots,
+                            int64_t block_size) {
+    (void)qkv, (void)s_qkv, (void)q_out, (void)tokens, (void)num_heads, (void)num_kv_heads;
+    (void)head_dim, (void)cos, (void)sin, (void)k_cache, (void)ck_b, (void)ck_o, (void)ck_h;
+    (void)v_cache, (void)cv_b, (void)cv_o, (void)cv_h, (void)slots, (void)block_size;
+}
+#endif

@@ -26,6 +26,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "team.h"
+
 #define MAX_HEADS 256
 #define MAX_GROUP 32
 #define MAX_HEAD_DIM 256
@@ -282,29 +284,25 @@ static void attend_seq(int is_bf16, const void *k, const void *v, int64_t sk_b, 
                     len, num_kv_heads, G, nv, qv, qb, qscale, sc, acc, inv);
 }
 
-int paged_decode_attention(
-    int is_bf16,
-    const void *q, int64_t sq_t, int64_t sq_h,
-    const void *k, int64_t sk_b, int64_t sk_o, int64_t sk_h,
-    const void *v, int64_t sv_b, int64_t sv_o, int64_t sv_h,
-    const int64_t *bt, int64_t sbt, const int64_t *lens,
-    void *out, int64_t so_t, int64_t so_h,
-    int64_t nd, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-    int64_t block_size, float scale, int64_t window, int num_threads) {
+/* A team body (team.h): one work item per sequence, all its heads. */
+void team_paged_decode_attention(int is_bf16, const void *q, int64_t sq_t, int64_t sq_h,
+                                 const void *k, int64_t sk_b, int64_t sk_o, int64_t sk_h,
+                                 const void *v, int64_t sv_b, int64_t sv_o, int64_t sv_h,
+                                 const int64_t *bt, int64_t sbt, const int64_t *lens, void *out,
+                                 int64_t so_t, int64_t so_h, int64_t nd, int64_t num_heads,
+                                 int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                                 float scale, int64_t window, int *failed) {
     const int64_t G = num_heads / num_kv_heads;
     const int64_t nv = head_dim / VL;
-    if (num_heads > MAX_HEADS || G > MAX_GROUP || head_dim > MAX_HEAD_DIM || head_dim % VL)
-        return -1;
-    int failed = 0;
-    /* One work item per sequence, all its heads. */
-#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
+#pragma omp for schedule(dynamic, 1)
     for (int64_t s = 0; s < nd; ++s) {
         const int64_t len = lens[s];
         const int64_t q_pos = len - 1;
         const int64_t lo = q_pos - window + 1 > 0 ? q_pos - window + 1 : 0;
         const int64_t n = len - lo;
         if (n < 1) {
-            failed = 1;
+#pragma omp atomic write
+            *failed = 1;
             continue;
         }
         const size_t nvec = (size_t)(num_heads * nv);
@@ -312,7 +310,8 @@ int paged_decode_attention(
         const size_t score_vecs = (size_t)((num_heads * n + VL - 1) / VL);
         vf *buf = (vf *)aligned_alloc(sizeof(vf), sizeof(vf) * (2 * nvec + score_vecs));
         if (buf == NULL) {
-            failed = 1;
+#pragma omp atomic write
+            *failed = 1;
             continue;
         }
         vf *qv = buf, *acc = buf + nvec;
@@ -353,5 +352,24 @@ int paged_decode_attention(
         }
         free(buf);
     }
+}
+
+int paged_decode_attention(
+    int is_bf16,
+    const void *q, int64_t sq_t, int64_t sq_h,
+    const void *k, int64_t sk_b, int64_t sk_o, int64_t sk_h,
+    const void *v, int64_t sv_b, int64_t sv_o, int64_t sv_h,
+    const int64_t *bt, int64_t sbt, const int64_t *lens,
+    void *out, int64_t so_t, int64_t so_h,
+    int64_t nd, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+    int64_t block_size, float scale, int64_t window, int num_threads) {
+    const int64_t G = num_heads / num_kv_heads;
+    if (num_heads > MAX_HEADS || G > MAX_GROUP || head_dim > MAX_HEAD_DIM || head_dim % VL)
+        return -1;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads)
+    team_paged_decode_attention(is_bf16, q, sq_t, sq_h, k, sk_b, sk_o, sk_h, v, sv_b, sv_o, sv_h,
+                                bt, sbt, lens, out, so_t, so_h, nd, num_heads, num_kv_heads,
+                                head_dim, block_size, scale, window, &failed);
     return failed ? -2 : 0;
 }

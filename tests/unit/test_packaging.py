@@ -38,7 +38,9 @@ def test_cli_lists_commands() -> None:
 
 
 def test_native_kernel_sources_are_package_data() -> None:
-    """Every C source the CPU kernels build from ships in the wheel (package-data)."""
+    """Every C source and header the CPU kernels build from ships in the wheel
+    (package-data), and the build hashes every header (a stale cached build
+    would otherwise survive a header change)."""
     import fnmatch
     from pathlib import Path
 
@@ -47,15 +49,16 @@ def test_native_kernel_sources_are_package_data() -> None:
     root = Path(__file__).resolve().parents[2]
     data = tomllib.loads((root / "pyproject.toml").read_text())
     patterns = data["tool"]["setuptools"]["package-data"]["tandem.kernels"]
-    sources = sorted(
-        p.relative_to(root / "kernels").as_posix() for p in (root / "kernels" / "csrc").glob("*.c")
-    )
+    csrc = root / "kernels" / "csrc"
+    sources = sorted(p.relative_to(root / "kernels").as_posix() for p in csrc.glob("*.c"))
+    headers = sorted(p.relative_to(root / "kernels").as_posix() for p in csrc.glob("*.h"))
     assert sources, "no kernel sources found"
-    for src in sources:
+    for src in sources + headers:
         assert any(fnmatch.fnmatch(src, pat) for pat in patterns), src
     from tandem.kernels import cpu_ext
 
     assert {name for name, _ in cpu_ext._SOURCES} == {Path(s).name for s in sources}
+    assert set(cpu_ext._HEADERS) == {Path(h).name for h in headers}
 
 
 def test_openmp_defaults_only_for_service_commands() -> None:

@@ -1,0 +1,51 @@
+/*
+ * "Team" entry points of the CPU kernels: the body of a kernel without its own
+ * OpenMP parallel region. Each distributes its work with orphaned `omp for`
+ * constructs, so it must be called by every thread of an enclosing parallel
+ * region (or by one thread outside any, which then does all the work); each
+ * ends in the `omp for`'s implicit barrier. The public kernels wrap them in a
+ * parallel region; decode_layers_cpu.c chains them inside one region per step,
+ * so a decode layer costs barriers instead of Python calls and thread wake-ups.
+ */
+#ifndef TANDEM_TEAM_H
+#define TANDEM_TEAM_H
+#include <stdint.h>
+
+/* paged_attention_cpu.c: decode attention of nd sequences (see there); sets
+ * *failed on an empty sequence or a failed allocation. */
+void team_paged_decode_attention(int is_bf16, const void *q, int64_t sq_t, int64_t sq_h,
+                                 const void *k, int64_t sk_b, int64_t sk_o, int64_t sk_h,
+                                 const void *v, int64_t sv_b, int64_t sv_o, int64_t sv_h,
+                                 const int64_t *bt, int64_t sbt, const int64_t *lens, void *out,
+                                 int64_t so_t, int64_t so_h, int64_t nd, int64_t num_heads,
+                                 int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                                 float scale, int64_t window, int *failed);
+
+/* elementwise_cpu.c (bf16 with AVX512-BF16 only): residual add + RMSNorm (res
+ * NULL: plain RMSNorm, res_out untouched); rotary of the query heads of each
+ * qkv row into q_out [T, H, D] and of its key heads straight into the cache
+ * slot, the value heads copied there (rotary + reshape_and_cache in one pass). */
+int team_elementwise_bf16_available(void);
+void team_add_rms_norm_bf16(const uint16_t *x, const uint16_t *res, const uint16_t *w,
+                            uint16_t *out, uint16_t *res_out, int64_t rows, int64_t hidden,
+                            float eps);
+void team_rotary_cache_bf16(const uint16_t *qkv, int64_t s_qkv, uint16_t *q_out, int64_t tokens,
+                            int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                            const uint16_t *cos, const uint16_t *sin, uint16_t *k_cache,
+                            int64_t ck_b, int64_t ck_o, int64_t ck_h, uint16_t *v_cache,
+                            int64_t cv_b, int64_t cv_o, int64_t cv_h, const int64_t *slots,
+                            int64_t block_size);
+
+/* amx_linear_cpu.c: y = x @ W^T (+ bias), or its SwiGLU when swiglu != 0 (see
+ * there). pad: a 16 x K bf16 scratch for a partial last row chunk (any content).
+ * Every thread must have run team_amx_begin (tile configuration) first and run
+ * team_amx_end after its last tile instruction. Returns -1 on shapes the kernel
+ * does not take (every thread gets the same answer and nothing runs). */
+int team_amx_available(void);
+void team_amx_begin(void);
+void team_amx_end(void);
+int team_amx_matmul(const uint16_t *x, int64_t sx, const uint16_t *wp, const uint16_t *bias,
+                    uint16_t *y, int64_t sy, int64_t M, int64_t N, int64_t K, int swiglu,
+                    uint16_t *pad);
+
+#endif

@@ -1,0 +1,214 @@
+"""All decoder layers of a decode-only step in one native call (CPU, bf16, AMX).
+
+Why: on the 2-core AMX dev box a SmolLM2 decode step (64 sequences, 30 layers)
+spent ~8 ms of its ~60 ms in Python, ctypes and OpenMP wake-ups around nine
+kernel calls per layer. ``csrc/decode_layers_cpu.c`` runs the same kernels (the
+AMX linears, the fused norms, rotary, the cache write and the paged decode
+attention) back to back inside one parallel region, so the result is
+bit-identical to the per-op path (``tests/unit/test_fused_decode.py``).
+
+Scope: Llama-family layers (pre-norm, fused QKV with optional bias, rotary in
+the GPT-NeoX layout, SwiGLU, optional sliding window; no per-head q/k norm),
+bf16 weights packed for AMX by ``PackedLinear``, and steps whose every token is
+the one new token of a decode (fewer than ``AMX_MAX_ROWS``). Anything else runs
+the per-op path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import torch
+
+from tandem.kernels import cpu_ext
+from tandem.kernels.attention_metadata import AttentionMetadata
+from tandem.kernels.linear import AMX_MAX_ROWS
+
+_p = ctypes.c_void_p
+_i64 = ctypes.c_int64
+
+
+class _Layer(ctypes.Structure):  # mirrors decode_layer in csrc/decode_layers_cpu.c
+    _fields_ = [
+        ("input_norm", _p), ("post_norm", _p),
+        ("wqkv", _p), ("bqkv", _p), ("wo", _p), ("bo", _p),
+        ("wgu", _p), ("bgu", _p), ("wd", _p), ("bd", _p),
+        ("k_cache", _p), ("v_cache", _p),
+        ("window", _i64),
+    ]  # fmt: skip
+
+
+class _Step(ctypes.Structure):  # mirrors decode_step
+    _fields_ = [
+        ("tokens", _i64), ("hidden", _i64), ("num_heads", _i64), ("num_kv_heads", _i64),
+        ("head_dim", _i64), ("intermediate", _i64),
+        ("ck_b", _i64), ("ck_o", _i64), ("ck_h", _i64),
+        ("cv_b", _i64), ("cv_o", _i64), ("cv_h", _i64), ("block_size", _i64),
+        ("cos", _p), ("sin", _p),
+        ("slots", _p), ("block_tables", _p), ("seq_lens", _p), ("sbt", _i64),
+        ("eps", ctypes.c_float), ("scale", ctypes.c_float),
+        ("hidden_states", _p), ("residual", _p), ("normed", _p), ("qkv", _p),
+        ("q_rot", _p), ("attn", _p), ("act", _p), ("pad", _p),
+    ]  # fmt: skip
+
+
+@dataclass
+class DecodeLayerParams:
+    """One layer's tensors for ``FusedDecode`` (all bf16 on the CPU).
+
+    Attributes:
+        input_norm / post_norm: ``[hidden]`` RMSNorm weights.
+        qkv / o / gate_up / down: ``(amx_weight, bias | None)`` of the four
+            linears, weights packed by ``cpu_ext.amx_pack_weight`` from
+            ``[(H + 2 KVH) D, E]``, ``[E, H D]``, ``[2 I, E]`` (gate rows, then
+            up rows) and ``[E, I]``.
+        k_cache / v_cache: the layer's ``[num_blocks, block_size, KVH, D]`` views.
+        sliding_window: tokens, or ``None``.
+    """
+
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    qkv: tuple[torch.Tensor, torch.Tensor | None]
+    o: tuple[torch.Tensor, torch.Tensor | None]
+    gate_up: tuple[torch.Tensor, torch.Tensor | None]
+    down: tuple[torch.Tensor, torch.Tensor | None]
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    sliding_window: int | None
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+class FusedDecode:
+    """The decoder layers of decode-only steps as one native call.
+
+    Args:
+        layers: every layer's ``DecodeLayerParams``, in order.
+        num_heads / num_kv_heads / head_dim / intermediate_size: the shapes.
+        eps: RMSNorm epsilon; scale: attention softmax scale.
+
+    Raises:
+        ValueError: when the layers do not fit the kernel (see ``available``
+            first): caches with different strides, a non-bf16 tensor.
+    """
+
+    def __init__(
+        self,
+        layers: list[DecodeLayerParams],
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        intermediate_size: int,
+        eps: float,
+        scale: float,
+    ) -> None:
+        if not layers:
+            raise ValueError("layers must not be empty")
+        e, i = layers[0].input_norm.shape[0], intermediate_size
+        qkv = (num_heads + 2 * num_kv_heads) * head_dim
+        if (
+            e % 32 or (num_heads * head_dim) % 32 or i % 32 or qkv % 16 or head_dim % 16
+            or head_dim > cpu_ext.MAX_HEAD_DIM or num_heads > cpu_ext.MAX_HEADS
+            or num_heads % num_kv_heads or num_heads // num_kv_heads > cpu_ext.MAX_GROUP
+            or e > cpu_ext.MAX_HIDDEN
+        ):  # fmt: skip
+            raise ValueError(
+                f"shapes outside the kernel's tiling: hidden {e}, heads {num_heads}/"
+                f"{num_kv_heads} x {head_dim}, intermediate {i}"
+            )
+        k0, v0 = layers[0].k_cache, layers[0].v_cache
+        for p in layers:
+            if p.k_cache.stride() != k0.stride() or p.v_cache.stride() != v0.stride():
+                raise ValueError("every layer's cache view must share the first one's strides")
+            if p.input_norm.dtype != torch.bfloat16 or p.k_cache.dtype != torch.bfloat16:
+                raise ValueError("FusedDecode needs bf16 norms and caches")
+        self.layers = layers  # keeps every pointer below alive
+        self.hidden_size = layers[0].input_norm.shape[0]
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.intermediate_size = intermediate_size
+        self.eps, self.scale = float(eps), float(scale)
+        self.block_size = k0.shape[1]
+        self._c_layers = (_Layer * len(layers))()
+        for c, p in zip(self._c_layers, layers, strict=True):
+            c.input_norm, c.post_norm = _ptr(p.input_norm), _ptr(p.post_norm)
+            c.wqkv, c.bqkv = _ptr(p.qkv[0]), _ptr(p.qkv[1])
+            c.wo, c.bo = _ptr(p.o[0]), _ptr(p.o[1])
+            c.wgu, c.bgu = _ptr(p.gate_up[0]), _ptr(p.gate_up[1])
+            c.wd, c.bd = _ptr(p.down[0]), _ptr(p.down[1])
+            c.k_cache, c.v_cache = _ptr(p.k_cache), _ptr(p.v_cache)
+            c.window = p.sliding_window or 0
+
+    @staticmethod
+    def available() -> bool:
+        """Whether this build and CPU run the fused kernel (AMX-BF16, AVX512-BF16)."""
+        lib = cpu_ext.load()
+        return lib is not None and cpu_ext.amx_available() and bool(lib.decode_layers_available())
+
+    def serves(self, meta: AttentionMetadata) -> bool:
+        """Whether this step is decode-only and small enough for the AMX linears."""
+        return (
+            not meta.prefills
+            and meta.num_decodes == meta.num_tokens
+            and meta.decode_token_idx is None
+            and 0 < meta.num_tokens < AMX_MAX_ROWS
+        )
+
+    def __call__(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run every layer on a decode-only step (``serves(meta)`` must hold).
+
+        Args:
+            hidden: ``[T, hidden]`` bf16 embeddings of the step's tokens.
+            cos, sin: ``[T, 1, head_dim // 2]`` bf16 rotary tables at the positions.
+            meta: the step's metadata; the new K/V are written into the caches.
+
+        Returns:
+            ``(hidden, residual)``, each ``[T, hidden]`` bf16: the last layer's MLP
+            output and the residual stream, ready for the final ``add + RMSNorm``.
+
+        Raises:
+            RuntimeError: when the kernel rejects the shapes or fails to allocate.
+        """
+        lib = cpu_ext.load()
+        assert lib is not None
+        t, e = hidden.shape
+        h, kvh, d, i = self.num_heads, self.num_kv_heads, self.head_dim, self.intermediate_size
+        hidden = hidden.contiguous()
+        cos = cos.reshape(t, d // 2).contiguous()
+        sin = sin.reshape(t, d // 2).contiguous()
+        assert meta.decode_block_tables is not None and meta.decode_seq_lens is not None
+        tables = meta.decode_block_tables.contiguous()
+        lens = meta.decode_seq_lens.contiguous()
+        slots = meta.slot_mapping.contiguous()
+
+        def buf(*shape: int) -> torch.Tensor:
+            return torch.empty(shape, dtype=torch.bfloat16)
+
+        residual, normed = buf(t, e), buf(t, e)
+        qkv, q_rot, attn, act = buf(t, (h + 2 * kvh) * d), buf(t, h * d), buf(t, h * d), buf(t, i)
+        pad = buf(16, max(e, h * d, i))
+        k0, v0 = self.layers[0].k_cache, self.layers[0].v_cache
+        st = _Step(
+            t, e, h, kvh, d, i,
+            k0.stride(0), k0.stride(1), k0.stride(2),
+            v0.stride(0), v0.stride(1), v0.stride(2), self.block_size,
+            cos.data_ptr(), sin.data_ptr(),
+            slots.data_ptr(), tables.data_ptr(), lens.data_ptr(), tables.stride(0),
+            self.eps, self.scale,
+            hidden.data_ptr(), residual.data_ptr(), normed.data_ptr(), qkv.data_ptr(),
+            q_rot.data_ptr(), attn.data_ptr(), act.data_ptr(), pad.data_ptr(),
+        )  # fmt: skip
+        rc = lib.decode_layers(
+            self._c_layers, len(self.layers), ctypes.byref(st), torch.get_num_threads()
+        )
+        if rc != 0:
+            raise RuntimeError(f"decode_layers failed with code {rc}")
+        return hidden, residual

@@ -1,0 +1,111 @@
+"""The one-call decode path (kernels/fused_decode.py) against the per-op path.
+
+Both run the same kernels with the same roundings, so a decode step's hidden
+states and the K/V it writes must be bit-identical, for every supported
+architecture variant (qkv bias, sliding window, tied or untied head), batch
+sizes off the 16-row tile grid, and contexts spanning several blocks.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from tandem.engine.models.registry import build_model
+from tandem.kernels.attention import build_attention_metadata
+from tandem.kernels.cache import allocate_kv_cache
+from tandem.kernels.fused_decode import FusedDecode
+from tandem.kernels.linear import pack_linear_layers
+
+pytestmark = pytest.mark.skipif(
+    not FusedDecode.available(), reason="no AMX-BF16 / AVX512-BF16 on this CPU"
+)
+
+ARCHS = {
+    "LlamaForCausalLM": (transformers.LlamaConfig, {}),
+    "MistralForCausalLM": (transformers.MistralConfig, {"sliding_window": 12}),
+    "Qwen2ForCausalLM": (transformers.Qwen2Config, {}),
+}
+BLOCK = 16
+
+
+def make_model(arch: str, tie: bool):
+    config_cls, extra = ARCHS[arch]
+    config = config_cls(
+        vocab_size=97,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=256,
+        tie_word_embeddings=tie,
+        architectures=[arch],
+        **extra,
+    )
+    torch.manual_seed(0)
+    hf = getattr(transformers, arch)(config).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+            else:
+                p.normal_(0.0, 0.15)
+    model = build_model(hf.config, hf.state_dict(), torch.bfloat16, "cpu", 256)
+    assert pack_linear_layers(model) > 0
+    return model
+
+
+@pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+@pytest.mark.parametrize("num_seqs", [1, 13, 40])
+def test_fused_decode_is_bit_identical_to_per_op_path(arch, tie, num_seqs):
+    model = make_model(arch, tie)
+    cfg = model.config
+    gen = torch.Generator().manual_seed(num_seqs)
+    lens = torch.randint(1, 60, (num_seqs,), generator=gen).tolist()
+    blocks_per = [(n + 4 + BLOCK - 1) // BLOCK for n in lens]
+    kv = allocate_kv_cache(sum(blocks_per) + 2, cfg.num_hidden_layers, BLOCK, 2, 32, torch.bfloat16)
+    ids = torch.randperm(kv.shape[0], generator=gen).tolist()
+    tables, at = [], 0
+    for nb in blocks_per:
+        tables.append(ids[at : at + nb])
+        at += nb
+    views = [(kv[:, i, 0], kv[:, i, 1]) for i in range(cfg.num_hidden_layers)]
+    with torch.inference_mode():
+        # prompts through the per-op path (prefills are never fused)
+        prompt = [torch.randint(0, 97, (n,), generator=gen) for n in lens]
+        meta = build_attention_metadata(lens, [0] * num_seqs, tables, BLOCK)
+        model(torch.cat(prompt), meta.positions, views, meta)
+        assert model._fused is not None and model._fused[1] is not None, "fused path not built"
+        done = list(lens)
+        for _ in range(4):  # decode steps
+            tokens = torch.randint(0, 97, (num_seqs,), generator=gen)
+            meta = build_attention_metadata([1] * num_seqs, done, tables, BLOCK)
+            before = kv.clone()
+            model.fused_decode_enabled = False
+            want = model(tokens, meta.positions, views, meta)
+            want_kv = kv.clone()
+            kv.copy_(before)
+            model.fused_decode_enabled = True
+            assert model._fused[1].serves(meta)
+            got = model(tokens, meta.positions, views, meta)
+            assert torch.equal(got, want)
+            assert torch.equal(kv, want_kv)
+            assert torch.equal(model.compute_logits(got), model.compute_logits(want))
+            done = [d + 1 for d in done]
+
+
+def test_fused_decode_declines_prefills_and_big_batches():
+    model = make_model("LlamaForCausalLM", False)
+    kv = allocate_kv_cache(200, 3, BLOCK, 2, 32, torch.bfloat16)
+    views = [(kv[:, i, 0], kv[:, i, 1]) for i in range(3)]
+    fused = model._fused_decode(views)
+    assert fused is not None
+    mixed = build_attention_metadata([1, 5], [3, 0], [[0], [1]], BLOCK)
+    assert not fused.serves(mixed)
+    many = build_attention_metadata([1] * 112, [3] * 112, [[i] for i in range(112)], BLOCK)
+    assert not fused.serves(many)  # the AMX linears take fewer than 112 rows
+    assert fused.serves(build_attention_metadata([1] * 111, [3] * 111, [[i] for i in range(111)], BLOCK))
