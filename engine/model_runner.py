@@ -28,7 +28,7 @@ from tandem.engine.config import EngineConfig
 from tandem.engine.model_loader import LoadedModel, load_model
 from tandem.engine.models.llama import head_dim_of
 from tandem.engine.request import Request
-from tandem.engine.sampler import Sampler
+from tandem.engine.sampler import Sampler, is_plain_greedy
 from tandem.engine.sched_output import ModelRunnerOutput, SchedulerOutput
 from tandem.kernels.attention import build_attention_metadata
 from tandem.kernels.cache import allocate_kv_cache, kv_cache_bytes_per_block
@@ -315,6 +315,13 @@ class ModelRunner:
             last = hidden
         else:
             last = hidden[torch.tensor(sample_rows, dtype=torch.int64, device=self.device)]
+        if all(is_plain_greedy(r) for r in sample_reqs):
+            # Greedy without processors or logprobs: the head's argmax pass, no logits.
+            ids = self.model.compute_greedy(last)
+            if ids is not None:
+                for req, token_id in zip(sample_reqs, ids.tolist(), strict=True):
+                    out.sampled_token_ids[req.request_id] = token_id
+                return out
         logits = self.model.compute_logits(last, upcast=False)
         for req, (token_id, logprobs) in zip(
             sample_reqs, self.sampler(logits, sample_reqs), strict=True

@@ -66,7 +66,7 @@ class Sampler:
         assert logits.dim() == 2 and logits.shape[0] == len(requests), (
             f"logits {tuple(logits.shape)} vs {len(requests)} requests"
         )
-        if all(_plain_greedy(r) for r in requests):
+        if all(is_plain_greedy(r) for r in requests):
             # No processor touches these rows and nobody wants logprobs: the argmax of
             # the logits in their own dtype is the token (widening bf16 to float32 is
             # exact, so the float32 path would pick the same index), and the
@@ -164,7 +164,7 @@ def _apply_penalties(logits: torch.Tensor, requests: Sequence[Request]) -> None:
             logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
 
 
-def _plain_greedy(r: Request) -> bool:
+def is_plain_greedy(r: Request) -> bool:
     """Whether request ``r`` is greedy this step with no logits processor and no
     logprobs (its token is the plain argmax of the model's logits)."""
     p = r.sampling_params

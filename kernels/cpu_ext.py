@@ -194,6 +194,7 @@ def load() -> ctypes.CDLL | None:
         ("argmax_rows", _ARGMAX_ARGTYPES),
         ("amx_prefill_attention", _AMX_PREFILL_ARGTYPES),
         ("decode_layers", [_ptr, _i64, _ptr, ctypes.c_int]),
+        ("amx_linear_argmax", [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, ctypes.c_int]),
         ("decode_layers_available", []),
         ("amx_available", []),
         ("amx_init", []),
@@ -524,6 +525,41 @@ def _amx_call(
     if rc != 0:
         raise RuntimeError(f"{name} failed with code {rc} for x {tuple(x.shape)}")
     return y
+
+
+def amx_linear_argmax(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int
+) -> torch.Tensor:
+    """Row-wise argmax of ``x @ W.T + bias`` without materialising it: an LM head
+    and greedy sampling in one pass (``W`` packed by ``amx_pack_weight``).
+
+    Why: at a 64-sequence SmolLM2 decode step the ``[64, 49152]`` bf16 logits
+    cost a 6.3 MB write and a re-read (~1 ms of a ~4 ms head) only to be reduced
+    to 64 token ids when every request samples greedily.
+
+    Args:
+        x: ``[M, K]`` bf16, unit stride in the last dim; bias ``[N]`` bf16 or ``None``.
+
+    Returns:
+        ``[M]`` int64: per row the first index of the maximum of the bf16 outputs
+        that ``amx_linear`` would return (of the first NaN where there is one), the
+        same ids as ``amx_linear(...).max(dim=-1).indices``.
+
+    Raises:
+        RuntimeError: when the kernel rejects the shapes or cannot allocate.
+    """
+    lib = load()
+    assert lib is not None
+    m, k = x.shape
+    ids = torch.empty(m, dtype=torch.int64)
+    rc = lib.amx_linear_argmax(
+        x.data_ptr(), x.stride(0), packed.data_ptr(),
+        bias.data_ptr() if bias is not None else None, ids.data_ptr(),
+        m, out_features, k, torch.get_num_threads(),
+    )  # fmt: skip
+    if rc != 0:
+        raise RuntimeError(f"amx_linear_argmax failed with code {rc} for x {tuple(x.shape)}")
+    return ids
 
 
 def amx_linear(

@@ -111,6 +111,16 @@ class PackedLinear(nn.Module):
             )
         return y.view(*lead, self.out_features)
 
+    def forward_argmax(self, x: torch.Tensor) -> torch.Tensor | None:
+        """Row-wise argmax of ``forward(x)`` (``[..., out]`` -> ``[...]`` int64, the
+        first maximal index) in one AMX pass that never writes the outputs;
+        ``None`` where the AMX kernel does not serve this call."""
+        x2 = x.reshape(-1, self.in_features)
+        if not self._amx_serves(x2):
+            return None
+        ids = cpu_ext.amx_linear_argmax(x2, self.amx_weight, self.bias, self.out_features)
+        return ids.view(x.shape[:-1])
+
     def forward_swiglu(self, x: torch.Tensor) -> torch.Tensor | None:
         """``silu(gate) * up`` of this layer's output (``gate | up`` halves, as
         in a fused SwiGLU projection) in one AMX pass: ``[..., out // 2]`` bf16,

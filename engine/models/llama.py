@@ -323,6 +323,16 @@ class LlamaForCausalLM(nn.Module):
             logits = F.linear(hidden, self.model.embed_tokens.weight)
         return logits.float() if upcast else logits
 
+    def compute_greedy(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Greedy next tokens straight from ``[num_seqs, hidden]`` states:
+        ``[num_seqs]`` int64, the argmax of ``compute_logits(hidden, upcast=False)``
+        (first maximal index), computed by the packed head without writing the
+        logits; ``None`` where the head has no such path (the caller then computes
+        logits and samples)."""
+        head = self.lm_head if self.lm_head is not None else self.tied_lm_head
+        forward_argmax = getattr(head, "forward_argmax", None)
+        return forward_argmax(hidden) if forward_argmax is not None else None
+
     def pack_tied_lm_head(self) -> bool:
         """Give a tied LM head its own ``PackedLinear`` (bf16 CPU only).
 

@@ -37,6 +37,8 @@
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && \
     defined(__AVX512BW__) && defined(__linux__)
 #include <immintrin.h>
+#include <math.h>
+#include <omp.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -189,7 +191,35 @@ typedef struct {
     uint16_t *y;
     int64_t sy;
     int swiglu; /* y = silu(gate) * up, y is [M, N / 2] */
+    /* argmax instead of y (when best_idx != NULL): this thread's running row
+     * maxima of the bf16-rounded outputs and their first columns */
+    float *best;
+    int64_t *best_idx;
 } epilogue;
+
+/* Fold one 16 x 16 tile (columns col0..) into the running row argmax: the value
+ * compared is the bf16 output store_tile would write, so ties resolve as they
+ * would on the stored logits (first column); a NaN wins at its first column, as
+ * in torch's max. */
+static inline void argmax_tile(const float *c, const uint16_t *bias, int64_t col0, int64_t rows,
+                               float *best, int64_t *best_idx) {
+    const __m512 b = load_bias(bias);
+    for (int64_t r = 0; r < rows; ++r) {
+        if (best_idx[r] >= 0 && best[r] != best[r]) continue; /* a NaN already won */
+        const __m512 v = bf16_round(_mm512_add_ps(_mm512_loadu_ps(c + r * 16), b));
+        const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+        if (nan) {
+            best[r] = NAN;
+            best_idx[r] = col0 + __builtin_ctz(nan);
+            continue;
+        }
+        const float m = _mm512_reduce_max_ps(v);
+        if (best_idx[r] < 0 || m > best[r]) {
+            best[r] = m;
+            best_idx[r] = col0 + __builtin_ctz(_mm512_cmp_ps_mask(v, _mm512_set1_ps(m), _CMP_EQ_OQ));
+        }
+    }
+}
 
 /* Write one 16-row chunk (rows from `row`): c0 holds column block nb0, c1 block
  * nb1 (NULL when there is none). */
@@ -197,6 +227,11 @@ static inline void emit(const epilogue *e, const float *c0, const float *c1, int
                         int64_t nb1, int64_t row, int64_t rows) {
     const uint16_t *b0 = e->bias != NULL ? e->bias + nb0 * 16 : NULL;
     const uint16_t *b1 = e->bias != NULL ? e->bias + nb1 * 16 : NULL;
+    if (e->best_idx != NULL) {
+        argmax_tile(c0, b0, nb0 * 16, rows, e->best + row, e->best_idx + row);
+        if (c1 != NULL) argmax_tile(c1, b1, nb1 * 16, rows, e->best + row, e->best_idx + row);
+        return;
+    }
     uint16_t *y0 = e->y + row * e->sy + nb0 * 16;
     if (e->swiglu) {
         swiglu_tile(c0, c1, b0, b1, y0, e->sy, rows);
@@ -208,11 +243,20 @@ static inline void emit(const epilogue *e, const float *c0, const float *c1, int
 
 /* Column blocks in pairs (nb0, nb1) per thread, rows in chunks of 32 (two C
  * tiles each), a partial last chunk through `pad`; a team body (team.h). */
+static void matmul_body(const uint16_t *x, int64_t sx, const uint16_t *wp, int64_t M, int64_t N,
+                        int64_t K, uint16_t *pad, const epilogue *e);
+
 int team_amx_matmul(const uint16_t *x, int64_t sx, const uint16_t *wp, const uint16_t *bias,
                     uint16_t *y, int64_t sy, int64_t M, int64_t N, int64_t K, int swiglu,
                     uint16_t *pad) {
     if (K % 32 || N % 16 || M < 1 || (swiglu && N % 32)) return -1;
-    const epilogue ep = {bias, y, sy, swiglu}, *e = &ep;
+    const epilogue ep = {bias, y, sy, swiglu, NULL, NULL};
+    matmul_body(x, sx, wp, M, N, K, pad, &ep);
+    return 0;
+}
+
+static void matmul_body(const uint16_t *x, int64_t sx, const uint16_t *wp, int64_t M, int64_t N,
+                        int64_t K, uint16_t *pad, const epilogue *e) {
     const int64_t KB = K / 32, NB = N / 16;
     /* swiglu: gate block j pairs with up block NB/2 + j (same output columns) */
     const int64_t npairs = e->swiglu ? NB / 2 : (NB + 1) / 2;
@@ -255,7 +299,6 @@ int team_amx_matmul(const uint16_t *x, int64_t sx, const uint16_t *wp, const uin
             }
         }
     }
-    return 0;
 }
 
 int team_amx_available(void) { return 1; }
@@ -296,8 +339,65 @@ int amx_linear_swiglu(const uint16_t *x, int64_t sx, const uint16_t *wp, const u
     return amx_matmul(x, sx, wp, bias, y, sy, M, N, K, 1, num_threads);
 }
 
+/* ids[M] = argmax over the N outputs of each row of x @ W^T + bias, as the
+ * bf16 outputs amx_linear would write (first maximal column; a NaN wins at
+ * its first column): an LM head and greedy sampling in one pass, without
+ * writing the [M, N] logits and reading them back. Each thread keeps row maxima
+ * over its (contiguous, ascending) columns; the threads' results are merged in
+ * thread order, so ties keep the lowest column. */
+int amx_linear_argmax(const uint16_t *x, int64_t sx, const uint16_t *wp, const uint16_t *bias,
+                      int64_t *ids, int64_t M, int64_t N, int64_t K, int num_threads) {
+    if (K % 32 || N % 16 || M < 1 || num_threads < 1) return -1;
+    uint16_t *pad = (uint16_t *)aligned_alloc(64, (size_t)(16 * K * 2));
+    float *best = (float *)malloc((size_t)(num_threads * M) * sizeof(float));
+    int64_t *best_idx = (int64_t *)malloc((size_t)(num_threads * M) * sizeof(int64_t));
+    if (pad == NULL || best == NULL || best_idx == NULL) {
+        free(pad);
+        free(best);
+        free(best_idx);
+        return -2;
+    }
+    for (int64_t i = 0; i < num_threads * M; ++i) best_idx[i] = -1;
+    int team = 1;
+#pragma omp parallel num_threads(num_threads)
+    {
+        const int tid = omp_get_thread_num();
+#pragma omp single
+        team = omp_get_num_threads();
+        configure_tiles();
+        const epilogue ep = {bias, NULL, 0, 0, best + tid * M, best_idx + tid * M};
+        matmul_body(x, sx, wp, M, N, K, pad, &ep);
+        _tile_release();
+    }
+    for (int64_t r = 0; r < M; ++r) {
+        int64_t at = -1;
+        float v = 0.f;
+        for (int t = 0; t < team; ++t) {
+            const int64_t i = best_idx[t * M + r];
+            if (i < 0) continue;
+            const float b = best[t * M + r];
+            if (at >= 0 && v != v) break; /* an earlier NaN won */
+            if (at < 0 || b != b || b > v) {
+                at = i;
+                v = b;
+            }
+        }
+        ids[r] = at < 0 ? 0 : at;
+    }
+    free(pad);
+    free(best);
+    free(best_idx);
+    return 0;
+}
+
 #else /* no AMX in this build */
 
+int amx_linear_argmax(const uint16_t *x, int64_t sx, const uint16_t *wp, const uint16_t *bias,
+                      int64_t *ids, int64_t M, int64_t N, int64_t K, int num_threads) {
+    (void)x, (void)sx, (void)wp, (void)bias, (void)ids, (void)M, (void)N, (void)K;
+    (void)num_threads;
+    return -1;
+}
 int team_amx_available(void) { return 0; }
 void team_amx_begin(void) {}
 void team_amx_end(void) {}

@@ -33,7 +33,7 @@ BLOCK = 16
 def make_model(arch: str, tie: bool):
     config_cls, extra = ARCHS[arch]
     config = config_cls(
-        vocab_size=97,
+        vocab_size=112,  # a multiple of 16: the AMX head (and its argmax pass) serves
         hidden_size=64,
         intermediate_size=96,
         num_hidden_layers=3,
@@ -55,6 +55,7 @@ def make_model(arch: str, tie: bool):
                 p.normal_(0.0, 0.15)
     model = build_model(hf.config, hf.state_dict(), torch.bfloat16, "cpu", 256)
     assert pack_linear_layers(model) > 0
+    model.pack_tied_lm_head()
     return model
 
 
@@ -76,13 +77,13 @@ def test_fused_decode_is_bit_identical_to_per_op_path(arch, tie, num_seqs):
     views = [(kv[:, i, 0], kv[:, i, 1]) for i in range(cfg.num_hidden_layers)]
     with torch.inference_mode():
         # prompts through the per-op path (prefills are never fused)
-        prompt = [torch.randint(0, 97, (n,), generator=gen) for n in lens]
+        prompt = [torch.randint(0, 112, (n,), generator=gen) for n in lens]
         meta = build_attention_metadata(lens, [0] * num_seqs, tables, BLOCK)
         model(torch.cat(prompt), meta.positions, views, meta)
         assert model._fused is not None and model._fused[1] is not None, "fused path not built"
         done = list(lens)
         for _ in range(4):  # decode steps
-            tokens = torch.randint(0, 97, (num_seqs,), generator=gen)
+            tokens = torch.randint(0, 112, (num_seqs,), generator=gen)
             meta = build_attention_metadata([1] * num_seqs, done, tables, BLOCK)
             before = kv.clone()
             model.fused_decode_enabled = False
@@ -95,6 +96,9 @@ def test_fused_decode_is_bit_identical_to_per_op_path(arch, tie, num_seqs):
             assert torch.equal(got, want)
             assert torch.equal(kv, want_kv)
             assert torch.equal(model.compute_logits(got), model.compute_logits(want))
+            greedy = model.compute_greedy(got)  # the head's argmax pass (no logits)
+            assert greedy is not None
+            assert torch.equal(greedy, model.compute_logits(got, upcast=False).max(-1).indices)
             done = [d + 1 for d in done]
 
 

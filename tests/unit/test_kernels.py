@@ -566,3 +566,32 @@ def test_cpu_paged_attention_takes_the_amx_prefill_path(monkeypatch):
         query = torch.randn(meta.num_tokens, heads, hd, dtype=dtype)
         attention_mod.paged_attention_cpu(query, key, value, *layer, meta, hd**-0.5)
         assert len(calls) == expected
+
+
+@pytest.mark.skipif(not cpu_ext.amx_available(), reason="no AMX-BF16 on this CPU")
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("tokens", [1, 17, 64, 111])
+@pytest.mark.parametrize("out_features", [4112, 48])  # 4112: an odd number of column blocks
+def test_amx_linear_argmax_equals_argmax_of_the_outputs(bias, tokens, out_features):
+    """The fused head + greedy pass picks exactly what argmax over the bf16 outputs
+    of ``amx_linear`` picks: exact ties (duplicated weight rows, also across the
+    two threads' column ranges) go to the first column, a NaN output wins at its
+    first column."""
+    torch.manual_seed(5)
+    w = (torch.randn(out_features, 64) * 0.3).bfloat16()
+    w[out_features - 7] = w[3]  # tie between the first and the last column range
+    w[out_features // 2 + 1] = w[out_features // 2]
+    b = (torch.randn(out_features) * 0.1).bfloat16() if bias else None
+    x = torch.randn(tokens, 64).bfloat16()
+    x[0] = 0.0  # every output equals its bias: many ties
+    packed = cpu_ext.amx_pack_weight(w)
+    full = cpu_ext.amx_linear(x, packed, b, out_features)
+    ids = cpu_ext.amx_linear_argmax(x, packed, b, out_features)
+    assert ids.tolist() == full.max(dim=-1).indices.tolist()
+    if tokens > 1:
+        w[out_features - 5, 0] = float("nan")
+        w[11, 1] = float("nan")
+        packed = cpu_ext.amx_pack_weight(w)
+        ids = cpu_ext.amx_linear_argmax(x, packed, b, out_features)
+        full = cpu_ext.amx_linear(x, packed, b, out_features)
+        assert ids.tolist() == full.max(dim=-1).indices.tolist()
