@@ -67,6 +67,7 @@ int decode_layers(const decode_layer *layers, int64_t num_layers, const decode_s
         KVH < 1 || H % KVH || H / KVH > 32 || E > 16384 || T < 1)
         return -1;
     int failed = 0;
+    int64_t counter = 0; /* the attention's shared work counter */
 #pragma omp parallel num_threads(num_threads)
     {
         team_amx_begin();
@@ -91,7 +92,8 @@ int decode_layers(const decode_layer *layers, int64_t num_layers, const decode_s
                                         st->ck_h, ly->v_cache, st->cv_b, st->cv_o, st->cv_h,
                                         st->block_tables, st->sbt, st->seq_lens, st->attn, H * D,
                                         D, T, H, KVH, D, st->block_size, st->scale,
-                                        ly->window > 0 ? ly->window : (int64_t)1 << 62, &failed);
+                                        ly->window > 0 ? ly->window : (int64_t)1 << 62, &counter,
+                                        &failed);
             team_amx_matmul(st->attn, H * D, ly->wo, ly->bo, st->hidden_states, E, T, E,
                                   H * D, 0, st->pad);
             team_add_rms_norm_bf16(st->hidden_states, st->residual, ly->post_norm, st->normed,

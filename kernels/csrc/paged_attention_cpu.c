@@ -148,7 +148,8 @@ static inline __attribute__((always_inline)) void attend_seq_impl(
     int is_bf16, const void *k, const void *v, int64_t sk_b, int64_t sk_o, int64_t sk_h,
     int64_t sv_b, int64_t sv_o, int64_t sv_h, const int64_t *table, int64_t bs, int64_t lo,
     int64_t len, int64_t num_kv_heads, const int64_t G, const int64_t nv, const vf *qv,
-    const uint16_t *qb, float qscale, float *sc, vf *acc, float *inv) {
+    const uint16_t *qb, float qscale, float *sc, vf *acc, float *inv, const int64_t *next_table,
+    int64_t next_b0, int64_t next_b1) {
     const int64_t n = len - lo;
     const int64_t esize = is_bf16 ? 2 : 4;
     const int64_t b0 = lo / bs, b1 = (len - 1) / bs;
@@ -238,11 +239,16 @@ static inline __attribute__((always_inline)) void attend_seq_impl(
     for (int64_t b = b0; b <= b1; ++b) {
         const int64_t bp = b + PREFETCH_BLOCKS;
         const int64_t vnext = bp <= b1 ? table[bp] * sv_b : -1;
+        /* past the last V block: the K blocks the thread's next sequence starts with */
+        const int64_t knext = next_table != NULL && bp > b1 && next_b0 + (bp - b1 - 1) <= next_b1
+                                  ? next_table[next_b0 + (bp - b1 - 1)] * sk_b
+                                  : -1;
         const int64_t t0 = b * bs > lo ? b * bs : lo;
         const int64_t t1 = (b + 1) * bs < len ? (b + 1) * bs : len;
         const int64_t base = table[b] * sv_b;
         for (int64_t h = 0; h < num_kv_heads; ++h) {
             if (vnext >= 0) prefetch_rows(v, vnext + h * sv_h, bs, sv_o, nv * VL, esize);
+            if (knext >= 0) prefetch_rows(k, knext + h * sk_h, bs, sk_o, nv * VL, esize);
             vf a[MAX_GROUP][MAX_HEAD_DIM / VL];
             for (int64_t g = 0; g < G; ++g)
                 for (int64_t c = 0; c < nv; ++c) a[g][c] = acc[(h * G + g) * nv + c];
@@ -265,7 +271,8 @@ static inline __attribute__((always_inline)) void attend_seq_impl(
 #define SEQ_CASE(GG, NV)                                                                    \
     if (G == GG && nv == NV) {                                                              \
         attend_seq_impl(is_bf16, k, v, sk_b, sk_o, sk_h, sv_b, sv_o, sv_h, table,           \
-                        block_size, lo, len, num_kv_heads, GG, NV, qv, qb, qscale, sc, acc, inv);       \
+                        block_size, lo, len, num_kv_heads, GG, NV, qv, qb, qscale, sc, acc, inv,     \
+                        next_table, next_b0, next_b1);       \
         return;                                                                             \
     }
 
@@ -275,13 +282,15 @@ static void attend_seq(int is_bf16, const void *k, const void *v, int64_t sk_b, 
                        int64_t sk_h, int64_t sv_b, int64_t sv_o, int64_t sv_h,
                        const int64_t *table, int64_t block_size, int64_t lo, int64_t len,
                        int64_t num_kv_heads, int64_t G, int64_t nv, const vf *qv,
-                       const uint16_t *qb, float qscale, float *sc, vf *acc, float *inv) {
+                       const uint16_t *qb, float qscale, float *sc, vf *acc, float *inv,
+                       const int64_t *next_table, int64_t next_b0, int64_t next_b1) {
     SEQ_CASE(1, 4) SEQ_CASE(2, 4) SEQ_CASE(3, 4) SEQ_CASE(4, 4)
     SEQ_CASE(5, 4) SEQ_CASE(6, 4) SEQ_CASE(7, 4) SEQ_CASE(8, 4)
     SEQ_CASE(1, 8) SEQ_CASE(2, 8) SEQ_CASE(3, 8) SEQ_CASE(4, 8)
     SEQ_CASE(5, 8) SEQ_CASE(6, 8) SEQ_CASE(7, 8) SEQ_CASE(8, 8)
     attend_seq_impl(is_bf16, k, v, sk_b, sk_o, sk_h, sv_b, sv_o, sv_h, table, block_size, lo,
-                    len, num_kv_heads, G, nv, qv, qb, qscale, sc, acc, inv);
+                    len, num_kv_heads, G, nv, qv, qb, qscale, sc, acc, inv, next_table, next_b0,
+                    next_b1);
 }
 
 /* A team body (team.h): one work item per sequence, all its heads. */
@@ -291,11 +300,28 @@ void team_paged_decode_attention(int is_bf16, const void *q, int64_t sq_t, int64
                                  const int64_t *bt, int64_t sbt, const int64_t *lens, void *out,
                                  int64_t so_t, int64_t so_h, int64_t nd, int64_t num_heads,
                                  int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                                 float scale, int64_t window, int *failed) {
+                                 float scale, int64_t window, int64_t *counter, int *failed) {
     const int64_t G = num_heads / num_kv_heads;
     const int64_t nv = head_dim / VL;
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t s = 0; s < nd; ++s) {
+    /* Dynamic schedule with a lookahead of one: a thread claims its next
+     * sequence when it starts the current one, so the tail of the current one
+     * prefetches the next one's first K blocks (a cold start per sequence
+     * otherwise). The counter is shared by the team. */
+#pragma omp single
+    *counter = 0;
+    int64_t s_next = __atomic_fetch_add(counter, 1, __ATOMIC_RELAXED);
+    while (s_next < nd) {
+        const int64_t s = s_next;
+        s_next = __atomic_fetch_add(counter, 1, __ATOMIC_RELAXED);
+        const int64_t *next_table = NULL;
+        int64_t next_b0 = 0, next_b1 = -1;
+        if (s_next < nd && lens[s_next] > 0) {
+            const int64_t nlen = lens[s_next];
+            const int64_t nlo = nlen - window > 0 ? nlen - window : 0;
+            next_table = bt + s_next * sbt;
+            next_b0 = nlo / block_size;
+            next_b1 = (nlen - 1) / block_size;
+        }
         const int64_t len = lens[s];
         const int64_t q_pos = len - 1;
         const int64_t lo = q_pos - window + 1 > 0 ? q_pos - window + 1 : 0;
@@ -337,7 +363,7 @@ void team_paged_decode_attention(int is_bf16, const void *q, int64_t sq_t, int64
         }
 #endif
         attend_seq(is_bf16, k, v, sk_b, sk_o, sk_h, sv_b, sv_o, sv_h, table, block_size, lo, len,
-                   num_kv_heads, G, nv, qv, qb, scale, sc, acc, inv);
+                   num_kv_heads, G, nv, qv, qb, scale, sc, acc, inv, next_table, next_b0, next_b1);
         for (int64_t hq = 0; hq < num_heads; ++hq) {
             const int64_t oo = s * so_t + hq * so_h;
             for (int64_t c = 0; c < nv; ++c) {
@@ -352,6 +378,7 @@ void team_paged_decode_attention(int is_bf16, const void *q, int64_t sq_t, int64
         }
         free(buf);
     }
+#pragma omp barrier
 }
 
 int paged_decode_attention(
@@ -367,9 +394,10 @@ int paged_decode_attention(
     if (num_heads > MAX_HEADS || G > MAX_GROUP || head_dim > MAX_HEAD_DIM || head_dim % VL)
         return -1;
     int failed = 0;
+    int64_t counter = 0;
 #pragma omp parallel num_threads(num_threads)
     team_paged_decode_attention(is_bf16, q, sq_t, sq_h, k, sk_b, sk_o, sk_h, v, sv_b, sv_o, sv_h,
                                 bt, sbt, lens, out, so_t, so_h, nd, num_heads, num_kv_heads,
-                                head_dim, block_size, scale, window, &failed);
+                                head_dim, block_size, scale, window, &counter, &failed);
     return failed ? -2 : 0;
 }
