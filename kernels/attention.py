@@ -142,7 +142,7 @@ def _prefill_attention_cpu(
 ) -> None:
     """Every prefill sequence in one native AMX call (bf16, K/V from the cache)
     where the CPU and shapes allow it, else SDPA per sequence."""
-    if meta.prefills and cpu_ext.amx_prefill_supports(query, k_cache):
+    if meta.prefills and cpu_ext.amx_prefill_supports(query, k_cache, v_cache):
         desc, tables = meta.prefill_descriptors()
         cpu_ext.amx_prefill_attention_cpu(
             query, k_cache, v_cache, desc, tables, scale, sliding_window, out

@@ -580,8 +580,10 @@ def amx_linear(
     return _amx_call("amx_linear", x, packed, bias, out_features, out_features)
 
 
-def amx_prefill_supports(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """Whether ``amx_prefill_attention_cpu`` serves this query and cache."""
+def amx_prefill_supports(
+    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
+) -> bool:
+    """Whether ``amx_prefill_attention_cpu`` serves this query and these cache views."""
     num_heads, head_dim = query.shape[1], query.shape[2]
     return (
         query.dtype == torch.bfloat16
@@ -592,6 +594,10 @@ def amx_prefill_supports(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
         and num_heads % k_cache.shape[2] == 0
         and query.stride(-1) == 1
         and k_cache.stride(-1) == 1
+        and v_cache.stride(-1) == 1
+        # K rows are read as 32-bit pairs (and gathered with stride sk_o / 2)
+        and all(st % 2 == 0 for st in k_cache.stride()[:3])
+        and k_cache.data_ptr() % 4 == 0
         and amx_available()
     )
 

@@ -147,7 +147,8 @@ class FusedDecode:
         lib = cpu_ext.load()
         return lib is not None and cpu_ext.amx_available() and bool(lib.decode_layers_available())
 
-    def serves(self, meta: AttentionMetadata) -> bool:
+    @staticmethod
+    def serves(meta: AttentionMetadata) -> bool:
         """Whether this step is decode-only and small enough for the AMX linears."""
         return (
             not meta.prefills

@@ -116,7 +116,7 @@ class PackedLinear(nn.Module):
         first maximal index) in one AMX pass that never writes the outputs;
         ``None`` where the AMX kernel does not serve this call."""
         x2 = x.reshape(-1, self.in_features)
-        if not self._amx_serves(x2):
+        if not self._amx_serves(x2) or x2.shape[0] == 0:
             return None
         ids = cpu_ext.amx_linear_argmax(x2, self.amx_weight, self.bias, self.out_features)
         return ids.view(x.shape[:-1])

@@ -207,7 +207,8 @@ class LlamaForCausalLM(nn.Module):
         # Decode-only steps through one native call where the CPU and layers allow
         # (kernels/fused_decode.py); built on first use per KV cache.
         self.fused_decode_enabled = True
-        self._fused: tuple[list[KVCacheViews], FusedDecode | None] | None = None
+        self._fused: tuple[list[KVCacheViews], FusedDecode] | None = None
+        self._fused_refused: int | None = None
         theta, scaling = rope_params(config)
         self.rotary = RotaryEmbedding(
             head_dim_of(config), max_position, theta, scaling, dtype=dtype, device=device
@@ -252,8 +253,10 @@ class LlamaForCausalLM(nn.Module):
         """
         hidden = self.model.embed_tokens(input_ids)
         cos_sin = self.rotary.cos_sin(positions)
-        fused = self._fused_decode(kv_caches) if self.fused_decode_enabled else None
-        if fused is not None and fused.serves(attn_metadata):
+        fused = None
+        if self.fused_decode_enabled and FusedDecode.serves(attn_metadata):
+            fused = self._fused_decode(kv_caches, hidden)
+        if fused is not None:
             hidden, residual = fused(hidden, *cos_sin, attn_metadata)
             hidden, _ = self.model.norm(hidden, residual)
             return hidden
@@ -263,13 +266,26 @@ class LlamaForCausalLM(nn.Module):
         hidden, _ = self.model.norm(hidden, residual)
         return hidden
 
-    def _fused_decode(self, kv_caches: list[KVCacheViews]) -> FusedDecode | None:
+    def _fused_decode(
+        self, kv_caches: list[KVCacheViews], hidden: torch.Tensor
+    ) -> FusedDecode | None:
         """The one-call decode path for these caches, or ``None`` where it does not
-        apply (no AMX, float32, unpacked linears, per-head q/k norms...)."""
+        apply (not a bf16 CPU model, no AMX, unpacked linears, per-head q/k norms...).
+
+        A built path holds the cache views (its kernel has their addresses), so it
+        is kept with the list it was built for; a refusal is remembered by the
+        list's id only, so it keeps no cache alive."""
         if self._fused is not None and self._fused[0] is kv_caches:
             return self._fused[1]
+        if self._fused_refused == id(kv_caches):
+            return None
         fused = None
-        if not self.qk_norm and FusedDecode.available():
+        if (
+            hidden.device.type == "cpu"
+            and hidden.dtype == torch.bfloat16
+            and not self.qk_norm
+            and FusedDecode.available()
+        ):
             params = []
             for layer, (k_cache, v_cache) in zip(self.model.layers, kv_caches, strict=True):
                 attn, mlp = layer.self_attn, layer.mlp
@@ -304,7 +320,10 @@ class LlamaForCausalLM(nn.Module):
                     )
                 except ValueError:
                     fused = None  # shapes outside the kernel: the per-op path serves
-        self._fused = (kv_caches, fused)
+        if fused is None:
+            self._fused_refused = id(kv_caches)
+        else:
+            self._fused = (kv_caches, fused)
         return fused
 
     def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:

@@ -30,7 +30,7 @@ ARCHS = {
 BLOCK = 16
 
 
-def make_model(arch: str, tie: bool):
+def make_model(arch: str, tie: bool, dtype: torch.dtype = torch.bfloat16):
     config_cls, extra = ARCHS[arch]
     config = config_cls(
         vocab_size=112,  # a multiple of 16: the AMX head (and its argmax pass) serves
@@ -53,9 +53,10 @@ def make_model(arch: str, tie: bool):
                 p.uniform_(0.5, 1.5)
             else:
                 p.normal_(0.0, 0.15)
-    model = build_model(hf.config, hf.state_dict(), torch.bfloat16, "cpu", 256)
-    assert pack_linear_layers(model) > 0
-    model.pack_tied_lm_head()
+    model = build_model(hf.config, hf.state_dict(), dtype, "cpu", 256)
+    if dtype == torch.bfloat16:
+        assert pack_linear_layers(model) > 0
+        model.pack_tied_lm_head()
     return model
 
 
@@ -80,7 +81,7 @@ def test_fused_decode_is_bit_identical_to_per_op_path(arch, tie, num_seqs):
         prompt = [torch.randint(0, 112, (n,), generator=gen) for n in lens]
         meta = build_attention_metadata(lens, [0] * num_seqs, tables, BLOCK)
         model(torch.cat(prompt), meta.positions, views, meta)
-        assert model._fused is not None and model._fused[1] is not None, "fused path not built"
+        assert model._fused is None, "a prefill step must not build the fused path"
         done = list(lens)
         for _ in range(4):  # decode steps
             tokens = torch.randint(0, 112, (num_seqs,), generator=gen)
@@ -91,8 +92,9 @@ def test_fused_decode_is_bit_identical_to_per_op_path(arch, tie, num_seqs):
             want_kv = kv.clone()
             kv.copy_(before)
             model.fused_decode_enabled = True
-            assert model._fused[1].serves(meta)
+            assert FusedDecode.serves(meta)
             got = model(tokens, meta.positions, views, meta)
+            assert model._fused is not None and model._fused[0] is views, "fused path not built"
             assert torch.equal(got, want)
             assert torch.equal(kv, want_kv)
             assert torch.equal(model.compute_logits(got), model.compute_logits(want))
@@ -106,10 +108,27 @@ def test_fused_decode_declines_prefills_and_big_batches():
     model = make_model("LlamaForCausalLM", False)
     kv = allocate_kv_cache(200, 3, BLOCK, 2, 32, torch.bfloat16)
     views = [(kv[:, i, 0], kv[:, i, 1]) for i in range(3)]
-    fused = model._fused_decode(views)
+    fused = model._fused_decode(views, torch.empty(1, 64, dtype=torch.bfloat16))
     assert fused is not None
     mixed = build_attention_metadata([1, 5], [3, 0], [[0], [1]], BLOCK)
     assert not fused.serves(mixed)
     many = build_attention_metadata([1] * 112, [3] * 112, [[i] for i in range(112)], BLOCK)
     assert not fused.serves(many)  # the AMX linears take fewer than 112 rows
     assert fused.serves(build_attention_metadata([1] * 111, [3] * 111, [[i] for i in range(111)], BLOCK))
+
+
+def test_refused_fused_path_keeps_no_cache_alive():
+    """Where the fused path does not apply (a float32 model), the model must not
+    hold on to the KV cache views it was asked about."""
+    import weakref
+
+    model = make_model("LlamaForCausalLM", False, torch.float32)
+    kv = allocate_kv_cache(8, 3, BLOCK, 2, 32, torch.float32)
+    views = [(kv[:, i, 0], kv[:, i, 1]) for i in range(3)]
+    meta = build_attention_metadata([1, 1], [3, 5], [[0], [1]], BLOCK)
+    with torch.inference_mode():
+        model(torch.tensor([1, 2]), meta.positions, views, meta)
+    assert model._fused is None
+    alive = weakref.ref(kv)
+    del kv, views
+    assert alive() is None

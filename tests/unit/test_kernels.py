@@ -530,7 +530,7 @@ def test_amx_prefill_attention_matches_dense(head_dim, num_heads, num_kv_heads, 
     meta = build_attention_metadata([n for _, n in seqs], [c for c, _ in seqs], tables, bs)
     query = (torch.randn(meta.num_tokens, num_heads, head_dim) * 2).bfloat16()
     out = torch.full_like(query, float("nan"))
-    assert cpu_ext.amx_prefill_supports(query, layer[0])
+    assert cpu_ext.amx_prefill_supports(query, *layer)
     desc, flat = meta.prefill_descriptors()
     scale = head_dim**-0.5
     cpu_ext.amx_prefill_attention_cpu(query, *layer, desc, flat, scale, window, out)
@@ -595,3 +595,29 @@ def test_amx_linear_argmax_equals_argmax_of_the_outputs(bias, tokens, out_featur
         ids = cpu_ext.amx_linear_argmax(x, packed, b, out_features)
         full = cpu_ext.amx_linear(x, packed, b, out_features)
         assert ids.tolist() == full.max(dim=-1).indices.tolist()
+
+
+@pytest.mark.skipif(not cpu_ext.amx_available(), reason="no AMX-BF16 on this CPU")
+def test_amx_prefill_declines_views_it_cannot_read():
+    """A value view strided in the head dim, or key rows at odd element strides
+    (read as 32-bit pairs), go to SDPA instead, with the same results."""
+    torch.manual_seed(4)
+    bs, hd, kvh, heads = 16, 64, 2, 4
+    meta = build_attention_metadata([20, 33], [0, 0], [[0, 1], [2, 3, 4]], bs)
+    query = torch.randn(meta.num_tokens, heads, hd).bfloat16()
+    key = torch.randn(meta.num_tokens, kvh, hd).bfloat16()
+    value = torch.randn(meta.num_tokens, kvh, hd).bfloat16()
+    kv = allocate_kv_cache(8, 1, bs, kvh, hd, torch.bfloat16)
+    good = (kv[:, 0, 0], kv[:, 0, 1])
+    strided_v = torch.zeros(8, bs, kvh, 2 * hd).bfloat16()[..., ::2]
+    odd_k = torch.zeros(8, bs, kvh * hd + 1).bfloat16()[..., 1:].view(8, bs, kvh, hd)
+    assert cpu_ext.amx_prefill_supports(query, *good)
+    assert not cpu_ext.amx_prefill_supports(query, good[0], strided_v)
+    assert not cpu_ext.amx_prefill_supports(query, odd_k, good[1])
+    want = None
+    for layer in (good, (good[0], strided_v), (odd_k, good[1])):
+        reshape_and_cache(key, value, layer, meta.slot_mapping)
+        out = attention_mod.paged_attention_cpu(query, key, value, *layer, meta, hd**-0.5)
+        if want is None:
+            want = out
+        torch.testing.assert_close(out.float(), want.float(), rtol=0, atol=2e-2)
