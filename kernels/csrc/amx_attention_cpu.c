@@ -34,35 +34,14 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "team.h"
+
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && \
     defined(__AVX512BW__) && defined(__linux__)
 #include <immintrin.h>
 
 #define CHUNK 32  /* keys per packed chunk: one k step of the P V product */
 #define ROWS 16   /* query tokens per work item: one tile of rows */
-
-typedef struct {
-    uint8_t palette_id;
-    uint8_t start_row;
-    uint8_t reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tile_config;
-
-static void configure_tiles(void) {
-    tile_config cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette_id = 1;
-    for (int t = 0; t < 8; ++t) {
-        cfg.rows[t] = 16;
-        cfg.colsb[t] = 64;
-    }
-    /* NOTE: not _tile_loadconfig: GCC 12's intrinsic declares an 8-byte memory
-     * operand, so the compiler may drop the stores to the rest of cfg as dead
-     * (seen: LDTILECFG read garbage rows/colsb and faulted once the function
-     * was inlined elsewhere). The operand here is the whole 64-byte struct. */
-    __asm__ volatile("ldtilecfg %0" ::"m"(cfg));
-}
 
 typedef struct {
     int64_t token_start, num_new, num_computed, table_off;
@@ -325,7 +304,7 @@ int amx_prefill_attention(const uint16_t *q, int64_t sq_t, int64_t sq_h, const u
         }
 #pragma omp barrier
         if (rc == 0) {
-            configure_tiles();
+            team_amx_begin(); /* the tile configuration (amx_linear_cpu.c) */
             /* causal rows cost more the later they sit: hand items out one by one */
 #pragma omp for schedule(dynamic, 1)
             for (int64_t it = 0; it < total_items; ++it) {
@@ -341,7 +320,7 @@ int amx_prefill_attention(const uint16_t *q, int64_t sq_t, int64_t sq_h, const u
                 attend_rows(q, sq_t, sq_h, &seqs[s], r0, rows, hq, kp + base, vp + base, out,
                             so_t, so_h, D, scale, window, S, P, qbuf, obuf);
             }
-            _tile_release();
+            team_amx_end();
         }
         free(S);
         free(P);
