@@ -22,12 +22,15 @@ class PrefillSeq:
             step (prefix hits and earlier chunks).
         block_ids: ``[ceil(seq_len / block_size)]`` int64 block ids covering the
             context, or ``None`` when ``num_computed == 0`` (attend to new K/V).
+        block_table: the same block ids as a list, whatever ``num_computed`` (the
+            native prefill kernel reads every sequence from the cache).
     """
 
     token_start: int
     token_end: int
     num_computed: int
     block_ids: torch.Tensor | None
+    block_table: list[int] = field(default_factory=list)
 
     @property
     def num_new(self) -> int:
@@ -68,7 +71,6 @@ class AttentionMetadata:
     decode_seq_lens: torch.Tensor | None = None
     prefills: list[PrefillSeq] = field(default_factory=list)
     _masks: dict[tuple, torch.Tensor | None] = field(default_factory=dict, repr=False)
-    _prefill_tables: list[list[int]] = field(default_factory=list, repr=False)
     _prefill_desc: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
 
     def prefill_descriptors(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -82,9 +84,9 @@ class AttentionMetadata:
         """
         if self._prefill_desc is None:
             rows, flat = [], []
-            for p, table in zip(self.prefills, self._prefill_tables, strict=True):
+            for p in self.prefills:
                 rows.append([p.token_start, p.num_new, p.num_computed, len(flat)])
-                flat.extend(table)
+                flat.extend(p.block_table)
             self._prefill_desc = (
                 torch.tensor(rows, dtype=torch.int64).reshape(-1, 4),
                 torch.tensor(flat, dtype=torch.int64),
@@ -200,6 +202,5 @@ def build_attention_metadata(
         meta.decode_seq_lens = torch.tensor(decode_lens, dtype=torch.int64, device=device)
     for s, e, c, table in prefill_specs:
         ids = torch.tensor(table, dtype=torch.int64, device=device) if c > 0 else None
-        meta.prefills.append(PrefillSeq(s, e, c, ids))
-        meta._prefill_tables.append(table)
+        meta.prefills.append(PrefillSeq(s, e, c, ids, table))
     return meta

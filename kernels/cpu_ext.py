@@ -502,7 +502,7 @@ def amx_linear_swiglu(
     Raises:
         RuntimeError: when the kernel rejects the shapes.
     """
-    return _amx_call("amx_linear_swiglu", x, packed, bias, out_features, out_features // 2)
+    return _amx_rows("amx_linear_swiglu", x, packed, bias, out_features, out_features // 2)
 
 
 def _amx_call(
@@ -511,20 +511,35 @@ def _amx_call(
     packed: torch.Tensor,
     bias: torch.Tensor | None,
     out_features: int,
-    out_cols: int,
+    out: torch.Tensor,
+    *out_args: int,
 ) -> torch.Tensor:
+    """Call AMX kernel ``name`` (x, its row stride, weight, bias, out, *out_args,
+    M, N, K, threads) and return ``out``; raises RuntimeError on a non-zero code."""
     lib = load()
     assert lib is not None
     m, k = x.shape
-    y = torch.empty((m, out_cols), dtype=torch.bfloat16)
     rc = getattr(lib, name)(
         x.data_ptr(), x.stride(0), packed.data_ptr(),
-        bias.data_ptr() if bias is not None else None, y.data_ptr(), out_cols,
+        bias.data_ptr() if bias is not None else None, out.data_ptr(), *out_args,
         m, out_features, k, torch.get_num_threads(),
     )  # fmt: skip
     if rc != 0:
         raise RuntimeError(f"{name} failed with code {rc} for x {tuple(x.shape)}")
-    return y
+    return out
+
+
+def _amx_rows(
+    name: str,
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_features: int,
+    out_cols: int,
+) -> torch.Tensor:
+    """An AMX kernel writing ``[M, out_cols]`` bf16 rows (row stride ``out_cols``)."""
+    y = torch.empty((x.shape[0], out_cols), dtype=torch.bfloat16)
+    return _amx_call(name, x, packed, bias, out_features, y, out_cols)
 
 
 def amx_linear_argmax(
@@ -548,18 +563,8 @@ def amx_linear_argmax(
     Raises:
         RuntimeError: when the kernel rejects the shapes or cannot allocate.
     """
-    lib = load()
-    assert lib is not None
-    m, k = x.shape
-    ids = torch.empty(m, dtype=torch.int64)
-    rc = lib.amx_linear_argmax(
-        x.data_ptr(), x.stride(0), packed.data_ptr(),
-        bias.data_ptr() if bias is not None else None, ids.data_ptr(),
-        m, out_features, k, torch.get_num_threads(),
-    )  # fmt: skip
-    if rc != 0:
-        raise RuntimeError(f"amx_linear_argmax failed with code {rc} for x {tuple(x.shape)}")
-    return ids
+    ids = torch.empty(x.shape[0], dtype=torch.int64)
+    return _amx_call("amx_linear_argmax", x, packed, bias, out_features, ids)
 
 
 def amx_linear(
@@ -577,7 +582,7 @@ def amx_linear(
     Raises:
         RuntimeError: when the kernel rejects the shapes.
     """
-    return _amx_call("amx_linear", x, packed, bias, out_features, out_features)
+    return _amx_rows("amx_linear", x, packed, bias, out_features, out_features)
 
 
 def amx_prefill_supports(

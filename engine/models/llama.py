@@ -326,6 +326,11 @@ class LlamaForCausalLM(nn.Module):
             self._fused = (kv_caches, fused)
         return fused
 
+    def _head(self) -> nn.Module | None:
+        """The LM head module: ``lm_head``, else the packed tied head, else ``None``
+        (the embedding matrix serves through ``F.linear``)."""
+        return self.lm_head if self.lm_head is not None else self.tied_lm_head
+
     def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
         """``[num_seqs, hidden]`` -> ``[num_seqs, vocab_size]`` logits: float32, or
         the head's own dtype with ``upcast=False`` (the sampler widens them only
@@ -335,7 +340,7 @@ class LlamaForCausalLM(nn.Module):
         a ``PackedLinear``), else ``tied_lm_head`` (a packed view of the
         embedding, see ``pack_tied_lm_head``), else the embedding matrix itself.
         """
-        head = self.lm_head if self.lm_head is not None else self.tied_lm_head
+        head = self._head()
         if head is not None:
             logits = head(hidden)
         else:
@@ -348,8 +353,7 @@ class LlamaForCausalLM(nn.Module):
         (first maximal index), computed by the packed head without writing the
         logits; ``None`` where the head has no such path (the caller then computes
         logits and samples)."""
-        head = self.lm_head if self.lm_head is not None else self.tied_lm_head
-        forward_argmax = getattr(head, "forward_argmax", None)
+        forward_argmax = getattr(self._head(), "forward_argmax", None)
         return forward_argmax(hidden) if forward_argmax is not None else None
 
     def pack_tied_lm_head(self) -> bool:
