@@ -51,7 +51,7 @@ _SOURCES = [
     ("amx_attention_cpu.c", []),
     ("decode_layers_cpu.c", []),
 ]
-_HEADERS = ["team.h"]
+_HEADERS = ["team.h", "simd_math.h"]
 _LDFLAGS = ["-shared", "-fopenmp"]
 # Limits compiled into the kernel (stack scratch per work item).
 MAX_HEADS = 256
@@ -70,7 +70,7 @@ _ARGTYPES = [
     _ptr, _i64, _ptr,  # block tables, row stride, seq lens
     _ptr, _i64, _i64,  # out, strides (token, head)
     _i64, _i64, _i64, _i64, _i64,  # nd, num_heads, num_kv_heads, head_dim, block_size
-    ctypes.c_float, _i64, ctypes.c_int,  # scale, window, threads
+    ctypes.c_float, _i64, ctypes.c_int, ctypes.c_int,  # scale, window, amx, threads
 ]  # fmt: skip
 _NORM_ARGTYPES = [
     ctypes.c_int, _ptr, _ptr, _ptr, _ptr, _ptr,  # is_bf16, x, residual, weight, out, res_out
@@ -233,6 +233,7 @@ def paged_decode_attention_cpu(
     seq_lens: torch.Tensor,
     scale: float,
     sliding_window: int | None = None,
+    tiles: bool | None = None,
 ) -> torch.Tensor:
     """Decode attention straight from the paged cache (no gather), on the CPU.
 
@@ -244,6 +245,10 @@ def paged_decode_attention_cpu(
         block_tables: ``[nd, max_blocks]`` int64; seq_lens: ``[nd]`` int64
             context lengths in tokens, including the new token.
         scale: softmax scale; sliding_window: optional window in tokens.
+        tiles: bf16 only: compute the scores on AMX tiles (``None``: where
+            ``amx_available()``; ``False``: the AVX-512 path, for tests). Shapes
+            the tile path does not take (block_size % 16, head_dim % 32, more
+            than 16 query heads per KV head) run the AVX-512 path either way.
 
     Returns:
         ``[nd, num_heads, head_dim]`` in ``q.dtype`` (float32 accumulation).
@@ -270,7 +275,8 @@ def paged_decode_attention_cpu(
         bt.data_ptr(), bt.stride(0), lens.data_ptr(),
         out.data_ptr(), out.stride(0), out.stride(1),
         nd, num_heads, k_cache.shape[2], head_dim, k_cache.shape[1],
-        float(scale), window, torch.get_num_threads(),
+        float(scale), window, int(q.dtype == torch.bfloat16 and tiles is not False and amx_available()),
+        torch.get_num_threads(),
     )  # fmt: skip
     if rc != 0:
         raise RuntimeError(f"paged_decode_attention_cpu failed with code {rc}")
@@ -473,8 +479,10 @@ def amx_pack_weight(weight: torch.Tensor) -> torch.Tensor:
     """
     n, k = weight.shape
     if weight.dtype != torch.bfloat16 or not amx_supports(n, k):
-        raise ValueError(f"AMX packing needs a bf16 [N % 16, K % 32] weight, got {weight.dtype} "
-                         f"{tuple(weight.shape)}")
+        raise ValueError(
+            f"AMX packing needs a bf16 [N % 16, K % 32] weight, got {weight.dtype} "
+            f"{tuple(weight.shape)}"
+        )
     lib = load()
     assert lib is not None
     w = weight.detach().contiguous()
@@ -585,9 +593,7 @@ def amx_linear(
     return _amx_rows("amx_linear", x, packed, bias, out_features, out_features)
 
 
-def amx_prefill_supports(
-    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
-) -> bool:
+def amx_prefill_supports(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
     """Whether ``amx_prefill_attention_cpu`` serves this query and these cache views."""
     num_heads, head_dim = query.shape[1], query.shape[2]
     return (

@@ -92,7 +92,7 @@ int decode_layers(const decode_layer *layers, int64_t num_layers, const decode_s
                                         st->ck_h, ly->v_cache, st->cv_b, st->cv_o, st->cv_h,
                                         st->block_tables, st->sbt, st->seq_lens, st->attn, H * D,
                                         D, T, H, KVH, D, st->block_size, st->scale,
-                                        ly->window > 0 ? ly->window : (int64_t)1 << 62, &counter,
+                                        ly->window > 0 ? ly->window : (int64_t)1 << 62, 1, &counter,
                                         &failed);
             team_amx_matmul(st->attn, H * D, ly->wo, ly->bo, st->hidden_states, E, T, E,
                                   H * D, 0, st->pad);

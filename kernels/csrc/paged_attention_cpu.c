@@ -293,6 +293,193 @@ static void attend_seq(int is_bf16, const void *k, const void *v, int64_t sk_b, 
                     next_b1);
 }
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && \
+    defined(__AVX512BW__)
+#define HAVE_AMX_DECODE 1
+#include "simd_math.h"
+
+/* ---- bf16 decode attention with the scores on AMX tiles ----------------------
+ *
+ * Why: the VDPBF16PS scores above need a horizontal reduction per key and query
+ * head (~5 vector instructions per score), which made the kernel compute bound
+ * (hot in cache it ran at ~24 GB/s, cold at ~18 GB/s on the 2-core dev box,
+ * whose DRAM streams ~28 GB/s). TDPBF16PS does that reduction in the tile unit.
+ *
+ * Scores: S[key][column] = K[key, :] . Q[column, :] with A = 16 key rows of the
+ * cache block (32 dims per k step, any row stride: straight from the cache) and
+ * B = the queries in the VNNI layout, packed once per sequence. The query heads
+ * of up to 16 / G consecutive KV heads share one 16-column C tile ("group"):
+ * column c of group gi is query head gi * GS * G + c, and the B tile of KV head
+ * h, dims [32s, 32s + 32) holds only the columns of h's own query heads (zeros
+ * elsewhere), so the k steps of the group's KV heads add up to each column's own
+ * head. S is kept as rows of 16 floats per key, so the softmax runs down the
+ * columns with plain vertical vector ops.
+ *
+ * Softmax: exact per column, in float32, as 2^(s * scale * log2(e) - max).
+ * Values: P V with the float32 probabilities on AVX-512 FMAs; a bf16 value row is
+ * widened without shuffles by taking the even elements as (x << 16) and the odd
+ * ones as (x & 0xffff0000), so the accumulators hold even and odd dims
+ * separately and are interleaved back once per sequence. */
+
+#define QTILE_ELEMS 512 /* bf16 per 16 x 64-byte tile */
+
+/* B tiles of one sequence's queries: tile (h, s) at bq + (h * S + s) * 512,
+ * element [kp][2c + j] = q[head of column c][32s + 2kp + j] for the columns of
+ * KV head h, zero elsewhere. */
+static void pack_query_tiles(const uint16_t *q, int64_t sq_h, int64_t KVH, int64_t G, int64_t D,
+                             uint16_t *bq) {
+    const int64_t S = D / 32, GS = 16 / G;
+    memset(bq, 0, (size_t)(KVH * S * QTILE_ELEMS * 2));
+    for (int64_t h = 0; h < KVH; ++h) {
+        const int64_t c0 = (h % GS) * G;
+        for (int64_t s = 0; s < S; ++s) {
+            uint16_t *tile = bq + (h * S + s) * QTILE_ELEMS;
+            for (int64_t g = 0; g < G; ++g) {
+                const uint16_t *qh = q + (h * G + g) * sq_h + s * 32;
+                for (int64_t kp = 0; kp < 16; ++kp)
+                    memcpy(tile + kp * 32 + 2 * (c0 + g), qh + 2 * kp, 4);
+            }
+        }
+    }
+}
+
+/* One sequence, every head; see above. sc: (b1 - b0 + 1) * bs * 16 floats per
+ * group; acc: H * D floats. G and NV (= D / 16) are literals in the callers. */
+static inline __attribute__((always_inline)) void attend_seq_amx_impl(
+    const uint16_t *k, const uint16_t *v, int64_t sk_b, int64_t sk_o, int64_t sk_h, int64_t sv_b,
+    int64_t sv_o, int64_t sv_h, const int64_t *table, int64_t bs, int64_t lo, int64_t len,
+    int64_t KVH, const int64_t G, const int64_t NV, const uint16_t *bq, float scale, float *sc,
+    __m512 *acc, uint16_t *out, int64_t so_h, const int64_t *next_table, int64_t next_b0,
+    int64_t next_b1) {
+    const int64_t S = NV / 2, GS = 16 / G, NG = (KVH + GS - 1) / GS;
+    const int64_t b0 = lo / bs, b1 = (len - 1) / bs;
+    const int64_t R = (b1 - b0 + 1) * bs; /* score rows per group */
+    const int64_t kspan = (KVH - 1) * sk_h + NV * VL;
+    for (int64_t b = b0; b < b0 + PREFETCH_BLOCKS && b <= b1; ++b)
+        prefetch_rows(k, table[b] * sk_b, bs, sk_o, kspan, 2);
+
+    /* S = K Q^T, 16 keys per tile */
+    for (int64_t b = b0; b <= b1; ++b) {
+        const int64_t bp = b + PREFETCH_BLOCKS;
+        if (bp <= b1)
+            prefetch_rows(k, table[bp] * sk_b, bs, sk_o, kspan, 2);
+        else if (b0 + (bp - b1 - 1) <= b1)
+            prefetch_rows(v, table[b0 + (bp - b1 - 1)] * sv_b, bs, sv_o,
+                          (KVH - 1) * sv_h + NV * VL, 2);
+        const uint16_t *kb = k + table[b] * sk_b;
+        for (int64_t t0 = 0; t0 < bs; t0 += 16) {
+            const int64_t key0 = b * bs + t0;
+            if (key0 + 16 <= lo || key0 >= len) continue;
+            for (int64_t gi = 0; gi < NG; ++gi) {
+                const int64_t h1 = (gi + 1) * GS < KVH ? (gi + 1) * GS : KVH;
+                _tile_zero(0);
+                for (int64_t h = gi * GS; h < h1; ++h)
+                    for (int64_t s = 0; s < S; ++s) {
+                        _tile_loadd(1, kb + t0 * sk_o + h * sk_h + s * 32, sk_o * 2);
+                        _tile_loadd(2, bq + (h * S + s) * QTILE_ELEMS, 64);
+                        _tile_dpbf16ps(0, 1, 2);
+                    }
+                _tile_stored(0, sc + (gi * R + key0 - b0 * bs) * 16, 64);
+            }
+        }
+    }
+
+    /* softmax down each column over the visible keys [lo, len) */
+    const __m512 c = _mm512_set1_ps(scale * 1.4426950408889634f);
+    float inv[MAX_HEADS + 16];
+    for (int64_t gi = 0; gi < NG; ++gi) {
+        float *sg = sc + (gi * R - b0 * bs) * 16;
+        __m512 m = _mm512_set1_ps(-INFINITY);
+        for (int64_t t = lo; t < len; ++t) {
+            const __m512 x = _mm512_mul_ps(_mm512_load_ps(sg + t * 16), c);
+            _mm512_store_ps(sg + t * 16, x);
+            m = _mm512_max_ps(m, x);
+        }
+        __m512 sum = _mm512_setzero_ps();
+        for (int64_t t = lo; t < len; ++t) {
+            const __m512 e = exp2_nonpos(_mm512_sub_ps(_mm512_load_ps(sg + t * 16), m));
+            _mm512_store_ps(sg + t * 16, e);
+            sum = _mm512_add_ps(sum, e);
+        }
+        _mm512_storeu_ps(inv + gi * GS * G, _mm512_div_ps(_mm512_set1_ps(1.f), sum));
+    }
+
+    /* acc = P V: even / odd dims of each 32-dim slab in vectors 2s / 2s + 1 */
+    for (int64_t i = 0; i < KVH * G * NV; ++i) acc[i] = _mm512_setzero_ps();
+    const __m512i odd_mask = _mm512_set1_epi32((int)0xffff0000u);
+    for (int64_t b = b0; b <= b1; ++b) {
+        const int64_t bp = b + PREFETCH_BLOCKS;
+        const int64_t vnext = bp <= b1 ? table[bp] * sv_b : -1;
+        const int64_t knext = next_table != NULL && bp > b1 && next_b0 + (bp - b1 - 1) <= next_b1
+                                  ? next_table[next_b0 + (bp - b1 - 1)] * sk_b
+                                  : -1;
+        const int64_t t0 = b * bs > lo ? b * bs : lo;
+        const int64_t t1 = (b + 1) * bs < len ? (b + 1) * bs : len;
+        const uint16_t *vb = v + table[b] * sv_b;
+        for (int64_t h = 0; h < KVH; ++h) {
+            if (vnext >= 0) prefetch_rows(v, vnext + h * sv_h, bs, sv_o, NV * VL, 2);
+            if (knext >= 0) prefetch_rows(k, knext + h * sk_h, bs, sk_o, NV * VL, 2);
+            const float *sg = sc + ((h / GS) * R - b0 * bs) * 16 + (h % GS) * G;
+            __m512 a[MAX_GROUP][MAX_HEAD_DIM / VL];
+            for (int64_t g = 0; g < G; ++g)
+                for (int64_t i = 0; i < NV; ++i) a[g][i] = acc[(h * G + g) * NV + i];
+            for (int64_t t = t0; t < t1; ++t) {
+                const uint16_t *row = vb + (t - b * bs) * sv_o + h * sv_h;
+                __m512 x[MAX_HEAD_DIM / VL];
+                for (int64_t s = 0; s < S; ++s) {
+                    const __m512i w = _mm512_loadu_si512(row + s * 32);
+                    x[2 * s] = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+                    x[2 * s + 1] = _mm512_castsi512_ps(_mm512_and_si512(w, odd_mask));
+                }
+                for (int64_t g = 0; g < G; ++g) {
+                    const __m512 p = _mm512_set1_ps(sg[t * 16 + g]);
+                    for (int64_t i = 0; i < NV; ++i) a[g][i] = _mm512_fmadd_ps(p, x[i], a[g][i]);
+                }
+            }
+            for (int64_t g = 0; g < G; ++g)
+                for (int64_t i = 0; i < NV; ++i) acc[(h * G + g) * NV + i] = a[g][i];
+        }
+    }
+
+    /* out = acc / sum, even and odd dims interleaved back, rounded to bf16 */
+    const __m512i lo_idx = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+    const __m512i hi_idx = _mm512_add_epi32(lo_idx, _mm512_set1_epi32(8));
+    for (int64_t hq = 0; hq < KVH * G; ++hq) {
+        const __m512 f = _mm512_set1_ps(inv[hq]);
+        uint16_t *o = out + hq * so_h;
+        for (int64_t s = 0; s < S; ++s) {
+            const __m512 ev = _mm512_mul_ps(acc[hq * NV + 2 * s], f);
+            const __m512 od = _mm512_mul_ps(acc[hq * NV + 2 * s + 1], f);
+            _mm256_storeu_si256((__m256i *)(o + s * 32),
+                                (__m256i)_mm512_cvtneps_pbh(_mm512_permutex2var_ps(ev, lo_idx, od)));
+            _mm256_storeu_si256((__m256i *)(o + s * 32 + 16),
+                                (__m256i)_mm512_cvtneps_pbh(_mm512_permutex2var_ps(ev, hi_idx, od)));
+        }
+    }
+}
+
+#define AMX_SEQ_CASE(GG, NVV)                                                                 \
+    if (G == GG && NV == NVV) {                                                               \
+        attend_seq_amx_impl(k, v, sk_b, sk_o, sk_h, sv_b, sv_o, sv_h, table, bs, lo, len, KVH, \
+                            GG, NVV, bq, scale, sc, acc, out, so_h, next_table, next_b0,      \
+                            next_b1);                                                         \
+        return;                                                                               \
+    }
+
+static void attend_seq_amx(const uint16_t *k, const uint16_t *v, int64_t sk_b, int64_t sk_o,
+                           int64_t sk_h, int64_t sv_b, int64_t sv_o, int64_t sv_h,
+                           const int64_t *table, int64_t bs, int64_t lo, int64_t len, int64_t KVH,
+                           int64_t G, int64_t NV, const uint16_t *bq, float scale, float *sc,
+                           __m512 *acc, uint16_t *out, int64_t so_h, const int64_t *next_table,
+                           int64_t next_b0, int64_t next_b1) {
+    AMX_SEQ_CASE(1, 4) AMX_SEQ_CASE(2, 4) AMX_SEQ_CASE(3, 4) AMX_SEQ_CASE(4, 4)
+    AMX_SEQ_CASE(5, 4) AMX_SEQ_CASE(6, 4) AMX_SEQ_CASE(7, 4) AMX_SEQ_CASE(8, 4)
+    AMX_SEQ_CASE(1, 8) AMX_SEQ_CASE(2, 8) AMX_SEQ_CASE(4, 8) AMX_SEQ_CASE(8, 8)
+    attend_seq_amx_impl(k, v, sk_b, sk_o, sk_h, sv_b, sv_o, sv_h, table, bs, lo, len, KVH, G, NV,
+                        bq, scale, sc, acc, out, so_h, next_table, next_b0, next_b1);
+}
+#endif
+
 /* A team body (team.h): one work item per sequence, all its heads. */
 void team_paged_decode_attention(int is_bf16, const void *q, int64_t sq_t, int64_t sq_h,
                                  const void *k, int64_t sk_b, int64_t sk_o, int64_t sk_h,
@@ -300,9 +487,16 @@ void team_paged_decode_attention(int is_bf16, const void *q, int64_t sq_t, int64
                                  const int64_t *bt, int64_t sbt, const int64_t *lens, void *out,
                                  int64_t so_t, int64_t so_h, int64_t nd, int64_t num_heads,
                                  int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                                 float scale, int64_t window, int64_t *counter, int *failed) {
+                                 float scale, int64_t window, int amx, int64_t *counter,
+                                 int *failed) {
     const int64_t G = num_heads / num_kv_heads;
     const int64_t nv = head_dim / VL;
+#ifdef HAVE_AMX_DECODE
+    const int use_amx = amx && is_bf16 && block_size % 16 == 0 && head_dim % 32 == 0 && G <= 16;
+#else
+    const int use_amx = 0;
+    (void)amx;
+#endif
     /* Dynamic schedule with a lookahead of one: a thread claims its next
      * sequence when it starts the current one, so the tail of the current one
      * prefetches the next one's first K blocks (a cold start per sequence
@@ -331,6 +525,31 @@ void team_paged_decode_attention(int is_bf16, const void *q, int64_t sq_t, int64
             *failed = 1;
             continue;
         }
+#ifdef HAVE_AMX_DECODE
+        if (use_amx) {
+            /* Scratch: accumulators (H x head_dim floats), scores (16 floats per
+             * key row of every group), query tiles. */
+            const int64_t GS = 16 / G, NG = (num_kv_heads + GS - 1) / GS;
+            const int64_t rows = ((len - 1) / block_size - lo / block_size + 1) * block_size;
+            const size_t acc_b = (size_t)(num_heads * head_dim * 4);
+            const size_t sc_b = (size_t)(NG * rows * 64);
+            const size_t bq_b = (size_t)(num_kv_heads * (head_dim / 32) * QTILE_ELEMS * 2);
+            char *buf = (char *)aligned_alloc(64, acc_b + sc_b + bq_b);
+            if (buf == NULL) {
+#pragma omp atomic write
+                *failed = 1;
+                continue;
+            }
+            uint16_t *bq = (uint16_t *)(buf + acc_b + sc_b);
+            pack_query_tiles((const uint16_t *)q + s * sq_t, sq_h, num_kv_heads, G, head_dim, bq);
+            attend_seq_amx((const uint16_t *)k, (const uint16_t *)v, sk_b, sk_o, sk_h, sv_b, sv_o,
+                           sv_h, bt + s * sbt, block_size, lo, len, num_kv_heads, G, nv, bq, scale,
+                           (float *)(buf + acc_b), (__m512 *)buf, (uint16_t *)out + s * so_t, so_h,
+                           next_table, next_b0, next_b1);
+            free(buf);
+            continue;
+        }
+#endif
         const size_t nvec = (size_t)(num_heads * nv);
         /* Scratch: scaled queries, accumulators (H x head_dim each), scores (H x n). */
         const size_t score_vecs = (size_t)((num_heads * n + VL - 1) / VL);
@@ -389,15 +608,22 @@ int paged_decode_attention(
     const int64_t *bt, int64_t sbt, const int64_t *lens,
     void *out, int64_t so_t, int64_t so_h,
     int64_t nd, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-    int64_t block_size, float scale, int64_t window, int num_threads) {
+    int64_t block_size, float scale, int64_t window, int amx, int num_threads) {
     const int64_t G = num_heads / num_kv_heads;
     if (num_heads > MAX_HEADS || G > MAX_GROUP || head_dim > MAX_HEAD_DIM || head_dim % VL)
         return -1;
     int failed = 0;
     int64_t counter = 0;
+    /* amx: the caller has the tile state from Linux (amx_init); the scores then
+     * run on tiles, configured per thread here */
 #pragma omp parallel num_threads(num_threads)
-    team_paged_decode_attention(is_bf16, q, sq_t, sq_h, k, sk_b, sk_o, sk_h, v, sv_b, sv_o, sv_h,
-                                bt, sbt, lens, out, so_t, so_h, nd, num_heads, num_kv_heads,
-                                head_dim, block_size, scale, window, &counter, &failed);
+    {
+        if (amx) team_amx_begin();
+        team_paged_decode_attention(is_bf16, q, sq_t, sq_h, k, sk_b, sk_o, sk_h, v, sv_b, sv_o,
+                                    sv_h, bt, sbt, lens, out, so_t, so_h, nd, num_heads,
+                                    num_kv_heads, head_dim, block_size, scale, window, amx,
+                                    &counter, &failed);
+        if (amx) team_amx_end();
+    }
     return failed ? -2 : 0;
 }

@@ -11,16 +11,18 @@
 #define TANDEM_TEAM_H
 #include <stdint.h>
 
-/* paged_attention_cpu.c: decode attention of nd sequences (see there); counter:
- * a work counter shared by the team (any value; reset inside); sets *failed on
- * an empty sequence or a failed allocation. */
+/* paged_attention_cpu.c: decode attention of nd sequences (see there); amx != 0:
+ * bf16 scores on AMX tiles where the shapes allow (every thread must have run
+ * team_amx_begin); counter: a work counter shared by the team (any value; reset
+ * inside); sets *failed on an empty sequence or a failed allocation. */
 void team_paged_decode_attention(int is_bf16, const void *q, int64_t sq_t, int64_t sq_h,
                                  const void *k, int64_t sk_b, int64_t sk_o, int64_t sk_h,
                                  const void *v, int64_t sv_b, int64_t sv_o, int64_t sv_h,
                                  const int64_t *bt, int64_t sbt, const int64_t *lens, void *out,
                                  int64_t so_t, int64_t so_h, int64_t nd, int64_t num_heads,
                                  int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                                 float scale, int64_t window, int64_t *counter, int *failed);
+                                 float scale, int64_t window, int amx, int64_t *counter,
+                                 int *failed);
 
 /* elementwise_cpu.c (bf16 with AVX512-BF16 only): residual add + RMSNorm (res
  * NULL: plain RMSNorm, res_out untouched); rotary of the query heads of each

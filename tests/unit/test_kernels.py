@@ -263,17 +263,26 @@ def test_paged_attention_bfloat16_close_to_dense(cpu_attention_path):
         start += n
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("head_dim,num_heads,num_kv_heads", [(64, 9, 3), (128, 8, 2), (32, 4, 4)])
+@pytest.mark.parametrize(
+    "dtype,tiles",
+    [(torch.float32, None), (torch.bfloat16, False), (torch.bfloat16, None)],
+    ids=["fp32", "bf16-avx512", "bf16-tiles"],
+)
+@pytest.mark.parametrize(
+    "head_dim,num_heads,num_kv_heads",
+    [(64, 9, 3), (128, 8, 2), (32, 4, 4), (96, 12, 2), (64, 32, 2), (64, 16, 16)],
+)
 @pytest.mark.parametrize("window", [None, 21])
 @pytest.mark.parametrize("bs", [16, 32, 8])
 def test_native_decode_kernel_matches_reference(
-    dtype, head_dim, num_heads, num_kv_heads, window, bs
+    dtype, tiles, head_dim, num_heads, num_kv_heads, window, bs
 ):
     """The native kernel against the gather + SDPA reference on a strided layer
     view (block stride spans all layers), shuffled blocks, lengths from 1 token
     to several blocks, partial last blocks; block sizes that take the
-    16-row VDPBF16PS path (16, 32) and one that cannot (8)."""
+    16-row VDPBF16PS / AMX paths (16, 32) and one that cannot (8); query-head
+    groups of 1, 3, 4, 6 and 16 (one or several KV heads per 16-column score
+    tile), head dims 32-128."""
     if cpu_ext.load() is None:
         pytest.skip("no C compiler here: the native CPU kernel could not be built")
     torch.manual_seed(3)
@@ -298,7 +307,7 @@ def test_native_decode_kernel_matches_reference(
             for t in layer:
                 t[table[p // bs], p % bs] = float("nan")
     out = cpu_ext.paged_decode_attention_cpu(
-        q, *layer, meta.decode_block_tables, meta.decode_seq_lens, scale, window
+        q, *layer, meta.decode_block_tables, meta.decode_seq_lens, scale, window, tiles=tiles
     )
     assert out.dtype == dtype and out.shape == q.shape
     tol = 1e-5 if dtype == torch.float32 else 2e-2
