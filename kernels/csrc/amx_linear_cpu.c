@@ -32,6 +32,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "simd_math.h"
 #include "team.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && \
@@ -163,7 +164,6 @@ static inline void tile_block(const uint16_t *x, int64_t sx, const uint16_t *wp,
  * every column block streams past it. */
 #define M_BLOCK 256
 
-__m512 _ZGVeN16v_expf(__m512); /* glibc libmvec's vector expf */
 
 static inline __m512 bf16_round(__m512 v) {
     const __m256i h = (__m256i)_mm512_cvtneps_pbh(v);
@@ -176,12 +176,11 @@ static inline __m512 bf16_round(__m512 v) {
  * so the result is bit-identical to running them one after the other. */
 static inline void swiglu_tile(const float *cg, const float *cu, const uint16_t *bg,
                                const uint16_t *bu, uint16_t *y, int64_t sy, int64_t rows) {
-    const __m512 vbg = load_bias(bg), vbu = load_bias(bu), one = _mm512_set1_ps(1.f);
+    const __m512 vbg = load_bias(bg), vbu = load_bias(bu);
     for (int64_t r = 0; r < rows; ++r) {
         const __m512 g = bf16_round(_mm512_add_ps(_mm512_loadu_ps(cg + r * 16), vbg));
         const __m512 u = bf16_round(_mm512_add_ps(_mm512_loadu_ps(cu + r * 16), vbu));
-        const __m512 e = _ZGVeN16v_expf(_mm512_sub_ps(_mm512_setzero_ps(), g));
-        const __m512 a = bf16_round(_mm512_div_ps(g, _mm512_add_ps(one, e)));
+        const __m512 a = bf16_round(silu_ps(g));
         _mm256_storeu_si256((__m256i *)(y + r * sy), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(a, u)));
     }
 }

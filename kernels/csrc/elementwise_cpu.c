@@ -18,6 +18,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "simd_math.h"
 #include "team.h"
 
 #define MAX_HIDDEN 16384
@@ -67,7 +68,6 @@ static inline __attribute__((always_inline)) void st(void *p, int64_t i, float f
  * even, NaN kept NaN, as torch rounds) in place of the bit-twiddled rounding,
  * which cost ~6 instructions per vector; the results are the same bits except
  * for float32 denormals, which the instruction flushes. Tails use masks. */
-__m512 _ZGVeN16v_expf(__m512); /* glibc libmvec's vector expf */
 
 static inline __m512 ld16(const uint16_t *p, __mmask16 m) {
     const __m512i w = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p));
@@ -178,7 +178,6 @@ void team_rotary_cache_bf16(const uint16_t *qkv, int64_t s_qkv, uint16_t *q_out,
 
 static void silu_and_mul_bf16(const uint16_t *x, uint16_t *out, int64_t tokens, int64_t inter,
                               int num_threads) {
-    const __m512 one = _mm512_set1_ps(1.f);
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int64_t t = 0; t < tokens; ++t) {
         const uint16_t *g = x + t * 2 * inter, *u = g + inter;
@@ -186,8 +185,7 @@ static void silu_and_mul_bf16(const uint16_t *x, uint16_t *out, int64_t tokens, 
         for (int64_t i = 0; i < inter; i += 16) {
             const __mmask16 m = tail_mask(inter - i);
             const __m512 gv = ld16(g + i, m);
-            const __m512 e = _ZGVeN16v_expf(_mm512_sub_ps(_mm512_setzero_ps(), gv));
-            const __m512 a = rd16(_mm512_div_ps(gv, _mm512_add_ps(one, e)));
+            const __m512 a = rd16(silu_ps(gv));
             st16(o + i, _mm512_mul_ps(a, ld16(u + i, m)), m);
         }
     }
