@@ -172,7 +172,7 @@ static inline __m512 bf16_round(__m512 v) {
 
 /* SwiGLU epilogue (Shazeer 2020) of a fused gate/up projection: out[r] =
  * bf16(bf16(silu(g)) * u) with g, u the bf16-rounded gate and up outputs, the
- * same rounding steps (and expf) as the unfused linear + silu_and_mul kernels,
+ * same rounding steps (and silu_ps) as the unfused linear + silu_and_mul kernels,
  * so the result is bit-identical to running them one after the other. */
 static inline void swiglu_tile(const float *cg, const float *cu, const uint16_t *bg,
                                const uint16_t *bu, uint16_t *y, int64_t sy, int64_t rows) {

@@ -6,8 +6,9 @@
  *
  * Rounding follows the torch reference ops step by step: every intermediate that
  * torch would store in the model dtype is rounded to it here too (bf16: round to
- * nearest even), so rotary is bit-identical to the torch path and RMSNorm and
- * SiLU differ only in summation order and expf's last bit. This file is built
+ * nearest even), so rotary is bit-identical to the torch path, RMSNorm differs
+ * only in summation order, and the bf16 SiLU in the last bits of its float32
+ * sigmoid (a polynomial exp, simd_math.h; the float32 path uses expf). This file is built
  * with -ffp-contract=off (no FMA contraction: a*b - c*d rounds as torch does)
  * after -ffast-math (which lets `omp simd` loops call glibc's vector expf); the
  * explicit bit-level rounding steps cannot be reassociated away.
