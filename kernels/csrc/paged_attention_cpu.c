@@ -494,7 +494,6 @@ void team_paged_decode_attention(int is_bf16, const void *q, int64_t sq_t, int64
 #ifdef HAVE_AMX_DECODE
     const int use_amx = amx && is_bf16 && block_size % 16 == 0 && head_dim % 32 == 0 && G <= 16;
 #else
-    const int use_amx = 0;
     (void)amx;
 #endif
     /* Dynamic schedule with a lookahead of one: a thread claims its next
