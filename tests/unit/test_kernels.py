@@ -486,6 +486,22 @@ def test_native_silu_and_mul_matches_reference_bf16(inter):
     assert cpu_ext.silu_and_mul_cpu(x.float()) is None
 
 
+def test_native_silu_and_mul_edge_values_bf16():
+    """Gates far in the tails: -0 where e^-x overflows (torch: x / inf), NaN for
+    NaN and -inf, +inf for +inf (a clamped exponential once gave x * 2^-127)."""
+    _native_or_skip()
+    inf, nan = float("inf"), float("nan")
+    gate = torch.tensor(
+        [-inf, -3.38e38, -1e36, -100.0, -88.5, -87.0, -20.0, -1.0, -0.0, 0.0, 1e-3, 1.0,
+         20.0, 100.0, 3.38e38, inf, nan]
+    ).bfloat16()  # fmt: skip
+    x = torch.cat([gate, torch.ones_like(gate)]).view(1, -1)
+    out = cpu_ext.silu_and_mul_cpu(x)
+    assert out is not None
+    ref = torch.nn.functional.silu(gate.float()).bfloat16()
+    torch.testing.assert_close(out[0].float(), ref.float(), rtol=2**-7, atol=0, equal_nan=True)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("cols", [49152, 100, 1])  # 100: a partial last vector
 def test_native_argmax_rows_matches_torch_max_indices(dtype, cols):
