@@ -16,7 +16,12 @@ backend's ratio to tandem; ``--json PATH`` writes the same numbers. With
 ``--repeat N`` every backend runs N timed passes, pass i on the prompts of seed
 ``--seed + i`` (fresh prompts, so tandem's prefix cache cannot serve a pass from
 an earlier one), and the median pass is reported (all of them in the JSON's
-``runs_s``): shared machines vary by 10-15% from one run to the next.
+``runs_s``). All backends are loaded first and their passes interleaved (pass 0
+of every backend, then pass 1, ...), so each pass of one backend runs next to
+the same pass of the others: shared machines vary by 10-50% over minutes, and a
+ratio of two blocks of passes taken minutes apart measures the machine as much
+as the backends. The per-pass ratios are printed and written
+(``paired_ratios``) beside the ratio of the medians.
 """
 
 from __future__ import annotations
@@ -112,28 +117,49 @@ def _resolve_dtype(dtype: str) -> Any:
     return getattr(torch, dtype)
 
 
-def _timed_runs(
-    run_one: Callable[[list[list[int]]], int], prompt_sets: list[list[list[int]]]
-) -> dict[str, Any]:
-    """Time ``run_one(prompts) -> output tokens`` on every prompt set.
+RunOne = Callable[[list[list[int]]], int]
 
-    Returns ``elapsed_s`` (the median run, seconds), ``runs_s`` (every run) and
-    ``num_output_tokens`` (of one run; every run must produce the same count).
+
+def _run_interleaved(
+    runners: dict[str, RunOne], prompt_sets: list[list[list[int]]]
+) -> dict[str, dict[str, Any]]:
+    """Time every runner on every prompt set, pass by pass: pass i of each runner
+    (in ``runners``' order) before pass i + 1 of any.
+
+    Returns per runner ``elapsed_s`` (the median pass, seconds), ``runs_s``
+    (every pass, in order) and ``num_output_tokens`` (of one pass; every pass
+    must produce the same count).
 
     Raises:
-        RuntimeError: when runs produce different numbers of output tokens.
+        RuntimeError: when a runner's passes produce different numbers of output
+            tokens.
     """
-    runs, counts = [], set()
-    for prompts in prompt_sets:
-        start = time.perf_counter()
-        counts.add(run_one(prompts))
-        runs.append(time.perf_counter() - start)
-    if len(counts) != 1:
-        raise RuntimeError(f"runs produced different output token counts: {sorted(counts)}")
-    return {"elapsed_s": statistics.median(runs), "runs_s": runs, "num_output_tokens": counts.pop()}
+    runs: dict[str, list[float]] = {name: [] for name in runners}
+    counts: dict[str, set[int]] = {name: set() for name in runners}
+    for i, prompts in enumerate(prompt_sets):
+        for name, run_one in runners.items():
+            print(f"[{name}] pass {i + 1}/{len(prompt_sets)} ...", file=sys.stderr, flush=True)
+            start = time.perf_counter()
+            counts[name].add(run_one(prompts))
+            runs[name].append(time.perf_counter() - start)
+    out = {}
+    for name in runners:
+        if len(counts[name]) != 1:
+            raise RuntimeError(
+                f"{name}: runs produced different output token counts: {sorted(counts[name])}"
+            )
+        out[name] = {
+            "elapsed_s": statistics.median(runs[name]),
+            "runs_s": runs[name],
+            "num_output_tokens": counts[name].pop(),
+        }
+    return out
 
 
-def run_tandem(args: argparse.Namespace, prompt_sets: list[list[list[int]]]) -> dict[str, Any]:
+def run_tandem(
+    args: argparse.Namespace, prompt_sets: list[list[list[int]]]
+) -> tuple[RunOne, dict[str, Any]]:
+    """Load tandem and warm it up; returns the timed pass and the result's metadata."""
     from tandem.engine.llm import LLM
     from tandem.engine.sampling_params import SamplingParams
 
@@ -155,7 +181,7 @@ def run_tandem(args: argparse.Namespace, prompt_sets: list[list[list[int]]]) -> 
 
     # Every repeat gets fresh prompts, so the prefix cache never serves one run
     # from an earlier one.
-    return {**_timed_runs(run_one, prompt_sets), "dtype": str(_dtype_of(llm))}
+    return run_one, {"dtype": str(_dtype_of(llm))}
 
 
 def _dtype_of(llm: Any) -> str:
@@ -171,7 +197,10 @@ def _hf_model_args(model: str | None) -> tuple[str, dict[str, Any]]:
     return path, {}
 
 
-def run_hf(args: argparse.Namespace, prompt_sets: list[list[list[int]]]) -> dict[str, Any]:
+def run_hf(
+    args: argparse.Namespace, prompt_sets: list[list[list[int]]]
+) -> tuple[RunOne, dict[str, Any]]:
+    """Load the transformers model and warm it up; returns the timed pass and metadata."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -194,14 +223,14 @@ def run_hf(args: argparse.Namespace, prompt_sets: list[list[list[int]]]) -> dict
     bs = args.hf_batch_size
 
     def run_one(prompts: list[list[int]]) -> int:
-        return sum(
-            generate(prompts[i : i + bs], args.output_len) for i in range(0, len(prompts), bs)
-        )
+        with torch.inference_mode():
+            return sum(
+                generate(prompts[i : i + bs], args.output_len) for i in range(0, len(prompts), bs)
+            )
 
     with torch.inference_mode():
         generate([prompt_sets[0][0][:16]], 4)
-        timed = _timed_runs(run_one, prompt_sets)
-    return {**timed, "dtype": str(dtype).removeprefix("torch."), "batch_size": bs}
+    return run_one, {"dtype": str(dtype).removeprefix("torch."), "batch_size": bs}
 
 
 def _cpu_has_amx() -> bool:
@@ -241,7 +270,10 @@ def _llama_cpp_without_extra_buffers() -> Iterator[bool]:
         low.llama_model_default_params = default_params
 
 
-def run_llama_cpp(args: argparse.Namespace, prompt_sets: list[list[list[int]]]) -> dict[str, Any]:
+def run_llama_cpp(
+    args: argparse.Namespace, prompt_sets: list[list[list[int]]]
+) -> tuple[RunOne, dict[str, Any]]:
+    """Load llama.cpp on the GGUF and warm it up; returns the timed pass and metadata."""
     from llama_cpp import Llama
 
     from tandem.engine.model_loader import default_model_path
@@ -271,11 +303,16 @@ def run_llama_cpp(args: argparse.Namespace, prompt_sets: list[list[list[int]]]) 
         return n
 
     generate(prompt_sets[0][0][:16], 4)
-    timed = _timed_runs(lambda ps: sum(generate(p, args.output_len) for p in ps), prompt_sets)
-    return {**timed, "dtype": "gguf (its quantization)", "ggml_amx_buffers": not amx_off}
+
+    def run_one(prompts: list[list[int]]) -> int:
+        return sum(generate(p, args.output_len) for p in prompts)
+
+    return run_one, {"dtype": "gguf (its quantization)", "ggml_amx_buffers": not amx_off}
 
 
-RUNNERS: dict[str, Callable[[argparse.Namespace, list[list[list[int]]]], dict[str, Any]]] = {
+RUNNERS: dict[
+    str, Callable[[argparse.Namespace, list[list[list[int]]]], tuple[RunOne, dict[str, Any]]]
+] = {
     "tandem": run_tandem,
     "hf": run_hf,
     "llama.cpp": run_llama_cpp,
@@ -316,14 +353,15 @@ def main(argv: list[str] | None = None) -> int:
         make_prompts(vocab_size, special, args.num_prompts, args.input_len, args.seed + i)
         for i in range(args.repeat)
     ]
-    results: dict[str, dict[str, Any]] = {}
+    runners: dict[str, RunOne] = {}
+    meta: dict[str, dict[str, Any]] = {}
     for backend in dict.fromkeys(args.backend):
-        print(
-            f"[{backend}] running {args.num_prompts} requests x {args.repeat} ...",
-            file=sys.stderr,
-            flush=True,
-        )
-        r = RUNNERS[backend](args, prompt_sets)
+        print(f"[{backend}] loading ...", file=sys.stderr, flush=True)
+        runners[backend], meta[backend] = RUNNERS[backend](args, prompt_sets)
+    timed = _run_interleaved(runners, prompt_sets)
+    results: dict[str, dict[str, Any]] = {}
+    for backend, r in timed.items():
+        r.update(meta[backend])
         elapsed = r["elapsed_s"]
         num_in = args.num_prompts * args.input_len
         r["requests_per_s"] = args.num_prompts / elapsed
@@ -347,13 +385,23 @@ def main(argv: list[str] | None = None) -> int:
             f"{name:<10} {r['requests_per_s']:>8.2f} {r['output_tokens_per_s']:>10.1f} "
             f"{r['total_tokens_per_s']:>12.1f} {r['elapsed_s']:>8.1f}"
         )
-    ratios = {}
+    ratios, paired = {}, {}
     if "tandem" in results:
-        base = results["tandem"]["output_tokens_per_s"]
+        t = results["tandem"]
         for name, r in results.items():
-            if name != "tandem":
-                ratios[f"tandem/{name}"] = base / r["output_tokens_per_s"]
-                print(f"tandem / {name}: {ratios[f'tandem/{name}']:.2f}x output tokens/s")
+            if name == "tandem":
+                continue
+            key = f"tandem/{name}"
+            ratios[key] = t["output_tokens_per_s"] / r["output_tokens_per_s"]
+            # pass i of both backends ran back to back on the same prompts
+            paired[key] = [
+                (t["num_output_tokens"] / ts) / (r["num_output_tokens"] / rs)
+                for ts, rs in zip(t["runs_s"], r["runs_s"], strict=True)
+            ]
+            line = f"tandem / {name}: {ratios[key]:.2f}x output tokens/s"
+            if len(paired[key]) > 1:
+                line += " (per pass: " + ", ".join(f"{x:.2f}x" for x in paired[key]) + ")"
+            print(line)
     if args.json_path:
         doc = {
             "benchmark": "throughput",
@@ -362,6 +410,7 @@ def main(argv: list[str] | None = None) -> int:
             "machine": machine_info(),
             "results": results,
             "ratios": ratios,
+            "paired_ratios": paired,
         }
         with open(args.json_path, "w") as f:
             json.dump(doc, f, indent=2)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 import transformers
 
@@ -63,6 +64,11 @@ def test_throughput_tandem_and_hf(tmp_path, capsys) -> None:
         assert len(r["runs_s"]) == 3 and r["elapsed_s"] == sorted(r["runs_s"])[1]
         assert r["output_tokens_per_s"] > 0 and r["requests_per_s"] > 0
     assert doc["ratios"]["tandem/hf"] > 0
+    t, h = doc["results"]["tandem"], doc["results"]["hf"]
+    assert doc["paired_ratios"]["tandem/hf"] == [
+        pytest.approx(hs / ts) for ts, hs in zip(t["runs_s"], h["runs_s"], strict=True)
+    ]
+    assert "per pass" in printed
     assert doc["machine"]["num_cpus"] >= 1
 
 
@@ -102,11 +108,30 @@ def test_repeats_report_the_median_and_must_agree() -> None:
     import pytest
 
     counts = iter([5, 5, 5])
-    timed = throughput._timed_runs(lambda prompts: next(counts), [[[1]], [[2]], [[3]]])
-    assert timed["num_output_tokens"] == 5 and len(timed["runs_s"]) == 3
-    assert timed["elapsed_s"] == sorted(timed["runs_s"])[1]
+    timed = throughput._run_interleaved({"a": lambda prompts: next(counts)}, [[[1]], [[2]], [[3]]])
+    assert timed["a"]["num_output_tokens"] == 5 and len(timed["a"]["runs_s"]) == 3
+    assert timed["a"]["elapsed_s"] == sorted(timed["a"]["runs_s"])[1]
     uneven = iter([5, 4])
     with pytest.raises(RuntimeError, match="different output token counts"):
-        throughput._timed_runs(lambda prompts: next(uneven), [[[1]], [[2]]])
+        throughput._run_interleaved({"a": lambda prompts: next(uneven)}, [[[1]], [[2]]])
     with pytest.raises(SystemExit):
         throughput.parse_args(["--repeat", "0"])
+
+
+def test_backends_run_pass_by_pass() -> None:
+    """Pass i of every backend runs before pass i + 1 of any, on the same prompts,
+    so the per-pass ratios compare runs taken next to each other."""
+    calls: list[tuple[str, int]] = []
+
+    def runner(name: str):
+        def run_one(prompts: list[list[int]]) -> int:
+            calls.append((name, prompts[0][0]))
+            return 7
+
+        return run_one
+
+    sets = [[[10]], [[11]], [[12]]]
+    timed = throughput._run_interleaved({"tandem": runner("tandem"), "hf": runner("hf")}, sets)
+    assert calls == [("tandem", 10), ("hf", 10), ("tandem", 11), ("hf", 11),
+                     ("tandem", 12), ("hf", 12)]  # fmt: skip
+    assert [len(r["runs_s"]) for r in timed.values()] == [3, 3]
