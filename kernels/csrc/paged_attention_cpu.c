@@ -136,6 +136,19 @@ static inline void prefetch_rows(const void *base, int64_t off, int64_t rows, in
     }
 }
 
+/* What the value pass at block b (of b0..b1) prefetches, as element offsets (-1:
+ * nothing): the V block PREFETCH_BLOCKS ahead and, once past the last V block,
+ * the K blocks the thread's next sequence starts with. */
+static inline void v_pass_prefetch(const int64_t *table, int64_t b, int64_t b1, int64_t sv_b,
+                                   int64_t sk_b, const int64_t *next_table, int64_t next_b0,
+                                   int64_t next_b1, int64_t *vnext, int64_t *knext) {
+    const int64_t bp = b + PREFETCH_BLOCKS;
+    *vnext = bp <= b1 ? table[bp] * sv_b : -1;
+    *knext = next_table != NULL && bp > b1 && next_b0 + (bp - b1 - 1) <= next_b1
+                 ? next_table[next_b0 + (bp - b1 - 1)] * sk_b
+                 : -1;
+}
+
 /* All KV heads of one sequence, block by block: per block, every head's rows are
  * read while the block is in cache (the block is one contiguous run in memory),
  * and the blocks PREFETCH_BLOCKS ahead are prefetched. Pass 1 scores every
@@ -237,12 +250,8 @@ static inline __attribute__((always_inline)) void attend_seq_impl(
     }
     for (int64_t i = 0; i < num_kv_heads * G * nv; ++i) acc[i] = (vf){0};
     for (int64_t b = b0; b <= b1; ++b) {
-        const int64_t bp = b + PREFETCH_BLOCKS;
-        const int64_t vnext = bp <= b1 ? table[bp] * sv_b : -1;
-        /* past the last V block: the K blocks the thread's next sequence starts with */
-        const int64_t knext = next_table != NULL && bp > b1 && next_b0 + (bp - b1 - 1) <= next_b1
-                                  ? next_table[next_b0 + (bp - b1 - 1)] * sk_b
-                                  : -1;
+        int64_t vnext, knext;
+        v_pass_prefetch(table, b, b1, sv_b, sk_b, next_table, next_b0, next_b1, &vnext, &knext);
         const int64_t t0 = b * bs > lo ? b * bs : lo;
         const int64_t t1 = (b + 1) * bs < len ? (b + 1) * bs : len;
         const int64_t base = table[b] * sv_b;
@@ -408,11 +417,8 @@ static inline __attribute__((always_inline)) void attend_seq_amx_impl(
     for (int64_t i = 0; i < KVH * G * NV; ++i) acc[i] = _mm512_setzero_ps();
     const __m512i odd_mask = _mm512_set1_epi32((int)0xffff0000u);
     for (int64_t b = b0; b <= b1; ++b) {
-        const int64_t bp = b + PREFETCH_BLOCKS;
-        const int64_t vnext = bp <= b1 ? table[bp] * sv_b : -1;
-        const int64_t knext = next_table != NULL && bp > b1 && next_b0 + (bp - b1 - 1) <= next_b1
-                                  ? next_table[next_b0 + (bp - b1 - 1)] * sk_b
-                                  : -1;
+        int64_t vnext, knext;
+        v_pass_prefetch(table, b, b1, sv_b, sk_b, next_table, next_b0, next_b1, &vnext, &knext);
         const int64_t t0 = b * bs > lo ? b * bs : lo;
         const int64_t t1 = (b + 1) * bs < len ? (b + 1) * bs : len;
         const uint16_t *vb = v + table[b] * sv_b;
