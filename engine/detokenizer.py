@@ -26,6 +26,20 @@ INITIAL_CONTEXT_TOKENS = 5
 _REPLACEMENT_CHAR = "\ufffd"
 
 
+def _backend_decode(tokenizer: Any) -> Any:
+    """The Rust ``tokenizers.Tokenizer.decode`` behind a fast Hugging Face
+    tokenizer, where calling it gives what ``tokenizer.decode`` gives (no
+    ``clean_up_tokenization_spaces`` pass), else ``None``.
+
+    Why: two decodes per generated token; transformers' Python wrapper cost ~3x
+    the Rust decode itself (0.15 of 0.19 s for 64 x 128 tokens on the dev box).
+    """
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return None
+    return getattr(backend, "decode", None)
+
+
 class IncrementalDetokenizer:
     """Turns one completion's token ids into text, token by token.
 
@@ -45,6 +59,7 @@ class IncrementalDetokenizer:
         self, tokenizer: Any, prompt_token_ids: Sequence[int], params: SamplingParams
     ) -> None:
         self.tokenizer = tokenizer
+        self._backend_decode = _backend_decode(tokenizer)
         self.params = params
         self.skip_special_tokens = params.skip_special_tokens
         self.stop = list(params.stop)
@@ -103,6 +118,8 @@ class IncrementalDetokenizer:
     def _decode(self, ids: list[int]) -> str:
         if not ids or self.tokenizer is None:
             return ""
+        if self._backend_decode is not None:
+            return self._backend_decode(ids, skip_special_tokens=self.skip_special_tokens)
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def _check_stop_strings(self, num_new_chars: int) -> str | None:

@@ -124,3 +124,41 @@ def test_prompt_context_keeps_leading_space(tokenizer) -> None:
     ids = tokenizer.encode(" world, how are you")
     deltas, detok, _ = stream(tokenizer, prompt, ids, SamplingParams())
     assert "".join(deltas) == " world, how are you"
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_fast_decode_path_matches_tokenizer_decode(tokenizer, skip_special_tokens) -> None:
+    """The default tokenizer takes the Rust decode directly; it must give exactly
+    what ``tokenizer.decode`` gives, special tokens and split characters included."""
+    import random
+
+    from tandem.engine.detokenizer import _backend_decode
+
+    fast = _backend_decode(tokenizer)
+    assert fast is not None  # a fast BPE tokenizer without clean-up: the direct path
+    rng = random.Random(0)
+    special = sorted(tokenizer.all_special_ids)
+    for _ in range(200):
+        ids = [rng.randrange(tokenizer.vocab_size) for _ in range(rng.randrange(1, 12))]
+        ids.insert(rng.randrange(len(ids) + 1), rng.choice(special))
+        want = tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+        assert fast(ids, skip_special_tokens=skip_special_tokens) == want
+
+
+def test_tokenizer_with_clean_up_keeps_its_decode() -> None:
+    """A tokenizer whose decode post-processes (clean_up_tokenization_spaces)
+    is called through ``decode``."""
+    from tandem.engine.detokenizer import _backend_decode
+
+    class CleaningTokenizer:
+        clean_up_tokenization_spaces = True
+        backend_tokenizer = object()
+
+        def decode(self, ids, skip_special_tokens=False):
+            return "x" * len(ids)
+
+    tok = CleaningTokenizer()
+    assert _backend_decode(tok) is None
+    detok = IncrementalDetokenizer(tok, [], SamplingParams())
+    detok.update([1, 2], stop_terminated=False)
+    assert detok.output_text == "xx"  # one "x" per token, through decode
