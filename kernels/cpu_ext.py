@@ -267,6 +267,7 @@ def paged_decode_attention_cpu(
     bt = block_tables.contiguous()
     lens = seq_lens.contiguous()
     window = sliding_window if sliding_window is not None else 2**62
+    on_tiles = q.dtype == torch.bfloat16 and tiles is not False and amx_available()
     rc = lib.paged_decode_attention(
         int(q.dtype == torch.bfloat16),
         q.data_ptr(), q.stride(0), q.stride(1),
@@ -275,8 +276,7 @@ def paged_decode_attention_cpu(
         bt.data_ptr(), bt.stride(0), lens.data_ptr(),
         out.data_ptr(), out.stride(0), out.stride(1),
         nd, num_heads, k_cache.shape[2], head_dim, k_cache.shape[1],
-        float(scale), window, int(q.dtype == torch.bfloat16 and tiles is not False and amx_available()),
-        torch.get_num_threads(),
+        float(scale), window, int(on_tiles), torch.get_num_threads(),
     )  # fmt: skip
     if rc != 0:
         raise RuntimeError(f"paged_decode_attention_cpu failed with code {rc}")

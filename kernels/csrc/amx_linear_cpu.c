@@ -168,7 +168,6 @@ static inline void tile_block(const uint16_t *x, int64_t sx, const uint16_t *wp,
  * every column block streams past it. */
 #define M_BLOCK 256
 
-
 static inline __m512 bf16_round(__m512 v) {
     const __m256i h = (__m256i)_mm512_cvtneps_pbh(v);
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
