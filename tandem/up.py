@@ -5,7 +5,8 @@ Disaggregated (default): redis-server (unless ``--redis-url``), one KV store nod
 ``--colocated [--replicas K]``: K engines in the colocated role (no store) behind the same
 router. Waits until every part reports healthy, prints the URLs, and on Ctrl-C or SIGTERM
 stops everything: the children share one process group that is terminated (then killed),
-each child also gets SIGTERM from the kernel if this process dies (``PR_SET_PDEATHSIG``),
+each child also gets SIGTERM from the kernel if this process dies (``PR_SET_PDEATHSIG``, set by
+``tandem/child.py`` before it execs the part),
 and the temporary directory (logs, redis working dir) is removed.
 
 :class:`Stack` is the same thing as a context manager, used by ``tandem.demo``, the
@@ -16,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import os
 import shutil
 import signal
@@ -32,7 +32,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-_PR_SET_PDEATHSIG = 1
+from tandem.child import spawn
 
 
 def banner(stack: Stack, mode: str) -> str:
@@ -58,18 +58,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _child_setup(cpus: list[int] | None) -> Callable[[], None]:
-    """What a child runs before exec: die with us (Linux), and pin its CPUs if asked."""
-
-    def setup() -> None:  # pragma: no cover - runs in the child
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-        if cpus:
-            os.sched_setaffinity(0, cpus)
-
-    return setup
 
 
 @dataclass
@@ -332,9 +320,9 @@ class Stack:
             if not self.config.verbose:
                 part.log_path = self.tmpdir / f"{part.name}.log"
                 out = part.log_path.open("wb")
-            part.proc = subprocess.Popen(
-                part.argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                env=env, process_group=self._pgid or 0, preexec_fn=_child_setup(part.cpus))
+            # No preexec_fn: it would fork() after gRPC use here (see tandem/child.py).
+            part.proc = spawn(part.argv, part.cpus, stdout=out, stderr=subprocess.STDOUT,
+                              stdin=subprocess.DEVNULL, env=env, process_group=self._pgid or 0)
             if out is not None:
                 out.close()  # the child holds its own descriptor
             if self._pgid is None:

@@ -229,15 +229,21 @@ def test_full_queue_is_503_with_retry_after(colocated) -> None:
             60, "the slot to free after the disconnect")
 
 
-def _launch_tandem_up(tiny: str, tmp_path: Path, **popen_kwargs) -> tuple[subprocess.Popen, int]:  # noqa: ANN003
-    """Start `tandem up --colocated` on free ports with its temp dir under ``tmp_path``."""
+def _launch_tandem_up(tiny: str, tmp_path: Path, *, sigint_ignored: bool = False,
+                      ) -> tuple[subprocess.Popen, int]:
+    """Start `tandem up --colocated` on free ports with its temp dir under ``tmp_path``;
+    ``sigint_ignored``: through ``sh`` with SIGINT ignored, as in a background job of a
+    script (``tandem up &``). No preexec_fn: this process may have used gRPC, and a fork
+    then can abort the child (see tandem/child.py)."""
     port, grpc_port = free_port(), free_port()
     env = dict(os.environ, TMPDIR=str(tmp_path))
-    proc = subprocess.Popen(
-        [sys.executable, "-P", "-m", "tandem.cli", "up", "--colocated", "--model", tiny,
-         "--port", str(port), "--grpc-port", str(grpc_port),
-         *[f"--engine-arg={a}" for a in ENGINE_ARGS], "--router-arg=--max-model-len=1024"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True, **popen_kwargs)
+    argv = [sys.executable, "-P", "-m", "tandem.cli", "up", "--colocated", "--model", tiny,
+            "--port", str(port), "--grpc-port", str(grpc_port),
+            *[f"--engine-arg={a}" for a in ENGINE_ARGS], "--router-arg=--max-model-len=1024"]
+    if sigint_ignored:
+        argv = ["sh", "-c", "trap '' INT; exec \"$@\"", "sh", *argv]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
+                            text=True)
     return proc, port
 
 
@@ -288,8 +294,7 @@ def test_tandem_up_sigint_with_inherited_sig_ign_stops_everything(tiny, tmp_path
     """
     import psutil
 
-    proc, port = _launch_tandem_up(
-        tiny, tmp_path, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    proc, port = _launch_tandem_up(tiny, tmp_path, sigint_ignored=True)
     try:
         _wait_tandem_up_ready(proc, port)
         kids = psutil.Process(proc.pid).children(recursive=True)

@@ -5,10 +5,7 @@
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import shutil
-import signal
 import socket
 import subprocess
 from collections.abc import Iterator
@@ -16,18 +13,14 @@ from collections.abc import Iterator
 import pytest
 from waiting import wait_until
 
+from tandem.child import spawn
+
 
 def free_port() -> int:
     """A TCP port free right now on 127.0.0.1."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
-    """Linux: SIGTERM this process when its parent dies (no-op elsewhere)."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 class RedisServer:
@@ -42,13 +35,14 @@ class RedisServer:
         exe = shutil.which("redis-server")
         if exe is None:
             pytest.skip("redis-server is not installed (make redis)")
-        self.proc = subprocess.Popen(
+        # spawn, not preexec_fn: a fork() after this process used gRPC can abort
+        # the child in gRPC's fork handlers (tandem/child.py).
+        self.proc = spawn(
             [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
              "--appendonly", "no"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             # A pytest killed by a timeout runs no teardown: redis then dies with it
             # instead of living on as an orphan (seen after a killed CI run).
-            preexec_fn=_die_with_parent,
         )
         import redis
 
