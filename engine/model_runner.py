@@ -98,7 +98,7 @@ class ModelRunner:
         if self.loaded.dtype == torch.bfloat16 and self.loaded.device.type == "cpu":
             n = pack_linear_layers(self.model) + int(self.model.pack_tied_lm_head())
             if n:
-                logger.info("prepacked %d bf16 linear layers for oneDNN", n)
+                logger.info("prepared %d bf16 linear layers for this CPU", n)
         hf = self.loaded.hf_config
         self.vocab_size: int = int(hf.vocab_size)
         self.eos_token_id: int | None = self.loaded.eos_token_id

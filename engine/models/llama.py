@@ -357,13 +357,14 @@ class LlamaForCausalLM(nn.Module):
         return forward_argmax(hidden) if forward_argmax is not None else None
 
     def pack_tied_lm_head(self) -> bool:
-        """Give a tied LM head its own ``PackedLinear`` (bf16 CPU only).
+        """Give a tied LM head its own ``PackedLinear`` or ``Float32ComputeLinear``
+        (bf16 CPU only; see ``tandem.kernels.linear``).
 
         The embedding is an ``nn.Embedding``, so ``pack_linear_layers`` never sees
         the head; the packed copies cost one more embedding matrix of memory per
         packing. Returns whether a head was packed.
         """
-        from tandem.kernels.linear import PackedLinear, mkldnn_packing_available
+        from tandem.kernels.linear import replace_cpu_bf16_linear
 
         weight = self.model.embed_tokens.weight
         if (
@@ -371,12 +372,11 @@ class LlamaForCausalLM(nn.Module):
             or self.tied_lm_head is not None
             or weight.dtype != torch.bfloat16
             or weight.device.type != "cpu"
-            or not mkldnn_packing_available()
         ):
             return False
         head = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
         head.weight = weight
-        self.tied_lm_head = PackedLinear(head)
+        self.tied_lm_head = replace_cpu_bf16_linear(head)
         return True
 
     # HF name suffix -> (our fused parameter suffix, shard index)

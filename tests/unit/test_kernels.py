@@ -419,12 +419,37 @@ def test_pack_linear_layers_only_touches_bf16_cpu_linears():
         torch.nn.Linear(8, 8),  # float32: left alone
         torch.nn.Embedding(4, 8).to(torch.bfloat16),
     )
-    expected = 1 if linear_mod.mkldnn_packing_available() else 0
-    assert linear_mod.pack_linear_layers(model) == expected
+    assert linear_mod.pack_linear_layers(model) == 1
     assert linear_mod.pack_linear_layers(model) == 0  # idempotent
+    expected = (linear_mod.PackedLinear if linear_mod.mkldnn_packing_available()
+                else linear_mod.Float32ComputeLinear)
+    assert type(model[0]) is expected
     assert type(model[1]) is torch.nn.Linear
-    with pytest.raises(ValueError, match="bf16 CPU weight"):
-        linear_mod.PackedLinear(torch.nn.Linear(4, 4))
+    for cls in (linear_mod.PackedLinear, linear_mod.Float32ComputeLinear):
+        with pytest.raises(ValueError, match="bf16 CPU weight"):
+            cls(torch.nn.Linear(4, 4))
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("tokens", [1, 37])
+def test_float32_compute_linear_is_the_rounded_float32_product(bias, tokens):
+    """A bf16 layer computed in float32: the float32 product of the (exactly widened)
+    bf16 operands rounded to bf16 once (oneDNN may sum in another order than
+    F.linear: then within one bf16 rounding), and close to PyTorch's bf16 GEMM."""
+    torch.manual_seed(3)
+    lin = torch.nn.Linear(96, 40, bias=bias).to(torch.bfloat16)
+    x = torch.randn(tokens, 96, dtype=torch.bfloat16)
+    layer = linear_mod.Float32ComputeLinear(lin)
+    out = layer(x)
+    assert out.dtype == torch.bfloat16 and out.shape == (tokens, 40)
+    b = lin.bias.float() if bias else None
+    exact = torch.nn.functional.linear(x.float(), lin.weight.float(), b)
+    if not layer.packed:
+        assert torch.equal(out, exact.bfloat16())
+    torch.testing.assert_close(out.float(), exact, rtol=2**-8, atol=1e-6)
+    assert (out == exact.bfloat16()).float().mean() > 0.95
+    torch.testing.assert_close(out, lin(x), rtol=2**-7, atol=1e-2)
+    assert layer(x.reshape(1, tokens, 96)).shape == (1, tokens, 40)
 
 
 def _native_or_skip():
