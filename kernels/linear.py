@@ -71,6 +71,22 @@ def mkldnn_packing_available(dtype: torch.dtype = torch.bfloat16) -> bool:
     return True
 
 
+def _adopt_bf16_cpu_linear(layer: nn.Module, linear: nn.Linear) -> torch.Tensor:
+    """Give ``layer`` the ``in_features`` / ``out_features`` of ``linear`` and return
+    ``linear.weight``, once checked to be bf16 on the CPU.
+
+    Raises:
+        ValueError: naming ``layer``'s class and the weight's dtype and device.
+    """
+    w = linear.weight
+    if w.dtype != torch.bfloat16 or w.device.type != "cpu":
+        raise ValueError(
+            f"{type(layer).__name__} needs a bf16 CPU weight, got {w.dtype} on {w.device}")
+    layer.in_features = linear.in_features
+    layer.out_features = linear.out_features
+    return w
+
+
 class PackedLinear(nn.Module):
     """``y = x @ W.T + b`` with ``W`` prepacked for oneDNN (CPU, bfloat16).
 
@@ -89,11 +105,7 @@ class PackedLinear(nn.Module):
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
-        w = linear.weight
-        if w.dtype != torch.bfloat16 or w.device.type != "cpu":
-            raise ValueError(f"PackedLinear needs a bf16 CPU weight, got {w.dtype} on {w.device}")
-        self.in_features = linear.in_features
-        self.out_features = linear.out_features
+        w = _adopt_bf16_cpu_linear(self, linear)
         packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), _PACK_BATCH_HINT)
         self.register_buffer("packed_weight", packed, persistent=False)
         amx = (
@@ -162,12 +174,7 @@ class Float32ComputeLinear(nn.Module):
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
-        w = linear.weight
-        if w.dtype != torch.bfloat16 or w.device.type != "cpu":
-            raise ValueError(
-                f"Float32ComputeLinear needs a bf16 CPU weight, got {w.dtype} on {w.device}")
-        self.in_features = linear.in_features
-        self.out_features = linear.out_features
+        w = _adopt_bf16_cpu_linear(self, linear)
         w32 = w.detach().float().contiguous()
         self.packed = mkldnn_packing_available(torch.float32)
         if self.packed:
