@@ -34,15 +34,15 @@ static inline __attribute__((always_inline)) float ld(const void *p, int64_t i, 
     return ((const float *)p)[i];
 }
 
+/* Branch-free (a select, not an if) so that the `omp simd` loops calling it
+ * vectorize: with an if, GCC gave up on them ("control flow in loop") and the
+ * generic bf16 path (CPUs without AVX512-BF16) ran 4-30x slower than torch. */
 static inline __attribute__((always_inline)) float round_bf16(float f) {
     uint32_t u;
     memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) {
-        u |= 0x00400000u; /* quiet NaN */
-    } else {
-        u += 0x7fffu + ((u >> 16) & 1u);
-    }
-    u &= 0xffff0000u;
+    const uint32_t rounded = u + 0x7fffu + ((u >> 16) & 1u);
+    const uint32_t quiet_nan = u | 0x00400000u;
+    u = ((u & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded) & 0xffff0000u;
     memcpy(&f, &u, sizeof f);
     return f;
 }
@@ -196,36 +196,54 @@ static void silu_and_mul_bf16(const uint16_t *x, uint16_t *out, int64_t tokens, 
 /* out = weight * dtype(h * rsqrt(mean(h^2) + eps)), h = dtype(x + residual)
  * (h = x without a residual); res_out receives h. has_res is a literal at every
  * call site, so each variant is specialised and vectorised. */
-static inline __attribute__((always_inline)) void add_rms_norm_impl(
+/* One row of add_rms_norm_impl; h: scratch of `hidden` floats. */
+static inline __attribute__((always_inline)) void add_rms_norm_row(
     const int is_bf16, const int has_res, const void *x, const void *res, const void *w,
-    void *out, void *res_out, int64_t rows, int64_t hidden, float eps, int num_threads) {
+    void *out, void *res_out, int64_t base, int64_t hidden, float eps, float *h) {
+    float sumsq = 0.f;
+#pragma omp simd reduction(+ : sumsq)
+    for (int64_t i = 0; i < hidden; ++i) {
+        float v = ld(x, base + i, is_bf16);
+        if (has_res) v = rd(v + ld(res, base + i, is_bf16), is_bf16);
+        h[i] = v;
+        sumsq += v * v;
+    }
+    const float rs = 1.f / sqrtf(sumsq / (float)hidden + eps);
+#pragma omp simd
+    for (int64_t i = 0; i < hidden; ++i) {
+        if (has_res) st(res_out, base + i, h[i], is_bf16);
+        st(out, base + i, ld(w, i, is_bf16) * rd(h[i] * rs, is_bf16), is_bf16);
+    }
+}
+
+/* out = weight * dtype(h * rsqrt(mean(h^2) + eps)), h = dtype(x + residual)
+ * (h = x without a residual); res_out receives h.
+ * NOTE: the flags are branched on per row, each branch calling the row with
+ * literals: inside the OpenMP-outlined loop body they are variables, and a test
+ * of one inside an `omp simd` loop kept GCC from vectorising it. */
+static void add_rms_norm_impl(const int is_bf16, const int has_res, const void *x,
+                              const void *res, const void *w, void *out, void *res_out,
+                              int64_t rows, int64_t hidden, float eps, int num_threads) {
 #pragma omp parallel num_threads(num_threads)
     {
         float h[MAX_HIDDEN]; /* the Python side declines larger rows */
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; ++r) {
             const int64_t base = r * hidden;
-            float sumsq = 0.f;
-#pragma omp simd reduction(+ : sumsq)
-            for (int64_t i = 0; i < hidden; ++i) {
-                float v = ld(x, base + i, is_bf16);
-                if (has_res) v = rd(v + ld(res, base + i, is_bf16), is_bf16);
-                h[i] = v;
-                sumsq += v * v;
-            }
-            const float rs = 1.f / sqrtf(sumsq / (float)hidden + eps);
-#pragma omp simd
-            for (int64_t i = 0; i < hidden; ++i) {
-                if (has_res) st(res_out, base + i, h[i], is_bf16);
-                st(out, base + i, ld(w, i, is_bf16) * rd(h[i] * rs, is_bf16), is_bf16);
-            }
+            if (is_bf16 && has_res)
+                add_rms_norm_row(1, 1, x, res, w, out, res_out, base, hidden, eps, h);
+            else if (is_bf16)
+                add_rms_norm_row(1, 0, x, res, w, out, res_out, base, hidden, eps, h);
+            else if (has_res)
+                add_rms_norm_row(0, 1, x, res, w, out, res_out, base, hidden, eps, h);
+            else
+                add_rms_norm_row(0, 0, x, res, w, out, res_out, base, hidden, eps, h);
         }
     }
 }
 
 int add_rms_norm(int is_bf16, const void *x, const void *res, const void *w, void *out,
                  void *res_out, int64_t rows, int64_t hidden, float eps, int num_threads) {
-    /* Literal flags: each call below is specialised and vectorised. */
     if (hidden > MAX_HIDDEN) return -1;
     const int has_res = res != NULL && res_out != NULL;
 #ifdef HAVE_AVX512_BF16
@@ -235,38 +253,45 @@ int add_rms_norm(int is_bf16, const void *x, const void *res, const void *w, voi
         return 0;
     }
 #endif
-    if (is_bf16 && has_res)
-        add_rms_norm_impl(1, 1, x, res, w, out, res_out, rows, hidden, eps, num_threads);
-    else if (is_bf16)
-        add_rms_norm_impl(1, 0, x, res, w, out, res_out, rows, hidden, eps, num_threads);
-    else if (has_res)
-        add_rms_norm_impl(0, 1, x, res, w, out, res_out, rows, hidden, eps, num_threads);
-    else
-        add_rms_norm_impl(0, 0, x, res, w, out, res_out, rows, hidden, eps, num_threads);
+    add_rms_norm_impl(is_bf16 != 0, has_res, x, res, w, out, res_out, rows, hidden, eps,
+                      num_threads);
     return 0;
 }
 
 /* out[t, h] = rotate(x[t, h]) by the angles of token t: with x = (x1, x2) halves,
  * (x1*cos - x2*sin, x2*cos + x1*sin). cos/sin: [T, D/2] contiguous; x strided
  * (token stride sx_t, head stride sx_h); out contiguous [T, H, D]. */
-static inline __attribute__((always_inline)) void rotary_neox_impl(
-    const int is_bf16, const void *x, int64_t sx_t, int64_t sx_h, void *out, int64_t tokens,
-    int64_t heads, int64_t head_dim, const void *cos, const void *sin, int num_threads) {
+static inline __attribute__((always_inline)) void rotary_neox_row(
+    const int is_bf16, const void *x, int64_t xi, void *out, int64_t oi, int64_t half,
+    const void *cos, const void *sin, int64_t ci) {
+#pragma omp simd
+    for (int64_t i = 0; i < half; ++i) {
+        const float c = ld(cos, ci + i, is_bf16);
+        const float s = ld(sin, ci + i, is_bf16);
+        const float x1 = ld(x, xi + i, is_bf16);
+        const float x2 = ld(x, xi + half + i, is_bf16);
+        st(out, oi + i, rd(x1 * c, is_bf16) - rd(x2 * s, is_bf16), is_bf16);
+        st(out, oi + half + i, rd(x2 * c, is_bf16) + rd(x1 * s, is_bf16), is_bf16);
+    }
+}
+
+/* out[t, h] = rotate(x[t, h]) by the angles of token t: with x = (x1, x2) halves,
+ * (x1*cos - x2*sin, x2*cos + x1*sin). cos/sin: [T, D/2] contiguous; x strided
+ * (token stride sx_t, head stride sx_h); out contiguous [T, H, D]. is_bf16 is
+ * branched on per head (see add_rms_norm_impl). */
+static void rotary_neox_impl(const int is_bf16, const void *x, int64_t sx_t, int64_t sx_h,
+                             void *out, int64_t tokens, int64_t heads, int64_t head_dim,
+                             const void *cos, const void *sin, int num_threads) {
     const int64_t half = head_dim / 2;
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int64_t t = 0; t < tokens; ++t) {
         for (int64_t h = 0; h < heads; ++h) {
             const int64_t xi = t * sx_t + h * sx_h;
             const int64_t oi = (t * heads + h) * head_dim;
-#pragma omp simd
-            for (int64_t i = 0; i < half; ++i) {
-                const float c = ld(cos, t * half + i, is_bf16);
-                const float s = ld(sin, t * half + i, is_bf16);
-                const float x1 = ld(x, xi + i, is_bf16);
-                const float x2 = ld(x, xi + half + i, is_bf16);
-                st(out, oi + i, rd(x1 * c, is_bf16) - rd(x2 * s, is_bf16), is_bf16);
-                st(out, oi + half + i, rd(x2 * c, is_bf16) + rd(x1 * s, is_bf16), is_bf16);
-            }
+            if (is_bf16)
+                rotary_neox_row(1, x, xi, out, oi, half, cos, sin, t * half);
+            else
+                rotary_neox_row(0, x, xi, out, oi, half, cos, sin, t * half);
         }
     }
 }
@@ -280,25 +305,36 @@ int rotary_neox(int is_bf16, const void *x, int64_t sx_t, int64_t sx_h, void *ou
         return 0;
     }
 #endif
-    if (is_bf16)
-        rotary_neox_impl(1, x, sx_t, sx_h, out, tokens, heads, head_dim, cos, sin, num_threads);
-    else
-        rotary_neox_impl(0, x, sx_t, sx_h, out, tokens, heads, head_dim, cos, sin, num_threads);
+    rotary_neox_impl(is_bf16 != 0, x, sx_t, sx_h, out, tokens, heads, head_dim, cos, sin,
+                     num_threads);
     return 0;
 }
 
-/* out[t, i] = dtype(silu(gate[t, i])) * up[t, i]; x = [T, 2I] holds gate | up. */
-static inline __attribute__((always_inline)) void silu_and_mul_impl(
-    const int is_bf16, const void *x, void *out, int64_t tokens, int64_t inter, int num_threads) {
+static inline __attribute__((always_inline)) void silu_and_mul_row(
+    const int is_bf16, const void *x, void *out, int64_t xi, int64_t oi, int64_t inter) {
+#pragma omp simd
+    for (int64_t i = 0; i < inter; ++i) {
+        const float g = ld(x, xi + i, is_bf16);
+        /* silu(g) = g / (1 + e^-g), from e = e^-|g| <= 1 (as silu_ps does): the
+         * divisor stays in [1, 2], where -ffast-math's reciprocal estimate is
+         * exact enough; g / (1 + inf) through it gave NaN instead of -0 in the
+         * vectorised loop. Tails as torch's: -0 far below 0, NaN for NaN and -inf. */
+        const float e = expf(-fabsf(g));
+        const float a = rd((g >= 0.f ? g : g * e) / (1.f + e), is_bf16);
+        st(out, oi + i, a * ld(x, xi + inter + i, is_bf16), is_bf16);
+    }
+}
+
+/* out[t, i] = dtype(silu(gate[t, i])) * up[t, i]; x = [T, 2I] holds gate | up.
+ * is_bf16 is branched on per row (see add_rms_norm_impl). */
+static void silu_and_mul_impl(const int is_bf16, const void *x, void *out, int64_t tokens,
+                              int64_t inter, int num_threads) {
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int64_t t = 0; t < tokens; ++t) {
-        const int64_t xi = t * 2 * inter, oi = t * inter;
-#pragma omp simd
-        for (int64_t i = 0; i < inter; ++i) {
-            const float g = ld(x, xi + i, is_bf16);
-            const float a = rd(g / (1.f + expf(-g)), is_bf16);
-            st(out, oi + i, a * ld(x, xi + inter + i, is_bf16), is_bf16);
-        }
+        if (is_bf16)
+            silu_and_mul_row(1, x, out, t * 2 * inter, t * inter, inter);
+        else
+            silu_and_mul_row(0, x, out, t * 2 * inter, t * inter, inter);
     }
 }
 
@@ -310,10 +346,7 @@ int silu_and_mul(int is_bf16, const void *x, void *out, int64_t tokens, int64_t 
         return 0;
     }
 #endif
-    if (is_bf16)
-        silu_and_mul_impl(1, x, out, tokens, inter, num_threads);
-    else
-        silu_and_mul_impl(0, x, out, tokens, inter, num_threads);
+    silu_and_mul_impl(is_bf16 != 0, x, out, tokens, inter, num_threads);
     return 0;
 }
 
