@@ -329,6 +329,24 @@ static inline __attribute__((always_inline)) void widen_rows(const void *src, in
             _mm256_storeu_ps(dst + r * HD + c, ld8(src, off + r * s_o + c, is_bf16));
 }
 
+/* Block b's visible rows [t0, t1) of KV head h (t0 into *t0_out), widened into dst
+ * (see widen_rows); first prefetches head h of the block PREFETCH_BLOCKS ahead.
+ * Returns t1 - t0. */
+static inline __attribute__((always_inline)) int64_t widen_block_head(
+    const void *src, int64_t s_b, int64_t s_o, int64_t s_h, const int64_t *table, int64_t b,
+    int64_t b1, int64_t bs, int64_t lo, int64_t len, int64_t h, const int64_t HD, int is_bf16,
+    float *dst, int64_t *t0_out) {
+    const int64_t t0 = b * bs > lo ? b * bs : lo;
+    const int64_t t1 = (b + 1) * bs < len ? (b + 1) * bs : len;
+    if (b + PREFETCH_BLOCKS <= b1)
+        prefetch_rows(src, table[b + PREFETCH_BLOCKS] * s_b + h * s_h, bs, s_o, HD,
+                      is_bf16 ? 2 : 4);
+    widen_rows(src, table[b] * s_b + (t0 - b * bs) * s_o + h * s_h, s_o, t1 - t0, HD, is_bf16,
+               dst);
+    *t0_out = t0;
+    return t1 - t0;
+}
+
 /* Same contract as attend_seq_impl (qv: scaled queries, H x HD floats; sc: H x n
  * scores; acc: H x HD float sums; inv: 1 / softmax denominators), HD = head_dim. */
 static inline __attribute__((always_inline)) void attend_seq_avx2_impl(
@@ -343,14 +361,10 @@ static inline __attribute__((always_inline)) void attend_seq_avx2_impl(
     for (int64_t b = b0; b < b0 + PREFETCH_BLOCKS && b <= b1; ++b)
         prefetch_rows(k, table[b] * sk_b, bs, sk_o, (num_kv_heads - 1) * sk_h + HD, esize);
     for (int64_t b = b0; b <= b1; ++b) {
-        const int64_t t0 = b * bs > lo ? b * bs : lo;
-        const int64_t t1 = (b + 1) * bs < len ? (b + 1) * bs : len;
-        const int64_t rows = t1 - t0;
-        const int64_t base = table[b] * sk_b + (t0 - b * bs) * sk_o;
         for (int64_t h = 0; h < num_kv_heads; ++h) {
-            if (b + PREFETCH_BLOCKS <= b1)
-                prefetch_rows(k, table[b + PREFETCH_BLOCKS] * sk_b + h * sk_h, bs, sk_o, HD, esize);
-            widen_rows(k, base + h * sk_h, sk_o, rows, HD, is_bf16, rows_f);
+            int64_t t0;
+            const int64_t rows = widen_block_head(k, sk_b, sk_o, sk_h, table, b, b1, bs, lo, len,
+                                                  h, HD, is_bf16, rows_f, &t0);
             for (int64_t g = 0; g < G; ++g) {
                 const float *qh = qv + (h * G + g) * HD;
                 float *srow = sc + (h * G + g) * n + (t0 - lo);
@@ -393,14 +407,10 @@ static inline __attribute__((always_inline)) void attend_seq_avx2_impl(
     }
     for (int64_t i = 0; i < num_kv_heads * G * HD; ++i) acc[i] = 0.f;
     for (int64_t b = b0; b <= b1; ++b) {
-        const int64_t t0 = b * bs > lo ? b * bs : lo;
-        const int64_t t1 = (b + 1) * bs < len ? (b + 1) * bs : len;
-        const int64_t rows = t1 - t0;
-        const int64_t base = table[b] * sv_b + (t0 - b * bs) * sv_o;
         for (int64_t h = 0; h < num_kv_heads; ++h) {
-            if (b + PREFETCH_BLOCKS <= b1)
-                prefetch_rows(v, table[b + PREFETCH_BLOCKS] * sv_b + h * sv_h, bs, sv_o, HD, esize);
-            widen_rows(v, base + h * sv_h, sv_o, rows, HD, is_bf16, rows_f);
+            int64_t t0;
+            const int64_t rows = widen_block_head(v, sv_b, sv_o, sv_h, table, b, b1, bs, lo, len,
+                                                  h, HD, is_bf16, rows_f, &t0);
             for (int64_t g = 0; g < G; ++g) {
                 float *ah = acc + (h * G + g) * HD;
                 const float *srow = sc + (h * G + g) * n + (t0 - lo);
