@@ -193,9 +193,6 @@ static void silu_and_mul_bf16(const uint16_t *x, uint16_t *out, int64_t tokens, 
 }
 #endif
 
-/* out = weight * dtype(h * rsqrt(mean(h^2) + eps)), h = dtype(x + residual)
- * (h = x without a residual); res_out receives h. has_res is a literal at every
- * call site, so each variant is specialised and vectorised. */
 /* One row of add_rms_norm_impl; h: scratch of `hidden` floats. */
 static inline __attribute__((always_inline)) void add_rms_norm_row(
     const int is_bf16, const int has_res, const void *x, const void *res, const void *w,
@@ -258,9 +255,7 @@ int add_rms_norm(int is_bf16, const void *x, const void *res, const void *w, voi
     return 0;
 }
 
-/* out[t, h] = rotate(x[t, h]) by the angles of token t: with x = (x1, x2) halves,
- * (x1*cos - x2*sin, x2*cos + x1*sin). cos/sin: [T, D/2] contiguous; x strided
- * (token stride sx_t, head stride sx_h); out contiguous [T, H, D]. */
+/* One head of one token of rotary_neox_impl (ci: the token's offset in cos/sin). */
 static inline __attribute__((always_inline)) void rotary_neox_row(
     const int is_bf16, const void *x, int64_t xi, void *out, int64_t oi, int64_t half,
     const void *cos, const void *sin, int64_t ci) {
@@ -310,6 +305,7 @@ int rotary_neox(int is_bf16, const void *x, int64_t sx_t, int64_t sx_h, void *ou
     return 0;
 }
 
+/* One row of silu_and_mul_impl. */
 static inline __attribute__((always_inline)) void silu_and_mul_row(
     const int is_bf16, const void *x, void *out, int64_t xi, int64_t oi, int64_t inter) {
 #pragma omp simd

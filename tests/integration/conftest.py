@@ -35,14 +35,14 @@ class RedisServer:
         exe = shutil.which("redis-server")
         if exe is None:
             pytest.skip("redis-server is not installed (make redis)")
-        # spawn, not preexec_fn: a fork() after this process used gRPC can abort
-        # the child in gRPC's fork handlers (tandem/child.py).
+        # spawn: a pytest killed by a timeout runs no teardown, and redis then dies
+        # with it instead of living on as an orphan (seen after a killed CI run);
+        # not preexec_fn, since a fork() after this process used gRPC can abort the
+        # child in gRPC's fork handlers (tandem/child.py).
         self.proc = spawn(
             [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
              "--appendonly", "no"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            # A pytest killed by a timeout runs no teardown: redis then dies with it
-            # instead of living on as an orphan (seen after a killed CI run).
         )
         import redis
 
