@@ -140,11 +140,11 @@ def _prefill_attention_cpu(
     scale: float,
     sliding_window: int | None,
 ) -> None:
-    """Every prefill sequence in one native AMX call (bf16, K/V from the cache)
-    where the CPU and shapes allow it, else SDPA per sequence."""
-    if meta.prefills and cpu_ext.amx_prefill_supports(query, k_cache, v_cache):
+    """Every prefill sequence in one native call (bf16 on AMX tiles or AVX512-BF16,
+    K/V from the cache) where the CPU and shapes allow it, else SDPA per sequence."""
+    if meta.prefills and cpu_ext.prefill_attention_supports(query, k_cache, v_cache):
         desc, tables = meta.prefill_descriptors()
-        cpu_ext.amx_prefill_attention_cpu(
+        cpu_ext.prefill_attention_cpu(
             query, k_cache, v_cache, desc, tables, scale, sliding_window, out
         )
         return
@@ -268,8 +268,8 @@ def _decode_attention_cpu(
 paged_attention_cpu = _paged_attention_with(
     _decode_attention_cpu,
     """CPU path: the decode group by the native kernel that reads K/V in place
-    (``kernels/cpu_ext.py``), bf16 prefills by the native AMX kernel where the
-    CPU has AMX; each falls back to the gather + SDPA reference where its kernel
+    (``kernels/cpu_ext.py``), bf16 prefills by the native prefill kernel where
+    the CPU has AVX512-BF16 (on AMX tiles where it has AMX); each falls back to the gather + SDPA reference where its kernel
     does not serve the tensors. Same contract as ``paged_attention_ref``.""",
     _prefill_attention_cpu,
 )

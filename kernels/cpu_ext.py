@@ -1,8 +1,10 @@
 """Native CPU kernels (``kernels/csrc/*.c``), built on first use and loaded with ctypes.
 
-Kernels: paged decode attention, fused residual add + RMSNorm, rotary embedding,
-SiLU-and-multiply, and bf16 linear layers on AMX tiles (where the CPU has them). Each wrapper declines (``supports`` is False or it returns
-``None``) where it cannot serve the tensors, and the torch reference runs.
+Kernels: paged decode attention, bf16 prefill attention (AMX tiles or AVX512-BF16),
+fused residual add + RMSNorm, rotary embedding, SiLU-and-multiply, and bf16 linear
+layers on AMX tiles (where the CPU has them). Each wrapper declines (``supports`` is
+False or it returns ``None``) where it cannot serve the tensors, and the torch
+reference runs.
 
 Why a C kernel: paged decode attention is memory bound, and the torch path has to
 gather every context block into a padded copy before SDPA can run (see
@@ -48,7 +50,7 @@ _SOURCES = [
     ("paged_attention_cpu.c", ["-ffast-math"]),
     ("elementwise_cpu.c", ["-ffast-math", "-ffp-contract=off"]),
     ("amx_linear_cpu.c", []),
-    ("amx_attention_cpu.c", []),
+    ("prefill_attention_cpu.c", []),
     ("decode_layers_cpu.c", []),
 ]
 _HEADERS = ["team.h", "simd_math.h"]
@@ -81,13 +83,13 @@ _ROTARY_ARGTYPES = [
     _i64, _i64, _i64, _ptr, _ptr, ctypes.c_int,  # tokens, heads, head_dim, cos, sin, threads
 ]  # fmt: skip
 _SILU_ARGTYPES = [ctypes.c_int, _ptr, _ptr, _i64, _i64, ctypes.c_int]
-_AMX_PREFILL_ARGTYPES = [
+_PREFILL_ARGTYPES = [
     _ptr, _i64, _i64,  # query, strides (token, head)
     _ptr, _i64, _i64, _i64, _ptr, _i64, _i64, _i64,  # k cache, strides; v cache, strides
     _ptr, _ptr, _i64,  # prefill descriptors [P, 4], block tables, P
     _ptr, _i64, _i64,  # out, strides (token, head)
     _i64, _i64, _i64, _i64,  # num_heads, num_kv_heads, head_dim, block_size
-    ctypes.c_float, _i64, ctypes.c_int,  # scale, window (0 = none), threads
+    ctypes.c_float, _i64, ctypes.c_int, ctypes.c_int,  # scale, window (0 = none), tiles, threads
 ]  # fmt: skip
 _ARGMAX_ARGTYPES = [ctypes.c_int, _ptr, _i64, _i64, _i64, _ptr, ctypes.c_int]
 _CACHE_WRITE_ARGTYPES = [
@@ -192,7 +194,8 @@ def load() -> ctypes.CDLL | None:
         ("silu_and_mul", _SILU_ARGTYPES),
         ("cache_write", _CACHE_WRITE_ARGTYPES),
         ("argmax_rows", _ARGMAX_ARGTYPES),
-        ("amx_prefill_attention", _AMX_PREFILL_ARGTYPES),
+        ("prefill_attention_bf16", _PREFILL_ARGTYPES),
+        ("prefill_attention_bf16_available", []),
         ("decode_layers", [_ptr, _i64, _ptr, ctypes.c_int]),
         ("amx_linear_argmax", [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, ctypes.c_int]),
         ("decode_layers_available", []),
@@ -593,12 +596,17 @@ def amx_linear(
     return _amx_rows("amx_linear", x, packed, bias, out_features, out_features)
 
 
-def amx_prefill_supports(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-    """Whether ``amx_prefill_attention_cpu`` serves this query and these cache views."""
+def prefill_attention_supports(
+    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
+) -> bool:
+    """Whether ``prefill_attention_cpu`` serves this query and these cache views: bf16
+    on a CPU with AVX512-BF16 (AMX optional), head_dim % 32 == 0 and <= 256."""
     num_heads, head_dim = query.shape[1], query.shape[2]
+    lib = load()
     return (
         query.dtype == torch.bfloat16
         and k_cache.dtype == torch.bfloat16
+        and v_cache.dtype == torch.bfloat16
         and query.device.type == "cpu"
         and head_dim % 32 == 0
         and head_dim <= 256
@@ -609,11 +617,12 @@ def amx_prefill_supports(query: torch.Tensor, k_cache: torch.Tensor, v_cache: to
         # K rows are read as 32-bit pairs (and gathered with stride sk_o / 2)
         and all(st % 2 == 0 for st in k_cache.stride()[:3])
         and k_cache.data_ptr() % 4 == 0
-        and amx_available()
+        and lib is not None
+        and bool(lib.prefill_attention_bf16_available())
     )
 
 
-def amx_prefill_attention_cpu(
+def prefill_attention_cpu(
     query: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
@@ -622,10 +631,12 @@ def amx_prefill_attention_cpu(
     scale: float,
     sliding_window: int | None,
     out: torch.Tensor,
+    tiles: bool | None = None,
 ) -> None:
-    """Causal attention of every prefill sequence on AMX tiles, K/V read from the
-    paged cache (the new tokens' K/V must be written there first); see
-    ``csrc/amx_attention_cpu.c`` for the algorithm.
+    """Causal attention of every prefill sequence in one native call, K/V read from
+    the paged cache (the new tokens' K/V must be written there first); see
+    ``csrc/prefill_attention_cpu.c`` for the algorithm. Needs
+    ``prefill_attention_supports``.
 
     Args:
         query: ``[num_tokens, num_heads, head_dim]`` bf16, head dim contiguous.
@@ -634,24 +645,27 @@ def amx_prefill_attention_cpu(
         desc, tables: ``AttentionMetadata.prefill_descriptors()``.
         scale: softmax scale; sliding_window: in tokens, or ``None``.
         out: ``[num_tokens, num_heads, head_dim]`` bf16; the prefill rows are written.
+        tiles: the products on AMX tiles (``None``: where ``amx_available()``;
+            ``False``: AVX512-BF16 dot products, for tests on AMX machines).
 
     Raises:
-        RuntimeError: without AMX here, or when the kernel rejects the shapes or
-            cannot allocate.
+        RuntimeError: ``tiles=True`` without AMX here, or when the kernel rejects
+            the shapes or cannot allocate.
     """
-    if not amx_available():  # also asks Linux for the tile state, once
-        raise RuntimeError("amx_prefill_attention_cpu needs AMX-BF16 (see amx_available)")
+    on_tiles = amx_available() if tiles is None else tiles
+    if on_tiles and not amx_available():  # also asks Linux for the tile state, once
+        raise RuntimeError("prefill_attention_cpu(tiles=True) needs AMX-BF16 (see amx_available)")
     lib = load()
     assert lib is not None
     num_heads, head_dim = query.shape[1], query.shape[2]
-    rc = lib.amx_prefill_attention(
+    rc = lib.prefill_attention_bf16(
         query.data_ptr(), query.stride(0), query.stride(1),
         k_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.data_ptr(), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         desc.data_ptr(), tables.data_ptr(), desc.shape[0],
         out.data_ptr(), out.stride(0), out.stride(1),
         num_heads, k_cache.shape[2], head_dim, k_cache.shape[1],
-        float(scale), int(sliding_window or 0), torch.get_num_threads(),
+        float(scale), int(sliding_window or 0), int(on_tiles), torch.get_num_threads(),
     )  # fmt: skip
     if rc != 0:
-        raise RuntimeError(f"amx_prefill_attention failed with code {rc}")
+        raise RuntimeError(f"prefill_attention_bf16 failed with code {rc}")

@@ -421,8 +421,11 @@ def test_pack_linear_layers_only_touches_bf16_cpu_linears():
     )
     assert linear_mod.pack_linear_layers(model) == 1
     assert linear_mod.pack_linear_layers(model) == 0  # idempotent
-    expected = (linear_mod.PackedLinear if linear_mod.mkldnn_packing_available()
-                else linear_mod.Float32ComputeLinear)
+    expected = (
+        linear_mod.PackedLinear
+        if linear_mod.mkldnn_packing_available()
+        else linear_mod.Float32ComputeLinear
+    )
     assert type(model[0]) is expected
     assert type(model[1]) is torch.nn.Linear
     for cls in (linear_mod.PackedLinear, linear_mod.Float32ComputeLinear):
@@ -549,17 +552,36 @@ def test_native_argmax_rows_matches_torch_max_indices(dtype, cols):
     assert cpu_ext.argmax_rows_cpu(x.t()) is None  # non-unit column stride: torch path
 
 
-@pytest.mark.skipif(not cpu_ext.amx_available(), reason="no AMX-BF16 on this CPU")
+_PREFILL_BF16 = pytest.mark.skipif(
+    not cpu_ext.prefill_attention_supports(
+        torch.zeros(1, 1, 32, dtype=torch.bfloat16),
+        *[torch.zeros(1, 16, 1, 32, dtype=torch.bfloat16)] * 2,
+    ),
+    reason="no AVX512-BF16 on this CPU",
+)
+_TILES = [
+    pytest.param(False, id="avx512bf16"),
+    pytest.param(
+        True,
+        id="amx",
+        marks=pytest.mark.skipif(not cpu_ext.amx_available(), reason="no AMX-BF16 on this CPU"),
+    ),
+]
+
+
+@_PREFILL_BF16
+@pytest.mark.parametrize("tiles", _TILES)
 @pytest.mark.parametrize(
     "head_dim,num_heads,num_kv_heads", [(64, 9, 3), (128, 8, 2), (32, 4, 4), (96, 6, 1)]
 )
 @pytest.mark.parametrize("window", [None, 21])
 @pytest.mark.parametrize("bs", [16, 8, 32])
-def test_amx_prefill_attention_matches_dense(head_dim, num_heads, num_kv_heads, window, bs):
+def test_prefill_attention_matches_dense(head_dim, num_heads, num_kv_heads, window, bs, tiles):
     """Fresh prompts, prefix-cached prompts and later chunks (num_computed > 0),
     lengths off the 16-row and 32-key tile grid, beside decode tokens, in one
-    call; blocks the sequences do not own and the slots past each sequence's end
-    hold NaN, and rows of decode tokens must stay untouched."""
+    call, on AMX tiles and with AVX512-BF16 dot products; blocks the sequences do
+    not own and the slots past each sequence's end hold NaN, and rows of decode
+    tokens must stay untouched."""
     torch.manual_seed(11)
     layers = 2  # the kernel reads a strided layer view
     seqs = [(0, 37), (9, 1), (20, 20), (0, 300), (33, 16), (5, 17)]
@@ -580,10 +602,10 @@ def test_amx_prefill_attention_matches_dense(head_dim, num_heads, num_kv_heads, 
     meta = build_attention_metadata([n for _, n in seqs], [c for c, _ in seqs], tables, bs)
     query = (torch.randn(meta.num_tokens, num_heads, head_dim) * 2).bfloat16()
     out = torch.full_like(query, float("nan"))
-    assert cpu_ext.amx_prefill_supports(query, *layer)
+    assert cpu_ext.prefill_attention_supports(query, *layer)
     desc, flat = meta.prefill_descriptors()
     scale = head_dim**-0.5
-    cpu_ext.amx_prefill_attention_cpu(query, *layer, desc, flat, scale, window, out)
+    cpu_ext.prefill_attention_cpu(query, *layer, desc, flat, scale, window, out, tiles=tiles)
     start = 0
     for (c, n), k, v in zip(seqs, full_k, full_v, strict=True):
         got = out[start : start + n]
@@ -595,15 +617,13 @@ def test_amx_prefill_attention_matches_dense(head_dim, num_heads, num_kv_heads, 
         start += n
 
 
-@pytest.mark.skipif(not cpu_ext.amx_available(), reason="no AMX-BF16 on this CPU")
-def test_cpu_paged_attention_takes_the_amx_prefill_path(monkeypatch):
-    """bf16 prefills go to the AMX kernel (one call for all of them); float32 ones
+@_PREFILL_BF16
+def test_cpu_paged_attention_takes_the_native_prefill_path(monkeypatch):
+    """bf16 prefills go to the native kernel (one call for all of them); float32 ones
     stay on SDPA (the token-for-token float32 path)."""
     calls = []
-    real = cpu_ext.amx_prefill_attention_cpu
-    monkeypatch.setattr(
-        cpu_ext, "amx_prefill_attention_cpu", lambda *a: calls.append(1) or real(*a)
-    )
+    real = cpu_ext.prefill_attention_cpu
+    monkeypatch.setattr(cpu_ext, "prefill_attention_cpu", lambda *a: calls.append(1) or real(*a))
     bs, hd, kvh, heads = 16, 64, 3, 9
     meta = build_attention_metadata([20, 1, 33], [0, 5, 0], [[0, 1], [2], [3, 4, 5]], bs)
     for dtype, expected in ((torch.bfloat16, 1), (torch.float32, 0)):
@@ -647,8 +667,8 @@ def test_amx_linear_argmax_equals_argmax_of_the_outputs(bias, tokens, out_featur
         assert ids.tolist() == full.max(dim=-1).indices.tolist()
 
 
-@pytest.mark.skipif(not cpu_ext.amx_available(), reason="no AMX-BF16 on this CPU")
-def test_amx_prefill_declines_views_it_cannot_read():
+@_PREFILL_BF16
+def test_native_prefill_declines_views_it_cannot_read():
     """A value view strided in the head dim, or key rows at odd element strides
     (read as 32-bit pairs), go to SDPA instead, with the same results."""
     torch.manual_seed(4)
@@ -661,9 +681,9 @@ def test_amx_prefill_declines_views_it_cannot_read():
     good = (kv[:, 0, 0], kv[:, 0, 1])
     strided_v = torch.zeros(8, bs, kvh, 2 * hd).bfloat16()[..., ::2]
     odd_k = torch.zeros(8, bs, kvh * hd + 1).bfloat16()[..., 1:].view(8, bs, kvh, hd)
-    assert cpu_ext.amx_prefill_supports(query, *good)
-    assert not cpu_ext.amx_prefill_supports(query, good[0], strided_v)
-    assert not cpu_ext.amx_prefill_supports(query, odd_k, good[1])
+    assert cpu_ext.prefill_attention_supports(query, *good)
+    assert not cpu_ext.prefill_attention_supports(query, good[0], strided_v)
+    assert not cpu_ext.prefill_attention_supports(query, odd_k, good[1])
     want = None
     for layer in (good, (good[0], strided_v), (odd_k, good[1])):
         reshape_and_cache(key, value, layer, meta.slot_mapping)

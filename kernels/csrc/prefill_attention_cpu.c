@@ -1,29 +1,35 @@
 /*
- * Prefill attention (causal, optional sliding window) on Intel AMX tiles, reading
- * K/V from the paged cache.
+ * Prefill attention (causal, optional sliding window) in bf16, reading K/V from
+ * the paged cache: on Intel AMX tiles where the CPU has them, else with
+ * AVX512-BF16 dot products (VDPBF16PS; e.g. AMD Zen 4/5).
  *
  * Why: torch's SDPA ran the SmolLM2 prefill at ~250 GFLOP/s on the 2-core AMX dev
  * box (8 prompts x 256 tokens: ~75 ms of a ~360 ms step, plus ~20 ms of per-
- * sequence Python and copies); the tiles multiply bf16 several times faster, and
- * one call serves every prefill sequence of a layer.
+ * sequence Python and copies), and at ~50 GFLOP/s in bf16 on a 2-core Zen 5 VM
+ * without AMX (1.5 ms a sequence and layer: 2.2 s of a 13 s benchmark run); the
+ * tiles, or VDPBF16PS on the same packed operands, multiply bf16 several times
+ * faster, and one call serves every prefill sequence of a layer.
  *
  * Algorithm: for each (sequence, query head, block of 16 query tokens) the scores
- * of every visible key are computed at once (S = Q K^T on tiles, float32), the
- * softmax runs exactly over each row (max, exp, sum in float32; the
- * probabilities rounded to bf16 for the second product, as torch's CPU flash
- * attention does), then O = P V on tiles and O / sum is rounded to bf16. The
- * score rows are held whole, so no online-softmax rescaling is needed (Milakov
- * & Gimelshein 2018 is what a bounded buffer would need instead); memory is 16 x
- * context x 6 bytes per thread.
+ * of every visible key are computed at once (S = Q K^T, float32), the softmax
+ * runs exactly over each row (max, exp, sum in float32; the probabilities
+ * rounded to bf16 for the second product, as torch's CPU flash attention does),
+ * then O = P V and O / sum is rounded to bf16. The score rows are held whole, so
+ * no online-softmax rescaling is needed (Milakov & Gimelshein 2018 is what a
+ * bounded buffer would need instead); memory is 16 x context x 6 bytes per thread.
  *
- * Tiles (TDPBF16PS): keys and values are first packed per (sequence, KV head,
- * chunk of 32 keys) into the B layout the instruction takes, shared by the G
- * query heads of that KV head:
+ * Packed operands: keys and values are first packed per (sequence, KV head,
+ * chunk of 32 keys) into the B layout TDPBF16PS takes, shared by the G query
+ * heads of that KV head:
  *   K chunk: [2 key tiles][D/32 k steps][16 pairs][16 keys x 2], element
  *            [t][ks][kp][2n + j] = K[32c + 16t + n][32ks + 2kp + j];
  *   V chunk: [D/16 dim tiles][16 key pairs][16 dims x 2], element
  *            [db][kp][2n + j] = V[32c + 2kp + j][16db + n].
- * Keys past the sequence end are packed as zeros and masked out of the softmax.
+ * Each 64-byte row of a tile is also what VDPBF16PS takes as its vector operand
+ * (16 float32 lanes, each summing one pair), with the other operand a broadcast
+ * 32-bit pair of the query row (for S) or of the probability row (for O), so the
+ * AVX-512 path reads the same packing. Keys past the sequence end are packed as
+ * zeros and masked out of the softmax.
  *
  * Shapes: head_dim % 32 == 0 and <= 256, num_heads % num_kv_heads == 0 (the
  * Python side checks). Visible keys of query position p: max(0, p - window + 1)
@@ -37,9 +43,11 @@
 #include "simd_math.h"
 #include "team.h"
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && \
-    defined(__AVX512BW__) && defined(__linux__)
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #include <immintrin.h>
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#define HAVE_PREFILL_AMX 1
+#endif
 
 #define CHUNK 32  /* keys per packed chunk: one k step of the P V product */
 #define ROWS 16   /* query tokens per work item: one tile of rows */
@@ -140,23 +148,11 @@ static float softmax_row(const float *s, uint16_t *p, int64_t ncols, int64_t lo,
     return _mm512_reduce_add_ps(vsum);
 }
 
-/* One work item: query head hq, query tokens [r0, r0 + rows) of sequence sq. */
-static void attend_rows(const uint16_t *q, int64_t sq_t, int64_t sq_h, const prefill_seq *sq,
-                        int64_t r0, int64_t rows, int64_t hq, const uint16_t *kp,
-                        const uint16_t *vp, uint16_t *out, int64_t so_t, int64_t so_h,
-                        int64_t D, float scale, int64_t window, float *S, uint16_t *P,
-                        uint16_t *qbuf, float *obuf) {
-    const int64_t KS = D / 32, DB = D / 16, chunk_elems = CHUNK * D;
-    const int64_t pos0 = sq->num_computed + r0, pos_last = pos0 + rows - 1;
-    const int64_t lo_key = window > 0 && pos0 - window + 1 > 0 ? pos0 - window + 1 : 0;
-    const int64_t c0 = lo_key / CHUNK, c1 = (pos_last + CHUNK) / CHUNK;
-    const int64_t ncols = (c1 - c0) * CHUNK;
-
-    memset(qbuf, 0, (size_t)(ROWS * D * 2));
-    for (int64_t r = 0; r < rows; ++r)
-        memcpy(qbuf + r * D, q + (sq->token_start + r0 + r) * sq_t + hq * sq_h, (size_t)(D * 2));
-
-    /* S = Q K^T, chunk by chunk (two 16-key tiles each) */
+#ifdef HAVE_PREFILL_AMX
+/* S = Q K^T on tiles for chunks [c0, c1): S row r, column (c - c0) * 32 + n. */
+static void scores_tiles(const uint16_t *qbuf, const uint16_t *kp, int64_t c0, int64_t c1,
+                         int64_t D, float *S, int64_t ncols) {
+    const int64_t KS = D / 32, chunk_elems = CHUNK * D;
     for (int64_t c = c0; c < c1; ++c) {
         const uint16_t *kc = kp + c * chunk_elems;
         _tile_zero(0);
@@ -171,6 +167,152 @@ static void attend_rows(const uint16_t *q, int64_t sq_t, int64_t sq_h, const pre
         _tile_stored(0, S + (c - c0) * CHUNK, ncols * 4);
         _tile_stored(1, S + (c - c0) * CHUNK + 16, ncols * 4);
     }
+}
+
+/* obuf[r][16t + n] = (P V)[r][16(g + t) + n] for the nt <= 4 dim tiles from g,
+ * on tiles (tile registers 0-3 accumulate; tile numbers must be immediates). */
+static void pv_tiles(const uint16_t *P, int64_t ncols, const uint16_t *vp, int64_t c0,
+                     int64_t c1, int64_t D, int64_t g, int64_t nt, float *obuf) {
+    const int64_t chunk_elems = CHUNK * D;
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t c = c0; c < c1; ++c) {
+        const uint16_t *vc = vp + c * chunk_elems + g * 512;
+        _tile_loadd(4, P + (c - c0) * CHUNK, ncols * 2);
+        _tile_loadd(5, vc, 64);
+        _tile_dpbf16ps(0, 4, 5);
+        if (nt > 1) {
+            _tile_loadd(6, vc + 512, 64);
+            _tile_dpbf16ps(1, 4, 6);
+        }
+        if (nt > 2) {
+            _tile_loadd(7, vc + 1024, 64);
+            _tile_dpbf16ps(2, 4, 7);
+        }
+        if (nt > 3) {
+            _tile_loadd(5, vc + 1536, 64);
+            _tile_dpbf16ps(3, 4, 5);
+        }
+    }
+    _tile_stored(0, obuf, 64 * 4);
+    _tile_stored(1, obuf + 16, 64 * 4);
+    _tile_stored(2, obuf + 32, 64 * 4);
+    _tile_stored(3, obuf + 48, 64 * 4);
+}
+#endif
+
+/* The 32-bit pair i of a bf16 row, broadcast to the 16 lanes VDPBF16PS sums in. */
+static inline __m512bh bcast_pair(const uint16_t *row, int64_t i) {
+    int32_t v;
+    memcpy(&v, row + 2 * i, 4);
+    return (__m512bh)_mm512_set1_epi32(v);
+}
+
+/* S = Q K^T for chunks [c0, c1) with VDPBF16PS: eight query rows against the
+ * chunk's two 16-key tiles at a time (16 accumulators), each packed tile row
+ * (one dim pair of 16 keys) loaded once per eight rows. Same S layout as
+ * scores_tiles. */
+static void scores_dp(const uint16_t *qbuf, const uint16_t *kp, int64_t c0, int64_t c1,
+                      int64_t D, float *S, int64_t ncols) {
+    const int64_t D2 = D / 2, chunk_elems = CHUNK * D;
+    for (int64_t c = c0; c < c1; ++c) {
+        const uint16_t *k0 = kp + c * chunk_elems, *k1 = k0 + D2 * 32;
+        for (int64_t rb = 0; rb < ROWS; rb += 8) {
+            __m512 acc[8][2];
+#pragma GCC unroll 8
+            for (int i = 0; i < 8; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+            for (int64_t d2 = 0; d2 < D2; ++d2) {
+                const __m512bh b0 = (__m512bh)_mm512_load_si512(k0 + d2 * 32);
+                const __m512bh b1 = (__m512bh)_mm512_load_si512(k1 + d2 * 32);
+#pragma GCC unroll 8
+                for (int i = 0; i < 8; ++i) {
+                    const __m512bh a = bcast_pair(qbuf + (rb + i) * D, d2);
+                    acc[i][0] = _mm512_dpbf16_ps(acc[i][0], a, b0);
+                    acc[i][1] = _mm512_dpbf16_ps(acc[i][1], a, b1);
+                }
+            }
+            float *s = S + rb * ncols + (c - c0) * CHUNK;
+#pragma GCC unroll 8
+            for (int i = 0; i < 8; ++i) {
+                _mm512_storeu_ps(s + i * ncols, acc[i][0]);
+                _mm512_storeu_ps(s + i * ncols + 16, acc[i][1]);
+            }
+        }
+    }
+}
+
+/* Four rows of P V over NT dim tiles with VDPBF16PS (4 x NT accumulators): each
+ * packed V row (one key pair over 16 dims) is loaded once per four rows. */
+static inline __attribute__((always_inline)) void pv_dp_rows(
+    const uint16_t *P, int64_t ncols, const uint16_t *vp, int64_t c0, int64_t c1, int64_t D,
+    int64_t g, int NT, float *obuf) {
+    const int64_t chunk_elems = CHUNK * D;
+    __m512 acc[4][4];
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; ++i)
+#pragma GCC unroll 4
+        for (int t = 0; t < 4; ++t) acc[i][t] = _mm512_setzero_ps();
+    for (int64_t c = c0; c < c1; ++c) {
+        const uint16_t *vc = vp + c * chunk_elems + g * 512;
+        const uint16_t *p = P + (c - c0) * CHUNK;
+        for (int64_t kp = 0; kp < 16; ++kp) {
+            __m512bh b[4];
+#pragma GCC unroll 4
+            for (int t = 0; t < NT; ++t) b[t] = (__m512bh)_mm512_load_si512(vc + t * 512 + kp * 32);
+#pragma GCC unroll 4
+            for (int i = 0; i < 4; ++i) {
+                const __m512bh a = bcast_pair(p + i * ncols, kp);
+#pragma GCC unroll 4
+                for (int t = 0; t < NT; ++t) acc[i][t] = _mm512_dpbf16_ps(acc[i][t], a, b[t]);
+            }
+        }
+    }
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; ++i)
+#pragma GCC unroll 4
+        for (int t = 0; t < NT; ++t) _mm512_storeu_ps(obuf + i * 64 + t * 16, acc[i][t]);
+}
+
+/* The VDPBF16PS counterpart of pv_tiles (same obuf layout). */
+static void pv_dp(const uint16_t *P, int64_t ncols, const uint16_t *vp, int64_t c0, int64_t c1,
+                  int64_t D, int64_t g, int64_t nt, float *obuf) {
+    for (int64_t rb = 0; rb < ROWS; rb += 4) {
+        const uint16_t *p = P + rb * ncols;
+        float *o = obuf + rb * 64;
+        switch (nt) { /* literal tile counts, so the accumulators stay in registers */
+        case 1: pv_dp_rows(p, ncols, vp, c0, c1, D, g, 1, o); break;
+        case 2: pv_dp_rows(p, ncols, vp, c0, c1, D, g, 2, o); break;
+        case 3: pv_dp_rows(p, ncols, vp, c0, c1, D, g, 3, o); break;
+        default: pv_dp_rows(p, ncols, vp, c0, c1, D, g, 4, o); break;
+        }
+    }
+}
+
+/* One work item: query head hq, query tokens [r0, r0 + rows) of sequence sq;
+ * tiles != 0: the products on AMX tiles (the thread ran team_amx_begin). */
+static void attend_rows(const uint16_t *q, int64_t sq_t, int64_t sq_h, const prefill_seq *sq,
+                        int64_t r0, int64_t rows, int64_t hq, const uint16_t *kp,
+                        const uint16_t *vp, uint16_t *out, int64_t so_t, int64_t so_h,
+                        int64_t D, float scale, int64_t window, int tiles, float *S,
+                        uint16_t *P, uint16_t *qbuf, float *obuf) {
+    const int64_t DB = D / 16;
+    const int64_t pos0 = sq->num_computed + r0, pos_last = pos0 + rows - 1;
+    const int64_t lo_key = window > 0 && pos0 - window + 1 > 0 ? pos0 - window + 1 : 0;
+    const int64_t c0 = lo_key / CHUNK, c1 = (pos_last + CHUNK) / CHUNK;
+    const int64_t ncols = (c1 - c0) * CHUNK;
+
+    memset(qbuf, 0, (size_t)(ROWS * D * 2));
+    for (int64_t r = 0; r < rows; ++r)
+        memcpy(qbuf + r * D, q + (sq->token_start + r0 + r) * sq_t + hq * sq_h, (size_t)(D * 2));
+
+#ifdef HAVE_PREFILL_AMX
+    if (tiles)
+        scores_tiles(qbuf, kp, c0, c1, D, S, ncols);
+    else
+#endif
+        scores_dp(qbuf, kp, c0, c1, D, S, ncols);
 
     float inv_sum[ROWS];
     for (int64_t r = 0; r < ROWS; ++r) {
@@ -187,36 +329,15 @@ static void attend_rows(const uint16_t *q, int64_t sq_t, int64_t sq_h, const pre
         inv_sum[r] = 1.f / sum;
     }
 
-    /* O = P V in groups of up to four 16-dim tiles (tile registers 0-3) */
+    /* O = P V in groups of up to four 16-dim tiles */
     for (int64_t g = 0; g < DB; g += 4) {
         const int64_t nt = DB - g < 4 ? DB - g : 4;
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
-        for (int64_t c = c0; c < c1; ++c) {
-            const uint16_t *vc = vp + c * chunk_elems + g * 512;
-            _tile_loadd(4, P + (c - c0) * CHUNK, ncols * 2);
-            /* tile numbers must be immediates */
-            _tile_loadd(5, vc, 64);
-            _tile_dpbf16ps(0, 4, 5);
-            if (nt > 1) {
-                _tile_loadd(6, vc + 512, 64);
-                _tile_dpbf16ps(1, 4, 6);
-            }
-            if (nt > 2) {
-                _tile_loadd(7, vc + 1024, 64);
-                _tile_dpbf16ps(2, 4, 7);
-            }
-            if (nt > 3) {
-                _tile_loadd(5, vc + 1536, 64);
-                _tile_dpbf16ps(3, 4, 5);
-            }
-        }
-        _tile_stored(0, obuf, 64 * 4);
-        _tile_stored(1, obuf + 16, 64 * 4);
-        _tile_stored(2, obuf + 32, 64 * 4);
-        _tile_stored(3, obuf + 48, 64 * 4);
+#ifdef HAVE_PREFILL_AMX
+        if (tiles)
+            pv_tiles(P, ncols, vp, c0, c1, D, g, nt, obuf);
+        else
+#endif
+            pv_dp(P, ncols, vp, c0, c1, D, g, nt, obuf);
         for (int64_t r = 0; r < rows; ++r) {
             uint16_t *o = out + (sq->token_start + r0 + r) * so_t + hq * so_h + g * 16;
             const __m512 inv = _mm512_set1_ps(inv_sum[r]);
@@ -228,14 +349,20 @@ static void attend_rows(const uint16_t *q, int64_t sq_t, int64_t sq_h, const pre
     }
 }
 
-int amx_prefill_attention(const uint16_t *q, int64_t sq_t, int64_t sq_h, const uint16_t *k_cache,
-                          int64_t sk_b, int64_t sk_o, int64_t sk_h, const uint16_t *v_cache,
-                          int64_t sv_b, int64_t sv_o, int64_t sv_h, const int64_t *desc,
-                          const int64_t *tables, int64_t num_seqs, uint16_t *out, int64_t so_t,
-                          int64_t so_h, int64_t num_heads, int64_t num_kv_heads, int64_t D,
-                          int64_t block_size, float scale, int64_t window, int num_threads) {
+int prefill_attention_bf16_available(void) { return 1; }
+
+int prefill_attention_bf16(const uint16_t *q, int64_t sq_t, int64_t sq_h, const uint16_t *k_cache,
+                           int64_t sk_b, int64_t sk_o, int64_t sk_h, const uint16_t *v_cache,
+                           int64_t sv_b, int64_t sv_o, int64_t sv_h, const int64_t *desc,
+                           const int64_t *tables, int64_t num_seqs, uint16_t *out, int64_t so_t,
+                           int64_t so_h, int64_t num_heads, int64_t num_kv_heads, int64_t D,
+                           int64_t block_size, float scale, int64_t window, int tiles,
+                           int num_threads) {
     if (D % 32 || D > 256 || num_kv_heads < 1 || num_heads % num_kv_heads || num_seqs < 1)
         return -1;
+#ifndef HAVE_PREFILL_AMX
+    if (tiles) return -1;
+#endif
     const prefill_seq *seqs = (const prefill_seq *)desc;
     const int64_t G = num_heads / num_kv_heads, chunk_elems = CHUNK * D;
     /* chunk offsets of each sequence in the packed buffers, and work items */
@@ -288,7 +415,7 @@ int amx_prefill_attention(const uint16_t *q, int64_t sq_t, int64_t sq_h, const u
         }
 #pragma omp barrier
         if (rc == 0) {
-            team_amx_begin(); /* the tile configuration (amx_linear_cpu.c) */
+            if (tiles) team_amx_begin(); /* the tile configuration (amx_linear_cpu.c) */
             /* causal rows cost more the later they sit: hand items out one by one */
 #pragma omp for schedule(dynamic, 1)
             for (int64_t it = 0; it < total_items; ++it) {
@@ -302,9 +429,9 @@ int amx_prefill_attention(const uint16_t *q, int64_t sq_t, int64_t sq_h, const u
                 const int64_t nc = chunk_off[s + 1] - chunk_off[s];
                 const int64_t base = (chunk_off[s] * num_kv_heads + hq / G * nc) * chunk_elems;
                 attend_rows(q, sq_t, sq_h, &seqs[s], r0, rows, hq, kp + base, vp + base, out,
-                            so_t, so_h, D, scale, window, S, P, qbuf, obuf);
+                            so_t, so_h, D, scale, window, tiles, S, P, qbuf, obuf);
             }
-            team_amx_end();
+            if (tiles) team_amx_end();
         }
         free(S);
         free(P);
@@ -317,18 +444,21 @@ done:
     return rc;
 }
 
-#else /* no AMX in this build */
+#else /* no AVX512-BF16 in this build */
 
-int amx_prefill_attention(const uint16_t *q, int64_t sq_t, int64_t sq_h, const uint16_t *k_cache,
-                          int64_t sk_b, int64_t sk_o, int64_t sk_h, const uint16_t *v_cache,
-                          int64_t sv_b, int64_t sv_o, int64_t sv_h, const int64_t *desc,
-                          const int64_t *tables, int64_t num_seqs, uint16_t *out, int64_t so_t,
-                          int64_t so_h, int64_t num_heads, int64_t num_kv_heads, int64_t D,
-                          int64_t block_size, float scale, int64_t window, int num_threads) {
+int prefill_attention_bf16_available(void) { return 0; }
+
+int prefill_attention_bf16(const uint16_t *q, int64_t sq_t, int64_t sq_h, const uint16_t *k_cache,
+                           int64_t sk_b, int64_t sk_o, int64_t sk_h, const uint16_t *v_cache,
+                           int64_t sv_b, int64_t sv_o, int64_t sv_h, const int64_t *desc,
+                           const int64_t *tables, int64_t num_seqs, uint16_t *out, int64_t so_t,
+                           int64_t so_h, int64_t num_heads, int64_t num_kv_heads, int64_t D,
+                           int64_t block_size, float scale, int64_t window, int tiles,
+                           int num_threads) {
     (void)q, (void)sq_t, (void)sq_h, (void)k_cache, (void)sk_b, (void)sk_o, (void)sk_h;
     (void)v_cache, (void)sv_b, (void)sv_o, (void)sv_h, (void)desc, (void)tables, (void)num_seqs;
     (void)out, (void)so_t, (void)so_h, (void)num_heads, (void)num_kv_heads, (void)D;
-    (void)block_size, (void)scale, (void)window, (void)num_threads;
+    (void)block_size, (void)scale, (void)window, (void)tiles, (void)num_threads;
     return -1;
 }
 
