@@ -249,9 +249,10 @@ def paged_decode_attention_cpu(
             context lengths in tokens, including the new token.
         scale: softmax scale; sliding_window: optional window in tokens.
         tiles: bf16 only: compute the scores on AMX tiles (``None``: where
-            ``amx_available()``; ``False``: the AVX-512 path, for tests). Shapes
-            the tile path does not take (block_size % 16, head_dim % 32, more
-            than 16 query heads per KV head) run the AVX-512 path either way.
+            ``amx_available()``; ``False``: with AVX512-BF16 dot products, as on
+            CPUs without AMX). Shapes those paths do not take (block_size % 16,
+            head_dim % 32, more than 16 query heads per KV head) run the generic
+            vector code either way.
 
     Returns:
         ``[nd, num_heads, head_dim]`` in ``q.dtype`` (float32 accumulation).

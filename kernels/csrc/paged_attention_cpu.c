@@ -479,17 +479,27 @@ static void attend_seq(int is_bf16, const void *k, const void *v, int64_t sk_b, 
                     next_b1);
 }
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && \
-    defined(__AVX512BW__)
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define HAVE_BF16_DECODE 1
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #define HAVE_AMX_DECODE 1
+#endif
 #include "simd_math.h"
 
-/* ---- bf16 decode attention with the scores on AMX tiles ----------------------
+/* ---- bf16 decode attention, scores as rows of 16 query heads per key ---------
  *
  * Why: the VDPBF16PS scores above need a horizontal reduction per key and query
  * head (~5 vector instructions per score), which made the kernel compute bound
  * (hot in cache it ran at ~24 GB/s, cold at ~18 GB/s on the 2-core dev box,
  * whose DRAM streams ~28 GB/s). TDPBF16PS does that reduction in the tile unit.
+ * Without AMX (e.g. AMD Zen 4/5) the same layout is computed with VDPBF16PS, one
+ * 16-way reduction per key and group of 16 query heads instead of one per key
+ * and query head, and GCC keeps this loop's vectors in registers where the
+ * generic code above spilled them. SmolLM2's shape (64 sequences x 320 tokens, 9
+ * query and 3 KV heads, one layer's 15.7 MB of K/V) on a 2-core Zen 5 VM: the
+ * generic code took 0.58 ms a layer both hot in L3 and cold (compute bound),
+ * this path 0.31-0.38 ms hot and 0.6-0.65 ms cold (30 layers' worth of K/V, read
+ * at ~25 GB/s: scattered 6 KB block runs from DRAM bound both there).
  *
  * Scores: S[key][column] = K[key, :] . Q[column, :] with A = 16 key rows of the
  * cache block (32 dims per k step, any row stride: straight from the cache) and
@@ -507,7 +517,49 @@ static void attend_seq(int is_bf16, const void *k, const void *v, int64_t sk_b, 
  * ones as (x & 0xffff0000), so the accumulators hold even and odd dims
  * separately and are interleaved back once per sequence. */
 
+
+
+/* VDPBF16PS path: prefetch distance in blocks (2, 4, 8 measured alike) */
+#define DP_PF 2
 #define QTILE_ELEMS 512 /* bf16 per 16 x 64-byte tile */
+
+/* Scores of the 16 key rows from kr (row stride sk_o) against the query heads of
+ * KV heads [h0, h0 + nh) (nh <= GS), with VDPBF16PS: dst row r, column
+ * (h - h0) * G + g = K[r, h, :] . q[h * G + g, :] (q: [H][32 * S] bf16, unscaled).
+ * G, GS and S are literals in the callers, so the 16 partial vectors of a row
+ * stay in registers. kpf / vpf (or NULL): the same rows of a later block, whose
+ * first kspan / vspan elements are prefetched a row at a time (so the requests
+ * trickle out with the work instead of in a burst that stalls on the fill buffers). */
+static inline __attribute__((always_inline)) void group_scores_dp(
+    const uint16_t *kr, int64_t sk_o, int64_t sk_h, const uint16_t *q, int64_t h0, int64_t nh,
+    const int64_t G, const int64_t GS, const int64_t S, float *dst, const uint16_t *kpf,
+    int64_t kspan, const uint16_t *vpf, int64_t sv_o, int64_t vspan) {
+    for (int64_t r = 0; r < 16; ++r, kr += sk_o) {
+        if (kpf != NULL)
+            for (int64_t e = 0; e < kspan; e += 32) __builtin_prefetch(kpf + r * sk_o + e, 0, 1);
+        if (vpf != NULL)
+            for (int64_t e = 0; e < vspan; e += 32) __builtin_prefetch(vpf + r * sv_o + e, 0, 1);
+        __m512 d[16];
+#pragma GCC unroll 16
+        for (int j = 0; j < 16; ++j) d[j] = _mm512_setzero_ps();
+#pragma GCC unroll 16
+        for (int64_t hh = 0; hh < GS; ++hh) {
+            if (hh >= nh) break;
+            const uint16_t *krow = kr + (h0 + hh) * sk_h;
+            const uint16_t *qh = q + (h0 + hh) * G * S * 32;
+#pragma GCC unroll 16
+            for (int64_t g = 0; g < G; ++g) {
+                __m512 a = _mm512_setzero_ps();
+#pragma GCC unroll 8
+                for (int64_t c = 0; c < S; ++c)
+                    a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(krow + c * 32),
+                                         (__m512bh)_mm512_loadu_si512(qh + (g * S + c) * 32));
+                d[REDUCE_SLOT[(hh * G + g) & 15]] = a; /* < 16: GS * G <= 16 */
+            }
+        }
+        _mm512_store_ps(dst + r * 16, reduce16(d));
+    }
+}
 
 /* B tiles of one sequence's queries: tile (h, s) at bq + (h * S + s) * 512,
  * element [kp][2c + j] = q[head of column c][32s + 2kp + j] for the columns of
@@ -530,42 +582,62 @@ static void pack_query_tiles(const uint16_t *q, int64_t sq_h, int64_t KVH, int64
 }
 
 /* One sequence, every head; see above. sc: (b1 - b0 + 1) * bs * 16 floats per
- * group; acc: H * D floats. G and NV (= D / 16) are literals in the callers. */
-static inline __attribute__((always_inline)) void attend_seq_amx_impl(
+ * group; acc: H * D floats. tiles: bq holds the B tiles of pack_query_tiles and
+ * the scores run on AMX; else bq is the plain [H][D] bf16 queries and they run on
+ * VDPBF16PS. tiles, G and NV (= D / 16) are literals in the callers. */
+static inline __attribute__((always_inline)) void attend_seq_bf16_impl(
     const uint16_t *k, const uint16_t *v, int64_t sk_b, int64_t sk_o, int64_t sk_h, int64_t sv_b,
     int64_t sv_o, int64_t sv_h, const int64_t *table, int64_t bs, int64_t lo, int64_t len,
-    int64_t KVH, const int64_t G, const int64_t NV, const uint16_t *bq, float scale, float *sc,
-    __m512 *acc, uint16_t *out, int64_t so_h, const int64_t *next_table, int64_t next_b0,
-    int64_t next_b1) {
+    int64_t KVH, const int tiles, const int64_t G, const int64_t NV, const uint16_t *bq,
+    float scale, float *sc, __m512 *acc, uint16_t *out, int64_t so_h, const int64_t *next_table,
+    int64_t next_b0, int64_t next_b1) {
     const int64_t S = NV / 2, GS = 16 / G, NG = (KVH + GS - 1) / GS;
     const int64_t b0 = lo / bs, b1 = (len - 1) / bs;
     const int64_t R = (b1 - b0 + 1) * bs; /* score rows per group */
-    const int64_t kspan = (KVH - 1) * sk_h + NV * VL;
-    for (int64_t b = b0; b < b0 + PREFETCH_BLOCKS && b <= b1; ++b)
+    const int64_t kspan = (KVH - 1) * sk_h + NV * VL, vspan = (KVH - 1) * sv_h + NV * VL;
+    for (int64_t b = b0; b < b0 + PREFETCH_BLOCKS && b <= b1; ++b) {
         prefetch_rows(k, table[b] * sk_b, bs, sk_o, kspan, 2);
+        if (!tiles) prefetch_rows(v, table[b] * sv_b, bs, sv_o, vspan, 2);
+    }
 
-    /* S = K Q^T, 16 keys per tile */
+    /* S = K Q^T, 16 keys per tile. The tile path prefetches K blocks ahead, then
+     * the first V blocks; the VDPBF16PS path, whose blocks go by faster, K and V
+     * blocks ahead, row by row (group_scores_dp), so the value pass reads L2. */
     for (int64_t b = b0; b <= b1; ++b) {
         const int64_t bp = b + PREFETCH_BLOCKS;
-        if (bp <= b1)
+        const int64_t bpd = b + DP_PF;
+        const uint16_t *kpf = NULL, *vpf = NULL;
+        if (!tiles) {
+            if (bpd <= b1) kpf = k + table[bpd] * sk_b, vpf = v + table[bpd] * sv_b;
+        } else if (bp <= b1) {
             prefetch_rows(k, table[bp] * sk_b, bs, sk_o, kspan, 2);
-        else if (b0 + (bp - b1 - 1) <= b1)
-            prefetch_rows(v, table[b0 + (bp - b1 - 1)] * sv_b, bs, sv_o,
-                          (KVH - 1) * sv_h + NV * VL, 2);
+        } else if (b0 + (bp - b1 - 1) <= b1) {
+            prefetch_rows(v, table[b0 + (bp - b1 - 1)] * sv_b, bs, sv_o, vspan, 2);
+        }
         const uint16_t *kb = k + table[b] * sk_b;
         for (int64_t t0 = 0; t0 < bs; t0 += 16) {
             const int64_t key0 = b * bs + t0;
             if (key0 + 16 <= lo || key0 >= len) continue;
             for (int64_t gi = 0; gi < NG; ++gi) {
                 const int64_t h1 = (gi + 1) * GS < KVH ? (gi + 1) * GS : KVH;
-                _tile_zero(0);
-                for (int64_t h = gi * GS; h < h1; ++h)
-                    for (int64_t s = 0; s < S; ++s) {
-                        _tile_loadd(1, kb + t0 * sk_o + h * sk_h + s * 32, sk_o * 2);
-                        _tile_loadd(2, bq + (h * S + s) * QTILE_ELEMS, 64);
-                        _tile_dpbf16ps(0, 1, 2);
-                    }
-                _tile_stored(0, sc + (gi * R + key0 - b0 * bs) * 16, 64);
+                float *dst = sc + (gi * R + key0 - b0 * bs) * 16;
+#ifdef HAVE_AMX_DECODE
+                if (tiles) {
+                    _tile_zero(0);
+                    for (int64_t h = gi * GS; h < h1; ++h)
+                        for (int64_t s = 0; s < S; ++s) {
+                            _tile_loadd(1, kb + t0 * sk_o + h * sk_h + s * 32, sk_o * 2);
+                            _tile_loadd(2, bq + (h * S + s) * QTILE_ELEMS, 64);
+                            _tile_dpbf16ps(0, 1, 2);
+                        }
+                    _tile_stored(0, dst, 64);
+                    continue;
+                }
+#endif
+                const int pf = gi == 0 && kpf != NULL;
+                group_scores_dp(kb + t0 * sk_o, sk_o, sk_h, bq, gi * GS, h1 - gi * GS, G, 16 / G,
+                                S, dst, pf ? kpf + t0 * sk_o : NULL, kspan,
+                                pf ? vpf + t0 * sv_o : NULL, sv_o, vspan);
             }
         }
     }
@@ -596,6 +668,7 @@ static inline __attribute__((always_inline)) void attend_seq_amx_impl(
     for (int64_t b = b0; b <= b1; ++b) {
         int64_t vnext, knext;
         v_pass_prefetch(table, b, b1, sv_b, sk_b, next_table, next_b0, next_b1, &vnext, &knext);
+        if (!tiles) vnext = -1; /* the score pass fetched V */
         const int64_t t0 = b * bs > lo ? b * bs : lo;
         const int64_t t1 = (b + 1) * bs < len ? (b + 1) * bs : len;
         const uint16_t *vb = v + table[b] * sv_b;
@@ -641,25 +714,38 @@ static inline __attribute__((always_inline)) void attend_seq_amx_impl(
     }
 }
 
-#define AMX_SEQ_CASE(GG, NVV)                                                                 \
-    if (G == GG && NV == NVV) {                                                               \
-        attend_seq_amx_impl(k, v, sk_b, sk_o, sk_h, sv_b, sv_o, sv_h, table, bs, lo, len, KVH, \
-                            GG, NVV, bq, scale, sc, acc, out, so_h, next_table, next_b0,      \
-                            next_b1);                                                         \
-        return;                                                                               \
+#define BF16_SEQ_CASE(TT, GG, NVV)                                                          \
+    if (tiles == TT && G == GG && NV == NVV) {                                              \
+        attend_seq_bf16_impl(k, v, sk_b, sk_o, sk_h, sv_b, sv_o, sv_h, table, bs, lo, len,   \
+                             KVH, TT, GG, NVV, bq, scale, sc, acc, out, so_h, next_table,    \
+                             next_b0, next_b1);                                             \
+        return;                                                                             \
     }
+#define BF16_SEQ_CASES(TT)                                                                  \
+    BF16_SEQ_CASE(TT, 1, 4) BF16_SEQ_CASE(TT, 2, 4) BF16_SEQ_CASE(TT, 3, 4)                  \
+    BF16_SEQ_CASE(TT, 4, 4) BF16_SEQ_CASE(TT, 5, 4) BF16_SEQ_CASE(TT, 6, 4)                  \
+    BF16_SEQ_CASE(TT, 7, 4) BF16_SEQ_CASE(TT, 8, 4) BF16_SEQ_CASE(TT, 1, 8)                  \
+    BF16_SEQ_CASE(TT, 2, 8) BF16_SEQ_CASE(TT, 4, 8) BF16_SEQ_CASE(TT, 8, 8)
 
-static void attend_seq_amx(const uint16_t *k, const uint16_t *v, int64_t sk_b, int64_t sk_o,
-                           int64_t sk_h, int64_t sv_b, int64_t sv_o, int64_t sv_h,
-                           const int64_t *table, int64_t bs, int64_t lo, int64_t len, int64_t KVH,
-                           int64_t G, int64_t NV, const uint16_t *bq, float scale, float *sc,
-                           __m512 *acc, uint16_t *out, int64_t so_h, const int64_t *next_table,
-                           int64_t next_b0, int64_t next_b1) {
-    AMX_SEQ_CASE(1, 4) AMX_SEQ_CASE(2, 4) AMX_SEQ_CASE(3, 4) AMX_SEQ_CASE(4, 4)
-    AMX_SEQ_CASE(5, 4) AMX_SEQ_CASE(6, 4) AMX_SEQ_CASE(7, 4) AMX_SEQ_CASE(8, 4)
-    AMX_SEQ_CASE(1, 8) AMX_SEQ_CASE(2, 8) AMX_SEQ_CASE(4, 8) AMX_SEQ_CASE(8, 8)
-    attend_seq_amx_impl(k, v, sk_b, sk_o, sk_h, sv_b, sv_o, sv_h, table, bs, lo, len, KVH, G, NV,
-                        bq, scale, sc, acc, out, so_h, next_table, next_b0, next_b1);
+/* tiles: see attend_seq_bf16_impl; literal-shape specialisations for the common
+ * group sizes and head_dim 64 / 128, else the same code with runtime shapes. */
+static void attend_seq_bf16(const uint16_t *k, const uint16_t *v, int64_t sk_b, int64_t sk_o,
+                            int64_t sk_h, int64_t sv_b, int64_t sv_o, int64_t sv_h,
+                            const int64_t *table, int64_t bs, int64_t lo, int64_t len,
+                            int64_t KVH, int tiles, int64_t G, int64_t NV, const uint16_t *bq,
+                            float scale, float *sc, __m512 *acc, uint16_t *out, int64_t so_h,
+                            const int64_t *next_table, int64_t next_b0, int64_t next_b1) {
+#ifdef HAVE_AMX_DECODE
+    BF16_SEQ_CASES(1)
+    if (tiles) {
+        attend_seq_bf16_impl(k, v, sk_b, sk_o, sk_h, sv_b, sv_o, sv_h, table, bs, lo, len, KVH, 1,
+                             G, NV, bq, scale, sc, acc, out, so_h, next_table, next_b0, next_b1);
+        return;
+    }
+#endif
+    BF16_SEQ_CASES(0)
+    attend_seq_bf16_impl(k, v, sk_b, sk_o, sk_h, sv_b, sv_o, sv_h, table, bs, lo, len, KVH, 0, G,
+                         NV, bq, scale, sc, acc, out, so_h, next_table, next_b0, next_b1);
 }
 #endif
 
@@ -674,9 +760,13 @@ void team_paged_decode_attention(int is_bf16, const void *q, int64_t sq_t, int64
                                  int *failed) {
     const int64_t G = num_heads / num_kv_heads;
     const int64_t nv = head_dim / VL;
+#ifdef HAVE_BF16_DECODE
+    const int use_bf16 = is_bf16 && block_size % 16 == 0 && head_dim % 32 == 0 && G <= 16;
+#endif
 #ifdef HAVE_AMX_DECODE
-    const int use_amx = amx && is_bf16 && block_size % 16 == 0 && head_dim % 32 == 0 && G <= 16;
+    const int use_tiles = amx && use_bf16;
 #else
+    const int use_tiles = 0;
     (void)amx;
 #endif
     /* Dynamic schedule with a lookahead of one: a thread claims its next
@@ -707,15 +797,17 @@ void team_paged_decode_attention(int is_bf16, const void *q, int64_t sq_t, int64
             *failed = 1;
             continue;
         }
-#ifdef HAVE_AMX_DECODE
-        if (use_amx) {
+#ifdef HAVE_BF16_DECODE
+        if (use_bf16) {
             /* Scratch: accumulators (H x head_dim floats), scores (16 floats per
-             * key row of every group), query tiles. */
+             * key row of every group), query tiles (or the plain queries). */
             const int64_t GS = 16 / G, NG = (num_kv_heads + GS - 1) / GS;
             const int64_t rows = ((len - 1) / block_size - lo / block_size + 1) * block_size;
             const size_t acc_b = (size_t)(num_heads * head_dim * 4);
             const size_t sc_b = (size_t)(NG * rows * 64);
-            const size_t bq_b = (size_t)(num_kv_heads * (head_dim / 32) * QTILE_ELEMS * 2);
+            const size_t bq_b = use_tiles
+                                    ? (size_t)(num_kv_heads * (head_dim / 32) * QTILE_ELEMS * 2)
+                                    : (size_t)(num_heads * head_dim * 2);
             char *buf = (char *)aligned_alloc(64, acc_b + sc_b + bq_b);
             if (buf == NULL) {
 #pragma omp atomic write
@@ -723,11 +815,17 @@ void team_paged_decode_attention(int is_bf16, const void *q, int64_t sq_t, int64
                 continue;
             }
             uint16_t *bq = (uint16_t *)(buf + acc_b + sc_b);
-            pack_query_tiles((const uint16_t *)q + s * sq_t, sq_h, num_kv_heads, G, head_dim, bq);
-            attend_seq_amx((const uint16_t *)k, (const uint16_t *)v, sk_b, sk_o, sk_h, sv_b, sv_o,
-                           sv_h, bt + s * sbt, block_size, lo, len, num_kv_heads, G, nv, bq, scale,
-                           (float *)(buf + acc_b), (__m512 *)buf, (uint16_t *)out + s * so_t, so_h,
-                           next_table, next_b0, next_b1);
+            if (use_tiles)
+                pack_query_tiles((const uint16_t *)q + s * sq_t, sq_h, num_kv_heads, G, head_dim,
+                                 bq);
+            else
+                for (int64_t hq = 0; hq < num_heads; ++hq)
+                    memcpy(bq + hq * head_dim, (const uint16_t *)q + s * sq_t + hq * sq_h,
+                           (size_t)head_dim * 2);
+            attend_seq_bf16((const uint16_t *)k, (const uint16_t *)v, sk_b, sk_o, sk_h, sv_b, sv_o,
+                            sv_h, bt + s * sbt, block_size, lo, len, num_kv_heads, use_tiles, G, nv,
+                            bq, scale, (float *)(buf + acc_b), (__m512 *)buf,
+                            (uint16_t *)out + s * so_t, so_h, next_table, next_b0, next_b1);
             free(buf);
             continue;
         }
