@@ -517,9 +517,8 @@ static void attend_seq(int is_bf16, const void *k, const void *v, int64_t sk_b, 
  * ones as (x & 0xffff0000), so the accumulators hold even and odd dims
  * separately and are interleaved back once per sequence. */
 
-
-
-/* VDPBF16PS path: prefetch distance in blocks (2, 4, 8 measured alike) */
+/* VDPBF16PS path: prefetch distance in blocks (1, 2, 4 and 8 measured alike;
+ * without these prefetches it ran ~1.6x slower) */
 #define DP_PF 2
 #define QTILE_ELEMS 512 /* bf16 per 16 x 64-byte tile */
 
