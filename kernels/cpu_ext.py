@@ -1,8 +1,8 @@
 """Native CPU kernels (``kernels/csrc/*.c``), built on first use and loaded with ctypes.
 
-Kernels: paged decode attention, bf16 prefill attention (AMX tiles or AVX512-BF16),
-fused residual add + RMSNorm, rotary embedding, SiLU-and-multiply, and bf16 linear
-layers on AMX tiles (where the CPU has them). Each wrapper declines (``supports`` is
+Kernels: paged decode attention, bf16 prefill attention, fused residual add +
+RMSNorm, rotary embedding, SiLU-and-multiply, and bf16 linear layers on packed
+weights (the bf16 kernels on AMX tiles where the CPU has them, else AVX512-BF16). Each wrapper declines (``supports`` is
 False or it returns ``None``) where it cannot serve the tensors, and the torch
 reference runs.
 
@@ -49,7 +49,7 @@ _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-std=gnu11"]
 _SOURCES = [
     ("paged_attention_cpu.c", ["-ffast-math"]),
     ("elementwise_cpu.c", ["-ffast-math", "-ffp-contract=off"]),
-    ("amx_linear_cpu.c", []),
+    ("bf16_linear_cpu.c", []),
     ("prefill_attention_cpu.c", []),
     ("decode_layers_cpu.c", []),
 ]
@@ -97,8 +97,8 @@ _CACHE_WRITE_ARGTYPES = [
     _ptr, _i64, _i64, _i64, _ptr, _i64, _i64, _i64,  # k cache, strides; v cache, strides
     _ptr, _i64, _i64, _i64, _i64, _i64, ctypes.c_int,  # slots, T, H, D, block size, elem, threads
 ]  # fmt: skip
-_AMX_LINEAR_ARGTYPES = [
-    _ptr, _i64, _ptr, _ptr, _ptr, _i64,  # x, row stride, packed weight, bias, y, row stride
+_LINEAR_ARGTYPES = [
+    ctypes.c_int, _ptr, _i64, _ptr, _ptr, _ptr, _i64,  # tiles, x, row stride, weight, bias, y, row stride
     _i64, _i64, _i64, ctypes.c_int,  # M, N, K, threads
 ]  # fmt: skip
 
@@ -196,19 +196,23 @@ def load() -> ctypes.CDLL | None:
         ("argmax_rows", _ARGMAX_ARGTYPES),
         ("prefill_attention_bf16", _PREFILL_ARGTYPES),
         ("prefill_attention_bf16_available", []),
-        ("decode_layers", [_ptr, _i64, _ptr, ctypes.c_int]),
-        ("amx_linear_argmax", [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, ctypes.c_int]),
+        ("decode_layers", [_ptr, _i64, _ptr, ctypes.c_int, ctypes.c_int]),
+        (
+            "bf16_linear_argmax",
+            [ctypes.c_int, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, ctypes.c_int],
+        ),
         ("decode_layers_available", []),
         ("amx_available", []),
         ("amx_init", []),
-        ("amx_linear", _AMX_LINEAR_ARGTYPES),
-        ("amx_linear_swiglu", _AMX_LINEAR_ARGTYPES),
+        ("bf16_linear_available", []),
+        ("bf16_linear", _LINEAR_ARGTYPES),
+        ("bf16_linear_swiglu", _LINEAR_ARGTYPES),
     ):
         fn = getattr(lib, name)
         fn.argtypes = argtypes
         fn.restype = ctypes.c_int
-    lib.amx_pack_weight.argtypes = [_ptr, _i64, _i64, _ptr]
-    lib.amx_pack_weight.restype = None
+    lib.bf16_pack_weight.argtypes = [_ptr, _i64, _i64, _ptr]
+    lib.bf16_pack_weight.restype = None
     return lib
 
 
@@ -458,67 +462,96 @@ def argmax_rows_cpu(x: torch.Tensor) -> torch.Tensor | None:
 
 @functools.cache
 def amx_available() -> bool:
-    """Whether the AMX linear kernel can run here: a build for a CPU with AMX-BF16
+    """Whether the AMX tile paths can run here: a build for a CPU with AMX-BF16
     and the tile state granted to this process by Linux (cached)."""
     lib = load()
     if lib is None or not lib.amx_available():
         return False
     if lib.amx_init() != 0:
-        logger.info("Linux refused the AMX tile state: bf16 linears use oneDNN")
+        logger.info("Linux refused the AMX tile state: the bf16 kernels use AVX512-BF16")
         return False
     return True
 
 
-def amx_supports(out_features: int, in_features: int) -> bool:
-    """Whether ``amx_linear`` takes a ``[out_features, in_features]`` weight."""
-    return in_features % 32 == 0 and out_features % 16 == 0 and amx_available()
+def bf16_linear_available() -> bool:
+    """Whether the packed bf16 linear kernels (``csrc/bf16_linear_cpu.c``) run here:
+    a build for a CPU with AVX512-BF16, on AMX tiles where ``amx_available()``."""
+    lib = load()
+    return lib is not None and bool(lib.bf16_linear_available())
 
 
-def amx_pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """Reorder a bf16 ``[N, K]`` weight into AMX tiles (see ``amx_linear_cpu.c``):
-    a flat ``[N * K]`` bf16 tensor. Needs ``amx_supports(N, K)``.
+def bf16_linear_supports(out_features: int, in_features: int) -> bool:
+    """Whether ``bf16_linear`` takes a ``[out_features, in_features]`` weight."""
+    return in_features % 32 == 0 and out_features % 16 == 0 and bf16_linear_available()
+
+
+def bf16_pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """Reorder a bf16 ``[N, K]`` weight into the VNNI tiles the bf16 linear kernels
+    read (see ``csrc/bf16_linear_cpu.c``): a flat ``[N * K]`` bf16 tensor. Needs
+    ``bf16_linear_supports(N, K)``.
 
     Raises:
-        ValueError: on a shape or dtype the kernel does not take.
+        ValueError: on a shape or dtype the kernel does not take, or a CPU without
+            AVX512-BF16.
     """
     n, k = weight.shape
-    if weight.dtype != torch.bfloat16 or not amx_supports(n, k):
+    if weight.dtype != torch.bfloat16 or not bf16_linear_supports(n, k):
         raise ValueError(
-            f"AMX packing needs a bf16 [N % 16, K % 32] weight, got {weight.dtype} "
-            f"{tuple(weight.shape)}"
+            f"bf16 packing needs a bf16 [N % 16, K % 32] weight and a CPU with "
+            f"AVX512-BF16, got {weight.dtype} {tuple(weight.shape)}"
         )
     lib = load()
     assert lib is not None
     w = weight.detach().contiguous()
     # streamed from memory at every decode step: huge pages save the page walks
     packed = empty_huge_page_tensor((n * k,), torch.bfloat16)
-    lib.amx_pack_weight(w.data_ptr(), n, k, packed.data_ptr())
+    lib.bf16_pack_weight(w.data_ptr(), n, k, packed.data_ptr())
     return packed
 
 
-def amx_linear_swiglu(
-    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int
+def _on_tiles(tiles: bool | None) -> bool:
+    """``tiles`` resolved (``None``: where ``amx_available()``).
+
+    Raises:
+        RuntimeError: ``tiles=True`` without AMX here.
+    """
+    if tiles is None:
+        return amx_available()
+    if tiles and not amx_available():
+        raise RuntimeError("tiles=True needs AMX-BF16 (see amx_available)")
+    return tiles
+
+
+def bf16_linear_swiglu(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_features: int,
+    tiles: bool | None = None,
 ) -> torch.Tensor:
-    """SwiGLU of a fused gate/up projection in one AMX pass:
+    """SwiGLU of a fused gate/up projection in one pass:
     ``silu(x @ Wg.T + bg) * (x @ Wu.T + bu)`` where ``W = [Wg; Wu]`` is
-    ``[out_features, K]`` packed by ``amx_pack_weight``.
+    ``[out_features, K]`` packed by ``bf16_pack_weight``.
 
     Args:
         x: ``[M, K]`` bf16, unit stride in the last dim; bias: ``[out_features]``
             bf16 or ``None``; ``out_features % 32 == 0``.
+        tiles: on AMX tiles (``None``: where ``amx_available()``), else VDPBF16PS.
 
     Returns:
-        ``[M, out_features // 2]`` bf16, bit-identical to ``amx_linear`` followed
-        by ``silu_and_mul_cpu``.
+        ``[M, out_features // 2]`` bf16, bit-identical to ``bf16_linear`` (same
+        ``tiles``) followed by ``silu_and_mul_cpu``.
 
     Raises:
-        RuntimeError: when the kernel rejects the shapes.
+        RuntimeError: when the kernel rejects the shapes, or ``tiles=True`` without AMX.
     """
-    return _amx_rows("amx_linear_swiglu", x, packed, bias, out_features, out_features // 2)
+    y = torch.empty((x.shape[0], out_features // 2), dtype=torch.bfloat16)
+    return _linear_call("bf16_linear_swiglu", tiles, x, packed, bias, out_features, y, y.shape[1])
 
 
-def _amx_call(
+def _linear_call(
     name: str,
+    tiles: bool | None,
     x: torch.Tensor,
     packed: torch.Tensor,
     bias: torch.Tensor | None,
@@ -526,13 +559,15 @@ def _amx_call(
     out: torch.Tensor,
     *out_args: int,
 ) -> torch.Tensor:
-    """Call AMX kernel ``name`` (x, its row stride, weight, bias, out, *out_args,
-    M, N, K, threads) and return ``out``; raises RuntimeError on a non-zero code."""
+    """Call linear kernel ``name`` (tiles, x, its row stride, weight, bias, out,
+    *out_args, M, N, K, threads) and return ``out``; raises RuntimeError on a
+    non-zero code."""
+    on_tiles = _on_tiles(tiles)
     lib = load()
     assert lib is not None
     m, k = x.shape
     rc = getattr(lib, name)(
-        x.data_ptr(), x.stride(0), packed.data_ptr(),
+        int(on_tiles), x.data_ptr(), x.stride(0), packed.data_ptr(),
         bias.data_ptr() if bias is not None else None, out.data_ptr(), *out_args,
         m, out_features, k, torch.get_num_threads(),
     )  # fmt: skip
@@ -541,24 +576,15 @@ def _amx_call(
     return out
 
 
-def _amx_rows(
-    name: str,
+def bf16_linear_argmax(
     x: torch.Tensor,
     packed: torch.Tensor,
     bias: torch.Tensor | None,
     out_features: int,
-    out_cols: int,
-) -> torch.Tensor:
-    """An AMX kernel writing ``[M, out_cols]`` bf16 rows (row stride ``out_cols``)."""
-    y = torch.empty((x.shape[0], out_cols), dtype=torch.bfloat16)
-    return _amx_call(name, x, packed, bias, out_features, y, out_cols)
-
-
-def amx_linear_argmax(
-    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int
+    tiles: bool | None = None,
 ) -> torch.Tensor:
     """Row-wise argmax of ``x @ W.T + bias`` without materialising it: an LM head
-    and greedy sampling in one pass (``W`` packed by ``amx_pack_weight``).
+    and greedy sampling in one pass (``W`` packed by ``bf16_pack_weight``).
 
     Why: at a 64-sequence SmolLM2 decode step the ``[64, 49152]`` bf16 logits
     cost a 6.3 MB write and a re-read (~1 ms of a ~4 ms head) only to be reduced
@@ -566,35 +592,44 @@ def amx_linear_argmax(
 
     Args:
         x: ``[M, K]`` bf16, unit stride in the last dim; bias ``[N]`` bf16 or ``None``.
+        tiles: on AMX tiles (``None``: where ``amx_available()``), else VDPBF16PS.
 
     Returns:
         ``[M]`` int64: per row the first index of the maximum of the bf16 outputs
-        that ``amx_linear`` would return (of the first NaN where there is one), the
-        same ids as ``amx_linear(...).max(dim=-1).indices``.
+        that ``bf16_linear`` (same ``tiles``) would return (of the first NaN where
+        there is one), the same ids as ``bf16_linear(...).max(dim=-1).indices``.
 
     Raises:
-        RuntimeError: when the kernel rejects the shapes or cannot allocate.
+        RuntimeError: when the kernel rejects the shapes or cannot allocate, or
+            ``tiles=True`` without AMX.
     """
     ids = torch.empty(x.shape[0], dtype=torch.int64)
-    return _amx_call("amx_linear_argmax", x, packed, bias, out_features, ids)
+    return _linear_call("bf16_linear_argmax", tiles, x, packed, bias, out_features, ids)
 
 
-def amx_linear(
-    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int
+def bf16_linear(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_features: int,
+    tiles: bool | None = None,
 ) -> torch.Tensor:
-    """``x [M, K] @ W.T + bias`` with ``W`` packed by ``amx_pack_weight``.
+    """``x [M, K] @ W.T + bias`` with ``W`` packed by ``bf16_pack_weight``.
 
     Args:
         x: ``[M, K]`` bf16, unit stride in the last dim; packed: from
-            ``amx_pack_weight``; bias: ``[N]`` bf16 or ``None``.
+            ``bf16_pack_weight``; bias: ``[N]`` bf16 or ``None``.
+        tiles: on AMX tiles (``None``: where ``amx_available()``), else VDPBF16PS
+            (another summation order).
 
     Returns:
         ``[M, N]`` bf16 (float32 accumulation, one rounding).
 
     Raises:
-        RuntimeError: when the kernel rejects the shapes.
+        RuntimeError: when the kernel rejects the shapes, or ``tiles=True`` without AMX.
     """
-    return _amx_rows("amx_linear", x, packed, bias, out_features, out_features)
+    y = torch.empty((x.shape[0], out_features), dtype=torch.bfloat16)
+    return _linear_call("bf16_linear", tiles, x, packed, bias, out_features, y, out_features)
 
 
 def prefill_attention_supports(
@@ -653,9 +688,7 @@ def prefill_attention_cpu(
         RuntimeError: ``tiles=True`` without AMX here, or when the kernel rejects
             the shapes or cannot allocate.
     """
-    on_tiles = amx_available() if tiles is None else tiles
-    if on_tiles and not amx_available():  # also asks Linux for the tile state, once
-        raise RuntimeError("prefill_attention_cpu(tiles=True) needs AMX-BF16 (see amx_available)")
+    on_tiles = _on_tiles(tiles)
     lib = load()
     assert lib is not None
     num_heads, head_dim = query.shape[1], query.shape[2]

@@ -1,16 +1,17 @@
-"""All decoder layers of a decode-only step in one native call (CPU, bf16, AMX).
+"""All decoder layers of a decode-only step in one native call (CPU, bf16,
+AVX512-BF16, on AMX tiles where the CPU has them).
 
 Why: on the 2-core AMX dev box a SmolLM2 decode step (64 sequences, 30 layers)
 spent ~8 ms of its ~60 ms in Python, ctypes and OpenMP wake-ups around nine
 kernel calls per layer. ``csrc/decode_layers_cpu.c`` runs the same kernels (the
-AMX linears, the fused norms, rotary, the cache write and the paged decode
-attention) back to back inside one parallel region, so the result is
+packed bf16 linears, the fused norms, rotary, the cache write and the paged
+decode attention) back to back inside one parallel region, so the result is
 bit-identical to the per-op path (``tests/unit/test_fused_decode.py``).
 
 Scope: Llama-family layers (pre-norm, fused QKV with optional bias, rotary in
 the GPT-NeoX layout, SwiGLU, optional sliding window; no per-head q/k norm),
-bf16 weights packed for AMX by ``PackedLinear``, and steps whose every token is
-the one new token of a decode (fewer than ``AMX_MAX_ROWS``). Anything else runs
+bf16 weights VNNI-packed by ``PackedLinear``, and steps whose every token is
+the one new token of a decode (fewer than ``PACKED_MAX_ROWS``). Anything else runs
 the per-op path.
 """
 
@@ -23,7 +24,7 @@ import torch
 
 from tandem.kernels import cpu_ext
 from tandem.kernels.attention_metadata import AttentionMetadata
-from tandem.kernels.linear import AMX_MAX_ROWS
+from tandem.kernels.linear import PACKED_MAX_ROWS
 
 _p = ctypes.c_void_p
 _i64 = ctypes.c_int64
@@ -59,8 +60,8 @@ class DecodeLayerParams:
 
     Attributes:
         input_norm / post_norm: ``[hidden]`` RMSNorm weights.
-        qkv / o / gate_up / down: ``(amx_weight, bias | None)`` of the four
-            linears, weights packed by ``cpu_ext.amx_pack_weight`` from
+        qkv / o / gate_up / down: ``(vnni_weight, bias | None)`` of the four
+            linears, weights packed by ``cpu_ext.bf16_pack_weight`` from
             ``[(H + 2 KVH) D, E]``, ``[E, H D]``, ``[2 I, E]`` (gate rows, then
             up rows) and ``[E, I]``.
         k_cache / v_cache: the layer's ``[num_blocks, block_size, KVH, D]`` views.
@@ -143,18 +144,19 @@ class FusedDecode:
 
     @staticmethod
     def available() -> bool:
-        """Whether this build and CPU run the fused kernel (AMX-BF16, AVX512-BF16)."""
+        """Whether this build and CPU run the fused kernel (AVX512-BF16; the linears
+        and attention scores on AMX tiles where ``cpu_ext.amx_available()``)."""
         lib = cpu_ext.load()
-        return lib is not None and cpu_ext.amx_available() and bool(lib.decode_layers_available())
+        return lib is not None and bool(lib.decode_layers_available())
 
     @staticmethod
     def serves(meta: AttentionMetadata) -> bool:
-        """Whether this step is decode-only and small enough for the AMX linears."""
+        """Whether this step is decode-only and small enough for the packed linears."""
         return (
             not meta.prefills
             and meta.num_decodes == meta.num_tokens
             and meta.decode_token_idx is None
-            and 0 < meta.num_tokens < AMX_MAX_ROWS
+            and 0 < meta.num_tokens < PACKED_MAX_ROWS
         )
 
     def __call__(
@@ -208,7 +210,11 @@ class FusedDecode:
             q_rot.data_ptr(), attn.data_ptr(), act.data_ptr(), pad.data_ptr(),
         )  # fmt: skip
         rc = lib.decode_layers(
-            self._c_layers, len(self.layers), ctypes.byref(st), torch.get_num_threads()
+            self._c_layers,
+            len(self.layers),
+            ctypes.byref(st),
+            int(cpu_ext.amx_available()),
+            torch.get_num_threads(),
         )
         if rc != 0:
             raise RuntimeError(f"decode_layers failed with code {rc}")

@@ -9,12 +9,17 @@ results. float32 weights are left alone: there the packed kernel sums in another
 order, and the float32 path is the one checked token for token against
 transformers.
 
-On CPUs with AMX-BF16, small batches (fewer than ``AMX_MAX_ROWS`` tokens: the
-decode steps) run our AMX tile kernel instead (``kernels/csrc/amx_linear_cpu.c``):
-on the 2-core Sapphire-Rapids-class box it took a SmolLM2 layer's four decode
-GEMMs (64 tokens) from ~0.86 to ~0.6 ms, and the 49152-row LM head from ~4.6 to
-~2.8 ms, while oneDNN stayed ahead from ~128 rows up (prefill). Such layers keep
-both packings, so their bf16 weights take twice the memory.
+On CPUs with AVX512-BF16, small batches (fewer than ``PACKED_MAX_ROWS`` tokens:
+the decode steps) run our own kernel instead (``kernels/csrc/bf16_linear_cpu.c``)
+on a second, VNNI-tiled packing of the weight: on AMX tiles where the CPU has
+them, else with VDPBF16PS. On the 2-core Sapphire-Rapids-class box the tiles took
+a SmolLM2 layer's four decode GEMMs (64 tokens) from ~0.86 to ~0.6 ms, and the
+49152-row LM head from ~4.6 to ~2.8 ms, while oneDNN stayed ahead from ~128 rows
+up (prefill). On a 2-core Zen 5 VM (no AMX) VDPBF16PS ran the layer shapes at
+64 rows at 900-926 GFLOP/s against oneDNN's 694-904 (0.49 vs 0.55 ms a layer),
+the LM head alone at 735 vs 782. The kernel also fuses SwiGLU, the head's
+greedy argmax and (``kernels/fused_decode.py``) whole decode steps. Such layers
+keep both packings, so their bf16 weights take twice the memory.
 
 On CPUs where oneDNN has no bf16 GEMM (no AVX-512: e.g. an AVX2-only EPYC VM),
 PyTorch's own bf16 GEMM ran ~21 GFLOP/s against ~100-126 for float32 on the same
@@ -39,8 +44,9 @@ logger = logging.getLogger(__name__)
 
 # Batch-size hint for the reorder (tokens); any batch size works at run time.
 _PACK_BATCH_HINT = 64
-# Below this many rows (tokens) the AMX kernel serves; measured crossover ~128.
-AMX_MAX_ROWS = 112
+# Below this many rows (tokens) the packed kernel serves; measured crossover
+# ~128 on AMX; on Zen 5 VDPBF16PS was still ahead at 111.
+PACKED_MAX_ROWS = 112
 
 
 @functools.cache
@@ -81,7 +87,8 @@ def _adopt_bf16_cpu_linear(layer: nn.Module, linear: nn.Linear) -> torch.Tensor:
     w = linear.weight
     if w.dtype != torch.bfloat16 or w.device.type != "cpu":
         raise ValueError(
-            f"{type(layer).__name__} needs a bf16 CPU weight, got {w.dtype} on {w.device}")
+            f"{type(layer).__name__} needs a bf16 CPU weight, got {w.dtype} on {w.device}"
+        )
     layer.in_features = linear.in_features
     layer.out_features = linear.out_features
     return w
@@ -95,9 +102,9 @@ class PackedLinear(nn.Module):
             reordered once, its bias (``[out]`` or ``None``) kept.
 
     Forward: ``x [..., in]`` bf16 -> ``[..., out]`` bf16. With fewer than
-    ``AMX_MAX_ROWS`` rows and an AMX-packed copy of the weight (``amx_weight``,
-    kept where the CPU has AMX-BF16 and the shape fits), the AMX kernel runs
-    (float32 accumulation, another summation order than oneDNN's).
+    ``PACKED_MAX_ROWS`` rows and a VNNI-packed copy of the weight
+    (``vnni_weight``, kept where the CPU has AVX512-BF16 and the shape fits), our
+    kernel runs (float32 accumulation, another summation order than oneDNN's).
 
     Raises:
         ValueError: when the layer is not a bf16 CPU ``nn.Linear``.
@@ -108,24 +115,24 @@ class PackedLinear(nn.Module):
         w = _adopt_bf16_cpu_linear(self, linear)
         packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), _PACK_BATCH_HINT)
         self.register_buffer("packed_weight", packed, persistent=False)
-        amx = (
-            cpu_ext.amx_pack_weight(w)
-            if cpu_ext.amx_supports(self.out_features, self.in_features)
+        vnni = (
+            cpu_ext.bf16_pack_weight(w)
+            if cpu_ext.bf16_linear_supports(self.out_features, self.in_features)
             else None
         )
-        self.register_buffer("amx_weight", amx, persistent=False)
+        self.register_buffer("vnni_weight", vnni, persistent=False)
         bias = linear.bias.detach().contiguous() if linear.bias is not None else None
         self.register_buffer("bias", bias, persistent=False)
 
-    def _amx_serves(self, x2: torch.Tensor) -> bool:
-        """Whether the AMX kernel takes these ``[rows, in]`` inputs."""
-        return self.amx_weight is not None and x2.shape[0] < AMX_MAX_ROWS and x2.stride(1) == 1
+    def _packed_serves(self, x2: torch.Tensor) -> bool:
+        """Whether our packed kernel takes these ``[rows, in]`` inputs."""
+        return self.vnni_weight is not None and x2.shape[0] < PACKED_MAX_ROWS and x2.stride(1) == 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
-        if self._amx_serves(x2):
-            y = cpu_ext.amx_linear(x2, self.amx_weight, self.bias, self.out_features)
+        if self._packed_serves(x2):
+            y = cpu_ext.bf16_linear(x2, self.vnni_weight, self.bias, self.out_features)
         else:
             y = torch.ops.mkldnn._linear_pointwise(
                 x2, self.packed_weight, self.bias, "none", [], ""
@@ -134,24 +141,25 @@ class PackedLinear(nn.Module):
 
     def forward_argmax(self, x: torch.Tensor) -> torch.Tensor | None:
         """Row-wise argmax of ``forward(x)`` (``[..., out]`` -> ``[...]`` int64, the
-        first maximal index) in one AMX pass that never writes the outputs;
-        ``None`` where the AMX kernel does not serve this call."""
+        first maximal index) in one pass of the packed kernel that never writes the
+        outputs; ``None`` where that kernel does not serve this call."""
         x2 = x.reshape(-1, self.in_features)
-        if not self._amx_serves(x2) or x2.shape[0] == 0:
+        if not self._packed_serves(x2) or x2.shape[0] == 0:
             return None
-        ids = cpu_ext.amx_linear_argmax(x2, self.amx_weight, self.bias, self.out_features)
+        ids = cpu_ext.bf16_linear_argmax(x2, self.vnni_weight, self.bias, self.out_features)
         return ids.view(x.shape[:-1])
 
     def forward_swiglu(self, x: torch.Tensor) -> torch.Tensor | None:
         """``silu(gate) * up`` of this layer's output (``gate | up`` halves, as
-        in a fused SwiGLU projection) in one AMX pass: ``[..., out // 2]`` bf16,
-        bit-identical to ``forward`` then ``cpu_ext.silu_and_mul_cpu``. ``None``
-        when the AMX kernel does not serve this call (no AMX weight, too many
-        rows, an odd number of column blocks): the caller runs the two steps."""
+        in a fused SwiGLU projection) in one pass of the packed kernel:
+        ``[..., out // 2]`` bf16, bit-identical to ``forward`` then
+        ``cpu_ext.silu_and_mul_cpu``. ``None`` when that kernel does not serve this
+        call (no packed weight, too many rows, an odd number of column blocks): the
+        caller runs the two steps."""
         x2 = x.reshape(-1, self.in_features)
-        if not self._amx_serves(x2) or self.out_features % 32:
+        if not self._packed_serves(x2) or self.out_features % 32:
             return None
-        y = cpu_ext.amx_linear_swiglu(x2, self.amx_weight, self.bias, self.out_features)
+        y = cpu_ext.bf16_linear_swiglu(x2, self.vnni_weight, self.bias, self.out_features)
         return y.view(*x.shape[:-1], self.out_features // 2)
 
 

@@ -121,7 +121,7 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         fused = getattr(self.gate_up_proj, "forward_swiglu", None)
         act = fused(x) if fused is not None else None
-        if act is not None:  # AMX: projection and SwiGLU in one pass (decode)
+        if act is not None:  # packed kernel: projection and SwiGLU in one pass (decode)
             return self.down_proj(act)
         gate_up = self.gate_up_proj(x)
         act = None if gate_up.is_cuda else cpu_ext.silu_and_mul_cpu(gate_up)
@@ -270,7 +270,7 @@ class LlamaForCausalLM(nn.Module):
         self, kv_caches: list[KVCacheViews], hidden: torch.Tensor
     ) -> FusedDecode | None:
         """The one-call decode path for these caches, or ``None`` where it does not
-        apply (not a bf16 CPU model, no AMX, unpacked linears, per-head q/k norms...).
+        apply (not a bf16 CPU model, no AVX512-BF16, unpacked linears, per-head q/k norms...).
 
         A built path holds the cache views (its kernel has their addresses), so it
         is kept with the list it was built for; a refusal is remembered by the
@@ -290,17 +290,17 @@ class LlamaForCausalLM(nn.Module):
             for layer, (k_cache, v_cache) in zip(self.model.layers, kv_caches, strict=True):
                 attn, mlp = layer.self_attn, layer.mlp
                 linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-                if not all(getattr(m, "amx_weight", None) is not None for m in linears):
+                if not all(getattr(m, "vnni_weight", None) is not None for m in linears):
                     params = []
                     break
                 params.append(
                     DecodeLayerParams(
                         input_norm=layer.input_layernorm.weight.detach(),
                         post_norm=layer.post_attention_layernorm.weight.detach(),
-                        qkv=(attn.qkv_proj.amx_weight, attn.qkv_proj.bias),
-                        o=(attn.o_proj.amx_weight, attn.o_proj.bias),
-                        gate_up=(mlp.gate_up_proj.amx_weight, mlp.gate_up_proj.bias),
-                        down=(mlp.down_proj.amx_weight, mlp.down_proj.bias),
+                        qkv=(attn.qkv_proj.vnni_weight, attn.qkv_proj.bias),
+                        o=(attn.o_proj.vnni_weight, attn.o_proj.bias),
+                        gate_up=(mlp.gate_up_proj.vnni_weight, mlp.gate_up_proj.bias),
+                        down=(mlp.down_proj.vnni_weight, mlp.down_proj.bias),
                         k_cache=k_cache,
                         v_cache=v_cache,
                         sliding_window=attn.sliding_window,

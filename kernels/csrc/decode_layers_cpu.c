@@ -1,6 +1,7 @@
 /*
  * A whole decode step's decoder layers in one call and one OpenMP parallel
- * region (Llama-family layout, bf16, AMX linears).
+ * region (Llama-family layout, bf16, the linears of bf16_linear_cpu.c on AMX
+ * tiles or with AVX512-BF16 dot products).
  *
  * Why: a SmolLM2 decode step (64 sequences, 30 layers) ran ~8 ms of Python,
  * ctypes and thread wake-ups around ~52 ms of kernels: nine calls per layer,
@@ -25,7 +26,7 @@
 
 #include "team.h"
 
-/* One layer's parameters: AMX-packed weights (amx_pack_weight), optional
+/* One layer's parameters: packed weights (bf16_pack_weight), optional
  * biases (NULL), norm weights, and this layer's K/V cache views (strides in
  * the step struct: every layer's view shares them). */
 typedef struct {
@@ -53,15 +54,17 @@ typedef struct {
 } decode_step;
 
 int decode_layers_available(void) {
-    return team_amx_available() && team_elementwise_bf16_available();
+    return team_bf16_linear_available() && team_elementwise_bf16_available();
 }
 
+/* tiles != 0: the linears and the attention scores on AMX tiles (the caller has
+ * the tile state from Linux), else with VDPBF16PS. */
 int decode_layers(const decode_layer *layers, int64_t num_layers, const decode_step *st,
-                  int num_threads) {
-    if (!decode_layers_available()) return -1;
+                  int tiles, int num_threads) {
+    if (!decode_layers_available() || (tiles && !team_amx_available())) return -1;
     const int64_t T = st->tokens, E = st->hidden, H = st->num_heads, KVH = st->num_kv_heads;
     const int64_t D = st->head_dim, I = st->intermediate, QKV = (H + 2 * KVH) * D;
-    /* the AMX tiling's shape rules (K % 32, N % 16, SwiGLU N % 32) and the
+    /* the linears' shape rules (K % 32, N % 16, SwiGLU N % 32) and the
      * attention kernel's limits, checked once up front */
     if (E % 32 || (H * D) % 32 || I % 32 || QKV % 16 || D % 16 || D > 256 || H > 256 ||
         KVH < 1 || H % KVH || H / KVH > 32 || E > 16384 || T < 1)
@@ -70,7 +73,7 @@ int decode_layers(const decode_layer *layers, int64_t num_layers, const decode_s
     int64_t counter = 0; /* the attention's shared work counter */
 #pragma omp parallel num_threads(num_threads)
     {
-        team_amx_begin();
+        if (tiles) team_amx_begin();
         for (int64_t l = 0; l < num_layers; ++l) {
             const decode_layer *ly = &layers[l];
             if (l == 0) {
@@ -83,7 +86,7 @@ int decode_layers(const decode_layer *layers, int64_t num_layers, const decode_s
                 team_add_rms_norm_bf16(st->hidden_states, st->residual, ly->input_norm,
                                        st->normed, st->residual, T, E, st->eps);
             }
-            team_amx_matmul(st->normed, E, ly->wqkv, ly->bqkv, st->qkv, QKV, T, QKV, E,
+            team_bf16_matmul(tiles, st->normed, E, ly->wqkv, ly->bqkv, st->qkv, QKV, T, QKV, E,
                                      0, st->pad);
             team_rotary_cache_bf16(st->qkv, QKV, st->q_rot, T, H, KVH, D, st->cos, st->sin,
                                    ly->k_cache, st->ck_b, st->ck_o, st->ck_h, ly->v_cache,
@@ -92,18 +95,18 @@ int decode_layers(const decode_layer *layers, int64_t num_layers, const decode_s
                                         st->ck_h, ly->v_cache, st->cv_b, st->cv_o, st->cv_h,
                                         st->block_tables, st->sbt, st->seq_lens, st->attn, H * D,
                                         D, T, H, KVH, D, st->block_size, st->scale,
-                                        ly->window > 0 ? ly->window : (int64_t)1 << 62, 1, &counter,
-                                        &failed);
-            team_amx_matmul(st->attn, H * D, ly->wo, ly->bo, st->hidden_states, E, T, E,
+                                        ly->window > 0 ? ly->window : (int64_t)1 << 62, tiles,
+                                        &counter, &failed);
+            team_bf16_matmul(tiles, st->attn, H * D, ly->wo, ly->bo, st->hidden_states, E, T, E,
                                   H * D, 0, st->pad);
             team_add_rms_norm_bf16(st->hidden_states, st->residual, ly->post_norm, st->normed,
                                    st->residual, T, E, st->eps);
-            team_amx_matmul(st->normed, E, ly->wgu, ly->bgu, st->act, I, T, 2 * I, E, 1,
+            team_bf16_matmul(tiles, st->normed, E, ly->wgu, ly->bgu, st->act, I, T, 2 * I, E, 1,
                                   st->pad);
-            team_amx_matmul(st->act, I, ly->wd, ly->bd, st->hidden_states, E, T, E, I, 0,
+            team_bf16_matmul(tiles, st->act, I, ly->wd, ly->bd, st->hidden_states, E, T, E, I, 0,
                                   st->pad);
         }
-        team_amx_end();
+        if (tiles) team_amx_end();
     }
     return failed ? -2 : 0;
 }

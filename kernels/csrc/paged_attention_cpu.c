@@ -452,7 +452,7 @@ static int attend_seq_avx2(int is_bf16, const void *k, const void *v, int64_t sk
 #define SEQ_CASE(GG, NV)                                                                    \
     if (G == GG && nv == NV) {                                                              \
         attend_seq_impl(is_bf16, k, v, sk_b, sk_o, sk_h, sv_b, sv_o, sv_h, table,           \
-                        block_size, lo, len, num_kv_heads, GG, NV, qv, qb, qscale, sc, acc, inv,     \
+                        block_size, lo, len, num_kv_heads, GG, NV, qv, qb, qscale, sc, acc, inv,   \
                         next_table, next_b0, next_b1);       \
         return;                                                                             \
     }
@@ -764,8 +764,10 @@ void team_paged_decode_attention(int is_bf16, const void *q, int64_t sq_t, int64
 #endif
 #ifdef HAVE_AMX_DECODE
     const int use_tiles = amx && use_bf16;
-#else
+#elif defined(HAVE_BF16_DECODE)
     const int use_tiles = 0;
+    (void)amx;
+#else
     (void)amx;
 #endif
     /* Dynamic schedule with a lookahead of one: a thread claims its next

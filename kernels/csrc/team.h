@@ -39,16 +39,18 @@ void team_rotary_cache_bf16(const uint16_t *qkv, int64_t s_qkv, uint16_t *q_out,
                             int64_t cv_b, int64_t cv_o, int64_t cv_h, const int64_t *slots,
                             int64_t block_size);
 
-/* amx_linear_cpu.c: y = x @ W^T (+ bias), or its SwiGLU when swiglu != 0 (see
- * there). pad: a 16 x K bf16 scratch for a partial last row chunk (any content).
- * Every thread must have run team_amx_begin (tile configuration) first and run
- * team_amx_end after its last tile instruction. Returns -1 on shapes the kernel
- * does not take (every thread gets the same answer and nothing runs). */
+/* bf16_linear_cpu.c: y = x @ W^T (+ bias), or its SwiGLU when swiglu != 0 (see
+ * there), on AMX tiles when tiles != 0, else with VDPBF16PS. pad: a 16 x K bf16
+ * scratch for a partial last row chunk (any content). With tiles, every thread
+ * must have run team_amx_begin (tile configuration) first and run team_amx_end
+ * after its last tile instruction. Returns -1 on shapes the kernel does not take
+ * (every thread gets the same answer and nothing runs). */
+int team_bf16_linear_available(void);
 int team_amx_available(void);
 void team_amx_begin(void);
 void team_amx_end(void);
-int team_amx_matmul(const uint16_t *x, int64_t sx, const uint16_t *wp, const uint16_t *bias,
-                    uint16_t *y, int64_t sy, int64_t M, int64_t N, int64_t K, int swiglu,
-                    uint16_t *pad);
+int team_bf16_matmul(int tiles, const uint16_t *x, int64_t sx, const uint16_t *wp,
+                     const uint16_t *bias, uint16_t *y, int64_t sy, int64_t M, int64_t N,
+                     int64_t K, int swiglu, uint16_t *pad);
 
 #endif

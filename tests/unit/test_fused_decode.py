@@ -33,7 +33,7 @@ BLOCK = 16
 def make_model(arch: str, tie: bool, dtype: torch.dtype = torch.bfloat16):
     config_cls, extra = ARCHS[arch]
     config = config_cls(
-        vocab_size=112,  # a multiple of 16: the AMX head (and its argmax pass) serves
+        vocab_size=112,  # a multiple of 16: the packed head (and its argmax pass) serves
         hidden_size=64,
         intermediate_size=96,
         num_hidden_layers=3,
@@ -113,8 +113,10 @@ def test_fused_decode_declines_prefills_and_big_batches():
     mixed = build_attention_metadata([1, 5], [3, 0], [[0], [1]], BLOCK)
     assert not fused.serves(mixed)
     many = build_attention_metadata([1] * 112, [3] * 112, [[i] for i in range(112)], BLOCK)
-    assert not fused.serves(many)  # the AMX linears take fewer than 112 rows
-    assert fused.serves(build_attention_metadata([1] * 111, [3] * 111, [[i] for i in range(111)], BLOCK))
+    assert not fused.serves(many)  # the packed linears take fewer than 112 rows
+    assert fused.serves(
+        build_attention_metadata([1] * 111, [3] * 111, [[i] for i in range(111)], BLOCK)
+    )
 
 
 def test_refused_fused_path_keeps_no_cache_alive():

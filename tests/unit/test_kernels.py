@@ -357,12 +357,12 @@ def test_paged_attention_rejects_mismatched_heads():
 )
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("tokens", [1, 5, 17, 33, 64, 111, 112, 300])
-@pytest.mark.parametrize("in_features", [96, 100])  # 100: no AMX tiling (K % 32)
+@pytest.mark.parametrize("in_features", [96, 100])  # 100: no VNNI tiling (K % 32)
 def test_packed_linear_equals_f_linear_bf16(bias, tokens, in_features):
-    """oneDNN's prepacked path is bit-identical to F.linear; the AMX path
-    (fewer than AMX_MAX_ROWS rows, where the CPU has AMX) sums in float32 in
-    another order and rounds once, so it is checked against the float32
-    product: within one bf16 rounding."""
+    """oneDNN's prepacked path is bit-identical to F.linear; our packed kernel
+    (fewer than PACKED_MAX_ROWS rows, where the CPU has AVX512-BF16) sums in
+    float32 in another order and rounds once, so it is checked against the
+    float32 product: within one bf16 rounding."""
     torch.manual_seed(4)
     lin = torch.nn.Linear(in_features, 160, bias=bias).to(torch.bfloat16)
     x = torch.randn(tokens, in_features, dtype=torch.bfloat16)
@@ -370,9 +370,9 @@ def test_packed_linear_equals_f_linear_bf16(bias, tokens, in_features):
     packed = linear_mod.PackedLinear(lin)
     out = packed(x)
     assert out.dtype == torch.bfloat16 and out.shape == (tokens, 160)
-    uses_amx = packed.amx_weight is not None and tokens < linear_mod.AMX_MAX_ROWS
-    assert packed.amx_weight is None or cpu_ext.amx_available()
-    if not uses_amx:
+    uses_packed = packed.vnni_weight is not None and tokens < linear_mod.PACKED_MAX_ROWS
+    assert (packed.vnni_weight is not None) == cpu_ext.bf16_linear_supports(160, in_features)
+    if not uses_packed:
         torch.testing.assert_close(out, ref, rtol=0, atol=0)
         return
     exact = torch.nn.functional.linear(x.float(), lin.weight.float())
@@ -382,12 +382,27 @@ def test_packed_linear_equals_f_linear_bf16(bias, tokens, in_features):
     assert (out == exact.bfloat16()).float().mean() > 0.95
 
 
-@pytest.mark.skipif(not cpu_ext.amx_available(), reason="no AMX-BF16 on this CPU")
+_TILES = [
+    pytest.param(False, id="avx512bf16"),
+    pytest.param(
+        True,
+        id="amx",
+        marks=pytest.mark.skipif(not cpu_ext.amx_available(), reason="no AMX-BF16 on this CPU"),
+    ),
+]
+
+
+_BF16_LINEAR = pytest.mark.skipif(
+    not cpu_ext.bf16_linear_available(), reason="no AVX512-BF16 on this CPU"
+)
+
+
+@_BF16_LINEAR
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("tokens", [1, 17, 64, 111])
-def test_amx_swiglu_is_bit_identical_to_linear_then_silu(bias, tokens):
+def test_packed_swiglu_is_bit_identical_to_linear_then_silu(bias, tokens):
     """The fused gate/up + SwiGLU pass (the MLP's decode path) rounds exactly
-    as the two kernels it replaces; beyond AMX_MAX_ROWS it declines."""
+    as the two kernels it replaces; beyond PACKED_MAX_ROWS it declines."""
     torch.manual_seed(10)
     lin = torch.nn.Linear(96, 2 * 80, bias=bias).to(torch.bfloat16)
     packed = linear_mod.PackedLinear(lin)
@@ -395,22 +410,32 @@ def test_amx_swiglu_is_bit_identical_to_linear_then_silu(bias, tokens):
     fused = packed.forward_swiglu(x)
     assert fused is not None and fused.shape == (tokens, 80)
     torch.testing.assert_close(fused, cpu_ext.silu_and_mul_cpu(packed(x)), rtol=0, atol=0)
-    assert packed.forward_swiglu(torch.randn(linear_mod.AMX_MAX_ROWS, 96).bfloat16()) is None
+    assert packed.forward_swiglu(torch.randn(linear_mod.PACKED_MAX_ROWS, 96).bfloat16()) is None
 
 
-@pytest.mark.skipif(not cpu_ext.amx_available(), reason="no AMX-BF16 on this CPU")
-def test_amx_linear_strided_rows_and_rejects_bad_shapes():
+@_BF16_LINEAR
+@pytest.mark.parametrize("tiles", _TILES)
+@pytest.mark.parametrize("tokens", [1, 8, 21, 40])  # partial 16-row chunks, one or two
+@pytest.mark.parametrize("out_features", [48, 64])  # an odd and an even number of column blocks
+def test_bf16_linear_strided_rows_and_rejects_bad_shapes(tiles, tokens, out_features):
+    """Both paths (AMX tiles, VDPBF16PS) against the float32 product, within one bf16
+    rounding; the SwiGLU epilogue bit-identical to the linear then SiLU-and-mul."""
     torch.manual_seed(8)
-    w = torch.randn(48, 64).bfloat16()
-    packed = cpu_ext.amx_pack_weight(w)
-    base = torch.randn(21, 128).bfloat16()
+    w = torch.randn(out_features, 64).bfloat16()
+    b = torch.randn(out_features).bfloat16()
+    packed = cpu_ext.bf16_pack_weight(w)
+    base = torch.randn(tokens, 128).bfloat16()
     x = base[:, 32:96]  # row stride 128, as a slice of a fused projection
-    out = cpu_ext.amx_linear(x, packed, None, 48)
-    torch.testing.assert_close(out.float(), x.float() @ w.float().T, rtol=2**-8, atol=1e-3)
-    with pytest.raises(ValueError, match="AMX packing"):
-        cpu_ext.amx_pack_weight(torch.randn(48, 40).bfloat16())
-    with pytest.raises(ValueError, match="AMX packing"):
-        cpu_ext.amx_pack_weight(torch.randn(48, 64))
+    out = cpu_ext.bf16_linear(x, packed, b, out_features, tiles=tiles)
+    exact = x.float() @ w.float().T + b.float()
+    torch.testing.assert_close(out.float(), exact, rtol=2**-8, atol=1e-3)
+    if out_features % 32 == 0:
+        fused = cpu_ext.bf16_linear_swiglu(x, packed, b, out_features, tiles=tiles)
+        torch.testing.assert_close(fused, cpu_ext.silu_and_mul_cpu(out), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="bf16 packing"):
+        cpu_ext.bf16_pack_weight(torch.randn(48, 40).bfloat16())
+    with pytest.raises(ValueError, match="bf16 packing"):
+        cpu_ext.bf16_pack_weight(torch.randn(48, 64))
 
 
 def test_pack_linear_layers_only_touches_bf16_cpu_linears():
@@ -559,14 +584,6 @@ _PREFILL_BF16 = pytest.mark.skipif(
     ),
     reason="no AVX512-BF16 on this CPU",
 )
-_TILES = [
-    pytest.param(False, id="avx512bf16"),
-    pytest.param(
-        True,
-        id="amx",
-        marks=pytest.mark.skipif(not cpu_ext.amx_available(), reason="no AMX-BF16 on this CPU"),
-    ),
-]
 
 
 @_PREFILL_BF16
@@ -638,13 +655,14 @@ def test_cpu_paged_attention_takes_the_native_prefill_path(monkeypatch):
         assert len(calls) == expected
 
 
-@pytest.mark.skipif(not cpu_ext.amx_available(), reason="no AMX-BF16 on this CPU")
+@_BF16_LINEAR
+@pytest.mark.parametrize("tiles", _TILES)
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("tokens", [1, 17, 64, 111])
 @pytest.mark.parametrize("out_features", [4112, 48])  # 4112: an odd number of column blocks
-def test_amx_linear_argmax_equals_argmax_of_the_outputs(bias, tokens, out_features):
+def test_bf16_linear_argmax_equals_argmax_of_the_outputs(bias, tokens, out_features, tiles):
     """The fused head + greedy pass picks exactly what argmax over the bf16 outputs
-    of ``amx_linear`` picks: exact ties (duplicated weight rows, also across the
+    of ``bf16_linear`` picks (on either path): exact ties (duplicated weight rows, also across the
     two threads' column ranges) go to the first column, a NaN output wins at its
     first column."""
     torch.manual_seed(5)
@@ -654,16 +672,16 @@ def test_amx_linear_argmax_equals_argmax_of_the_outputs(bias, tokens, out_featur
     b = (torch.randn(out_features) * 0.1).bfloat16() if bias else None
     x = torch.randn(tokens, 64).bfloat16()
     x[0] = 0.0  # every output equals its bias: many ties
-    packed = cpu_ext.amx_pack_weight(w)
-    full = cpu_ext.amx_linear(x, packed, b, out_features)
-    ids = cpu_ext.amx_linear_argmax(x, packed, b, out_features)
+    packed = cpu_ext.bf16_pack_weight(w)
+    full = cpu_ext.bf16_linear(x, packed, b, out_features, tiles=tiles)
+    ids = cpu_ext.bf16_linear_argmax(x, packed, b, out_features, tiles=tiles)
     assert ids.tolist() == full.max(dim=-1).indices.tolist()
     if tokens > 1:
         w[out_features - 5, 0] = float("nan")
         w[11, 1] = float("nan")
-        packed = cpu_ext.amx_pack_weight(w)
-        ids = cpu_ext.amx_linear_argmax(x, packed, b, out_features)
-        full = cpu_ext.amx_linear(x, packed, b, out_features)
+        packed = cpu_ext.bf16_pack_weight(w)
+        ids = cpu_ext.bf16_linear_argmax(x, packed, b, out_features, tiles=tiles)
+        full = cpu_ext.bf16_linear(x, packed, b, out_features, tiles=tiles)
         assert ids.tolist() == full.max(dim=-1).indices.tolist()
 
 

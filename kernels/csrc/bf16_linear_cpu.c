@@ -1,32 +1,38 @@
 /*
- * bf16 linear layers on Intel AMX (Advanced Matrix Extensions) tiles.
+ * bf16 linear layers for small batches: on Intel AMX (Advanced Matrix
+ * Extensions) tiles where the CPU has them, else with AVX512-BF16 dot products
+ * (VDPBF16PS) on the same packed weights.
  *
  * Why: at decode batch sizes (M = 1..128 tokens) oneDNN's bf16 GEMM ran at
  * ~450-600 GFLOP/s on the 2-core Sapphire-Rapids-class dev box, a few percent
  * of what the tiles can do, so the decode step paid ~0.8 ms per layer for 7 MB
  * of weights. This kernel keeps the weights pre-packed in the tile layout
  * TDPBF16PS wants and streams them through with one weight-tile load per two
- * multiply instructions.
+ * multiply instructions. Without AMX (e.g. AMD Zen 4/5) the same packing feeds
+ * VDPBF16PS, so the fused decode step (decode_layers_cpu.c), the fused SwiGLU
+ * and the LM head's fused argmax run there too.
  *
  * Math: y[M, N] = x[M, K] @ W[N, K]^T (+ bias[N]); bf16 inputs, float32
- * accumulation in the tiles, one rounding to bf16 at the end (round to
- * nearest even by VCVTNEPS2BF16), as oneDNN does.
+ * accumulation, one rounding to bf16 at the end (round to nearest even by
+ * VCVTNEPS2BF16), as oneDNN does. The two paths sum in different orders.
  *
  * Tiles (TDPBF16PS, Intel SDM vol. 2 / the AMX programming reference): an A tile
  * is 16 rows x 32 bf16 taken straight from x (row stride = x's), a B tile is 16
  * rows of 16 bf16 pairs: B[kp][2n + j] = W[n][2kp + j] for a 16-column, 32-deep
- * slice of W (the "VNNI" layout, built once by amx_pack_weight), C tiles are
+ * slice of W (the "VNNI" layout, built once by bf16_pack_weight), C tiles are
  * 16 x 16 float32. Eight tile registers: C00 C10 C01 C11 (2 row chunks x 2
  * column blocks), A0 A1, B0 B1: each k step loads 2 A and 2 B tiles for 4
- * multiplies.
+ * multiplies. VDPBF16PS takes a B tile row (16 columns x one pair) as its vector
+ * operand and a broadcast pair of an x row as the other: 8 rows x 2 column blocks
+ * of float32 accumulators in registers, the same C blocks as the tiles.
  *
  * Shapes: K % 32 == 0 and N % 16 == 0 (the Python side checks, else oneDNN).
  * M is any size: rows are handled in chunks of 16, a partial last chunk through
  * a zero-padded copy of its rows.
  *
- * Built only where the compiler targets AMX (-march=native on such a CPU); the
- * process must be granted the tile state by the kernel (arch_prctl), which
- * amx_init asks for.
+ * Built where the compiler targets AVX512-BF16 (-march=native on such a CPU);
+ * the tile path also needs AMX, and the process must be granted the tile state
+ * by the kernel (arch_prctl), which amx_init asks for.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -35,11 +41,13 @@
 #include "simd_math.h"
 #include "team.h"
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && \
-    defined(__AVX512BW__) && defined(__linux__)
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #include <math.h>
 #include <omp.h>
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#define HAVE_AMX_LINEAR 1
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -75,9 +83,15 @@ static void configure_tiles(void) {
      * was inlined elsewhere). The operand here is the whole 64-byte struct. */
     __asm__ volatile("ldtilecfg %0" ::"m"(cfg));
 }
+#else
+int amx_available(void) { return 0; }
+int amx_init(void) { return -1; }
+#endif
+
+int bf16_linear_available(void) { return 1; }
 
 /* wp[((nb * KB + kb) * 16 + kp) * 32 + 2n + j] = w[(nb*16 + n) * K + kb*32 + 2kp + j] */
-void amx_pack_weight(const uint16_t *w, int64_t N, int64_t K, uint16_t *wp) {
+void bf16_pack_weight(const uint16_t *w, int64_t N, int64_t K, uint16_t *wp) {
     const int64_t KB = K / 32;
 #pragma omp parallel for schedule(static)
     for (int64_t nb = 0; nb < N / 16; ++nb)
@@ -131,6 +145,7 @@ static inline void prefetch_tiles(const uint16_t *a, const uint16_t *b) {
     }
 }
 
+#ifdef HAVE_AMX_LINEAR
 static inline void tile_block(const uint16_t *x, int64_t sx, const uint16_t *wp, int64_t KB,
                               int64_t nb0, int64_t nb1, int one, int single, float *cbuf,
                               int pf) {
@@ -162,6 +177,78 @@ static inline void tile_block(const uint16_t *x, int64_t sx, const uint16_t *wp,
     _tile_stored(1, cbuf + 256, 64);
     _tile_stored(2, cbuf + 512, 64);
     _tile_stored(3, cbuf + 768, 64);
+}
+#endif
+
+/* Eight rows from x (stride sx) x column blocks b0 (and b1 unless SINGLE) with
+ * VDPBF16PS: c0[i] / c1[i] accumulate row i's 16 columns of each block. */
+static inline __attribute__((always_inline)) void dp_rows8(const uint16_t *x, int64_t sx,
+                                                           const uint16_t *b0, const uint16_t *b1,
+                                                           int64_t KB, const int SINGLE, int pf,
+                                                           __m512 *c0, __m512 *c1) {
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; ++i) c0[i] = c1[i] = _mm512_setzero_ps();
+    for (int64_t kb = 0; kb < KB; ++kb) {
+        if (pf) prefetch_tiles(b0 + (kb + PF_TILES) * 512, b1 + (kb + PF_TILES) * 512);
+        const uint16_t *w0 = b0 + kb * 512, *w1 = b1 + kb * 512;
+        const uint16_t *xk = x + kb * 32;
+        for (int64_t kp = 0; kp < 16; ++kp) {
+            const __m512bh v0 = (__m512bh)_mm512_load_si512(w0 + kp * 32);
+            const __m512bh v1 = SINGLE ? v0 : (__m512bh)_mm512_load_si512(w1 + kp * 32);
+#pragma GCC unroll 8
+            for (int i = 0; i < 8; ++i) {
+                int32_t pair;
+                memcpy(&pair, xk + i * sx + 2 * kp, 4);
+                const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
+                c0[i] = _mm512_dpbf16_ps(c0[i], a, v0);
+                if (!SINGLE) c1[i] = _mm512_dpbf16_ps(c1[i], a, v1);
+            }
+        }
+    }
+}
+
+/* The VDPBF16PS counterpart of tile_block: the same C blocks in cbuf (C00 at 0,
+ * C10 at 256, C01 at 512, C11 at 768), eight rows at a time; the weight panels
+ * come from L1 after the first eight rows. */
+static inline __attribute__((always_inline)) void dp_block_impl(
+    const uint16_t *x, int64_t sx, const uint16_t *wp, int64_t KB, int64_t nb0, int64_t nb1,
+    int one, const int SINGLE, float *cbuf, int pf) {
+    const uint16_t *b0 = wp + nb0 * KB * 512;
+    const uint16_t *b1 = wp + (SINGLE ? nb0 + 1 : nb1) * KB * 512; /* prefetch only if single */
+    const int rows = one ? 16 : 32;
+    for (int r0 = 0; r0 < rows; r0 += 8) {
+        __m512 c0[8], c1[8];
+        dp_rows8(x + r0 * sx, sx, b0, b1, KB, SINGLE, pf && r0 == 0, c0, c1);
+        float *t = cbuf + (r0 / 16) * 256 + (r0 % 16) * 16;
+#pragma GCC unroll 8
+        for (int i = 0; i < 8; ++i) {
+            _mm512_store_ps(t + i * 16, c0[i]);
+            if (!SINGLE) _mm512_store_ps(t + 512 + i * 16, c1[i]);
+        }
+    }
+}
+
+static void dp_block(const uint16_t *x, int64_t sx, const uint16_t *wp, int64_t KB, int64_t nb0,
+                     int64_t nb1, int one, int single, float *cbuf, int pf) {
+    if (single)
+        dp_block_impl(x, sx, wp, KB, nb0, nb1, one, 1, cbuf, pf);
+    else
+        dp_block_impl(x, sx, wp, KB, nb0, nb1, one, 0, cbuf, pf);
+}
+
+/* One C block on tiles or with VDPBF16PS. */
+static inline void c_block(int tiles, const uint16_t *x, int64_t sx, const uint16_t *wp,
+                           int64_t KB, int64_t nb0, int64_t nb1, int one, int single, float *cbuf,
+                           int pf) {
+#ifdef HAVE_AMX_LINEAR
+    if (tiles) {
+        tile_block(x, sx, wp, KB, nb0, nb1, one, single, cbuf, pf);
+        return;
+    }
+#else
+    (void)tiles;
+#endif
+    dp_block(x, sx, wp, KB, nb0, nb1, one, single, cbuf, pf);
 }
 
 /* Rows of x per outer block: its slice (M_BLOCK x K bf16) stays in L2 while
@@ -245,20 +332,23 @@ static inline void emit(const epilogue *e, const float *c0, const float *c1, int
 
 /* Column blocks in pairs (nb0, nb1) per thread, rows in chunks of 32 (two C
  * tiles each), a partial last chunk through `pad`; a team body (team.h). */
-static void matmul_body(const uint16_t *x, int64_t sx, const uint16_t *wp, int64_t M, int64_t N,
-                        int64_t K, uint16_t *pad, const epilogue *e);
+static void matmul_body(int tiles, const uint16_t *x, int64_t sx, const uint16_t *wp, int64_t M,
+                        int64_t N, int64_t K, uint16_t *pad, const epilogue *e);
 
-int team_amx_matmul(const uint16_t *x, int64_t sx, const uint16_t *wp, const uint16_t *bias,
-                    uint16_t *y, int64_t sy, int64_t M, int64_t N, int64_t K, int swiglu,
-                    uint16_t *pad) {
+int team_bf16_matmul(int tiles, const uint16_t *x, int64_t sx, const uint16_t *wp,
+                     const uint16_t *bias, uint16_t *y, int64_t sy, int64_t M, int64_t N,
+                     int64_t K, int swiglu, uint16_t *pad) {
     if (K % 32 || N % 16 || M < 1 || (swiglu && N % 32)) return -1;
+#ifndef HAVE_AMX_LINEAR
+    if (tiles) return -1;
+#endif
     const epilogue ep = {bias, y, sy, swiglu, NULL, NULL};
-    matmul_body(x, sx, wp, M, N, K, pad, &ep);
+    matmul_body(tiles, x, sx, wp, M, N, K, pad, &ep);
     return 0;
 }
 
-static void matmul_body(const uint16_t *x, int64_t sx, const uint16_t *wp, int64_t M, int64_t N,
-                        int64_t K, uint16_t *pad, const epilogue *e) {
+static void matmul_body(int tiles, const uint16_t *x, int64_t sx, const uint16_t *wp, int64_t M,
+                        int64_t N, int64_t K, uint16_t *pad, const epilogue *e) {
     const int64_t KB = K / 32, NB = N / 16;
     /* swiglu: gate block j pairs with up block NB/2 + j (same output columns) */
     const int64_t npairs = e->swiglu ? NB / 2 : (NB + 1) / 2;
@@ -287,14 +377,14 @@ static void matmul_body(const uint16_t *x, int64_t sx, const uint16_t *wp, int64
                 const int tail0 = rows0 < 16, tail1 = !one && rows1 < 16;
                 if (tail1) {
                     /* rows m0..m0+15 full, the next chunk partial: two passes */
-                    tile_block(x + m0 * sx, sx, wp, KB, nb0, nb1, 1, single, cbuf, m0 == mb);
+                    c_block(tiles, x + m0 * sx, sx, wp, KB, nb0, nb1, 1, single, cbuf, m0 == mb);
                     emit(e, cbuf, single ? NULL : cbuf + 512, nb0, nb1, m0, 16);
-                    tile_block(pad, K, wp, KB, nb0, nb1, 1, single, cbuf, 0);
+                    c_block(tiles, pad, K, wp, KB, nb0, nb1, 1, single, cbuf, 0);
                     emit(e, cbuf, single ? NULL : cbuf + 512, nb0, nb1, m0 + 16, rows1);
                     continue;
                 }
                 const uint16_t *xa = tail0 ? pad : x + m0 * sx;
-                tile_block(xa, tail0 ? K : sx, wp, KB, nb0, nb1, one, single, cbuf, m0 == mb);
+                c_block(tiles, xa, tail0 ? K : sx, wp, KB, nb0, nb1, one, single, cbuf, m0 == mb);
                 emit(e, cbuf, single ? NULL : cbuf + 512, nb0, nb1, m0, rows0);
                 if (!one)
                     emit(e, cbuf + 256, single ? NULL : cbuf + 768, nb0, nb1, m0 + 16, rows1);
@@ -303,15 +393,26 @@ static void matmul_body(const uint16_t *x, int64_t sx, const uint16_t *wp, int64
     }
 }
 
+int team_bf16_linear_available(void) { return 1; }
+#ifdef HAVE_AMX_LINEAR
 int team_amx_available(void) { return 1; }
 void team_amx_begin(void) { configure_tiles(); }
 void team_amx_end(void) { _tile_release(); }
+#else
+int team_amx_available(void) { return 0; }
+void team_amx_begin(void) {}
+void team_amx_end(void) {}
+#endif
 
-/* The public kernels: one parallel region around the team body. */
-static int amx_matmul(const uint16_t *x, int64_t sx, const uint16_t *wp, const uint16_t *bias,
-                      uint16_t *y, int64_t sy, int64_t M, int64_t N, int64_t K, int swiglu,
-                      int num_threads) {
+/* The public kernels: one parallel region around the team body; tiles != 0:
+ * on AMX (the caller has the tile state from Linux), else VDPBF16PS. */
+static int bf16_matmul(int tiles, const uint16_t *x, int64_t sx, const uint16_t *wp,
+                       const uint16_t *bias, uint16_t *y, int64_t sy, int64_t M, int64_t N,
+                       int64_t K, int swiglu, int num_threads) {
     if (K % 32 || N % 16 || M < 1 || (swiglu && N % 32)) return -1;
+#ifndef HAVE_AMX_LINEAR
+    if (tiles) return -1;
+#endif
     uint16_t *pad = NULL;
     if (M % 16) {
         pad = (uint16_t *)aligned_alloc(64, (size_t)(16 * K * 2));
@@ -319,26 +420,27 @@ static int amx_matmul(const uint16_t *x, int64_t sx, const uint16_t *wp, const u
     }
 #pragma omp parallel num_threads(num_threads)
     {
-        configure_tiles();
-        team_amx_matmul(x, sx, wp, bias, y, sy, M, N, K, swiglu, pad);
-        _tile_release();
+        if (tiles) team_amx_begin();
+        team_bf16_matmul(tiles, x, sx, wp, bias, y, sy, M, N, K, swiglu, pad);
+        if (tiles) team_amx_end();
     }
     free(pad);
     return 0;
 }
 
-int amx_linear(const uint16_t *x, int64_t sx, const uint16_t *wp, const uint16_t *bias,
-               uint16_t *y, int64_t sy, int64_t M, int64_t N, int64_t K, int num_threads) {
-    return amx_matmul(x, sx, wp, bias, y, sy, M, N, K, 0, num_threads);
+int bf16_linear(int tiles, const uint16_t *x, int64_t sx, const uint16_t *wp,
+                const uint16_t *bias, uint16_t *y, int64_t sy, int64_t M, int64_t N, int64_t K,
+                int num_threads) {
+    return bf16_matmul(tiles, x, sx, wp, bias, y, sy, M, N, K, 0, num_threads);
 }
 
 /* y[M, N/2] = silu(x @ Wg^T + bg) * (x @ Wu^T + bu) for W = [Wg; Wu] ([N, K],
  * packed by amx_pack_weight), N % 32 == 0: a gate/up projection and its SwiGLU
  * in one pass, so the [M, N] intermediate is never written back and re-read. */
-int amx_linear_swiglu(const uint16_t *x, int64_t sx, const uint16_t *wp, const uint16_t *bias,
-                      uint16_t *y, int64_t sy, int64_t M, int64_t N, int64_t K,
-                      int num_threads) {
-    return amx_matmul(x, sx, wp, bias, y, sy, M, N, K, 1, num_threads);
+int bf16_linear_swiglu(int tiles, const uint16_t *x, int64_t sx, const uint16_t *wp,
+                       const uint16_t *bias, uint16_t *y, int64_t sy, int64_t M, int64_t N,
+                       int64_t K, int num_threads) {
+    return bf16_matmul(tiles, x, sx, wp, bias, y, sy, M, N, K, 1, num_threads);
 }
 
 /* ids[M] = argmax over the N outputs of each row of x @ W^T + bias, as the
@@ -347,9 +449,13 @@ int amx_linear_swiglu(const uint16_t *x, int64_t sx, const uint16_t *wp, const u
  * writing the [M, N] logits and reading them back. Each thread keeps row maxima
  * over its (contiguous, ascending) columns; the threads' results are merged in
  * thread order, so ties keep the lowest column. */
-int amx_linear_argmax(const uint16_t *x, int64_t sx, const uint16_t *wp, const uint16_t *bias,
-                      int64_t *ids, int64_t M, int64_t N, int64_t K, int num_threads) {
+int bf16_linear_argmax(int tiles, const uint16_t *x, int64_t sx, const uint16_t *wp,
+                       const uint16_t *bias, int64_t *ids, int64_t M, int64_t N, int64_t K,
+                       int num_threads) {
     if (K % 32 || N % 16 || M < 1 || num_threads < 1) return -1;
+#ifndef HAVE_AMX_LINEAR
+    if (tiles) return -1;
+#endif
     uint16_t *pad = (uint16_t *)aligned_alloc(64, (size_t)(16 * K * 2));
     float *best = (float *)malloc((size_t)(num_threads * M) * sizeof(float));
     int64_t *best_idx = (int64_t *)malloc((size_t)(num_threads * M) * sizeof(int64_t));
@@ -366,10 +472,10 @@ int amx_linear_argmax(const uint16_t *x, int64_t sx, const uint16_t *wp, const u
         const int tid = omp_get_thread_num();
 #pragma omp single
         team = omp_get_num_threads();
-        configure_tiles();
+        if (tiles) team_amx_begin();
         const epilogue ep = {bias, NULL, 0, 0, best + tid * M, best_idx + tid * M};
-        matmul_body(x, sx, wp, M, N, K, pad, &ep);
-        _tile_release();
+        matmul_body(tiles, x, sx, wp, M, N, K, pad, &ep);
+        if (tiles) team_amx_end();
     }
     for (int64_t r = 0; r < M; ++r) {
         int64_t at = -1;
@@ -392,40 +498,44 @@ int amx_linear_argmax(const uint16_t *x, int64_t sx, const uint16_t *wp, const u
     return 0;
 }
 
-#else /* no AMX in this build */
+#else /* no AVX512-BF16 in this build */
 
-int amx_linear_argmax(const uint16_t *x, int64_t sx, const uint16_t *wp, const uint16_t *bias,
-                      int64_t *ids, int64_t M, int64_t N, int64_t K, int num_threads) {
-    (void)x, (void)sx, (void)wp, (void)bias, (void)ids, (void)M, (void)N, (void)K;
+int bf16_linear_available(void) { return 0; }
+int bf16_linear_argmax(int tiles, const uint16_t *x, int64_t sx, const uint16_t *wp,
+                       const uint16_t *bias, int64_t *ids, int64_t M, int64_t N, int64_t K,
+                       int num_threads) {
+    (void)tiles, (void)x, (void)sx, (void)wp, (void)bias, (void)ids, (void)M, (void)N, (void)K;
     (void)num_threads;
     return -1;
 }
+int team_bf16_linear_available(void) { return 0; }
 int team_amx_available(void) { return 0; }
 void team_amx_begin(void) {}
 void team_amx_end(void) {}
-int team_amx_matmul(const uint16_t *x, int64_t sx, const uint16_t *wp, const uint16_t *bias,
-                    uint16_t *y, int64_t sy, int64_t M, int64_t N, int64_t K, int swiglu,
-                    uint16_t *pad) {
-    (void)x, (void)sx, (void)wp, (void)bias, (void)y, (void)sy, (void)M, (void)N, (void)K;
-    (void)swiglu, (void)pad;
+int team_bf16_matmul(int tiles, const uint16_t *x, int64_t sx, const uint16_t *wp,
+                     const uint16_t *bias, uint16_t *y, int64_t sy, int64_t M, int64_t N,
+                     int64_t K, int swiglu, uint16_t *pad) {
+    (void)tiles, (void)x, (void)sx, (void)wp, (void)bias, (void)y, (void)sy, (void)M, (void)N;
+    (void)K, (void)swiglu, (void)pad;
     return -1;
 }
 
 int amx_available(void) { return 0; }
 int amx_init(void) { return -1; }
-void amx_pack_weight(const uint16_t *w, int64_t N, int64_t K, uint16_t *wp) {
+void bf16_pack_weight(const uint16_t *w, int64_t N, int64_t K, uint16_t *wp) {
     (void)w, (void)N, (void)K, (void)wp;
 }
-int amx_linear(const uint16_t *x, int64_t sx, const uint16_t *wp, const uint16_t *bias,
-               uint16_t *y, int64_t sy, int64_t M, int64_t N, int64_t K, int num_threads) {
-    (void)x, (void)sx, (void)wp, (void)bias, (void)y, (void)sy, (void)M, (void)N, (void)K;
-    (void)num_threads;
+int bf16_linear(int tiles, const uint16_t *x, int64_t sx, const uint16_t *wp,
+                const uint16_t *bias, uint16_t *y, int64_t sy, int64_t M, int64_t N, int64_t K,
+                int num_threads) {
+    (void)tiles, (void)x, (void)sx, (void)wp, (void)bias, (void)y, (void)sy, (void)M, (void)N;
+    (void)K, (void)num_threads;
     return -1;
 }
-int amx_linear_swiglu(const uint16_t *x, int64_t sx, const uint16_t *wp, const uint16_t *bias,
-                      uint16_t *y, int64_t sy, int64_t M, int64_t N, int64_t K,
-                      int num_threads) {
-    return amx_linear(x, sx, wp, bias, y, sy, M, N, K, num_threads);
+int bf16_linear_swiglu(int tiles, const uint16_t *x, int64_t sx, const uint16_t *wp,
+                       const uint16_t *bias, uint16_t *y, int64_t sy, int64_t M, int64_t N,
+                       int64_t K, int num_threads) {
+    return bf16_linear(tiles, x, sx, wp, bias, y, sy, M, N, K, num_threads);
 }
 
 #endif
