@@ -435,7 +435,7 @@ int bf16_linear(int tiles, const uint16_t *x, int64_t sx, const uint16_t *wp,
 }
 
 /* y[M, N/2] = silu(x @ Wg^T + bg) * (x @ Wu^T + bu) for W = [Wg; Wu] ([N, K],
- * packed by amx_pack_weight), N % 32 == 0: a gate/up projection and its SwiGLU
+ * packed by bf16_pack_weight), N % 32 == 0: a gate/up projection and its SwiGLU
  * in one pass, so the [M, N] intermediate is never written back and re-read. */
 int bf16_linear_swiglu(int tiles, const uint16_t *x, int64_t sx, const uint16_t *wp,
                        const uint16_t *bias, uint16_t *y, int64_t sy, int64_t M, int64_t N,
@@ -444,7 +444,7 @@ int bf16_linear_swiglu(int tiles, const uint16_t *x, int64_t sx, const uint16_t 
 }
 
 /* ids[M] = argmax over the N outputs of each row of x @ W^T + bias, as the
- * bf16 outputs amx_linear would write (first maximal column; a NaN wins at
+ * bf16 outputs bf16_linear would write (first maximal column; a NaN wins at
  * its first column): an LM head and greedy sampling in one pass, without
  * writing the [M, N] logits and reading them back. Each thread keeps row maxima
  * over its (contiguous, ascending) columns; the threads' results are merged in

@@ -415,7 +415,7 @@ int prefill_attention_bf16(const uint16_t *q, int64_t sq_t, int64_t sq_h, const 
         }
 #pragma omp barrier
         if (rc == 0) {
-            if (tiles) team_amx_begin(); /* the tile configuration (amx_linear_cpu.c) */
+            if (tiles) team_amx_begin(); /* the tile configuration (bf16_linear_cpu.c) */
             /* causal rows cost more the later they sit: hand items out one by one */
 #pragma omp for schedule(dynamic, 1)
             for (int64_t it = 0; it < total_items; ++it) {
