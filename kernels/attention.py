@@ -108,15 +108,20 @@ def _prefill_attention_sdpa(
         # contiguous(): SDPA on CPU runs several times slower on these strided
         # views than on a [1, heads, n, hd] copy (measured, bf16 and fp32).
         q = query[s:e].transpose(0, 1).unsqueeze(0).contiguous()  # [1, H, n, hd]
+        # Keys before the first one any new query sees are left out: a slot before a
+        # sliding window may hold anything, and a masked NaN value still makes NaN.
+        lo = max(0, p.num_computed - sliding_window + 1) if sliding_window else 0
         if p.block_ids is None:
             k = key[s:e]
             v = value[s:e]
         else:
-            k = _gather(k_cache, p.block_ids)[: p.seq_len]
-            v = _gather(v_cache, p.block_ids)[: p.seq_len]
+            k = _gather(k_cache, p.block_ids)[lo : p.seq_len]
+            v = _gather(v_cache, p.block_ids)[lo : p.seq_len]
         k = k.transpose(0, 1).unsqueeze(0).contiguous()  # [1, kvh, L, hd]
         v = v.transpose(0, 1).unsqueeze(0).contiguous()
         mask = meta.prefill_mask(i, sliding_window)
+        if mask is not None and lo:
+            mask = mask[:, lo:]
         o = F.scaled_dot_product_attention(
             q,
             k,

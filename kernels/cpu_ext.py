@@ -543,10 +543,43 @@ def bf16_linear_swiglu(
         ``tiles``) followed by ``silu_and_mul_cpu``.
 
     Raises:
+        ValueError: on an argument of the wrong dtype, shape or stride.
         RuntimeError: when the kernel rejects the shapes, or ``tiles=True`` without AMX.
     """
     y = torch.empty((x.shape[0], out_features // 2), dtype=torch.bfloat16)
     return _linear_call("bf16_linear_swiglu", tiles, x, packed, bias, out_features, y, y.shape[1])
+
+
+def _check_linear_args(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int
+) -> None:
+    """The shapes, dtypes and strides the linear kernels read, checked before any
+    pointer reaches C.
+
+    Raises:
+        ValueError: naming the argument that does not fit.
+    """
+    if x.dim() != 2 or x.dtype != torch.bfloat16 or x.device.type != "cpu" or x.stride(1) != 1:
+        raise ValueError(
+            f"x must be a [M, K] bf16 CPU tensor with unit stride in K, got {x.dtype} "
+            f"{tuple(x.shape)} strides {x.stride()} on {x.device}"
+        )
+    if x.shape[0] < 1:
+        raise ValueError("x must have at least one row")
+    if packed.dtype != torch.bfloat16 or not packed.is_contiguous():
+        raise ValueError(f"packed must be a contiguous bf16 tensor, got {packed.dtype}")
+    if packed.numel() != out_features * x.shape[1]:
+        raise ValueError(
+            f"packed holds {packed.numel()} elements, not out_features x K = "
+            f"{out_features} x {x.shape[1]}"
+        )
+    if bias is not None and (
+        bias.dtype != torch.bfloat16 or bias.numel() != out_features or not bias.is_contiguous()
+    ):
+        raise ValueError(
+            f"bias must be a contiguous bf16 [{out_features}] tensor, got {bias.dtype} "
+            f"{tuple(bias.shape)}"
+        )
 
 
 def _linear_call(
@@ -562,6 +595,7 @@ def _linear_call(
     """Call linear kernel ``name`` (tiles, x, its row stride, weight, bias, out,
     *out_args, M, N, K, threads) and return ``out``; raises RuntimeError on a
     non-zero code."""
+    _check_linear_args(x, packed, bias, out_features)
     on_tiles = _on_tiles(tiles)
     lib = load()
     assert lib is not None
@@ -600,6 +634,7 @@ def bf16_linear_argmax(
         there is one), the same ids as ``bf16_linear(...).max(dim=-1).indices``.
 
     Raises:
+        ValueError: on an argument of the wrong dtype, shape or stride.
         RuntimeError: when the kernel rejects the shapes or cannot allocate, or
             ``tiles=True`` without AMX.
     """
@@ -626,6 +661,7 @@ def bf16_linear(
         ``[M, N]`` bf16 (float32 accumulation, one rounding).
 
     Raises:
+        ValueError: on an argument of the wrong dtype, shape or stride.
         RuntimeError: when the kernel rejects the shapes, or ``tiles=True`` without AMX.
     """
     y = torch.empty((x.shape[0], out_features), dtype=torch.bfloat16)

@@ -126,7 +126,12 @@ class PackedLinear(nn.Module):
 
     def _packed_serves(self, x2: torch.Tensor) -> bool:
         """Whether our packed kernel takes these ``[rows, in]`` inputs."""
-        return self.vnni_weight is not None and x2.shape[0] < PACKED_MAX_ROWS and x2.stride(1) == 1
+        return (
+            self.vnni_weight is not None
+            and 0 < x2.shape[0] < PACKED_MAX_ROWS
+            and x2.stride(1) == 1
+            and x2.dtype == torch.bfloat16
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
@@ -144,7 +149,7 @@ class PackedLinear(nn.Module):
         first maximal index) in one pass of the packed kernel that never writes the
         outputs; ``None`` where that kernel does not serve this call."""
         x2 = x.reshape(-1, self.in_features)
-        if not self._packed_serves(x2) or x2.shape[0] == 0:
+        if not self._packed_serves(x2):
             return None
         ids = cpu_ext.bf16_linear_argmax(x2, self.vnni_weight, self.bias, self.out_features)
         return ids.view(x.shape[:-1])

@@ -193,8 +193,9 @@ static inline __attribute__((always_inline)) void dp_rows8(const uint16_t *x, in
         const uint16_t *w0 = b0 + kb * 512, *w1 = b1 + kb * 512;
         const uint16_t *xk = x + kb * 32;
         for (int64_t kp = 0; kp < 16; ++kp) {
-            const __m512bh v0 = (__m512bh)_mm512_load_si512(w0 + kp * 32);
-            const __m512bh v1 = SINGLE ? v0 : (__m512bh)_mm512_load_si512(w1 + kp * 32);
+            /* unaligned loads: a packed weight may be a view at any offset */
+            const __m512bh v0 = (__m512bh)_mm512_loadu_si512(w0 + kp * 32);
+            const __m512bh v1 = SINGLE ? v0 : (__m512bh)_mm512_loadu_si512(w1 + kp * 32);
 #pragma GCC unroll 8
             for (int i = 0; i < 8; ++i) {
                 int32_t pair;

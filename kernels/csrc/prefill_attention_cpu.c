@@ -56,16 +56,19 @@ typedef struct {
     int64_t token_start, num_new, num_computed, table_off;
 } prefill_seq;
 
-/* Pack chunk c of (sequence s, KV head h) from the paged cache into kp / vp. */
+/* Pack chunk c of (sequence s, KV head h) from the paged cache into kp / vp.
+ * Keys outside [key_lo, seq_len) are packed as zeros: no query of this step sees
+ * them, and a slot before a sliding window may hold anything (as the decode
+ * kernel allows), which P = 0 times NaN would otherwise carry into the output. */
 static void pack_chunk(const uint16_t *k_cache, int64_t sk_b, int64_t sk_o, int64_t sk_h,
                        const uint16_t *v_cache, int64_t sv_b, int64_t sv_o, int64_t sv_h,
-                       const int64_t *table, int64_t seq_len, int64_t block_size, int64_t h,
-                       int64_t c, int64_t D, uint16_t *kp, uint16_t *vp) {
+                       const int64_t *table, int64_t key_lo, int64_t seq_len, int64_t block_size,
+                       int64_t h, int64_t c, int64_t D, uint16_t *kp, uint16_t *vp) {
     const int64_t KS = D / 32;
     const uint16_t *krow[CHUNK], *vrow[CHUNK];
     for (int64_t i = 0; i < CHUNK; ++i) {
         const int64_t key = c * CHUNK + i;
-        if (key >= seq_len) {
+        if (key < key_lo || key >= seq_len) {
             krow[i] = vrow[i] = NULL;
             continue;
         }
@@ -86,7 +89,11 @@ static void pack_chunk(const uint16_t *k_cache, int64_t sk_b, int64_t sk_o, int6
             const __m512i idx = _mm512_mullo_epi32(
                 _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                 _mm512_set1_epi32((int)(sk_o / 2)));
-            const uint32_t *base = (const uint32_t *)rows[0];
+            /* the row of the tile's first key, whether visible or not: its live
+             * keys sit in the same block at n * sk_o past it */
+            const int64_t key0 = c * CHUNK + 16 * t;
+            const uint32_t *base = (const uint32_t *)(k_cache + table[key0 / block_size] * sk_b +
+                                                      (key0 % block_size) * sk_o + h * sk_h);
             for (int64_t d2 = 0; d2 < D / 2; ++d2)
                 _mm512_storeu_si512(tile + d2 * 16,
                                     _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, idx,
@@ -297,6 +304,9 @@ static void attend_rows(const uint16_t *q, int64_t sq_t, int64_t sq_h, const pre
                         const uint16_t *vp, uint16_t *out, int64_t so_t, int64_t so_h,
                         int64_t D, float scale, int64_t window, int tiles, float *S,
                         uint16_t *P, uint16_t *qbuf, float *obuf) {
+#ifndef HAVE_PREFILL_AMX
+    (void)tiles;
+#endif
     const int64_t DB = D / 16;
     const int64_t pos0 = sq->num_computed + r0, pos_last = pos0 + rows - 1;
     const int64_t lo_key = window > 0 && pos0 - window + 1 > 0 ? pos0 - window + 1 : 0;
@@ -400,9 +410,12 @@ int prefill_attention_bf16(const uint16_t *q, int64_t sq_t, int64_t sq_h, const 
             const int64_t nc = chunk_off[s + 1] - chunk_off[s];
             const int64_t local = i - chunk_off[s] * num_kv_heads;
             const int64_t h = local / nc, c = local % nc;
+            /* the first key any of the sequence's new queries sees */
+            const int64_t first = seqs[s].num_computed - window + 1;
             pack_chunk(k_cache, sk_b, sk_o, sk_h, v_cache, sv_b, sv_o, sv_h,
-                       tables + seqs[s].table_off, seqs[s].num_computed + seqs[s].num_new,
-                       block_size, h, c, D, kp + i * chunk_elems, vp + i * chunk_elems);
+                       tables + seqs[s].table_off, window > 0 && first > 0 ? first : 0,
+                       seqs[s].num_computed + seqs[s].num_new, block_size, h, c, D,
+                       kp + i * chunk_elems, vp + i * chunk_elems);
         }
         const int64_t ncols_max = max_chunks * CHUNK;
         float *S = aligned_alloc(64, (size_t)(ROWS * ncols_max * 4));

@@ -709,3 +709,88 @@ def test_native_prefill_declines_views_it_cannot_read():
         if want is None:
             want = out
         torch.testing.assert_close(out.float(), want.float(), rtol=0, atol=2e-2)
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        pytest.param("sdpa", id="sdpa"),
+        pytest.param("native-avx512bf16", marks=_PREFILL_BF16),
+        pytest.param(
+            "native-amx",
+            marks=pytest.mark.skipif(not cpu_ext.amx_available(), reason="no AMX-BF16 on this CPU"),
+        ),
+    ],
+)
+def test_prefill_ignores_slots_before_the_window(path):
+    """A chunk after a cached prefix under a sliding window: cache slots before the
+    first key any new query sees may hold anything (as the decode kernel allows);
+    NaN there must not reach the outputs (it did: P = 0 times a NaN value)."""
+    torch.manual_seed(12)
+    hd, heads, kvh, bs, window = 64, 4, 2, 16, 8
+    c, n = 37, 5  # queries at 37..41: the first key any of them sees is 30
+    kv = allocate_kv_cache(8, 1, bs, kvh, hd, torch.bfloat16)
+    layer = (kv[:, 0, 0], kv[:, 0, 1])
+    table = [3, 1, 6]
+    k = torch.randn(c + n, kvh, hd).bfloat16()
+    v = torch.randn(c + n, kvh, hd).bfloat16()
+    pos = torch.arange(c + n)
+    reshape_and_cache(k, v, layer, torch.tensor(table)[pos // bs] * bs + pos % bs)
+    for p in range(c - window + 1):
+        for t in layer:
+            t[table[p // bs], p % bs] = float("nan")
+    meta = build_attention_metadata([n], [c], [table], bs)
+    q = torch.randn(n, heads, hd).bfloat16()
+    out = torch.full_like(q, float("nan"))
+    if path == "sdpa":
+        attention_mod._prefill_attention_sdpa(out, q, k[c:], v[c:], *layer, meta, hd**-0.5, window)
+    else:
+        desc, flat = meta.prefill_descriptors()
+        cpu_ext.prefill_attention_cpu(
+            q, *layer, desc, flat, hd**-0.5, window, out, tiles=path == "native-amx"
+        )
+    ref = _dense_attention(q, k, v, c, window)
+    torch.testing.assert_close(out.double(), ref, rtol=0, atol=3e-2)
+
+
+@_BF16_LINEAR
+@pytest.mark.parametrize("tiles", _TILES)
+def test_bf16_linear_reads_a_packed_weight_at_any_offset(tiles):
+    """A packed weight viewed at an offset that is not 64-byte aligned (a slice of a
+    larger buffer) gives the same result as the aligned one (the VDPBF16PS path used
+    aligned loads and crashed)."""
+    torch.manual_seed(13)
+    w = torch.randn(64, 96).bfloat16()
+    x = torch.randn(19, 96).bfloat16()
+    packed = cpu_ext.bf16_pack_weight(w)
+    want = cpu_ext.bf16_linear(x, packed, None, 64, tiles=tiles)
+    for offset in (1, 8, 16):
+        buf = torch.empty(packed.numel() + offset, dtype=torch.bfloat16)
+        view = buf[offset:]
+        view.copy_(packed)
+        assert view.data_ptr() % 64 != 0
+        got = cpu_ext.bf16_linear(x, view, None, 64, tiles=tiles)
+        assert torch.equal(got, want)
+
+
+@_BF16_LINEAR
+def test_bf16_linear_rejects_bad_arguments_and_packed_linear_takes_empty_batches():
+    """Wrong dtypes or sizes are a ValueError naming the argument (a float32 x was
+    read as bf16 bits); a PackedLinear returns an empty batch for zero rows, as
+    nn.Linear does (it raised)."""
+    torch.manual_seed(14)
+    w = torch.randn(32, 64).bfloat16()
+    packed = cpu_ext.bf16_pack_weight(w)
+    x = torch.randn(5, 64).bfloat16()
+    with pytest.raises(ValueError, match="x must be"):
+        cpu_ext.bf16_linear(x.float(), packed, None, 32)
+    with pytest.raises(ValueError, match="packed holds"):
+        cpu_ext.bf16_linear(x, packed, None, 48)
+    with pytest.raises(ValueError, match="bias must be"):
+        cpu_ext.bf16_linear(x, packed, torch.zeros(32), 32)
+    with pytest.raises(ValueError, match="at least one row"):
+        cpu_ext.bf16_linear_argmax(x[:0], packed, None, 32)
+    lin = torch.nn.Linear(64, 32).to(torch.bfloat16)
+    layer = linear_mod.PackedLinear(lin)
+    assert layer(torch.empty(0, 64, dtype=torch.bfloat16)).shape == (0, 32)
+    assert layer.forward_swiglu(torch.empty(0, 64, dtype=torch.bfloat16)) is None
