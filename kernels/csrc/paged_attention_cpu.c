@@ -580,6 +580,75 @@ static void pack_query_tiles(const uint16_t *q, int64_t sq_h, int64_t KVH, int64
     }
 }
 
+/* The value pass with VDPBF16PS (the path without AMX): the probabilities of
+ * consecutive keys 2j, 2j + 1 are rounded to bf16 and paired (as torch's CPU flash
+ * attention rounds them for its bf16 product), and each pair of value rows is
+ * interleaved by VPUNPCK{L,H}WD into 16 dims x one key pair per vector, so one
+ * VDPBF16PS does what two FMAs and two widenings did. acc vector 2s of a head
+ * holds dims 32s + 8L + i, vector 2s + 1 dims 32s + 8L + 4 + i, in lane 4L + i
+ * (L, i < 4): the unpacks' order, put back once per sequence by the caller. Keys
+ * outside [lo, len) get probability 0 and their value rows are not read (a slot
+ * outside may hold NaN). sc: the softmax output of attend_seq_bf16_impl, rewritten
+ * in place as the bf16 pairs (row j of a group: keys b0 * bs + 2j, + 1). */
+static inline __attribute__((always_inline)) void value_pass_dp(
+    const uint16_t *v, int64_t sv_b, int64_t sv_o, int64_t sv_h, const int64_t *table, int64_t bs,
+    int64_t lo, int64_t len, int64_t KVH, const int64_t G, const int64_t NV, float *sc,
+    __m512 *acc, const uint16_t *k, int64_t sk_b, int64_t sk_o, int64_t sk_h,
+    const int64_t *next_table, int64_t next_b0, int64_t next_b1) {
+    static const uint16_t PAIR_IDX[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,
+                                          21, 6, 22, 7, 23, 8,  24, 9,  25, 10, 26,
+                                          11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+    const int64_t S = NV / 2, GS = 16 / G, NG = (KVH + GS - 1) / GS;
+    const int64_t b0 = lo / bs, b1 = (len - 1) / bs, R = (b1 - b0 + 1) * bs;
+    const __m512i pair_idx = _mm512_loadu_si512(PAIR_IDX);
+    for (int64_t gi = 0; gi < NG; ++gi) {
+        float *base = sc + gi * R * 16;
+        for (int64_t j = 0; j < R / 2; ++j) {
+            const int64_t t = b0 * bs + 2 * j;
+            const __m512 p0 = t >= lo && t < len ? _mm512_load_ps(base + 2 * j * 16)
+                                                 : _mm512_setzero_ps();
+            const __m512 p1 = t + 1 >= lo && t + 1 < len ? _mm512_load_ps(base + (2 * j + 1) * 16)
+                                                         : _mm512_setzero_ps();
+            const __m512i pb = (__m512i)_mm512_cvtne2ps_pbh(p1, p0); /* p0 low, p1 high */
+            _mm512_store_si512(base + j * 16, _mm512_permutexvar_epi16(pair_idx, pb));
+        }
+    }
+    for (int64_t b = b0; b <= b1; ++b) {
+        int64_t vnext, knext;
+        v_pass_prefetch(table, b, b1, sv_b, sk_b, next_table, next_b0, next_b1, &vnext, &knext);
+        const uint16_t *vb = v + table[b] * sv_b;
+        for (int64_t h = 0; h < KVH; ++h) {
+            if (knext >= 0) prefetch_rows(k, knext + h * sk_h, bs, sk_o, NV * VL, 2);
+            const uint32_t *pp = (const uint32_t *)(sc + (h / GS) * R * 16) + (h % GS) * G;
+            __m512 a[MAX_GROUP][MAX_HEAD_DIM / VL];
+            for (int64_t g = 0; g < G; ++g)
+                for (int64_t i = 0; i < NV; ++i) a[g][i] = acc[(h * G + g) * NV + i];
+            for (int64_t t = b * bs; t < (b + 1) * bs; t += 2) {
+                if (t + 1 < lo || t >= len) continue;
+                const uint16_t *r0 = vb + (t - b * bs) * sv_o + h * sv_h, *r1 = r0 + sv_o;
+                const int in0 = t >= lo, in1 = t + 1 < len;
+                __m512i ulo[MAX_HEAD_DIM / 32], uhi[MAX_HEAD_DIM / 32];
+                for (int64_t s = 0; s < S; ++s) {
+                    const __m512i x0 = in0 ? _mm512_loadu_si512(r0 + s * 32) : _mm512_setzero_si512();
+                    const __m512i x1 = in1 ? _mm512_loadu_si512(r1 + s * 32) : _mm512_setzero_si512();
+                    ulo[s] = _mm512_unpacklo_epi16(x0, x1);
+                    uhi[s] = _mm512_unpackhi_epi16(x0, x1);
+                }
+                const uint32_t *pj = pp + (t - b0 * bs) / 2 * 16;
+                for (int64_t g = 0; g < G; ++g) {
+                    const __m512bh w = (__m512bh)_mm512_set1_epi32((int)pj[g]);
+                    for (int64_t s = 0; s < S; ++s) {
+                        a[g][2 * s] = _mm512_dpbf16_ps(a[g][2 * s], w, (__m512bh)ulo[s]);
+                        a[g][2 * s + 1] = _mm512_dpbf16_ps(a[g][2 * s + 1], w, (__m512bh)uhi[s]);
+                    }
+                }
+            }
+            for (int64_t g = 0; g < G; ++g)
+                for (int64_t i = 0; i < NV; ++i) acc[(h * G + g) * NV + i] = a[g][i];
+        }
+    }
+}
+
 /* One sequence, every head; see above. sc: (b1 - b0 + 1) * bs * 16 floats per
  * group; acc: H * D floats. tiles: bq holds the B tiles of pack_query_tiles and
  * the scores run on AMX; else bq is the plain [H][D] bf16 queries and they run on
@@ -661,13 +730,16 @@ static inline __attribute__((always_inline)) void attend_seq_bf16_impl(
         _mm512_storeu_ps(inv + gi * GS * G, _mm512_div_ps(_mm512_set1_ps(1.f), sum));
     }
 
-    /* acc = P V: even / odd dims of each 32-dim slab in vectors 2s / 2s + 1 */
     for (int64_t i = 0; i < KVH * G * NV; ++i) acc[i] = _mm512_setzero_ps();
+    if (!tiles) {
+        value_pass_dp(v, sv_b, sv_o, sv_h, table, bs, lo, len, KVH, G, NV, sc, acc, k, sk_b, sk_o,
+                      sk_h, next_table, next_b0, next_b1);
+    }
+    /* the tile path's acc = P V: even / odd dims of each 32-dim slab in vectors 2s / 2s + 1 */
     const __m512i odd_mask = _mm512_set1_epi32((int)0xffff0000u);
-    for (int64_t b = b0; b <= b1; ++b) {
+    for (int64_t b = b0; b <= b1 && tiles; ++b) {
         int64_t vnext, knext;
         v_pass_prefetch(table, b, b1, sv_b, sk_b, next_table, next_b0, next_b1, &vnext, &knext);
-        if (!tiles) vnext = -1; /* the score pass fetched V */
         const int64_t t0 = b * bs > lo ? b * bs : lo;
         const int64_t t1 = (b + 1) * bs < len ? (b + 1) * bs : len;
         const uint16_t *vb = v + table[b] * sv_b;
@@ -696,8 +768,11 @@ static inline __attribute__((always_inline)) void attend_seq_bf16_impl(
         }
     }
 
-    /* out = acc / sum, even and odd dims interleaved back, rounded to bf16 */
-    const __m512i lo_idx = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+    /* out = acc / sum, the dims put back in order (even / odd after the tile path,
+     * value_pass_dp's unpack order after it), rounded to bf16 */
+    const __m512i lo_idx =
+        tiles ? _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23)
+              : _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
     const __m512i hi_idx = _mm512_add_epi32(lo_idx, _mm512_set1_epi32(8));
     for (int64_t hq = 0; hq < KVH * G; ++hq) {
         const __m512 f = _mm512_set1_ps(inv[hq]);
