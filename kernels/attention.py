@@ -274,8 +274,9 @@ paged_attention_cpu = _paged_attention_with(
     _decode_attention_cpu,
     """CPU path: the decode group by the native kernel that reads K/V in place
     (``kernels/cpu_ext.py``), bf16 prefills by the native prefill kernel where
-    the CPU has AVX512-BF16 (on AMX tiles where it has AMX); each falls back to the gather + SDPA reference where its kernel
-    does not serve the tensors. Same contract as ``paged_attention_ref``.""",
+    the CPU has AVX512-BF16 (on AMX tiles where it has AMX); each falls back to
+    the gather + SDPA reference where its kernel does not serve the tensors. Same
+    contract as ``paged_attention_ref``.""",
     _prefill_attention_cpu,
 )
 

@@ -2,9 +2,9 @@
 
 Kernels: paged decode attention, bf16 prefill attention, fused residual add +
 RMSNorm, rotary embedding, SiLU-and-multiply, and bf16 linear layers on packed
-weights (the bf16 kernels on AMX tiles where the CPU has them, else AVX512-BF16). Each wrapper declines (``supports`` is
-False or it returns ``None``) where it cannot serve the tensors, and the torch
-reference runs.
+weights (the bf16 kernels on AMX tiles where the CPU has them, else AVX512-BF16).
+Each wrapper declines (``supports`` is False or it returns ``None``) where it
+cannot serve the tensors, and the torch reference runs.
 
 Why a C kernel: paged decode attention is memory bound, and the torch path has to
 gather every context block into a padded copy before SDPA can run (see
@@ -98,7 +98,8 @@ _CACHE_WRITE_ARGTYPES = [
     _ptr, _i64, _i64, _i64, _i64, _i64, ctypes.c_int,  # slots, T, H, D, block size, elem, threads
 ]  # fmt: skip
 _LINEAR_ARGTYPES = [
-    ctypes.c_int, _ptr, _i64, _ptr, _ptr, _ptr, _i64,  # tiles, x, row stride, weight, bias, y, row stride
+    ctypes.c_int, _ptr, _i64,  # tiles, x, row stride
+    _ptr, _ptr, _ptr, _i64,  # packed weight, bias, y, row stride
     _i64, _i64, _i64, ctypes.c_int,  # M, N, K, threads
 ]  # fmt: skip
 

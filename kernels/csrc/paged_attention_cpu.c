@@ -512,10 +512,10 @@ static void attend_seq(int is_bf16, const void *k, const void *v, int64_t sk_b, 
  * columns with plain vertical vector ops.
  *
  * Softmax: exact per column, in float32, as 2^(s * scale * log2(e) - max).
- * Values: P V with the float32 probabilities on AVX-512 FMAs; a bf16 value row is
- * widened without shuffles by taking the even elements as (x << 16) and the odd
- * ones as (x & 0xffff0000), so the accumulators hold even and odd dims
- * separately and are interleaved back once per sequence. */
+ * Values: P V with the float32 probabilities on AVX-512 FMAs after the tile
+ * scores (value_pass_fma), with bf16 probability pairs on VDPBF16PS after the
+ * VDPBF16PS scores (value_pass_dp); either way the accumulators hold the dims in
+ * an order of their own, put back once per sequence. */
 
 /* VDPBF16PS path: prefetch distance in blocks (1, 2, 4 and 8 measured alike;
  * without these prefetches it ran ~1.6x slower) */
@@ -576,6 +576,52 @@ static void pack_query_tiles(const uint16_t *q, int64_t sq_h, int64_t KVH, int64
                 for (int64_t kp = 0; kp < 16; ++kp)
                     memcpy(tile + kp * 32 + 2 * (c0 + g), qh + 2 * kp, 4);
             }
+        }
+    }
+}
+
+/* The tile path's value pass, acc += P V on float32 FMAs: a bf16 value row is
+ * widened without shuffles, its even dims as (x << 16) and its odd ones as
+ * (x & 0xffff0000), so acc vectors 2s / 2s + 1 of a head hold the even / odd dims
+ * of 32-dim slab s, put back once per sequence by the caller. sc: the softmax
+ * output of attend_seq_bf16_impl (float32 rows of 16 query heads per key); the V
+ * blocks are prefetched ahead here, then the next sequence's first K blocks. */
+static inline __attribute__((always_inline)) void value_pass_fma(
+    const uint16_t *v, int64_t sv_b, int64_t sv_o, int64_t sv_h, const int64_t *table, int64_t bs,
+    int64_t lo, int64_t len, int64_t KVH, const int64_t G, const int64_t NV, const float *sc,
+    __m512 *acc, const uint16_t *k, int64_t sk_b, int64_t sk_o, int64_t sk_h,
+    const int64_t *next_table, int64_t next_b0, int64_t next_b1) {
+    const int64_t S = NV / 2, GS = 16 / G;
+    const int64_t b0 = lo / bs, b1 = (len - 1) / bs, R = (b1 - b0 + 1) * bs;
+    const __m512i odd_mask = _mm512_set1_epi32((int)0xffff0000u);
+    for (int64_t b = b0; b <= b1; ++b) {
+        int64_t vnext, knext;
+        v_pass_prefetch(table, b, b1, sv_b, sk_b, next_table, next_b0, next_b1, &vnext, &knext);
+        const int64_t t0 = b * bs > lo ? b * bs : lo;
+        const int64_t t1 = (b + 1) * bs < len ? (b + 1) * bs : len;
+        const uint16_t *vb = v + table[b] * sv_b;
+        for (int64_t h = 0; h < KVH; ++h) {
+            if (vnext >= 0) prefetch_rows(v, vnext + h * sv_h, bs, sv_o, NV * VL, 2);
+            if (knext >= 0) prefetch_rows(k, knext + h * sk_h, bs, sk_o, NV * VL, 2);
+            const float *sg = sc + ((h / GS) * R - b0 * bs) * 16 + (h % GS) * G;
+            __m512 a[MAX_GROUP][MAX_HEAD_DIM / VL];
+            for (int64_t g = 0; g < G; ++g)
+                for (int64_t i = 0; i < NV; ++i) a[g][i] = acc[(h * G + g) * NV + i];
+            for (int64_t t = t0; t < t1; ++t) {
+                const uint16_t *row = vb + (t - b * bs) * sv_o + h * sv_h;
+                __m512 x[MAX_HEAD_DIM / VL];
+                for (int64_t s = 0; s < S; ++s) {
+                    const __m512i w = _mm512_loadu_si512(row + s * 32);
+                    x[2 * s] = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+                    x[2 * s + 1] = _mm512_castsi512_ps(_mm512_and_si512(w, odd_mask));
+                }
+                for (int64_t g = 0; g < G; ++g) {
+                    const __m512 p = _mm512_set1_ps(sg[t * 16 + g]);
+                    for (int64_t i = 0; i < NV; ++i) a[g][i] = _mm512_fmadd_ps(p, x[i], a[g][i]);
+                }
+            }
+            for (int64_t g = 0; g < G; ++g)
+                for (int64_t i = 0; i < NV; ++i) acc[(h * G + g) * NV + i] = a[g][i];
         }
     }
 }
@@ -731,42 +777,12 @@ static inline __attribute__((always_inline)) void attend_seq_bf16_impl(
     }
 
     for (int64_t i = 0; i < KVH * G * NV; ++i) acc[i] = _mm512_setzero_ps();
-    if (!tiles) {
+    if (tiles)
+        value_pass_fma(v, sv_b, sv_o, sv_h, table, bs, lo, len, KVH, G, NV, sc, acc, k, sk_b, sk_o,
+                       sk_h, next_table, next_b0, next_b1);
+    else
         value_pass_dp(v, sv_b, sv_o, sv_h, table, bs, lo, len, KVH, G, NV, sc, acc, k, sk_b, sk_o,
                       sk_h, next_table, next_b0, next_b1);
-    }
-    /* the tile path's acc = P V: even / odd dims of each 32-dim slab in vectors 2s / 2s + 1 */
-    const __m512i odd_mask = _mm512_set1_epi32((int)0xffff0000u);
-    for (int64_t b = b0; b <= b1 && tiles; ++b) {
-        int64_t vnext, knext;
-        v_pass_prefetch(table, b, b1, sv_b, sk_b, next_table, next_b0, next_b1, &vnext, &knext);
-        const int64_t t0 = b * bs > lo ? b * bs : lo;
-        const int64_t t1 = (b + 1) * bs < len ? (b + 1) * bs : len;
-        const uint16_t *vb = v + table[b] * sv_b;
-        for (int64_t h = 0; h < KVH; ++h) {
-            if (vnext >= 0) prefetch_rows(v, vnext + h * sv_h, bs, sv_o, NV * VL, 2);
-            if (knext >= 0) prefetch_rows(k, knext + h * sk_h, bs, sk_o, NV * VL, 2);
-            const float *sg = sc + ((h / GS) * R - b0 * bs) * 16 + (h % GS) * G;
-            __m512 a[MAX_GROUP][MAX_HEAD_DIM / VL];
-            for (int64_t g = 0; g < G; ++g)
-                for (int64_t i = 0; i < NV; ++i) a[g][i] = acc[(h * G + g) * NV + i];
-            for (int64_t t = t0; t < t1; ++t) {
-                const uint16_t *row = vb + (t - b * bs) * sv_o + h * sv_h;
-                __m512 x[MAX_HEAD_DIM / VL];
-                for (int64_t s = 0; s < S; ++s) {
-                    const __m512i w = _mm512_loadu_si512(row + s * 32);
-                    x[2 * s] = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
-                    x[2 * s + 1] = _mm512_castsi512_ps(_mm512_and_si512(w, odd_mask));
-                }
-                for (int64_t g = 0; g < G; ++g) {
-                    const __m512 p = _mm512_set1_ps(sg[t * 16 + g]);
-                    for (int64_t i = 0; i < NV; ++i) a[g][i] = _mm512_fmadd_ps(p, x[i], a[g][i]);
-                }
-            }
-            for (int64_t g = 0; g < G; ++g)
-                for (int64_t i = 0; i < NV; ++i) acc[(h * G + g) * NV + i] = a[g][i];
-        }
-    }
 
     /* out = acc / sum, the dims put back in order (even / odd after the tile path,
      * value_pass_dp's unpack order after it), rounded to bf16 */
