@@ -88,7 +88,7 @@ def test_throughput_llama_cpp_peer_runs(tmp_path) -> None:
 
     import pytest
 
-    pytest.importorskip("llama_cpp")
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is the optional bench extra")
     out_json = tmp_path / "r.json"
     argv = ["--backend", "llama.cpp", "--num-prompts", "2", "--input-len", "64",
             "--output-len", "4", "--json", str(out_json)]  # fmt: skip
