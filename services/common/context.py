@@ -138,10 +138,6 @@ class ServiceContext:
         self.transfers = TransferEvents(loop, self.engine_loop.wake)
         self._connector.set_listener(self.transfers)
 
-    def has_pending_transfers(self) -> bool:
-        """KV transfers in flight (the engine must keep stepping to collect them)."""
-        return self._connector is not None and self._connector.has_pending()
-
     @property
     def has_store(self) -> bool:
         """Whether this instance has a KV connector (disaggregated roles)."""
