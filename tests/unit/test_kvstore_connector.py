@@ -245,3 +245,18 @@ def test_the_engine_and_the_servicers_import_no_concrete_connector() -> None:
         for f in files
     }
     assert {f: m for f, m in offenders.items() if m} == {}
+
+
+def test_the_service_flags_build_the_typed_store_config_once() -> None:
+    from tandem.services.common.server import build_engine_config, build_parser
+
+    ns = build_parser("tandem decode", "decode").parse_args(
+        ["--redis-url", "redis://h:6379", "--kvstore", "h:7000"]
+    )
+    assert build_engine_config(ns, "decode").kv_transfer == KVTransferConfig(
+        kv_connector="store",
+        kv_role="kv_consumer",
+        connector_config=StoreConnectorConfig("redis://h:6379", kvstore_address="h:7000"),
+    )
+    ns = build_parser("tandem serve", None).parse_args(["--role", "both"])
+    assert build_engine_config(ns, "both").kv_transfer == KVTransferConfig()
