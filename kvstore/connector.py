@@ -18,8 +18,8 @@ freed either way; a failed publish only makes the decode side recompute).
 
 Consumer (decode, ``kv_consumer``): a request whose ``kv_transfer_params``
 (``contracts.block_key.KVTransferParams``) hold the prompt's block hashes under
-this engine's layout fingerprint reports the prompt
-tokens beyond its local prefix-cache hit as remote. After the scheduler
+this engine's layout fingerprint reports the prompt tokens beyond its local
+prefix-cache hit as remote. After the scheduler
 allocated blocks, the load runs on the transfer thread (other requests keep
 decoding); it fetches the blocks in order and stops at the first miss or bad
 checksum, reporting the tokens it did load; the scheduler recomputes the rest,
@@ -63,6 +63,7 @@ from tandem.engine.request import Request, RequestStatus
 from tandem.engine.sched_output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class StoreConnectorConfig(KVConnectorConfig):
