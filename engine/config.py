@@ -131,7 +131,7 @@ class ParallelConfig:
 @dataclass(frozen=True)
 class KVConnectorConfig:
     """Base of a KV connector's own settings: each connector defines a frozen subclass
-    (e.g. ``tandem.kvstore.connector.StoreConnectorConfig``), built once at the edge.
+    (e.g. ``tandem.kvstore.config.StoreConnectorConfig``), built once at the edge.
 
     The engine passes it through untouched; the connector's factory checks its type.
     """

@@ -25,7 +25,8 @@ decoding); it fetches the blocks in order and stops at the first miss or bad
 checksum, reporting the tokens it did load; the scheduler recomputes the rest,
 and :attr:`StoreConnectorWorker.num_load_failures` counts such requests.
 
-Settings: :class:`StoreConnectorConfig`, built once by the service's entry point.
+Settings: ``kvstore.config.StoreConnectorConfig``, built once by the service's
+entry point.
 Tests that need another block store register a connector built by
 :func:`build_store_connector` with their own client.
 
@@ -51,7 +52,7 @@ import torch
 from tandem.contracts.block_hash import BlockHash, prompt_block_hashes
 from tandem.contracts.block_key import BlockKey
 from tandem.contracts.kv_layout import KVCacheLayout
-from tandem.engine.config import KVConnectorConfig, KVTransferConfig
+from tandem.engine.config import KVTransferConfig
 from tandem.engine.kv_connector import (
     KVConnectorScheduler,
     KVConnectorWorker,
@@ -61,41 +62,9 @@ from tandem.engine.kv_connector import (
 )
 from tandem.engine.request import Request, RequestStatus
 from tandem.engine.sched_output import SchedulerOutput
+from tandem.kvstore.config import StoreConnectorConfig
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class StoreConnectorConfig(KVConnectorConfig):
-    """Settings of the ``"store"`` connector (``KVTransferConfig.connector_config``).
-
-    Attributes:
-        redis_url: the store's index (and node registry), e.g. ``redis://host:6379``.
-        kvstore_address: ``HOST:PORT`` of the store node on this host, read through
-            shared memory when it can be; ``None``: only nodes found in Redis.
-        kvstore_timeout_s: a store call that takes longer fails (a miss on load).
-        num_transfer_threads: threads that run transfers off the engine's step loop.
-
-    Raises:
-        ValueError: a field out of range (named in the message).
-    """
-
-    redis_url: str
-    kvstore_address: str | None = None
-    kvstore_timeout_s: float = 10.0
-    num_transfer_threads: int = 2
-
-    def __post_init__(self) -> None:
-        if not self.redis_url:
-            raise ValueError("redis_url must be a non-empty Redis URL (the KV store index)")
-        if self.kvstore_address is not None and ":" not in self.kvstore_address:
-            raise ValueError(f"kvstore_address must be HOST:PORT, got {self.kvstore_address!r}")
-        if self.kvstore_timeout_s <= 0:
-            raise ValueError(f"kvstore_timeout_s must be > 0, got {self.kvstore_timeout_s}")
-        if self.num_transfer_threads < 1:
-            raise ValueError(
-                f"num_transfer_threads must be >= 1, got {self.num_transfer_threads}"
-            )
 
 
 class BlockStoreClient(Protocol):

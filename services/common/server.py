@@ -31,7 +31,7 @@ from tandem.engine.config import (
     ModelConfig,
     SchedulerConfig,
 )
-from tandem.kvstore.connector import StoreConnectorConfig
+from tandem.kvstore.config import StoreConnectorConfig
 from tandem.services.common.context import ServiceContext
 from tandem.services.common.engine_loop import EngineLoop
 from tandem.services.common.errors import ErrorMappingInterceptor
