@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from tandem.kvstore.keys import BlockKey
+from tandem.contracts.block_key import BlockKey
 from tandem.kvstore.server import parse_bytes
 
 _DEFAULT_SIZES = "64K,256K,1M,4M,16M,64M"

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from tandem.engine.block_hash import BlockHash
+from tandem.contracts.block_hash import BlockHash
 
 
 class KVCacheBlock:

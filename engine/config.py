@@ -7,7 +7,7 @@ Facts found at run time (number of KV blocks, EOS id, vocabulary size) live in
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
 
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 
@@ -129,23 +129,45 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True)
+class KVConnectorConfig:
+    """Base of a KV connector's own settings: each connector defines a frozen subclass
+    (e.g. ``tandem.kvstore.config.StoreConnectorConfig``), built once at the edge.
+
+    The engine passes it through untouched; the connector's factory checks its type.
+    """
+
+
+@dataclass(frozen=True)
 class KVTransferConfig:
-    """Which KV connector to use and in which role.
+    """Which KV connector to use, in which role, with which settings.
 
     Attributes:
-        kv_connector: registry name (e.g. "store"); ``None`` for colocated mode.
+        kv_connector: registry name (e.g. "store", see engine/kv_connector.py);
+            ``None`` for colocated mode.
         kv_role: "kv_producer" (prefill), "kv_consumer" (decode) or "kv_both".
-        params: connector-specific settings (Redis URL, store addresses...).
+        connector_config: the connector's typed settings (``None``: the connector
+            needs none, or uses its defaults).
+
+    Raises:
+        ValueError: an unknown ``kv_role``, or ``connector_config`` not a
+            ``KVConnectorConfig``.
     """
 
     kv_connector: str | None = None
     kv_role: Literal["kv_producer", "kv_consumer", "kv_both"] = "kv_both"
-    params: dict[str, Any] = field(default_factory=dict)
+    connector_config: KVConnectorConfig | None = None
 
     def __post_init__(self) -> None:
         if self.kv_role not in ("kv_producer", "kv_consumer", "kv_both"):
             raise ValueError(
                 f"kv_role must be kv_producer, kv_consumer or kv_both, got {self.kv_role!r}"
+            )
+        if self.connector_config is not None and not isinstance(
+            self.connector_config, KVConnectorConfig
+        ):
+            raise ValueError(
+                "connector_config must be a KVConnectorConfig, got "
+                f"{type(self.connector_config).__name__}"
             )
 
 

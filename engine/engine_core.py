@@ -17,49 +17,18 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Iterable
-from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from tandem.contracts.kv_layout import KVCacheLayout
 from tandem.engine.config import EngineConfig
 from tandem.engine.outputs import EngineCoreOutput
 from tandem.engine.request import Request
 from tandem.engine.sched_output import ModelRunnerOutput
-from tandem.kvstore.keys import LayoutFingerprint
+
+if TYPE_CHECKING:
+    from tandem.engine.kv_connector import KVConnectorScheduler, KVConnectorWorker
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class KVCacheLayout:
-    """What a KV block's bytes mean; two engines may share blocks only if equal.
-
-    Attributes:
-        model_id: the loaded model's identifier (path or name).
-        num_layers: transformer layers (each block holds all of them).
-        num_kv_heads: KV heads per layer.
-        head_dim: size of one head.
-        dtype: torch dtype name of the cache, e.g. "bfloat16".
-        block_size: tokens per block.
-    """
-
-    model_id: str
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    dtype: str
-    block_size: int
-
-    @property
-    def block_size_bytes(self) -> int:
-        """Bytes of one block (K and V of every layer)."""
-        return LayoutFingerprint.from_layout(self).block_bytes
-
-    @property
-    def fingerprint(self) -> bytes:
-        """The KV store's layout fingerprint of this layout (``LayoutFingerprint.digest``:
-        16 bytes of SHA-256 over the fields, stable across machines): one definition,
-        so that engines and store keys can never disagree."""
-        return LayoutFingerprint.from_layout(self).digest
 
 
 class EngineCore:
@@ -91,14 +60,14 @@ class EngineCore:
         self.vocab_size: int = runner.vocab_size
         self.eos_token_id: int | None = runner.eos_token_id
 
-        self.connector_scheduler: Any = None
-        self.connector_worker: Any = None
+        self.connector_scheduler: KVConnectorScheduler | None = None
+        self.connector_worker: KVConnectorWorker | None = None
         if config.kv_transfer.kv_connector is not None:
             from tandem.engine.kv_connector import create_connector
 
-            self.connector_scheduler, self.connector_worker = create_connector(
-                config.kv_transfer, self.layout
-            )
+            pair = create_connector(config.kv_transfer, self.layout)
+            assert pair is not None, "a named connector always yields both sides"
+            self.connector_scheduler, self.connector_worker = pair
             self.connector_worker.register_kv_caches(runner.kv_cache)
         self.scheduler = Scheduler(
             config.scheduler,

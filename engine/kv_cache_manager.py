@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tandem.engine.block_hash import BlockHash, hash_block
+from tandem.contracts.block_hash import BlockHash, hash_block
 from tandem.engine.block_pool import BlockPool, KVCacheBlock
 from tandem.engine.request import Request
 

@@ -23,10 +23,17 @@ Flow per engine step (``EngineCore.step``)::
 KV layout: ``kv_cache`` is ``[num_blocks, num_layers, 2, block_size, num_kv_heads,
 head_dim]`` (model dtype); block ``b``'s bytes for all layers are ``kv_cache[b]``.
 
+Besides the step loop, the services watch the worker side: a
+:class:`TransferListener` receives each transfer's outcome (``set_listener``),
+``has_pending`` keeps the engine thread stepping while transfers are in flight,
+and ``num_load_failures`` feeds the load metrics. They use only this interface,
+never a concrete connector.
+
 Implementations are picked by name through ``create_connector`` and imported
-lazily, so the colocated engine never imports UCX or Redis clients. This module
-also holds the in-process ``"memory"`` connector (a dict of block hash ->
-tensor) used by tests of the scheduler's remote-KV path.
+lazily, so the colocated engine never imports UCX or Redis clients: the KV
+store's connector lives in ``tandem.kvstore.connector`` and is registered here
+by its ``"module:function"`` name only (the engine never imports the store).
+Tests register their own fakes with :func:`register_connector`.
 """
 
 from __future__ import annotations
@@ -34,14 +41,75 @@ from __future__ import annotations
 import importlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from tandem.engine.block_hash import BlockHash, hash_token_blocks
+from tandem.contracts.kv_layout import KVCacheLayout
 from tandem.engine.config import KVTransferConfig
-from tandem.engine.request import Request, RequestStatus
+from tandem.engine.request import Request
+
+if TYPE_CHECKING:
+    from tandem.engine.sched_output import SchedulerOutput
+
+
+@dataclass(frozen=True)
+class SaveResult:
+    """Outcome of publishing one finished request's blocks.
+
+    Attributes:
+        ok: False when the store failed (the blocks are freed anyway; a failed
+            publish only makes a later load miss).
+        num_blocks: blocks of the request.
+        num_stored: blocks the store holds after the save (present ones are not resent).
+        done_ns: ``time.monotonic_ns()`` at completion.
+        error: the failure's message, ``None`` when ``ok``.
+    """
+
+    ok: bool
+    num_blocks: int
+    num_stored: int
+    done_ns: int
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class LoadResult:
+    """Outcome of loading one request's remote blocks.
+
+    Attributes:
+        num_tokens: tokens loaded, counted from the load's first token.
+        num_requested_tokens: tokens the load covered.
+        done_ns: ``time.monotonic_ns()`` at completion.
+        num_bytes: bytes of the blocks loaded (all layers, K and V).
+    """
+
+    num_tokens: int
+    num_requested_tokens: int
+    done_ns: int
+    num_bytes: int = 0
+
+    @property
+    def complete(self) -> bool:
+        """Every requested token arrived (nothing to recompute)."""
+        return self.num_tokens == self.num_requested_tokens
+
+
+class TransferListener(Protocol):
+    """Receives transfer outcomes from a connector's worker side.
+
+    Called on whatever thread finished the transfer (a connector's transfer thread,
+    or the engine thread for a synchronous connector), once per transfer, after the
+    outcome is visible to ``KVConnectorWorker.get_finished``. Must not block and must
+    not call back into the engine. Not called for a load cancelled by an abort.
+    """
+
+    def on_save_done(self, request_id: str, result: SaveResult) -> None:
+        """A finished request's blocks are published (or failed to be: ``result.ok``)."""
+
+    def on_load_done(self, request_id: str, result: LoadResult) -> None:
+        """A request's remote blocks are loaded (``result.num_tokens`` tokens of them)."""
 
 
 class KVConnectorScheduler(ABC):
@@ -83,13 +151,13 @@ class KVConnectorScheduler(ABC):
         """
 
     @abstractmethod
-    def build_connector_meta(self, sched_out: Any) -> Any:
+    def build_connector_meta(self, sched_out: SchedulerOutput) -> object | None:
         """Pack the loads and saves recorded since the last call into worker metadata.
 
         Called once at the end of every ``Scheduler.schedule()``, even when the
         batch is empty; resets the per-step state. ``sched_out`` is the
-        ``SchedulerOutput`` being built. Returns an opaque object (``None`` if
-        there is nothing to do is fine).
+        ``SchedulerOutput`` being built (read only). Returns an object only this
+        connector's worker side understands, or ``None`` when there is nothing to do.
         """
 
     @abstractmethod
@@ -121,13 +189,13 @@ class KVConnectorWorker(ABC):
         """
 
     @abstractmethod
-    def start_load_kv(self, meta: Any) -> None:
+    def start_load_kv(self, meta: object) -> None:
         """Start the loads in ``meta`` into their block ids. Must not block on the
         transfer; a load's result is reported later by ``get_finished``. The
         scheduler does not schedule those requests until then."""
 
     @abstractmethod
-    def save_kv(self, meta: Any) -> None:
+    def save_kv(self, meta: object) -> None:
         """Start the saves in ``meta`` (called after the step's forward). Must not block
         on the transfer; the blocks stay allocated until ``get_finished`` reports
         the request in ``finished_sending``."""
@@ -144,44 +212,82 @@ class KVConnectorWorker(ABC):
             the rest).
         """
 
+    @abstractmethod
+    def set_listener(self, listener: TransferListener | None) -> None:
+        """Send each later transfer's outcome to ``listener`` (``None``: to nobody).
+
+        Never blocks; replaces the previous listener. Outcomes that finished before
+        the call are not replayed.
+        """
+
+    @abstractmethod
+    def has_pending(self) -> bool:
+        """Whether transfers are in flight or finished but not yet collected by
+        ``get_finished``: while True, the engine must keep stepping even with no
+        request to run. Never blocks; mutates nothing."""
+
+    @property
+    @abstractmethod
+    def num_load_failures(self) -> int:
+        """Loads since start that delivered fewer tokens than requested (a miss, a bad
+        checksum or a store error; the scheduler recomputed the rest). A load cancelled
+        by an abort is not counted. Never blocks."""
+
     def shutdown(self) -> None:  # noqa: B027 - optional hook with a no-op default
         """Release transfer resources (connections, threads). Default: nothing."""
 
 
 ConnectorPair = tuple[KVConnectorScheduler, KVConnectorWorker]
-ConnectorFactory = Callable[[KVTransferConfig, Any], ConnectorPair]
+#: ``(kv_transfer_config, layout) -> (scheduler side, worker side)``.
+ConnectorFactory = Callable[[KVTransferConfig, KVCacheLayout], ConnectorPair]
 
-#: name -> "module:function". The function is ``(kv_transfer_config, layout) ->
-#: (scheduler_side, worker_side)``; the module is imported only when chosen.
-_REGISTRY: dict[str, str] = {
-    "memory": "tandem.engine.kv_connector:create_memory_connector",
-    "store": "tandem.engine.kv_connector_store:create_connector",
+#: name -> ``"module:function"`` (the module is imported only when chosen) or a factory.
+_REGISTRY: dict[str, str | ConnectorFactory] = {
+    "store": "tandem.kvstore.connector:create_connector",
 }
 
 
-def register_connector(name: str, target: str) -> None:
-    """Add or replace a connector: ``target`` is ``"package.module:function"``."""
-    if ":" not in target:
+def register_connector(name: str, target: str | ConnectorFactory) -> None:
+    """Add or replace the connector called ``name``.
+
+    Args:
+        name: what ``KVTransferConfig.kv_connector`` says to choose it.
+        target: ``"package.module:function"`` naming a :data:`ConnectorFactory`
+            (imported at first use), or the factory itself.
+
+    Raises:
+        ValueError: a string target without ``":"``, or an empty name.
+    """
+    if not name:
+        raise ValueError("name must be a non-empty string")
+    if isinstance(target, str) and ":" not in target:
         raise ValueError(f"target must be 'module:function', got {target!r}")
     _REGISTRY[name] = target
 
 
-def create_connector(kv_transfer_config: KVTransferConfig, layout: Any) -> ConnectorPair | None:
+def unregister_connector(name: str) -> None:
+    """Remove the connector called ``name`` (nothing if it is not registered)."""
+    _REGISTRY.pop(name, None)
+
+
+def create_connector(
+    kv_transfer_config: KVTransferConfig, layout: KVCacheLayout
+) -> ConnectorPair | None:
     """Build both sides of the configured connector.
 
     Args:
         kv_transfer_config: ``kv_connector`` names the implementation (``None``
-            means colocated mode: no connector); ``kv_role`` and ``params`` are
-            passed through.
-        layout: the engine's KV layout description (model id, layers, KV heads,
-            head dim, dtype, block size), opaque here; implementations use it for
-            the block-key fingerprint and shape checks.
+            means colocated mode: no connector); ``kv_role`` and
+            ``connector_config`` are passed through to its factory.
+        layout: the engine's KV layout; implementations use it for the block-key
+            fingerprint and shape checks.
 
     Returns:
         (scheduler side, worker side), or ``None`` when ``kv_connector`` is None.
 
     Raises:
-        ValueError: unknown connector name (the message lists the known ones).
+        ValueError: unknown connector name (the message lists the known ones), or the
+            factory's own ValueError (a missing or mistyped ``connector_config``).
         ImportError: the implementation's module failed to import (not swallowed).
     """
     name = kv_transfer_config.kv_connector
@@ -190,209 +296,9 @@ def create_connector(kv_transfer_config: KVTransferConfig, layout: Any) -> Conne
     target = _REGISTRY.get(name)
     if target is None:
         raise ValueError(f"kv_connector must be one of {sorted(_REGISTRY)}, got {name!r}")
-    module_name, func_name = target.split(":")
-    factory: ConnectorFactory = getattr(importlib.import_module(module_name), func_name)
+    if isinstance(target, str):
+        module_name, func_name = target.split(":")
+        factory: ConnectorFactory = getattr(importlib.import_module(module_name), func_name)
+    else:
+        factory = target
     return factory(kv_transfer_config, layout)
-
-
-# --------------------------------------------------------------------------------------
-# In-process "memory" connector
-# --------------------------------------------------------------------------------------
-
-
-class MemoryKVStore:
-    """A dict of block hash -> block tensor (``kv_cache[b]`` copies), shared by engines
-    in one process. Pass it as ``KVTransferConfig.params["store"]`` to share it; a
-    test causes a real miss with ``evict``."""
-
-    def __init__(self) -> None:
-        self.blocks: dict[BlockHash, torch.Tensor] = {}
-
-    def put(self, block_hash: BlockHash, block: torch.Tensor) -> None:
-        self.blocks[block_hash] = block.detach().clone()
-
-    def get(self, block_hash: BlockHash) -> torch.Tensor | None:
-        """The block, or ``None`` on a miss."""
-        return self.blocks.get(block_hash)
-
-    def evict(self, block_hash: BlockHash) -> bool:
-        """Drop a block; True if it was there."""
-        return self.blocks.pop(block_hash, None) is not None
-
-    def __contains__(self, block_hash: object) -> bool:
-        return block_hash in self.blocks
-
-    def __len__(self) -> int:
-        return len(self.blocks)
-
-
-@dataclass
-class BlockTransfer:
-    """One request's load or save: parallel lists, one entry per block.
-
-    Attributes:
-        block_hashes: store keys (chain hashes; the last may be a partial block's).
-        block_ids: KV cache blocks to read from (save) or write into (load).
-        num_tokens: tokens of the transfer that each block holds.
-    """
-
-    block_hashes: list[BlockHash]
-    block_ids: list[int]
-    num_tokens: list[int]
-
-
-@dataclass
-class MemoryConnectorMetadata:
-    """Work for the memory worker for one step: request id -> transfer."""
-
-    loads: dict[str, BlockTransfer] = field(default_factory=dict)
-    saves: dict[str, BlockTransfer] = field(default_factory=dict)
-
-
-def _prompt_chain(request: Request, block_size: int) -> list[BlockHash]:
-    # The remote KV a producer published covers the prompt (full blocks plus the
-    # partial tail); a consumer's request also holds the first sampled token.
-    return hash_token_blocks(request.prompt_token_ids, block_size, include_partial=True)
-
-
-class MemoryConnectorScheduler(KVConnectorScheduler):
-    """Scheduler side of the memory connector.
-
-    Producer role (``kv_producer``/``kv_both``): publishes every finished,
-    non-aborted request's computed blocks (full ones and the partial tail).
-    Consumer role (``kv_consumer``/``kv_both``): loads the longest run of the
-    prompt's blocks present in the store.
-    """
-
-    def __init__(self, store: MemoryKVStore, block_size: int, kv_role: str) -> None:
-        self.store = store
-        self.block_size = block_size
-        self.is_producer = kv_role in ("kv_producer", "kv_both")
-        self.is_consumer = kv_role in ("kv_consumer", "kv_both")
-        self._loads: dict[str, BlockTransfer] = {}
-        self._saves: dict[str, BlockTransfer] = {}
-
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
-        if not self.is_consumer:
-            return 0
-        bs = self.block_size
-        chain = _prompt_chain(request, bs)
-        end = num_computed_tokens // bs
-        while end < len(chain) and chain[end] in self.store:
-            end += 1
-        matched_end = min(end * bs, request.num_prompt_tokens)
-        return max(0, matched_end - num_computed_tokens)
-
-    def update_state_after_alloc(
-        self, request: Request, block_ids: list[int], num_external_tokens: int
-    ) -> None:
-        bs = self.block_size
-        start = request.num_computed_tokens
-        stop = start + num_external_tokens
-        chain = _prompt_chain(request, bs)
-        first, last = start // bs, -(-stop // bs)
-        assert last <= len(chain), f"{request.request_id}: load past the prompt"
-        self._loads[request.request_id] = BlockTransfer(
-            block_hashes=chain[first:last],
-            block_ids=block_ids[first:last],
-            num_tokens=[min((i + 1) * bs, stop) - max(i * bs, start) for i in range(first, last)],
-        )
-
-    def build_connector_meta(self, sched_out: Any) -> MemoryConnectorMetadata:
-        meta = MemoryConnectorMetadata(loads=self._loads, saves=self._saves)
-        self._loads, self._saves = {}, {}
-        return meta
-
-    def request_finished(self, request: Request, block_ids: list[int]) -> bool:
-        # Loads complete inside start_load_kv (same step), so none is in flight here.
-        self._loads.pop(request.request_id, None)
-        if not self.is_producer or request.status == RequestStatus.FINISHED_ABORTED:
-            return False
-        tokens = request.all_token_ids[: request.num_computed_tokens]
-        chain = hash_token_blocks(tokens, self.block_size, include_partial=True)
-        if not chain:
-            return False
-        assert len(chain) <= len(block_ids), f"{request.request_id}: fewer blocks than KV"
-        bs = self.block_size
-        self._saves[request.request_id] = BlockTransfer(
-            block_hashes=chain,
-            block_ids=block_ids[: len(chain)],
-            num_tokens=[min(bs, len(tokens) - i * bs) for i in range(len(chain))],
-        )
-        return True
-
-
-class MemoryConnectorWorker(KVConnectorWorker):
-    """Worker side of the memory connector: synchronous tensor copies.
-
-    ``start_load_kv``/``save_kv`` complete inside the call (an in-process copy);
-    results are reported by the next ``get_finished``.
-    """
-
-    def __init__(self, store: MemoryKVStore) -> None:
-        self.store = store
-        self.kv_cache: torch.Tensor | None = None
-        self._finished_sending: set[str] = set()
-        self._finished_recving: dict[str, int] = {}
-
-    def register_kv_caches(self, kv_cache: torch.Tensor) -> None:
-        if kv_cache.dim() != 6 or kv_cache.shape[2] != 2:
-            raise ValueError(
-                "kv_cache must be [num_blocks, num_layers, 2, block_size, num_kv_heads, "
-                f"head_dim], got shape {tuple(kv_cache.shape)}"
-            )
-        self.kv_cache = kv_cache
-
-    def start_load_kv(self, meta: Any) -> None:
-        if not isinstance(meta, MemoryConnectorMetadata) or not meta.loads:
-            return
-        assert self.kv_cache is not None, "register_kv_caches was not called"
-        for req_id, load in meta.loads.items():
-            loaded = 0
-            for block_hash, block_id, n in zip(
-                load.block_hashes, load.block_ids, load.num_tokens, strict=True
-            ):
-                block = self.store.get(block_hash)
-                if block is None:
-                    break  # a miss ends the usable prefix; the rest is recomputed
-                self.kv_cache[block_id].copy_(block)
-                loaded += n
-            self._finished_recving[req_id] = loaded
-
-    def save_kv(self, meta: Any) -> None:
-        if not isinstance(meta, MemoryConnectorMetadata) or not meta.saves:
-            return
-        assert self.kv_cache is not None, "register_kv_caches was not called"
-        for req_id, save in meta.saves.items():
-            for block_hash, block_id in zip(save.block_hashes, save.block_ids, strict=True):
-                self.store.put(block_hash, self.kv_cache[block_id])
-            self._finished_sending.add(req_id)
-
-    def get_finished(self) -> tuple[set[str], dict[str, int]]:
-        sending, recving = self._finished_sending, self._finished_recving
-        self._finished_sending, self._finished_recving = set(), {}
-        return sending, recving
-
-
-def create_memory_connector(kv_transfer_config: KVTransferConfig, layout: Any) -> ConnectorPair:
-    """Factory of the ``"memory"`` connector.
-
-    ``params``: ``"store"`` (a ``MemoryKVStore`` to share between engines; a new
-    one by default) and ``"block_size"`` (default: ``layout.block_size``).
-
-    Raises:
-        ValueError: no block size given by params or layout.
-    """
-    params = kv_transfer_config.params
-    store = params.get("store")
-    if store is None:
-        store = MemoryKVStore()
-    block_size = params.get("block_size", getattr(layout, "block_size", None))
-    if not isinstance(block_size, int) or block_size < 1:
-        raise ValueError(
-            "memory connector needs a block size: params['block_size'] or layout.block_size"
-        )
-    return (
-        MemoryConnectorScheduler(store, block_size, kv_transfer_config.kv_role),
-        MemoryConnectorWorker(store),
-    )

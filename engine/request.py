@@ -5,10 +5,10 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
+from tandem.contracts.block_key import KVTransferParams
 from tandem.engine.sampling_params import SamplingParams
 
 
@@ -69,8 +69,9 @@ class Request:
         arrival_time: ``time.monotonic()`` seconds at arrival.
         priority: lower value is served first under the priority policy.
         eos_token_id: model's EOS id (``None`` when unknown).
-        kv_transfer_params: connector-specific handoff data (decode side: the
-            remote block keys), opaque to the scheduler.
+        kv_transfer_params: where the prompt's KV lies in the KV store (decode
+            side: the prefill's block hashes and layout fingerprint), read by the
+            KV connector, opaque to the scheduler.
     """
 
     request_id: str
@@ -79,7 +80,7 @@ class Request:
     eos_token_id: int | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     priority: int = 0
-    kv_transfer_params: dict[str, Any] | None = None
+    kv_transfer_params: KVTransferParams | None = None
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)

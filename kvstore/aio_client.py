@@ -19,6 +19,8 @@ import numpy as np
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from tandem.contracts.block_key import BlockKey
+from tandem.contracts.kv_layout import KVCacheLayout
 from tandem.kvstore import protocol as proto
 from tandem.kvstore.index import (
     COMMIT_LUA,
@@ -29,7 +31,6 @@ from tandem.kvstore.index import (
     node_key,
     parse_lookup,
 )
-from tandem.kvstore.keys import BlockKey, LayoutFingerprint
 from tandem.kvstore.shm import Mapping, host_id, shm_enabled_by_env
 from tandem.kvstore.store import BlockStore, KVStoreError, KVStoreNodeError, KVStoreTimeoutError
 from tandem.kvstore.transport import (
@@ -69,7 +70,7 @@ class AsyncKVStoreClient(BlockStore):
             default 2). ValueError when < 1.
     """
 
-    def __init__(self, redis_url: str, *, layout: LayoutFingerprint | None = None,
+    def __init__(self, redis_url: str, *, layout: KVCacheLayout | None = None,
                  local_node: str | None = None, timeout_s: float = 10.0,
                  shm: bool | None = None, copy_threads: int | None = None) -> None:
         if timeout_s <= 0:
@@ -114,10 +115,10 @@ class AsyncKVStoreClient(BlockStore):
         for i, k in enumerate(keys):
             if not isinstance(k, BlockKey):
                 raise ValueError(f"keys[{i}] must be a BlockKey, got {type(k).__name__}")
-            if self.layout is not None and k.layout_fingerprint != self.layout.digest:
+            if self.layout is not None and k.layout_fingerprint != self.layout.fingerprint:
                 raise ValueError(
                     f"keys[{i}] has layout fingerprint {k.layout_fingerprint.hex()}, this "
-                    f"client serves {self.layout.digest.hex()} (another model or KV layout)"
+                    f"client serves {self.layout.fingerprint.hex()} (another model or KV layout)"
                 )
         if len(keys) > proto.MAX_BLOCKS_PER_REQUEST:
             raise ValueError(f"keys: at most {proto.MAX_BLOCKS_PER_REQUEST} blocks per call")

@@ -4,7 +4,7 @@ Usage (from any thread except the store's own loop thread; calls block the
 caller, never the engine's step loop if made from a transfer thread)::
 
     from tandem.kvstore.client import KVStoreClient
-    from tandem.kvstore.keys import BlockKey
+    from tandem.contracts.block_key import BlockKey
 
     client = KVStoreClient("redis://127.0.0.1:6379", local_node="10.0.0.5:7000")
     keys = [BlockKey(block_hash, layout.fingerprint) for block_hash in hashes]
@@ -18,10 +18,8 @@ tensor, numpy arrays, memoryviews); ``get_blocks`` writes straight into
 ``into`` (no intermediate copy). Misses are counts, never exceptions; errors
 are ``ValueError`` (bad input) or :class:`~tandem.kvstore.store.KVStoreError`.
 
-Also ``contains(keys) -> list[bool]`` (per key) and, for engine/kv_connector_store.py's
-first protocol, ``put(keys, values)`` and ``get(keys) -> list[ndarray | None]`` (allocates;
-prefer ``get_blocks``). ``connect_sync(params)`` builds a client from connector params
-(``redis_url``, ``kvstore_address``, ``kvstore_timeout_s``). Consecutive cache blocks
+Also ``contains(keys) -> list[bool]`` (per key) and ``put(keys, values)`` and
+``get(keys) -> list[ndarray | None]`` (allocates; prefer ``get_blocks``). Consecutive cache blocks
 (``kv_cache[b]``, ``kv_cache[b + 1]``...) move as one UCX message: pass blocks in prefix
 order and keep the destination block ids ascending where you can.
 
@@ -44,16 +42,17 @@ from typing import Any
 import numpy as np
 from redis.exceptions import RedisError
 
+from tandem.contracts.block_key import BlockKey
+from tandem.contracts.kv_layout import KVCacheLayout
 from tandem.kvstore.aio_client import AsyncKVStoreClient, leading_count
-from tandem.kvstore.keys import BlockKey, LayoutFingerprint
 from tandem.kvstore.shm_read import SameHostReader
 from tandem.kvstore.store import KVStoreError, KVStoreNodeError, KVStoreTimeoutError
 from tandem.kvstore.transport import NodeInfo
 from tandem.kvstore.ucx import client_loop
 
 __all__ = [
-    "AsyncKVStoreClient", "BlockKey", "KVStoreClient", "KVStoreError", "KVStoreNodeError",
-    "KVStoreTimeoutError", "LayoutFingerprint", "connect_sync", "wait_for_nodes",
+    "AsyncKVStoreClient", "KVStoreClient", "KVStoreError", "KVStoreNodeError",
+    "KVStoreTimeoutError", "wait_for_nodes",
 ]
 
 logger = logging.getLogger("tandem.kvstore.client")
@@ -70,7 +69,7 @@ class KVStoreClient:
 
     Args:
         redis_url: Redis of the store's index and node registry.
-        layout: optional :class:`LayoutFingerprint`; keys and block sizes are then checked.
+        layout: optional :class:`~tandem.contracts.kv_layout.KVCacheLayout`; keys and block sizes are then checked.
         local_node: ``host:port`` or node id of the node to put to first.
         timeout_s: deadline of each node request, seconds.
         shm: read from nodes on this host through shared memory (default: on unless
@@ -79,7 +78,7 @@ class KVStoreClient:
             (default ``TANDEM_KV_COPY_THREADS`` or 2).
     """
 
-    def __init__(self, redis_url: str, *, layout: LayoutFingerprint | None = None,
+    def __init__(self, redis_url: str, *, layout: KVCacheLayout | None = None,
                  local_node: str | None = None, timeout_s: float = 10.0,
                  shm: bool | None = None, copy_threads: int | None = None) -> None:
         self._loop = client_loop()
@@ -137,7 +136,7 @@ class KVStoreClient:
             return self._same_host.get(keys, into)
         return self._run(self.aio.get(keys, into))
 
-    # -- compatibility with engine/kv_connector_store.py's BlockStoreClient protocol --------
+    # -- allocating forms (tests, tools) -----------------------------------------------------
 
     def put(self, keys: Sequence[BlockKey], values: Sequence[Any]) -> int:
         """Alias of :meth:`put_blocks`."""
@@ -185,20 +184,6 @@ class KVStoreClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def connect_sync(params: dict[str, Any]) -> KVStoreClient:
-    """A :class:`KVStoreClient` from connector params: ``redis_url`` (required),
-    ``kvstore_address`` (local node), ``kvstore_timeout_s`` (default 10).
-
-    Raises:
-        ValueError: no ``redis_url``.
-    """
-    url = params.get("redis_url")
-    if not url:
-        raise ValueError("params['redis_url'] is required")
-    return KVStoreClient(url, local_node=params.get("kvstore_address"),
-                         timeout_s=float(params.get("kvstore_timeout_s", 10.0)))
 
 
 def wait_for_nodes(client: KVStoreClient, num_nodes: int, timeout_s: float = 30.0) -> None:

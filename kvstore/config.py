@@ -1,8 +1,11 @@
-"""A store node's settings and the byte-size parser of its flags."""
+"""A store node's settings, the store connector's settings and the byte-size parser of
+their flags. Torch-free: entry points build these before loading an engine."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from tandem.engine.config import KVConnectorConfig
 
 _SIZE_SUFFIX = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
@@ -77,3 +80,36 @@ class NodeConfig:
             raise ValueError(f"shm_lease_s must be > 0, got {self.shm_lease_s}")
         if self.transfer_timeout_s <= 0:
             raise ValueError(f"transfer_timeout_s must be > 0, got {self.transfer_timeout_s}")
+
+
+@dataclass(frozen=True)
+class StoreConnectorConfig(KVConnectorConfig):
+    """Settings of the ``"store"`` connector (``KVTransferConfig.connector_config``).
+
+    Attributes:
+        redis_url: the store's index (and node registry), e.g. ``redis://host:6379``.
+        kvstore_address: ``HOST:PORT`` of the store node on this host, read through
+            shared memory when it can be; ``None``: only nodes found in Redis.
+        kvstore_timeout_s: a store call that takes longer fails (a miss on load).
+        num_transfer_threads: threads that run transfers off the engine's step loop.
+
+    Raises:
+        ValueError: a field out of range (named in the message).
+    """
+
+    redis_url: str
+    kvstore_address: str | None = None
+    kvstore_timeout_s: float = 10.0
+    num_transfer_threads: int = 2
+
+    def __post_init__(self) -> None:
+        if not self.redis_url:
+            raise ValueError("redis_url must be a non-empty Redis URL (the KV store index)")
+        if self.kvstore_address is not None and ":" not in self.kvstore_address:
+            raise ValueError(f"kvstore_address must be HOST:PORT, got {self.kvstore_address!r}")
+        if self.kvstore_timeout_s <= 0:
+            raise ValueError(f"kvstore_timeout_s must be > 0, got {self.kvstore_timeout_s}")
+        if self.num_transfer_threads < 1:
+            raise ValueError(
+                f"num_transfer_threads must be >= 1, got {self.num_transfer_threads}"
+            )

@@ -16,10 +16,10 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from tandem.contracts.block_key import INDEX_PREFIX, BlockKey
 from tandem.kvstore import protocol as proto
 from tandem.kvstore.config import NodeConfig
 from tandem.kvstore.index import COMMIT_LUA, NODES_SET, IndexEntry, commit_args, node_key
-from tandem.kvstore.keys import INDEX_PREFIX, BlockKey
 from tandem.kvstore.metrics import NodeMetrics
 from tandem.kvstore.pool import Entry, PoolFullError, SlotPool
 from tandem.kvstore.shm import Segment, host_id

@@ -34,9 +34,9 @@ import numpy as np
 import redis
 from redis.exceptions import NoScriptError, RedisError
 
+from tandem.contracts.block_key import BlockKey
 from tandem.kvstore.aio_client import AsyncKVStoreClient, leading_by_node, verdicts
 from tandem.kvstore.index import LOOKUP_LUA, NODE_PREFIX, IndexEntry, parse_lookup
-from tandem.kvstore.keys import BlockKey
 from tandem.kvstore.shm import Mapping
 from tandem.kvstore.shm_ctl import CtlChannel, ctl_address
 from tandem.kvstore.store import KVStoreError, KVStoreTimeoutError

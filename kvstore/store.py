@@ -14,7 +14,7 @@ import abc
 from collections.abc import Sequence
 from typing import Any
 
-from tandem.kvstore.keys import BlockKey
+from tandem.contracts.block_key import BlockKey
 
 
 class KVStoreError(RuntimeError):

@@ -3,7 +3,8 @@
 ``ServiceContext`` turns protobuf requests into validated engine ``Request``s
 (so the servicers stay a few lines each), reports load, and receives the KV
 connector's transfer events (publish finished on the prefill side, load
-finished on the decode side) from the connector's threads.
+finished on the decode side) from the connector's threads. It knows the
+connector only through the engine's interface (``KVConnectorWorker``).
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from tandem.engine.block_hash import HASH_ALGORITHM
+from tandem.contracts.block_hash import HASH_ALGORITHM
 from tandem.engine.config import EngineConfig
+from tandem.engine.kv_connector import KVConnectorWorker, LoadResult, SaveResult
 from tandem.engine.request import Request
 from tandem.services.common.convert import check_token_ids, sampling_params_from_proto
 from tandem.services.common.engine_loop import EngineLoop
@@ -31,7 +33,8 @@ def cdiv(a: int, b: int) -> int:
 
 
 class TransferEvents:
-    """Thread-safe mailbox between the store KV connector's threads and the RPC handlers.
+    """Thread-safe mailbox between the KV connector's threads and the RPC handlers
+    (a ``TransferListener``).
 
     The connector calls :meth:`on_save_done` / :meth:`on_load_done` from its own
     threads; handlers await :meth:`wait_save` or read :meth:`pop_load`. A result
@@ -45,12 +48,12 @@ class TransferEvents:
         self._loop = loop
         self._on_event = on_event
         self._lock = threading.Lock()
-        self._saves: dict[str, Any] = {}
-        self._save_waiters: dict[str, asyncio.Future[Any]] = {}
-        self._loads: dict[str, Any] = {}
+        self._saves: dict[str, SaveResult] = {}
+        self._save_waiters: dict[str, asyncio.Future[SaveResult]] = {}
+        self._loads: dict[str, LoadResult] = {}
 
     # connector threads ------------------------------------------------------------------------
-    def on_save_done(self, request_id: str, result: Any) -> None:
+    def on_save_done(self, request_id: str, result: SaveResult) -> None:
         """A request's blocks are published (or failed to be: ``result.ok``)."""
         self._on_event()  # the engine collects it and frees the blocks
         with self._lock:
@@ -60,16 +63,16 @@ class TransferEvents:
                 return
         self._loop.call_soon_threadsafe(_resolve, waiter, result)
 
-    def on_load_done(self, request_id: str, result: Any) -> None:
+    def on_load_done(self, request_id: str, result: LoadResult) -> None:
         """A request's remote blocks are loaded (``result.num_tokens`` of them)."""
         with self._lock:
             self._loads[request_id] = result
         self._on_event()  # the engine schedules the request now
 
     # event loop ---------------------------------------------------------------------------
-    def expect_save(self, request_id: str) -> asyncio.Future[Any]:
+    def expect_save(self, request_id: str) -> asyncio.Future[SaveResult]:
         """A future resolved with the request's save result."""
-        future: asyncio.Future[Any] = self._loop.create_future()
+        future: asyncio.Future[SaveResult] = self._loop.create_future()
         with self._lock:
             if request_id in self._saves:
                 future.set_result(self._saves.pop(request_id))
@@ -77,7 +80,7 @@ class TransferEvents:
                 self._save_waiters[request_id] = future
         return future
 
-    def pop_load(self, request_id: str) -> Any | None:
+    def pop_load(self, request_id: str) -> LoadResult | None:
         """The request's load result, if its load finished."""
         with self._lock:
             return self._loads.pop(request_id, None)
@@ -90,7 +93,7 @@ class TransferEvents:
             self._loads.pop(request_id, None)
 
 
-def _resolve(future: asyncio.Future[Any], result: Any) -> None:
+def _resolve(future: asyncio.Future[SaveResult], result: SaveResult) -> None:
     if not future.done():
         future.set_result(result)
 
@@ -122,25 +125,22 @@ class ServiceContext:
         self.eos_token_id: int | None = runner.eos_token_id
         self.model_id: str = runner.loaded.model_id
         self.num_total_blocks: int = engine.scheduler.kv_cache_manager.block_pool.num_blocks
-        self.kv_layout_fingerprint: bytes = layout_fingerprint_bytes(engine)
+        self.kv_layout_fingerprint: bytes = engine.layout.fingerprint
         self.hash_algorithm = HASH_ALGORITHM
         self.metrics = ServiceMetrics(role)
         self.transfers: TransferEvents | None = None
-        self._connector = find_store_connector(engine)
+        self._connector: KVConnectorWorker | None = engine.connector_worker
 
     def attach_connector_events(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Route the store connector's transfer events to :attr:`transfers` (no-op without one)."""
+        """Route the KV connector's transfer events to :attr:`transfers` (no-op without one)."""
         if self._connector is None:
             return
         self.transfers = TransferEvents(loop, self.engine_loop.wake)
         self._connector.set_listener(self.transfers)
 
-    def has_pending_transfers(self) -> bool:
-        """KV transfers in flight (the engine must keep stepping to collect them)."""
-        return self._connector is not None and self._connector.has_pending()
-
     @property
     def has_store(self) -> bool:
+        """Whether this instance has a KV connector (disaggregated roles)."""
         return self._connector is not None
 
     def close(self) -> None:
@@ -248,23 +248,6 @@ class ServiceContext:
             "kv_usage": s.kv_cache_usage,
             "num_free_blocks": s.num_free_blocks,
         }
-
-
-def find_store_connector(engine: Any) -> Any | None:
-    """The worker side of the engine's store KV connector, or ``None`` (colocated)."""
-    worker = getattr(engine, "connector_worker", None)
-    if worker is None:
-        return None
-    from tandem.engine.kv_connector_store import StoreConnectorWorker
-
-    return worker if isinstance(worker, StoreConnectorWorker) else None
-
-
-def layout_fingerprint_bytes(engine: Any) -> bytes:
-    """The engine's KV layout fingerprint as bytes (what the protos carry)."""
-    from tandem.engine.kv_connector_store import layout_fingerprint
-
-    return layout_fingerprint(engine.layout)
 
 
 def now_ns() -> int:

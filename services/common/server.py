@@ -31,7 +31,8 @@ from tandem.engine.config import (
     ModelConfig,
     SchedulerConfig,
 )
-from tandem.services.common.context import ServiceContext, find_store_connector
+from tandem.kvstore.config import StoreConnectorConfig
+from tandem.services.common.context import ServiceContext
 from tandem.services.common.engine_loop import EngineLoop
 from tandem.services.common.errors import ErrorMappingInterceptor
 from tandem.services.common.registry import InstanceRegistration
@@ -95,10 +96,8 @@ def build_engine_config(ns: argparse.Namespace, role: str) -> EngineConfig:
         raise ValueError(f"--redis-url is required for role {role!r} (KV store index)")
     kv = KVTransferConfig()
     if role != "both":
-        params = {"redis_url": ns.redis_url}
-        if ns.kvstore:
-            params["kvstore_address"] = ns.kvstore
-        kv = KVTransferConfig(kv_connector="store", kv_role=_KV_ROLE[role], params=params)
+        store = StoreConnectorConfig(redis_url=ns.redis_url, kvstore_address=ns.kvstore or None)
+        kv = KVTransferConfig(kv_connector="store", kv_role=_KV_ROLE[role], connector_config=store)
     return EngineConfig(
         model=ModelConfig(model=ns.model, dtype=ns.dtype, device=ns.device,
                           max_model_len=ns.max_model_len, seed=ns.seed),
@@ -150,7 +149,7 @@ async def _serve(ns: argparse.Namespace, role: str, config: EngineConfig) -> Non
         loop.add_signal_handler(sig, stop.set)
 
     engine = await asyncio.to_thread(EngineCore, config)
-    connector = find_store_connector(engine)
+    connector = engine.connector_worker
     engine_loop = EngineLoop(engine, loop, connector.has_pending if connector else None)
     ctx = ServiceContext(role=role, engine_loop=engine_loop, config=config,
                          max_waiting=ns.max_waiting)

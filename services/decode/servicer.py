@@ -19,7 +19,8 @@ from collections.abc import AsyncIterator
 import grpc
 import torch
 
-from tandem.engine.kv_connector_store import make_kv_transfer_params
+from tandem.contracts.block_hash import BlockHash
+from tandem.contracts.block_key import KVTransferParams
 from tandem.engine.outputs import EngineCoreOutput
 from tandem.engine.request import Request
 from tandem.services.common.context import ServiceContext, cdiv, now_ns
@@ -30,9 +31,6 @@ from tandem.services.common.convert import (
 )
 from tandem.services.common.errors import LayoutMismatchError
 from tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc
-
-#: Length of one block hash (the engine's SHA-256 prefix-chain hash, engine/block_hash.py).
-BLOCK_HASH_BYTES = 32
 
 
 class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
@@ -80,22 +78,16 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                     f"hash_algorithm {request.hash_algorithm!r} differs from this engine's "
                     f"{ctx.hash_algorithm!r}"
                 )
-            bad = next((i for i, h in enumerate(request.block_hashes)
-                        if len(h) != BLOCK_HASH_BYTES), None)
-            if bad is not None:
-                raise ValueError(
-                    f"block_hashes[{bad}] has {len(request.block_hashes[bad])} bytes; block "
-                    f"hashes are {BLOCK_HASH_BYTES} bytes (PrefillResponse.block_hashes)"
-                )
+            # Checks each hash's length (ValueError naming block_hashes[i]).
+            hashes = tuple(BlockHash(h) for h in request.block_hashes)
+            remote = KVTransferParams(hashes, request.kv_layout_fingerprint)
             expected = cdiv(req.num_prompt_tokens, ctx.block_size)
-            if len(request.block_hashes) != expected:
+            if len(remote.block_hashes) != expected:
                 raise ValueError(
-                    f"block_hashes has {len(request.block_hashes)} entries; a prompt of "
+                    f"block_hashes has {len(remote.block_hashes)} entries; a prompt of "
                     f"{req.num_prompt_tokens} tokens in blocks of {ctx.block_size} has {expected}"
                 )
-            req.kv_transfer_params = make_kv_transfer_params(
-                list(request.block_hashes), request.kv_layout_fingerprint
-            )
+            req.kv_transfer_params = remote
         return req
 
     async def Decode(

@@ -2,7 +2,7 @@
 
 The engine request is the caller's with ``max_tokens = 1``: the scheduler
 batches it with other prompts (chunked, prefix cached); when it finishes, the
-store KV connector publishes its blocks (full + partial last, only those the
+KV connector publishes its blocks (full + partial last, only those the
 store lacks) from a background thread and frees them once published; this
 handler answers when the publish finished. The prefill engine keeps nothing
 for the request beyond its prefix cache.
@@ -14,7 +14,7 @@ import dataclasses
 
 import grpc
 
-from tandem.engine.kv_connector_store import prompt_block_hashes
+from tandem.contracts.block_hash import prompt_block_hashes
 from tandem.services.common.context import ServiceContext, now_ns
 from tandem.services.common.convert import finish_reason_to_proto, logprobs_to_proto
 from tandem.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc

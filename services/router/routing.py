@@ -6,7 +6,7 @@
 - ``kv_aware`` (default): for prefill, the instance that most likely holds the longest
   prefix of this prompt in its prefix cache; for decode (and colocated), least loaded.
   The router cannot see an engine's cache, so it keeps, per prefill instance, the block
-  hashes (``engine.block_hash.hash_token_blocks``) of the prompts it sent there recently,
+  hashes (``contracts.block_hash.hash_token_blocks``) of the prompts it sent there recently,
   bounded LRU -- the approach of SGLang's cache-aware router and vLLM production-stack's
   prefix-aware routing. To avoid piling every request that shares a system prompt onto one
   instance, a prefix match only wins while that instance's load is within
@@ -26,7 +26,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from tandem.engine.block_hash import BlockHash, hash_token_blocks
+from tandem.contracts.block_hash import BlockHash, hash_token_blocks
 from tandem.services.router.discovery import InstanceInfo
 
 

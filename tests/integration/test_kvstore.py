@@ -17,27 +17,28 @@ import redis
 import torch
 from kvstore_harness import StoreNodeProcess, poll
 
+from tandem.contracts.block_key import BlockKey
+from tandem.contracts.kv_layout import KVCacheLayout
 from tandem.kvstore.client import KVStoreClient, wait_for_nodes
-from tandem.kvstore.keys import BlockKey, LayoutFingerprint
 from tandem.kvstore.store import KVStoreError, KVStoreNodeError, KVStoreTimeoutError
 
 pytest.importorskip("ucxx")
 
 # Equal block bytes (32 KiB, above UCX's rendezvous threshold) for both dtypes so
 # that both layouts share a node's slots.
-BF16 = LayoutFingerprint("tiny-test", num_layers=4, num_kv_heads=2, head_dim=64,
-                         dtype="bfloat16", block_size=16)
-FP32 = LayoutFingerprint("tiny-test", num_layers=4, num_kv_heads=2, head_dim=32,
-                         dtype="float32", block_size=16)
+BF16 = KVCacheLayout("tiny-test", num_layers=4, num_kv_heads=2, head_dim=64,
+                     dtype="bfloat16", block_size=16)
+FP32 = KVCacheLayout("tiny-test", num_layers=4, num_kv_heads=2, head_dim=32,
+                     dtype="float32", block_size=16)
 BLOCK = BF16.block_bytes
 assert FP32.block_bytes == BLOCK
 
 
-def shape(layout: LayoutFingerprint) -> tuple[int, ...]:
-    return (layout.num_layers, 2, layout.block_size, layout.num_kv_heads, layout.head_dim)
+def shape(layout: KVCacheLayout) -> tuple[int, ...]:
+    return layout.block_shape
 
 
-def random_blocks(layout: LayoutFingerprint, n: int, seed: int) -> list[torch.Tensor]:
+def random_blocks(layout: KVCacheLayout, n: int, seed: int) -> list[torch.Tensor]:
     """Blocks of random bit patterns (NaNs, infs, denormals included)."""
     g = torch.Generator().manual_seed(seed)
     dtype = getattr(torch, layout.dtype)

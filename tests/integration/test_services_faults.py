@@ -54,8 +54,8 @@ def decode(tiny, redis_url, store, tmp_path_factory):
 
 def test_corrupt_block_is_a_miss_and_the_rest_is_recomputed(tiny, redis_url, store, prefill,
                                                             decode):
+    from tandem.contracts.block_key import BlockKey
     from tandem.kvstore.client import KVStoreClient
-    from tandem.kvstore.keys import BlockKey
 
     prompt = list(range(900, 980))  # 5 blocks of 16
     sp = params(8)

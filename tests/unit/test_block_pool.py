@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tandem.engine.block_hash import hash_block
+from tandem.contracts.block_hash import hash_block
 from tandem.engine.block_pool import BlockPool, FreeKVCacheBlockQueue, KVCacheBlock
 
 

@@ -7,7 +7,9 @@ import itertools
 import pytest
 import torch
 import transformers
+from memory_connector import MemoryKVStore, register_memory_connector
 
+from tandem.contracts.kv_layout import KVCacheLayout
 from tandem.engine.config import (
     CacheConfig,
     EngineConfig,
@@ -15,8 +17,7 @@ from tandem.engine.config import (
     ModelConfig,
     SchedulerConfig,
 )
-from tandem.engine.engine_core import EngineCore, KVCacheLayout
-from tandem.engine.kv_connector import MemoryKVStore
+from tandem.engine.engine_core import EngineCore
 from tandem.engine.model_loader import LoadedModel
 from tandem.engine.models.registry import build_model
 from tandem.engine.request import Request
@@ -187,7 +188,8 @@ def test_layout_and_stats(tiny) -> None:
     core = make_core(tiny[0], num_blocks=16)
     layout = core.layout
     assert layout == KVCacheLayout("tiny-llama", 2, 2, 8, "float32", BLOCK)
-    assert layout.block_size_bytes == core.model_runner.kv_cache[0].numel() * 4
+    assert layout.block_bytes == core.model_runner.kv_cache[0].numel() * 4
+    assert layout.block_shape == tuple(core.model_runner.kv_cache.shape[1:])
     assert len(layout.fingerprint) == 16
     other = KVCacheLayout("tiny-llama", 2, 2, 8, "float32", BLOCK * 2)
     assert other.fingerprint != layout.fingerprint
@@ -199,12 +201,9 @@ def test_memory_connector_producer_to_consumer(tiny) -> None:
     """A prefill engine publishes KV; a decode engine loads it and continues exactly."""
     loaded, hf = tiny
     store = MemoryKVStore()
-    producer = make_core(
-        loaded, kv_connector="memory", kv_role="kv_producer", params={"store": store}
-    )
-    consumer = make_core(
-        loaded, kv_connector="memory", kv_role="kv_consumer", params={"store": store}
-    )
+    name = register_memory_connector(store)
+    producer = make_core(loaded, kv_connector=name, kv_role="kv_producer")
+    consumer = make_core(loaded, kv_connector=name, kv_role="kv_consumer")
     prompt = list(range(30, 52))  # 22 tokens: 5 full blocks and a partial one
     run(producer, make_request(prompt, max_tokens=1))
     assert len(store) == 6

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from tandem.engine.block_hash import hash_block
+from tandem.contracts.block_hash import hash_block
 from tandem.engine.kv_cache_manager import KVCacheManager
 from tandem.engine.request import Request, RequestStatus
 from tandem.engine.sampling_params import SamplingParams

@@ -1,4 +1,5 @@
-"""KV store pieces without I/O: keys, the slot pool, message grouping, byte sizes."""
+"""KV store pieces without I/O: the slot pool, message grouping, byte sizes (keys and
+layouts: tests/unit/test_contracts_kv.py)."""
 
 from __future__ import annotations
 
@@ -6,46 +7,10 @@ import time
 
 import pytest
 
-from tandem.engine.engine_core import KVCacheLayout
 from tandem.kvstore.index import IndexEntry, commit_args
-from tandem.kvstore.keys import BlockKey, LayoutFingerprint
 from tandem.kvstore.pool import PoolFullError, SlotPool
 from tandem.kvstore.protocol import adjacent_runs, decode, encode, group_messages, make_tag
 from tandem.kvstore.server import parse_bytes
-
-
-def test_fingerprint_matches_the_engine_layout_and_separates_layouts() -> None:
-    layout = KVCacheLayout("smollm2", 30, 3, 64, "bfloat16", 16)
-    fp = LayoutFingerprint.from_layout(layout)
-    assert fp.digest == layout.fingerprint
-    assert fp.block_bytes == layout.block_size_bytes == 30 * 2 * 16 * 3 * 64 * 2
-    others = [
-        LayoutFingerprint("smollm2", 30, 3, 64, "float32", 16),
-        LayoutFingerprint("smollm2", 30, 3, 64, "bfloat16", 32),
-        LayoutFingerprint("other", 30, 3, 64, "bfloat16", 16),
-        LayoutFingerprint("smollm2", 30, 3, 64, "bfloat16", 16, tp_rank=1, tp_size=2),
-    ]
-    assert len({fp.digest, *(o.digest for o in others)}) == 5
-    h = bytes(32)
-    assert fp.key(h) != others[0].key(h)
-
-
-def test_fingerprint_rejects_bad_fields() -> None:
-    with pytest.raises(ValueError, match="dtype"):
-        LayoutFingerprint("m", 1, 1, 1, "int8", 16)
-    with pytest.raises(ValueError, match="tp_rank"):
-        LayoutFingerprint("m", 1, 1, 1, "float32", 16, tp_rank=2, tp_size=2)
-    with pytest.raises(ValueError, match="num_layers"):
-        LayoutFingerprint("m", 0, 1, 1, "float32", 16)
-    with pytest.raises(ValueError, match="hash"):
-        BlockKey(b"", b"fp")
-
-
-def test_block_key_string_and_bytes_forms() -> None:
-    k = BlockKey(bytes(range(32)), bytes(16))
-    assert BlockKey.from_str(str(k)) == k
-    assert BlockKey.from_bytes(k.to_bytes()) == k
-    assert k.redis_key == "tandem:kv:blk:" + str(k)
 
 
 def test_lru_eviction_skips_pinned_and_pending_blocks() -> None:

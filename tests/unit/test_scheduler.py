@@ -15,14 +15,11 @@ import random
 
 import pytest
 import torch
+from memory_connector import MemoryConnectorScheduler, MemoryKVStore, register_memory_connector
 
-from tandem.engine.config import CacheConfig, KVTransferConfig, SchedulerConfig
-from tandem.engine.kv_connector import (
-    MemoryConnectorScheduler,
-    MemoryKVStore,
-    create_connector,
-    register_connector,
-)
+from tandem.contracts.kv_layout import KVCacheLayout
+from tandem.engine.config import CacheConfig, KVConnectorConfig, KVTransferConfig, SchedulerConfig
+from tandem.engine.kv_connector import create_connector, register_connector, unregister_connector
 from tandem.engine.outputs import EngineCoreOutput
 from tandem.engine.request import Logprob, Request, RequestStatus
 from tandem.engine.sampling_params import SamplingParams
@@ -560,13 +557,14 @@ def test_abort_at_each_stage_returns_the_pool_to_full(stage, num_blocks, budget)
 # -- remote KV through the memory connector ------------------------------------------------
 
 
+#: The layout of FakeRunner's cache (one layer, one head of size 1).
+LAYOUT = KVCacheLayout("fake", num_layers=1, num_kv_heads=1, head_dim=1, dtype="float32",
+                       block_size=BS)
+
+
 def make_pd(num_blocks: int = 10, store: MemoryKVStore | None = None, role: str = "kv_producer"):
-    cfg = KVTransferConfig(
-        kv_connector="memory",
-        kv_role=role,
-        params={"store": store if store is not None else MemoryKVStore(), "block_size": BS},
-    )
-    pair = create_connector(cfg, layout=None)
+    name = register_memory_connector(store if store is not None else MemoryKVStore())
+    pair = create_connector(KVTransferConfig(kv_connector=name, kv_role=role), LAYOUT)
     assert pair is not None
     conn, worker = pair
     sched = make_scheduler(num_blocks=num_blocks, connector=conn)
@@ -749,19 +747,33 @@ def test_abort_with_an_in_flight_load_frees_when_the_worker_lets_go() -> None:
 
 
 def test_connector_registry() -> None:
-    assert create_connector(KVTransferConfig(), layout=None) is None
+    assert create_connector(KVTransferConfig(), LAYOUT) is None
     with pytest.raises(ValueError, match="kv_connector must be one of"):
-        create_connector(KVTransferConfig(kv_connector="nope"), layout=None)
+        create_connector(KVTransferConfig(kv_connector="nope"), LAYOUT)
     with pytest.raises(ValueError, match="module:function"):
         register_connector("bad", "no_colon")
-    with pytest.raises(ValueError, match="block size"):
-        create_connector(KVTransferConfig(kv_connector="memory"), layout=None)
+    # A "module:function" target is imported only when chosen.
+    register_connector("by-name", "memory_connector:no_such_factory")
+    try:
+        with pytest.raises(AttributeError, match="no_such_factory"):
+            create_connector(KVTransferConfig(kv_connector="by-name"), LAYOUT)
+    finally:
+        unregister_connector("by-name")
+    with pytest.raises(ValueError, match="kv_connector must be one of"):
+        create_connector(KVTransferConfig(kv_connector="by-name"), LAYOUT)
+
+
+def test_kv_transfer_config_rejects_an_untyped_connector_config() -> None:
+    """Regression: connector settings were an untyped dict that could carry anything
+    (test callables included); only a KVConnectorConfig is accepted now."""
+    with pytest.raises(ValueError, match="connector_config must be a KVConnectorConfig"):
+        KVTransferConfig(kv_connector="store", connector_config={"redis_url": "x"})  # type: ignore[arg-type]
+    assert KVTransferConfig(connector_config=KVConnectorConfig()).connector_config is not None
 
 
 def test_memory_worker_rejects_a_wrongly_shaped_kv_cache() -> None:
-    _conn, worker = create_connector(
-        KVTransferConfig(kv_connector="memory", params={"block_size": BS}), layout=None
-    )
+    name = register_memory_connector(MemoryKVStore())
+    _conn, worker = create_connector(KVTransferConfig(kv_connector=name), LAYOUT)
     with pytest.raises(ValueError, match="num_layers, 2"):
         worker.register_kv_caches(torch.zeros(4, 2, BS, 1, 1))
 

@@ -1,8 +1,10 @@
 """The "store" KV connector: prefill publishes KV blocks to the tandem KV store,
-decode loads them (engine/kv_connector.py defines the two sides).
+decode loads them. It implements the engine's connector interface
+(engine/kv_connector.py), which finds it by the name ``"store"``; the engine
+never imports this module.
 
-Keys: a block's store key is ``BlockKey(block hash, layout fingerprint)``: the
-hash chain of the prompt's blocks (``hash_token_blocks(..., include_partial=True)``:
+Keys: a block's store key is ``BlockKey(block hash, layout fingerprint)``
+(contracts/): the hash chain of the prompt's blocks (``prompt_block_hashes``:
 every full block, then the partial last block) and ``KVCacheLayout.fingerprint``,
 so blocks of another model or layout are never read. A block's value is the
 bytes of ``kv_cache[block_id]`` (all layers, K and V, the whole block even when
@@ -14,13 +16,19 @@ the blocks); the thread asks the store which keys it lacks, uploads those, and
 reports the request in ``finished_sending`` (success or failure: the blocks are
 freed either way; a failed publish only makes the decode side recompute).
 
-Consumer (decode, ``kv_consumer``): a request whose ``kv_transfer_params`` hold
-the prompt's block hashes (:func:`make_kv_transfer_params`) reports the prompt
-tokens beyond its local prefix-cache hit as remote. After the scheduler
+Consumer (decode, ``kv_consumer``): a request whose ``kv_transfer_params``
+(``contracts.block_key.KVTransferParams``) hold the prompt's block hashes under
+this engine's layout fingerprint reports the prompt tokens beyond its local
+prefix-cache hit as remote. After the scheduler
 allocated blocks, the load runs on the transfer thread (other requests keep
 decoding); it fetches the blocks in order and stops at the first miss or bad
 checksum, reporting the tokens it did load; the scheduler recomputes the rest,
 and :attr:`StoreConnectorWorker.num_load_failures` counts such requests.
+
+Settings: ``kvstore.config.StoreConnectorConfig``, built once by the service's
+entry point.
+Tests that need another block store register a connector built by
+:func:`build_store_connector` with their own client.
 
 NOTE: both sides share one ``_Transfers`` object (they live in one process).
 A save is submitted by ``request_finished`` directly instead of through the
@@ -37,42 +45,26 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 
-from tandem.engine.block_hash import BlockHash, hash_token_blocks
+from tandem.contracts.block_hash import BlockHash, prompt_block_hashes
+from tandem.contracts.block_key import BlockKey
+from tandem.contracts.kv_layout import KVCacheLayout
 from tandem.engine.config import KVTransferConfig
-from tandem.engine.kv_connector import KVConnectorScheduler, KVConnectorWorker
+from tandem.engine.kv_connector import (
+    KVConnectorScheduler,
+    KVConnectorWorker,
+    LoadResult,
+    SaveResult,
+    TransferListener,
+)
 from tandem.engine.request import Request, RequestStatus
+from tandem.engine.sched_output import SchedulerOutput
+from tandem.kvstore.config import StoreConnectorConfig
 
 logger = logging.getLogger(__name__)
-
-#: Key of the remote block hashes in ``Request.kv_transfer_params``.
-PARAM_BLOCK_HASHES = "remote_block_hashes"
-#: Key of the producer's layout fingerprint in ``Request.kv_transfer_params``.
-PARAM_FINGERPRINT = "kv_layout_fingerprint"
-
-
-def prompt_block_hashes(prompt_token_ids: Sequence[int], block_size: int) -> list[BlockHash]:
-    """The store hashes of a prompt's blocks: every full block, then the partial tail.
-
-    ``ceil(len(prompt_token_ids) / block_size)`` 32-byte hashes (engine.block_hash chain).
-    """
-    return hash_token_blocks(prompt_token_ids, block_size, include_partial=True)
-
-
-def make_kv_transfer_params(block_hashes: list[bytes], fingerprint: bytes) -> dict[str, Any]:
-    """``Request.kv_transfer_params`` of a decode request whose prompt KV is in the store."""
-    return {
-        PARAM_BLOCK_HASHES: [BlockHash(bytes(h)) for h in block_hashes],
-        PARAM_FINGERPRINT: bytes(fingerprint),
-    }
-
-
-def layout_fingerprint(layout: Any) -> bytes:
-    """The layout fingerprint bytes of an engine's ``KVCacheLayout``."""
-    return bytes(layout.fingerprint)
 
 
 class BlockStoreClient(Protocol):
@@ -82,11 +74,11 @@ class BlockStoreClient(Protocol):
     All calls block the calling (transfer) thread, never the engine thread.
     """
 
-    def put_blocks(self, keys: list[Any], blocks: list[Any]) -> int:
+    def put_blocks(self, keys: Sequence[BlockKey], blocks: Sequence[torch.Tensor]) -> int:
         """Store ``blocks[i]`` (contiguous CPU buffers) under ``keys[i]``; keys already
         present are not sent again. Returns how many blocks are stored. Raises on failure."""
 
-    def get_blocks(self, keys: list[Any], into: list[Any]) -> int:
+    def get_blocks(self, keys: Sequence[BlockKey], into: Sequence[torch.Tensor]) -> int:
         """Load the leading present blocks into ``into[i]`` (writable contiguous buffers);
         returns how many leading blocks arrived intact (a miss or bad checksum stops it)."""
 
@@ -95,60 +87,12 @@ class BlockStoreClient(Protocol):
 
 
 @dataclass
-class SaveResult:
-    """Outcome of publishing one request's blocks.
-
-    Attributes:
-        ok: False when the store failed (the blocks are freed anyway).
-        num_blocks: blocks of the request.
-        num_stored: blocks the store holds after the put (present ones were not resent).
-        done_ns: ``time.monotonic_ns()`` at completion.
-        error: the failure's message, if any.
-    """
-
-    ok: bool
-    num_blocks: int
-    num_stored: int
-    done_ns: int
-    error: str | None = None
-
-
-@dataclass
-class LoadResult:
-    """Outcome of loading one request's remote blocks.
-
-    Attributes:
-        num_tokens: tokens loaded, counted from the load's first token.
-        num_requested_tokens: tokens the load covered.
-        done_ns: ``time.monotonic_ns()`` at completion.
-        num_bytes: bytes of the blocks loaded (all layers, K and V).
-    """
-
-    num_tokens: int
-    num_requested_tokens: int
-    done_ns: int
-    num_bytes: int = 0
-
-    @property
-    def complete(self) -> bool:
-        return self.num_tokens == self.num_requested_tokens
-
-
-class TransferListener(Protocol):
-    """Receives transfer outcomes on the transfer thread (must not block)."""
-
-    def on_save_done(self, request_id: str, result: SaveResult) -> None: ...
-
-    def on_load_done(self, request_id: str, result: LoadResult) -> None: ...
-
-
-@dataclass
 class _Job:
     """One request's transfer: parallel lists, one entry per block."""
 
     request_id: str
     is_save: bool
-    keys: list[Any]
+    keys: list[BlockKey]
     block_ids: list[int]
     num_tokens: list[int]
     cancelled: bool = False
@@ -311,24 +255,21 @@ class StoreConnectorScheduler(KVConnectorScheduler):
         kv_role: str,
         block_size: int,
         fingerprint: bytes,
-        make_key: Callable[[bytes, bytes], Any],
     ) -> None:
         self._transfers = transfers
         self.is_producer = kv_role in ("kv_producer", "kv_both")
         self.is_consumer = kv_role in ("kv_consumer", "kv_both")
         self.block_size = block_size
         self.fingerprint = fingerprint
-        self._make_key = make_key
         self._loads: dict[str, _Job] = {}
 
-    def _remote_hashes(self, request: Request) -> list[BlockHash] | None:
+    def _remote_hashes(self, request: Request) -> tuple[BlockHash, ...] | None:
         params = request.kv_transfer_params
-        if not self.is_consumer or not params:
+        if not self.is_consumer or params is None or not params.block_hashes:
             return None
-        hashes = params.get(PARAM_BLOCK_HASHES)
-        if not hashes or params.get(PARAM_FINGERPRINT) != self.fingerprint:
-            return None
-        return hashes
+        if params.layout_fingerprint != self.fingerprint:
+            return None  # another layout's blocks: recompute (the service rejects these)
+        return params.block_hashes
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
         # NOTE: optimistic (no store lookup on the step loop): the producer published
@@ -352,12 +293,12 @@ class StoreConnectorScheduler(KVConnectorScheduler):
         self._loads[request.request_id] = _Job(
             request_id=request.request_id,
             is_save=False,
-            keys=[self._make_key(h, self.fingerprint) for h in hashes[first:last]],
+            keys=[BlockKey(h, self.fingerprint) for h in hashes[first:last]],
             block_ids=list(block_ids[first:last]),
             num_tokens=[min((i + 1) * bs, stop) - max(i * bs, start) for i in range(first, last)],
         )
 
-    def build_connector_meta(self, sched_out: Any) -> StoreConnectorMetadata | None:
+    def build_connector_meta(self, sched_out: SchedulerOutput) -> StoreConnectorMetadata | None:
         if not self._loads:
             return None
         meta = StoreConnectorMetadata(loads=self._loads)
@@ -382,7 +323,7 @@ class StoreConnectorScheduler(KVConnectorScheduler):
             _Job(
                 request_id=rid,
                 is_save=True,
-                keys=[self._make_key(h, self.fingerprint) for h in hashes],
+                keys=[BlockKey(h, self.fingerprint) for h in hashes],
                 block_ids=list(block_ids[: len(hashes)]),
                 num_tokens=[min(bs, len(tokens) - i * bs) for i in range(len(hashes))],
             )
@@ -393,13 +334,12 @@ class StoreConnectorScheduler(KVConnectorScheduler):
 class StoreConnectorWorker(KVConnectorWorker):
     """Worker side: starts loads on the transfer thread and reports finished transfers."""
 
-    def __init__(self, transfers: _Transfers, layout: Any) -> None:
+    def __init__(self, transfers: _Transfers, layout: KVCacheLayout) -> None:
         self._transfers = transfers
         self._layout = layout
 
     def register_kv_caches(self, kv_cache: torch.Tensor) -> None:
-        layout = self._layout
-        expected = (layout.num_layers, 2, layout.block_size, layout.num_kv_heads, layout.head_dim)
+        expected = self._layout.block_shape
         if kv_cache.dim() != 6 or tuple(kv_cache.shape[1:]) != expected:
             raise ValueError(
                 f"kv_cache must be [num_blocks, {', '.join(map(str, expected))}], "
@@ -409,12 +349,12 @@ class StoreConnectorWorker(KVConnectorWorker):
             raise ValueError("kv_cache must be contiguous (block b = kv_cache[b])")
         self._transfers.kv_cache = kv_cache
 
-    def start_load_kv(self, meta: Any) -> None:
+    def start_load_kv(self, meta: object) -> None:
         if isinstance(meta, StoreConnectorMetadata):
             for job in meta.loads.values():
                 self._transfers.submit(job)
 
-    def save_kv(self, meta: Any) -> None:
+    def save_kv(self, meta: object) -> None:
         """Nothing: saves start in ``request_finished`` (see the module's NOTE)."""
 
     def get_finished(self) -> tuple[set[str], dict[str, int]]:
@@ -438,46 +378,53 @@ class StoreConnectorWorker(KVConnectorWorker):
         self._transfers.close()
 
 
-def _default_client_factory(params: dict[str, Any]) -> Callable[[], BlockStoreClient]:
-    def connect() -> BlockStoreClient:
-        from tandem.kvstore.client import connect_sync  # UCX only in disaggregated roles
+def build_store_connector(
+    kv_role: str,
+    layout: KVCacheLayout,
+    client_factory: Callable[[], BlockStoreClient],
+    num_transfer_threads: int = 2,
+) -> tuple[StoreConnectorScheduler, StoreConnectorWorker]:
+    """Both sides of a store connector over the client ``client_factory()`` returns.
 
-        return connect_sync(params)
+    The factory is called once, on a transfer thread (connecting may be slow); a
+    failed connection is retried by the next transfer. Starts the transfer threads
+    (stopped by the worker side's ``shutdown``).
 
-    return connect
-
-
-def _default_make_key(block_hash: bytes, fingerprint: bytes) -> Any:
-    from tandem.kvstore.keys import BlockKey
-
-    return BlockKey(block_hash, fingerprint)
+    Raises:
+        ValueError: ``num_transfer_threads < 1``.
+    """
+    transfers = _Transfers(client_factory, num_transfer_threads)
+    return (
+        StoreConnectorScheduler(transfers, kv_role, layout.block_size, layout.fingerprint),
+        StoreConnectorWorker(transfers, layout),
+    )
 
 
 def create_connector(
-    kv_transfer_config: KVTransferConfig, layout: Any
+    kv_transfer_config: KVTransferConfig, layout: KVCacheLayout
 ) -> tuple[StoreConnectorScheduler, StoreConnectorWorker]:
-    """Factory of the ``"store"`` connector (registered in engine/kv_connector.py).
-
-    ``params``: ``redis_url`` (the store's index), optionally ``kvstore_address``
-    (a store node ``host:port``), ``num_transfer_threads`` (default 2); tests may
-    pass ``client_factory`` (a zero-arg
-    callable returning a :class:`BlockStoreClient`) and ``make_key``.
+    """Factory of the ``"store"`` connector (registered in engine/kv_connector.py): a
+    :class:`~tandem.kvstore.client.KVStoreClient` per :class:`StoreConnectorConfig`.
 
     Raises:
-        ValueError: neither ``redis_url`` nor ``client_factory`` in params.
+        ValueError: ``kv_transfer_config.connector_config`` is not a ``StoreConnectorConfig``.
     """
-    params = dict(kv_transfer_config.params)
-    factory = params.get("client_factory")
-    if factory is None:
-        if not params.get("redis_url"):
-            raise ValueError("store connector needs params['redis_url'] (the KV store index)")
-        factory = _default_client_factory(params)
-    make_key = params.get("make_key", _default_make_key)
-    transfers = _Transfers(factory, int(params.get("num_transfer_threads", 2)))
-    fingerprint = layout_fingerprint(layout)
-    return (
-        StoreConnectorScheduler(
-            transfers, kv_transfer_config.kv_role, layout.block_size, fingerprint, make_key
-        ),
-        StoreConnectorWorker(transfers, layout),
+    config = kv_transfer_config.connector_config
+    if not isinstance(config, StoreConnectorConfig):
+        raise ValueError(
+            "connector_config must be a StoreConnectorConfig for the store connector, got "
+            f"{type(config).__name__}"
+        )
+
+    def connect() -> BlockStoreClient:
+        from tandem.kvstore.client import KVStoreClient  # UCX only once a transfer runs
+
+        # With the layout, the client rejects a key or block of another layout.
+        return KVStoreClient(
+            config.redis_url, layout=layout, local_node=config.kvstore_address,
+            timeout_s=config.kvstore_timeout_s,
+        )
+
+    return build_store_connector(
+        kv_transfer_config.kv_role, layout, connect, config.num_transfer_threads
     )

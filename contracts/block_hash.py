@@ -1,4 +1,4 @@
-"""Content-addressed block hashes: the one key spec shared by engine, store and router.
+"""Content-addressed block hashes: the one hash chain shared by engine, store and router.
 
 Block ``i``'s hash covers block ``i-1``'s hash, block ``i``'s token ids and
 optional extra keys, so equal hashes mean equal prefixes (vLLM's prefix-cache
@@ -18,6 +18,9 @@ BlockHash = NewType("BlockHash", bytes)
 #: Name of the algorithm; prefill and decode compare it at handshake.
 HASH_ALGORITHM = "sha256-chain-v1"
 
+#: Length of one block hash in bytes (a SHA-256 digest).
+BLOCK_HASH_BYTES = 32
+
 #: Parent hash of block 0. Any fixed value works; it must never change.
 ROOT_HASH = BlockHash(hashlib.sha256(b"tandem-root-v1").digest())
 
@@ -36,7 +39,7 @@ def hash_block(
             a stable ``repr``.
 
     Returns:
-        32-byte ``BlockHash``.
+        ``BLOCK_HASH_BYTES``-byte ``BlockHash``.
     """
     h = hashlib.sha256()
     h.update(parent if parent is not None else ROOT_HASH)
@@ -75,3 +78,12 @@ def hash_token_blocks(
     if include_partial and len(token_ids) % block_size:
         hashes.append(hash_block(parent, token_ids[n_full * block_size :], extra_keys))
     return hashes
+
+
+def prompt_block_hashes(prompt_token_ids: Sequence[int], block_size: int) -> list[BlockHash]:
+    """The store hashes of a prompt's KV blocks: every full block, then the partial tail.
+
+    What a prefill publishes and a decode loads (``PrefillResponse.block_hashes``):
+    ``ceil(len(prompt_token_ids) / block_size)`` hashes, no extra keys.
+    """
+    return hash_token_blocks(prompt_token_ids, block_size, include_partial=True)

@@ -1,0 +1,115 @@
+"""Store keys of KV blocks, and what a decode request says about its prompt's stored blocks.
+
+A block's bytes only mean something to an engine with the same model and KV layout, so
+the store key pairs the prefix-chain ``BlockHash`` (contracts/block_hash.py) with the
+layout fingerprint (``KVCacheLayout.fingerprint``, contracts/kv_layout.py). Two models,
+dtypes, block sizes or tensor-parallel shards can never read each other's blocks: their
+keys differ.
+
+The Redis index key of a block (:attr:`BlockKey.redis_key`) is part of the contract too:
+store nodes write it and every client and router replica reads it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tandem.contracts.block_hash import BLOCK_HASH_BYTES, BlockHash
+
+#: Redis key prefix of block index entries (see kvstore/index.py).
+INDEX_PREFIX = "tandem:kv:blk:"
+
+
+@dataclass(frozen=True)
+class BlockKey:
+    """Store key of one KV block.
+
+    Attributes:
+        hash: the block's prefix-chain hash (``hash_block``'s 32 bytes).
+        layout_fingerprint: ``KVCacheLayout.fingerprint`` of the engine that computed it.
+
+    Raises:
+        ValueError: empty hash or fingerprint, or not bytes (naming the field).
+    """
+
+    hash: bytes
+    layout_fingerprint: bytes
+
+    def __post_init__(self) -> None:
+        for name in ("hash", "layout_fingerprint"):
+            value = getattr(self, name)
+            if not isinstance(value, bytes | bytearray | memoryview):
+                raise ValueError(f"BlockKey.{name} must be bytes, got {type(value).__name__}")
+            if len(value) == 0:
+                raise ValueError(f"BlockKey.{name} must not be empty")
+            if not isinstance(value, bytes):
+                object.__setattr__(self, name, bytes(value))
+
+    def __str__(self) -> str:
+        """``<fingerprint hex>:<hash hex>``: the stable string form (see :meth:`from_str`)."""
+        return f"{self.layout_fingerprint.hex()}:{self.hash.hex()}"
+
+    def to_bytes(self) -> bytes:
+        """Length-prefixed binary form: ``len(fp) | fp | hash``."""
+        return bytes([len(self.layout_fingerprint)]) + self.layout_fingerprint + self.hash
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> BlockKey:
+        """Inverse of :meth:`to_bytes`. Raises ValueError on a malformed input."""
+        if len(data) < 2 or data[0] == 0 or len(data) <= 1 + data[0]:
+            raise ValueError("key bytes malformed")
+        n = data[0]
+        return cls(bytes(data[1 + n :]), bytes(data[1 : 1 + n]))
+
+    @classmethod
+    def from_str(cls, text: str) -> BlockKey:
+        """Inverse of ``str(key)``. Raises ValueError on a malformed input."""
+        fp, sep, h = text.partition(":")
+        if not sep:
+            raise ValueError(f"key string must be '<fingerprint hex>:<hash hex>', got {text!r}")
+        try:
+            return cls(bytes.fromhex(h), bytes.fromhex(fp))
+        except ValueError as exc:
+            raise ValueError(f"key string is not hex: {text!r}") from exc
+
+    @property
+    def redis_key(self) -> str:
+        """The Redis key of this block's index entry: ``INDEX_PREFIX + str(self)``."""
+        return INDEX_PREFIX + str(self)
+
+
+@dataclass(frozen=True)
+class KVTransferParams:
+    """Where a request's prompt KV lies in the store: the decode side's handoff from prefill.
+
+    Set as ``Request.kv_transfer_params`` by the decode service from a ``DecodeRequest``
+    (``block_hashes``, ``kv_layout_fingerprint``); a consumer connector loads those blocks
+    when ``layout_fingerprint`` equals its own layout's, and ignores them otherwise.
+
+    Attributes:
+        block_hashes: the prompt's block hashes in order (``prompt_block_hashes``: full
+            blocks, then the partial tail), ``BLOCK_HASH_BYTES`` each.
+        layout_fingerprint: the producer's ``KVCacheLayout.fingerprint``.
+
+    Raises:
+        ValueError: a hash of the wrong length (``block_hashes[i]``) or an empty
+            fingerprint (``layout_fingerprint``).
+    """
+
+    block_hashes: tuple[BlockHash, ...]
+    layout_fingerprint: bytes
+
+    def __post_init__(self) -> None:
+        for i, h in enumerate(self.block_hashes):
+            if not isinstance(h, bytes) or len(h) != BLOCK_HASH_BYTES:
+                size = len(h) if isinstance(h, bytes) else type(h).__name__
+                raise ValueError(
+                    f"block_hashes[{i}] has {size} bytes; block hashes are "
+                    f"{BLOCK_HASH_BYTES} bytes (PrefillResponse.block_hashes)"
+                )
+        if not self.layout_fingerprint:
+            raise ValueError("layout_fingerprint must not be empty")
+
+    def keys(self) -> list[BlockKey]:
+        """The store key of each block, in order."""
+        return [BlockKey(h, self.layout_fingerprint) for h in self.block_hashes]
