@@ -16,6 +16,7 @@ from tandem.engine.config import (
     SchedulerConfig,
 )
 from tandem.engine.engine_core import EngineCore, KVCacheLayout
+from tandem.engine.executor import create_executor
 from tandem.engine.kv_connector import MemoryKVStore
 from tandem.engine.model_loader import LoadedModel
 from tandem.engine.models.registry import build_model
@@ -70,7 +71,7 @@ def make_core(loaded: LoadedModel, num_blocks: int = 32, **kv: object) -> Engine
         scheduler=SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8),
         kv_transfer=KVTransferConfig(**kv) if kv else KVTransferConfig(),
     )
-    return EngineCore(config, loaded)
+    return EngineCore(config, create_executor(config, loaded))
 
 
 def make_request(prompt: list[int], **params: object) -> Request:
@@ -187,7 +188,7 @@ def test_layout_and_stats(tiny) -> None:
     core = make_core(tiny[0], num_blocks=16)
     layout = core.layout
     assert layout == KVCacheLayout("tiny-llama", 2, 2, 8, "float32", BLOCK)
-    assert layout.block_size_bytes == core.model_runner.kv_cache[0].numel() * 4
+    assert layout.block_size_bytes == core.executor.driver_worker.kv_cache[0].numel() * 4
     assert len(layout.fingerprint) == 16
     other = KVCacheLayout("tiny-llama", 2, 2, 8, "float32", BLOCK * 2)
     assert other.fingerprint != layout.fingerprint
