@@ -12,7 +12,7 @@ Lifecycle, in order: ``load_model`` -> ``determine_num_blocks`` ->
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -21,6 +21,9 @@ from tandem.engine.model_facts import ModelFacts
 from tandem.engine.model_loader import LoadedModel
 from tandem.engine.model_runner import ModelRunner
 from tandem.engine.sched_output import ModelRunnerOutput, SchedulerOutput
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 class Worker:
@@ -88,7 +91,7 @@ class Worker:
         )
 
     @property
-    def tokenizer(self) -> Any:
+    def tokenizer(self) -> PreTrainedTokenizerBase | None:
         """The Hugging Face tokenizer loaded with the weights (``None`` when the model
         folder has none)."""
         return self.model_runner.loaded.tokenizer

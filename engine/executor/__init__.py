@@ -5,6 +5,8 @@ backend ``ParallelConfig.distributed_executor_backend`` names); backends live in
 own modules and are imported only when built (``uniproc``: one in-process worker).
 """
 
+from __future__ import annotations
+
 from tandem.engine.executor.abstract import Executor, create_executor
 
 __all__ = ["Executor", "create_executor"]

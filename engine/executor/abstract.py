@@ -15,13 +15,15 @@ This module imports no torch: the factory imports a backend only when it builds 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from tandem.engine.config import EngineConfig
 from tandem.engine.model_facts import ModelFacts
 from tandem.engine.sched_output import ModelRunnerOutput, SchedulerOutput
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
     from tandem.engine.kv_connector import KVConnectorWorker
     from tandem.engine.model_loader import LoadedModel
 
@@ -43,7 +45,7 @@ class Executor(ABC):
 
     @property
     @abstractmethod
-    def tokenizer(self) -> Any:
+    def tokenizer(self) -> PreTrainedTokenizerBase | None:
         """The model's Hugging Face tokenizer, or ``None`` for a model folder without one
         (the engine then takes token ids only)."""
 

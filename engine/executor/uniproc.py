@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from tandem.engine.config import EngineConfig
 from tandem.engine.executor.abstract import Executor
@@ -11,6 +11,8 @@ from tandem.engine.sched_output import ModelRunnerOutput, SchedulerOutput
 from tandem.engine.worker import Worker
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
     from tandem.engine.kv_connector import KVConnectorWorker
     from tandem.engine.model_loader import LoadedModel
 
@@ -40,7 +42,7 @@ class UniProcExecutor(Executor):
         return self._facts
 
     @property
-    def tokenizer(self) -> Any:
+    def tokenizer(self) -> PreTrainedTokenizerBase | None:
         return self.driver_worker.tokenizer
 
     def determine_num_blocks(self) -> int:
