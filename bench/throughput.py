@@ -197,7 +197,7 @@ def run_tandem(
 
 
 def _dtype_of(llm: Any) -> str:
-    return llm.llm_engine.engine_core.layout.dtype
+    return llm.llm_engine.engine_core.model_facts.dtype
 
 
 def _hf_model_args(model: str | None) -> tuple[str, dict[str, Any]]:

@@ -1,7 +1,8 @@
 """Frozen engine configuration, validated once at the edge (CLI / service entry point).
 
-Facts found at run time (number of KV blocks, EOS id, vocabulary size) live in
-``RuntimeInfo`` objects owned by the engine, never written back here.
+Facts found at run time live in objects owned by the engine, never written back
+here: the model's (vocabulary size, EOS id, context length) in ``ModelFacts``, the
+number of KV blocks on the ``EngineCore``.
 """
 
 from __future__ import annotations
@@ -113,18 +114,35 @@ class SchedulerConfig:
             )
 
 
+ExecutorBackend = Literal["uni"]
+EXECUTOR_BACKENDS: tuple[str, ...] = ("uni",)
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
-    """Tensor / pipeline parallelism (only 1 x 1 is implemented today)."""
+    """How the model is spread over workers (only one worker is implemented today).
+
+    Attributes:
+        tensor_parallel_size: workers that split each layer (1 today).
+        pipeline_parallel_size: workers that split the layer stack (1 today).
+        distributed_executor_backend: the executor that runs the workers (vLLM's name):
+            "uni", one worker in the engine's own process.
+    """
 
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    distributed_executor_backend: ExecutorBackend = "uni"
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size != 1 or self.pipeline_parallel_size != 1:
             raise ValueError(
                 "tensor_parallel_size and pipeline_parallel_size must be 1 "
                 "(multi-worker execution is not implemented yet)"
+            )
+        if self.distributed_executor_backend not in EXECUTOR_BACKENDS:
+            raise ValueError(
+                "distributed_executor_backend must be one of "
+                f"{', '.join(EXECUTOR_BACKENDS)}, got {self.distributed_executor_backend!r}"
             )
 
 

@@ -1,12 +1,14 @@
 """Token-in, token-out engine: the loop every tandem service drives.
 
-One ``EngineCore`` owns a model runner (weights + paged KV cache), a scheduler
-(queues, blocks, prefix cache) and, in disaggregated roles, both sides of a KV
-connector. ``step()`` runs one iteration of continuous batching (vLLM v1's
-``EngineCore.step``):
+One ``EngineCore`` owns an executor (the workers that hold the weights and the
+paged KV cache: ``engine/executor/``), a scheduler (queues, blocks, prefix cache)
+and, in disaggregated roles, both sides of a KV connector. It reaches the model
+only through the executor's interface. ``step()`` runs one iteration of continuous
+batching (vLLM v1's ``EngineCore.step``):
 
-    schedule -> connector.start_load_kv -> execute_model (skipped when nothing is
-    scheduled) -> connector.save_kv -> connector.get_finished -> update_from_output
+    schedule -> connector.start_load_kv -> executor.execute_model (skipped when
+    nothing is scheduled) -> connector.save_kv -> connector.get_finished ->
+    update_from_output
 
 The engine is single-threaded: callers serialize ``add_request`` / ``abort_requests``
 / ``step`` (the services run it in one dedicated thread).
@@ -21,6 +23,8 @@ from typing import TYPE_CHECKING, Any
 
 from tandem.contracts.kv_layout import KVCacheLayout
 from tandem.engine.config import EngineConfig
+from tandem.engine.executor import Executor, create_executor
+from tandem.engine.model_facts import ModelFacts
 from tandem.engine.outputs import EngineCoreOutput
 from tandem.engine.request import Request
 from tandem.engine.sched_output import ModelRunnerOutput
@@ -36,29 +40,34 @@ class EngineCore:
 
     Args:
         config: the engine's frozen configuration.
-        loaded: an already loaded model (``model_loader.load_model``) to reuse, e.g.
-            in tests that build several engines; ``None`` loads ``config.model``.
+        executor: the executor that runs the model, built from this ``config``
+            (``executor.create_executor``; tests pass one wrapping a shared model, or a
+            fake); ``None`` builds it from ``config`` (loads the model). The core owns
+            it from here on: ``shutdown`` shuts it down.
+
+    Attributes:
+        executor: the executor; the core's only way to the model.
+        model_facts: the loaded model's facts (vocabulary, context length, EOS id,
+            KV geometry), as the executor reported them.
+        num_blocks: KV blocks of the cache (what the executor's budget held).
 
     Raises:
-        ValueError: unknown model path or unsupported architecture (from the loader).
+        ValueError: unknown model path or unsupported architecture (from the loader),
+            or a KV budget that holds no block.
     """
 
-    def __init__(self, config: EngineConfig, loaded: Any | None = None) -> None:
-        from tandem.engine.model_runner import ModelRunner
+    def __init__(self, config: EngineConfig, executor: Executor | None = None) -> None:
         from tandem.engine.scheduler import Scheduler
 
         self.config = config
-        self.model_runner = ModelRunner(config, loaded)
-        runner = self.model_runner
-        if config.cache.num_blocks_override is not None:
-            num_blocks = config.cache.num_blocks_override
-        else:
-            num_blocks = runner.determine_num_blocks()
-        runner.initialize_kv_cache(num_blocks)
+        self.executor = executor if executor is not None else create_executor(config)
+        self.model_facts: ModelFacts = self.executor.model_facts
+        num_blocks = self.executor.determine_num_blocks()
+        self.executor.initialize_kv_cache(num_blocks)
         self.num_blocks = num_blocks
-        self.max_model_len: int = runner.max_model_len
-        self.vocab_size: int = runner.vocab_size
-        self.eos_token_id: int | None = runner.eos_token_id
+        self.max_model_len: int = self.model_facts.max_model_len
+        self.vocab_size: int = self.model_facts.vocab_size
+        self.eos_token_id: int | None = self.model_facts.eos_token_id
 
         self.connector_scheduler: KVConnectorScheduler | None = None
         self.connector_worker: KVConnectorWorker | None = None
@@ -68,7 +77,7 @@ class EngineCore:
             pair = create_connector(config.kv_transfer, self.layout)
             assert pair is not None, "a named connector always yields both sides"
             self.connector_scheduler, self.connector_worker = pair
-            self.connector_worker.register_kv_caches(runner.kv_cache)
+            self.executor.register_kv_caches(self.connector_worker)
         self.scheduler = Scheduler(
             config.scheduler,
             config.cache,
@@ -90,19 +99,19 @@ class EngineCore:
 
     @property
     def tokenizer(self) -> Any:
-        """The model's Hugging Face tokenizer."""
-        return self.model_runner.loaded.tokenizer
+        """The model's Hugging Face tokenizer (``None`` when the model has none)."""
+        return self.executor.tokenizer
 
     @property
     def layout(self) -> KVCacheLayout:
         """Layout of this engine's KV blocks (for the KV store's key fingerprint)."""
-        r = self.model_runner
+        f = self.model_facts
         return KVCacheLayout(
-            model_id=str(r.loaded.model_id),
-            num_layers=int(r.num_layers),
-            num_kv_heads=int(r.num_kv_heads),
-            head_dim=int(r.head_dim),
-            dtype=str(r.dtype).removeprefix("torch."),
+            model_id=f.model_id,
+            num_layers=f.num_layers,
+            num_kv_heads=f.num_kv_heads,
+            head_dim=f.head_dim,
+            dtype=f.dtype,
             block_size=self.config.cache.block_size,
         )
 
@@ -194,7 +203,7 @@ class EngineCore:
         if sched_out.is_empty:
             runner_out = ModelRunnerOutput()
         else:
-            runner_out = self.model_runner.execute_model(sched_out)
+            runner_out = self.executor.execute_model(sched_out)
             self.num_steps += 1
         finished_sending: Any = set()
         finished_recving: Any = {}
@@ -211,7 +220,9 @@ class EngineCore:
         return self.scheduler.get_stats()
 
     def shutdown(self) -> None:
-        """Abort every request (freeing its blocks) and stop the connector's worker side."""
+        """Abort every request (freeing its blocks), stop the connector's worker side, then
+        shut the executor down (its workers release the KV cache). Call it once, last."""
         self.abort_requests(list(self.scheduler.requests))
         if self.connector_worker is not None:
             self.connector_worker.shutdown()
+        self.executor.shutdown()

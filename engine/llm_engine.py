@@ -12,14 +12,18 @@ import dataclasses
 import enum
 import itertools
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 from tandem.engine.config import EngineConfig
 from tandem.engine.detokenizer import IncrementalDetokenizer
 from tandem.engine.engine_core import EngineCore
+from tandem.engine.executor import create_executor
 from tandem.engine.outputs import CompletionOutput, EngineCoreOutput, RequestOutput
 from tandem.engine.request import PositionLogprobs, Request, RequestStatus
 from tandem.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from tandem.engine.model_loader import LoadedModel
 
 PromptType = str | Sequence[int]
 
@@ -82,17 +86,21 @@ class LLMEngine:
 
     Args:
         config: engine configuration (used when ``engine_core`` is ``None``).
-        loaded: an already loaded model to reuse (see ``EngineCore``).
+        loaded: an already loaded model (``model_loader.load_model``) for the executor to
+            wrap instead of loading ``config.model`` (see ``executor.create_executor``).
         engine_core: an existing core to wrap instead of building one.
     """
 
     def __init__(
         self,
         config: EngineConfig | None = None,
-        loaded: Any | None = None,
+        loaded: LoadedModel | None = None,
         engine_core: EngineCore | None = None,
     ) -> None:
-        self.engine_core = engine_core or EngineCore(config or EngineConfig(), loaded)
+        if engine_core is None:
+            config = config or EngineConfig()
+            engine_core = EngineCore(config, create_executor(config, loaded))
+        self.engine_core = engine_core
         self.tokenizer = self.engine_core.tokenizer
         self._parents: dict[str, _Parent] = {}
         self._child_to_parent: dict[str, tuple[_Parent, _Child]] = {}

@@ -11,8 +11,9 @@ The runner owns the KV cache tensor (binding layout)::
     kv_cache: [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
 
 so ``kv_cache[b]`` is block ``b`` of every layer (what the KV connector moves).
+A ``Worker`` (engine/worker.py) owns the runner and an executor drives the worker;
 KV connector calls (load before, save after the forward) belong to the engine
-core, which passes ``runner.kv_cache`` to ``KVConnectorWorker.register_kv_caches``.
+core, to which ``Executor.register_kv_caches`` hands this tensor.
 """
 
 from __future__ import annotations

@@ -112,19 +112,19 @@ class ServiceContext:
         self, role: str, engine_loop: EngineLoop, config: EngineConfig, max_waiting: int = 1024
     ) -> None:
         engine = engine_loop.engine
-        runner = engine.model_runner
+        facts = engine.model_facts
         self.role = role
         self.engine_loop = engine_loop
         self.config = config
         self.max_waiting = max_waiting
         self.block_size = config.cache.block_size
-        self.vocab_size: int = runner.vocab_size
-        self.max_model_len: int = runner.max_model_len
+        self.vocab_size: int = facts.vocab_size
+        self.max_model_len: int = facts.max_model_len
         # Context length capped by the KV cache's capacity (the scheduler's limit).
         self.max_seq_len: int = engine.scheduler.max_seq_len
-        self.eos_token_id: int | None = runner.eos_token_id
-        self.model_id: str = runner.loaded.model_id
-        self.num_total_blocks: int = engine.scheduler.kv_cache_manager.block_pool.num_blocks
+        self.eos_token_id: int | None = facts.eos_token_id
+        self.model_id: str = facts.model_id
+        self.num_total_blocks: int = engine.num_blocks
         self.kv_layout_fingerprint: bytes = engine.layout.fingerprint
         self.hash_algorithm = HASH_ALGORITHM
         self.metrics = ServiceMetrics(role)

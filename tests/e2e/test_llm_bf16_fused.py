@@ -38,7 +38,7 @@ def _generate(fused: bool, monkeypatch, params: SamplingParams) -> tuple[list, i
 
     monkeypatch.setattr(FusedDecode, "__call__", spy)
     llm = LLM(dtype="bfloat16", max_model_len=512, kv_cache_memory=64 << 20)
-    model = llm.llm_engine.engine_core.model_runner.model
+    model = llm.llm_engine.engine_core.executor.driver_worker.model_runner.model
     assert isinstance(model, LlamaForCausalLM)
     model.fused_decode_enabled = fused
     outs = llm.generate(PROMPTS, params, use_tqdm=False)

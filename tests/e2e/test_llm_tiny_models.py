@@ -197,7 +197,7 @@ def test_bfloat16_cpu_fast_paths_match_reference_path(tiny, monkeypatch) -> None
 
     def run() -> list:
         llm = LLM(model=folder, dtype="bfloat16", max_model_len=MAX_LEN, kv_cache_memory=4 << 20)
-        layers = llm.llm_engine.engine_core.model_runner.model.modules()
+        layers = llm.llm_engine.engine_core.executor.driver_worker.model_runner.model.modules()
         n_packed = sum(isinstance(m, linear.PackedLinear) for m in layers)
         return llm.generate(ps, params, use_tqdm=False), n_packed
 

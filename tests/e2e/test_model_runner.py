@@ -15,6 +15,9 @@ import torch
 import transformers
 
 from tandem.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from tandem.engine.executor import create_executor
+from tandem.engine.executor.uniproc import UniProcExecutor
+from tandem.engine.model_facts import ModelFacts
 from tandem.engine.model_loader import (
     LoadedModel,
     default_model_path,
@@ -27,6 +30,7 @@ from tandem.engine.models.registry import build_model
 from tandem.engine.request import Request
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.sched_output import SchedulerOutput
+from tandem.engine.worker import Worker
 
 BLOCK_SIZE = 4
 
@@ -190,6 +194,89 @@ def test_mixed_batches_match_hf_per_request(tiny):
         hand.update(sched, runner.execute_model(sched))
     for r, p in zip(reqs, prompts, strict=True):
         assert r.output_token_ids == hf_greedy(hf, p, 10), r.request_id
+
+
+def test_uni_executor_equals_model_runner(tiny):
+    """The uni executor (one in-process Worker) returns the model runner's outputs step
+    for step, on the same mixed chunked batches: greedy tokens, seeded samples and
+    logprobs alike; its facts and KV cache size are the runner's."""
+    loaded, _ = tiny
+    config = EngineConfig(
+        model=ModelConfig(dtype="float32", max_model_len=128),
+        cache=CacheConfig(block_size=BLOCK_SIZE, num_blocks_override=64),
+    )
+    runner = ModelRunner(config, loaded)
+    runner.initialize_kv_cache(runner.determine_num_blocks())
+    executor = create_executor(config, loaded)
+    assert isinstance(executor, UniProcExecutor)
+    assert executor.determine_num_blocks() == 64
+    executor.initialize_kv_cache(64)
+    facts = executor.model_facts
+    assert facts == ModelFacts(
+        model_id="tiny", vocab_size=runner.vocab_size, max_model_len=runner.max_model_len,
+        eos_token_id=None, num_layers=runner.num_layers, num_kv_heads=runner.num_kv_heads,
+        head_dim=runner.head_dim, dtype="float32", device="cpu",
+    )
+
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 101, (n,), generator=gen).tolist() for n in (14, 1, 6)]
+    kinds = [
+        SamplingParams(temperature=0.0, max_tokens=6, logprobs=2),
+        SamplingParams(temperature=0.8, top_k=20, seed=9, max_tokens=6, logprobs=1),
+        SamplingParams(temperature=0.0, max_tokens=6),
+    ]
+
+    def batch() -> list[Request]:
+        # The same ids in both batches, so their outputs (keyed by id) compare equal.
+        pairs = enumerate(zip(prompts, kinds, strict=True))
+        return [Request(f"x{i}", p, sp) for i, (p, sp) in pairs]
+
+    ours, theirs = batch(), batch()
+    hand_ours, hand_theirs = HandScheduler(64), HandScheduler(64)
+    plan = [[(0, 9), (1, 1), (2, 6)], [(1, 1), (2, 1), (0, 5)]] + [[(0, 1), (1, 1), (2, 1)]] * 5
+    for work in plan:
+        sched_a = hand_ours.output([(ours[i], n) for i, n in work])
+        sched_b = hand_theirs.output([(theirs[i], n) for i, n in work])
+        out_a, out_b = executor.execute_model(sched_a), runner.execute_model(sched_b)
+        assert out_a.sampled_token_ids == out_b.sampled_token_ids
+        assert out_a.logprobs == out_b.logprobs
+        hand_ours.update(sched_a, out_a)
+        hand_theirs.update(sched_b, out_b)
+    assert [r.output_token_ids for r in ours] == [r.output_token_ids for r in theirs]
+    assert [r.num_output_tokens for r in ours] == [6, 7, 7]
+
+    class Recorder:
+        def register_kv_caches(self, kv_cache: torch.Tensor) -> None:
+            self.kv_cache = kv_cache
+
+    rec = Recorder()
+    executor.register_kv_caches(rec)  # type: ignore[arg-type]
+    assert rec.kv_cache is executor.driver_worker.kv_cache
+    assert rec.kv_cache.shape == runner.kv_cache.shape
+    executor.shutdown()
+    with pytest.raises(RuntimeError, match="load_model"):
+        executor.execute_model(sched_a)
+    executor.shutdown()  # idempotent
+
+
+def test_worker_lifecycle_errors(tiny):
+    loaded, _ = tiny
+    config = EngineConfig(
+        model=ModelConfig(dtype="float32", max_model_len=128),
+        cache=CacheConfig(block_size=BLOCK_SIZE, num_blocks_override=8),
+    )
+    with pytest.raises(ValueError, match=r"rank must be in \[0, 1\)"):
+        Worker(config, rank=1)
+    worker = Worker(config, loaded=loaded)
+    with pytest.raises(RuntimeError, match="load_model"):
+        worker.model_facts()
+    worker.load_model()
+    with pytest.raises(RuntimeError, match="twice"):
+        worker.load_model()
+    with pytest.raises(RuntimeError, match="initialize_kv_cache"):
+        _ = worker.kv_cache
+    worker.initialize_kv_cache(worker.determine_num_blocks())
+    assert worker.kv_cache.shape[0] == 8
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -18,6 +18,7 @@ from tandem.engine.config import (
     SchedulerConfig,
 )
 from tandem.engine.engine_core import EngineCore
+from tandem.engine.executor import create_executor
 from tandem.engine.model_loader import LoadedModel
 from tandem.engine.models.registry import build_model
 from tandem.engine.request import Request
@@ -71,7 +72,7 @@ def make_core(loaded: LoadedModel, num_blocks: int = 32, **kv: object) -> Engine
         scheduler=SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8),
         kv_transfer=KVTransferConfig(**kv) if kv else KVTransferConfig(),
     )
-    return EngineCore(config, loaded)
+    return EngineCore(config, create_executor(config, loaded))
 
 
 def make_request(prompt: list[int], **params: object) -> Request:
@@ -188,8 +189,8 @@ def test_layout_and_stats(tiny) -> None:
     core = make_core(tiny[0], num_blocks=16)
     layout = core.layout
     assert layout == KVCacheLayout("tiny-llama", 2, 2, 8, "float32", BLOCK)
-    assert layout.block_bytes == core.model_runner.kv_cache[0].numel() * 4
-    assert layout.block_shape == tuple(core.model_runner.kv_cache.shape[1:])
+    assert layout.block_bytes == core.executor.driver_worker.kv_cache[0].numel() * 4
+    assert layout.block_shape == tuple(core.executor.driver_worker.kv_cache.shape[1:])
     assert len(layout.fingerprint) == 16
     other = KVCacheLayout("tiny-llama", 2, 2, 8, "float32", BLOCK * 2)
     assert other.fingerprint != layout.fingerprint
