@@ -19,6 +19,7 @@ import signal
 import socket
 import sys
 import uuid
+from collections.abc import Callable, Mapping
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -121,8 +122,21 @@ def advertise_address(listen: str, advertise: str | None, bound_port: int) -> st
     return f"{host}:{bound_port}"
 
 
-def run(argv: list[str] | None, prog: str, role: str | None) -> int:
-    """Parse flags, serve until SIGTERM/SIGINT, return the exit code (2 on bad flags)."""
+#: Adds one role's servicer(s) to the gRPC server; returns the full names of the services
+#: it added (for health and reflection). Each role's entry point passes its own, so this
+#: shared part never imports a role's servicer.
+AddServicers = Callable[[ServiceContext, grpc.aio.Server], list[str]]
+
+
+def run(
+    argv: list[str] | None, prog: str, role: str | None, servicers: Mapping[str, AddServicers]
+) -> int:
+    """Parse flags, serve until SIGTERM/SIGINT, return the exit code (2 on bad flags).
+
+    Args:
+        role: the role this entry point serves, or ``None`` to take ``--role``.
+        servicers: role -> what adds its servicers; the chosen role must be in it.
+    """
     ns = build_parser(prog, role).parse_args(argv)
     role = role or ns.role
     logging.basicConfig(level=ns.log_level.upper(),
@@ -132,16 +146,18 @@ def run(argv: list[str] | None, prog: str, role: str | None) -> int:
     except ValueError as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2
-    asyncio.run(_serve(ns, role, config))
+    if role not in servicers:
+        print(f"{prog}: error: role {role!r} is not served by this entry point", file=sys.stderr)
+        return 2
+    asyncio.run(_serve(ns, role, config, servicers[role]))
     return 0
 
 
-async def _serve(ns: argparse.Namespace, role: str, config: EngineConfig) -> None:
+async def _serve(
+    ns: argparse.Namespace, role: str, config: EngineConfig, add_servicers: AddServicers
+) -> None:
     # Imported here: `tandem serve --help` should not pay for torch.
     from tandem.engine.engine_core import EngineCore
-    from tandem.services.decode.servicer import DecodeServicer
-    from tandem.services.prefill.servicer import PrefillServicer
-    from tandem.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -162,12 +178,7 @@ async def _serve(ns: argparse.Namespace, role: str, config: EngineConfig) -> Non
                  ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES)],
     )
     names = [reflection.SERVICE_NAME, health.SERVICE_NAME]
-    if role == "prefill":
-        prefill_pb2_grpc.add_PrefillServiceServicer_to_server(PrefillServicer(ctx), server)
-        names.append(prefill_pb2.DESCRIPTOR.services_by_name["PrefillService"].full_name)
-    else:
-        decode_pb2_grpc.add_DecodeServiceServicer_to_server(DecodeServicer(ctx), server)
-        names.append(decode_pb2.DESCRIPTOR.services_by_name["DecodeService"].full_name)
+    names.extend(add_servicers(ctx, server))
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(names, server)
