@@ -9,8 +9,10 @@ Progress: a UCX progress thread that sleeps in epoll while idle, with
 completions handed to asyncio futures by ucxx's notifier thread
 (``enable_python_future``). Measured on a loaded 2-core machine this beat
 polling modes (which spin a core per process and starve the peer process)
-by 2-5x. ``UCXPY_PROGRESS_MODE`` / ``UCXPY_ENABLE_PYTHON_FUTURE`` and every
-``UCX_*`` variable (``UCX_TLS``...) pass through unchanged.
+by 2-5x. The mode comes from :class:`~tandem.kvstore.config.UcxOptions`, which
+the entry points read from ``UCXPY_PROGRESS_MODE`` / ``UCXPY_ENABLE_PYTHON_FUTURE``;
+every ``UCX_*`` variable (``UCX_TLS``...) is UCX's own and passes through unchanged.
+:func:`init_ucx` is the one place that sets a default for one of them.
 
 UCX is not fork-safe: start processes that use it with ``spawn`` or subprocess.
 """
@@ -26,26 +28,28 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from tandem.kvstore.config import UcxOptions
+
 T = TypeVar("T")
 
 
 _initialised = False
 
 
-def init_ucx() -> None:
-    """Initialise ucxx on the running event loop (once per process)."""
+def init_ucx(options: UcxOptions) -> None:
+    """Initialise ucxx on the running event loop (once per process: later calls,
+    whatever their ``options``, do nothing)."""
     global _initialised
     if _initialised:
         return
-    # ucxx sets UCX_* variables of its own that UCX then warns about on every start
+    # NOTE: the one UCX variable we default: ucxx sets UCX_* variables of its own
+    # that UCX then warns about on every start
     os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
     import ucxx
 
-    progress_mode = os.environ.get("UCXPY_PROGRESS_MODE", "thread")
-    python_future = None if "UCXPY_ENABLE_PYTHON_FUTURE" in os.environ else True
-    if not progress_mode.startswith("thread"):
-        python_future = False
-    ucxx.init(progress_mode=progress_mode, enable_python_future=python_future)
+    ucxx.init(progress_mode=options.progress_mode,
+              enable_python_future=options.python_future
+              and options.progress_mode.startswith("thread"))
     _initialised = True
     # NOTE: ucxx's notifier thread is not a daemon thread and would keep the
     # interpreter from exiting; stop it before Python joins non-daemon threads
@@ -143,7 +147,8 @@ def byte_view(obj: Any, *, writable: bool, name: str) -> np.ndarray:
 class LoopThread:
     """A daemon thread running one asyncio loop with ucxx initialised on it."""
 
-    def __init__(self) -> None:
+    def __init__(self, options: UcxOptions) -> None:
+        self.options = options
         self.loop = asyncio.new_event_loop()
         self._ready = threading.Event()
         self._error: BaseException | None = None
@@ -157,7 +162,7 @@ class LoopThread:
         asyncio.set_event_loop(self.loop)
 
         async def _init() -> None:
-            init_ucx()
+            init_ucx(self.options)
 
         try:
             self.loop.run_until_complete(_init())
@@ -190,8 +195,9 @@ _loop_lock = threading.Lock()
 _loop: LoopThread | None = None
 
 
-def client_loop() -> LoopThread:
-    """The process's one client loop thread (started on first use).
+def client_loop(options: UcxOptions) -> LoopThread:
+    """The process's one client loop thread (started on first use, with UCX set up by
+    that first caller's ``options``).
 
     NOTE: a process-wide singleton on purpose: ucxx allows one context per
     process and binds it to the loop that initialised it.
@@ -199,5 +205,5 @@ def client_loop() -> LoopThread:
     global _loop
     with _loop_lock:
         if _loop is None:
-            _loop = LoopThread()
+            _loop = LoopThread(options)
         return _loop
