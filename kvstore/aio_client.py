@@ -20,6 +20,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from tandem.kvstore import protocol as proto
+from tandem.kvstore.buffers import byte_views, check_keys
 from tandem.kvstore.config import ClientOptions
 from tandem.kvstore.index import (
     COMMIT_LUA,
@@ -35,14 +36,13 @@ from tandem.kvstore.store import BlockStore, KVStoreError, KVStoreTimeoutError
 from tandem.kvstore.transport import (
     Connections,
     NodeInfo,
-    address_of,
     checksum,
     next_request_id,
     parse_index_reply,
     runs_of,
     span_of,
 )
-from tandem.kvstore.ucx import byte_view, within
+from tandem.kvstore.ucx import within
 from tandem.kvstore.ucx_read import UcxReader, raise_if_error
 
 logger = logging.getLogger("tandem.kvstore.client")
@@ -99,54 +99,13 @@ class AsyncKVStoreClient(BlockStore):
             raise KVStoreError("client is closed")
 
     def check_keys(self, keys: Sequence[BlockKey]) -> list[BlockKey]:
-        """``keys`` as a list, each checked.
-
-        Raises:
-            ValueError: not a BlockKey, another layout's key, or too many keys.
-        """
-        keys = list(keys)
-        for i, k in enumerate(keys):
-            if not isinstance(k, BlockKey):
-                raise ValueError(f"keys[{i}] must be a BlockKey, got {type(k).__name__}")
-            if self.layout is not None and k.layout_fingerprint != self.layout.digest:
-                raise ValueError(
-                    f"keys[{i}] has layout fingerprint {k.layout_fingerprint.hex()}, this "
-                    f"client serves {self.layout.digest.hex()} (another model or KV layout)"
-                )
-        if len(keys) > proto.MAX_BLOCKS_PER_REQUEST:
-            raise ValueError(f"keys: at most {proto.MAX_BLOCKS_PER_REQUEST} blocks per call")
-        return keys
+        """:func:`~tandem.kvstore.buffers.check_keys` against this client's layout."""
+        return check_keys(keys, self.layout)
 
     def byte_views(self, blocks: Sequence[object], n: int, *, writable: bool,
                    name: str) -> list[np.ndarray]:
-        """Flat uint8 views (no copy) of ``n`` contiguous CPU buffers (tensors, arrays,
-        memoryviews); ``name`` names the argument in errors.
-
-        Raises:
-            ValueError: a count other than ``n``, a buffer that is empty, not
-                contiguous, read-only where ``writable``, of another size than the
-                layout's blocks, or (``writable``) overlapping another.
-        """
-        if len(blocks) != n:
-            raise ValueError(f"{name} has {len(blocks)} buffers for {n} keys")
-        views = [byte_view(b, writable=writable, name=f"{name}[{i}]") for i, b in enumerate(blocks)]
-        if writable and len(views) > 1:
-            # two blocks landing in one buffer would fail their checksums, and a
-            # checksum failure removes the (intact) block from the shared index
-            spans = sorted((address_of(v), v.nbytes, i) for i, v in enumerate(views))
-            for (a0, n0, i0), (a1, _, i1) in zip(spans, spans[1:], strict=False):
-                if a1 < a0 + n0:
-                    raise ValueError(f"{name}[{min(i0, i1)}] and {name}[{max(i0, i1)}] overlap: "
-                                     "each block needs a buffer of its own")
-        for i, v in enumerate(views):
-            if v.nbytes == 0:
-                raise ValueError(f"{name}[{i}] is empty")
-            if self.layout is not None and v.nbytes != self.layout.block_bytes:
-                raise ValueError(
-                    f"{name}[{i}] has {v.nbytes} bytes, the layout's blocks have "
-                    f"{self.layout.block_bytes} (wrong block size)"
-                )
-        return views
+        """:func:`~tandem.kvstore.buffers.byte_views` against this client's layout."""
+        return byte_views(blocks, n, writable=writable, name=name, layout=self.layout)
 
     # -- registry ---------------------------------------------------------------
 

@@ -20,7 +20,7 @@ import xxhash
 from tandem.kvstore import protocol as proto
 from tandem.kvstore.index import IndexEntry, parse_lookup
 from tandem.kvstore.store import KVStoreTimeoutError
-from tandem.kvstore.ucx import endpoint_to, worker_address
+from tandem.kvstore.ucx import Endpoint, endpoint_to, worker_address
 
 logger = logging.getLogger("tandem.kvstore.client")
 
@@ -120,14 +120,15 @@ def parse_index_reply(num_keys: int, reply: list[bytes | str]
 class NodeConnection:
     """One connection to a node: our endpoint and the receive ids of each side."""
 
-    def __init__(self, node_id: str, ucx_address: bytes, ep: Any, my_id: int, peer_id: int):
+    def __init__(self, node_id: str, ucx_address: bytes, ep: Endpoint, my_id: int,
+                 peer_id: int) -> None:
         self.node_id = node_id
         self.ucx_address = ucx_address
         self.ep = ep
         self.my_id = my_id
         self.peer_id = peer_id
         self.closed = False
-        self.watcher: asyncio.Future[Any] | None = None
+        self.watcher: asyncio.Future[None] | None = None
 
     def abort(self) -> None:
         if not self.closed:

@@ -1,4 +1,4 @@
-"""The seam to ``ucxx``: initialisation, worker addresses, byte views of buffers.
+"""The seam to ``ucxx``: initialisation, worker addresses, endpoints, the client loop.
 
 ucxx keeps one UCX context per process, bound to the asyncio loop that
 initialised it (completions are delivered to that loop's futures). Store nodes
@@ -24,13 +24,26 @@ import os
 import sys
 import threading
 from collections.abc import Awaitable, Coroutine
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
 from tandem.kvstore.config import UcxOptions
 
 T = TypeVar("T")
+
+
+class Endpoint(Protocol):
+    """What we use of a ucxx endpoint: tagged sends and receives of contiguous
+    buffers (coroutines; UCX errors raise), and ``abort`` (cancels what is posted)."""
+
+    async def send(self, buffer: np.ndarray, tag: int | None = None,
+                   force_tag: bool = False) -> None: ...
+
+    async def recv(self, buffer: np.ndarray, tag: int | None = None,
+                   force_tag: bool = False) -> None: ...
+
+    def abort(self) -> None: ...
 
 
 _initialised = False
@@ -64,7 +77,7 @@ def worker_address() -> bytes:
     return bytes(ucxx.get_worker_address().tobytes())
 
 
-async def endpoint_to(address: bytes) -> Any:
+async def endpoint_to(address: bytes) -> Endpoint:
     """An endpoint to the worker at ``address``.
 
     NOTE: peer error handling is off: with it on, UCX excludes the shared-memory
@@ -72,9 +85,10 @@ async def endpoint_to(address: bytes) -> Any:
     """
     import ucxx
 
-    return await ucxx.create_endpoint_from_worker_address(
+    ep: Endpoint = await ucxx.create_endpoint_from_worker_address(
         ucxx.get_ucx_address_from_buffer(address), endpoint_error_handling=False
     )
+    return ep
 
 
 async def worker_recv(buf: np.ndarray, tag: int) -> None:
@@ -108,40 +122,6 @@ def transports() -> str:
 
     cfg = ucxx.get_config()
     return str(cfg.get("TLS", "all"))
-
-
-def byte_view(obj: Any, *, writable: bool, name: str) -> np.ndarray:
-    """A flat uint8 numpy view of a contiguous CPU buffer, without copying.
-
-    Args:
-        obj: torch tensor, numpy array, memoryview, bytes or bytearray.
-        writable: the view will be written (a get's destination).
-        name: the argument's name for error messages, e.g. ``"into[3]"``.
-
-    Raises:
-        ValueError: not contiguous, not on the CPU, or read-only when ``writable``.
-    """
-    if isinstance(obj, np.ndarray):
-        if not obj.flags.c_contiguous:
-            raise ValueError(f"{name} must be C-contiguous")
-        arr = obj if obj.ndim == 1 and obj.dtype == np.uint8 else obj.reshape(-1).view(np.uint8)
-    elif (torch := sys.modules.get("torch")) is not None and isinstance(obj, torch.Tensor):
-        # NOTE: a tensor can only come from an imported torch, hence sys.modules
-        # rather than an import per call (the hot path runs this once per block)
-        if obj.device.type != "cpu":
-            raise ValueError(f"{name} must be a CPU tensor, got device {obj.device}")
-        if not obj.is_contiguous():
-            raise ValueError(f"{name} must be contiguous")
-        # dtype view first: half the cost of reshape(-1).view(torch.uint8).numpy()
-        return (obj if obj.dim() else obj.reshape(1)).view(torch.uint8).numpy().reshape(-1)
-    else:
-        try:
-            arr = np.frombuffer(memoryview(obj), dtype=np.uint8)
-        except (TypeError, ValueError) as exc:
-            raise ValueError(f"{name} must be a contiguous buffer: {exc}") from exc
-    if writable and not arr.flags.writeable:
-        raise ValueError(f"{name} is read-only")
-    return arr
 
 
 class LoopThread:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import socket
 import sys
@@ -31,6 +32,7 @@ from tandem.engine.config import (
     ModelConfig,
     SchedulerConfig,
 )
+from tandem.kvstore.config import ClientOptions
 from tandem.services.common.context import ServiceContext, find_store_connector
 from tandem.services.common.engine_loop import EngineLoop
 from tandem.services.common.errors import ErrorMappingInterceptor
@@ -95,7 +97,9 @@ def build_engine_config(ns: argparse.Namespace, role: str) -> EngineConfig:
         raise ValueError(f"--redis-url is required for role {role!r} (KV store index)")
     kv = KVTransferConfig()
     if role != "both":
-        params = {"redis_url": ns.redis_url}
+        # the store client's environment (TANDEM_KV_SHM, ...), read once here at the edge
+        params = {"redis_url": ns.redis_url,
+                  "kvstore_options": ClientOptions.from_environ(os.environ)}
         if ns.kvstore:
             params["kvstore_address"] = ns.kvstore
         kv = KVTransferConfig(kv_connector="store", kv_role=_KV_ROLE[role], params=params)

@@ -104,7 +104,8 @@ def used_path(c: KVStoreClient, shm_gets_before: int) -> str:
 
 @pytest.fixture(scope="module")
 def ucx_client(store_url: str, nodes) -> KVStoreClient:
-    c = KVStoreClient(store_url, local_node=nodes["n1"].address, timeout_s=10, options=ClientOptions(shm=False))
+    c = KVStoreClient(store_url, local_node=nodes["n1"].address, timeout_s=10,
+                      options=ClientOptions(shm=False))
     yield c
     c.close()
 
@@ -157,7 +158,8 @@ def test_blocks_of_one_cache_tensor_move_in_runs(store_url: str, nodes, shm: boo
     from tandem.kvstore import shm_read
 
     monkeypatch.setattr(shm_read, "PARALLEL_COPY_MIN_BYTES", 0)  # 256 KiB here
-    client = KVStoreClient(store_url, local_node="n1", options=ClientOptions(shm=shm, copy_threads=copy_threads))
+    client = KVStoreClient(store_url, local_node="n1",
+                           options=ClientOptions(shm=shm, copy_threads=copy_threads))
     src = torch.cat([b.unsqueeze(0) for b in random_blocks(BF16, 8, 12)])  # a kv_cache
     keys = BF16.keys(hashes(f"runs-{shm}-{copy_threads}", 8))
     assert client.put_blocks(keys, [src[b] for b in range(8)]) == 8
@@ -220,7 +222,8 @@ def test_put_of_present_keys_sends_nothing_and_keeps_data(client: KVStoreClient)
 
 
 def test_eight_writers_and_eight_readers(store_url: str, nodes, read_path: str) -> None:
-    shared = KVStoreClient(store_url, local_node="n2", timeout_s=20, options=ClientOptions(shm=read_path == "shm"))
+    shared = KVStoreClient(store_url, local_node="n2", timeout_s=20,
+                           options=ClientOptions(shm=read_path == "shm"))
     seed_keys = BF16.keys(hashes(f"readers-{read_path}", 4))
     seed_blocks = random_blocks(BF16, 4, 5)
     assert shared.put_blocks(seed_keys, seed_blocks) == 4
@@ -604,8 +607,8 @@ def test_shm_off_or_not_mappable_reads_over_ucx(store_url: str, tmp_path) -> Non
         assert c.aio.shm.mapping(info) is not None
         assert c.aio.shm.mapping(replace(info, node_id="x", host_id="elsewhere")) is None
         dev, ino, size = info.shm_id.split(":")
-        assert c.aio.shm.mapping(replace(info, node_id="y", shm_id=f"{dev}:{int(ino) + 1}:{size}")) \
-            is None
+        other_file = replace(info, node_id="y", shm_id=f"{dev}:{int(ino) + 1}:{size}")
+        assert c.aio.shm.mapping(other_file) is None
         assert c.aio.shm.mapping(replace(info, node_id="z", shm_path="/proc/1/fd/999999")) is None
     finally:
         c.close()
@@ -650,7 +653,8 @@ def test_block_ttl_expiry(store_url: str, tmp_path) -> None:
 def test_killed_node_fails_fast_then_misses(store_url: str, tmp_path, read_path: str) -> None:
     node = StoreNodeProcess(store_url, "doomed", 1 << 20, heartbeat_ttl_s=1.5,
                             log_dir=tmp_path)
-    c = KVStoreClient(store_url, local_node="doomed", timeout_s=2, options=ClientOptions(shm=read_path == "shm"))
+    c = KVStoreClient(store_url, local_node="doomed", timeout_s=2,
+                      options=ClientOptions(shm=read_path == "shm"))
     try:
         node.wait_ready(c)
         keys = BF16.keys(hashes(f"doomed-{read_path}", 3))
