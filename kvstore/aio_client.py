@@ -317,14 +317,14 @@ class AsyncKVStoreClient(BlockStore):
         checked yet) for each that arrived."""
         mine = [views[i] for i in idx]
         names = [keys[i].redis_key for i in idx]
-        mine_entries = [entries[i] for i in idx]
+        present = [e for e in (entries[i] for i in idx) if e is not None]
+        assert len(present) == len(idx), "only present blocks are read"
         if self.shm is not None and self.shm.mapping(node) is not None:
             # NOTE: the reader blocks its thread: not this loop's
             sums = await asyncio.to_thread(self.shm.read, node, names, mine)
             if sums is not None:
-                return {idx[j]: s == mine_entries[j].checksum  # type: ignore[union-attr]
-                        for j, s in sums.items()}
-        got = await self.ucx.read(node, names, mine, mine_entries)  # type: ignore[arg-type]
+                return {idx[j]: ok for j, ok in checksum_verdicts(sums, present).items()}
+        got = await self.ucx.read(node, names, mine, present)
         return {idx[j]: None for j in got}
 
     def tally(self, keys: list[BlockKey], views: list[np.ndarray],
@@ -385,6 +385,18 @@ class AsyncKVStoreClient(BlockStore):
         if self.shm is not None:
             await asyncio.to_thread(self.shm.close)  # joins its copy threads
         await self.redis.aclose()
+
+
+def checksum_verdicts(sums: dict[int, str],
+                      entries: Sequence[IndexEntry | None]) -> dict[int, bool | None]:
+    """Block index -> whether the checksum of its copied bytes (``sums``) is the one
+    its index entry (``entries[index]``, present) names."""
+    out: dict[int, bool | None] = {}
+    for i, h in sums.items():
+        e = entries[i]
+        assert e is not None, "only present blocks are copied"
+        out[i] = h == e.checksum
+    return out
 
 
 def leading_by_node(entries: Sequence[IndexEntry | None],

@@ -41,7 +41,12 @@ from typing import TypeVar
 import redis
 from redis.exceptions import RedisError
 
-from tandem.kvstore.aio_client import AsyncKVStoreClient, Indexed, leading_by_node
+from tandem.kvstore.aio_client import (
+    AsyncKVStoreClient,
+    Indexed,
+    checksum_verdicts,
+    leading_by_node,
+)
 from tandem.kvstore.config import ClientOptions
 from tandem.kvstore.index import LOOKUP_LUA, NODE_PREFIX
 from tandem.kvstore.keys import BlockKey, LayoutFingerprint
@@ -171,9 +176,7 @@ class KVStoreClient:
             sums = aio.shm.read(node, [k.redis_key for k in checked[:n]], views[:n])
         if sums is None:  # several nodes, a dead one, or one not on this host
             return self.run(aio.get_indexed(checked, views, entries, nodes))
-        verdicts: dict[int, bool | None] = {
-            i: s == entries[i].checksum for i, s in sums.items()}  # type: ignore[union-attr]
-        count, stale = aio.tally(checked, views, entries, n, verdicts)
+        count, stale = aio.tally(checked, views, entries, n, checksum_verdicts(sums, entries))
         if stale:
             self.run(aio.forget(stale))
         return count

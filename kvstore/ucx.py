@@ -7,9 +7,9 @@ by every client of the process (:func:`client_loop`).
 
 Progress: a UCX progress thread that sleeps in epoll while idle, with
 completions handed to asyncio futures by ucxx's notifier thread
-(``enable_python_future``). Measured on a loaded 2-core machine this beat
-polling modes (which spin a core per process and starve the peer process)
-by 2-5x. The mode comes from :class:`~tandem.kvstore.config.UcxOptions`, which
+(``enable_python_future``). On a loaded 2-core machine this beat polling
+modes, which spin a core per process and starve the peer process
+(docs/benchmarks.md). The mode comes from :class:`~tandem.kvstore.config.UcxOptions`, which
 the entry points read from ``UCXPY_PROGRESS_MODE`` / ``UCXPY_ENABLE_PYTHON_FUTURE``;
 every ``UCX_*`` variable (``UCX_TLS``...) is UCX's own and passes through unchanged.
 :func:`init_ucx` is the one place that sets a default for one of them.
@@ -108,7 +108,7 @@ async def within(aw: Awaitable[T], timeout_s: float) -> T:
     NOTE: on Python 3.11+ this is ``asyncio.timeout``, which awaits in the current
     task; ``wait_for`` wraps ``aw`` in a task of its own, i.e. two more trips
     through the loop per call, each handing the GIL to and from ucxx's notifier
-    thread (~0.1 ms per request on a busy 2-core box).
+    thread.
     """
     if sys.version_info >= (3, 11):
         async with asyncio.timeout(timeout_s):

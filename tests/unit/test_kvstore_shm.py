@@ -91,3 +91,31 @@ def test_split_shares_cuts_between_blocks_into_equal_bytes() -> None:
     assert split_shares([[0, 1, 2]], [1, 1, 1], 4) == [[[0]], [[1]], [[2]]]
     assert split_shares([[0], [1, 2]], [8, 1, 1], 2) == [[[0]], [[1, 2]]]
     assert split_shares([], [], 2) == []
+
+
+def test_copy_blocks_takes_only_blocks_the_node_has_and_checksums_what_landed() -> None:
+    """kvstore/shm_read.py's copy: absent blocks (-1), a size other than the view's and
+    a span past the segment are skipped; the rest land (adjacent ones in one copy, also
+    split between threads) with the checksum of their bytes."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tandem.kvstore.shm_read import copy_blocks
+    from tandem.kvstore.transport import checksum
+
+    seg = Segment("copy", 1 << 16)
+    seg.array[:] = np.arange(1 << 16, dtype=np.uint64).astype(np.uint8)
+    m = Mapping(seg.path, seg.ident)
+    dst = np.zeros((6, 1024), dtype=np.uint8)
+    views = list(dst)
+    offsets = [0, 1024, 2048, -1, 8192, (1 << 16) - 512]
+    sizes = [1024, 1024, 1024, 0, 512, 1024]
+    with ThreadPoolExecutor(2) as pool:
+        for pool_for in (lambda n: (None, 1), lambda n: (pool, 3)):
+            dst[:] = 0
+            sums = copy_blocks(m, offsets, sizes, views, pool_for)
+            assert sorted(sums) == [0, 1, 2]  # 3 absent, 4 too short, 5 past the end
+            for j in (0, 1, 2):
+                assert bytes(dst[j]) == bytes(seg.array[offsets[j]:offsets[j] + 1024])
+                assert sums[j] == checksum(dst[j])
+            assert not dst[3:].any()
+    seg.close()
