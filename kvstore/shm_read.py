@@ -91,7 +91,8 @@ class ShmReader:
                         node.node_id, exc)
             mapping = None
         with self._lock:
-            self._maps[node.node_id] = (ident, mapping)
+            if not self._closed:  # NOTE: a mapping kept after close() would pin the segment
+                self._maps[node.node_id] = (ident, mapping)
         return mapping
 
     def mapped_node_ids(self) -> set[str]:
@@ -129,6 +130,8 @@ class ShmReader:
             KVStoreTimeoutError: the node did not answer within ``timeout_s``.
             KVStoreError: this reader was closed.
         """
+        if self._closed:
+            raise KVStoreError("client is closed")
         mapping = self.mapping(node)
         ch = self._channel(node) if mapping is not None else None
         if mapping is None or ch is None:

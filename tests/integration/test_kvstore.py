@@ -818,6 +818,7 @@ def test_channels_of_exited_threads_are_closed(store_url: str, nodes) -> None:
         c.close()
     with pytest.raises(KVStoreError, match="closed"):  # none (re)opened once closed
         reader.read(info, [keys[0].redis_key], [np.empty(BLOCK, dtype=np.uint8)])
+    assert reader.num_channels() == 0 and reader.mapped_node_ids() == set()
 
 
 def test_index_unreachable_is_a_miss_without_the_loop_path(tmp_path) -> None:
