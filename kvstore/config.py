@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 _SIZE_SUFFIX = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
@@ -23,6 +23,39 @@ def parse_bytes(text: str) -> int:
     except ValueError as exc:
         raise ValueError(f"not a byte size: {text!r}") from exc
     return int(value * _SIZE_SUFFIX[suffix])
+
+
+@dataclass(frozen=True)
+class UcxOptions:
+    """How this process drives ucxx (fixed when UCX initialises, once per process).
+
+    Attributes:
+        progress_mode: ucxx progress mode (``thread``, ``thread-polling``, ``polling``,
+            ``blocking``). A progress thread that sleeps in epoll while idle is the
+            default: polling modes spin a core per process (see kvstore/ucx.py).
+        python_future: completions handed to asyncio futures by ucxx's notifier
+            thread; only with a ``thread*`` mode (forced off otherwise).
+    """
+
+    progress_mode: str = "thread"
+    python_future: bool = True
+
+    def __post_init__(self) -> None:
+        if self.progress_mode not in ("thread", "thread-polling", "polling", "blocking"):
+            raise ValueError(f"progress_mode must be thread, thread-polling, polling or "
+                             f"blocking, got {self.progress_mode!r}")
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str]) -> UcxOptions:
+        """From ucxx's own variables ``UCXPY_PROGRESS_MODE`` and
+        ``UCXPY_ENABLE_PYTHON_FUTURE`` (``0``: off), defaults where unset.
+
+        Raises:
+            ValueError: an unknown progress mode.
+        """
+        mode = environ.get("UCXPY_PROGRESS_MODE", "thread")
+        future = environ.get("UCXPY_ENABLE_PYTHON_FUTURE", "1") != "0"
+        return cls(mode, future and mode.startswith("thread"))
 
 
 @dataclass(frozen=True)
@@ -62,7 +95,7 @@ class NodeConfig:
     prefault: bool = True
     shm: bool = True
     shm_lease_s: float = 30.0
-    ucx: UcxOptions = field(default_factory=lambda: UcxOptions())
+    ucx: UcxOptions = UcxOptions()
 
     def __post_init__(self) -> None:
         # the id is the first "|"-separated field of index entries, and lookups join
@@ -85,39 +118,6 @@ class NodeConfig:
 
 
 _OFF = ("0", "false", "no", "off")
-
-
-@dataclass(frozen=True)
-class UcxOptions:
-    """How this process drives ucxx (fixed when UCX initialises, once per process).
-
-    Attributes:
-        progress_mode: ucxx progress mode (``thread``, ``thread-polling``, ``polling``,
-            ``blocking``). A progress thread that sleeps in epoll while idle is the
-            default: polling modes spin a core per process (see kvstore/ucx.py).
-        python_future: completions handed to asyncio futures by ucxx's notifier
-            thread; only with a ``thread*`` mode (forced off otherwise).
-    """
-
-    progress_mode: str = "thread"
-    python_future: bool = True
-
-    def __post_init__(self) -> None:
-        if self.progress_mode not in ("thread", "thread-polling", "polling", "blocking"):
-            raise ValueError(f"progress_mode must be thread, thread-polling, polling or "
-                             f"blocking, got {self.progress_mode!r}")
-
-    @classmethod
-    def from_environ(cls, environ: Mapping[str, str]) -> UcxOptions:
-        """From ucxx's own variables ``UCXPY_PROGRESS_MODE`` and
-        ``UCXPY_ENABLE_PYTHON_FUTURE`` (``0``: off), defaults where unset.
-
-        Raises:
-            ValueError: an unknown progress mode.
-        """
-        mode = environ.get("UCXPY_PROGRESS_MODE", "thread")
-        future = environ.get("UCXPY_ENABLE_PYTHON_FUTURE", "1") != "0"
-        return cls(mode, future and mode.startswith("thread"))
 
 
 @dataclass(frozen=True)
