@@ -166,15 +166,17 @@ class KVStoreClient:
         except (RedisError, OSError) as exc:
             logger.warning("get: index unreachable, reporting a miss: %s", exc)
             return 0
+        if any(e is not None and e.node_id not in nodes for e in entries):
+            # a dead node's entries: the core turns them into misses and removes them
+            return self.run(aio.get_indexed(checked, views, entries, nodes))
         n, by_node = leading_by_node(entries, views)
         if n == 0:
             return 0
-        node = nodes.get(next(iter(by_node))) if len(by_node) == 1 else None
-        dead = any(e is not None and e.node_id not in nodes for e in entries)
+        node = nodes[next(iter(by_node))] if len(by_node) == 1 else None
         sums = None
-        if node is not None and not dead:
+        if node is not None:
             sums = aio.shm.read(node, [k.redis_key for k in checked[:n]], views[:n])
-        if sums is None:  # several nodes, a dead one, or one not on this host
+        if sums is None:  # several nodes, or one not readable from this host
             return self.run(aio.get_indexed(checked, views, entries, nodes))
         count, stale = aio.tally(checked, views, entries, n, checksum_verdicts(sums, entries))
         if stale:
