@@ -17,49 +17,55 @@ Blocks are contiguous CPU buffers (``kv_cache[b]`` of the engine's cache
 tensor, numpy arrays, memoryviews); ``get_blocks`` writes straight into
 ``into`` (no intermediate copy). Misses are counts, never exceptions; errors
 are ``ValueError`` (bad input) or :class:`~tandem.kvstore.store.KVStoreError`.
-
-Also ``contains(keys) -> list[bool]`` (per key) and ``put(keys, values)`` and
-``get(keys) -> list[ndarray | None]`` (allocates; prefer ``get_blocks``). Consecutive cache blocks
-(``kv_cache[b]``, ``kv_cache[b + 1]``...) move as one UCX message: pass blocks in prefix
-order and keep the destination block ids ascending where you can.
+Consecutive cache blocks (``kv_cache[b]``, ``kv_cache[b + 1]``...) move as one
+message or copy: pass blocks in prefix order and keep the destination block ids
+ascending where you can.
 
 UCX is not fork-safe: the first client starts a UCX loop thread in this process;
 do not fork afterwards (start children with ``spawn`` or subprocess).
 
-Inside an event loop use :class:`AsyncKVStoreClient` (a
-:class:`~tandem.kvstore.store.BlockStore`) on the loop of
-:func:`tandem.kvstore.ucx.client_loop`; the synchronous facade runs exactly
-those coroutines there, so the two never drift apart.
+:class:`KVStoreClient` is a blocking facade over
+:class:`~tandem.kvstore.aio_client.AsyncKVStoreClient` (use that one inside an
+event loop, on :func:`tandem.kvstore.ucx.client_loop`'s loop) and calls only its
+public methods, so the two never drift apart.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Coroutine, Sequence
+from typing import TypeVar
 
-import numpy as np
+import redis
 from redis.exceptions import RedisError
 
 from tandem.contracts.block_key import BlockKey
 from tandem.contracts.kv_layout import KVCacheLayout
-from tandem.kvstore.aio_client import AsyncKVStoreClient, leading_count
-from tandem.kvstore.shm_read import SameHostReader
+from tandem.kvstore.aio_client import (
+    AsyncKVStoreClient,
+    Indexed,
+    checksum_verdicts,
+    leading_by_node,
+)
+from tandem.kvstore.config import ClientOptions
+from tandem.kvstore.index import LOOKUP_LUA, NODE_PREFIX
 from tandem.kvstore.store import KVStoreError, KVStoreNodeError, KVStoreTimeoutError
-from tandem.kvstore.transport import NodeInfo
+from tandem.kvstore.transport import NodeInfo, parse_index_reply
 from tandem.kvstore.ucx import client_loop
 
 __all__ = [
-    "AsyncKVStoreClient", "KVStoreClient", "KVStoreError", "KVStoreNodeError",
-    "KVStoreTimeoutError", "wait_for_nodes",
+    "AsyncKVStoreClient", "ClientOptions", "KVStoreClient", "KVStoreError",
+    "KVStoreNodeError", "KVStoreTimeoutError", "wait_for_nodes",
 ]
 
 logger = logging.getLogger("tandem.kvstore.client")
 
+T = TypeVar("T")
+
 
 class KVStoreClient:
-    """Synchronous facade over :class:`AsyncKVStoreClient` for worker threads.
+    """Blocking facade over :class:`AsyncKVStoreClient` for worker threads.
 
     Every method blocks the calling thread until done (each node request has
     ``timeout_s``); it may be called from several threads at once. Keys are
@@ -67,47 +73,60 @@ class KVStoreClient:
     buffers (e.g. ``kv_cache[b]``: ``[num_layers, 2, block_size, num_kv_heads,
     head_dim]`` in the model dtype), one per key.
 
+    A get whose leading blocks all sit on one node of this host runs entirely on
+    the calling thread: the index lookup on a blocking Redis connection, then the
+    same-host reader (kvstore/shm_read.py); any other get runs on the client loop.
+
     Args:
         redis_url: Redis of the store's index and node registry.
         layout: optional :class:`~tandem.contracts.kv_layout.KVCacheLayout`; keys and block sizes are then checked.
         local_node: ``host:port`` or node id of the node to put to first.
         timeout_s: deadline of each node request, seconds.
-        shm: read from nodes on this host through shared memory (default: on unless
-            ``TANDEM_KV_SHM=0``; see kvstore/shm.py).
-        copy_threads: threads that copy and checksum large shared-memory reads
-            (default ``TANDEM_KV_COPY_THREADS`` or 2).
+        options: shared-memory reads, copy threads, UCX (kvstore/config.py); the
+            entry points build them with :meth:`ClientOptions.from_environ`.
     """
 
     def __init__(self, redis_url: str, *, layout: KVCacheLayout | None = None,
                  local_node: str | None = None, timeout_s: float = 10.0,
-                 shm: bool | None = None, copy_threads: int | None = None) -> None:
-        self._loop = client_loop()
+                 options: ClientOptions = ClientOptions()) -> None:
+        self._loop = client_loop(options.ucx)
         self.timeout_s = timeout_s
 
         async def make() -> AsyncKVStoreClient:
             return AsyncKVStoreClient(redis_url, layout=layout, local_node=local_node,
-                                      timeout_s=timeout_s, shm=shm,
-                                      copy_threads=copy_threads)
+                                      timeout_s=timeout_s, options=options)
 
+        #: the async core every call goes through
         self.aio = self._loop.run(make(), timeout_s)
-        # same-host gets on the calling thread (kvstore/shm_read.py)
-        self._same_host = SameHostReader(self.aio, redis_url, timeout_s, self._run) \
-            if self.aio.shm else None
+        self._redis = redis.Redis.from_url(redis_url, socket_timeout=timeout_s,
+                                           socket_connect_timeout=timeout_s) \
+            if self.aio.shm is not None else None
+        self._lookup = self._redis.register_script(LOOKUP_LUA) if self._redis else None
 
-    def _run(self, coro: Any) -> Any:
-        # NOTE: generous outer bound; the coroutine enforces timeout_s per node request.
+    def run(self, coro: Coroutine[object, object, T]) -> T:
+        """Run a coroutine of :attr:`aio` on the client loop; returns its result.
+
+        Raises:
+            whatever the coroutine raises; TimeoutError past a generous outer bound
+            (the coroutine enforces ``timeout_s`` per node request).
+        """
         return self._loop.run(coro, 4 * self.timeout_s + 5)
+
+    @property
+    def num_shm_reads(self) -> int:
+        """Node reads served from a shared-memory segment so far."""
+        return self.aio.shm.num_reads if self.aio.shm is not None else 0
 
     def lookup(self, keys: Sequence[BlockKey]) -> int:
         """Number of leading ``keys`` present on live nodes (metadata only; 0 if the
         index is unreachable). Raises ValueError on a bad key."""
-        return self._run(self.aio.lookup(keys))
+        return self.run(self.aio.lookup(keys))
 
     def contains(self, keys: Sequence[BlockKey]) -> list[bool]:
         """Per key: present on a live node. Raises ValueError on a bad key."""
-        return self._run(self.aio.contains(keys))
+        return self.run(self.aio.contains(keys))
 
-    def put_blocks(self, keys: Sequence[BlockKey], blocks: Sequence[Any],
+    def put_blocks(self, keys: Sequence[BlockKey], blocks: Sequence[object],
                    ttl_s: float | None = None) -> int:
         """Store ``blocks[i]`` under ``keys[i]`` on one node; returns blocks stored.
 
@@ -120,71 +139,82 @@ class KVStoreClient:
             KVStoreError: no live node, Redis unreachable, node refused (message
                 says why) or :class:`KVStoreTimeoutError`.
         """
-        return self._run(self.aio.put(keys, blocks, ttl_s))
+        return self.run(self.aio.put(keys, blocks, ttl_s))
 
-    def get_blocks(self, keys: Sequence[BlockKey], into: Sequence[Any]) -> int:
+    def get_blocks(self, keys: Sequence[BlockKey], into: Sequence[object]) -> int:
         """Load leading blocks straight into ``into[i]``; returns how many were loaded.
 
         Stops at the first block that is missing, on a dead node, or fails its
         checksum; ``into[j]`` for ``j >=`` the result hold unspecified bytes.
 
         Raises:
-            ValueError: bad keys/buffers (read-only, not contiguous, wrong size).
+            ValueError: bad keys/buffers (read-only, not contiguous, wrong size,
+                overlapping).
             KVStoreTimeoutError: a node holding a leading block stopped answering.
         """
-        if self._same_host is not None:
-            return self._same_host.get(keys, into)
-        return self._run(self.aio.get(keys, into))
+        aio = self.aio
+        if aio.shm is None:
+            return self.run(aio.get(keys, into))
+        aio.check_open()
+        checked = aio.check_keys(keys)
+        views = aio.byte_views(into, len(checked), writable=True, name="into")
+        if not checked:
+            return 0
+        try:
+            entries, nodes = self._index(checked)
+        except (RedisError, OSError) as exc:
+            logger.warning("get: index unreachable, reporting a miss: %s", exc)
+            return 0
+        if any(e is not None and e.node_id not in nodes for e in entries):
+            # a dead node's entries: the core turns them into misses and removes them
+            return self.run(aio.get_indexed(checked, views, entries, nodes))
+        n, by_node = leading_by_node(entries, views)
+        if n == 0:
+            return 0
+        node = nodes[next(iter(by_node))] if len(by_node) == 1 else None
+        sums = None
+        if node is not None:
+            sums = aio.shm.read(node, [k.redis_key for k in checked[:n]], views[:n])
+        if sums is None:  # several nodes, or one not readable from this host
+            return self.run(aio.get_indexed(checked, views, entries, nodes))
+        count, stale = aio.tally(checked, views, entries, n, checksum_verdicts(sums, entries))
+        if stale:
+            self.run(aio.forget(stale))
+        return count
 
-    # -- allocating forms (tests, tools) -----------------------------------------------------
+    def _index(self, keys: list[BlockKey]) -> Indexed:
+        """The index lookup on this thread (no hop to the client loop).
 
-    def put(self, keys: Sequence[BlockKey], values: Sequence[Any]) -> int:
-        """Alias of :meth:`put_blocks`."""
-        return self.put_blocks(keys, values)
-
-    def get(self, keys: Sequence[BlockKey]) -> list[np.ndarray | None]:
-        """Each leading block as a new uint8 array, ``None`` from the first miss on.
-
-        NOTE: allocates; :meth:`get_blocks` writes into the cache directly.
+        Raises:
+            RedisError / OSError: Redis unreachable; KVStoreError: malformed reply.
         """
-        async def run() -> list[np.ndarray | None]:
-            self.aio._check_open()
-            k = self.aio._check_keys(keys)
-            try:
-                entries, nodes = await self.aio._index(k)
-            except (RedisError, OSError, KVStoreError) as exc:
-                logger.warning("get: index unreachable, reporting misses: %s", exc)
-                return [None] * len(k)
-            n = leading_count(entries)
-            sizes = [e.size_bytes for e in entries[:n] if e is not None]
-            # one allocation, so that adjacent blocks arrive as one message
-            arena = np.empty(sum(sizes), dtype=np.uint8)
-            bufs = np.split(arena, np.cumsum(sizes)[:-1]) if n else []
-            got = await self.aio._get_indexed(k[:n], bufs, entries[:n], nodes)
-            return [bufs[i] if i < got else None for i in range(len(k))]
+        assert self._lookup is not None, "a blocking index only with the same-host reader"
+        reply = self._lookup(keys=[k.redis_key for k in keys], args=[NODE_PREFIX])
+        try:
+            return parse_index_reply(len(keys), reply)
+        except ValueError as exc:
+            raise KVStoreError(f"KV store index (Redis) answered a malformed lookup: {exc}") \
+                from exc
 
-        return self._run(run())
-
-    def stat(self, node_id: str) -> dict[str, Any]:
+    def stat(self, node_id: str) -> dict[str, object]:
         """A node's statistics (``lru`` keys oldest first, ``num_blocks``, ``pinned``...)."""
-        return self._run(self.aio.node_request(node_id, {"op": "stat"}))
+        return self.run(self.aio.stat(node_id))
 
     def live_nodes(self) -> dict[str, NodeInfo]:
         """Live nodes by id. Raises KVStoreError if Redis is unreachable."""
-        return self._run(self.aio.live_nodes())
+        return self.run(self.aio.live_nodes())
 
     def close(self) -> None:
         """Close connections; the process's loop thread stays for other clients."""
-        if self._same_host is not None:
-            self._same_host.close()
-        self._run(self.aio.aclose())
+        self.run(self.aio.aclose())
+        if self._redis is not None:
+            self._redis.close()
 
     def __enter__(self) -> KVStoreClient:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
 
 def wait_for_nodes(client: KVStoreClient, num_nodes: int, timeout_s: float = 30.0) -> None:
     """Poll the registry until ``num_nodes`` nodes are live (tests, `tandem up`).

@@ -1,8 +1,11 @@
-"""A store node's settings, the store connector's settings and the byte-size parser of
-their flags. Torch-free: entry points build these before loading an engine."""
+"""Store settings, each read once at the edge: a node's (:class:`NodeConfig`, from
+`tandem kvstore`'s flags), a client's (:class:`ClientOptions`), UCX's (:class:`UcxOptions`)
+and the store connector's (:class:`StoreConnectorConfig`); and the byte-size parser of the
+flags. Torch-free: entry points build these before loading an engine."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from tandem.engine.config import KVConnectorConfig
@@ -26,6 +29,39 @@ def parse_bytes(text: str) -> int:
 
 
 @dataclass(frozen=True)
+class UcxOptions:
+    """How this process drives ucxx (fixed when UCX initialises, once per process).
+
+    Attributes:
+        progress_mode: ucxx progress mode (``thread``, ``thread-polling``, ``polling``,
+            ``blocking``). A progress thread that sleeps in epoll while idle is the
+            default: polling modes spin a core per process (see kvstore/ucx.py).
+        python_future: completions handed to asyncio futures by ucxx's notifier
+            thread; only with a ``thread*`` mode (forced off otherwise).
+    """
+
+    progress_mode: str = "thread"
+    python_future: bool = True
+
+    def __post_init__(self) -> None:
+        if self.progress_mode not in ("thread", "thread-polling", "polling", "blocking"):
+            raise ValueError(f"progress_mode must be thread, thread-polling, polling or "
+                             f"blocking, got {self.progress_mode!r}")
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str]) -> UcxOptions:
+        """From ucxx's own variables ``UCXPY_PROGRESS_MODE`` and
+        ``UCXPY_ENABLE_PYTHON_FUTURE`` (``0``: off), defaults where unset.
+
+        Raises:
+            ValueError: an unknown progress mode.
+        """
+        mode = environ.get("UCXPY_PROGRESS_MODE", "thread")
+        future = environ.get("UCXPY_ENABLE_PYTHON_FUTURE", "1") != "0"
+        return cls(mode, future and mode.startswith("thread"))
+
+
+@dataclass(frozen=True)
 class NodeConfig:
     """A store node's settings (from the command line).
 
@@ -46,6 +82,7 @@ class NodeConfig:
             read directly (kvstore/shm.py); off: private memory, UCX reads only.
         shm_lease_s: a shared-memory read pins its blocks until the client's
             ``release``, or this long if none comes (client crashed).
+        ucx: how the node drives ucxx.
     """
 
     host: str
@@ -61,6 +98,7 @@ class NodeConfig:
     prefault: bool = True
     shm: bool = True
     shm_lease_s: float = 30.0
+    ucx: UcxOptions = UcxOptions()
 
     def __post_init__(self) -> None:
         # the id is the first "|"-separated field of index entries, and lookups join
@@ -82,6 +120,46 @@ class NodeConfig:
             raise ValueError(f"transfer_timeout_s must be > 0, got {self.transfer_timeout_s}")
 
 
+_OFF = ("0", "false", "no", "off")
+
+
+@dataclass(frozen=True)
+class ClientOptions:
+    """How a store client reads (kvstore/client.py), beyond where the store is.
+
+    Attributes:
+        shm: read blocks of nodes on this host straight from their shared-memory
+            pool (kvstore/shm_read.py); off: every read goes over UCX.
+        copy_threads: threads that copy and checksum one large shared-memory read.
+        ucx: this process's UCX settings (the first client of a process fixes them).
+    """
+
+    shm: bool = True
+    copy_threads: int = 2
+    ucx: UcxOptions = UcxOptions()
+
+    def __post_init__(self) -> None:
+        if self.copy_threads < 1:
+            raise ValueError(f"copy_threads must be >= 1, got {self.copy_threads}")
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str]) -> ClientOptions:
+        """From ``TANDEM_KV_SHM`` (``0``/``false``/``no``/``off``: off),
+        ``TANDEM_KV_COPY_THREADS`` (default 2) and :meth:`UcxOptions.from_environ`.
+        Called once by each entry point (services, benchmarks), never deeper.
+
+        Raises:
+            ValueError: a variable that does not parse (named).
+        """
+        shm = environ.get("TANDEM_KV_SHM", "1").strip().lower() not in _OFF
+        raw = environ.get("TANDEM_KV_COPY_THREADS", "2")
+        try:
+            threads = int(raw)
+        except ValueError as exc:
+            raise ValueError(f"TANDEM_KV_COPY_THREADS must be an integer, got {raw!r}") from exc
+        return cls(shm=shm, copy_threads=threads, ucx=UcxOptions.from_environ(environ))
+
+
 @dataclass(frozen=True)
 class StoreConnectorConfig(KVConnectorConfig):
     """Settings of the ``"store"`` connector (``KVTransferConfig.connector_config``).
@@ -92,6 +170,7 @@ class StoreConnectorConfig(KVConnectorConfig):
             shared memory when it can be; ``None``: only nodes found in Redis.
         kvstore_timeout_s: a store call that takes longer fails (a miss on load).
         num_transfer_threads: threads that run transfers off the engine's step loop.
+        client_options: how the store client reads (shared memory, copy threads, UCX).
 
     Raises:
         ValueError: a field out of range (named in the message).
@@ -101,6 +180,7 @@ class StoreConnectorConfig(KVConnectorConfig):
     kvstore_address: str | None = None
     kvstore_timeout_s: float = 10.0
     num_transfer_threads: int = 2
+    client_options: ClientOptions = ClientOptions()
 
     def __post_init__(self) -> None:
         if not self.redis_url:

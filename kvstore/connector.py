@@ -422,7 +422,7 @@ def create_connector(
         # With the layout, the client rejects a key or block of another layout.
         return KVStoreClient(
             config.redis_url, layout=layout, local_node=config.kvstore_address,
-            timeout_s=config.kvstore_timeout_s,
+            timeout_s=config.kvstore_timeout_s, options=config.client_options,
         )
 
     return build_store_connector(

@@ -88,14 +88,13 @@ class StoreNode:
         self._fp_sizes: dict[str, int] = {}  # layout fingerprint hex -> block bytes
         self._tasks: set[asyncio.Task[Any]] = set()
         self.redis_ok = False
-        self.test_hooks = os.environ.get("TANDEM_KVSTORE_TEST_HOOKS") == "1"
         self.ucx_address = b""
         self.ctl: CtlServer | None = None  # same-host get_shm channel (kvstore/shm_ctl.py)
 
     # -- lifecycle ----------------------------------------------------------------------------
 
     async def start(self) -> None:
-        init_ucx()
+        init_ucx(self.cfg.ucx)
         self.ucx_address = worker_address()
         if self.segment is not None:
             ctl = CtlServer(self.pin_shm, self._release_lease, self._release_leases_of)
@@ -103,7 +102,7 @@ class StoreNode:
                 await ctl.start(ctl_address(self.cfg.node_id, self.segment.ident))
                 self.ctl = ctl
             except OSError as exc:
-                logger.warning("no shared-memory control socket (%s): get_shm over UCX only",
+                logger.warning("no shared-memory control socket (%s): clients read over UCX",
                                exc)
         self._spawn(self._hello_loop())
         await self._heartbeat_once()
@@ -274,15 +273,10 @@ class StoreNode:
                     logger.warning("malformed request on connection %d: %s", conn.conn_id, exc)
                     continue
                 work = None
-                op = msg.get("op")
-                if op == "release":
-                    self._release_lease(conn.conn_id, msg.get("lease"))  # no reply
-                    continue
-                if op in ("get", "get_shm"):
+                if msg.get("op") == "get":
                     # see _begin_get; a bad request is answered by _handle as usual
-                    begin = self._begin_get if op == "get" else self._begin_get_shm
                     try:
-                        work = begin(conn, request_id, msg)
+                        work = self._begin_get(conn, request_id, msg)
                     except Exception as exc:  # noqa: BLE001 - re-raised in _handle
                         work = _raise(exc)
                 self._spawn(self._handle(conn, request_id, msg, work))
@@ -291,7 +285,6 @@ class StoreNode:
         finally:
             conn.abort()
             self._conns.pop(conn.conn_id, None)
-            self._release_leases_of(conn.conn_id)  # its shared-memory reads are over
 
     async def _handle(self, conn: _Conn, request_id: int, msg: dict[str, Any],
                       work: Coroutine[Any, Any, None] | None = None) -> None:
@@ -304,10 +297,6 @@ class StoreNode:
                 await self._put(conn, request_id, msg)
             elif op == "stat":
                 await conn.reply(request_id, self._stat())
-            elif op == "corrupt" and self.test_hooks:
-                e = self.pool.entries[str(msg["key"])]
-                self.pool.view(e.slot, e.size_bytes)[0] ^= 0xFF
-                await conn.reply(request_id, {"op": "ok"})
             else:
                 raise ValueError(f"unknown op {op!r}")
         except ValueError as exc:
@@ -527,14 +516,7 @@ class StoreNode:
         self.metrics.get_bytes.inc(sum(e.size_bytes for e in held))
         self.metrics.get_latency.observe(time.perf_counter() - t0)
 
-    # -- shared-memory get ----------------------------------------------------------------------
-
-    def _begin_get_shm(self, conn: _Conn, request_id: int,
-                       msg: dict[str, Any]) -> Coroutine[Any, Any, None]:
-        """Pin the blocks of a same-host get (:meth:`pin_shm`) and start the reply,
-        without yielding to the loop (see :meth:`_begin_get`)."""
-        reply = self.pin_shm(conn.conn_id, msg)
-        return self._end_get_shm(conn, conn.reply(request_id, reply), reply["lease"])
+    # -- shared-memory get (served on the control socket, kvstore/shm_ctl.py) ------------------
 
     def pin_shm(self, conn_id: int, msg: dict[str, Any]) -> dict[str, Any]:
         """Pin the blocks a ``get_shm`` request names; returns the ``shm`` reply with
@@ -569,11 +551,6 @@ class StoreNode:
         return {"op": "shm", "lease": lease,
                 "offsets": [self.pool.offset(e.slot) if e else -1 for e in entries],
                 "sizes": [e.size_bytes if e else 0 for e in entries]}
-
-    async def _end_get_shm(self, conn: _Conn, send: Coroutine[Any, Any, None],
-                           lease: int) -> None:
-        # on failure the client never got the lease: unpin at once
-        await self._send_or_undo(send, lambda: self._release_lease(conn.conn_id, lease))
 
     async def _send_or_undo(self, send: Awaitable[Any], undo: Callable[[], None]) -> None:
         """Await a reply or payload send within the transfer timeout; if it fails (or

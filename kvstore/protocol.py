@@ -27,14 +27,10 @@ NOTE: a message may span several blocks: runs of blocks adjacent both in the
 client's memory (consecutive ``kv_cache`` block ids) and in the pool move as
 one UCX message, because the per-message cost in Python, not bandwidth, bounds
 small blocks.
-- ``get_shm`` (client on the node's host, kvstore/shm.py): ``keys`` -> reply
-  ``shm`` with ``offsets`` (byte offset of each block in the node's shared
-  segment, -1 when absent), ``sizes`` and ``lease``; the node pins the present
-  blocks (as a ``get`` does, LRU touch included) until the client's ``release``
-  (``lease``; no reply) or the lease's expiry. The client copies the blocks out
-  of its mapping of the segment itself; no payload crosses UCX.
-- ``stat``: -> node statistics; ``corrupt`` (test hook, only with
-  ``TANDEM_KVSTORE_TEST_HOOKS=1``): flip a byte of a stored block.
+- ``stat``: -> node statistics.
+
+Same-host reads (``get_shm`` / ``release``) use these messages' encoding on the
+node's Unix control socket instead (kvstore/shm_ctl.py), never UCX.
 """
 
 from __future__ import annotations

@@ -27,12 +27,13 @@ import signal
 import socket
 import threading
 import uuid
+from collections.abc import Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from tandem.kvstore.config import NodeConfig, parse_bytes
+from tandem.kvstore.config import NodeConfig, UcxOptions, parse_bytes
 from tandem.kvstore.node import StoreNode
 
 __all__ = ["NodeConfig", "StoreNode", "build_parser", "config_from_args", "main", "parse_bytes",
@@ -92,8 +93,10 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def config_from_args(argv: list[str]) -> NodeConfig:
-    """Parse flags into a :class:`NodeConfig`. Raises SystemExit on bad flags."""
+def config_from_args(argv: list[str], environ: Mapping[str, str] | None = None) -> NodeConfig:
+    """Parse flags (and ucxx's ``UCXPY_*`` variables of ``environ``, default
+    ``os.environ``: :meth:`UcxOptions.from_environ`) into a :class:`NodeConfig`.
+    Raises SystemExit on bad flags."""
     parser = build_parser()
     a = parser.parse_args(argv)
     host, sep, port = a.listen.rpartition(":")
@@ -108,6 +111,7 @@ def config_from_args(argv: list[str]) -> NodeConfig:
             heartbeat_ttl_s=a.heartbeat_ttl_s, block_ttl_s=a.block_ttl_s,
             slot_bytes=a.slot_bytes, transfer_timeout_s=a.transfer_timeout_s,
             prefault=not a.no_prefault, shm=not a.no_shm, shm_lease_s=a.shm_lease_s,
+            ucx=UcxOptions.from_environ(os.environ if environ is None else environ),
         )
     except ValueError as exc:
         parser.error(str(exc))

@@ -17,9 +17,9 @@ copies blocks straight from it into the caller's buffers (``get_shm`` in
 kvstore/protocol.py); anything that does not work out (another host, another pid
 namespace, no permission, a different file) leaves it on the UCX path.
 
-``TANDEM_KV_SHM=0`` (or ``false``/``no``/``off``) turns the shared-memory read
-path off in clients; ``tandem kvstore --no-shm`` keeps a node's pool in private
-memory.
+``ClientOptions(shm=False)`` (kvstore/config.py; ``TANDEM_KV_SHM=0`` at the entry
+points) turns the shared-memory read path off in a client; ``tandem kvstore --no-shm``
+keeps a node's pool in private memory. The reads themselves: kvstore/shm_read.py.
 """
 
 from __future__ import annotations
@@ -33,14 +33,6 @@ from functools import cache
 import numpy as np
 
 logger = logging.getLogger("tandem.kvstore.shm")
-
-SHM_ENV = "TANDEM_KV_SHM"
-
-
-def shm_enabled_by_env() -> bool:
-    """Client default: on unless ``TANDEM_KV_SHM`` is ``0``/``false``/``no``/``off``."""
-    return os.environ.get(SHM_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
-
 
 @cache
 def host_id() -> str:

@@ -1,10 +1,10 @@
 """Same-host control channel: ``get_shm`` and ``release`` over a Unix socket.
 
-Why: over UCX, one ``get_shm`` round trip crosses the client's event loop, both
-processes' UCX progress threads, ucxx's notifier threads and the node's loop:
-1.6-1.9 ms on the 2-core dev box, more than copying 16 MiB. Here the node's
-event loop reads the socket itself and the client's calling thread writes and
-reads it: one wake-up each way.
+Why not UCX: a ``get_shm`` round trip over UCX crosses the client's event loop,
+both processes' UCX progress threads, ucxx's notifier threads and the node's
+loop, which took longer than copying 16 MiB (docs/benchmarks.md). Here the
+node's event loop reads the socket itself and the client's calling thread
+writes and reads it: one wake-up each way.
 
 Address: the Linux abstract socket :func:`ctl_address` (no file to leak, gone
 with the node), derived from the node id and its segment's identity, so it
@@ -13,9 +13,11 @@ node's host (abstract sockets belong to a network namespace); a client that
 cannot connect reads through UCX.
 
 Frames are :func:`tandem.kvstore.protocol.encode`'s (8-byte length + JSON).
-Requests, as in kvstore/protocol.py: ``get_shm`` (``keys``, ``req``) answered by
-``shm`` (``offsets``, ``sizes``, ``lease``, ``req``) or ``error``; ``release``
-(``lease``), not answered. When a connection closes, the node releases every
+Requests: ``get_shm`` (``keys``, ``req``) answered by ``shm`` (``offsets``: byte
+offset of each block in the node's segment, -1 when absent; ``sizes``; ``lease``;
+``req``) or ``error``: the node pins the present blocks (as a UCX ``get`` does, LRU
+touch included) until ``release`` (``lease``; not answered) or the lease's expiry.
+When a connection closes, the node releases every
 lease it still holds: a client that dies frees its pins at once, not at the
 lease's expiry.
 """

@@ -1,25 +1,20 @@
-"""Same-host gets on the caller's thread: Redis lookup, pin, copy, release.
+"""The same-host reader: blocks of a node on this host copied out of its shared pool.
 
-Why: a get on :class:`~tandem.kvstore.aio_client.AsyncKVStoreClient` hops from
-the caller's thread to the client loop and back, and its ``get_shm`` crosses
-UCX's progress and notifier threads on both sides; on the 2-core dev box that
-was ~2.5 ms of a 16 MiB get before a byte moved. When the blocks sit on a node
-of this host, :class:`SameHostReader` does the whole get on the calling thread:
+A node keeps its slot pool in a shared-memory segment (kvstore/shm.py) and
+answers ``get_shm`` on a Unix socket of its host (kvstore/shm_ctl.py). To read
+blocks of such a node, :class:`ShmReader` on the calling thread
 
-1. ``get_shm`` for every key to the node the previous same-host get read
-   (kvstore/shm_ctl.py), sent first so that the node pins while Redis answers;
-2. the index lookup (:data:`~tandem.kvstore.index.LOOKUP_LUA`) sent on a
-   blocking redis-py connection, its reply read only after
-3. the pinned leading blocks are copied into the caller's buffers and
-   checksummed (``AsyncKVStoreClient._copy_shm``) and released: the copy
-   overlaps the Redis round trip;
-4. the index decides: blocks count only where it places them on that node with
-   that checksum (else one ``get_shm`` to the node it names, if on this host).
+1. sends ``get_shm`` for the keys: the node pins the present blocks and answers
+   with their offsets in the segment;
+2. copies the pinned blocks straight from its read-only mapping of the segment
+   into the caller's buffers, checksumming each one (:func:`copy_blocks`);
+3. sends ``release`` (no reply): the node unpins them.
 
-Anything else (blocks on several nodes or another host, a dead node's entries,
-a block the node no longer has, an unreachable index or channel) goes to the
-client loop's path, with the index entries already read where they can be
-reused. Semantics are those of ``get`` (kvstore/store.py).
+No payload crosses a socket, and nothing hops to the client's event loop: one
+wake-up of the node's loop each way. Whether the copied bytes count is the
+caller's decision (the index's checksum, kvstore/aio_client.py); this module
+never reads the index. A node it cannot read this way (another host, no shared
+segment, no socket) is read over UCX instead (kvstore/ucx_read.py).
 """
 
 from __future__ import annotations
@@ -27,249 +22,117 @@ from __future__ import annotations
 import logging
 import threading
 import weakref
-from collections.abc import Callable, Coroutine, Sequence
-from typing import Any
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
-import redis
-from redis.exceptions import NoScriptError, RedisError
 
-from tandem.contracts.block_key import BlockKey
-from tandem.kvstore.aio_client import AsyncKVStoreClient, leading_by_node, verdicts
-from tandem.kvstore.index import LOOKUP_LUA, NODE_PREFIX, IndexEntry, parse_lookup
-from tandem.kvstore.shm import Mapping
+from tandem.kvstore.shm import Mapping, host_id
 from tandem.kvstore.shm_ctl import CtlChannel, ctl_address
 from tandem.kvstore.store import KVStoreError, KVStoreTimeoutError
-from tandem.kvstore.transport import NodeInfo
+from tandem.kvstore.transport import NodeInfo, checksum, runs_of, span_of
 
 logger = logging.getLogger("tandem.kvstore.client")
 
+#: reads smaller than this are copied by one thread (a hand-off to the pool costs
+#: tens of microseconds)
+PARALLEL_COPY_MIN_BYTES = 2 << 20
 
-class SameHostReader:
-    """Gets from a node of this host, done on the calling thread.
+
+class ShmReader:
+    """Reads blocks of nodes on this host from their shared-memory pools.
 
     Args:
-        aio: the client whose validation, mappings, copy and counters are shared.
-        redis_url: the index's Redis.
-        timeout_s: deadline of the lookup and of each channel send/receive, seconds.
-        run: runs a coroutine of ``aio`` on its loop and returns the result (the
-            fallback path).
+        timeout_s: deadline of each control-socket send and receive, seconds.
+        copy_threads: threads that copy and checksum one read of at least
+            :data:`PARALLEL_COPY_MIN_BYTES` (the calling thread is one of them).
 
-    Thread-safe: each thread has its own channel to each node.
+    Thread-safe: each thread has its own channel to each node; mappings are shared.
+
+    Raises:
+        ValueError: ``timeout_s`` <= 0 or ``copy_threads`` < 1.
     """
 
-    def __init__(self, aio: AsyncKVStoreClient, redis_url: str, timeout_s: float,
-                 run: Callable[[Coroutine[Any, Any, Any]], Any]) -> None:
-        self.aio = aio
+    def __init__(self, timeout_s: float, copy_threads: int) -> None:
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        if copy_threads < 1:
+            raise ValueError(f"copy_threads must be >= 1, got {copy_threads}")
         self.timeout_s = timeout_s
-        self._run = run
-        self.redis = redis.Redis.from_url(redis_url, socket_timeout=timeout_s,
-                                          socket_connect_timeout=timeout_s)
-        self._lookup = self.redis.register_script(LOOKUP_LUA)
+        self.copy_threads = copy_threads
+        self._lock = threading.Lock()
+        # node id -> (path|segment id, its mapping or None when it cannot be mapped)
+        self._maps: dict[str, tuple[str, Mapping | None]] = {}
         self._local = threading.local()
         # every live thread's channels, closed by close(); weak, so that a channel of
         # a thread that has exited is collected (and its socket closed) with it
         self._all: weakref.WeakSet[CtlChannel] = weakref.WeakSet()
-        self._all_lock = threading.Lock()
-        #: gets served entirely on the calling thread
-        self.num_gets = 0
-        #: of those, served by the pins requested before the index lookup
-        self.num_speculative_gets = 0
+        self._pool: ThreadPoolExecutor | None = None
+        self._closed = False
+        #: node reads served from a shared segment
+        self.num_reads = 0
 
-    # -- channels ---------------------------------------------------------------------------
+    # -- mappings ---------------------------------------------------------------------------
 
-    def _channel(self, node: NodeInfo) -> CtlChannel | None:
-        """This thread's channel to ``node`` (``None``: cannot connect, or closed)."""
-        if self.aio._closed:
+    def mapping(self, node: NodeInfo) -> Mapping | None:
+        """``node``'s segment mapped read-only; ``None`` when it must be read over UCX
+        (another host or pid namespace, no shared pool, not the advertised file)."""
+        if not (node.shm_path and node.shm_id and node.host_id == host_id()):
             return None
-        chans: dict[str, CtlChannel] = self._local.__dict__.setdefault("chans", {})
-        address = ctl_address(node.node_id, node.shm_id)
-        ch = chans.get(node.node_id)
-        if ch is not None and ch.address == address:
-            return ch
-        if ch is not None:
-            self._drop(node.node_id)  # the node restarted with another segment
+        ident = f"{node.shm_path}|{node.shm_id}"
+        with self._lock:
+            cached = self._maps.get(node.node_id)
+        if cached is not None and cached[0] == ident:
+            return cached[1]
         try:
-            ch = CtlChannel(address, self.timeout_s)
-        except OSError as exc:
-            logger.debug("no shared-memory channel to %s: %s", node.node_id, exc)
-            return None
-        with self._all_lock:
-            if self.aio._closed:
-                ch.close()
-                return None
-            self._all.add(ch)
-        chans[node.node_id] = ch
-        return ch
-
-    def _fail(self, node: NodeInfo, exc: BaseException) -> None:
-        """A channel to ``node`` failed (``exc``): close it, which releases whatever it
-        pinned, and stop speculating on that node.
-
-        Raises:
-            KVStoreTimeoutError: ``exc`` is a timeout (the node is hung).
-        """
-        self._drop(node.node_id)
-        shm_node = self.aio._shm_node
-        if shm_node is not None and shm_node.node_id == node.node_id:
-            self.aio._shm_node = None
-        if isinstance(exc, TimeoutError):
-            raise self._timeout(node) from exc
-
-    def _timeout(self, node: NodeInfo) -> KVStoreTimeoutError:
-        return KVStoreTimeoutError(
-            f"get from store node {node.node_id} ({node.address}) timed out after "
-            f"{self.timeout_s}s (node hung or overloaded)")
-
-    def _drop(self, node_id: str) -> None:
-        ch = self._local.__dict__.get("chans", {}).pop(node_id, None)
-        if ch is not None:
-            with self._all_lock:
-                self._all.discard(ch)
-            ch.close()  # the node releases the connection's leases
-
-    def close(self) -> None:
-        """Close every thread's channels and the Redis connections."""
-        with self._all_lock:
-            chans, self._all = list(self._all), weakref.WeakSet()
-        for ch in chans:
-            ch.close()
-        self.redis.close()
-
-    # -- get ----------------------------------------------------------------------------------
-
-    def _usable(self, node: NodeInfo | None) -> Mapping | None:
-        """``node``'s mapped segment when a same-host read of it can be tried."""
-        if node is None or not node.shm_id:
-            return None
-        return self.aio._mapping(node)
-
-    def get(self, keys: Sequence[BlockKey], into: Sequence[Any]) -> int:
-        """``BlockStore.get`` (kvstore/store.py): load the leading present blocks of
-        ``keys`` into ``into`` (one contiguous CPU buffer per key); returns how many.
-        The index unreachable: a miss (0), as on the client loop's path.
-
-        Raises:
-            ValueError: bad keys or buffers (as ``get``).
-            KVStoreTimeoutError: a node holding a leading block did not answer.
-            KVStoreError: the client was closed, or from the fallback path.
-        """
-        try:
-            return self._get(keys, into)
-        except (ValueError, KVStoreError):
-            raise
-        except Exception as exc:
-            if self.aio._closed:  # close() pulled connections and pools from under us
-                raise KVStoreError("client is closed") from exc
-            raise
-
-    def _get(self, keys: Sequence[BlockKey], into: Sequence[Any]) -> int:
-        aio = self.aio
-        aio._check_open()
-        keys = aio._check_keys(keys)
-        views = aio._views(into, len(keys), writable=True, name="into")
-        if not keys:
-            return 0
-        names = [k.redis_key for k in keys]
-        # 1. pins on the node of the previous same-host get, requested first
-        spec = self._send_spec(names)
-        early: tuple[NodeInfo, dict[int, str] | None] | None = None
-        try:
-            # 2. the index lookup goes out; while Redis answers, 3. the speculative
-            # blocks are copied (the index then says whether they count)
-            lookup = _PendingLookup(self, names)
-            try:
-                if spec is not None:
-                    taken, spec = spec, None
-                    early = self._copy_spec(taken, views)
-                entries, nodes = lookup.result()
-            finally:
-                lookup.close()
-        except KVStoreError:
-            raise
-        except (RedisError, OSError) as exc:
-            logger.warning("get: index unreachable, reporting a miss: %s", exc)
-            return 0
-        except ValueError as exc:
-            raise KVStoreError(f"KV store index (Redis) answered a malformed lookup: {exc}") \
-                from exc
-        finally:
-            self._settle(spec)
-        if any(e is not None and e.node_id not in nodes for e in entries):
-            # a dead node's entries: the loop's path turns them into misses and
-            # cleans them up
-            return self._run(aio.get(keys, into))
-        n, by_node = leading_by_node(entries, views)
-        if n == 0:
-            return 0
-        node = nodes[next(iter(by_node))] if len(by_node) == 1 else None
-        if node is None:
-            return self._run(aio._get_indexed(keys, views, entries, nodes))
-        same = early is not None and (early[0].node_id, early[0].shm_id) == (node.node_id,
-                                                                             node.shm_id)
-        if same and early is not None and early[1] is None:
-            raise self._timeout(node)
-        if same and early is not None and early[1] is not None and \
-                all(i in early[1] for i in range(n)):
-            self.num_speculative_gets += 1
-            sums = early[1]
-        else:
-            got = self._pin_and_copy(node, names[:n], views[:n])
-            if got is None:
-                return self._run(aio._get_indexed(keys, views, entries, nodes))
-            sums = got
-            # indexed but not on its node (evicted or lost since): a miss, cleaned up
-            gone = [(keys[i].redis_key, entries[i]) for i in range(n) if i not in sums]
-            if gone:
-                self._run(aio._forget_many(gone))  # type: ignore[arg-type]
-        # (the speculative copy may hold blocks past the leading ones: not counted)
-        leading = {i: sums[i] for i in range(n) if i in sums}
-        count, bad = aio.count_loaded(keys, views, entries, n, verdicts(leading, entries))
-        if bad is not None:
-            self._run(aio._forget(keys[bad], entries[bad]))  # type: ignore[arg-type]
-        aio.num_shm_gets += 1
-        aio._shm_node = node
-        self.num_gets += 1
-        return count
-
-    def _send_spec(self, names: list[str]) -> tuple[NodeInfo, Mapping, CtlChannel, int] | None:
-        """``get_shm`` of ``names`` to the node of the previous same-host get."""
-        node = self.aio._shm_node if self.aio.shm else None
-        mapping = self._usable(node)
-        if node is None or mapping is None:
-            return None
-        ch = self._channel(node)
-        if ch is None:
-            return None
-        try:
-            return node, mapping, ch, ch.send_get(names)
-        except ValueError:
-            return None  # too many keys for one control message: nothing was sent
-        except OSError:
-            self._drop(node.node_id)
-            return None
-
-    def _copy_spec(self, spec: tuple[NodeInfo, Mapping, CtlChannel, int],
-                   views: list[np.ndarray]) -> tuple[NodeInfo, dict[int, str] | None] | None:
-        """Copy the blocks the speculative reply pinned, then release them;
-        returns the node and each copied block's checksum (``None``: the node timed
-        out; ``None`` instead of the pair: no usable reply)."""
-        node, mapping, ch, req = spec
-        try:
-            reply = ch.recv_reply(req)
+            mapping: Mapping | None = Mapping(node.shm_path, node.shm_id)
         except (OSError, ValueError) as exc:
-            try:
-                self._fail(node, exc)
-            except KVStoreTimeoutError:
-                return node, None  # hung: an error only if it holds the blocks we need
-            return None
-        return node, self._copy_reply(node, ch, mapping, reply, views)
+            logger.info("store node %s: cannot map its shared pool (%s); reading over UCX",
+                        node.node_id, exc)
+            mapping = None
+        with self._lock:
+            if not self._closed:  # NOTE: a mapping kept after close() would pin the segment
+                self._maps[node.node_id] = (ident, mapping)
+        return mapping
 
-    def _pin_and_copy(self, node: NodeInfo, names: list[str],
-                      views: list[np.ndarray]) -> dict[int, str] | None:
-        """Pin ``names`` on ``node``, copy them, release; ``None`` when the node is not
-        reachable this way."""
-        mapping = self._usable(node) if self.aio.shm else None
+    def mapped_node_ids(self) -> set[str]:
+        """Nodes whose segment this reader holds (mapped or found unmappable)."""
+        with self._lock:
+            return set(self._maps)
+
+    def forget(self, node_id: str) -> None:
+        """Let go of a node's mapping (the node is dead, or restarted): a dead node's
+        segment lives as long as some process maps it."""
+        with self._lock:
+            self._maps.pop(node_id, None)
+
+    def retain(self, live: set[str]) -> None:
+        """:meth:`forget` every node not in ``live``."""
+        with self._lock:
+            for gone in self._maps.keys() - live:
+                del self._maps[gone]
+
+    # -- reads ------------------------------------------------------------------------------
+
+    def read(self, node: NodeInfo, names: list[str],
+             views: list[np.ndarray]) -> dict[int, str] | None:
+        """Pin the blocks ``names`` (index keys) on ``node``, copy the present ones into
+        ``views[i]`` (one uint8 buffer per name, of the block's size), release them.
+
+        Blocks consecutive both in ``views`` and in the segment move in one copy.
+
+        Returns:
+            index -> xxh3-64 hex of the bytes that landed in ``views[index]``, for each
+            block the node holds with the expected size (absent ones are left out);
+            ``None`` when ``node`` cannot be read this way (read it over UCX).
+
+        Raises:
+            KVStoreTimeoutError: the node did not answer within ``timeout_s``.
+            KVStoreError: this reader was closed.
+        """
+        if self._closed:
+            raise KVStoreError("client is closed")
+        mapping = self.mapping(node)
         ch = self._channel(node) if mapping is not None else None
         if mapping is None or ch is None:
             return None
@@ -285,86 +148,194 @@ class SameHostReader:
         except (OSError, ValueError) as exc:
             self._fail(node, exc)
             return None
-        return self._copy_reply(node, ch, mapping, reply, views)
-
-    def _copy_reply(self, node: NodeInfo, ch: CtlChannel, mapping: Mapping,
-                    reply: dict[str, Any], views: list[np.ndarray]) -> dict[int, str]:
-        """Copy the blocks a ``get_shm`` reply pinned (offset -1: absent, skipped), then
-        release the lease; returns each copied block's checksum."""
-        lease = reply.get("lease")
-        offsets, sizes = reply.get("offsets"), reply.get("sizes")
+        lease, offsets, sizes = reply.get("lease"), reply.get("offsets"), reply.get("sizes")
         try:
-            if reply.get("op") != "shm" or not isinstance(offsets, list) \
-                    or not isinstance(sizes, list):
-                return {}
-            m = min(len(offsets), len(sizes), len(views))
-            return self.aio._copy_shm(mapping, offsets[:m], sizes[:m], list(range(m)), views[:m])
+            if reply.get("op") != "shm" or not (isinstance(offsets, list)
+                                                and isinstance(sizes, list)
+                                                and len(offsets) == len(sizes) == len(views)):
+                logger.warning("store node %s answered a malformed get_shm: %s", node.node_id,
+                               reply.get("error", reply.get("op")))
+                return None
+            sums = copy_blocks(mapping, offsets, sizes, views, self._copy_pool)
         finally:
             if isinstance(lease, int) and lease:
                 try:
                     ch.release(lease)
                 except OSError:
-                    self._drop(node.node_id)
+                    self._drop(node.node_id)  # closing the channel releases it too
+        with self._lock:
+            self.num_reads += 1
+        return sums
 
-    def _settle(self, spec: tuple[NodeInfo, Mapping, CtlChannel, int] | None) -> None:
-        """Release an unused speculative request's pins."""
-        if spec is None:
-            return
-        node, _, ch, req = spec
-        try:
-            lease = ch.recv_reply(req).get("lease")
-            if isinstance(lease, int) and lease:
-                ch.release(lease)
-        except (OSError, ValueError) as exc:
-            try:
-                self._fail(node, exc)
-            except KVStoreTimeoutError:
-                pass  # its blocks were not needed
+    def _copy_pool(self, nbytes: int) -> tuple[ThreadPoolExecutor | None, int]:
+        """The pool that helps copy ``nbytes``, and how many shares to cut."""
+        if self.copy_threads <= 1 or nbytes < PARALLEL_COPY_MIN_BYTES:
+            return None, 1
+        with self._lock:
+            if self._closed:
+                return None, 1
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.copy_threads - 1,
+                                                thread_name_prefix="tandem-kv-copy")
+            return self._pool, self.copy_threads
 
+    # -- channels ---------------------------------------------------------------------------
 
-class _PendingLookup:
-    """:data:`LOOKUP_LUA` sent on a connection of ``reader``'s pool, its reply read
-    later (:meth:`result`), so that work overlaps the round trip.
-
-    Raises:
-        RedisError / OSError: the command could not be sent.
-    """
-
-    def __init__(self, reader: SameHostReader, names: list[str]) -> None:
-        self.reader = reader
-        self.names = names
-        self.pool = reader.redis.connection_pool
-        self.conn: Any = self.pool.get_connection()
-        self.pending = False
-        try:
-            self.conn.send_command("EVALSHA", reader._lookup.sha, len(names), *names,
-                                   NODE_PREFIX)
-            self.pending = True
-        except BaseException:
-            self.close()
-            raise
-
-    def result(self) -> tuple[list[IndexEntry | None], dict[str, NodeInfo]]:
-        """Entries (``None``: absent) and the live nodes they name.
+    def _channel(self, node: NodeInfo) -> CtlChannel | None:
+        """This thread's channel to ``node`` (``None``: cannot connect).
 
         Raises:
-            RedisError / OSError: Redis failed; ValueError: malformed reply.
+            KVStoreError: this reader was closed.
         """
+        chans: dict[str, CtlChannel] = self._local.__dict__.setdefault("chans", {})
+        address = ctl_address(node.node_id, node.shm_id)
+        ch = chans.get(node.node_id)
+        if ch is not None and ch.address == address and not self._closed:
+            return ch
+        if ch is not None:
+            self._drop(node.node_id)  # the node restarted with another segment
         try:
-            reply = self.conn.read_response()
-            self.pending = False
-        except NoScriptError:
-            self.pending = False
-            # first use on this Redis (or it restarted): the script loads itself
-            reply = self.reader._lookup(keys=self.names, args=[NODE_PREFIX])
-        entries, records = parse_lookup(len(self.names), reply)
-        return entries, {r[0]: NodeInfo.from_lookup(r) for r in records}
+            ch = CtlChannel(address, self.timeout_s)
+        except OSError as exc:
+            logger.debug("no shared-memory channel to %s: %s", node.node_id, exc)
+            return None
+        with self._lock:
+            if self._closed:
+                ch.close()
+                raise KVStoreError("client is closed")
+            self._all.add(ch)
+        chans[node.node_id] = ch
+        return ch
+
+    def _fail(self, node: NodeInfo, exc: BaseException) -> None:
+        """This thread's channel to ``node`` failed with ``exc``: close it (which
+        releases whatever it pinned).
+
+        Raises:
+            KVStoreTimeoutError: ``exc`` is a timeout (the node is hung).
+            KVStoreError: the reader was closed meanwhile.
+        """
+        self._drop(node.node_id)
+        if isinstance(exc, TimeoutError):
+            raise KVStoreTimeoutError(
+                f"get from store node {node.node_id} ({node.address}) timed out after "
+                f"{self.timeout_s}s (node hung or overloaded)") from exc
+        if self._closed:
+            raise KVStoreError("client is closed") from exc
+
+    def _drop(self, node_id: str) -> None:
+        ch = self._local.__dict__.get("chans", {}).pop(node_id, None)
+        if ch is not None:
+            with self._lock:
+                self._all.discard(ch)
+            ch.close()  # the node releases the connection's leases
+
+    def num_channels(self) -> int:
+        """Open channels of live threads (each thread has its own per node)."""
+        with self._lock:
+            return len(self._all)
 
     def close(self) -> None:
-        """Give the connection back (dropped if its reply was never read)."""
-        if self.conn is None:
-            return
-        if self.pending:
-            self.conn.disconnect()
-        self.pool.release(self.conn)
-        self.conn = None
+        """Close every thread's channels and the copy pool; later reads raise
+        :class:`KVStoreError`."""
+        with self._lock:
+            self._closed = True
+            chans, self._all = list(self._all), weakref.WeakSet()
+            pool, self._pool = self._pool, None
+            self._maps.clear()
+        for ch in chans:
+            ch.close()
+        if pool is not None:
+            pool.shutdown(wait=True)
+
+
+def copy_blocks(mapping: Mapping, offsets: list[int], sizes: list[int],
+                views: list[np.ndarray],
+                pool_for: Callable[[int], tuple[ThreadPoolExecutor | None, int]]
+                ) -> dict[int, str]:
+    """Copy block ``j`` (``sizes[j]`` bytes at ``offsets[j]`` in the segment; -1:
+    absent) into ``views[j]``; returns each copied index with the checksum
+    (:func:`~tandem.kvstore.transport.checksum`) of the bytes that landed.
+
+    A block is copied only where the node has it, with the size of its view,
+    inside the segment. Blocks adjacent on both sides (a run of consecutive
+    cache blocks in consecutive slots) move in one copy; then each block's
+    checksum is taken on the bytes in ``views``. ``pool_for(nbytes)`` gives the
+    thread pool and the number of shares for a read of ``nbytes``.
+
+    NOTE: one copy per run, not per block: glibc copies of up to the L2 size use
+    ``rep movsb`` on AMD Zen, which is much slower when the destination is not
+    64-byte aligned relative to the (page-aligned) slot, as numpy's 16-byte-aligned
+    arrays are (torch's are 64-byte aligned); larger copies use vector loops that
+    do not care. Large reads are split into shares of about equal bytes (at block
+    boundaries), each copied then checksummed by its own thread: one core's memory
+    bandwidth was the limit. Figures: docs/benchmarks.md.
+    """
+    ok = [isinstance(o, int) and isinstance(n, int) and 0 <= o and n == v.nbytes
+          and o + n <= mapping.nbytes for o, n, v in zip(offsets, sizes, views, strict=True)]
+    pieces: list[list[int]] = []  # each: blocks adjacent on both sides, one copy
+    for start, count in runs_of(views):
+        j, end = start, start + count
+        while j < end:
+            if not ok[j]:
+                j += 1
+                continue
+            k, stop = j, offsets[j] + sizes[j]
+            while k + 1 < end and ok[k + 1] and offsets[k + 1] == stop:
+                k += 1
+                stop += sizes[k]
+            pieces.append(list(range(j, k + 1)))
+            j = k + 1
+    src = mapping.array
+
+    def work(share: list[list[int]]) -> dict[int, str]:
+        for piece in share:
+            first, last = piece[0], piece[-1]
+            np.copyto(span_of(views, first, len(piece)),
+                      src[offsets[first]:offsets[last] + sizes[last]])
+        return {j: checksum(views[j]) for piece in share for j in piece}
+
+    pool, n = pool_for(sum(sizes[j] for p in pieces for j in p))
+    shares = split_shares(pieces, sizes, n)
+    # NOTE: numpy's copy and xxhash both release the GIL, so the shares run in
+    # parallel; this thread does the first, the pool the others.
+    futures: list[Future[dict[int, str]]] = []
+    for sh in shares[1:]:
+        if pool is not None:
+            try:
+                futures.append(pool.submit(work, sh))
+                continue
+            except RuntimeError:  # shut down meanwhile (close): copy it here
+                pass
+        done: Future[dict[int, str]] = Future()
+        done.set_result(work(sh))
+        futures.append(done)
+    sums = work(shares[0]) if shares else {}
+    for fut in futures:
+        sums.update(fut.result())
+    return sums
+
+
+
+def split_shares(pieces: list[list[int]], sizes: list[int], n: int) -> list[list[list[int]]]:
+    """Cut copy ``pieces`` (lists of adjacent block indices, ``sizes[j]`` bytes each)
+    into at most ``n`` shares of about equal bytes, splitting a piece only
+    between blocks. Every block lands in exactly one share, order kept."""
+    total = sum(sizes[j] for p in pieces for j in p)
+    shares: list[list[list[int]]] = []
+    done, at = 0, -1
+    for piece in pieces:
+        cur: list[int] = []
+        for j in piece:
+            share = min(n - 1, done * n // total) if n > 1 else 0
+            if share != at:  # a new share starts at this block
+                if cur:
+                    shares[-1].append(cur)
+                    cur = []
+                shares.append([])
+                at = share
+            cur.append(j)
+            done += sizes[j]
+        if cur:
+            shares[-1].append(cur)
+    return shares

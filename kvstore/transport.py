@@ -1,6 +1,6 @@
-"""Client side of one store-node connection: ids, message spans, node records.
+"""Client side of store-node connections: ids, message spans, node records, connections.
 
-Used by :mod:`tandem.kvstore.aio_client`; see :mod:`tandem.kvstore.protocol` for
+Used by the client (kvstore/aio_client.py) and its readers; see :mod:`tandem.kvstore.protocol` for
 the wire format.
 """
 
@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import itertools
+import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,6 +18,11 @@ import numpy as np
 import xxhash
 
 from tandem.kvstore import protocol as proto
+from tandem.kvstore.index import IndexEntry, parse_lookup
+from tandem.kvstore.store import KVStoreTimeoutError
+from tandem.kvstore.ucx import Endpoint, endpoint_to, worker_address
+
+logger = logging.getLogger("tandem.kvstore.client")
 
 # NOTE: every client of the process shares one UCX worker, so connection and
 # request ids (parts of the receive tags) are process-wide.
@@ -34,8 +41,8 @@ def next_request_id() -> int:
 def address_of(view: np.ndarray) -> int:
     """Address of a view's first byte."""
     try:
-        # NOTE: ~0.3 us where __array_interface__ takes ~1 us (once per block per call)
-        return ctypes.addressof(ctypes.c_char.from_buffer(view))
+        # NOTE: a third of the time __array_interface__ takes (once per block per call)
+        return ctypes.addressof(ctypes.c_char.from_buffer(view))  # type: ignore[arg-type]
     except TypeError:  # read-only (a put's source): from_buffer needs a writable one
         return int(view.__array_interface__["data"][0])
 
@@ -98,17 +105,30 @@ class NodeInfo:
                    shm_path, shm_id)
 
 
+def parse_index_reply(num_keys: int, reply: list[bytes | str]
+                      ) -> tuple[list[IndexEntry | None], dict[str, NodeInfo]]:
+    """A :data:`~tandem.kvstore.index.LOOKUP_LUA` reply: the entry of each key
+    (``None``: absent) and the live nodes they name, by id.
+
+    Raises:
+        ValueError: malformed reply.
+    """
+    entries, records = parse_lookup(num_keys, reply)
+    return entries, {r[0]: NodeInfo.from_lookup(r) for r in records}
+
+
 class NodeConnection:
     """One connection to a node: our endpoint and the receive ids of each side."""
 
-    def __init__(self, node_id: str, ucx_address: bytes, ep: Any, my_id: int, peer_id: int):
+    def __init__(self, node_id: str, ucx_address: bytes, ep: Endpoint, my_id: int,
+                 peer_id: int) -> None:
         self.node_id = node_id
         self.ucx_address = ucx_address
         self.ep = ep
         self.my_id = my_id
         self.peer_id = peer_id
         self.closed = False
-        self.watcher: asyncio.Future[Any] | None = None
+        self.watcher: asyncio.Future[None] | None = None
 
     def abort(self) -> None:
         if not self.closed:
@@ -120,7 +140,7 @@ class NodeConnection:
 
         The send's completion and the reply are awaited together: awaiting the send
         first would put one more completion hand-off from UCX's threads to the loop
-        (~0.1-0.3 ms) on the request's critical path. On an error the reply's
+        on the request's critical path. On an error the reply's
         receive may stay posted: the caller drops the connection, which cancels it.
 
         Raises:
@@ -141,3 +161,85 @@ class NodeConnection:
 
     async def next_reply(self, request_id: int) -> dict[str, Any]:
         return await self._recv_ctrl(proto.ctrl_buffer(), request_id)
+
+
+class Connections:
+    """The client's UCX connections to store nodes: one per node, made on first use
+    (HELLO / welcome, kvstore/protocol.py), replaced when the node restarts.
+
+    Args:
+        timeout_s: deadline of the handshake, seconds.
+        on_drop: called with the node id whenever a connection is dropped.
+
+    Runs on the client loop (not thread-safe).
+    """
+
+    def __init__(self, timeout_s: float, on_drop: Callable[[str], None]) -> None:
+        self.timeout_s = timeout_s
+        self._on_drop = on_drop
+        self._conns: dict[str, NodeConnection] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+
+    async def get(self, node: NodeInfo) -> NodeConnection:
+        """The connection to ``node``, made if there is none or the node restarted.
+
+        Raises:
+            KVStoreTimeoutError: no welcome within ``timeout_s``.
+        """
+        lock = self._locks.setdefault(node.node_id, asyncio.Lock())
+        async with lock:
+            conn = self._conns.get(node.node_id)
+            if conn is not None and not conn.closed and conn.ucx_address == node.ucx_address:
+                return conn
+            if conn is not None:
+                conn.abort()  # the node restarted (new address) or the connection failed
+            ep = await endpoint_to(node.ucx_address)
+            my_id = next_conn_id()
+            buf = proto.ctrl_buffer()
+            welcome = asyncio.ensure_future(
+                ep.recv(buf, tag=proto.make_tag(my_id, 0, proto.CTRL_PART), force_tag=True))
+            hello = {"op": "hello", "address": worker_address().hex(), "conn_id": my_id}
+            try:
+                await asyncio.wait_for(
+                    asyncio.gather(ep.send(proto.encode(hello), tag=proto.HELLO_TAG,
+                                           force_tag=True), welcome),
+                    self.timeout_s)
+            except (TimeoutError, asyncio.TimeoutError) as exc:
+                ep.abort()
+                raise KVStoreTimeoutError(
+                    f"store node {node.node_id} ({node.address}) did not answer the "
+                    f"connection handshake within {self.timeout_s}s") from exc
+            msg = proto.decode(buf)
+            conn = NodeConnection(node.node_id, node.ucx_address, ep, my_id, int(msg["conn_id"]))
+            self._conns[node.node_id] = conn
+            conn.watcher = asyncio.ensure_future(self._watch(conn))
+            return conn
+
+    async def _watch(self, conn: NodeConnection) -> None:
+        """Wait for the node's ``bye`` (request id 0) and drop the connection then: its
+        pending requests fail at once instead of at their timeout."""
+        try:
+            msg = await conn.next_reply(0)
+        except Exception:  # noqa: BLE001 - endpoint aborted: the connection is gone anyway
+            return
+        logger.info("store node %s closed our connection: %s", conn.node_id, msg.get("reason"))
+        self.drop(conn)
+
+    def drop(self, conn: NodeConnection) -> None:
+        """Abort a connection that failed (aborting cancels its posted receives) and
+        forget it."""
+        conn.abort()
+        if self._conns.get(conn.node_id) is conn:
+            del self._conns[conn.node_id]
+        self._on_drop(conn.node_id)
+
+    def drop_node(self, node_id: str) -> None:
+        """:meth:`drop` the connection to ``node_id``, if any (its node is dead)."""
+        conn = self._conns.get(node_id)
+        if conn is not None:
+            self.drop(conn)
+
+    def close(self) -> None:
+        """Drop every connection."""
+        for conn in list(self._conns.values()):
+            self.drop(conn)

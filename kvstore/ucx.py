@@ -1,4 +1,4 @@
-"""The seam to ``ucxx``: initialisation, worker addresses, byte views of buffers.
+"""The seam to ``ucxx``: initialisation, worker addresses, endpoints, the client loop.
 
 ucxx keeps one UCX context per process, bound to the asyncio loop that
 initialised it (completions are delivered to that loop's futures). Store nodes
@@ -7,10 +7,12 @@ by every client of the process (:func:`client_loop`).
 
 Progress: a UCX progress thread that sleeps in epoll while idle, with
 completions handed to asyncio futures by ucxx's notifier thread
-(``enable_python_future``). Measured on a loaded 2-core machine this beat
-polling modes (which spin a core per process and starve the peer process)
-by 2-5x. ``UCXPY_PROGRESS_MODE`` / ``UCXPY_ENABLE_PYTHON_FUTURE`` and every
-``UCX_*`` variable (``UCX_TLS``...) pass through unchanged.
+(``enable_python_future``). On a loaded 2-core machine this beat polling
+modes, which spin a core per process and starve the peer process
+(docs/benchmarks.md). The mode comes from :class:`~tandem.kvstore.config.UcxOptions`, which
+the entry points read from ``UCXPY_PROGRESS_MODE`` / ``UCXPY_ENABLE_PYTHON_FUTURE``;
+every ``UCX_*`` variable (``UCX_TLS``...) is UCX's own and passes through unchanged.
+:func:`init_ucx` is the one place that sets a default for one of them.
 
 UCX is not fork-safe: start processes that use it with ``spawn`` or subprocess.
 """
@@ -22,30 +24,45 @@ import os
 import sys
 import threading
 from collections.abc import Awaitable, Coroutine
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
+from tandem.kvstore.config import UcxOptions
+
 T = TypeVar("T")
+
+
+class Endpoint(Protocol):
+    """What we use of a ucxx endpoint: tagged sends and receives of contiguous
+    buffers (coroutines; UCX errors raise), and ``abort`` (cancels what is posted)."""
+
+    async def send(self, buffer: np.ndarray, tag: int | None = None,
+                   force_tag: bool = False) -> None: ...
+
+    async def recv(self, buffer: np.ndarray, tag: int | None = None,
+                   force_tag: bool = False) -> None: ...
+
+    def abort(self) -> None: ...
 
 
 _initialised = False
 
 
-def init_ucx() -> None:
-    """Initialise ucxx on the running event loop (once per process)."""
+def init_ucx(options: UcxOptions) -> None:
+    """Initialise ucxx on the running event loop (once per process: later calls,
+    whatever their ``options``, do nothing)."""
     global _initialised
     if _initialised:
         return
-    # ucxx sets UCX_* variables of its own that UCX then warns about on every start
+    # NOTE: the one UCX variable we default: ucxx sets UCX_* variables of its own
+    # that UCX then warns about on every start
     os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
     import ucxx
 
-    progress_mode = os.environ.get("UCXPY_PROGRESS_MODE", "thread")
-    python_future = None if "UCXPY_ENABLE_PYTHON_FUTURE" in os.environ else True
-    if not progress_mode.startswith("thread"):
-        python_future = False
-    ucxx.init(progress_mode=progress_mode, enable_python_future=python_future)
+    ucxx.init(progress_mode=options.progress_mode,
+              enable_python_future=options.python_future
+              and options.progress_mode.startswith("thread"))
     _initialised = True
     # NOTE: ucxx's notifier thread is not a daemon thread and would keep the
     # interpreter from exiting; stop it before Python joins non-daemon threads
@@ -60,7 +77,7 @@ def worker_address() -> bytes:
     return bytes(ucxx.get_worker_address().tobytes())
 
 
-async def endpoint_to(address: bytes) -> Any:
+async def endpoint_to(address: bytes) -> Endpoint:
     """An endpoint to the worker at ``address``.
 
     NOTE: peer error handling is off: with it on, UCX excludes the shared-memory
@@ -68,9 +85,10 @@ async def endpoint_to(address: bytes) -> Any:
     """
     import ucxx
 
-    return await ucxx.create_endpoint_from_worker_address(
+    ep: Endpoint = await ucxx.create_endpoint_from_worker_address(
         ucxx.get_ucx_address_from_buffer(address), endpoint_error_handling=False
     )
+    return ep
 
 
 async def worker_recv(buf: np.ndarray, tag: int) -> None:
@@ -90,7 +108,7 @@ async def within(aw: Awaitable[T], timeout_s: float) -> T:
     NOTE: on Python 3.11+ this is ``asyncio.timeout``, which awaits in the current
     task; ``wait_for`` wraps ``aw`` in a task of its own, i.e. two more trips
     through the loop per call, each handing the GIL to and from ucxx's notifier
-    thread (~0.1 ms per request on a busy 2-core box).
+    thread.
     """
     if sys.version_info >= (3, 11):
         async with asyncio.timeout(timeout_s):
@@ -106,44 +124,11 @@ def transports() -> str:
     return str(cfg.get("TLS", "all"))
 
 
-def byte_view(obj: Any, *, writable: bool, name: str) -> np.ndarray:
-    """A flat uint8 numpy view of a contiguous CPU buffer, without copying.
-
-    Args:
-        obj: torch tensor, numpy array, memoryview, bytes or bytearray.
-        writable: the view will be written (a get's destination).
-        name: the argument's name for error messages, e.g. ``"into[3]"``.
-
-    Raises:
-        ValueError: not contiguous, not on the CPU, or read-only when ``writable``.
-    """
-    if isinstance(obj, np.ndarray):
-        if not obj.flags.c_contiguous:
-            raise ValueError(f"{name} must be C-contiguous")
-        arr = obj if obj.ndim == 1 and obj.dtype == np.uint8 else obj.reshape(-1).view(np.uint8)
-    elif (torch := sys.modules.get("torch")) is not None and isinstance(obj, torch.Tensor):
-        # NOTE: a tensor can only come from an imported torch, hence sys.modules
-        # rather than an import per call (the hot path runs this once per block)
-        if obj.device.type != "cpu":
-            raise ValueError(f"{name} must be a CPU tensor, got device {obj.device}")
-        if not obj.is_contiguous():
-            raise ValueError(f"{name} must be contiguous")
-        # dtype view first: half the cost of reshape(-1).view(torch.uint8).numpy()
-        return (obj if obj.dim() else obj.reshape(1)).view(torch.uint8).numpy().reshape(-1)
-    else:
-        try:
-            arr = np.frombuffer(memoryview(obj), dtype=np.uint8)
-        except (TypeError, ValueError) as exc:
-            raise ValueError(f"{name} must be a contiguous buffer: {exc}") from exc
-    if writable and not arr.flags.writeable:
-        raise ValueError(f"{name} is read-only")
-    return arr
-
-
 class LoopThread:
     """A daemon thread running one asyncio loop with ucxx initialised on it."""
 
-    def __init__(self) -> None:
+    def __init__(self, options: UcxOptions) -> None:
+        self.options = options
         self.loop = asyncio.new_event_loop()
         self._ready = threading.Event()
         self._error: BaseException | None = None
@@ -157,7 +142,7 @@ class LoopThread:
         asyncio.set_event_loop(self.loop)
 
         async def _init() -> None:
-            init_ucx()
+            init_ucx(self.options)
 
         try:
             self.loop.run_until_complete(_init())
@@ -190,8 +175,9 @@ _loop_lock = threading.Lock()
 _loop: LoopThread | None = None
 
 
-def client_loop() -> LoopThread:
-    """The process's one client loop thread (started on first use).
+def client_loop(options: UcxOptions) -> LoopThread:
+    """The process's one client loop thread (started on first use, with UCX set up by
+    that first caller's ``options``).
 
     NOTE: a process-wide singleton on purpose: ucxx allows one context per
     process and binds it to the loop that initialised it.
@@ -199,5 +185,5 @@ def client_loop() -> LoopThread:
     global _loop
     with _loop_lock:
         if _loop is None:
-            _loop = LoopThread()
+            _loop = LoopThread(options)
         return _loop

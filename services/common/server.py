@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import socket
 import sys
@@ -32,7 +33,7 @@ from tandem.engine.config import (
     ModelConfig,
     SchedulerConfig,
 )
-from tandem.kvstore.config import StoreConnectorConfig
+from tandem.kvstore.config import ClientOptions, StoreConnectorConfig
 from tandem.services.common.context import ServiceContext
 from tandem.services.common.engine_loop import EngineLoop
 from tandem.services.common.errors import ErrorMappingInterceptor
@@ -97,7 +98,9 @@ def build_engine_config(ns: argparse.Namespace, role: str) -> EngineConfig:
         raise ValueError(f"--redis-url is required for role {role!r} (KV store index)")
     kv = KVTransferConfig()
     if role != "both":
-        store = StoreConnectorConfig(redis_url=ns.redis_url, kvstore_address=ns.kvstore or None)
+        # the store client's environment (TANDEM_KV_SHM, ...), read once here at the edge
+        store = StoreConnectorConfig(redis_url=ns.redis_url, kvstore_address=ns.kvstore or None,
+                                     client_options=ClientOptions.from_environ(os.environ))
         kv = KVTransferConfig(kv_connector="store", kv_role=_KV_ROLE[role], connector_config=store)
     return EngineConfig(
         model=ModelConfig(model=ns.model, dtype=ns.dtype, device=ns.device,

@@ -12,6 +12,8 @@ from pathlib import Path
 from waiting import wait_until
 
 from tandem.kvstore.client import KVStoreClient
+from tandem.kvstore.index import IndexEntry
+from tandem.kvstore.keys import BlockKey
 
 
 def _free_port() -> int:
@@ -38,7 +40,7 @@ class StoreNodeProcess:
                 "--metrics-port", str(self.metrics_port),
                 "--heartbeat-ttl-s", str(heartbeat_ttl_s),
                 "--transfer-timeout-s", str(transfer_timeout_s), *extra_args]
-        env = dict(os.environ, TANDEM_KVSTORE_TEST_HOOKS="1", UCX_WARN_UNUSED_ENV_VARS="n")
+        env = dict(os.environ, UCX_WARN_UNUSED_ENV_VARS="n")
         self.log_path = (log_dir or Path("/tmp")) / f"kvstore-{node_id}-{self.port}.log"
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(args, env=env, stdout=self._log, stderr=subprocess.STDOUT)
@@ -95,3 +97,29 @@ class StoreNodeProcess:
 def poll(predicate, timeout_s: float = 30.0, interval_s: float = 0.05) -> None:  # noqa: ANN001
     """Wait until ``predicate()`` is true; AssertionError after ``timeout_s``."""
     wait_until(predicate, timeout_s, interval_s=interval_s, error=AssertionError)
+
+
+def corrupt_block(client: KVStoreClient, redis_url: str, key: BlockKey) -> None:
+    """Flip the first byte of ``key``'s stored block in its node's pool.
+
+    Fault injection through the test's own access to the node's shared-memory
+    segment (kvstore/shm.py: the file behind the registry's ``shm_path``, writable
+    by the same user): the store's protocol has no operation for it.
+    """
+    import redis
+
+    r = redis.Redis.from_url(redis_url)
+    try:
+        entry = IndexEntry.decode(r.get(key.redis_key))
+    finally:
+        r.close()
+    assert entry is not None, f"{key} is not in the index"
+    info = client.live_nodes()[entry.node_id]
+    assert info.shm_path, f"node {entry.node_id} has no shared-memory pool (--no-shm)"
+    offset = entry.slot * int(client.stat(entry.node_id)["slot_bytes"])  # type: ignore[call-overload]
+    fd = os.open(info.shm_path, os.O_RDWR)
+    try:
+        (byte,) = os.pread(fd, 1, offset)
+        os.pwrite(fd, bytes([byte ^ 0xFF]), offset)
+    finally:
+        os.close(fd)

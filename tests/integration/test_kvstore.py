@@ -1,7 +1,9 @@
 """KV store end to end: real redis-server, real store nodes in subprocesses, UCX on loopback.
 
 Gets from a node on this host read its shared-memory pool (kvstore/shm.py) unless the
-client has ``shm=False``: the get tests that matter run both ways (``read_path``).
+client has ``ClientOptions(shm=False)``: the get tests that matter run both ways
+(``read_path``). Faults are injected through the test's own access to a node's pool
+segment (``corrupt_block``), never through the store's protocol.
 """
 
 from __future__ import annotations
@@ -15,11 +17,12 @@ import numpy as np
 import pytest
 import redis
 import torch
-from kvstore_harness import StoreNodeProcess, poll
+from kvstore_harness import StoreNodeProcess, corrupt_block, poll
 
 from tandem.contracts.block_key import BlockKey
 from tandem.contracts.kv_layout import KVCacheLayout
-from tandem.kvstore.client import KVStoreClient, wait_for_nodes
+from tandem.kvstore.client import ClientOptions, KVStoreClient, wait_for_nodes
+from tandem.kvstore.shm_ctl import CtlChannel, ctl_address
 from tandem.kvstore.store import KVStoreError, KVStoreNodeError, KVStoreTimeoutError
 
 pytest.importorskip("ucxx")
@@ -97,12 +100,13 @@ def read_path(request: pytest.FixtureRequest) -> str:
 
 
 def used_path(c: KVStoreClient, shm_gets_before: int) -> str:
-    return "shm" if c.aio.num_shm_gets > shm_gets_before else "ucx"
+    return "shm" if c.num_shm_reads > shm_gets_before else "ucx"
 
 
 @pytest.fixture(scope="module")
 def ucx_client(store_url: str, nodes) -> KVStoreClient:
-    c = KVStoreClient(store_url, local_node=nodes["n1"].address, timeout_s=10, shm=False)
+    c = KVStoreClient(store_url, local_node=nodes["n1"].address, timeout_s=10,
+                      options=ClientOptions(shm=False))
     yield c
     c.close()
 
@@ -110,7 +114,7 @@ def ucx_client(store_url: str, nodes) -> KVStoreClient:
 def test_round_trip_bf16_and_fp32_is_bit_exact(store_url: str, nodes, read_path: str) -> None:
     for layout, seed in ((BF16, 1), (FP32, 2)):
         c = KVStoreClient(store_url, layout=layout, local_node="n1", timeout_s=10,
-                          shm=read_path == "shm")
+                          options=ClientOptions(shm=read_path == "shm"))
         keys = layout.keys(hashes(f"rt-{layout.dtype}-{read_path}", 6))
         blocks = random_blocks(layout, 6, seed)
         assert c.put_blocks(keys, blocks) == 6
@@ -127,8 +131,8 @@ def test_batched_get_across_nodes_and_lookup_agrees(store_url: str, nodes,
     keys = BF16.keys(hashes(f"multi-{read_path}", 10))
     blocks = random_blocks(BF16, 10, 3)
     shm = read_path == "shm"
-    c1 = KVStoreClient(store_url, local_node=nodes["n1"].address, shm=shm)
-    c2 = KVStoreClient(store_url, local_node=nodes["n2"].address, shm=shm)
+    c1 = KVStoreClient(store_url, local_node=nodes["n1"].address, options=ClientOptions(shm=shm))
+    c2 = KVStoreClient(store_url, local_node=nodes["n2"].address, options=ClientOptions(shm=shm))
     assert c1.put_blocks(keys[:5], blocks[:5]) == 5
     assert c2.put_blocks(keys[5:], blocks[5:]) == 5
     assert set(c1.stat("n1")["lru"]) >= {k.redis_key for k in keys[:5]}
@@ -136,17 +140,13 @@ def test_batched_get_across_nodes_and_lookup_agrees(store_url: str, nodes,
     into = [torch.empty_like(b) for b in blocks]
     assert c1.lookup(keys) == 10
     assert c1.get_blocks(keys, into) == 10  # one call, two nodes
-    assert c1.aio.num_shm_gets == (2 if shm else 0)
+    assert c1.num_shm_reads == (2 if shm else 0)
     assert all(same_bits(a, b) for a, b in zip(blocks, into, strict=True))
     # a gap ends the leading run for lookup and get alike
     gap = keys[:3] + BF16.keys(hashes("never-stored", 1)) + keys[4:]
     assert c1.lookup(gap) == 3
     assert c1.get_blocks(gap, [torch.empty_like(b) for b in blocks]) == 3
     assert c1.contains(gap) == [True] * 3 + [False] + [True] * 6
-    # the byte-returning form the connector used first agrees too
-    got = c1.get(gap)
-    assert [g is not None for g in got] == [True] * 3 + [False] * 7
-    assert bytes(got[0]) == bytes(blocks[0].view(torch.uint8).numpy().reshape(-1))
     c1.close()
     c2.close()
 
@@ -156,10 +156,11 @@ def test_blocks_of_one_cache_tensor_move_in_runs(store_url: str, nodes, shm: boo
                                                  copy_threads: int, monkeypatch) -> None:
     """Consecutive cache blocks travel as one message; scattered ones block by block
     (shared memory: also when the copy is split between threads)."""
-    from tandem.kvstore import aio_client
+    from tandem.kvstore import shm_read
 
-    monkeypatch.setattr(aio_client, "PARALLEL_COPY_MIN_BYTES", 0)  # 256 KiB here
-    client = KVStoreClient(store_url, local_node="n1", shm=shm, copy_threads=copy_threads)
+    monkeypatch.setattr(shm_read, "PARALLEL_COPY_MIN_BYTES", 0)  # 256 KiB here
+    client = KVStoreClient(store_url, local_node="n1",
+                           options=ClientOptions(shm=shm, copy_threads=copy_threads))
     src = torch.cat([b.unsqueeze(0) for b in random_blocks(BF16, 8, 12)])  # a kv_cache
     keys = BF16.keys(hashes(f"runs-{shm}-{copy_threads}", 8))
     assert client.put_blocks(keys, [src[b] for b in range(8)]) == 8
@@ -183,7 +184,7 @@ def test_stale_expected_cut_falls_back_to_two_step_get(ucx_client: KVStoreClient
     aio = client.aio
 
     async def get_with_stale_index() -> tuple[set[int], list[torch.Tensor]]:
-        entries, nodes = await aio._index(keys)
+        entries, nodes = await aio.index(keys)
         node = replace(nodes[entries[0].node_id], slot_bytes=BLOCK)
         # slots that moved: adjacent where the real ones are not, and vice versa, so
         # the cut into messages the client expects differs from the node's
@@ -194,19 +195,19 @@ def test_stale_expected_cut_falls_back_to_two_step_get(ucx_client: KVStoreClient
         cache = torch.zeros((3, *blocks[0].shape), dtype=blocks[0].dtype)
         dst = list(cache)  # adjacent rows: one run on the client side
         views = [d.view(torch.uint8).reshape(-1).numpy() for d in dst]
-        got = await aio._get_from(node, [0, 1, 2], keys, views, wrong)
+        got = await aio.ucx.read(node, [k.redis_key for k in keys], views, wrong)
         return got, dst
 
     # once the registry shows the node's slot size, gets post receives up front
     poll(lambda: client.live_nodes()["n1"].slot_bytes == BLOCK)
-    fast, stale = aio.num_fast_gets, aio.num_stale_gets
+    fast, stale = aio.ucx.num_fast_gets, aio.ucx.num_stale_gets
     into = [torch.empty_like(b) for b in blocks]
     assert client.get_blocks(keys, into) == 3
-    assert aio.num_fast_gets == fast + 1
+    assert aio.ucx.num_fast_gets == fast + 1
     assert all(same_bits(a, b) for a, b in zip(blocks, into, strict=True))
 
-    got, dst = client._run(get_with_stale_index())
-    assert aio.num_stale_gets == stale + 1
+    got, dst = client.run(get_with_stale_index())
+    assert aio.ucx.num_stale_gets == stale + 1
     assert set(got) == {0, 1, 2}
     assert all(same_bits(a, b) for a, b in zip(blocks, dst, strict=True))
 
@@ -222,7 +223,8 @@ def test_put_of_present_keys_sends_nothing_and_keeps_data(client: KVStoreClient)
 
 
 def test_eight_writers_and_eight_readers(store_url: str, nodes, read_path: str) -> None:
-    shared = KVStoreClient(store_url, local_node="n2", timeout_s=20, shm=read_path == "shm")
+    shared = KVStoreClient(store_url, local_node="n2", timeout_s=20,
+                           options=ClientOptions(shm=read_path == "shm"))
     seed_keys = BF16.keys(hashes(f"readers-{read_path}", 4))
     seed_blocks = random_blocks(BF16, 4, 5)
     assert shared.put_blocks(seed_keys, seed_blocks) == 4
@@ -324,16 +326,16 @@ def test_bad_inputs_are_clear_errors_and_the_node_keeps_serving(
 @pytest.mark.parametrize("copy_threads", [1, 3])
 def test_corrupted_slot_is_a_miss(store_url: str, nodes, read_path: str, copy_threads: int,
                                   monkeypatch) -> None:
-    from tandem.kvstore import aio_client
+    from tandem.kvstore import shm_read
 
     # three threads: blocks 0-1, 2 and 3 are copied and checked by different threads
-    monkeypatch.setattr(aio_client, "PARALLEL_COPY_MIN_BYTES", 0)
-    client = KVStoreClient(store_url, local_node="n1", shm=read_path == "shm",
-                           copy_threads=copy_threads)
+    monkeypatch.setattr(shm_read, "PARALLEL_COPY_MIN_BYTES", 0)
+    client = KVStoreClient(store_url, local_node="n1", options=ClientOptions(shm=read_path == "shm",
+                           copy_threads=copy_threads))
     keys = BF16.keys(hashes(f"corrupt-{read_path}-{copy_threads}", 4))
     blocks = random_blocks(BF16, 4, 7)
     assert client.put_blocks(keys, blocks) == 4
-    client._run(client.aio.node_request("n1", {"op": "corrupt", "key": keys[2].redis_key}))
+    corrupt_block(client, store_url, keys[2])
     into = [torch.empty_like(b) for b in blocks]
     assert client.get_blocks(keys, into) == 2
     assert used_path(client, 0) == read_path
@@ -379,10 +381,10 @@ def test_lru_eviction_order_and_in_flight_read_guard(store_url: str, tmp_path) -
 
         async def start_read() -> None:
             nodes = await aio.live_nodes()
-            conn = await aio._conn(nodes["small"])
+            conn = await aio.conns.get(nodes["small"])
             await conn.request(999_999, {"op": "get", "keys": [k[2].redis_key]})
 
-        c._run(start_read())
+        c.run(start_read())
         poll(lambda: c.stat("small")["pinned"] == [k[2].redis_key])
         # the read made k2 most recent; three puts make it the LRU block again
         for i in (5, 6, 7):
@@ -419,17 +421,14 @@ def test_shm_read_pins_until_release_and_the_lease_expires(store_url: str, tmp_p
         assert c.put_blocks(k[:4], blocks[:4]) == 4
         # a whole get releases its pins when done
         into = [torch.empty_like(b) for b in blocks[:2]]
-        assert c.get_blocks(k[:2], into) == 2 and c.aio.num_shm_gets == 1
+        assert c.get_blocks(k[:2], into) == 2 and c.num_shm_reads == 1
         poll(lambda: c.stat("leases")["pinned"] == [])
 
-        aio = c.aio
-
-        async def read_without_release() -> dict:
-            nodes = await aio.live_nodes()
-            conn = await aio._conn(nodes["leases"])
-            return await conn.request(888_888, {"op": "get_shm", "keys": [k[2].redis_key]})
-
-        reply = c._run(read_without_release())
+        # a client that pins k2 on the node's control socket and never releases it
+        info = c.live_nodes()["leases"]
+        address = ctl_address(info.node_id, info.shm_id)
+        holder = CtlChannel(address, timeout_s=10)
+        reply = holder.recv_reply(holder.send_get([k[2].redis_key]))
         assert reply["op"] == "shm" and reply["lease"] > 0 and reply["sizes"] == [BLOCK]
         t_pinned = time.monotonic()
         assert c.stat("leases")["pinned"] == [k[2].redis_key]
@@ -439,20 +438,15 @@ def test_shm_read_pins_until_release_and_the_lease_expires(store_url: str, tmp_p
         assert c.contains([k[2]]) == [True]
         assert c.stat("leases")["pinned"] == [k[2].redis_key]
         # only the connection that got the lease can release it
-        other = KVStoreClient(store_url)
-
-        async def release_from_elsewhere() -> None:
-            nodes = await other.aio.live_nodes()
-            other.aio._release(await other.aio._conn(nodes["leases"]), reply["lease"])
-
-        other._run(release_from_elsewhere())
+        other = CtlChannel(address, timeout_s=10)
+        other.release(reply["lease"])
         # A reply on the same connection comes after the node handled the release
-        # (one receive loop per connection): no sleep needed to observe its effect.
-        assert other.stat("leases")["pinned"] == [k[2].redis_key]
+        # (one reader per connection): no sleep needed to observe its effect.
+        assert other.recv_reply(other.send_get([]))["lease"] == 0
         other.close()
         assert c.stat("leases")["pinned"] == [k[2].redis_key]
         # the slot still holds k2's bytes (read through the segment, as a client does)
-        mapping = aio._mapping(c.live_nodes()["leases"])
+        mapping = c.aio.shm.mapping(info)
         off = reply["offsets"][0]
         assert bytes(mapping.array[off:off + BLOCK]) == bytes(blocks[2].view(torch.uint8)
                                                               .numpy().reshape(-1))
@@ -462,6 +456,7 @@ def test_shm_read_pins_until_release_and_the_lease_expires(store_url: str, tmp_p
         assert "lease_expired" in node.metrics_text()
         assert c.put_blocks(k[:1], blocks[:1]) == 1  # k2, the LRU block, is evictable again
         assert c.contains([k[2]]) == [False]
+        holder.close()
     finally:
         c.close()
         node.stop()
@@ -487,13 +482,13 @@ def test_shm_segment_never_leaks(store_url: str, tmp_path) -> None:
             blocks = random_blocks(BF16, 2, 17)
             assert c.put_blocks(keys, blocks) == 2
             into = [torch.empty_like(b) for b in blocks]
-            shm_gets = c.aio.num_shm_gets
-            assert c.get_blocks(keys, into) == 2 and c.aio.num_shm_gets == shm_gets + 1
+            shm_gets = c.num_shm_reads
+            assert c.get_blocks(keys, into) == 2 and c.num_shm_reads == shm_gets + 1
             node.stop() if end == "stop" else node.kill()
             assert not os.path.exists(info.shm_path)
             poll(lambda: f"leak-{end}" not in c.live_nodes())  # noqa: B023
             # the client let go of its mapping too (the segment's memory is freed)
-            assert f"leak-{end}" not in c.aio._maps
+            assert f"leak-{end}" not in c.aio.shm.mapped_node_ids()
             assert _shm_files() == before
             node.stop()
     finally:
@@ -501,21 +496,18 @@ def test_shm_segment_never_leaks(store_url: str, tmp_path) -> None:
 
 
 @pytest.mark.parametrize("thread", ["caller", "loop"])
-def test_shm_get_sent_with_the_lookup_is_used_only_where_it_fits(store_url: str, nodes,
-                                                                 thread: str) -> None:
-    """After a first shared-memory get, a get's get_shm goes out together with its index
-    lookup, to the node read last; its reply is used only for that node's blocks, and
-    only when the node holds all of them (else the plain path decides). Both on the
-    caller's thread (kvstore/shm_read.py) and on the client loop (AsyncKVStoreClient)."""
-    c = KVStoreClient(store_url, local_node="n1", shm=True)
-    c2 = KVStoreClient(store_url, local_node="n2", shm=True)
+def test_same_host_reads_count_only_what_the_index_places(store_url: str, nodes,
+                                                          thread: str) -> None:
+    """Same-host gets over one or two nodes; blocks count only where the index places
+    them and the node holds them; nothing stays pinned. Both on the caller's thread
+    (KVStoreClient) and on the client loop (AsyncKVStoreClient)."""
+    c = KVStoreClient(store_url, local_node="n1", options=ClientOptions(shm=True))
+    c2 = KVStoreClient(store_url, local_node="n2", options=ClientOptions(shm=True))
     r = redis.Redis.from_url(store_url)
     aio = c.aio
-    counters = c._same_host if thread == "caller" else aio
-    assert counters is not None
 
     def get(keys: list[BlockKey], into: list[torch.Tensor]) -> int:
-        return c.get_blocks(keys, into) if thread == "caller" else c._run(aio.get(keys, into))
+        return c.get_blocks(keys, into) if thread == "caller" else c.run(aio.get(keys, into))
 
     try:
         keys = BF16.keys(hashes(f"spec-{thread}", 6))
@@ -523,25 +515,19 @@ def test_shm_get_sent_with_the_lookup_is_used_only_where_it_fits(store_url: str,
         assert c.put_blocks(keys[:3], blocks[:3]) == 3
         assert c2.put_blocks(keys[3:], blocks[3:]) == 3
         into = [torch.empty_like(b) for b in blocks]
-        assert get(keys[:3], into[:3]) == 3  # n1, not speculated
-        assert (aio.num_shm_gets, counters.num_speculative_gets) == (1, 0)
-        assert get(keys[:3], into[:3]) == 3  # n1 again: speculated
-        assert (aio.num_shm_gets, counters.num_speculative_gets) == (2, 1)
+        assert get(keys[:3], into[:3]) == 3  # n1
+        assert c.num_shm_reads == 1
         for _ in range(2):
             into = [torch.empty_like(b) for b in blocks]
             assert get(keys, into) == 6  # n1 and n2
             assert all(same_bits(a, b) for a, b in zip(blocks, into, strict=True))
-        # only n2's blocks: the get_shm that went to n1 is released, nothing stays pinned
-        assert get(keys[:1], into[:1]) == 1  # n1 is the last node read
-        spec = counters.num_speculative_gets
-        assert get(keys[3:], into[3:]) == 3
-        assert counters.num_speculative_gets == spec
+        assert c.num_shm_reads == 5  # one per node and get
+        assert get(keys[3:], into[3:]) == 3  # only n2's blocks
         poll(lambda: c.stat("n1")["pinned"] == [] and c.stat("n2")["pinned"] == [])
 
         # an index entry whose payload is not on the node (a commit marker without bytes):
-        # the speculative reply lacks it, so the plain path runs and finds the miss
+        # a miss, and cleaned up
         ghost = BF16.keys(hashes(f"spec-ghost-{thread}", 1))[0]
-        assert get(keys[:1], into[:1]) == 1  # n1 is the last node read
         slot = int(r.get(keys[0].redis_key).decode().split("|")[1])
         r.set(ghost.redis_key, f"n1|{slot}|{BLOCK}|0123456789abcdef")
         got = get([*keys[:2], ghost], [torch.empty_like(b) for b in blocks[:3]])
@@ -549,7 +535,7 @@ def test_shm_get_sent_with_the_lookup_is_used_only_where_it_fits(store_url: str,
         assert r.get(ghost.redis_key) is None  # the ghost entry was cleaned up
         assert get(keys[:3], into[:3]) == 3
         # the node also holds blocks past the index's leading ones (an entry gone from
-        # the index): pinned and maybe copied speculatively, never counted
+        # the index): never counted
         r.delete(keys[1].redis_key)
         assert get(keys[:3], into[:3]) == 1
         poll(lambda: c.stat("n1")["pinned"] == [])
@@ -565,7 +551,7 @@ def test_shm_channel_closed_releases_its_pins(store_url: str, nodes) -> None:
     bad requests on it are answered with errors and the node keeps serving."""
     from tandem.kvstore.shm_ctl import CtlChannel, ctl_address
 
-    c = KVStoreClient(store_url, local_node="n1", shm=True)
+    c = KVStoreClient(store_url, local_node="n1", options=ClientOptions(shm=True))
     try:
         keys = BF16.keys(hashes("ctl-close", 2))
         blocks = random_blocks(BF16, 2, 23)
@@ -587,8 +573,7 @@ def test_shm_channel_closed_releases_its_pins(store_url: str, nodes) -> None:
         c.close()
 
 
-def test_shm_off_or_not_mappable_reads_over_ucx(store_url: str, tmp_path,
-                                                monkeypatch: pytest.MonkeyPatch) -> None:
+def test_shm_off_or_not_mappable_reads_over_ucx(store_url: str, tmp_path) -> None:
     node = StoreNodeProcess(store_url, "private", 1 << 20, log_dir=tmp_path,
                             extra_args=("--no-shm",))
     c = KVStoreClient(store_url, local_node="private")
@@ -600,31 +585,32 @@ def test_shm_off_or_not_mappable_reads_over_ucx(store_url: str, tmp_path,
         blocks = random_blocks(BF16, 3, 18)
         assert c.put_blocks(keys, blocks) == 3
         into = [torch.empty_like(b) for b in blocks]
-        assert c.get_blocks(keys, into) == 3 and c.aio.num_shm_gets == 0
+        assert c.get_blocks(keys, into) == 3 and c.num_shm_reads == 0
         assert all(same_bits(a, b) for a, b in zip(blocks, into, strict=True))
-        # asked anyway, it refuses clearly and keeps serving
-        with pytest.raises(KVStoreNodeError, match="not in shared memory"):
-            c._run(c.aio.node_request("private", {"op": "get_shm", "keys": []}))
+        # no segment to map: the same-host reader declines it
+        assert c.aio.shm.mapping(info) is None
+        assert c.aio.shm.read(info, [k.redis_key for k in keys], []) is None
         assert c.get_blocks(keys, into) == 3
     finally:
         c.close()
         node.stop()
 
+    # shared-memory reads off: no same-host reader at all
+    off = KVStoreClient(store_url, options=ClientOptions(shm=False))
+    assert off.aio.shm is None and off.num_shm_reads == 0
+    off.close()
     # a node on another host, or a segment that is not the advertised one: UCX
-    monkeypatch.setenv("TANDEM_KV_SHM", "0")
-    assert KVStoreClient(store_url).aio.shm is False
-    monkeypatch.delenv("TANDEM_KV_SHM")
     shm_node = StoreNodeProcess(store_url, "shared", 1 << 20, log_dir=tmp_path)
     c = KVStoreClient(store_url)
     try:
         shm_node.wait_ready(c)
         info = c.live_nodes()["shared"]
-        assert c.aio._mapping(info) is not None
-        assert c.aio._mapping(replace(info, node_id="x", host_id="elsewhere")) is None
+        assert c.aio.shm.mapping(info) is not None
+        assert c.aio.shm.mapping(replace(info, node_id="x", host_id="elsewhere")) is None
         dev, ino, size = info.shm_id.split(":")
-        assert c.aio._mapping(replace(info, node_id="y", shm_id=f"{dev}:{int(ino) + 1}:{size}")) \
-            is None
-        assert c.aio._mapping(replace(info, node_id="z", shm_path="/proc/1/fd/999999")) is None
+        other_file = replace(info, node_id="y", shm_id=f"{dev}:{int(ino) + 1}:{size}")
+        assert c.aio.shm.mapping(other_file) is None
+        assert c.aio.shm.mapping(replace(info, node_id="z", shm_path="/proc/1/fd/999999")) is None
     finally:
         c.close()
         shm_node.stop()
@@ -668,7 +654,8 @@ def test_block_ttl_expiry(store_url: str, tmp_path) -> None:
 def test_killed_node_fails_fast_then_misses(store_url: str, tmp_path, read_path: str) -> None:
     node = StoreNodeProcess(store_url, "doomed", 1 << 20, heartbeat_ttl_s=1.5,
                             log_dir=tmp_path)
-    c = KVStoreClient(store_url, local_node="doomed", timeout_s=2, shm=read_path == "shm")
+    c = KVStoreClient(store_url, local_node="doomed", timeout_s=2,
+                      options=ClientOptions(shm=read_path == "shm"))
     try:
         node.wait_ready(c)
         keys = BF16.keys(hashes(f"doomed-{read_path}", 3))
@@ -763,11 +750,9 @@ def put_and_read_two(c: KVStoreClient, tag: str) -> tuple[list[BlockKey], list[t
     return keys, into
 
 
-def test_hung_node_times_out_once_and_is_not_speculated_on_again(store_url: str,
-                                                                 tmp_path) -> None:
-    """A node that stops answering (SIGSTOP) fails the get with a timeout, and the
-    client stops sending it speculative requests (before: every later get waited a
-    full timeout on it, even after its heartbeat expired)."""
+def test_hung_node_times_out_then_its_blocks_are_misses(store_url: str, tmp_path) -> None:
+    """A node that stops answering (SIGSTOP) fails the get with a timeout; once its
+    heartbeat expired its blocks are misses, without waiting on it again."""
     import signal
 
     node = StoreNodeProcess(store_url, "frozen", 1 << 20, heartbeat_ttl_s=1.5, log_dir=tmp_path)
@@ -776,12 +761,11 @@ def test_hung_node_times_out_once_and_is_not_speculated_on_again(store_url: str,
     try:
         node.wait_ready(c)
         keys, into = put_and_read_two(c, "frozen")
-        assert c.aio._shm_node is not None and c.aio._shm_node.node_id == "frozen"
+        assert c.num_shm_reads == 1
         os.kill(node.proc.pid, signal.SIGSTOP)
         stopped = True
         with pytest.raises(KVStoreTimeoutError):
             c.get_blocks(keys, into)
-        assert c.aio._shm_node is None  # no more speculation on the hung node
         poll(lambda: "frozen" not in c.live_nodes(), timeout_s=15)
         assert c.get_blocks(keys, into) == 0  # its blocks are misses now
     finally:
@@ -792,9 +776,9 @@ def test_hung_node_times_out_once_and_is_not_speculated_on_again(store_url: str,
 
 
 def test_more_keys_than_one_control_message_holds(store_url: str, nodes) -> None:
-    """The speculative get_shm names every key; when they do not fit one control
-    message it is skipped, not raised (before: ValueError from the second get on)."""
-    c = KVStoreClient(store_url, local_node="n1", shm=True)
+    """A get_shm that does not fit one control message is not sent: the get goes over
+    UCX instead of raising (before: ValueError from the second get on)."""
+    c = KVStoreClient(store_url, local_node="n1", options=ClientOptions(shm=True))
     try:
         keys = BF16.keys(hashes("many-keys", 10_004))
         blocks = random_blocks(BF16, 4, 31)
@@ -803,7 +787,7 @@ def test_more_keys_than_one_control_message_holds(store_url: str, nodes) -> None
             into = [torch.empty_like(blocks[0]) for _ in keys]
             assert c.get_blocks(keys, into) == 4
             assert all(same_bits(a, b) for a, b in zip(blocks, into[:4], strict=True))
-        assert c._same_host is not None and c._same_host.num_gets >= 2
+        assert c.num_shm_reads == 3  # the get_shm names the leading four only
     finally:
         c.close()
 
@@ -813,7 +797,7 @@ def test_channels_of_exited_threads_are_closed(store_url: str, nodes) -> None:
     socket closes) with the thread, not only at close() (before: kept until close)."""
     import gc
 
-    c = KVStoreClient(store_url, local_node="n1", shm=True)
+    c = KVStoreClient(store_url, local_node="n1", options=ClientOptions(shm=True))
     try:
         keys = BF16.keys(hashes("threads", 1))
         blocks = random_blocks(BF16, 1, 37)
@@ -828,12 +812,14 @@ def test_channels_of_exited_threads_are_closed(store_url: str, nodes) -> None:
             t.start()
             t.join()
         gc.collect()
-        reader = c._same_host
-        assert reader is not None and len(reader._all) == 1  # only this thread's
+        reader = c.aio.shm
+        assert reader is not None and reader.num_channels() == 1  # only this thread's
         info = c.live_nodes()["n1"]
     finally:
         c.close()
-    assert reader._channel(info) is None  # none (re)opened once closed
+    with pytest.raises(KVStoreError, match="closed"):  # none (re)opened once closed
+        reader.read(info, [keys[0].redis_key], [np.empty(BLOCK, dtype=np.uint8)])
+    assert reader.num_channels() == 0 and reader.mapped_node_ids() == set()
 
 
 def test_index_unreachable_is_a_miss_without_the_loop_path(tmp_path) -> None:
@@ -870,7 +856,7 @@ def test_overlapping_buffers_are_refused_and_the_index_kept(store_url: str, node
                                                              read_path: str) -> None:
     """Two keys read into one buffer is a ValueError (before: the second block failed
     its checksum there, and the intact block's index entry was removed for everyone)."""
-    c = KVStoreClient(store_url, local_node="n1", shm=read_path == "shm")
+    c = KVStoreClient(store_url, local_node="n1", options=ClientOptions(shm=read_path == "shm"))
     try:
         keys = BF16.keys(hashes(f"alias-{read_path}", 2))
         blocks = random_blocks(BF16, 2, 43)
@@ -897,7 +883,7 @@ def test_put_blocks_are_readable_on_the_node_before_their_index_commit(store_url
     reply came back)."""
     from tandem.kvstore.shm_ctl import CtlChannel, ctl_address
 
-    c = KVStoreClient(store_url, local_node="n1", shm=True)
+    c = KVStoreClient(store_url, local_node="n1", options=ClientOptions(shm=True))
     r = redis.Redis.from_url(store_url)
     keys = BF16.keys(hashes("commit-window", 1))
     blocks = random_blocks(BF16, 1, 47)

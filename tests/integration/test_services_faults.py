@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import grpc
 import pytest
+from kvstore_harness import corrupt_block
 from services_harness import (
     EngineService,
     KVStoreNode,
@@ -31,9 +32,7 @@ def tiny(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def store(redis_url, tmp_path_factory):
-    # Test hooks on: the `corrupt` control request flips a byte of a stored block.
-    node = KVStoreNode(redis_url, tmp_path_factory.mktemp("store"),
-                       env={"TANDEM_KVSTORE_TEST_HOOKS": "1"})
+    node = KVStoreNode(redis_url, tmp_path_factory.mktemp("store"))
     yield node
     node.stop()
 
@@ -65,7 +64,7 @@ def test_corrupt_block_is_a_miss_and_the_rest_is_recomputed(tiny, redis_url, sto
         (node_id,) = [n for n, info in client.live_nodes().items()
                       if info.address == store.address]
         key = BlockKey(pre.block_hashes[2], pre.kv_layout_fingerprint)
-        client._run(client.aio.node_request(node_id, {"op": "corrupt", "key": key.redis_key}))
+        corrupt_block(client, redis_url, key)
     failures_before = decode.get_load().num_kv_load_failures
     msgs = list(decode.decode.Decode(decode_request_from(pre, prompt, sp), timeout=120))
     tokens = [pre.first_token_id] + [t for m in msgs for t in m.token_ids]

@@ -107,6 +107,10 @@ def test_server_flags() -> None:
                             "--redis-url", "redis://r:6379", "--node-id", "a"])
     assert (cfg.host, cfg.port, cfg.capacity_bytes, cfg.node_id) == ("0.0.0.0", 7000, 1 << 30, "a")
     assert cfg.metrics_port == 7000 and cfg.prefault
+    # ucxx's own variables are read here, at the node's edge, into the config
+    cfg = config_from_args(["--listen", "h:1", "--capacity", "1K", "--redis-url", "r"],
+                           environ={"UCXPY_PROGRESS_MODE": "thread-polling"})
+    assert (cfg.ucx.progress_mode, cfg.ucx.python_future) == ("thread-polling", True)
     for bad in (["--listen", "nohost"], ["--listen", "h:1", "--capacity", "0"]):
         args = ["--listen", "h:1", "--capacity", "1K", "--redis-url", "r"] + bad
         with pytest.raises(SystemExit):
