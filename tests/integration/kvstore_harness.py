@@ -13,7 +13,7 @@ from waiting import wait_until
 
 from tandem.kvstore.client import KVStoreClient
 from tandem.kvstore.index import IndexEntry
-from tandem.kvstore.keys import BlockKey
+from tandem.contracts.block_key import BlockKey
 
 
 def _free_port() -> int:

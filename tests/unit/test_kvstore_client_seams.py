@@ -41,7 +41,7 @@ def test_tally_counts_leading_intact_blocks_and_names_the_entries_to_remove() ->
     from tandem.kvstore.aio_client import AsyncKVStoreClient
     from tandem.kvstore.config import ClientOptions
     from tandem.kvstore.index import IndexEntry
-    from tandem.kvstore.keys import BlockKey
+    from tandem.contracts.block_key import BlockKey
     from tandem.kvstore.transport import checksum
 
     core = AsyncKVStoreClient("redis://127.0.0.1:1/0", options=ClientOptions(shm=False))
