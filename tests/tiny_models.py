@@ -45,17 +45,10 @@ def tiny_config(
     if not special_tokens:
         extra = {"bos_token_id": None, "eos_token_id": None, "pad_token_id": None, **extra}
     config_cls = getattr(transformers, arch.replace("ForCausalLM", "Config"))
-    return config_cls(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=ffn,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        max_position_embeddings=max_len,
-        architectures=[arch],
-        **extra,
-    )
+    return config_cls(vocab_size=vocab, hidden_size=hidden, intermediate_size=ffn,
+                      num_hidden_layers=layers, num_attention_heads=heads,
+                      num_key_value_heads=kv_heads, max_position_embeddings=max_len,
+                      architectures=[arch], **extra)
 
 
 def tiny_hf_model(
