@@ -59,7 +59,8 @@ def tiny_hf_model(
     seed: int = 0,
 ) -> transformers.PreTrainedModel:
     """The transformers model of ``config`` (class ``config.architectures[0]``), in eval
-    mode, float32, its weights drawn after ``torch.manual_seed(seed)``.
+    mode and torch's default dtype (float32), its weights drawn after
+    ``torch.manual_seed(seed)``.
 
     ``std``: every parameter whose name lacks "norm" is then redrawn from N(0, std), in
     ``named_parameters`` order; None keeps transformers' init. ``norms``: the norm weights
@@ -101,14 +102,7 @@ def hf_greedy_steps(
     new tokens (``min_new_tokens=n``: EOS does not end it early)."""
     ids = torch.tensor([prompt])
     with torch.no_grad():
-        out = model.generate(
-            input_ids=ids,
-            attention_mask=torch.ones_like(ids),
-            do_sample=False,
-            max_new_tokens=n,
-            min_new_tokens=n,
-            output_logits=True,
-            return_dict_in_generate=True,
-            pad_token_id=0,
-        )
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                             max_new_tokens=n, min_new_tokens=n, pad_token_id=0,
+                             output_logits=True, return_dict_in_generate=True)
     return out.sequences[0, len(prompt) :].tolist(), [lg[0] for lg in out.logits]
