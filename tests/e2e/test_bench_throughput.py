@@ -5,8 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
-import transformers
+from tiny_models import tiny_config, tiny_hf_model
 
 from tandem.bench import main as bench_main
 from tandem.bench import throughput
@@ -19,18 +18,8 @@ def test_bench_dispatch(capsys) -> None:
 
 
 def test_throughput_tandem_and_hf(tmp_path, capsys) -> None:
-    config = transformers.LlamaConfig(
-        vocab_size=128,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        architectures=["LlamaForCausalLM"],
-    )
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "tiny")
+    config = tiny_config("LlamaForCausalLM", vocab=128, hidden=32, ffn=64)
+    tiny_hf_model(config).save_pretrained(tmp_path / "tiny")
     out_json = tmp_path / "r.json"
     argv = [
         "--backend",

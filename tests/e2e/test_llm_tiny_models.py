@@ -13,6 +13,7 @@ import zlib
 import pytest
 import torch
 import transformers
+from tiny_models import hf_greedy_steps, tiny_config, tiny_hf_model
 
 from tandem import LLM, SamplingParams
 
@@ -24,29 +25,12 @@ PROMPT_LENS = [1, 3, 16, 17, 45, 110]
 
 
 def build_tiny(arch: str, folder: str, tie: bool) -> transformers.PreTrainedModel:
-    config = getattr(transformers, arch.replace("ForCausalLM", "Config"))(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=MAX_LEN,
-        architectures=[arch],
-        tie_word_embeddings=tie,
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=None,
-    )
+    config = tiny_config(arch, vocab=VOCAB, hidden=64, ffn=128, max_len=MAX_LEN,
+                         special_tokens=False, tie_word_embeddings=tie)
     # crc32, not hash(): str hashes are salted per process, which made the
     # weights (and so the near-ties) differ from one pytest run to the next.
-    torch.manual_seed(zlib.crc32(arch.encode()) % 1000)
-    model = getattr(transformers, arch)(config).eval()
-    with torch.no_grad():
-        # Larger than the default init so that logits are far from ties.
-        for name, p in model.named_parameters():
-            if "norm" not in name:
-                p.normal_(0.0, 0.2)
+    # std larger than the default init so that logits are far from ties.
+    model = tiny_hf_model(config, std=0.2, seed=zlib.crc32(arch.encode()) % 1000)
     model.save_pretrained(folder)
     return model
 
@@ -54,23 +38,6 @@ def build_tiny(arch: str, folder: str, tie: bool) -> transformers.PreTrainedMode
 def prompts() -> list[list[int]]:
     g = torch.Generator().manual_seed(7)
     return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in PROMPT_LENS]
-
-
-def hf_greedy(model: transformers.PreTrainedModel, prompt: list[int], n: int):
-    """(tokens, per-step logits) of transformers' greedy generate."""
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        out = model.generate(
-            input_ids=ids,
-            attention_mask=torch.ones_like(ids),
-            do_sample=False,
-            max_new_tokens=n,
-            min_new_tokens=n,
-            output_logits=True,
-            return_dict_in_generate=True,
-            pad_token_id=0,
-        )
-    return out.sequences[0, len(prompt) :].tolist(), [lg[0] for lg in out.logits]
 
 
 def assert_matches_hf(ours: list[int], hf: list[int], hf_logits: list[torch.Tensor]) -> None:
@@ -113,7 +80,7 @@ def test_greedy_matches_transformers(tiny) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)
     outs = llm.generate(ps, params, use_tqdm=False)
     for prompt, out in zip(ps, outs, strict=True):
-        ref, logits = hf_greedy(hf, prompt, NEW_TOKENS)
+        ref, logits = hf_greedy_steps(hf, prompt, NEW_TOKENS)
         assert out.prompt_token_ids == prompt
         assert out.outputs[0].finish_reason == "length"
         assert_matches_hf(out.outputs[0].token_ids, ref, logits)

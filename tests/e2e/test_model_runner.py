@@ -13,6 +13,7 @@ import os
 import pytest
 import torch
 import transformers
+from tiny_models import as_loaded_model, tiny_config, tiny_hf_model
 
 from tandem.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from tandem.engine.executor import create_executor
@@ -36,37 +37,9 @@ BLOCK_SIZE = 4
 
 
 def tiny_loaded(arch: str = "LlamaForCausalLM") -> tuple[LoadedModel, transformers.PreTrainedModel]:
-    config = getattr(transformers, arch.replace("ForCausalLM", "Config"))(
-        vocab_size=101,
-        hidden_size=48,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        architectures=[arch],
-        eos_token_id=None,
-        bos_token_id=None,
-        pad_token_id=None,
-    )
-    torch.manual_seed(0)
-    hf = getattr(transformers, arch)(config).eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if "norm" not in name:
-                p.normal_(0.0, 0.2)
-    model = build_model(config, hf.state_dict(), torch.float32, "cpu", 128)
-    loaded = LoadedModel(
-        model=model,
-        hf_config=config,
-        tokenizer=None,
-        model_id="tiny",
-        dtype=torch.float32,
-        device=torch.device("cpu"),
-        eos_token_id=None,
-        max_position=128,
-    )
-    return loaded, hf
+    config = tiny_config(arch, vocab=101, hidden=48, ffn=96, special_tokens=False)
+    hf = tiny_hf_model(config, std=0.2)
+    return as_loaded_model(hf, "tiny", 128), hf
 
 
 def make_runner(loaded: LoadedModel, num_blocks: int = 64, max_model_len: int = 128):

@@ -10,12 +10,14 @@ requests go to the survivors.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -258,13 +260,35 @@ def _wait_tandem_up_ready(proc: subprocess.Popen, port: int) -> None:
     wait_until(ready, 300, "tandem up ready")
 
 
+@contextlib.contextmanager
+def _tandem_up_ready(tiny: str, tmp_path: Path, *, sigint_ignored: bool = False,
+                     ) -> Iterator[tuple[subprocess.Popen, int]]:
+    """``_launch_tandem_up`` until ready: (process, HTTP port); killed on the way out if
+    the test left it running."""
+    proc, port = _launch_tandem_up(tiny, tmp_path, sigint_ignored=sigint_ignored)
+    try:
+        _wait_tandem_up_ready(proc, port)
+        yield proc, port
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _assert_stack_gone(children: list, tmp_path: Path) -> None:
+    """Every child of `tandem up` exited (zombies count as gone) and its temp dir is removed."""
+    import psutil
+
+    wait_until(lambda: not any(c.is_running() and c.status() != psutil.STATUS_ZOMBIE
+                              for c in children), 30, "children to exit")
+    assert not list(tmp_path.glob("tandem-up-*")), "temp dir left behind"
+
+
 def test_tandem_up_sigterm_stops_everything(tiny, tmp_path) -> None:
     """`tandem up --colocated`: own redis-server, healthy, then SIGTERM leaves nothing."""
     import psutil
 
-    proc, port = _launch_tandem_up(tiny, tmp_path)
-    try:
-        _wait_tandem_up_ready(proc, port)
+    with _tandem_up_ready(tiny, tmp_path) as (proc, port):
         children = psutil.Process(proc.pid).children(recursive=True)
         names = " ".join(" ".join(c.cmdline()) for c in children)
         assert "redis-server" in names and "router" in names and "--role both" in names
@@ -274,13 +298,7 @@ def test_tandem_up_sigterm_stops_everything(tiny, tmp_path) -> None:
         assert resp.status_code == 200, resp.text
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
-        wait_until(lambda: not any(c.is_running() and c.status() != psutil.STATUS_ZOMBIE
-                                  for c in children), 30, "children to exit")
-        assert not list(tmp_path.glob("tandem-up-*")), "temp dir left behind"
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        _assert_stack_gone(children, tmp_path)
 
 
 def test_tandem_up_sigint_with_inherited_sig_ign_stops_everything(tiny, tmp_path) -> None:
@@ -294,17 +312,9 @@ def test_tandem_up_sigint_with_inherited_sig_ign_stops_everything(tiny, tmp_path
     """
     import psutil
 
-    proc, port = _launch_tandem_up(tiny, tmp_path, sigint_ignored=True)
-    try:
-        _wait_tandem_up_ready(proc, port)
+    with _tandem_up_ready(tiny, tmp_path, sigint_ignored=True) as (proc, _port):
         kids = psutil.Process(proc.pid).children(recursive=True)
         assert kids, "tandem up started no children"
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=60) == 0, proc.stdout.read()
-        wait_until(lambda: not any(c.is_running() and c.status() != psutil.STATUS_ZOMBIE
-                                  for c in kids), 30, "children to exit")
-        assert not list(tmp_path.glob("tandem-up-*")), "temp dir left behind"
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        _assert_stack_gone(kids, tmp_path)

@@ -11,9 +11,9 @@ from pathlib import Path
 
 from waiting import wait_until
 
+from tandem.contracts.block_key import BlockKey
 from tandem.kvstore.client import KVStoreClient
 from tandem.kvstore.index import IndexEntry
-from tandem.contracts.block_key import BlockKey
 
 
 def _free_port() -> int:

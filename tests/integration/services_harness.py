@@ -44,29 +44,17 @@ def make_tiny_model(folder: Path, tokenizer_dir: Path | None = None) -> Path:
     """
     import shutil
 
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from tiny_models import tiny_config, tiny_hf_model
 
     from tandem.engine.model_loader import load_tokenizer
 
     folder.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=49152,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        bos_token_id=1,
-        eos_token_id=2,
-        tie_word_embeddings=True,
-        # NOTE: weights larger than the default 0.02 init give varied greedy tokens
-        # with clear argmax margins (the default repeats one token).
-        initializer_range=0.3,
-    )
-    model = LlamaForCausalLM(config).to(torch.float32)
+    # NOTE: weights larger than the default 0.02 init (initializer_range) give varied
+    # greedy tokens with clear argmax margins (the default repeats one token).
+    config = tiny_config("LlamaForCausalLM", vocab=49152, hidden=64, ffn=128, max_len=1024,
+                         bos_token_id=1, eos_token_id=2, tie_word_embeddings=True,
+                         initializer_range=0.3)
+    model = tiny_hf_model(config)
     model.save_pretrained(folder, safe_serialization=True)
     if tokenizer_dir is not None and (tokenizer_dir / "tokenizer_config.json").exists():
         for f in tokenizer_dir.iterdir():

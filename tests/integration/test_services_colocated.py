@@ -17,18 +17,12 @@ from services_harness import (
     hf_greedy,
     params,
     run_colocated,
-    tiny_model_dir,
     wait_for,
 )
 
 from tandem.v1 import common_pb2, decode_pb2
 
 ARGS = ["--max-num-batched-tokens", "64", "--num-kv-blocks", "32", "--block-size", "16"]
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> str:
-    return str(tiny_model_dir(tmp_path_factory.getbasetemp()))
 
 
 @pytest.fixture(scope="module")

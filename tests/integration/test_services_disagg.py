@@ -15,52 +15,22 @@ from pathlib import Path
 import grpc
 import pytest
 from services_harness import (
-    EngineService,
-    KVStoreNode,
     decode_request_from,
     hf_greedy,
     params,
     run_colocated,
     run_disaggregated,
-    tiny_model_dir,
     wait_for,
 )
 
-from tandem.v1 import (
-    common_pb2,
-    decode_pb2,
-    decode_pb2_grpc,
-    prefill_pb2,
-    prefill_pb2_grpc,
-)
+from tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
-BUDGET = ["--max-num-batched-tokens", "64", "--num-kv-blocks", "256", "--block-size", "16"]
+#: Flags of the module's prefill and decode services (conftest's fixtures read it).
+ENGINE_ARGS = ["--max-num-batched-tokens", "64", "--num-kv-blocks", "256", "--block-size", "16"]
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> str:
-    return str(tiny_model_dir(tmp_path_factory.getbasetemp()))
-
-
-@pytest.fixture(scope="module")
-def store(redis_url, tmp_path_factory):
-    node = KVStoreNode(redis_url, tmp_path_factory.mktemp("store"))
-    yield node
-    node.stop()
-
-
-@pytest.fixture(scope="module")
-def prefill(tiny, redis_url, store, tmp_path_factory):
-    svc = EngineService("prefill", tiny, tmp_path_factory.mktemp("prefill"), redis_url, BUDGET)
-    yield svc
-    assert svc.stop() == 0, "prefill did not exit cleanly on SIGTERM"
-
-
-@pytest.fixture(scope="module")
-def decode(tiny, redis_url, store, tmp_path_factory):
-    svc = EngineService("decode", tiny, tmp_path_factory.mktemp("decode"), redis_url, BUDGET)
-    yield svc
-    assert svc.stop() == 0, "decode did not exit cleanly on SIGTERM"
+def _prompt(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(3, 49152) for _ in range(n)]
 
 
 @pytest.fixture(scope="module")
@@ -68,10 +38,6 @@ def colocated(decode):
     """The colocated form (Decode without a first token) on the decode instance: the same
     code path as `--role both` (tested on its own in test_services_colocated.py)."""
     return decode
-
-
-def _prompt(rng: random.Random, n: int) -> list[int]:
-    return [rng.randrange(3, 49152) for _ in range(n)]
 
 
 def test_greedy_disaggregated_and_colocated_match_transformers(tiny, prefill, decode, colocated):

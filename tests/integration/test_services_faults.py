@@ -13,42 +13,27 @@ import pytest
 from kvstore_harness import corrupt_block
 from services_harness import (
     EngineService,
-    KVStoreNode,
     decode_request_from,
     hf_greedy,
     params,
-    tiny_model_dir,
 )
 
 from tandem.v1 import decode_pb2, prefill_pb2
 
-ARGS = ["--num-kv-blocks", "128", "--block-size", "16"]
+#: Flags of the module's prefill and decode services (conftest's fixtures read it).
+ENGINE_ARGS = ["--num-kv-blocks", "128", "--block-size", "16"]
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> str:
-    return str(tiny_model_dir(tmp_path_factory.getbasetemp()))
-
-
-@pytest.fixture(scope="module")
-def store(redis_url, tmp_path_factory):
-    node = KVStoreNode(redis_url, tmp_path_factory.mktemp("store"))
-    yield node
-    node.stop()
-
-
-@pytest.fixture(scope="module")
-def prefill(tiny, redis_url, store, tmp_path_factory):
-    svc = EngineService("prefill", tiny, tmp_path_factory.mktemp("prefill"), redis_url, ARGS)
-    yield svc
-    svc.stop()
-
-
-@pytest.fixture(scope="module")
-def decode(tiny, redis_url, store, tmp_path_factory):
-    svc = EngineService("decode", tiny, tmp_path_factory.mktemp("decode"), redis_url, ARGS)
-    yield svc
-    svc.stop()
+def _decode_after_one_failed_load(tiny, decode, pre, prompt, sp, failures_before: int,
+                                  why: str) -> int:
+    """Decode the request that ``pre`` prefilled: its tokens must equal transformers' (else
+    fail with ``why``) and the service must count one more failed KV load than
+    ``failures_before``. Returns the first message's ``num_cached_tokens``."""
+    msgs = list(decode.decode.Decode(decode_request_from(pre, prompt, sp), timeout=120))
+    tokens = [pre.first_token_id] + [t for m in msgs for t in m.token_ids]
+    assert tokens == hf_greedy(tiny, [prompt], 8)[0], why
+    assert decode.get_load().num_kv_load_failures == failures_before + 1
+    return msgs[0].num_cached_tokens
 
 
 def test_corrupt_block_is_a_miss_and_the_rest_is_recomputed(tiny, redis_url, store, prefill,
@@ -66,11 +51,9 @@ def test_corrupt_block_is_a_miss_and_the_rest_is_recomputed(tiny, redis_url, sto
         key = BlockKey(pre.block_hashes[2], pre.kv_layout_fingerprint)
         corrupt_block(client, redis_url, key)
     failures_before = decode.get_load().num_kv_load_failures
-    msgs = list(decode.decode.Decode(decode_request_from(pre, prompt, sp), timeout=120))
-    tokens = [pre.first_token_id] + [t for m in msgs for t in m.token_ids]
-    assert tokens == hf_greedy(tiny, [prompt], 8)[0], "bad bytes must never reach the output"
-    assert msgs[0].num_cached_tokens == 32, "blocks 0-1 loaded, block 2 on recomputed"
-    assert decode.get_load().num_kv_load_failures == failures_before + 1
+    cached = _decode_after_one_failed_load(tiny, decode, pre, prompt, sp, failures_before,
+                                           "bad bytes must never reach the output")
+    assert cached == 32, "blocks 0-1 loaded, block 2 on recomputed"
 
 
 def test_store_node_killed_before_pull_decode_recomputes(tiny, store, prefill, decode):
@@ -81,15 +64,13 @@ def test_store_node_killed_before_pull_decode_recomputes(tiny, store, prefill, d
     assert pre.publish_ns > 0
     store.proc.kill()  # the only node holding the blocks is gone
     failures_before = decode.get_load().num_kv_load_failures
-    msgs = list(decode.decode.Decode(decode_request_from(pre, prompt, sp), timeout=120))
-    tokens = [pre.first_token_id] + [t for m in msgs for t in m.token_ids]
-    assert tokens == hf_greedy(tiny, [prompt], 8)[0], "recomputed output must be unchanged"
-    assert msgs[0].num_cached_tokens == 0, "the prompt was recomputed, not loaded"
-    assert decode.get_load().num_kv_load_failures == failures_before + 1
+    cached = _decode_after_one_failed_load(tiny, decode, pre, prompt, sp, failures_before,
+                                           "recomputed output must be unchanged")
+    assert cached == 0, "the prompt was recomputed, not loaded"
 
 
 def test_decode_killed_mid_stream_gives_unavailable_promptly(tiny, redis_url, tmp_path):
-    decode = EngineService("decode", tiny, tmp_path, redis_url, ARGS)
+    decode = EngineService("decode", tiny, tmp_path, redis_url, ENGINE_ARGS)
     try:
         call = decode.decode.Decode(decode_pb2.DecodeRequest(
             prompt_token_ids=[5, 6, 7, 8], sampling_params=params(5000, ignore_eos=True)),

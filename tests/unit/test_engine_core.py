@@ -5,9 +5,9 @@ from __future__ import annotations
 import itertools
 
 import pytest
-import torch
 import transformers
 from memory_connector import MemoryKVStore, register_memory_connector
+from tiny_models import as_loaded_model, hf_greedy_steps, tiny_config, tiny_hf_model
 
 from tandem.contracts.kv_layout import KVCacheLayout
 from tandem.engine.config import (
@@ -20,7 +20,6 @@ from tandem.engine.config import (
 from tandem.engine.engine_core import EngineCore
 from tandem.engine.executor import create_executor
 from tandem.engine.model_loader import LoadedModel
-from tandem.engine.models.registry import build_model
 from tandem.engine.request import Request
 from tandem.engine.sampling_params import SamplingParams
 
@@ -32,37 +31,10 @@ _ids = itertools.count()
 
 @pytest.fixture(scope="module")
 def tiny() -> tuple[LoadedModel, transformers.PreTrainedModel]:
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=MAX_LEN,
-        architectures=["LlamaForCausalLM"],
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=None,
-    )
-    torch.manual_seed(0)
-    hf = transformers.LlamaForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if "norm" not in name:
-                p.normal_(0.0, 0.3)
-    model = build_model(config, hf.state_dict(), torch.float32, "cpu", MAX_LEN)
-    loaded = LoadedModel(
-        model=model,
-        hf_config=config,
-        tokenizer=None,
-        model_id="tiny-llama",
-        dtype=torch.float32,
-        device=torch.device("cpu"),
-        eos_token_id=None,
-        max_position=MAX_LEN,
-    )
-    return loaded, hf
+    config = tiny_config("LlamaForCausalLM", vocab=VOCAB, hidden=32, ffn=64, max_len=MAX_LEN,
+                         special_tokens=False)
+    hf = tiny_hf_model(config, std=0.3)
+    return as_loaded_model(hf, "tiny-llama", MAX_LEN), hf
 
 
 def make_core(loaded: LoadedModel, num_blocks: int = 32, **kv: object) -> EngineCore:
@@ -98,17 +70,7 @@ def assert_idle(core: EngineCore) -> None:
 
 
 def hf_greedy(hf: transformers.PreTrainedModel, prompt: list[int], n: int) -> list[int]:
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        out = hf.generate(
-            input_ids=ids,
-            attention_mask=torch.ones_like(ids),
-            do_sample=False,
-            max_new_tokens=n,
-            min_new_tokens=n,
-            pad_token_id=0,
-        )
-    return out[0, len(prompt) :].tolist()
+    return hf_greedy_steps(hf, prompt, n)[0]
 
 
 @pytest.mark.parametrize(

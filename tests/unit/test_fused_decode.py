@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-import transformers
+from tiny_models import tiny_config, tiny_hf_model
 
 from tandem.engine.models.registry import build_model
 from tandem.kernels.attention import build_attention_metadata
@@ -22,37 +22,20 @@ pytestmark = pytest.mark.skipif(
     not FusedDecode.available(), reason="no AMX-BF16 / AVX512-BF16 on this CPU"
 )
 
+#: architecture -> its config's extra settings
 ARCHS = {
-    "LlamaForCausalLM": (transformers.LlamaConfig, {}),
-    "MistralForCausalLM": (transformers.MistralConfig, {"sliding_window": 12}),
-    "Qwen2ForCausalLM": (transformers.Qwen2Config, {}),
+    "LlamaForCausalLM": {},
+    "MistralForCausalLM": {"sliding_window": 12},
+    "Qwen2ForCausalLM": {},
 }
 BLOCK = 16
 
 
 def make_model(arch: str, tie: bool, dtype: torch.dtype = torch.bfloat16):
-    config_cls, extra = ARCHS[arch]
-    config = config_cls(
-        vocab_size=112,  # a multiple of 16: the packed head (and its argmax pass) serves
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        max_position_embeddings=256,
-        tie_word_embeddings=tie,
-        architectures=[arch],
-        **extra,
-    )
-    torch.manual_seed(0)
-    hf = getattr(transformers, arch)(config).eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.5, 1.5)
-            else:
-                p.normal_(0.0, 0.15)
+    # vocab 112, a multiple of 16: the packed head (and its argmax pass) serves
+    config = tiny_config(arch, vocab=112, hidden=64, ffn=96, layers=3, head_dim=32, max_len=256,
+                         tie_word_embeddings=tie, **ARCHS[arch])
+    hf = tiny_hf_model(config, std=0.15, norms=(0.5, 1.5))
     model = build_model(hf.config, hf.state_dict(), dtype, "cpu", 256)
     if dtype == torch.bfloat16:
         assert pack_linear_layers(model) > 0

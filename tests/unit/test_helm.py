@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import re
 import shlex
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -34,12 +33,6 @@ from helm_support import (  # noqa: E402  (after the importorskips)
     render,
     workload_of,
 )
-
-
-@pytest.fixture(scope="module")
-def chart() -> Iterator[Any]:
-    with helm.Chart.load(CHART) as loaded:
-        yield loaded
 
 
 @pytest.mark.parametrize("name", sorted(VALUE_SETS))

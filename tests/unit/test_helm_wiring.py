@@ -13,7 +13,6 @@ import importlib.util
 import re
 import shutil
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +22,6 @@ from waiting import wait_until
 helm = pytest.importorskip("helm_python")
 
 from helm_support import (  # noqa: E402  (after the importorskip)
-    CHART,
     ENGINE_ROLES,
     TANDEM_ROLES,
     VALUE_SETS,
@@ -44,12 +42,6 @@ from helm_support import (  # noqa: E402  (after the importorskip)
     workload_of,
     workloads,
 )
-
-
-@pytest.fixture(scope="module")
-def chart() -> Iterator[Any]:
-    with helm.Chart.load(CHART) as loaded:
-        yield loaded
 
 
 @pytest.mark.parametrize("role", TANDEM_ROLES)

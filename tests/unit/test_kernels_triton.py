@@ -109,31 +109,17 @@ def test_model_on_triton_path_matches_transformers(arch, monkeypatch):
     """The wrappers' Triton branches wired end to end (what CUDA tensors take):
     q/k norm on strided views, K/V writes from the fused projection, decode
     attention from the blocks, sliding window; logits equal transformers'."""
-    import transformers
+    from tiny_models import tiny_config, tiny_hf_model
 
     from tandem.engine.models.registry import build_model
     from tandem.kernels import attention, cache, layernorm
 
     for module in (attention, cache, layernorm):
         monkeypatch.setattr(module, "use_triton", lambda t: True)
-    config_cls = getattr(transformers, arch.replace("ForCausalLM", "Config"))
-    config = config_cls(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=64,
-        sliding_window=5 if arch.startswith("Mistral") else None,
-        architectures=[arch],
-    )
-    torch.manual_seed(0)
-    hf = getattr(transformers, arch)(config).eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            p.uniform_(0.5, 1.5) if "norm" in name else p.normal_(0.0, 0.2)
+    window = 5 if arch.startswith("Mistral") else None
+    config = tiny_config(arch, vocab=64, hidden=32, ffn=48, head_dim=16, max_len=64,
+                         sliding_window=window)
+    hf = tiny_hf_model(config, std=0.2, norms=(0.5, 1.5))
     model = build_model(config, hf.state_dict(), torch.float32, "cpu", 64)
     token_ids = list(range(3, 15))
     with torch.no_grad():

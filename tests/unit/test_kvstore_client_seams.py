@@ -38,10 +38,10 @@ def test_tally_counts_leading_intact_blocks_and_names_the_entries_to_remove() ->
     end the count; their index entries are the ones to remove (and only those)."""
     import numpy as np
 
+    from tandem.contracts.block_key import BlockKey
     from tandem.kvstore.aio_client import AsyncKVStoreClient
     from tandem.kvstore.config import ClientOptions
     from tandem.kvstore.index import IndexEntry
-    from tandem.contracts.block_key import BlockKey
     from tandem.kvstore.transport import checksum
 
     core = AsyncKVStoreClient("redis://127.0.0.1:1/0", options=ClientOptions(shm=False))

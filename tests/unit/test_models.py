@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
+from tiny_models import tiny_config, tiny_hf_model
 
 from tandem.engine.config import ModelConfig
 from tandem.engine.model_loader import load_model, resolve_dtype
@@ -17,38 +18,20 @@ from tandem.engine.models.registry import build_model, get_model_class, supporte
 from tandem.kernels.attention import build_attention_metadata
 from tandem.kernels.cache import allocate_kv_cache
 
+#: architecture -> its config's extra settings
 ARCHS = {
-    "LlamaForCausalLM": (transformers.LlamaConfig, {}),
-    "MistralForCausalLM": (transformers.MistralConfig, {"sliding_window": 12}),
-    "Qwen2ForCausalLM": (transformers.Qwen2Config, {}),
-    "Qwen3ForCausalLM": (transformers.Qwen3Config, {"head_dim": 24}),
+    "LlamaForCausalLM": {},
+    "MistralForCausalLM": {"sliding_window": 12},
+    "Qwen2ForCausalLM": {},
+    "Qwen3ForCausalLM": {"head_dim": 24},
 }
+SIZES = {"vocab": 97, "hidden": 48, "ffn": 80, "heads": 6, "max_len": 128}
 
 
 def make_hf_model(arch: str, tie: bool, seed: int = 0):
     """A tiny transformers model with random weights (biases and norms too)."""
-    config_cls, extra = ARCHS[arch]
-    config = config_cls(
-        vocab_size=97,
-        hidden_size=48,
-        intermediate_size=80,
-        num_hidden_layers=2,
-        num_attention_heads=6,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        tie_word_embeddings=tie,
-        architectures=[arch],
-        **extra,
-    )
-    torch.manual_seed(seed)
-    model = getattr(transformers, arch)(config).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.5, 1.5)
-            else:
-                p.normal_(0.0, 0.15)
-    return model
+    config = tiny_config(arch, **SIZES, tie_word_embeddings=tie, **ARCHS[arch])
+    return tiny_hf_model(config, std=0.15, norms=(0.5, 1.5), seed=seed)
 
 
 def run_ours(model, token_ids: list[int], chunks: list[int], block_size: int = 4):
@@ -168,15 +151,9 @@ def test_resolve_dtype():
 
 
 def test_llama3_rope_scaling_matches_transformers():
-    config = transformers.LlamaConfig(
-        vocab_size=97,
-        hidden_size=48,
-        intermediate_size=80,
-        num_hidden_layers=2,
-        num_attention_heads=6,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        architectures=["LlamaForCausalLM"],
+    config = tiny_config(
+        "LlamaForCausalLM",
+        **SIZES,
         rope_parameters={
             "rope_type": "llama3",
             "rope_theta": 500000.0,
@@ -186,12 +163,7 @@ def test_llama3_rope_scaling_matches_transformers():
             "original_max_position_embeddings": 16,
         },
     )
-    torch.manual_seed(0)
-    hf = transformers.LlamaForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if "norm" not in name:
-                p.normal_(0.0, 0.15)
+    hf = tiny_hf_model(config, std=0.15)
     ours = build_model(config, hf.state_dict(), torch.float32, "cpu", 128)
     token_ids = list(range(5, 45))
     with torch.no_grad():

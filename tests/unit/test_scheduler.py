@@ -404,24 +404,27 @@ def test_fcfs_ignores_priority() -> None:
 # -- limits and stop conditions ------------------------------------------------------------
 
 
+def assert_length_cap(sched: Scheduler, runner: FakeRunner, cap: int, match: str,
+                      prompt_len: int, max_tokens: int) -> None:
+    """A prompt of ``cap + 1`` tokens is refused at admission (ValueError matching
+    ``match``); one of ``prompt_len`` tokens asking for ``max_tokens`` more stops with
+    "length" at exactly ``cap`` tokens."""
+    with pytest.raises(ValueError, match=match):
+        sched.add_request(make_request("long", cap + 1))
+    req = make_request("a", prompt_len, max_tokens=max_tokens)
+    sched.add_request(req)
+    finals = run_to_completion(sched, runner)
+    assert finals["a"].finish_reason == "length" and req.num_tokens == cap
+
+
 def test_max_model_len_at_admission_and_as_a_length_stop() -> None:
     sched = make_scheduler(max_model_len=20)
-    with pytest.raises(ValueError, match="max_model_len"):
-        sched.add_request(make_request("long", 21))
-    req = make_request("a", 18, max_tokens=100)
-    sched.add_request(req)
-    finals = run_to_completion(sched, FakeRunner(10))
-    assert finals["a"].finish_reason == "length" and req.num_tokens == 20
+    assert_length_cap(sched, FakeRunner(10), 20, "max_model_len", prompt_len=18, max_tokens=100)
 
 
 def test_kv_capacity_caps_the_sequence_length() -> None:
     sched = make_scheduler(num_blocks=2)  # 32 tokens of KV
-    with pytest.raises(ValueError, match="KV cache"):
-        sched.add_request(make_request("huge", 33))
-    req = make_request("a", 30, max_tokens=10)
-    sched.add_request(req)
-    finals = run_to_completion(sched, FakeRunner(2))
-    assert finals["a"].finish_reason == "length" and req.num_tokens == 32
+    assert_length_cap(sched, FakeRunner(2), 32, "KV cache", prompt_len=30, max_tokens=10)
     assert_pool_full(sched)
 
 
@@ -600,10 +603,16 @@ def decode_request(first_token: int) -> Request:
     return req
 
 
-def test_remote_kv_load_then_decode() -> None:
+def prefilled_consumer(prompt: list[int] = PROMPT, num_blocks: int = 10):
+    """A store that a producer prefilled with ``prompt``, and a consumer engine on it:
+    (store, first token, scheduler, runner, worker)."""
     store = MemoryKVStore()
-    first = prefill_into(store)
-    sched, runner, worker = make_pd(store=store, role="kv_consumer")
+    first = prefill_into(store, prompt)
+    return (store, first, *make_pd(num_blocks=num_blocks, store=store, role="kv_consumer"))
+
+
+def test_remote_kv_load_then_decode() -> None:
+    _store, first, sched, runner, worker = prefilled_consumer()
     req = decode_request(first)
     sched.add_request(req)
     so, outs = step(sched, runner, worker)
@@ -622,9 +631,7 @@ def test_remote_kv_load_then_decode() -> None:
 
 
 def test_request_waits_in_remote_kv_state_until_the_load_is_reported() -> None:
-    store = MemoryKVStore()
-    first = prefill_into(store)
-    sched, runner, _worker = make_pd(store=store, role="kv_consumer")
+    _store, first, sched, runner, _worker = prefilled_consumer()
     req = decode_request(first)
     sched.add_request(req)
     sched.add_request(make_request("other", 8, max_tokens=3))
@@ -650,10 +657,8 @@ def test_request_waits_in_remote_kv_state_until_the_load_is_reported() -> None:
 def test_remote_load_allocates_blocks_for_every_token_up_front() -> None:
     """A loaded request must not need one more block to run: while it waits it holds
     blocks and cannot be preempted, so a full pool of such requests would deadlock."""
-    store = MemoryKVStore()
     prompt = list(range(500, 532))  # 32 tokens: the first token starts block 2
-    first = prefill_into(store, prompt)
-    sched, runner, worker = make_pd(num_blocks=3, store=store, role="kv_consumer")
+    _store, first, sched, runner, worker = prefilled_consumer(prompt, num_blocks=3)
     req = make_request("d", token_ids=prompt, max_tokens=2)
     req.append_output_token(first)
     sched.add_request(req)
@@ -668,9 +673,7 @@ def test_remote_load_allocates_blocks_for_every_token_up_front() -> None:
 
 
 def test_short_remote_load_recomputes_the_rest() -> None:
-    store = MemoryKVStore()
-    first = prefill_into(store)
-    sched, runner, worker = make_pd(store=store, role="kv_consumer")
+    store, first, sched, runner, worker = prefilled_consumer()
     req = decode_request(first)
     sched.add_request(req)
     so = sched.schedule()
@@ -689,9 +692,7 @@ def test_short_remote_load_recomputes_the_rest() -> None:
 
 
 def test_local_prefix_hit_plus_remote_load_for_the_rest() -> None:
-    store = MemoryKVStore()
-    first = prefill_into(store)
-    sched, runner, worker = make_pd(store=store, role="kv_consumer")
+    _store, first, sched, runner, worker = prefilled_consumer()
     # A local request shares the first block of PROMPT.
     sched.add_request(make_request("local", token_ids=PROMPT[:20], max_tokens=1))
     run_to_completion(sched, runner, worker)
@@ -709,9 +710,7 @@ def test_local_prefix_hit_plus_remote_load_for_the_rest() -> None:
 
 
 def test_abort_while_waiting_for_remote_kv_frees_blocks() -> None:
-    store = MemoryKVStore()
-    first = prefill_into(store)
-    sched, runner, _ = make_pd(store=store, role="kv_consumer")
+    _store, first, sched, runner, _ = prefilled_consumer()
     sched.add_request(decode_request(first))
     so = sched.schedule()
     assert sched.kv_cache_manager.num_free_blocks == 7
