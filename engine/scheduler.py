@@ -37,6 +37,7 @@ from tandem.engine.outputs import EngineCoreOutput
 from tandem.engine.request import Request, RequestStatus
 from tandem.engine.request_queue import create_request_queue
 from tandem.engine.sched_output import ModelRunnerOutput, SchedulerOutput
+from tandem.engine.stop import check_stop
 
 logger = logging.getLogger(__name__)
 
@@ -395,22 +396,13 @@ class Scheduler:
         return outputs
 
     def _check_stop(self, req: Request) -> bool:
-        sp = req.sampling_params
-        token = req.output_token_ids[-1]
-        if req.num_output_tokens > sp.min_tokens:
-            if not sp.ignore_eos and token == req.eos_token_id:
-                req.status = RequestStatus.FINISHED_STOPPED
-                return True
-            if token in sp.stop_token_ids:
-                req.status = RequestStatus.FINISHED_STOPPED
-                req.stop_reason = token
-                return True
-        if (sp.max_tokens is not None and req.num_output_tokens >= sp.max_tokens) or (
-            req.num_tokens >= self.max_seq_len
-        ):
-            req.status = RequestStatus.FINISHED_LENGTH_CAPPED
-            return True
-        return False
+        stop = check_stop(req, self.max_seq_len)
+        if stop is None:
+            return False
+        req.status = stop.status
+        if stop.stop_reason is not None:
+            req.stop_reason = stop.stop_reason
+        return True
 
     def _update_transfers(
         self, finished_recving: Mapping[str, int] | Iterable[str], finished_sending: Iterable[str]

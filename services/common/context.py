@@ -190,26 +190,6 @@ class ServiceContext:
             priority=priority,
         )
 
-    def first_token_finish_reason(self, request: Request, token_id: int) -> str | None:
-        """Whether output token 1 finishes ``request`` (same rules as the scheduler).
-
-        Returns:
-            "stop" (EOS / stop token id, once min_tokens is met), "length"
-            (max_tokens == 1 or the context is full) or ``None``.
-        """
-        params = request.sampling_params
-        # The scheduler stops on EOS / stop ids once more than min_tokens were generated.
-        if params.min_tokens < 1:
-            if not params.ignore_eos and token_id == self.eos_token_id:
-                return "stop"
-            if token_id in params.stop_token_ids:
-                return "stop"
-        if params.max_tokens is not None and params.max_tokens <= 1:
-            return "length"
-        if request.num_prompt_tokens + 1 >= self.max_seq_len:
-            return "length"
-        return None
-
     async def stats(self) -> Any:
         """The scheduler's ``SchedulerStats`` (read in the engine thread; the last
         snapshot while a long step runs, see ``EngineLoop.stats``)."""

@@ -22,6 +22,7 @@ import torch
 from tandem.engine.kv_connector_store import make_kv_transfer_params
 from tandem.engine.outputs import EngineCoreOutput
 from tandem.engine.request import Request
+from tandem.engine.stop import check_stop
 from tandem.services.common.context import ServiceContext, cdiv, now_ns
 from tandem.services.common.convert import (
     check_token_ids,
@@ -106,10 +107,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         req = self._build(request)
         disaggregated = request.HasField("first_token_id")
         if disaggregated:
-            reason = ctx.first_token_finish_reason(req, request.first_token_id)
-            if reason is not None:
+            stop = check_stop(req, ctx.max_seq_len)
+            if stop is not None:
                 yield decode_pb2.DecodeResponse(
-                    finish_reason=finish_reason_to_proto(reason), num_cached_tokens=0
+                    finish_reason=finish_reason_to_proto(stop.finish_reason), num_cached_tokens=0
                 )
                 return
         num_top = req.sampling_params.logprobs

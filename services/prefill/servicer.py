@@ -15,6 +15,7 @@ import dataclasses
 import grpc
 
 from tandem.engine.kv_connector_store import prompt_block_hashes
+from tandem.engine.stop import check_stop
 from tandem.services.common.context import ServiceContext, now_ns
 from tandem.services.common.convert import finish_reason_to_proto, logprobs_to_proto
 from tandem.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
@@ -57,7 +58,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         done_ns = now_ns()
         req.sampling_params = full_params
         token_id = first.new_token_ids[0]
-        reason = "abort" if aborted else ctx.first_token_finish_reason(req, token_id)
+        stop = None if aborted else check_stop(req, ctx.max_seq_len)
+        reason = "abort" if aborted else stop.finish_reason if stop is not None else None
         scheduled_ns = _mono_ns(req.first_scheduled_time, arrival_ns)
         resp = prefill_pb2.PrefillResponse(
             request_id=req.request_id,
