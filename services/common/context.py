@@ -15,10 +15,11 @@ import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from tandem.contracts.proto import sampling_params_from_proto
 from tandem.engine.block_hash import HASH_ALGORITHM
 from tandem.engine.config import EngineConfig
 from tandem.engine.request import Request
-from tandem.services.common.convert import check_token_ids, sampling_params_from_proto
+from tandem.services.common.convert import check_token_ids
 from tandem.services.common.engine_loop import EngineLoop
 from tandem.services.common.errors import CapacityError
 from tandem.services.common.metrics import ServiceMetrics

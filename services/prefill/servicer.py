@@ -14,10 +14,10 @@ import dataclasses
 
 import grpc
 
+from tandem.contracts.proto import finish_reason_to_proto, logprobs_to_proto
 from tandem.engine.kv_connector_store import prompt_block_hashes
 from tandem.engine.stop import check_stop
 from tandem.services.common.context import ServiceContext, now_ns
-from tandem.services.common.convert import finish_reason_to_proto, logprobs_to_proto
 from tandem.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 
 

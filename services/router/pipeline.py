@@ -34,8 +34,9 @@ from typing import Any
 
 import grpc
 
+from tandem.contracts.proto import sampling_params_to_proto
 from tandem.engine.sampling_params import SamplingParams
-from tandem.services.router.client import CALLER_ERROR_CODES, InstancePool, to_proto_sampling
+from tandem.services.router.client import CALLER_ERROR_CODES, InstancePool
 from tandem.services.router.discovery import Discovery, InstanceInfo
 from tandem.services.router.errors import OpenAIError
 from tandem.services.router.metrics import RouterMetrics
@@ -180,7 +181,7 @@ class Pipeline:
         mode = self.mode()
         timings = Timings(router_queue_ns=router_queue_ns)
         state = SeqState(self.tokenizer, self.metrics, index, req, sp, timings)
-        psp = to_proto_sampling(sp)
+        psp = sampling_params_to_proto(sp)
         metadata = (("x-request-id", seq_id),)
         if mode == "disagg":
             ctx = RouteContext("prefill", req.prompt_token_ids, seq_id)
