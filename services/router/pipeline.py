@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -35,6 +34,7 @@ from typing import Any
 import grpc
 
 from tandem.contracts.proto import sampling_params_to_proto
+from tandem.engine.fan_out import fan_out
 from tandem.engine.sampling_params import SamplingParams
 from tandem.services.router.client import CALLER_ERROR_CODES, InstancePool
 from tandem.services.router.discovery import Discovery, InstanceInfo
@@ -138,21 +138,22 @@ class Pipeline:
             self.mode()  # fail fast (503) before any RPC
             m = self.metrics
             m.labels(m.prompt_tokens).inc(len(req.prompt_token_ids))
-            sp = req.sampling_params
-            if sp.n == 1:
-                async for d in self._run_seq(0, req, sp, req.request_id, router_queue_ns):
+            children = fan_out(req.request_id, req.sampling_params)
+            if len(children) == 1:
+                only = children[0]
+                async for d in self._run_seq(only.index, req, only.sampling_params,
+                                             only.request_id, router_queue_ns):
                     yield d
                 return
             queue: asyncio.Queue[SeqDelta | BaseException | None] = asyncio.Queue()
             tasks = [
-                asyncio.create_task(self._pump(queue, i, req, dataclasses.replace(
-                    sp, n=1, seed=None if sp.seed is None else sp.seed + i),
-                    f"{req.request_id}-{i}", router_queue_ns))
-                for i in range(sp.n)
+                asyncio.create_task(self._pump(queue, c.index, req, c.sampling_params,
+                                               c.request_id, router_queue_ns))
+                for c in children
             ]
             try:
                 num_done = 0
-                while num_done < sp.n:
+                while num_done < len(children):
                     item = await queue.get()
                     if item is None:
                         num_done += 1
