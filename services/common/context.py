@@ -19,7 +19,7 @@ from tandem.contracts.proto import sampling_params_from_proto
 from tandem.engine.block_hash import HASH_ALGORITHM
 from tandem.engine.config import EngineConfig
 from tandem.engine.request import Request
-from tandem.services.common.convert import check_token_ids
+from tandem.engine.validation import RequestLimits, validate_request
 from tandem.services.common.engine_loop import EngineLoop
 from tandem.services.common.errors import CapacityError
 from tandem.services.common.metrics import ServiceMetrics
@@ -120,9 +120,9 @@ class ServiceContext:
         self.max_model_len: int = runner.max_model_len
         # Context length capped by the KV cache's capacity (the scheduler's limit).
         self.max_seq_len: int = engine.scheduler.max_seq_len
+        self.limits: RequestLimits = engine.limits
         self.eos_token_id: int | None = runner.eos_token_id
         self.model_id: str = runner.loaded.model_id
-        self.num_total_blocks: int = engine.scheduler.kv_cache_manager.block_pool.num_blocks
         self.kv_layout_fingerprint: bytes = layout_fingerprint_bytes(engine)
         self.hash_algorithm = HASH_ALGORITHM
         self.metrics = ServiceMetrics(role)
@@ -158,27 +158,19 @@ class ServiceContext:
     ) -> Request:
         """Validate a protobuf request's fields and build the engine ``Request``.
 
+        The rules are the engine's (``engine.validation.validate_request`` against
+        ``EngineCore.limits``), checked here so that a bad request is rejected before it
+        reaches the engine thread.
+
         Raises:
-            ValueError: empty prompt, token ids outside the vocabulary, a bad
-                sampling parameter, a prompt longer than the context (naming the field).
-            CapacityError: the prompt can never fit in the KV cache, or the queue is full.
+            ValueError: naming the field: a bad sampling parameter, an empty prompt, token
+                ids outside the vocabulary, a prompt that leaves no room in the context.
+            KVCapacityError: the prompt can never fit in this instance's KV cache.
+            CapacityError: the queue is full.
         """
         prompt = list(prompt_token_ids)
-        if not prompt:
-            raise ValueError("prompt_token_ids must not be empty")
-        check_token_ids(prompt, self.vocab_size, "prompt_token_ids")
-        if len(prompt) >= self.max_model_len:
-            raise ValueError(
-                f"prompt_token_ids has {len(prompt)} tokens; the context length is "
-                f"{self.max_model_len}, leaving no room to generate"
-            )
         params = sampling_params_from_proto(params_msg)
-        params.verify_vocab(self.vocab_size)
-        if cdiv(len(prompt) + 1, self.block_size) > self.num_total_blocks:
-            raise CapacityError(
-                f"prompt of {len(prompt)} tokens needs more than the "
-                f"{self.num_total_blocks} KV blocks of this instance"
-            )
+        validate_request(prompt, params, self.limits)
         if self.engine_loop.num_in_flight >= self.max_waiting + self.config.scheduler.max_num_seqs:
             raise CapacityError(
                 f"instance overloaded: {self.engine_loop.num_in_flight} requests in flight"

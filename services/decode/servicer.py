@@ -24,8 +24,8 @@ from tandem.engine.kv_connector_store import make_kv_transfer_params
 from tandem.engine.outputs import EngineCoreOutput
 from tandem.engine.request import Request
 from tandem.engine.stop import check_stop
+from tandem.engine.validation import check_token_ids
 from tandem.services.common.context import ServiceContext, cdiv, now_ns
-from tandem.services.common.convert import check_token_ids
 from tandem.services.common.errors import LayoutMismatchError
 from tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 

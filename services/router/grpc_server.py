@@ -14,7 +14,8 @@ from collections.abc import AsyncIterator
 import grpc
 
 from tandem.contracts.proto import finish_reason_to_proto, sampling_params_from_proto
-from tandem.services.router.errors import OpenAIError
+from tandem.engine.validation import RequestError, check_context_length
+from tandem.services.router.errors import OpenAIError, from_request_error
 from tandem.services.router.frontend import Frontend
 from tandem.services.router.sequence import GenerationRequest
 from tandem.v1 import common_pb2, generation_pb2, generation_pb2_grpc
@@ -87,21 +88,17 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                 [{"role": m.role, "content": m.content} for m in request.chat.messages])
         else:
             raise OpenAIError("one of text, token_ids or chat is required", param="prompt")
-        room = fe.max_model_len - len(ids)
         msg = request.sampling_params
         max_tokens = msg.max_tokens if msg.HasField("max_tokens") else None
-        if room < 1 or (max_tokens is not None and max_tokens > room):
-            raise OpenAIError(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceed "
-                              f"the context length {fe.max_model_len}",
-                              code="context_length_exceeded")
         try:
+            check_context_length(len(ids), fe.max_model_len, max_tokens, field=which)
             sp = sampling_params_from_proto(
-                msg, max_tokens_if_unset=room, stop=list(request.stop),
+                msg, max_tokens_if_unset=fe.max_model_len - len(ids), stop=list(request.stop),
                 include_stop_str_in_output=request.include_stop_str_in_output,
                 skip_special_tokens=(request.skip_special_tokens
                                      if request.HasField("skip_special_tokens") else True))
-        except ValueError as exc:
-            raise OpenAIError(str(exc)) from exc
+        except RequestError as exc:
+            raise from_request_error(exc) from exc
         fe.check_sampling_params(sp)
         return GenerationRequest(rid, ids, sp)
 
