@@ -28,7 +28,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from typing import Any
 
 import grpc
@@ -39,6 +39,7 @@ from tandem.engine.sampling_params import SamplingParams
 from tandem.services.router.client import CALLER_ERROR_CODES, InstancePool
 from tandem.services.router.discovery import Discovery, InstanceInfo
 from tandem.services.router.errors import OpenAIError
+from tandem.services.router.merge import merge_streams
 from tandem.services.router.metrics import RouterMetrics
 from tandem.services.router.routing import RouteContext, Router
 from tandem.services.router.sequence import (
@@ -139,46 +140,18 @@ class Pipeline:
             m = self.metrics
             m.labels(m.prompt_tokens).inc(len(req.prompt_token_ids))
             children = fan_out(req.request_id, req.sampling_params)
-            if len(children) == 1:
-                only = children[0]
-                async for d in self._run_seq(only.index, req, only.sampling_params,
-                                             only.request_id, router_queue_ns):
-                    yield d
-                return
-            queue: asyncio.Queue[SeqDelta | BaseException | None] = asyncio.Queue()
-            tasks = [
-                asyncio.create_task(self._pump(queue, c.index, req, c.sampling_params,
-                                               c.request_id, router_queue_ns))
+            streams = [
+                self._run_seq(c.index, req, c.sampling_params, c.request_id, router_queue_ns)
                 for c in children
             ]
-            try:
-                num_done = 0
-                while num_done < len(children):
-                    item = await queue.get()
-                    if item is None:
-                        num_done += 1
-                    elif isinstance(item, BaseException):
-                        raise item
-                    else:
-                        yield item
-            finally:
-                for t in tasks:
-                    t.cancel()
-                await asyncio.gather(*tasks, return_exceptions=True)
-
-    async def _pump(self, queue: asyncio.Queue, index: int, req: GenerationRequest,
-                    sp: SamplingParams, seq_id: str, router_queue_ns: int) -> None:
-        try:
-            async for d in self._run_seq(index, req, sp, seq_id, router_queue_ns):
-                queue.put_nowait(d)
-            queue.put_nowait(None)
-        except asyncio.CancelledError:
-            raise
-        except BaseException as exc:  # noqa: BLE001 - handed to the consumer, which raises it
-            queue.put_nowait(exc)
+            # NOTE: closed explicitly, so a client going away cancels every RPC before the
+            # admission slot is given back (not later, when the generator is collected).
+            async with contextlib.aclosing(merge_streams(streams)) as deltas:
+                async for d in deltas:
+                    yield d
 
     async def _run_seq(self, index: int, req: GenerationRequest, sp: SamplingParams,
-                       seq_id: str, router_queue_ns: int) -> AsyncIterator[SeqDelta]:
+                       seq_id: str, router_queue_ns: int) -> AsyncGenerator[SeqDelta, None]:
         mode = self.mode()
         timings = Timings(router_queue_ns=router_queue_ns)
         state = SeqState(self.tokenizer, self.metrics, index, req, sp, timings)

@@ -62,3 +62,44 @@ def test_router_pipeline_runs_the_fan_out_children(monkeypatch, n) -> None:
     asyncio.run(drain())
     want = [(c.index, c.request_id, c.sampling_params.seed) for c in fan_out("rid", params)]
     assert sorted(seen) == want
+
+
+def test_merge_streams_interleaves_raises_and_cancels_on_close() -> None:
+    """The router's one fan-in (n completions, several prompts): items in arrival order,
+    the first error raised, and an early close cancels the streams still running."""
+    from tandem.services.router.merge import merge_streams
+
+    cancelled: list[str] = []
+
+    async def stream(name: str, count: int, fail: bool = False, block: bool = False):
+        try:
+            for i in range(count):
+                yield f"{name}{i}"
+                await asyncio.sleep(0)
+            if fail:
+                raise RuntimeError(f"{name} failed")
+            if block:
+                await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            cancelled.append(name)
+            raise
+
+    async def collect(streams):
+        return [x async for x in merge_streams(streams)]
+
+    got = asyncio.run(collect([stream("a", 2), stream("b", 3)]))
+    assert sorted(got) == ["a0", "a1", "b0", "b1", "b2"]
+    assert asyncio.run(collect([stream("only", 2)])) == ["only0", "only1"]
+    with pytest.raises(RuntimeError, match="b failed"):
+        asyncio.run(collect([stream("a", 1, block=True), stream("b", 1, fail=True)]))
+    assert cancelled == ["a"]
+
+    async def first_then_close() -> str:
+        merged = merge_streams([stream("x", 1, block=True), stream("y", 1, block=True)])
+        first = await anext(merged)
+        await merged.aclose()
+        return first
+
+    cancelled.clear()
+    assert asyncio.run(first_then_close()) in {"x0", "y0"}
+    assert sorted(cancelled) == ["x", "y"]
