@@ -58,8 +58,10 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         done_ns = now_ns()
         req.sampling_params = full_params
         token_id = first.new_token_ids[0]
-        stop = None if aborted else check_stop(req, ctx.max_seq_len)
-        reason = "abort" if aborted else stop.finish_reason if stop is not None else None
+        reason: str | None = "abort"
+        if not aborted:
+            stop = check_stop(req, ctx.max_seq_len)
+            reason = None if stop is None else stop.finish_reason
         scheduled_ns = _mono_ns(req.first_scheduled_time, arrival_ns)
         resp = prefill_pb2.PrefillResponse(
             request_id=req.request_id,
