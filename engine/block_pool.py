@@ -139,22 +139,15 @@ class BlockPool:
         """Blocks with ref_cnt 0 (cached or not): what ``get_new_blocks`` can hand out."""
         return self.free_block_queue.num_free_blocks
 
-    def get_num_free_blocks(self) -> int:
-        return self.free_block_queue.num_free_blocks
-
     @property
     def num_cached_blocks(self) -> int:
         """Blocks currently registered in the prefix cache (used or free)."""
         return len(self.cached_block_hash_to_block)
 
-    def get_usage(self) -> float:
-        """Fraction of blocks in use by requests, in [0, 1]."""
-        return 1.0 - self.num_free_blocks / self.num_blocks
-
     @property
     def usage(self) -> float:
-        """Same as ``get_usage()``."""
-        return self.get_usage()
+        """Fraction of blocks in use by requests (ref_cnt > 0), in [0, 1]."""
+        return 1.0 - self.num_free_blocks / self.num_blocks
 
     def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
         """The block holding ``block_hash``'s KV, or ``None`` on a miss. Mutates nothing."""

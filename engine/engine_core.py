@@ -28,6 +28,7 @@ from tandem.engine.model_facts import ModelFacts
 from tandem.engine.outputs import EngineCoreOutput
 from tandem.engine.request import Request
 from tandem.engine.sched_output import ModelRunnerOutput
+from tandem.engine.validation import RequestLimits, validate_request
 
 if TYPE_CHECKING:
     from tandem.engine.kv_connector import KVConnectorScheduler, KVConnectorWorker
@@ -85,6 +86,10 @@ class EngineCore:
             self.max_model_len,
             connector=self.connector_scheduler,
         )
+        #: What a request must fit here (the router and services check the same rules).
+        self.limits: RequestLimits = dataclasses.replace(
+            self.scheduler.limits, vocab_size=self.vocab_size
+        )
         self.num_steps = 0
         logger.info(
             "engine ready: model=%s dtype=%s blocks=%d (%d tokens) max_model_len=%d",
@@ -121,42 +126,12 @@ class EngineCore:
         """Check a request against this engine's limits; allocate nothing.
 
         Raises:
-            ValueError: naming the field and the allowed range: empty
-                ``prompt_token_ids``, a prompt of ``max_model_len`` tokens or more
-                (at least one token must fit after it), or that the KV cache or (without
-                chunked prefill) one step's token budget cannot hold, a prompt token id outside
-                ``[0, vocab_size)``, a ``logit_bias`` / ``stop_token_ids`` id outside
-                the vocabulary, or a request id already in the engine.
+            ValueError: naming the field: a rule of ``engine.validation.validate_request``
+                against :attr:`limits` (a ``KVCapacityError`` when the prompt can never
+                fit in the KV cache), or a request id already in the engine.
         """
-        prompt = request.prompt_token_ids
-        if len(prompt) == 0:
-            raise ValueError("prompt_token_ids must not be empty (the prompt has no tokens)")
-        if len(prompt) >= self.max_model_len:
-            raise ValueError(
-                f"prompt length {len(prompt)} must be < max_model_len {self.max_model_len} "
-                f"(prompt_token_ids: 1..{self.max_model_len - 1} tokens)"
-            )
-        cache_tokens = self.scheduler.max_seq_len
-        if len(prompt) >= cache_tokens:
-            raise ValueError(
-                f"prompt length {len(prompt)} must be < {cache_tokens}, the tokens the KV "
-                f"cache holds ({self.num_blocks} blocks of {self.config.cache.block_size})"
-            )
-        sched_cfg = self.config.scheduler
-        if not sched_cfg.enable_chunked_prefill and len(prompt) > sched_cfg.max_num_batched_tokens:
-            raise ValueError(
-                f"prompt length {len(prompt)} must be <= max_num_batched_tokens "
-                f"{sched_cfg.max_num_batched_tokens} when chunked prefill is off"
-            )
-        lo, hi = min(prompt), max(prompt)
-        if lo < 0 or hi >= self.vocab_size:
-            bad = lo if lo < 0 else hi
-            raise ValueError(
-                f"prompt_token_ids contains token id {bad} outside [0, {self.vocab_size})"
-            )
-        request.sampling_params.verify_vocab(self.vocab_size)
-        if request.request_id in self.scheduler.requests:
-            raise ValueError(f"request_id {request.request_id!r} is already in the engine")
+        validate_request(request.prompt_token_ids, request.sampling_params, self.limits)
+        self.scheduler.check_request_id(request.request_id)
 
     def add_request(self, request: Request) -> None:
         """Validate and queue a request.

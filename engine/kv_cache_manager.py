@@ -102,7 +102,7 @@ class KVCacheManager:
     @property
     def usage(self) -> float:
         """Fraction of blocks held by requests, in [0, 1]."""
-        return self.block_pool.get_usage()
+        return self.block_pool.usage
 
     def has_blocks(self, request_id: str) -> bool:
         return request_id in self.req_to_blocks

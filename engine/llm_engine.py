@@ -8,7 +8,6 @@ child in the scheduler with ``FINISHED_STOPPED``), logprob token texts, abort.
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import itertools
 from collections.abc import Sequence
@@ -18,6 +17,7 @@ from tandem.engine.config import EngineConfig
 from tandem.engine.detokenizer import IncrementalDetokenizer
 from tandem.engine.engine_core import EngineCore
 from tandem.engine.executor import create_executor
+from tandem.engine.fan_out import fan_out
 from tandem.engine.outputs import CompletionOutput, EngineCoreOutput, RequestOutput
 from tandem.engine.request import PositionLogprobs, Request, RequestStatus
 from tandem.engine.sampling_params import SamplingParams
@@ -138,9 +138,9 @@ class LLMEngine:
     ) -> tuple[_Parent, list[Request]]:
         """Build (and validate) the child requests of one prompt; allocate nothing.
 
-        Children of a seeded request get seeds ``seed + i`` so their samples differ
-        but stay reproducible. Child ids are ``request_id`` for ``n == 1`` and
-        ``f"{i}_{request_id}"`` otherwise.
+        Children come from ``engine.fan_out.fan_out``: seeds ``seed + i`` (their samples
+        differ but stay reproducible), ids ``request_id`` for ``n == 1`` and
+        ``f"{request_id}-{i}"`` otherwise.
 
         Raises:
             ValueError: naming the field (see ``EngineCore.validate_request``), or
@@ -151,22 +151,17 @@ class LLMEngine:
         ids = self.tokenize(prompt)
         parent = _Parent(request_id, prompt if isinstance(prompt, str) else None, ids, kind)
         requests = []
-        for i in range(params.n):
-            child_params = dataclasses.replace(
-                params, n=1, seed=None if params.seed is None else params.seed + i
-            )
-            child_id = request_id if params.n == 1 else f"{i}_{request_id}"
+        for child in fan_out(request_id, params):
             req = Request(
-                request_id=child_id,
+                request_id=child.request_id,
                 prompt_token_ids=ids,
-                sampling_params=child_params,
+                sampling_params=child.sampling_params,
                 eos_token_id=self.engine_core.eos_token_id,
                 priority=priority,
             )
             self.engine_core.validate_request(req)
-            parent.children.append(
-                _Child(i, req, IncrementalDetokenizer(self.tokenizer, ids, child_params))
-            )
+            detok = IncrementalDetokenizer(self.tokenizer, ids, child.sampling_params)
+            parent.children.append(_Child(child.index, req, detok))
             requests.append(req)
         return parent, requests
 

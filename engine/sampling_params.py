@@ -1,12 +1,16 @@
 """Per-request sampling parameters, with vLLM's names and defaults.
 
-Validated once at construction; every error is a ``ValueError`` that names the
-field and its allowed range, raised before the engine allocates anything.
+Validated once at construction; every error is a ``RequestError`` (a ``ValueError``)
+that names the field (``.field``) and its allowed range, raised before the engine
+allocates anything. Checks against a model (token ids in the vocabulary) are in
+``engine.validation``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from tandem.engine.validation import RequestError
 
 _SAMPLING_EPS = 1e-5
 
@@ -45,7 +49,7 @@ class SamplingParams:
         spaces_between_special_tokens: as in vLLM/transformers decode.
 
     Raises:
-        ValueError: naming the field, for any value outside its range.
+        RequestError: naming the field, for any value outside its range.
     """
 
     n: int = 1
@@ -80,57 +84,48 @@ class SamplingParams:
 
     def _verify(self) -> None:
         if not isinstance(self.n, int) or self.n < 1:
-            raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
+            raise _bad("n", "be an integer >= 1", repr(self.n))
         # NOTE: `not x >= 0` (not `x < 0`) so that NaN is rejected too.
         if not self.temperature >= 0.0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+            raise _bad("temperature", "be >= 0", self.temperature)
         if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise _bad("top_p", "be in (0, 1]", self.top_p)
         if self.top_k == 0 or self.top_k < -1:
-            raise ValueError(f"top_k must be -1 (disabled) or >= 1, got {self.top_k}")
+            raise _bad("top_k", "be -1 (disabled) or >= 1", self.top_k)
         if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+            raise _bad("min_p", "be in [0, 1]", self.min_p)
         if not -2.0 <= self.presence_penalty <= 2.0:
-            raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+            raise _bad("presence_penalty", "be in [-2, 2]", self.presence_penalty)
         if not -2.0 <= self.frequency_penalty <= 2.0:
-            raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+            raise _bad("frequency_penalty", "be in [-2, 2]", self.frequency_penalty)
         if not self.repetition_penalty > 0.0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+            raise _bad("repetition_penalty", "be > 0", self.repetition_penalty)
         if self.max_tokens is not None and self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+            raise _bad("max_tokens", "be >= 1", self.max_tokens)
         if self.min_tokens < 0:
-            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+            raise _bad("min_tokens", "be >= 0", self.min_tokens)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(
-                f"min_tokens must be <= max_tokens, got {self.min_tokens} > {self.max_tokens}"
-            )
+            raise _bad("min_tokens", "be <= max_tokens", f"{self.min_tokens} > {self.max_tokens}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
+            raise _bad("logprobs", "be in [0, 20]", self.logprobs)
         if self.prompt_logprobs is not None:
-            raise ValueError("prompt_logprobs is not supported")
+            raise RequestError("prompt_logprobs", "prompt_logprobs is not supported")
         if self.seed is not None and not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+            raise _bad("seed", "be an integer", repr(self.seed))
         if self.logit_bias:
             for tok, bias in self.logit_bias.items():
                 if not -100.0 <= bias <= 100.0:
-                    raise ValueError(f"logit_bias[{tok}] must be in [-100, 100], got {bias}")
+                    raise RequestError(
+                        "logit_bias", f"logit_bias[{tok}] must be in [-100, 100], got {bias}"
+                    )
         if any(not s for s in self.stop):
-            raise ValueError("stop must not contain empty strings")
+            raise RequestError("stop", "stop must not contain empty strings")
 
     @property
     def greedy(self) -> bool:
         """True when sampling reduces to argmax."""
         return self.temperature < _SAMPLING_EPS
 
-    def verify_vocab(self, vocab_size: int) -> None:
-        """Check token ids in the params against the vocabulary size.
 
-        Raises:
-            ValueError: a logit_bias or stop_token_ids entry outside [0, vocab_size).
-        """
-        for tok in self.logit_bias or {}:
-            if not 0 <= tok < vocab_size:
-                raise ValueError(f"logit_bias token id {tok} outside [0, {vocab_size})")
-        for tok in self.stop_token_ids:
-            if not 0 <= tok < vocab_size:
-                raise ValueError(f"stop_token_ids entry {tok} outside [0, {vocab_size})")
+def _bad(field: str, rule: str, value: object) -> RequestError:
+    return RequestError(field, f"{field} must {rule}, got {value}")

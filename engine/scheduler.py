@@ -37,6 +37,8 @@ from tandem.engine.outputs import EngineCoreOutput
 from tandem.engine.request import Request, RequestStatus
 from tandem.engine.request_queue import create_request_queue
 from tandem.engine.sched_output import ModelRunnerOutput, SchedulerOutput
+from tandem.engine.stop import check_stop
+from tandem.engine.validation import RequestLimits, validate_request
 
 logger = logging.getLogger(__name__)
 
@@ -117,6 +119,15 @@ class Scheduler:
                 max_model_len,
                 self.max_seq_len,
             )
+        #: What a prompt must fit (the engine adds the vocabulary).
+        self.limits = RequestLimits(
+            max_model_len=max_model_len,
+            max_kv_tokens=num_blocks * cache_config.block_size,
+            max_prefill_tokens=(
+                None if scheduler_config.enable_chunked_prefill
+                else scheduler_config.max_num_batched_tokens
+            ),
+        )
         self.kv_cache_manager = KVCacheManager(
             num_blocks, self.block_size, cache_config.enable_prefix_caching
         )
@@ -140,35 +151,25 @@ class Scheduler:
         """Queue a new request (status WAITING).
 
         Raises:
-            ValueError: duplicate ``request_id``; empty ``prompt_token_ids``; more
-                tokens than ``max_model_len`` or than the KV cache holds; with
-                chunked prefill off, more than ``max_num_batched_tokens``.
+            ValueError: duplicate ``request_id`` (``check_request_id``); a prompt that
+                breaks :attr:`limits` (``engine.validation.validate_request``: empty,
+                no room for a token in ``max_model_len`` or in the KV cache, or, with
+                chunked prefill off, more than ``max_num_batched_tokens``).
         """
-        rid = request.request_id
-        if rid in self.requests or rid in self._pending_free:
-            raise ValueError(f"request_id {rid!r} already exists")
-        n = request.num_tokens
-        if request.num_prompt_tokens == 0:
-            raise ValueError("prompt_token_ids must not be empty")
-        if n > self.max_model_len:
-            raise ValueError(
-                f"prompt_token_ids has {n} tokens, more than max_model_len {self.max_model_len}"
-            )
-        if n > self.max_seq_len:
-            raise ValueError(
-                f"prompt_token_ids has {n} tokens, more than the KV cache holds "
-                f"({self.max_seq_len} tokens)"
-            )
-        if not self.config.enable_chunked_prefill and n > self.config.max_num_batched_tokens:
-            raise ValueError(
-                f"prompt_token_ids has {n} tokens, more than max_num_batched_tokens "
-                f"{self.config.max_num_batched_tokens} (enable chunked prefill to allow it)"
-            )
+        self.check_request_id(request.request_id)
+        validate_request(request.prompt_token_ids, request.sampling_params, self.limits)
         if request.status != RequestStatus.WAITING:
             raise ValueError(f"request status must be WAITING, got {request.status.name}")
+        rid = request.request_id
         self.requests[rid] = request
         self._arrival_seq[rid] = next(self._seq)
         self.waiting.add(request)
+
+    def check_request_id(self, request_id: str) -> None:
+        """Raises: ValueError naming ``request_id`` when it is in use (unfinished, or
+        finished with its blocks still held for the connector)."""
+        if request_id in self.requests or request_id in self._pending_free:
+            raise ValueError(f"request_id {request_id!r} is already in the engine")
 
     # -- scheduling --------------------------------------------------------------------
 
@@ -395,22 +396,13 @@ class Scheduler:
         return outputs
 
     def _check_stop(self, req: Request) -> bool:
-        sp = req.sampling_params
-        token = req.output_token_ids[-1]
-        if req.num_output_tokens > sp.min_tokens:
-            if not sp.ignore_eos and token == req.eos_token_id:
-                req.status = RequestStatus.FINISHED_STOPPED
-                return True
-            if token in sp.stop_token_ids:
-                req.status = RequestStatus.FINISHED_STOPPED
-                req.stop_reason = token
-                return True
-        if (sp.max_tokens is not None and req.num_output_tokens >= sp.max_tokens) or (
-            req.num_tokens >= self.max_seq_len
-        ):
-            req.status = RequestStatus.FINISHED_LENGTH_CAPPED
-            return True
-        return False
+        stop = check_stop(req, self.max_seq_len)
+        if stop is None:
+            return False
+        req.status = stop.status
+        if stop.stop_reason is not None:
+            req.stop_reason = stop.stop_reason
+        return True
 
     def _update_transfers(
         self, finished_recving: Mapping[str, int] | Iterable[str], finished_sending: Iterable[str]

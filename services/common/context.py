@@ -17,10 +17,11 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from tandem.contracts.block_hash import HASH_ALGORITHM
+from tandem.contracts.proto import sampling_params_from_proto
 from tandem.engine.config import EngineConfig
 from tandem.engine.kv_connector import KVConnectorWorker, LoadResult, SaveResult
 from tandem.engine.request import Request
-from tandem.services.common.convert import check_token_ids, sampling_params_from_proto
+from tandem.engine.validation import RequestLimits, validate_request
 from tandem.services.common.engine_loop import EngineLoop
 from tandem.services.common.errors import CapacityError
 from tandem.services.common.metrics import ServiceMetrics
@@ -122,9 +123,9 @@ class ServiceContext:
         self.max_model_len: int = facts.max_model_len
         # Context length capped by the KV cache's capacity (the scheduler's limit).
         self.max_seq_len: int = engine.scheduler.max_seq_len
+        self.limits: RequestLimits = engine.limits
         self.eos_token_id: int | None = facts.eos_token_id
         self.model_id: str = facts.model_id
-        self.num_total_blocks: int = engine.num_blocks
         self.kv_layout_fingerprint: bytes = engine.layout.fingerprint
         self.hash_algorithm = HASH_ALGORITHM
         self.metrics = ServiceMetrics(role)
@@ -157,27 +158,19 @@ class ServiceContext:
     ) -> Request:
         """Validate a protobuf request's fields and build the engine ``Request``.
 
+        The rules are the engine's (``engine.validation.validate_request`` against
+        ``EngineCore.limits``), checked here so that a bad request is rejected before it
+        reaches the engine thread.
+
         Raises:
-            ValueError: empty prompt, token ids outside the vocabulary, a bad
-                sampling parameter, a prompt longer than the context (naming the field).
-            CapacityError: the prompt can never fit in the KV cache, or the queue is full.
+            ValueError: naming the field: a bad sampling parameter, an empty prompt, token
+                ids outside the vocabulary, a prompt that leaves no room in the context.
+            KVCapacityError: the prompt can never fit in this instance's KV cache.
+            CapacityError: the queue is full.
         """
         prompt = list(prompt_token_ids)
-        if not prompt:
-            raise ValueError("prompt_token_ids must not be empty")
-        check_token_ids(prompt, self.vocab_size, "prompt_token_ids")
-        if len(prompt) >= self.max_model_len:
-            raise ValueError(
-                f"prompt_token_ids has {len(prompt)} tokens; the context length is "
-                f"{self.max_model_len}, leaving no room to generate"
-            )
         params = sampling_params_from_proto(params_msg)
-        params.verify_vocab(self.vocab_size)
-        if cdiv(len(prompt) + 1, self.block_size) > self.num_total_blocks:
-            raise CapacityError(
-                f"prompt of {len(prompt)} tokens needs more than the "
-                f"{self.num_total_blocks} KV blocks of this instance"
-            )
+        validate_request(prompt, params, self.limits)
         if self.engine_loop.num_in_flight >= self.max_waiting + self.config.scheduler.max_num_seqs:
             raise CapacityError(
                 f"instance overloaded: {self.engine_loop.num_in_flight} requests in flight"
@@ -189,26 +182,6 @@ class ServiceContext:
             eos_token_id=self.eos_token_id,
             priority=priority,
         )
-
-    def first_token_finish_reason(self, request: Request, token_id: int) -> str | None:
-        """Whether output token 1 finishes ``request`` (same rules as the scheduler).
-
-        Returns:
-            "stop" (EOS / stop token id, once min_tokens is met), "length"
-            (max_tokens == 1 or the context is full) or ``None``.
-        """
-        params = request.sampling_params
-        # The scheduler stops on EOS / stop ids once more than min_tokens were generated.
-        if params.min_tokens < 1:
-            if not params.ignore_eos and token_id == self.eos_token_id:
-                return "stop"
-            if token_id in params.stop_token_ids:
-                return "stop"
-        if params.max_tokens is not None and params.max_tokens <= 1:
-            return "length"
-        if request.num_prompt_tokens + 1 >= self.max_seq_len:
-            return "length"
-        return None
 
     async def stats(self) -> Any:
         """The scheduler's ``SchedulerStats`` (read in the engine thread; the last

@@ -6,6 +6,8 @@ every RPC handler of the server and maps them (STYLE.md example 8):
 =================================  ===================
 exception                          gRPC status
 =================================  ===================
+``KVCapacityError``                RESOURCE_EXHAUSTED (the prompt never fits this
+                                   instance's KV cache; another's may be larger)
 ``ValueError``                     INVALID_ARGUMENT (the message names the field)
 ``UnknownRequestError``            NOT_FOUND
 ``CapacityError``                  RESOURCE_EXHAUSTED
@@ -28,6 +30,8 @@ from typing import Any
 
 import grpc
 
+from tandem.engine.validation import KVCapacityError
+
 logger = logging.getLogger(__name__)
 
 
@@ -47,7 +51,10 @@ class ShuttingDownError(RuntimeError):
     """The instance is draining and takes no new requests."""
 
 
+# NOTE: first match wins: KVCapacityError is a ValueError (the engine's own callers see
+# a bad request), but for a service it is "not here", not "never".
 _CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
+    (KVCapacityError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
     (UnknownRequestError, grpc.StatusCode.NOT_FOUND),
     (CapacityError, grpc.StatusCode.RESOURCE_EXHAUSTED),

@@ -21,14 +21,12 @@ import torch
 
 from tandem.contracts.block_hash import BlockHash
 from tandem.contracts.block_key import KVTransferParams
+from tandem.contracts.proto import finish_reason_to_proto, logprobs_to_proto
 from tandem.engine.outputs import EngineCoreOutput
 from tandem.engine.request import Request
+from tandem.engine.stop import check_stop
+from tandem.engine.validation import check_token_ids
 from tandem.services.common.context import ServiceContext, cdiv, now_ns
-from tandem.services.common.convert import (
-    check_token_ids,
-    finish_reason_to_proto,
-    logprobs_to_proto,
-)
 from tandem.services.common.errors import LayoutMismatchError
 from tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 
@@ -98,10 +96,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         req = self._build(request)
         disaggregated = request.HasField("first_token_id")
         if disaggregated:
-            reason = ctx.first_token_finish_reason(req, request.first_token_id)
-            if reason is not None:
+            stop = check_stop(req, ctx.max_seq_len)
+            if stop is not None:
                 yield decode_pb2.DecodeResponse(
-                    finish_reason=finish_reason_to_proto(reason), num_cached_tokens=0
+                    finish_reason=finish_reason_to_proto(stop.finish_reason), num_cached_tokens=0
                 )
                 return
         num_top = req.sampling_params.logprobs

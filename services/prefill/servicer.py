@@ -15,8 +15,9 @@ import dataclasses
 import grpc
 
 from tandem.contracts.block_hash import prompt_block_hashes
+from tandem.contracts.proto import finish_reason_to_proto, logprobs_to_proto
+from tandem.engine.stop import check_stop
 from tandem.services.common.context import ServiceContext, now_ns
-from tandem.services.common.convert import finish_reason_to_proto, logprobs_to_proto
 from tandem.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 
 
@@ -57,7 +58,10 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         done_ns = now_ns()
         req.sampling_params = full_params
         token_id = first.new_token_ids[0]
-        reason = "abort" if aborted else ctx.first_token_finish_reason(req, token_id)
+        reason: str | None = "abort"
+        if not aborted:
+            stop = check_stop(req, ctx.max_seq_len)
+            reason = None if stop is None else stop.finish_reason
         scheduled_ns = _mono_ns(req.first_scheduled_time, arrival_ns)
         resp = prefill_pb2.PrefillResponse(
             request_id=req.request_id,

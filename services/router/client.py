@@ -2,7 +2,6 @@
 
 :class:`InstancePool` keeps one ``grpc.aio`` channel per address for the router's life
 (HTTP/2 multiplexes every concurrent request over it) and closes them on shutdown.
-Also converts the engine's ``SamplingParams`` to the protobuf form.
 """
 
 from __future__ import annotations
@@ -12,7 +11,6 @@ import logging
 
 import grpc
 
-from tandem.engine.sampling_params import SamplingParams
 from tandem.services.router.discovery import Discovery
 from tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
@@ -29,31 +27,6 @@ _CHANNEL_OPTIONS = [
 #: gRPC codes that mean "the request itself is bad": reported to the client, not retried.
 CALLER_ERROR_CODES = frozenset({grpc.StatusCode.INVALID_ARGUMENT,
                                 grpc.StatusCode.OUT_OF_RANGE})
-
-
-def to_proto_sampling(sp: SamplingParams) -> common_pb2.SamplingParams:
-    """The protobuf ``SamplingParams`` for the engine (stop strings stay in the router)."""
-    msg = common_pb2.SamplingParams(
-        temperature=sp.temperature,
-        top_k=sp.top_k,
-        top_p=sp.top_p,
-        min_p=sp.min_p,
-        presence_penalty=sp.presence_penalty,
-        frequency_penalty=sp.frequency_penalty,
-        repetition_penalty=sp.repetition_penalty,
-        min_tokens=sp.min_tokens,
-        ignore_eos=sp.ignore_eos,
-        stop_token_ids=sp.stop_token_ids,
-    )
-    if sp.seed is not None:
-        msg.seed = sp.seed
-    if sp.max_tokens is not None:
-        msg.max_tokens = sp.max_tokens
-    if sp.logprobs is not None:
-        msg.logprobs = sp.logprobs
-    for tok, bias in (sp.logit_bias or {}).items():
-        msg.logit_bias[tok] = bias
-    return msg
 
 
 class InstancePool:

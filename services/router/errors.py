@@ -18,6 +18,8 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from tandem.engine.validation import ContextLengthError, RequestError
+
 logger = logging.getLogger(__name__)
 
 _TYPE_BY_STATUS = {
@@ -85,10 +87,27 @@ def from_validation_error(exc: ValidationError | RequestValidationError) -> Open
     return OpenAIError(f"{param}: {msg}" if param else msg, param=param)
 
 
+def from_request_error(exc: RequestError) -> OpenAIError:
+    """A 400 naming ``exc.field`` as ``param``, for a request that breaks an engine rule
+    (``engine.validation``); ``context_length_exceeded`` in OpenAI's words for a prompt
+    (plus ``max_tokens``) beyond the context length."""
+    if isinstance(exc, ContextLengthError):
+        completion = exc.max_tokens or 1
+        return OpenAIError(
+            f"This model's maximum context length is {exc.max_model_len} tokens. However, you "
+            f"requested {exc.num_prompt_tokens + completion} tokens ({exc.num_prompt_tokens} "
+            f"in the messages, {completion} in the completion). Please reduce the length of "
+            "the messages or completion.",
+            param=exc.field, code="context_length_exceeded")
+    return OpenAIError(str(exc), param=exc.field)
+
+
 def to_openai_error(exc: Exception) -> OpenAIError:
     """Map any exception the HTTP layer sees to an ``OpenAIError``."""
     if isinstance(exc, OpenAIError):
         return exc
+    if isinstance(exc, RequestError):
+        return from_request_error(exc)
     if isinstance(exc, (ValidationError, RequestValidationError)):
         return from_validation_error(exc)
     if isinstance(exc, json.JSONDecodeError):

@@ -13,7 +13,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from tandem.engine.sampling_params import SamplingParams
-from tandem.services.router.errors import OpenAIError
+from tandem.engine.validation import RequestError, check_prompt_token_ids, check_vocab_params
+from tandem.services.router.errors import OpenAIError, from_request_error
 from tandem.services.router.pipeline import Pipeline
 
 
@@ -84,20 +85,19 @@ class Frontend:
         return out
 
     def check_token_ids(self, ids: Sequence[int], param: str) -> None:
-        if not ids:
-            raise OpenAIError(f"{param} must not be empty", param=param)
-        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise OpenAIError(f"{param} token id {bad} outside [0, {self.vocab_size})",
-                              param=param)
+        """Raises: OpenAIError 400 naming ``param`` when ``ids`` is empty or leaves the
+        vocabulary (the engine's rule, ``engine.validation``)."""
+        try:
+            check_prompt_token_ids(ids, self.vocab_size, param)
+        except RequestError as exc:
+            raise from_request_error(exc) from exc
 
     def check_sampling_params(self, sp: SamplingParams) -> None:
         """Raises: OpenAIError 400 when logit_bias / stop_token_ids name unknown token ids."""
         try:
-            sp.verify_vocab(self.vocab_size)
-        except ValueError as exc:
-            param = "logit_bias" if "logit_bias" in str(exc) else "stop_token_ids"
-            raise OpenAIError(str(exc), param=param) from exc
+            check_vocab_params(sp, self.vocab_size)
+        except RequestError as exc:
+            raise from_request_error(exc) from exc
 
     def apply_chat_template(self, messages: list[dict[str, Any]], *,
                             add_generation_prompt: bool = True,

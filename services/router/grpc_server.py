@@ -13,19 +13,14 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from tandem.engine.sampling_params import SamplingParams
-from tandem.services.router.errors import OpenAIError
+from tandem.contracts.proto import finish_reason_to_proto, sampling_params_from_proto
+from tandem.engine.validation import RequestError, check_context_length
+from tandem.services.router.errors import OpenAIError, from_request_error
 from tandem.services.router.frontend import Frontend
 from tandem.services.router.sequence import GenerationRequest
 from tandem.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
 logger = logging.getLogger(__name__)
-
-_FINISH_TO_PROTO = {
-    "stop": common_pb2.FINISH_REASON_STOP,
-    "length": common_pb2.FINISH_REASON_LENGTH,
-    "abort": common_pb2.FINISH_REASON_ABORT,
-}
 
 
 def _grpc_code(err: OpenAIError) -> grpc.StatusCode:
@@ -34,27 +29,6 @@ def _grpc_code(err: OpenAIError) -> grpc.StatusCode:
                 else grpc.StatusCode.UNAVAILABLE)
     return {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTICATED,
             404: grpc.StatusCode.NOT_FOUND}.get(err.status_code, grpc.StatusCode.INTERNAL)
-
-
-def sampling_from_proto(msg: common_pb2.SamplingParams, *, stop: list[str],
-                        include_stop_str_in_output: bool, skip_special_tokens: bool,
-                        max_tokens: int | None) -> SamplingParams:
-    """Engine ``SamplingParams`` from the protobuf form (unset fields: engine defaults).
-
-    Raises:
-        ValueError: naming the field, for an invalid value.
-    """
-    kw: dict = {}
-    for name in ("temperature", "top_k", "top_p", "min_p", "seed", "presence_penalty",
-                 "frequency_penalty", "repetition_penalty", "min_tokens", "ignore_eos",
-                 "logprobs"):
-        if msg.HasField(name):
-            kw[name] = getattr(msg, name)
-    return SamplingParams(
-        max_tokens=max_tokens, logit_bias=dict(msg.logit_bias) or None,
-        stop_token_ids=list(msg.stop_token_ids), stop=stop,
-        include_stop_str_in_output=include_stop_str_in_output,
-        skip_special_tokens=skip_special_tokens, **kw)
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
@@ -75,7 +49,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                     request_id=gen.request_id, text=d.text, token_ids=d.token_ids,
                     logprobs=d.logprobs or [])
                 if d.finish_reason is not None:
-                    out.finish_reason = _FINISH_TO_PROTO[d.finish_reason]
+                    out.finish_reason = finish_reason_to_proto(d.finish_reason)
                     if d.stop_reason is not None:
                         out.stop_reason = str(d.stop_reason)
                     out.usage.CopyFrom(common_pb2.Usage(
@@ -114,22 +88,17 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                 [{"role": m.role, "content": m.content} for m in request.chat.messages])
         else:
             raise OpenAIError("one of text, token_ids or chat is required", param="prompt")
-        room = fe.max_model_len - len(ids)
         msg = request.sampling_params
         max_tokens = msg.max_tokens if msg.HasField("max_tokens") else None
-        if room < 1 or (max_tokens is not None and max_tokens > room):
-            raise OpenAIError(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceed "
-                              f"the context length {fe.max_model_len}",
-                              code="context_length_exceeded")
         try:
-            sp = sampling_from_proto(
-                msg, stop=list(request.stop),
+            check_context_length(len(ids), fe.max_model_len, max_tokens, field=which)
+            sp = sampling_params_from_proto(
+                msg, max_tokens_if_unset=fe.max_model_len - len(ids), stop=list(request.stop),
                 include_stop_str_in_output=request.include_stop_str_in_output,
                 skip_special_tokens=(request.skip_special_tokens
-                                     if request.HasField("skip_special_tokens") else True),
-                max_tokens=room if max_tokens is None else max_tokens)
-        except ValueError as exc:
-            raise OpenAIError(str(exc)) from exc
+                                     if request.HasField("skip_special_tokens") else True))
+        except RequestError as exc:
+            raise from_request_error(exc) from exc
         fe.check_sampling_params(sp)
         return GenerationRequest(rid, ids, sp)
 

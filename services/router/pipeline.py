@@ -26,18 +26,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from typing import Any
 
 import grpc
 
+from tandem.contracts.proto import sampling_params_to_proto
+from tandem.engine.fan_out import fan_out
 from tandem.engine.sampling_params import SamplingParams
-from tandem.services.router.client import CALLER_ERROR_CODES, InstancePool, to_proto_sampling
+from tandem.services.router.client import CALLER_ERROR_CODES, InstancePool
 from tandem.services.router.discovery import Discovery, InstanceInfo
 from tandem.services.router.errors import OpenAIError
+from tandem.services.router.merge import merge_streams
 from tandem.services.router.metrics import RouterMetrics
 from tandem.services.router.routing import RouteContext, Router
 from tandem.services.router.sequence import (
@@ -137,50 +139,23 @@ class Pipeline:
             self.mode()  # fail fast (503) before any RPC
             m = self.metrics
             m.labels(m.prompt_tokens).inc(len(req.prompt_token_ids))
-            sp = req.sampling_params
-            if sp.n == 1:
-                async for d in self._run_seq(0, req, sp, req.request_id, router_queue_ns):
-                    yield d
-                return
-            queue: asyncio.Queue[SeqDelta | BaseException | None] = asyncio.Queue()
-            tasks = [
-                asyncio.create_task(self._pump(queue, i, req, dataclasses.replace(
-                    sp, n=1, seed=None if sp.seed is None else sp.seed + i),
-                    f"{req.request_id}-{i}", router_queue_ns))
-                for i in range(sp.n)
+            children = fan_out(req.request_id, req.sampling_params)
+            streams = [
+                self._run_seq(c.index, req, c.sampling_params, c.request_id, router_queue_ns)
+                for c in children
             ]
-            try:
-                num_done = 0
-                while num_done < sp.n:
-                    item = await queue.get()
-                    if item is None:
-                        num_done += 1
-                    elif isinstance(item, BaseException):
-                        raise item
-                    else:
-                        yield item
-            finally:
-                for t in tasks:
-                    t.cancel()
-                await asyncio.gather(*tasks, return_exceptions=True)
-
-    async def _pump(self, queue: asyncio.Queue, index: int, req: GenerationRequest,
-                    sp: SamplingParams, seq_id: str, router_queue_ns: int) -> None:
-        try:
-            async for d in self._run_seq(index, req, sp, seq_id, router_queue_ns):
-                queue.put_nowait(d)
-            queue.put_nowait(None)
-        except asyncio.CancelledError:
-            raise
-        except BaseException as exc:  # noqa: BLE001 - handed to the consumer, which raises it
-            queue.put_nowait(exc)
+            # NOTE: closed explicitly, so a client going away cancels every RPC before the
+            # admission slot is given back (not later, when the generator is collected).
+            async with contextlib.aclosing(merge_streams(streams)) as deltas:
+                async for d in deltas:
+                    yield d
 
     async def _run_seq(self, index: int, req: GenerationRequest, sp: SamplingParams,
-                       seq_id: str, router_queue_ns: int) -> AsyncIterator[SeqDelta]:
+                       seq_id: str, router_queue_ns: int) -> AsyncGenerator[SeqDelta, None]:
         mode = self.mode()
         timings = Timings(router_queue_ns=router_queue_ns)
         state = SeqState(self.tokenizer, self.metrics, index, req, sp, timings)
-        psp = to_proto_sampling(sp)
+        psp = sampling_params_to_proto(sp)
         metadata = (("x-request-id", seq_id),)
         if mode == "disagg":
             ctx = RouteContext("prefill", req.prompt_token_ids, seq_id)

@@ -19,7 +19,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from tandem.engine.sampling_params import SamplingParams
-from tandem.services.router.errors import OpenAIError
+from tandem.engine.validation import RequestError, check_context_length
+from tandem.services.router.errors import OpenAIError, from_request_error
 
 logger = logging.getLogger(__name__)
 
@@ -102,17 +103,11 @@ class _SamplingRequest(BaseModel):
                 fit, 400 naming the field for any other invalid value.
         """
         max_tokens = self._requested_max_tokens()
+        try:
+            check_context_length(num_prompt_tokens, max_model_len, max_tokens, field="messages")
+        except RequestError as exc:
+            raise from_request_error(exc) from exc
         room = max_model_len - num_prompt_tokens
-        if room < 1 or (max_tokens is not None and max_tokens > room):
-            want = num_prompt_tokens + (max_tokens or 1)
-            raise OpenAIError(
-                f"This model's maximum context length is {max_model_len} tokens. However, you "
-                f"requested {want} tokens ({num_prompt_tokens} in the messages, "
-                f"{max_tokens or 1} in the completion). Please reduce the length of the "
-                "messages or completion.",
-                param="max_tokens" if room >= 1 else "messages",
-                code="context_length_exceeded",
-            )
         if not 1 <= self.n <= MAX_N:
             raise OpenAIError(f"n must be in [1, {MAX_N}], got {self.n}", param="n")
         logit_bias = None
@@ -148,14 +143,8 @@ class _SamplingRequest(BaseModel):
                 skip_special_tokens=self.skip_special_tokens,
                 spaces_between_special_tokens=self.spaces_between_special_tokens,
             )
-        except ValueError as exc:
-            raise OpenAIError(str(exc), param=_field_of(str(exc))) from exc
-
-
-def _field_of(message: str) -> str | None:
-    """The field a ``SamplingParams`` error message names (its first word)."""
-    word = message.split(" ", 1)[0].split("[", 1)[0]
-    return word if word.isidentifier() else None
+        except RequestError as exc:
+            raise from_request_error(exc) from exc
 
 
 class CompletionRequest(_SamplingRequest):

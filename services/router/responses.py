@@ -7,13 +7,14 @@ chat uses ``logprobs.content`` entries with ``bytes`` and ``top_logprobs``.
 
 from __future__ import annotations
 
-import asyncio
+import contextlib
 import json
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 from tandem.services.router import protocol as P
 from tandem.services.router.frontend import Frontend
+from tandem.services.router.merge import merge_streams
 from tandem.services.router.sequence import GenerationRequest, SeqDelta, Timings
 from tandem.v1 import common_pb2
 
@@ -48,37 +49,16 @@ async def merged(frontend: Frontend, requests: Sequence[GenerationRequest]
 
     Closing this iterator closes (and so cancels) every generation.
     """
-    if len(requests) == 1:
-        async for d in frontend.pipeline.generate(requests[0]):
-            yield d.index, d
-        return
-    queue: asyncio.Queue = asyncio.Queue()
+    async def indexed(p: int, req: GenerationRequest
+                      ) -> AsyncGenerator[tuple[int, SeqDelta], None]:
+        async with contextlib.aclosing(frontend.pipeline.generate(req)) as deltas:
+            async for d in deltas:
+                yield p * req.sampling_params.n + d.index, d
 
-    async def pump(p: int, req: GenerationRequest) -> None:
-        try:
-            async for d in frontend.pipeline.generate(req):
-                queue.put_nowait((p * req.sampling_params.n + d.index, d))
-            queue.put_nowait(None)
-        except asyncio.CancelledError:
-            raise
-        except BaseException as exc:  # noqa: BLE001 - re-raised by the consumer below
-            queue.put_nowait(exc)
-
-    tasks = [asyncio.create_task(pump(p, r)) for p, r in enumerate(requests)]
-    try:
-        num_done = 0
-        while num_done < len(tasks):
-            item = await queue.get()
-            if item is None:
-                num_done += 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield item
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+    streams = [indexed(p, r) for p, r in enumerate(requests)]
+    async with contextlib.aclosing(merge_streams(streams)) as items:
+        async for item in items:
+            yield item
 
 
 def usage(num_prompt_tokens: int, num_completion_tokens: int, num_cached: int = 0

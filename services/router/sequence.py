@@ -12,16 +12,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from tandem.contracts.proto import finish_reason_from_proto
 from tandem.engine.detokenizer import IncrementalDetokenizer
 from tandem.engine.sampling_params import SamplingParams
 from tandem.services.router.metrics import RouterMetrics
 from tandem.v1 import common_pb2
-
-_FINISH = {
-    common_pb2.FINISH_REASON_STOP: "stop",
-    common_pb2.FINISH_REASON_LENGTH: "length",
-    common_pb2.FINISH_REASON_ABORT: "abort",
-}
 
 
 @dataclass
@@ -139,7 +134,7 @@ class SeqState:
             finish = common_pb2.FINISH_REASON_LENGTH
         now = time.monotonic_ns()
         self._observe_tokens(len(token_ids), now)
-        reason = _FINISH.get(finish)
+        reason = finish_reason_from_proto(finish)
         stop_reason: int | str | None = stop_token_id
         matched = self.detok.update(token_ids, stop_terminated=reason == "stop")
         if matched is not None:

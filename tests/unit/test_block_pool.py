@@ -15,8 +15,8 @@ def free_ids(pool: BlockPool) -> list[int]:
 def test_initial_state_all_free_in_id_order() -> None:
     pool = BlockPool(num_blocks=5)
     assert free_ids(pool) == [0, 1, 2, 3, 4]
-    assert pool.num_free_blocks == pool.get_num_free_blocks() == 5
-    assert pool.get_usage() == 0.0
+    assert pool.num_free_blocks == 5
+    assert pool.usage == 0.0
     assert all(b.ref_cnt == 0 and b.block_hash is None for b in pool.blocks)
 
 
@@ -26,7 +26,7 @@ def test_get_new_blocks_takes_from_head_with_ref_cnt_one() -> None:
     assert [b.block_id for b in blocks] == [0, 1, 2]
     assert [b.ref_cnt for b in blocks] == [1, 1, 1]
     assert free_ids(pool) == [3, 4]
-    assert pool.get_usage() == pytest.approx(0.6)
+    assert pool.usage == pytest.approx(0.6)
 
 
 def test_get_new_blocks_more_than_free_raises_and_changes_nothing() -> None:

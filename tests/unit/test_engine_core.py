@@ -177,3 +177,18 @@ def test_memory_connector_producer_to_consumer(tiny) -> None:
     assert [t for o in outs for t in o.new_token_ids] == hf_greedy(hf, prompt, 8)
     assert outs[0].num_cached_tokens >= 20  # loaded, not recomputed
     assert_idle(consumer)
+
+
+def test_llm_engine_children_come_from_fan_out(tiny) -> None:
+    """Bug pinned: the offline engine named children ``{i}_{rid}`` while the router used
+    ``{rid}-{i}``; both now take ids and seeds from ``engine.fan_out.fan_out``."""
+    from tandem.engine.fan_out import fan_out
+    from tandem.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(engine_core=make_core(tiny[0]))
+    params = SamplingParams(n=3, seed=7, max_tokens=2, temperature=0.8)
+    parent, requests = engine.make_requests("p", [1, 2, 3], params)
+    want = fan_out("p", params)
+    assert [r.request_id for r in requests] == [c.request_id for c in want]
+    assert [r.sampling_params for r in requests] == [c.sampling_params for c in want]
+    assert [c.index for c in parent.children] == [0, 1, 2]

@@ -871,3 +871,37 @@ def test_request_queues_order_prepend_and_remove(policy) -> None:
     assert len(q) == 2 and q.peek().request_id == expected[0 if expected[0] != "b" else 1]
     with pytest.raises(ValueError, match="policy"):
         create_request_queue("lifo")
+
+
+@pytest.mark.parametrize(
+    ("params", "first_token", "max_model_len"),
+    [
+        ({}, 2, 4096),
+        ({}, 5, 4096),
+        ({"ignore_eos": True}, 2, 4096),
+        ({"min_tokens": 1}, 2, 4096),
+        ({"stop_token_ids": [9]}, 9, 4096),
+        ({"stop_token_ids": [2], "ignore_eos": True}, 2, 4096),
+        ({"max_tokens": 1}, 5, 4096),
+        ({"max_tokens": 1}, 2, 4096),
+        ({}, 5, 9),  # prompt of 8 + token 1 fills the context
+    ],
+)
+def test_first_token_stop_matches_what_services_decide(params, first_token, max_model_len):
+    """Bug pinned: the services decided "does output token 1 finish the request" with a
+    copy of the scheduler's rule (``first_token_finish_reason``); both now call
+    ``engine.stop.check_stop``, and the scheduler's outcome must equal its answer."""
+    from tandem.engine.stop import check_stop
+
+    sched = make_scheduler(max_model_len=max_model_len)
+    req = make_request("a", 8, eos_token_id=2, **({"max_tokens": 16} | params))
+    # What a service sees: the prompt plus output token 1, outside any scheduler.
+    alone = make_request("b", token_ids=list(req.prompt_token_ids), eos_token_id=2,
+                         **({"max_tokens": 16} | params))
+    alone.append_output_token(first_token)
+    expected = check_stop(alone, sched.max_seq_len)
+    sched.add_request(req)
+    _, outs = step(sched, FakeRunner(10, script={"a": [first_token]}))
+    assert outs[0].new_token_ids == [first_token]
+    assert outs[0].finish_reason == (None if expected is None else expected.finish_reason)
+    assert outs[0].stop_reason == (None if expected is None else expected.stop_reason)

@@ -1,0 +1,164 @@
+"""Conversions between ``tandem.v1`` protobuf messages and engine values: one pair each way.
+
+The router (building Prefill / Decode requests, reading the public ``Generate`` request)
+and the engine services (reading those requests, answering them) use these and no copies
+of their own, so the two sides of a message can never disagree about a field.
+
+Unset ``optional`` proto fields take the engine's defaults
+(``tandem.engine.sampling_params.SamplingParams``), so a default-constructed
+``tandem.v1.SamplingParams`` means the same as ``SamplingParams()`` -- except
+``max_tokens``, whose absence means "up to the context length" (``None``).
+
+Imports no torch (the router loads this module): the engine's ``Logprob`` type is named
+only for type checking.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from tandem.engine.sampling_params import SamplingParams
+from tandem.v1 import common_pb2
+
+if TYPE_CHECKING:
+    from tandem.engine.request import PositionLogprobs
+
+# proto field -> engine field of the same name, for scalar `optional` fields copied as they are.
+_OPTIONAL_SCALARS = (
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "min_tokens",
+    "ignore_eos",
+    "logprobs",
+)
+
+_FINISH_TO_PROTO: dict[str | None, int] = {
+    None: common_pb2.FINISH_REASON_UNSPECIFIED,
+    "stop": common_pb2.FINISH_REASON_STOP,
+    "length": common_pb2.FINISH_REASON_LENGTH,
+    "abort": common_pb2.FINISH_REASON_ABORT,
+}
+_FINISH_FROM_PROTO: dict[int, str | None] = {v: k for k, v in _FINISH_TO_PROTO.items()}
+
+
+def sampling_params_from_proto(
+    msg: common_pb2.SamplingParams,
+    *,
+    max_tokens_if_unset: int | None = None,
+    stop: Sequence[str] = (),
+    include_stop_str_in_output: bool = False,
+    skip_special_tokens: bool = True,
+) -> SamplingParams:
+    """Build validated engine ``SamplingParams`` from the proto.
+
+    Args:
+        msg: the proto; unset optional fields take ``SamplingParams``' defaults.
+        max_tokens_if_unset: ``max_tokens`` when the proto leaves it unset (``None``:
+            up to the context length, which the engine fills in).
+        stop / include_stop_str_in_output / skip_special_tokens: the text-side fields,
+            which ``tandem.v1.SamplingParams`` does not carry (the router handles stop
+            strings and detokenization; the public ``GenerateRequest`` has them beside it).
+
+    Raises:
+        ValueError: a value outside its range, naming the field (from ``SamplingParams``).
+    """
+    kwargs: dict[str, object] = {name: getattr(msg, name)
+                                 for name in _OPTIONAL_SCALARS if msg.HasField(name)}
+    return SamplingParams(  # type: ignore[arg-type]
+        max_tokens=msg.max_tokens if msg.HasField("max_tokens") else max_tokens_if_unset,
+        logit_bias=dict(msg.logit_bias) or None,
+        stop_token_ids=list(msg.stop_token_ids),
+        stop=list(stop),
+        include_stop_str_in_output=include_stop_str_in_output,
+        skip_special_tokens=skip_special_tokens,
+        **kwargs,
+    )
+
+
+def sampling_params_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
+    """The proto form of engine ``SamplingParams``.
+
+    ``n`` is not carried (the router fans a request out into ``n`` single completions
+    before any RPC, ``engine.fan_out``), nor are the text-side fields (stop strings,
+    detokenization flags), which stay with the router.
+    """
+    msg = common_pb2.SamplingParams(
+        temperature=params.temperature,
+        top_k=params.top_k,
+        top_p=params.top_p,
+        min_p=params.min_p,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        repetition_penalty=params.repetition_penalty,
+        min_tokens=params.min_tokens,
+        ignore_eos=params.ignore_eos,
+        stop_token_ids=params.stop_token_ids,
+        logit_bias=params.logit_bias or {},
+    )
+    if params.seed is not None:
+        msg.seed = params.seed
+    if params.max_tokens is not None:
+        msg.max_tokens = params.max_tokens
+    if params.logprobs is not None:
+        msg.logprobs = params.logprobs
+    return msg
+
+
+def finish_reason_to_proto(reason: str | None) -> int:
+    """Engine finish reason ("stop" | "length" | "abort" | ``None``) -> ``FinishReason``.
+
+    Raises:
+        ValueError: any other reason.
+    """
+    try:
+        return _FINISH_TO_PROTO[reason]
+    except KeyError:
+        raise ValueError(f"finish_reason {reason!r} is not one of stop, length, abort") from None
+
+
+def finish_reason_from_proto(value: int) -> str | None:
+    """``FinishReason`` -> engine finish reason (``FINISH_REASON_UNSPECIFIED``: ``None``).
+
+    Raises:
+        ValueError: a value this version of ``tandem.v1`` does not define.
+    """
+    try:
+        return _FINISH_FROM_PROTO[value]
+    except KeyError:
+        raise ValueError(f"finish_reason {value} is not a tandem.v1.FinishReason") from None
+
+
+def logprobs_to_proto(
+    token_id: int, position: PositionLogprobs, num_top: int
+) -> common_pb2.TopLogprobs:
+    """One generated position's logprobs as a proto.
+
+    Args:
+        token_id: the sampled token.
+        position: token id -> ``Logprob`` for the sampled token and the top-N.
+        num_top: N, ``SamplingParams.logprobs``.
+
+    Returns:
+        ``TopLogprobs`` with ``sampled`` and the ``num_top`` most likely tokens,
+        most likely first.
+    """
+    msg = common_pb2.TopLogprobs()
+    msg.sampled.token_id = token_id
+    sampled = position.get(token_id)
+    if sampled is not None:
+        msg.sampled.logprob = sampled.logprob
+        if sampled.rank is not None:
+            msg.sampled.rank = sampled.rank
+    ranked = sorted(position.items(), key=lambda item: -item[1].logprob)[:num_top]
+    for tok, lp in ranked:
+        entry = msg.top.add(token_id=tok, logprob=lp.logprob)
+        if lp.rank is not None:
+            entry.rank = lp.rank
+    return msg
