@@ -245,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     if max(lengths) + 2 > ns.max_model_len:
         p.error("--max-model-len must exceed the longest prompt")
 
-    from tandem.engine.model_loader import load_tokenizer
+    from tandem.engine.model_files import load_tokenizer
 
     vocab = len(load_tokenizer(ns.model))
     workdir = Path(tempfile.mkdtemp(prefix="tandem-bench-latency-"))

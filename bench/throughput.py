@@ -89,7 +89,7 @@ def prompt_vocab(model: str | None) -> tuple[int, set[int]]:
             from transformers import AutoConfig
 
             return int(AutoConfig.from_pretrained(model).vocab_size), set()
-    from tandem.engine.model_loader import load_tokenizer
+    from tandem.engine.model_files import load_tokenizer
 
     tok = load_tokenizer(model)
     return len(tok), set(tok.all_special_ids)
@@ -189,7 +189,7 @@ def _dtype_of(llm: Any) -> str:
 
 
 def _hf_model_args(model: str | None) -> tuple[str, dict[str, Any]]:
-    from tandem.engine.model_loader import default_model_path
+    from tandem.engine.model_files import default_model_path
 
     path = model or default_model_path()
     if path.endswith(".gguf"):
@@ -276,7 +276,7 @@ def run_llama_cpp(
     """Load llama.cpp on the GGUF and warm it up; returns the timed pass and metadata."""
     from llama_cpp import Llama
 
-    from tandem.engine.model_loader import default_model_path
+    from tandem.engine.model_files import default_model_path
 
     path = args.model or default_model_path()
     if not path.endswith(".gguf"):

@@ -15,7 +15,6 @@ import os
 import signal
 import sys
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 from tandem.services.router.routing import RoutingPolicy
@@ -57,29 +56,6 @@ def _split(value: str) -> list[str]:
     return [a.strip() for a in value.split(",") if a.strip()]
 
 
-def model_facts(model: str | None) -> tuple[str, int]:
-    """(model id, max_model_len) from the model's config.
-
-    A GGUF file's metadata is read with ``gguf`` directly: several times faster than
-    building a transformers config from it.
-    """
-    from tandem.engine.model_loader import default_model_path, model_id_of
-
-    path = Path(model or default_model_path()).expanduser().resolve()
-    name = model_id_of(model)
-    if path.is_file():
-        from gguf import GGUFReader
-
-        fields = GGUFReader(str(path)).fields
-        arch = fields["general.architecture"].contents()
-        f = fields.get(f"{arch}.context_length")
-        return name, int(f.contents()) if f is not None else 2048
-    from transformers import AutoConfig
-
-    cfg = AutoConfig.from_pretrained(str(path))
-    return name, int(getattr(cfg, "max_position_embeddings", 0) or 2048)
-
-
 class _Server:
     """uvicorn's server without its signal capture.
 
@@ -109,7 +85,7 @@ async def serve(args: argparse.Namespace) -> None:
     """Build everything, serve HTTP and gRPC until SIGINT/SIGTERM, then close cleanly."""
     import uvicorn
 
-    from tandem.engine.model_loader import load_tokenizer
+    from tandem.engine.model_files import load_tokenizer_and_facts
     from tandem.services.router.app import create_app
     from tandem.services.router.client import InstancePool
     from tandem.services.router.discovery import Discovery, RedisDiscovery, StaticDiscovery
@@ -119,13 +95,15 @@ async def serve(args: argparse.Namespace) -> None:
     from tandem.services.router.pipeline import Pipeline
     from tandem.services.router.routing import make_router
 
-    name, max_len = model_facts(args.model)
+    # NOTE: the tokenizer and facts come from the model's files without torch: the router
+    # runs no model (tests/unit/test_router_imports.py holds it to that).
+    tokenizer, facts = load_tokenizer_and_facts(args.model)
+    name, max_len = facts.model_id, facts.max_model_len
     served = [args.served_model_name or name]
     # Also accept the model's base name without a quantization suffix, and its path.
     for alias in (name, name.split(".")[0], args.model):
         if alias and alias not in served:
             served.append(alias)
-    tokenizer = load_tokenizer(args.model)
     discovery: Discovery
     static = dict(prefill=_split(args.prefill), decode=_split(args.decode),
                   both=_split(args.colocated))

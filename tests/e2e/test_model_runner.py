@@ -15,13 +15,8 @@ import torch
 import transformers
 
 from tandem.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from tandem.engine.model_loader import (
-    LoadedModel,
-    default_model_path,
-    gguf_cache_path,
-    load_model,
-    load_tokenizer,
-)
+from tandem.engine.model_files import default_model_path, load_tokenizer
+from tandem.engine.model_loader import LoadedModel, gguf_cache_path, load_model
 from tandem.engine.model_runner import ModelRunner
 from tandem.engine.models.registry import build_model
 from tandem.engine.request import Request

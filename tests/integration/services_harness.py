@@ -47,7 +47,7 @@ def make_tiny_model(folder: Path, tokenizer_dir: Path | None = None) -> Path:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from tandem.engine.model_loader import load_tokenizer
+    from tandem.engine.model_files import load_tokenizer
 
     folder.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
@@ -87,14 +87,14 @@ def hf_greedy(model_dir: str | None, prompts: list[list[int]], max_new_tokens: i
     import torch
     from transformers import AutoModelForCausalLM
 
-    from tandem.engine.model_loader import _resolve_path
+    from tandem.engine.model_files import resolve_model_path
 
     if model_dir is None:
         from hf_oracle import hf_default_model
 
         model = hf_default_model()
     else:
-        folder, gguf = _resolve_path(model_dir)
+        folder, gguf = resolve_model_path(model_dir)
         kwargs = {"local_files_only": True, "dtype": torch.float32}
         if gguf is not None:
             kwargs["gguf_file"] = gguf
