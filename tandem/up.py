@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tandem.child import spawn
+from tandem.contracts.role import Role
 
 
 def banner(stack: Stack, mode: str) -> str:
@@ -261,7 +262,7 @@ class Stack:
         engines: list[Part] = []
         if cfg.colocated:
             for i in range(cfg.replicas):
-                engines.append(self._engine_part(f"colocated-{i}", ["serve", "--role", "both"]))
+                engines.append(self._engine_part(f"colocated-{i}", ["serve", "--role", Role.BOTH.value]))
         else:
             kv_port, kv_metrics = free_port(), free_port()
             self.kvstore_metrics_url = f"http://127.0.0.1:{kv_metrics}/metrics"

@@ -15,6 +15,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from tandem.contracts.role import Role
 from tandem.engine.block_hash import HASH_ALGORITHM
 from tandem.engine.config import EngineConfig
 from tandem.engine.request import Request
@@ -99,18 +100,18 @@ class ServiceContext:
     """Facts and helpers of one engine instance.
 
     Args:
-        role: "prefill", "decode" or "both".
+        role: what this instance does (``Role``; its value string is accepted).
         engine_loop: the engine thread bridge (its ``engine`` is an ``EngineCore``).
         config: the engine's frozen config.
         max_waiting: queued requests beyond which new ones get RESOURCE_EXHAUSTED.
     """
 
     def __init__(
-        self, role: str, engine_loop: EngineLoop, config: EngineConfig, max_waiting: int = 1024
+        self, role: Role | str, engine_loop: EngineLoop, config: EngineConfig, max_waiting: int = 1024
     ) -> None:
         engine = engine_loop.engine
         runner = engine.model_runner
-        self.role = role
+        self.role = Role.parse(role)
         self.engine_loop = engine_loop
         self.config = config
         self.max_waiting = max_waiting
@@ -124,7 +125,7 @@ class ServiceContext:
         self.num_total_blocks: int = engine.scheduler.kv_cache_manager.block_pool.num_blocks
         self.kv_layout_fingerprint: bytes = layout_fingerprint_bytes(engine)
         self.hash_algorithm = HASH_ALGORITHM
-        self.metrics = ServiceMetrics(role)
+        self.metrics = ServiceMetrics(self.role)
         self.transfers: TransferEvents | None = None
         self._connector = find_store_connector(engine)
 

@@ -24,6 +24,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from tandem.contracts.role import ROLES, Role
 from tandem.engine.config import (
     CacheConfig,
     EngineConfig,
@@ -38,17 +39,16 @@ from tandem.services.common.registry import InstanceRegistration
 
 logger = logging.getLogger(__name__)
 
-ROLES = ("prefill", "decode", "both")
-_KV_ROLE = {"prefill": "kv_producer", "decode": "kv_consumer"}
+_KV_ROLE = {Role.PREFILL: "kv_producer", Role.DECODE: "kv_consumer"}
 # 64 MiB: a 32k-token prompt's ids plus its block hashes fit with room to spare.
 _MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 
-def build_parser(prog: str, role: str | None) -> argparse.ArgumentParser:
+def build_parser(prog: str, role: Role | None) -> argparse.ArgumentParser:
     """The binding flags of ``tandem prefill|decode|serve`` (``role=None`` adds ``--role``)."""
     p = argparse.ArgumentParser(prog=prog, description=f"tandem {role or 'engine'} gRPC service")
     if role is None:
-        p.add_argument("--role", choices=ROLES, required=True,
+        p.add_argument("--role", choices=[r.value for r in ROLES], required=True,
                        help="prefill | decode | both (colocated, no KV store)")
     p.add_argument("--listen", default="127.0.0.1:50061", help="gRPC HOST:PORT to bind")
     p.add_argument("--model", default=None,
@@ -83,18 +83,17 @@ def build_parser(prog: str, role: str | None) -> argparse.ArgumentParser:
     return p
 
 
-def build_engine_config(ns: argparse.Namespace, role: str) -> EngineConfig:
+def build_engine_config(ns: argparse.Namespace, role: Role | str) -> EngineConfig:
     """The frozen engine config of a role from parsed flags.
 
     Raises:
         ValueError: an invalid flag value (naming it), or prefill/decode without --redis-url.
     """
-    if role not in ROLES:
-        raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
-    if role != "both" and not ns.redis_url:
-        raise ValueError(f"--redis-url is required for role {role!r} (KV store index)")
+    role = Role.parse(role)
+    if role.uses_store and not ns.redis_url:
+        raise ValueError(f"--redis-url is required for role '{role}' (KV store index)")
     kv = KVTransferConfig()
-    if role != "both":
+    if role.uses_store:
         params = {"redis_url": ns.redis_url}
         if ns.kvstore:
             params["kvstore_address"] = ns.kvstore
@@ -122,10 +121,10 @@ def advertise_address(listen: str, advertise: str | None, bound_port: int) -> st
     return f"{host}:{bound_port}"
 
 
-def run(argv: list[str] | None, prog: str, role: str | None) -> int:
+def run(argv: list[str] | None, prog: str, role: Role | None) -> int:
     """Parse flags, serve until SIGTERM/SIGINT, return the exit code (2 on bad flags)."""
     ns = build_parser(prog, role).parse_args(argv)
-    role = role or ns.role
+    role = role or Role.parse(ns.role)
     logging.basicConfig(level=ns.log_level.upper(),
                         format=f"%(asctime)s {role} %(levelname)s %(name)s: %(message)s")
     try:
@@ -137,7 +136,7 @@ def run(argv: list[str] | None, prog: str, role: str | None) -> int:
     return 0
 
 
-async def _serve(ns: argparse.Namespace, role: str, config: EngineConfig) -> None:
+async def _serve(ns: argparse.Namespace, role: Role, config: EngineConfig) -> None:
     # Imported here: `tandem serve --help` should not pay for torch.
     from tandem.engine.engine_core import EngineCore
     from tandem.services.decode.servicer import DecodeServicer
@@ -163,7 +162,7 @@ async def _serve(ns: argparse.Namespace, role: str, config: EngineConfig) -> Non
                  ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES)],
     )
     names = [reflection.SERVICE_NAME, health.SERVICE_NAME]
-    if role == "prefill":
+    if role == Role.PREFILL:
         prefill_pb2_grpc.add_PrefillServiceServicer_to_server(PrefillServicer(ctx), server)
         names.append(prefill_pb2.DESCRIPTOR.services_by_name["PrefillService"].full_name)
     else:
