@@ -33,11 +33,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tandem.launch import free_port
 
 
 def _wait(cond, timeout_s: float, what: str, procs: list[subprocess.Popen]) -> None:
@@ -81,14 +77,14 @@ class _Cluster:
         self.workdir = workdir
         self.redis_url = ns.redis_url
         if self.redis_url is None:
-            port = _free_port()
+            port = free_port()
             if shutil.which("redis-server") is None:
                 raise RuntimeError("redis-server not found: install it or pass --redis-url")
             self._spawn("redis", ["redis-server", "--port", str(port), "--save", "",
                                   "--appendonly", "no", "--bind", "127.0.0.1"])
             self.redis_url = f"redis://127.0.0.1:{port}/0"
             _wait(lambda: _port_open(port), 30, "redis", self.procs)
-        store_port, metrics_port = _free_port(), _free_port()
+        store_port, metrics_port = free_port(), free_port()
         self._tandem("kvstore", ["kvstore", "--listen", f"127.0.0.1:{store_port}",
                                  "--capacity", str(ns.store_capacity), "--redis-url",
                                  self.redis_url, "--metrics-port", str(metrics_port)])
@@ -100,7 +96,7 @@ class _Cluster:
             engine += ["--model", ns.model]
         self.addresses: dict[str, str] = {}
         for role in ("prefill", "decode", "both"):
-            address = f"127.0.0.1:{_free_port()}"
+            address = f"127.0.0.1:{free_port()}"
             args = ["serve", "--role", role, "--listen", address, *engine]
             if role != "both":
                 args += ["--redis-url", self.redis_url]

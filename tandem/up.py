@@ -34,6 +34,7 @@ from pathlib import Path
 
 from tandem.child import spawn
 from tandem.contracts.role import Role
+from tandem.launch import free_port
 
 
 def banner(stack: Stack, mode: str) -> str:
@@ -52,13 +53,6 @@ def banner(stack: Stack, mode: str) -> str:
 
 class StackError(RuntimeError):
     """A part of the stack failed to start or died."""
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

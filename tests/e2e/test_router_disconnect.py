@@ -20,8 +20,8 @@ from pathlib import Path
 import grpc
 import httpx
 import pytest
+from ports import free_port
 
-from tandem.up import free_port
 from tandem.v1 import common_pb2, prefill_pb2_grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))

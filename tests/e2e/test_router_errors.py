@@ -19,9 +19,9 @@ import grpc
 import httpx
 import openai
 import pytest
+from ports import free_port
 from waiting import wait_until
 
-from tandem.up import free_port
 from tandem.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))

@@ -21,9 +21,10 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from ports import free_port
 from waiting import wait_until
 
-from tandem.up import Stack, StackConfig, free_port
+from tandem.up import Stack, StackConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
 

@@ -6,21 +6,14 @@
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
 from collections.abc import Iterator
 
 import pytest
+from ports import free_port
 from waiting import wait_until
 
 from tandem.child import spawn
-
-
-def free_port() -> int:
-    """A TCP port free right now on 127.0.0.1."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class RedisServer:
