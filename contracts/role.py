@@ -22,8 +22,11 @@ class Role(str, Enum):
 
     # NOTE: Python < 3.12 formats a mixed-in str enum as "Role.PREFILL" in str(); the value
     # is what every log line, label and key should read.
-    __str__ = str.__str__
-    __format__ = str.__format__
+    def __str__(self) -> str:
+        return str(self.value)
+
+    def __format__(self, format_spec: str) -> str:
+        return format(str(self.value), format_spec)
 
     @property
     def uses_store(self) -> bool:
