@@ -26,7 +26,6 @@ import json
 import os
 import platform
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -40,14 +39,9 @@ import numpy as np
 
 from tandem.contracts.block_key import BlockKey
 from tandem.kvstore.server import parse_bytes
+from tandem.launch import free_port
 
 _DEFAULT_SIZES = "64K,256K,1M,4M,16M,64M"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _machine() -> str:
@@ -69,7 +63,7 @@ class _Stack:
         exe = shutil.which("redis-server")
         if exe is None:
             raise SystemExit("redis-server not found (make redis), or pass --redis-url")
-        rport = _free_port()
+        rport = free_port()
         self.redis_url = f"redis://127.0.0.1:{rport}/0"
         self.log = tempfile.NamedTemporaryFile(prefix="bench-kvstore-", suffix=".log",  # noqa: SIM115
                                                delete=False)
@@ -79,9 +73,9 @@ class _Stack:
         self.node_id = f"bench-{uuid.uuid4().hex[:6]}"
         self.procs.append(subprocess.Popen(
             [sys.executable, "-P", "-m", "tandem.kvstore.server",
-             "--listen", f"127.0.0.1:{_free_port()}", "--capacity", str(capacity_bytes),
+             "--listen", f"127.0.0.1:{free_port()}", "--capacity", str(capacity_bytes),
              "--redis-url", self.redis_url, "--node-id", self.node_id,
-             "--metrics-port", str(_free_port())],
+             "--metrics-port", str(free_port())],
             env=env, stdout=self.log, stderr=subprocess.STDOUT))
 
     def close(self) -> None:

@@ -23,114 +23,62 @@ import json
 import os
 import random
 import shutil
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait(cond, timeout_s: float, what: str, procs: list[subprocess.Popen]) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        for p in procs:
-            if p.poll() is not None:
-                raise RuntimeError(f"{what}: a process exited with code {p.returncode}")
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out waiting for {what}")
-        time.sleep(0.1)
-
-
-def _grpc_serving(address: str) -> bool:
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    with grpc.insecure_channel(address) as ch:
-        try:
-            resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=1)
-        except grpc.RpcError:
-            return False
-    return resp.status == health_pb2.HealthCheckResponse.SERVING
-
-
-def _http_ok(url: str) -> bool:
-    import urllib.request
-
-    try:
-        with urllib.request.urlopen(url, timeout=1) as resp:
-            return resp.status == 200
-    except OSError:
-        return False
+from tandem.contracts.role import ROLES, Role
+from tandem.launch import Launcher, Part, free_port, grpc_serving, http_ok, redis_ok, tandem_argv
 
 
 class _Cluster:
-    """The processes of one benchmark run; ``close`` stops them all (SIGTERM, then SIGKILL)."""
+    """The processes of one benchmark run (``tandem.launch``); ``close`` stops them all."""
 
     def __init__(self, ns: argparse.Namespace, workdir: Path) -> None:
-        self.procs: list[subprocess.Popen] = []
-        self.workdir = workdir
+        self._launcher = Launcher(workdir)
         self.redis_url = ns.redis_url
+        self.addresses: dict[Role, str] = {}
+        try:
+            self._start(ns)
+        except BaseException:
+            self.close()  # a part that failed to start leaves none of the others running
+            raise
+
+    def _start(self, ns: argparse.Namespace) -> None:
         if self.redis_url is None:
-            port = _free_port()
             if shutil.which("redis-server") is None:
                 raise RuntimeError("redis-server not found: install it or pass --redis-url")
-            self._spawn("redis", ["redis-server", "--port", str(port), "--save", "",
-                                  "--appendonly", "no", "--bind", "127.0.0.1"])
+            port = free_port()
             self.redis_url = f"redis://127.0.0.1:{port}/0"
-            _wait(lambda: _port_open(port), 30, "redis", self.procs)
-        store_port, metrics_port = _free_port(), _free_port()
-        self._tandem("kvstore", ["kvstore", "--listen", f"127.0.0.1:{store_port}",
-                                 "--capacity", str(ns.store_capacity), "--redis-url",
-                                 self.redis_url, "--metrics-port", str(metrics_port)])
-        _wait(lambda: _http_ok(f"http://127.0.0.1:{metrics_port}/health"), 120, "kvstore",
-              self.procs)
+            self._launcher.launch([Part("redis", [
+                "redis-server", "--port", str(port), "--save", "", "--appendonly", "no",
+                "--bind", "127.0.0.1"], lambda u=self.redis_url: redis_ok(u))], 30)
+        store_port, metrics_port = free_port(), free_port()
+        self._launcher.launch([Part("kvstore", tandem_argv(
+            "kvstore", "--listen", f"127.0.0.1:{store_port}", "--capacity",
+            str(ns.store_capacity), "--redis-url", self.redis_url, "--metrics-port",
+            str(metrics_port)), lambda: http_ok(f"http://127.0.0.1:{metrics_port}/health"))],
+            120)
         engine = ["--dtype", ns.dtype, "--device", ns.device, "--kv-cache-memory",
                   str(ns.kv_cache_memory), "--max-model-len", str(ns.max_model_len)]
         if ns.model:
             engine += ["--model", ns.model]
-        self.addresses: dict[str, str] = {}
-        for role in ("prefill", "decode", "both"):
-            address = f"127.0.0.1:{_free_port()}"
-            args = ["serve", "--role", role, "--listen", address, *engine]
-            if role != "both":
+        engines = []
+        for role in ROLES:
+            address = f"127.0.0.1:{free_port()}"
+            args = ["serve", "--role", role.value, "--listen", address, *engine]
+            if role.uses_store:
                 args += ["--redis-url", self.redis_url]
-            self._tandem(role, args)
+            engines.append(Part(role.value, tandem_argv(*args),
+                                lambda a=address: grpc_serving(a)))
             self.addresses[role] = address
-        for role, address in self.addresses.items():
-            _wait(lambda a=address: _grpc_serving(a), 600, f"{role} service", self.procs)
-
-    def _spawn(self, name: str, cmd: list[str]) -> None:
-        log = open(self.workdir / f"{name}.log", "wb")  # noqa: SIM115 - owned by the process
-        self.procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT))
-
-    def _tandem(self, name: str, args: list[str]) -> None:
-        self._spawn(name, [sys.executable, "-P", "-m", "tandem.cli", *args])
+        self._launcher.launch(engines, 600)
 
     def close(self) -> None:
-        for p in reversed(self.procs):
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in reversed(self.procs):
-            try:
-                p.wait(30)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(10)
-
-
-def _port_open(port: int) -> bool:
-    with socket.socket() as s:
-        return s.connect_ex(("127.0.0.1", port)) == 0
+        self._launcher.close(timeout_s=30)
 
 
 @dataclass
@@ -154,9 +102,9 @@ def _measure(cluster: _Cluster, length: int, repeats: int, vocab: int, rng: rand
     from tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
     sp = common_pb2.SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
-    pch = grpc.insecure_channel(cluster.addresses["prefill"])
-    dch = grpc.insecure_channel(cluster.addresses["decode"])
-    cch = grpc.insecure_channel(cluster.addresses["both"])
+    pch = grpc.insecure_channel(cluster.addresses[Role.PREFILL])
+    dch = grpc.insecure_channel(cluster.addresses[Role.DECODE])
+    cch = grpc.insecure_channel(cluster.addresses[Role.BOTH])
     pstub = prefill_pb2_grpc.PrefillServiceStub(pch)
     dstub = decode_pb2_grpc.DecodeServiceStub(dch)
     cstub = decode_pb2_grpc.DecodeServiceStub(cch)
@@ -245,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     if max(lengths) + 2 > ns.max_model_len:
         p.error("--max-model-len must exceed the longest prompt")
 
-    from tandem.engine.model_loader import load_tokenizer
+    from tandem.engine.model_files import load_tokenizer
 
     vocab = len(load_tokenizer(ns.model))
     workdir = Path(tempfile.mkdtemp(prefix="tandem-bench-latency-"))

@@ -335,7 +335,7 @@ def _run_all(args: argparse.Namespace, url: str, percentiles: list[float],
     model = args.model or models[0]["id"]
     vocab = args.vocab_size
     if vocab is None:
-        from tandem.engine.model_loader import load_tokenizer
+        from tandem.engine.model_files import load_tokenizer
 
         vocab = len(load_tokenizer(args.tokenizer))
     all_results = []

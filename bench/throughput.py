@@ -101,7 +101,7 @@ def prompt_vocab(model: str | None) -> tuple[int, set[int]]:
             from transformers import AutoConfig
 
             return int(AutoConfig.from_pretrained(model).vocab_size), set()
-    from tandem.engine.model_loader import load_tokenizer
+    from tandem.engine.model_files import load_tokenizer
 
     tok = load_tokenizer(model)
     return len(tok), set(tok.all_special_ids)
@@ -201,7 +201,7 @@ def _dtype_of(llm: Any) -> str:
 
 
 def _hf_model_args(model: str | None) -> tuple[str, dict[str, Any]]:
-    from tandem.engine.model_loader import default_model_path
+    from tandem.engine.model_files import default_model_path
 
     path = model or default_model_path()
     if path.endswith(".gguf"):
@@ -295,7 +295,7 @@ def run_llama_cpp(
     except ImportError as e:
         raise ImportError(LLAMA_CPP_MISSING) from e
 
-    from tandem.engine.model_loader import default_model_path
+    from tandem.engine.model_files import default_model_path
 
     path = args.model or default_model_path()
     if not path.endswith(".gguf"):

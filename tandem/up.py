@@ -10,29 +10,36 @@ each child also gets SIGTERM from the kernel if this process dies (``PR_SET_PDEA
 and the temporary directory (logs, redis working dir) is removed.
 
 :class:`Stack` is the same thing as a context manager, used by ``tandem.demo``, the
-benchmarks and the end-to-end tests.
+benchmarks and the end-to-end tests; it decides what to start and ``tandem.launch`` starts,
+waits for and stops it.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import shutil
 import signal
 import socket
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tandem.child import spawn
+from tandem.contracts.role import Role
+from tandem.launch import (
+    Launcher,
+    Part,
+    StackError,
+    free_port,
+    grpc_serving,
+    http_ok,
+    redis_ok,
+    tandem_argv,
+)
 
 
 def banner(stack: Stack, mode: str) -> str:
@@ -47,36 +54,6 @@ def banner(stack: Stack, mode: str) -> str:
             + ("" if stack.config.verbose
                else f"  logs         {stack.tmpdir}   (removed on exit)\n")
             + "Press Ctrl-C to stop.")
-
-
-class StackError(RuntimeError):
-    """A part of the stack failed to start or died."""
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@dataclass
-class Part:
-    """One child process of the stack."""
-
-    name: str
-    argv: list[str]
-    ready: Callable[[], bool]
-    url: str = ""
-    cpus: list[int] | None = None
-    proc: subprocess.Popen | None = None
-    log_path: Path | None = None
-
-    def log_tail(self, num_lines: int = 30) -> str:
-        if self.log_path is None or not self.log_path.exists():
-            return ""
-        lines = self.log_path.read_text(errors="replace").splitlines()
-        return "\n".join(lines[-num_lines:])
 
 
 @dataclass
@@ -112,44 +89,6 @@ class StackConfig:
     cpus_per_engine: int = 0
     startup_timeout_s: float = 600.0
     verbose: bool = False
-
-
-def _tandem(*args: str) -> list[str]:
-    return [sys.executable, "-P", "-m", "tandem.cli", *args]
-
-
-def _http_ok(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=2) as resp:
-            return resp.status == 200
-    except (urllib.error.URLError, OSError, ValueError):
-        return False
-
-
-def _grpc_serving(address: str) -> bool:
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    try:
-        with grpc.insecure_channel(address) as ch:
-            resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(),
-                                                        timeout=2)
-            return resp.status == health_pb2.HealthCheckResponse.SERVING
-    except grpc.RpcError:
-        return False
-
-
-def _redis_ok(url: str) -> bool:
-    import redis
-
-    try:
-        client = redis.Redis.from_url(url, socket_timeout=2)
-        try:
-            return bool(client.ping())
-        finally:
-            client.close()
-    except redis.RedisError:
-        return False
 
 
 #: Most of the host memory available at start that the stack's KV caches may take together
@@ -219,10 +158,8 @@ class Stack:
 
     def __init__(self, config: StackConfig) -> None:
         self.config = config
-        self.parts: list[Part] = []
-        self._tiers: list[list[Part]] = []  # parts started together, in start order
         self.tmpdir: Path | None = None
-        self._pgid: int | None = None
+        self._launcher: Launcher | None = None
         self.redis_url = config.redis_url or ""
         self.http_url = ""
         self.grpc_address = ""
@@ -246,6 +183,10 @@ class Stack:
         cfg = self.config
         _preflight(cfg)
         self.tmpdir = Path(tempfile.mkdtemp(prefix="tandem-up-"))
+        env = dict(os.environ)
+        if cfg.cpus_per_engine:
+            env.setdefault("OMP_NUM_THREADS", str(cfg.cpus_per_engine))
+        self._launcher = Launcher(None if cfg.verbose else self.tmpdir, env)
         if not self.redis_url:
             binary = shutil.which("redis-server")
             if binary is None:
@@ -257,19 +198,19 @@ class Stack:
             self._launch([Part("redis", [binary, "--port", str(port), "--bind", "127.0.0.1",
                                          "--save", "", "--appendonly", "no",
                                          "--dir", str(self.tmpdir)],
-                               lambda u=self.redis_url: _redis_ok(u), self.redis_url)])
+                               lambda u=self.redis_url: redis_ok(u), self.redis_url)])
         engines: list[Part] = []
         if cfg.colocated:
             for i in range(cfg.replicas):
-                engines.append(self._engine_part(f"colocated-{i}", ["serve", "--role", "both"]))
+                engines.append(self._engine_part(f"colocated-{i}", ["serve", "--role", Role.BOTH.value]))
         else:
             kv_port, kv_metrics = free_port(), free_port()
             self.kvstore_metrics_url = f"http://127.0.0.1:{kv_metrics}/metrics"
-            self._launch([Part("kvstore", _tandem(
+            self._launch([Part("kvstore", tandem_argv(
                 "kvstore", "--listen", f"127.0.0.1:{kv_port}", "--capacity",
                 str(cfg.kvstore_capacity_bytes), "--redis-url", self.redis_url,
                 "--metrics-port", str(kv_metrics)),
-                lambda p=kv_metrics: _http_ok(f"http://127.0.0.1:{p}/health"),
+                lambda p=kv_metrics: http_ok(f"http://127.0.0.1:{p}/health"),
                 f"127.0.0.1:{kv_port}")])
             for i in range(cfg.num_prefill):
                 engines.append(self._engine_part(f"prefill-{i}", ["prefill"],
@@ -286,8 +227,8 @@ class Stack:
             router_argv += ["--model", cfg.model]
         self.http_url = f"http://{cfg.host}:{port}"
         self.grpc_address = f"{cfg.host}:{grpc_port}"
-        self._launch([Part("router", _tandem(*router_argv),
-                           lambda u=self.http_url: _http_ok(f"{u}/ready"), self.http_url)])
+        self._launch([Part("router", tandem_argv(*router_argv),
+                           lambda u=self.http_url: http_ok(f"{u}/ready"), self.http_url)])
 
     def _engine_part(self, name: str, cmd: list[str], kvstore: str | None = None) -> Part:
         cfg = self.config
@@ -305,80 +246,33 @@ class Stack:
             ncpu = os.cpu_count() or 1
             cpus = [(self._cpu_next + j) % ncpu for j in range(cfg.cpus_per_engine)]
             self._cpu_next += cfg.cpus_per_engine
-        return Part(name, _tandem(*argv), lambda a=f"127.0.0.1:{port}": _grpc_serving(a),
+        return Part(name, tandem_argv(*argv), lambda a=f"127.0.0.1:{port}": grpc_serving(a),
                     f"127.0.0.1:{port}", cpus=cpus)
 
     def _launch(self, parts: Sequence[Part]) -> None:
         """Start ``parts`` together, then wait until each is ready (or fail)."""
-        assert self.tmpdir is not None, "start() creates tmpdir first"
-        self._tiers.append(list(parts))
-        env = dict(os.environ)
-        if self.config.cpus_per_engine:
-            env.setdefault("OMP_NUM_THREADS", str(self.config.cpus_per_engine))
-        for part in parts:
-            out: int | object = None
-            if not self.config.verbose:
-                part.log_path = self.tmpdir / f"{part.name}.log"
-                out = part.log_path.open("wb")
-            # No preexec_fn: it would fork() after gRPC use here (see tandem/child.py).
-            part.proc = spawn(part.argv, part.cpus, stdout=out, stderr=subprocess.STDOUT,
-                              stdin=subprocess.DEVNULL, env=env, process_group=self._pgid or 0)
-            if out is not None:
-                out.close()  # the child holds its own descriptor
-            if self._pgid is None:
-                self._pgid = part.proc.pid
-            self.parts.append(part)
-        deadline = time.monotonic() + self.config.startup_timeout_s
-        pending = list(parts)
-        while pending:
-            for part in list(pending):
-                assert part.proc is not None
-                if part.proc.poll() is not None:
-                    raise StackError(f"{part.name} exited with code {part.proc.returncode} "
-                                     f"during start-up:\n{part.log_tail()}")
-                if part.ready():
-                    pending.remove(part)
-            if pending and time.monotonic() > deadline:
-                names = ", ".join(p.name for p in pending)
-                raise StackError(f"not healthy after {self.config.startup_timeout_s:.0f} s: "
-                                 f"{names}\n{pending[0].log_tail()}")
-            if pending:
-                time.sleep(0.2)  # polling interval of the health checks
+        assert self._launcher is not None, "start() creates the launcher first"
+        self._launcher.launch(parts, self.config.startup_timeout_s)
+
+    @property
+    def parts(self) -> list[Part]:
+        """Every part started, in start order."""
+        return self._launcher.parts if self._launcher is not None else []
 
     def dead_parts(self) -> list[Part]:
         """Parts whose process has exited."""
-        return [p for p in self.parts if p.proc is not None and p.proc.poll() is not None]
+        return self._launcher.dead_parts() if self._launcher is not None else []
 
     def part(self, name: str) -> Part:
+        """The part called ``name`` (StopIteration when there is none)."""
         return next(p for p in self.parts if p.name == name)
 
     def close(self, timeout_s: float = 10.0) -> None:
-        """Stop every part, newest tier first, then SIGKILL the group; remove the temp dir.
-
-        Tiers stop in reverse start order (router, engines, KV store, redis), each after
-        the previous one exited (or ``timeout_s`` passed): a part never loses what it
-        depends on (e.g. Redis) while it shuts down.
-        """
-        procs = [p.proc for p in self.parts if p.proc is not None]
-        for tier in reversed(self._tiers):
-            alive = [p.proc for p in tier if p.proc is not None and p.proc.poll() is None]
-            for proc in alive:
-                with contextlib.suppress(ProcessLookupError):
-                    proc.send_signal(signal.SIGTERM)
-            deadline = time.monotonic() + timeout_s
-            for proc in alive:
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-        if self._pgid is not None:
-            # Anything left in the group (stragglers, grandchildren) is killed.
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(self._pgid, signal.SIGKILL)
-        for proc in procs:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=5)
-        self.parts.clear()
-        self._tiers.clear()
-        self._pgid = None
+        """Stop every part (``Launcher.close``: newest tier first, then the whole process
+        group) and remove the temp dir."""
+        if self._launcher is not None:
+            self._launcher.close(timeout_s)
+            self._launcher = None
         if self.tmpdir is not None:
             shutil.rmtree(self.tmpdir, ignore_errors=True)
             self.tmpdir = None

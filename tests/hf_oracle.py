@@ -19,7 +19,7 @@ def hf_default_model() -> Any:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from tandem.engine.model_loader import default_model_path
+    from tandem.engine.model_files import default_model_path
 
     path = default_model_path()
     return AutoModelForCausalLM.from_pretrained(

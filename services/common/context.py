@@ -18,6 +18,7 @@ from typing import Any
 
 from tandem.contracts.block_hash import HASH_ALGORITHM
 from tandem.contracts.proto import sampling_params_from_proto
+from tandem.contracts.role import Role
 from tandem.engine.config import EngineConfig
 from tandem.engine.kv_connector import KVConnectorWorker, LoadResult, SaveResult
 from tandem.engine.request import Request
@@ -103,18 +104,18 @@ class ServiceContext:
     """Facts and helpers of one engine instance.
 
     Args:
-        role: "prefill", "decode" or "both".
+        role: what this instance does (``Role``; its value string is accepted).
         engine_loop: the engine thread bridge (its ``engine`` is an ``EngineCore``).
         config: the engine's frozen config.
         max_waiting: queued requests beyond which new ones get RESOURCE_EXHAUSTED.
     """
 
     def __init__(
-        self, role: str, engine_loop: EngineLoop, config: EngineConfig, max_waiting: int = 1024
+        self, role: Role | str, engine_loop: EngineLoop, config: EngineConfig, max_waiting: int = 1024
     ) -> None:
         engine = engine_loop.engine
         facts = engine.model_facts
-        self.role = role
+        self.role = Role.parse(role)
         self.engine_loop = engine_loop
         self.config = config
         self.max_waiting = max_waiting
@@ -128,7 +129,7 @@ class ServiceContext:
         self.model_id: str = facts.model_id
         self.kv_layout_fingerprint: bytes = engine.layout.fingerprint
         self.hash_algorithm = HASH_ALGORITHM
-        self.metrics = ServiceMetrics(role)
+        self.metrics = ServiceMetrics(self.role)
         self.transfers: TransferEvents | None = None
         self._connector: KVConnectorWorker | None = engine.connector_worker
 

@@ -10,6 +10,8 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from tandem.contracts.role import Role
+
 _LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
 
@@ -17,10 +19,10 @@ class ServiceMetrics:
     """The metrics of one instance.
 
     Args:
-        role: "prefill", "decode" or "both" (a label on every metric).
+        role: this instance's role; its value is a label on every metric.
     """
 
-    def __init__(self, role: str) -> None:
+    def __init__(self, role: Role) -> None:
         self.registry = CollectorRegistry()
         labels = ["role"]
         r = self.registry
@@ -47,7 +49,7 @@ class ServiceMetrics:
             "tandem:kv_load_failures",
             "Requests whose remote KV was missing or corrupt and got recomputed.",
             labels, registry=r)
-        self._role = role
+        self._role = Role(role).value
         self._num_kv_load_failures = 0
 
     def labels(self, metric: Any, **extra: str) -> Any:

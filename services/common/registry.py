@@ -18,6 +18,8 @@ from collections.abc import Awaitable, Callable
 
 import redis.asyncio as aioredis
 
+from tandem.contracts.role import Role
+
 logger = logging.getLogger(__name__)
 
 KEY_PREFIX = "tandem:instance"
@@ -25,9 +27,9 @@ TTL_S = 10
 INTERVAL_S = 2.0
 
 
-def instance_key(role: str, instance_id: str) -> str:
+def instance_key(role: Role, instance_id: str) -> str:
     """Redis key of one instance."""
-    return f"{KEY_PREFIX}:{role}:{instance_id}"
+    return f"{KEY_PREFIX}:{Role(role).value}:{instance_id}"
 
 
 class InstanceRegistration:
@@ -35,7 +37,7 @@ class InstanceRegistration:
 
     Args:
         redis_url: ``redis://host:port/db``.
-        role: "prefill", "decode" or "both".
+        role: the instance's role (its value is the ``role`` field).
         instance_id: unique id of this process.
         address: gRPC ``host:port`` the router should dial.
         model: model id served.
@@ -46,7 +48,7 @@ class InstanceRegistration:
     def __init__(
         self,
         redis_url: str,
-        role: str,
+        role: Role,
         instance_id: str,
         address: str,
         model: str,
@@ -56,7 +58,7 @@ class InstanceRegistration:
     ) -> None:
         self.key = instance_key(role, instance_id)
         self._redis = aioredis.from_url(redis_url)
-        self._static = {"role": role, "address": address, "model": model}
+        self._static = {"role": Role(role).value, "address": address, "model": model}
         self._load_fn = load_fn
         self._ttl_s = ttl_s
         self._interval_s = interval_s

@@ -26,6 +26,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from tandem.contracts.role import ROLES, Role
 from tandem.engine.config import (
     CacheConfig,
     EngineConfig,
@@ -41,17 +42,16 @@ from tandem.services.common.registry import InstanceRegistration
 
 logger = logging.getLogger(__name__)
 
-ROLES = ("prefill", "decode", "both")
-_KV_ROLE = {"prefill": "kv_producer", "decode": "kv_consumer"}
+_KV_ROLE = {Role.PREFILL: "kv_producer", Role.DECODE: "kv_consumer"}
 # 64 MiB: a 32k-token prompt's ids plus its block hashes fit with room to spare.
 _MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 
-def build_parser(prog: str, role: str | None) -> argparse.ArgumentParser:
+def build_parser(prog: str, role: Role | None) -> argparse.ArgumentParser:
     """The binding flags of ``tandem prefill|decode|serve`` (``role=None`` adds ``--role``)."""
     p = argparse.ArgumentParser(prog=prog, description=f"tandem {role or 'engine'} gRPC service")
     if role is None:
-        p.add_argument("--role", choices=ROLES, required=True,
+        p.add_argument("--role", choices=[r.value for r in ROLES], required=True,
                        help="prefill | decode | both (colocated, no KV store)")
     p.add_argument("--listen", default="127.0.0.1:50061", help="gRPC HOST:PORT to bind")
     p.add_argument("--model", default=None,
@@ -86,18 +86,17 @@ def build_parser(prog: str, role: str | None) -> argparse.ArgumentParser:
     return p
 
 
-def build_engine_config(ns: argparse.Namespace, role: str) -> EngineConfig:
+def build_engine_config(ns: argparse.Namespace, role: Role | str) -> EngineConfig:
     """The frozen engine config of a role from parsed flags.
 
     Raises:
         ValueError: an invalid flag value (naming it), or prefill/decode without --redis-url.
     """
-    if role not in ROLES:
-        raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
-    if role != "both" and not ns.redis_url:
-        raise ValueError(f"--redis-url is required for role {role!r} (KV store index)")
+    role = Role.parse(role)
+    if role.uses_store and not ns.redis_url:
+        raise ValueError(f"--redis-url is required for role '{role}' (KV store index)")
     kv = KVTransferConfig()
-    if role != "both":
+    if role.uses_store:
         # the store client's environment (TANDEM_KV_SHM, ...), read once here at the edge
         store = StoreConnectorConfig(redis_url=ns.redis_url, kvstore_address=ns.kvstore or None,
                                      client_options=ClientOptions.from_environ(os.environ))
@@ -132,7 +131,7 @@ AddServicers = Callable[[ServiceContext, grpc.aio.Server], list[str]]
 
 
 def run(
-    argv: list[str] | None, prog: str, role: str | None, servicers: Mapping[str, AddServicers]
+    argv: list[str] | None, prog: str, role: Role | None, servicers: Mapping[Role, AddServicers]
 ) -> int:
     """Parse flags, serve until SIGTERM/SIGINT, return the exit code (2 on bad flags).
 
@@ -141,7 +140,7 @@ def run(
         servicers: role -> what adds its servicers; the chosen role must be in it.
     """
     ns = build_parser(prog, role).parse_args(argv)
-    role = role or ns.role
+    role = role or Role.parse(ns.role)
     logging.basicConfig(level=ns.log_level.upper(),
                         format=f"%(asctime)s {role} %(levelname)s %(name)s: %(message)s")
     try:
@@ -157,7 +156,7 @@ def run(
 
 
 async def _serve(
-    ns: argparse.Namespace, role: str, config: EngineConfig, add_servicers: AddServicers
+    ns: argparse.Namespace, role: Role, config: EngineConfig, add_servicers: AddServicers
 ) -> None:
     # Imported here: `tandem serve --help` should not pay for torch.
     from tandem.engine.engine_core import EngineCore

@@ -6,6 +6,7 @@ import sys
 
 import grpc
 
+from tandem.contracts.role import Role
 from tandem.services.common.context import ServiceContext
 from tandem.services.common.server import run
 
@@ -25,7 +26,7 @@ def add_servicers(ctx: ServiceContext, server: grpc.aio.Server) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     """Serve DecodeService until SIGTERM; returns the exit code. Flags: ``--help``."""
-    return run(argv, prog="tandem decode", role="decode", servicers={"decode": add_servicers})
+    return run(argv, prog="tandem decode", role=Role.DECODE, servicers={Role.DECODE: add_servicers})
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ import sys
 
 import grpc
 
+from tandem.contracts.role import Role
 from tandem.services.common.context import ServiceContext
 from tandem.services.common.server import run
 
@@ -22,7 +23,8 @@ def add_servicers(ctx: ServiceContext, server: grpc.aio.Server) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     """Serve PrefillService until SIGTERM; returns the exit code. Flags: ``--help``."""
-    return run(argv, prog="tandem prefill", role="prefill", servicers={"prefill": add_servicers})
+    return run(argv, prog="tandem prefill", role=Role.PREFILL,
+               servicers={Role.PREFILL: add_servicers})
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from tandem.contracts.role import ROLES, Role
 from tandem.services.router import protocol as P
 from tandem.services.router.errors import OpenAIError, openai_error_handler, to_openai_error
 from tandem.services.router.frontend import Frontend
@@ -63,16 +64,15 @@ def create_app(fe: Frontend, lifespan: Any = None) -> FastAPI:
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        counts = {role: len(fe.pipeline.discovery.instances(role))
-                  for role in ("prefill", "decode", "both")}
+        counts = {role.value: len(fe.pipeline.discovery.instances(role)) for role in ROLES}
         return JSONResponse({"status": "ok", "instances": counts})
 
     @app.get("/ready")
     async def ready() -> JSONResponse:
         d = fe.pipeline.discovery
-        if d.has_live("prefill") and d.has_live("decode"):
+        if d.has_live(Role.PREFILL) and d.has_live(Role.DECODE):
             return JSONResponse({"status": "ready", "mode": "disagg"})
-        if d.has_live("both"):
+        if d.has_live(Role.BOTH):
             return JSONResponse({"status": "ready", "mode": "colocated"})
         raise OpenAIError("no live engine instance yet", status_code=503, retry_after_s=1)
 

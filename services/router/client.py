@@ -11,6 +11,7 @@ import logging
 
 import grpc
 
+from tandem.contracts.role import Role
 from tandem.services.router.discovery import Discovery
 from tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
@@ -68,9 +69,9 @@ class InstancePool:
         """Start a Decode stream; iterate it, and ``cancel()`` it to abort the request."""
         return self.decode_stub(address).Decode(req, metadata=metadata)
 
-    async def get_load(self, address: str, role: str, timeout_s: float = 2.0
+    async def get_load(self, address: str, role: Role, timeout_s: float = 2.0
                        ) -> common_pb2.GetLoadResponse:
-        stub = self.prefill_stub(address) if role == "prefill" else self.decode_stub(address)
+        stub = self.prefill_stub(address) if role == Role.PREFILL else self.decode_stub(address)
         return await stub.GetLoad(common_pb2.GetLoadRequest(), timeout=timeout_s)
 
     async def poll_loads(self) -> None:

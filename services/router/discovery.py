@@ -21,10 +21,11 @@ import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
+from tandem.contracts.role import ROLES, Role
+
 logger = logging.getLogger(__name__)
 
 REGISTRY_PREFIX = "tandem:instance:"
-ROLES = ("prefill", "decode", "both")
 #: Seconds an instance is skipped after a failed call (unless it is the only one left).
 FAILURE_COOLDOWN_S = 5.0
 
@@ -34,7 +35,7 @@ class InstanceInfo:
     """One engine instance as the router sees it.
 
     Attributes:
-        role: "prefill", "decode" or "both" (colocated).
+        role: what the instance does (``Role.BOTH``: colocated).
         address: gRPC ``host:port``.
         model: model id the instance serves ("" when unknown).
         running / waiting: requests in its batch / queue (last report).
@@ -47,7 +48,7 @@ class InstanceInfo:
         inflight: requests this router has in flight on it (fresher than reports).
     """
 
-    role: str
+    role: Role
     address: str
     model: str = ""
     running: int = 0
@@ -81,7 +82,7 @@ class Discovery(ABC):
     async def refresh(self) -> None:
         """Re-read the source (may do I/O). Errors are logged by the caller's loop."""
 
-    def instances(self, role: str, *, exclude: set[str] | frozenset[str] = frozenset()
+    def instances(self, role: Role, *, exclude: set[str] | frozenset[str] = frozenset()
                   ) -> list[InstanceInfo]:
         """Healthy instances of ``role``, without ``exclude`` (addresses already tried).
 
@@ -97,7 +98,7 @@ class Discovery(ABC):
                    and i.alive is not False]
         return healthy or cands
 
-    def has_live(self, role: str) -> bool:
+    def has_live(self, role: Role) -> bool:
         """Some instance of ``role`` answered its last load poll (readiness)."""
         return any(i.alive for i in self._by_address.values() if i.role == role)
 
@@ -159,7 +160,7 @@ class StaticDiscovery(Discovery):
     def __init__(self, *, prefill: list[str] = (), decode: list[str] = (),
                  both: list[str] = ()) -> None:
         super().__init__()
-        for role, addrs in (("prefill", prefill), ("decode", decode), ("both", both)):
+        for role, addrs in ((Role.PREFILL, prefill), (Role.DECODE, decode), (Role.BOTH, both)):
             for addr in addrs:
                 if addr in self._by_address:
                     raise ValueError(f"--{role}: address {addr} listed twice")
@@ -220,7 +221,7 @@ def _parse_entry(key: str, fields: dict[str, str]) -> InstanceInfo | None:
         return None
     try:
         return InstanceInfo(
-            role=role,
+            role=Role(role),
             address=address,
             model=fields.get("model", ""),
             running=int(float(fields.get("running", 0))),

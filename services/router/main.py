@@ -2,7 +2,7 @@
 
 Flags and the ``TANDEM_API_KEY`` environment variable are read here and nowhere else.
 Instances come from the Redis registry (``--redis-url``) or static lists (``--prefill``,
-``--decode``, ``--colocated``); both sources may be combined.
+``--decode``, ``--colocated``): one of the two, validated in ``RouterConfig`` before anything loads.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import os
 import signal
 import sys
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
+from tandem.services.router.config import RouterConfig
 from tandem.services.router.routing import RoutingPolicy
 
 logger = logging.getLogger("tandem.router")
@@ -53,33 +53,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _split(value: str) -> list[str]:
-    return [a.strip() for a in value.split(",") if a.strip()]
-
-
-def model_facts(model: str | None) -> tuple[str, int]:
-    """(model id, max_model_len) from the model's config.
-
-    A GGUF file's metadata is read with ``gguf`` directly: several times faster than
-    building a transformers config from it.
-    """
-    from tandem.engine.model_loader import default_model_path, model_id_of
-
-    path = Path(model or default_model_path()).expanduser().resolve()
-    name = model_id_of(model)
-    if path.is_file():
-        from gguf import GGUFReader
-
-        fields = GGUFReader(str(path)).fields
-        arch = fields["general.architecture"].contents()
-        f = fields.get(f"{arch}.context_length")
-        return name, int(f.contents()) if f is not None else 2048
-    from transformers import AutoConfig
-
-    cfg = AutoConfig.from_pretrained(str(path))
-    return name, int(getattr(cfg, "max_position_embeddings", 0) or 2048)
-
-
 class _Server:
     """uvicorn's server without its signal capture.
 
@@ -105,11 +78,11 @@ class _Server:
         await self._server.serve()
 
 
-async def serve(args: argparse.Namespace) -> None:
+async def serve(cfg: RouterConfig) -> None:
     """Build everything, serve HTTP and gRPC until SIGINT/SIGTERM, then close cleanly."""
     import uvicorn
 
-    from tandem.engine.model_loader import load_tokenizer
+    from tandem.engine.model_files import load_tokenizer_and_facts
     from tandem.services.router.app import create_app
     from tandem.services.router.client import InstancePool
     from tandem.services.router.discovery import Discovery, RedisDiscovery, StaticDiscovery
@@ -119,44 +92,40 @@ async def serve(args: argparse.Namespace) -> None:
     from tandem.services.router.pipeline import Pipeline
     from tandem.services.router.routing import make_router
 
-    name, max_len = model_facts(args.model)
-    served = [args.served_model_name or name]
+    # NOTE: the tokenizer and facts come from the model's files without torch: the router
+    # runs no model (tests/unit/test_model_files.py holds its start-up to that).
+    tokenizer, facts = load_tokenizer_and_facts(cfg.model)
+    name = facts.model_id
+    served = [cfg.served_model_name or name]
     # Also accept the model's base name without a quantization suffix, and its path.
-    for alias in (name, name.split(".")[0], args.model):
+    for alias in (name, name.split(".")[0], cfg.model):
         if alias and alias not in served:
             served.append(alias)
-    tokenizer = load_tokenizer(args.model)
     discovery: Discovery
-    static = dict(prefill=_split(args.prefill), decode=_split(args.decode),
-                  both=_split(args.colocated))
-    if args.redis_url:
-        if any(static.values()):
-            raise SystemExit("tandem router: give --redis-url or static lists, not both")
-        discovery = RedisDiscovery(args.redis_url, model=name)
+    if cfg.redis_url:
+        discovery = RedisDiscovery(cfg.redis_url, model=name)
     else:
-        if not any(static.values()):
-            raise SystemExit("tandem router: give --redis-url or --prefill/--decode/--colocated")
-        discovery = StaticDiscovery(**static)
+        discovery = StaticDiscovery(prefill=list(cfg.prefill), decode=list(cfg.decode),
+                                    both=list(cfg.colocated))
     pool = InstancePool(discovery)
     metrics = RouterMetrics(served[0])
     pipeline = Pipeline(tokenizer=tokenizer, discovery=discovery, pool=pool,
-                        router=make_router(args.routing_policy), metrics=metrics,
-                        max_running=args.max_running_requests,
-                        max_waiting=args.max_queued_requests, max_attempts=args.max_attempts)
-    api_key = args.api_key or os.environ.get("TANDEM_API_KEY") or None
+                        router=make_router(cfg.routing_policy), metrics=metrics,
+                        max_running=cfg.max_running_requests,
+                        max_waiting=cfg.max_queued_requests, max_attempts=cfg.max_attempts)
     fe = Frontend(tokenizer=tokenizer, pipeline=pipeline, served_model_names=served,
-                  max_model_len=args.max_model_len or max_len, api_key=api_key)
+                  max_model_len=cfg.max_model_len or facts.max_model_len, api_key=cfg.api_key)
     await discovery.start()
     await pool.start()
     grpc_server: Any = None
     try:
-        if args.grpc_port:
-            grpc_server = await start_grpc_server(fe, args.grpc_port, args.host)
-        config = uvicorn.Config(create_app(fe), host=args.host, port=args.port,
-                                log_level=args.log_level.lower(), timeout_graceful_shutdown=3,
+        if cfg.grpc_port:
+            grpc_server = await start_grpc_server(fe, cfg.grpc_port, cfg.host)
+        config = uvicorn.Config(create_app(fe), host=cfg.host, port=cfg.port,
+                                log_level=cfg.log_level.lower(), timeout_graceful_shutdown=3,
                                 access_log=False)
-        logger.info("router: http://%s:%d (OpenAI API), grpc %s:%d, model %s", args.host,
-                    args.port, args.host, args.grpc_port, served[0])
+        logger.info("router: http://%s:%d (OpenAI API), grpc %s:%d, model %s", cfg.host,
+                    cfg.port, cfg.host, cfg.grpc_port, served[0])
         server = _Server(config)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -172,10 +141,15 @@ async def serve(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `tandem router`. Returns the exit code."""
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(),
+    try:
+        cfg = RouterConfig.from_args(args, os.environ)
+    except ValueError as exc:
+        print(f"tandem router: error: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=cfg.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        asyncio.run(serve(args))
+        asyncio.run(serve(cfg))
     except KeyboardInterrupt:
         pass
     return 0

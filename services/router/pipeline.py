@@ -34,6 +34,7 @@ from typing import Any
 import grpc
 
 from tandem.contracts.proto import sampling_params_to_proto
+from tandem.contracts.role import Role
 from tandem.engine.fan_out import fan_out
 from tandem.engine.sampling_params import SamplingParams
 from tandem.services.router.client import CALLER_ERROR_CODES, InstancePool
@@ -120,9 +121,9 @@ class Pipeline:
         Raises:
             OpenAIError: 503 when no instance can serve at all.
         """
-        if self.discovery.instances("prefill") and self.discovery.instances("decode"):
+        if self.discovery.instances(Role.PREFILL) and self.discovery.instances(Role.DECODE):
             return "disagg"
-        if self.discovery.instances("both"):
+        if self.discovery.instances(Role.BOTH):
             return "colocated"
         raise OpenAIError("no healthy engine instance is available", status_code=503,
                           retry_after_s=1)
@@ -158,7 +159,7 @@ class Pipeline:
         psp = sampling_params_to_proto(sp)
         metadata = (("x-request-id", seq_id),)
         if mode == "disagg":
-            ctx = RouteContext("prefill", req.prompt_token_ids, seq_id)
+            ctx = RouteContext(Role.PREFILL, req.prompt_token_ids, seq_id)
             presp = await self._prefill(ctx, prefill_pb2.PrefillRequest(
                 request_id=seq_id, prompt_token_ids=req.prompt_token_ids,
                 sampling_params=psp, priority=req.priority), metadata, timings)
@@ -176,12 +177,12 @@ class Pipeline:
                 hash_algorithm=presp.hash_algorithm, priority=req.priority)
             if presp.HasField("generator_state"):
                 dreq.generator_state = presp.generator_state
-            stage = "decode"
+            stage = Role.DECODE
         else:
             dreq = decode_pb2.DecodeRequest(
                 request_id=seq_id, prompt_token_ids=req.prompt_token_ids,
                 sampling_params=psp, priority=req.priority)
-            stage = "both"
+            stage = Role.BOTH
         ctx = RouteContext(stage, req.prompt_token_ids, seq_id)
         async for delta in self._decode(ctx, dreq, metadata, state):
             yield delta
@@ -192,7 +193,7 @@ class Pipeline:
         tried: set[str] = set()
         last: grpc.aio.AioRpcError | None = None
         for _ in range(self.max_attempts):
-            cands = self.discovery.instances("prefill", exclude=tried)
+            cands = self.discovery.instances(Role.PREFILL, exclude=tried)
             if not cands:
                 break
             info = await self.router.choose(cands, ctx)
@@ -203,7 +204,7 @@ class Pipeline:
             except grpc.aio.AioRpcError as exc:
                 _raise_if_caller_error(exc)
                 last = exc
-                self._failed(info, "prefill", exc)
+                self._failed(info, Role.PREFILL, exc)
                 continue
             finally:
                 self.discovery.release(info.address)
@@ -214,7 +215,7 @@ class Pipeline:
             timings.prefill_compute_ns = presp.compute_ns
             timings.kv_publish_ns = presp.publish_ns
             return presp
-        raise _unavailable("prefill", last)
+        raise _unavailable(Role.PREFILL, last)
 
     async def _decode(self, ctx: RouteContext, dreq: decode_pb2.DecodeRequest,
                       metadata: Sequence[tuple[str, str]], state: SeqState
@@ -228,7 +229,7 @@ class Pipeline:
             info = await self.router.choose(cands, ctx)
             tried.add(info.address)
             state.timings.decode_instance = info.address
-            if ctx.stage == "both":
+            if ctx.stage == Role.BOTH:
                 state.timings.prefill_instance = info.address
             self.discovery.acquire(info.address)
             call = self.pool.decode(info.address, dreq, tuple(metadata))
@@ -280,15 +281,15 @@ class Pipeline:
             t.kv_pull_ns = msg.kv_pull_ns
         if msg.HasField("queue_ns"):
             t.decode_queue_ns = msg.queue_ns
-            if ctx.stage == "both":
+            if ctx.stage == Role.BOTH:
                 # Colocated: the first message carries the first token, so everything after
                 # the engine's queue up to it is prefill compute (RPC overhead included).
                 t.prefill_queue_ns = msg.queue_ns
                 t.prefill_compute_ns = max(0, t.first_decode_ns - msg.queue_ns)
-        if msg.HasField("num_cached_tokens") and ctx.stage == "both":
+        if msg.HasField("num_cached_tokens") and ctx.stage == Role.BOTH:
             state.num_cached_tokens = msg.num_cached_tokens
         m = self.metrics
-        if ctx.stage == "decode" and t.kv_pull_ns is not None:
+        if ctx.stage == Role.DECODE and t.kv_pull_ns is not None:
             handoff_s = ((t.kv_publish_ns or 0) + t.kv_pull_ns) / 1e9
             m.labels(m.kv_handoff_seconds).observe(handoff_s)
             if msg.HasField("kv_pull_bytes"):
@@ -296,7 +297,7 @@ class Pipeline:
                 # (not blocks it already held, and in the dtype it runs)
                 m.labels(m.kv_handoff_bytes).inc(msg.kv_pull_bytes)
 
-    def _failed(self, info: InstanceInfo, stage: str, exc: grpc.aio.AioRpcError) -> None:
+    def _failed(self, info: InstanceInfo, stage: Role, exc: grpc.aio.AioRpcError) -> None:
         logger.warning("%s call to %s failed (%s): %s", stage, info.address, exc.code().name,
                        exc.details())
         if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
@@ -309,8 +310,8 @@ def _raise_if_caller_error(exc: grpc.aio.AioRpcError) -> None:
         raise OpenAIError(exc.details() or "invalid request", status_code=400) from exc
 
 
-def _unavailable(stage: str, last: grpc.aio.AioRpcError | None) -> OpenAIError:
+def _unavailable(stage: Role, last: grpc.aio.AioRpcError | None) -> OpenAIError:
     why = f": {last.code().name} {last.details()}" if last is not None else ""
-    role = "colocated" if stage == "both" else stage
+    role = "colocated" if stage == Role.BOTH else str(stage)
     return OpenAIError(f"no {role} instance could serve the request{why}", status_code=503,
                        retry_after_s=1)

@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from tandem.contracts.block_hash import BlockHash, hash_token_blocks
+from tandem.contracts.role import Role
 from tandem.services.router.discovery import InstanceInfo
 
 
@@ -43,12 +44,12 @@ class RouteContext:
     """What a policy may look at to place one request.
 
     Attributes:
-        stage: "prefill", "decode" or "both" (colocated).
+        stage: the role of the instances being chosen (``Role.BOTH``: colocated).
         prompt_token_ids: the templated prompt's token ids.
         request_id: for logs.
     """
 
-    stage: str
+    stage: Role
     prompt_token_ids: Sequence[int]
     request_id: str = ""
     _hashes: dict[int, list[BlockHash]] = field(default_factory=dict, repr=False)
@@ -141,7 +142,7 @@ class KVAwareRouter(Router):
     async def choose(self, candidates: Sequence[InstanceInfo], ctx: RouteContext
                      ) -> InstanceInfo:
         fallback = least_loaded(candidates, next(self._counter))
-        if ctx.stage != "prefill" and ctx.stage != "both":
+        if ctx.stage == Role.DECODE:
             return fallback
         best, best_blocks = fallback, 0
         for info in sorted(candidates, key=lambda i: i.address):
@@ -154,7 +155,7 @@ class KVAwareRouter(Router):
         return best
 
     def on_routed(self, info: InstanceInfo, ctx: RouteContext) -> None:
-        if ctx.stage not in ("prefill", "both"):
+        if ctx.stage == Role.DECODE:
             return
         hints = self._hints.setdefault(info.address, _PrefixHints(self._capacity_blocks))
         hints.add(ctx.block_hashes(info.block_size))

@@ -33,7 +33,8 @@ def real():
     """The HF model (oracle), its tokenizer, and our model built from the same weights."""
     from hf_oracle import hf_default_model
 
-    from tandem.engine.model_loader import LoadedModel, load_tokenizer, model_id_of
+    from tandem.engine.model_files import load_tokenizer, model_id_of
+    from tandem.engine.model_loader import LoadedModel
     from tandem.engine.models.registry import build_model
 
     hf = hf_default_model()

@@ -19,13 +19,8 @@ from tandem.engine.config import CacheConfig, EngineConfig, ModelConfig, Schedul
 from tandem.engine.executor import create_executor
 from tandem.engine.executor.uniproc import UniProcExecutor
 from tandem.engine.model_facts import ModelFacts
-from tandem.engine.model_loader import (
-    LoadedModel,
-    default_model_path,
-    gguf_cache_path,
-    load_model,
-    load_tokenizer,
-)
+from tandem.engine.model_files import default_model_path, load_tokenizer
+from tandem.engine.model_loader import LoadedModel, gguf_cache_path, load_model
 from tandem.engine.model_runner import ModelRunner
 from tandem.engine.models.registry import build_model
 from tandem.engine.request import Request

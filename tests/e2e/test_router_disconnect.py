@@ -12,16 +12,15 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
-import subprocess
 import sys
 import threading
 from pathlib import Path
 
 import grpc
-import httpx
 import pytest
+from ports import free_port
 
-from tandem.up import free_port
+from tandem.launch import Part, http_ok, start_part, stop_parts, tandem_argv, wait_ready
 from tandem.v1 import common_pb2, prefill_pb2_grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
@@ -78,34 +77,17 @@ def slow_prefill():
 def router(tmp_path_factory, slow_prefill):
     model = str(tiny_model_dir(tmp_path_factory.getbasetemp()))
     port = free_port()
-    log = (tmp_path_factory.mktemp("router") / "router.log").open("wb")
-    proc = subprocess.Popen(
-        [sys.executable, "-P", "-m", "tandem.cli", "router", "--host", "127.0.0.1",
-         "--port", str(port), "--grpc-port", "0", "--model", model,
-         "--prefill", slow_prefill[1], "--decode", f"127.0.0.1:{free_port()}",
-         "--max-model-len", "512"],
-        stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-
-    def up() -> bool:
-        assert proc.poll() is None, f"router exited with {proc.returncode}"
-        try:
-            return httpx.get(f"{url}/health", timeout=1).status_code == 200
-        except httpx.HTTPError:
-            return False
-
+    part = Part("router", tandem_argv(
+        "router", "--host", "127.0.0.1", "--port", str(port), "--grpc-port", "0",
+        "--model", model, "--prefill", slow_prefill[1], "--decode", f"127.0.0.1:{free_port()}",
+        "--max-model-len", "512"), lambda: http_ok(f"{url}/health", timeout_s=1))
+    start_part(part, log_path=tmp_path_factory.mktemp("router") / "router.log")
     try:
-        wait_for(up, 120, "router /health", poll_s=0.1)
+        wait_ready([part], 120)
         yield url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-            log.close()
+        stop_parts([part], timeout_s=20)
 
 
 @pytest.mark.parametrize("stream", [True, False])

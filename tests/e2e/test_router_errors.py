@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -19,9 +18,9 @@ import grpc
 import httpx
 import openai
 import pytest
-from waiting import wait_until
+from ports import free_port
 
-from tandem.up import free_port
+from tandem.launch import Part, http_ok, start_part, stop_parts, tandem_argv, wait_ready
 from tandem.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
@@ -38,35 +37,23 @@ def router(tmp_path_factory):
     model = str(tiny_model_dir(tmp_path_factory.getbasetemp()))
     port, grpc_port = free_port(), free_port()
     dead = [f"127.0.0.1:{free_port()}" for _ in range(2)]
-    log = (tmp_path_factory.mktemp("router") / "router.log").open("wb")
+    log = tmp_path_factory.mktemp("router") / "router.log"
     env = dict(os.environ, TANDEM_API_KEY=API_KEY)
-    proc = subprocess.Popen(
-        [sys.executable, "-P", "-m", "tandem.cli", "router", "--host", "127.0.0.1",
-         "--port", str(port), "--grpc-port", str(grpc_port), "--model", model,
-         "--prefill", dead[0],
-         "--decode", dead[1], "--max-model-len", str(MAX_MODEL_LEN)],
-        stdout=log, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
-
-    def up() -> bool:
-        assert proc.poll() is None, f"router exited with {proc.returncode}"
-        try:
-            return httpx.get(f"{url}/health", timeout=1).status_code == 200
-        except httpx.HTTPError:
-            return False
-
+    part = Part("router", tandem_argv(
+        "router", "--host", "127.0.0.1", "--port", str(port), "--grpc-port", str(grpc_port),
+        "--model", model, "--prefill", dead[0], "--decode", dead[1],
+        "--max-model-len", str(MAX_MODEL_LEN)), lambda: http_ok(f"{url}/health", timeout_s=1))
+    proc = start_part(part, log_path=log, env=env)
     try:
-        wait_until(up, 120, "router /health")
+        wait_ready([part], 120)
         yield url, f"127.0.0.1:{grpc_port}"
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
             assert proc.wait(timeout=20) == 0, "router did not exit cleanly on SIGTERM"
         finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-            log.close()
+            stop_parts([part], timeout_s=0)
 
 
 @pytest.fixture(scope="module")

@@ -23,9 +23,11 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from ports import free_port
 from waiting import wait_until
 
-from tandem.up import Stack, StackConfig, free_port
+from tandem.launch import Launcher, Part, grpc_serving, http_ok, tandem_argv
+from tandem.up import Stack, StackConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
 
@@ -157,45 +159,24 @@ def colocated(tiny, tmp_path_factory):
     """A colocated engine behind its own router with a queue of 0 and 1 running slot."""
     tmp = tmp_path_factory.mktemp("colocated")
     eng_port, port = free_port(), free_port()
-    procs = []
-
-    def start(args: list[str], name: str) -> subprocess.Popen:
-        log = (tmp / f"{name}.log").open("wb")
-        p = subprocess.Popen([sys.executable, "-P", "-m", "tandem.cli", *args],
-                             stdout=log, stderr=subprocess.STDOUT)
-        log.close()
-        procs.append(p)
-        return p
-
+    url = f"http://127.0.0.1:{port}"
+    launcher = Launcher(tmp)
     try:
-        start(["serve", "--role", "both", "--listen", f"127.0.0.1:{eng_port}", "--model", tiny,
-               *ENGINE_ARGS], "engine")
-        router = start(["router", "--host", "127.0.0.1", "--port", str(port), "--grpc-port", "0",
-                        "--model", tiny, "--colocated", f"127.0.0.1:{eng_port}",
-                        "--max-running-requests", "1", "--max-queued-requests", "0",
-                        *ROUTER_ARGS], "router")
-        url = f"http://127.0.0.1:{port}"
-
-        def ready() -> bool:
-            assert all(p.poll() is None for p in procs), (tmp / "router.log").read_text()
-            try:
-                return httpx.get(f"{url}/ready", timeout=2).status_code == 200
-            except httpx.HTTPError:
-                return False
-
-        wait_until(ready, 300, "colocated router ready")
+        launcher.launch([Part("engine", tandem_argv(
+            "serve", "--role", "both", "--listen", f"127.0.0.1:{eng_port}", "--model", tiny,
+            *ENGINE_ARGS), lambda: grpc_serving(f"127.0.0.1:{eng_port}"))], 300)
+        router = Part("router", tandem_argv(
+            "router", "--host", "127.0.0.1", "--port", str(port), "--grpc-port", "0",
+            "--model", tiny, "--colocated", f"127.0.0.1:{eng_port}",
+            "--max-running-requests", "1", "--max-queued-requests", "0", *ROUTER_ARGS),
+            lambda: http_ok(f"{url}/ready"))
+        launcher.launch([router], 300)
         yield url
-        router.send_signal(signal.SIGTERM)
-        assert router.wait(timeout=30) == 0
+        assert router.proc is not None
+        router.proc.send_signal(signal.SIGTERM)
+        assert router.proc.wait(timeout=30) == 0
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-                try:
-                    p.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    p.wait()
+        launcher.close(timeout_s=30)
 
 
 def test_colocated_matches_disaggregated(stack, colocated) -> None:

@@ -8,22 +8,16 @@ module's ``ENGINE_ARGS`` (extra `tandem serve` flags).
 
 from __future__ import annotations
 
+import os
 import shutil
-import socket
 import subprocess
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
-from waiting import wait_until
+from ports import free_port
 
-from tandem.child import spawn
-
-
-def free_port() -> int:
-    """A TCP port free right now on 127.0.0.1."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tandem.launch import Part, redis_ok, start_part, wait_ready
 
 
 class RedisServer:
@@ -38,30 +32,14 @@ class RedisServer:
         exe = shutil.which("redis-server")
         if exe is None:
             pytest.skip("redis-server is not installed (make redis)")
-        # spawn: a pytest killed by a timeout runs no teardown, and redis then dies
-        # with it instead of living on as an orphan (seen after a killed CI run);
-        # not preexec_fn, since a fork() after this process used gRPC can abort the
-        # child in gRPC's fork handlers (tandem/child.py).
-        self.proc = spawn(
-            [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )
-        import redis
-
-        client = redis.Redis(port=self.port, socket_timeout=1)
-
-        def answers() -> bool:
-            try:
-                if client.ping():
-                    return True
-            except redis.exceptions.ConnectionError:
-                pass
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"redis-server exited with {self.proc.returncode}")
-            return False
-
-        wait_until(answers, timeout_s, "redis-server to answer PING", interval_s=0.02)
+        # Through tandem.launch (tandem.child): a pytest killed by a timeout runs no
+        # teardown, and redis then dies with it instead of living on as an orphan (seen
+        # after a killed CI run).
+        self.part = Part("redis", [exe, "--port", str(self.port), "--bind", "127.0.0.1",
+                                   "--save", "", "--appendonly", "no"],
+                         lambda: redis_ok(self.url, timeout_s=1))
+        self.proc = start_part(self.part, log_path=Path(os.devnull))
+        wait_ready([self.part], timeout_s)
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

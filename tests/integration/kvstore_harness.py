@@ -9,19 +9,12 @@ import sys
 import urllib.request
 from pathlib import Path
 
+from ports import free_port
 from waiting import wait_until
 
 from tandem.contracts.block_key import BlockKey
 from tandem.kvstore.client import KVStoreClient
 from tandem.kvstore.index import IndexEntry
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class StoreNodeProcess:
@@ -31,8 +24,8 @@ class StoreNodeProcess:
                  heartbeat_ttl_s: float = 10.0, transfer_timeout_s: float = 30.0,
                  log_dir: Path | None = None, extra_args: tuple[str, ...] = ()) -> None:
         self.node_id = node_id
-        self.port = _free_port()
-        self.metrics_port = _free_port()
+        self.port = free_port()
+        self.metrics_port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         args = [sys.executable, "-P", "-m", "tandem.kvstore.server",
                 "--listen", self.address, "--capacity", str(capacity_bytes),

@@ -8,27 +8,26 @@ then SIGKILL) by its owner's fixture teardown. Readiness is polled with a deadli
 from __future__ import annotations
 
 import os
-import signal
-import socket
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from ports import free_port
 from waiting import wait_until
 
+from tandem.launch import (
+    Part,
+    StackError,
+    grpc_serving,
+    http_ok,
+    start_part,
+    stop_parts,
+    tandem_argv,
+    wait_ready,
+)
 from tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_for(cond: Callable[[], object], timeout_s: float, what: str, poll_s: float = 0.05):
@@ -46,7 +45,7 @@ def make_tiny_model(folder: Path, tokenizer_dir: Path | None = None) -> Path:
 
     from tiny_models import tiny_config, tiny_hf_model
 
-    from tandem.engine.model_loader import load_tokenizer
+    from tandem.engine.model_files import load_tokenizer
 
     folder.mkdir(parents=True, exist_ok=True)
     # NOTE: weights larger than the default 0.02 init (initializer_range) give varied
@@ -75,14 +74,14 @@ def hf_greedy(model_dir: str | None, prompts: list[list[int]], max_new_tokens: i
     import torch
     from transformers import AutoModelForCausalLM
 
-    from tandem.engine.model_loader import _resolve_path
+    from tandem.engine.model_files import resolve_model_path
 
     if model_dir is None:
         from hf_oracle import hf_default_model
 
         model = hf_default_model()
     else:
-        folder, gguf = _resolve_path(model_dir)
+        folder, gguf = resolve_model_path(model_dir)
         kwargs = {"local_files_only": True, "dtype": torch.float32}
         if gguf is not None:
             kwargs["gguf_file"] = gguf
@@ -103,52 +102,39 @@ def hf_greedy(model_dir: str | None, prompts: list[list[int]], max_new_tokens: i
 
 
 class Proc:
-    """A `tandem <cmd>` subprocess with its log file."""
+    """A `tandem <cmd>` subprocess with its log file (a ``tandem.launch.Part``)."""
 
-    def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None) -> None:
+    def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None,
+                 ready: Callable[[], bool] = lambda: True) -> None:
         self.args = args
         self.log_path = log_path
-        self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self.part = Part(args[0], tandem_argv(*args), ready)
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-        self.popen = subprocess.Popen(
-            [sys.executable, "-P", "-m", "tandem.cli", *args],
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            cwd=REPO,
-            env=full_env,
-        )
+        self.popen = start_part(self.part, log_path=log_path, env=full_env, cwd=REPO)
+
+    def wait_ready(self, timeout_s: float) -> None:
+        """Until ``ready`` holds; stops the process and raises StackError (with the log tail)
+        when it exits first or ``timeout_s`` passes."""
+        try:
+            wait_ready([self.part], timeout_s)
+        except StackError:
+            self.stop()
+            raise
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")[-4000:]
 
     def alive(self) -> bool:
-        return self.popen.poll() is None
+        return self.part.alive()
 
     def stop(self, timeout_s: float = 30.0) -> int | None:
         """SIGTERM, wait, SIGKILL if needed; returns the exit code."""
-        if self.alive():
-            self.popen.send_signal(signal.SIGTERM)
-            try:
-                self.popen.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-                self.popen.wait(10)
-        self._log.close()
+        stop_parts([self.part], timeout_s)
         return self.popen.returncode
 
     def kill(self) -> None:
         self.popen.kill()
         self.popen.wait(10)
-
-
-def grpc_healthy(address: str) -> bool:
-    """True when ``address`` answers the gRPC health check with SERVING."""
-    with grpc.insecure_channel(address) as ch:
-        try:
-            resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=1)
-        except grpc.RpcError:
-            return False
-        return resp.status == health_pb2.HealthCheckResponse.SERVING
 
 
 class EngineService:
@@ -165,14 +151,9 @@ class EngineService:
             args += ["--model", model]
         if redis_url is not None:
             args += ["--redis-url", redis_url]
-        self.proc = Proc(args, tmp / f"{role}-{self.port}.log")
-        try:
-            wait_for(lambda: not self.proc.alive() or grpc_healthy(self.address),
-                     startup_timeout_s, f"{role} service health")
-        except TimeoutError:
-            self.proc.stop()
-            raise
-        assert self.proc.alive(), f"{role} service exited:\n{self.proc.log()}"
+        self.proc = Proc(args, tmp / f"{role}-{self.port}.log",
+                         ready=lambda: grpc_serving(self.address))
+        self.proc.wait_ready(startup_timeout_s)
         self.channel = grpc.insecure_channel(self.address)
         self.prefill = prefill_pb2_grpc.PrefillServiceStub(self.channel)
         self.decode = decode_pb2_grpc.DecodeServiceStub(self.channel)
@@ -234,17 +215,6 @@ def run_colocated(service: EngineService, prompt: list[int], sp: common_pb2.Samp
     return tokens
 
 
-def http_ok(url: str) -> bool:
-    """True when GET ``url`` answers 200."""
-    import urllib.request
-
-    try:
-        with urllib.request.urlopen(url, timeout=1) as resp:
-            return resp.status == 200
-    except OSError:
-        return False
-
-
 class KVStoreNode:
     """A running `tandem kvstore` process (UCX data plane, Redis index)."""
 
@@ -258,15 +228,9 @@ class KVStoreNode:
              "--redis-url", redis_url, "--metrics-port", str(self.metrics_port)],
             tmp / f"kvstore-{self.port}.log",
             env,
+            ready=lambda: http_ok(f"http://127.0.0.1:{self.metrics_port}/health"),
         )
-        try:
-            wait_for(lambda: not self.proc.alive()
-                     or http_ok(f"http://127.0.0.1:{self.metrics_port}/health"),
-                     120, "kvstore health")
-        except TimeoutError:
-            self.proc.stop()
-            raise
-        assert self.proc.alive(), f"kvstore exited:\n{self.proc.log()}"
+        self.proc.wait_ready(120)
 
     def stop(self) -> int | None:
         return self.proc.stop()

@@ -11,9 +11,9 @@ import signal
 
 import grpc
 import pytest
+from ports import free_port
 from services_harness import (
     EngineService,
-    free_port,
     hf_greedy,
     params,
     run_colocated,

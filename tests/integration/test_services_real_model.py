@@ -21,7 +21,7 @@ ARGS = ["--kv-cache-memory", str(256 << 20), "--max-model-len", "2048"]
 
 
 def test_real_model_disaggregated_greedy_matches_transformers(redis_url, tmp_path):
-    from tandem.engine.model_loader import load_tokenizer
+    from tandem.engine.model_files import load_tokenizer
 
     tok = load_tokenizer(None)
     chats = [

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import functools
 import re
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -255,13 +254,6 @@ def env_value(docs: tuple[dict[str, Any], ...], c: dict[str, Any], var: str) -> 
 def pod_labels(w: dict[str, Any]) -> dict[str, str]:
     """Labels of a workload's pod template."""
     return w["spec"]["template"]["metadata"]["labels"]
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def merge(into: dict[str, Any], new: dict[str, Any]) -> None:

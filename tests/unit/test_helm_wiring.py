@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from ports import free_port
 from waiting import wait_until
 
 helm = pytest.importorskip("helm_python")
@@ -32,7 +33,6 @@ from helm_support import (  # noqa: E402  (after the importorskip)
     containers,
     env_value,
     flag_values,
-    free_port,
     host_port,
     listen_port,
     manifests,

@@ -9,7 +9,7 @@ Rules (docs/architecture.md, "Layering"):
 - the router imports no torch, kernels or models, directly or through anything it imports.
 
 Every ``import`` statement counts, at module level or inside a function: a lazy import is
-still a dependency. The router's rule is checked on the import closure of its modules within
+still a dependency (an ``if TYPE_CHECKING:`` block is not). The router's rule is checked on the import closure of its modules within
 the tree, so a helper that pulls torch in through another module is caught too.
 """
 
@@ -62,13 +62,40 @@ def _modules() -> dict[str, Path]:
 MODULES = _modules()
 
 
-def _imports(module: str) -> set[str]:
-    """Every module name ``module`` imports (absolute, relative ones resolved)."""
+def _is_type_checking(node: ast.AST) -> bool:
+    test = node.test if isinstance(node, ast.If) else None
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _runtime_nodes(tree: ast.AST, top_level_only: bool) -> list[ast.AST]:
+    """The statements that can run: ``if TYPE_CHECKING:`` bodies are for the type checker
+    only; with ``top_level_only``, function and class bodies are left out too."""
+    out: list[ast.AST] = []
+    todo = list(ast.iter_child_nodes(tree))
+    while todo:
+        node = todo.pop()
+        if _is_type_checking(node):
+            todo.extend(node.orelse)  # type: ignore[attr-defined]
+            continue
+        out.append(node)
+        if top_level_only and isinstance(
+            node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef | ast.Lambda
+        ):
+            continue
+        todo.extend(ast.iter_child_nodes(node))
+    return out
+
+
+def _imports(module: str, *, top_level_only: bool = False) -> set[str]:
+    """Every module name ``module`` imports (absolute, relative ones resolved); with
+    ``top_level_only``, only what runs when the module is imported (not in functions)."""
     path = MODULES[module]
     tree = ast.parse(path.read_text(), str(path))
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     names: set[str] = set()
-    for node in ast.walk(tree):
+    for node in _runtime_nodes(tree, top_level_only):
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -124,20 +151,28 @@ def test_part_imports_only_what_it_may(
 
 
 def _closure(roots: list[str]) -> dict[str, str]:
-    """Every module reachable from ``roots`` by imports -> the module that first imported it."""
+    """Every module reachable from ``roots`` by imports -> the module that first imported it.
+
+    A module named in an import counts with every import it holds (a lazy one is still a
+    dependency); a package that is only the parent of one (importing ``a.b.c`` runs
+    ``a/__init__`` and ``a/b/__init__``) counts with its module-level imports alone: the
+    lazy re-exports of ``tandem/__init__``'s ``__getattr__`` run only when asked for.
+    """
     seen: dict[str, str] = {r: "" for r in roots}
-    todo = list(roots)
+    todo: list[tuple[str, bool]] = [(r, False) for r in roots]
+    done: set[tuple[str, bool]] = set()
     while todo:
-        module = todo.pop()
-        for name in _imports(module):
-            # importing a.b.c runs a/__init__ and a/b/__init__ too
+        module, parent_only = todo.pop()
+        if (module, parent_only) in done:
+            continue
+        done.add((module, parent_only))
+        for name in _imports(module, top_level_only=parent_only):
             parts = name.split(".")
             for i in range(1, len(parts) + 1):
                 prefix = ".".join(parts[:i])
-                if prefix not in seen:
-                    seen[prefix] = module
-                    if prefix in MODULES:
-                        todo.append(prefix)
+                seen.setdefault(prefix, module)
+                if prefix in MODULES:
+                    todo.append((prefix, i < len(parts)))
     return seen
 
 

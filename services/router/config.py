@@ -1,0 +1,93 @@
+"""The router's configuration: one frozen value built once by ``tandem router``'s entry point
+from its flags and environment, validated here."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from tandem.services.router.routing import RoutingPolicy
+
+
+def _split(value: str) -> tuple[str, ...]:
+    return tuple(a.strip() for a in value.split(",") if a.strip())
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """What ``tandem router`` serves and how (flag names in parentheses).
+
+    Attributes:
+        host: HTTP and gRPC bind address (``--host``).
+        port: HTTP port (``--port``).
+        grpc_port: public gRPC port, 0 disables it (``--grpc-port``).
+        model: GGUF file or HF folder, ``None`` for the default model (``--model``).
+        served_model_name: the name reported and accepted first (``--served-model-name``).
+        redis_url: instance registry (``--redis-url``); exclusive with the static lists.
+        prefill / decode / colocated: static instance addresses.
+        routing_policy: how instances are chosen.
+        api_key: required bearer token (``--api-key``, else ``$TANDEM_API_KEY``), or ``None``.
+        max_model_len: context length in tokens, ``None`` for the model's own.
+        max_running_requests / max_queued_requests: admission limits (requests).
+        max_attempts: tries per stage on different instances.
+        log_level: Python logging level name.
+
+    Raises:
+        ValueError: naming the flag, for a port outside 0..65535, a count below 1, both or neither instance sources.
+    """
+
+    host: str = "0.0.0.0"
+    port: int = 8000
+    grpc_port: int = 50051
+    model: str | None = None
+    served_model_name: str | None = None
+    redis_url: str | None = None
+    prefill: tuple[str, ...] = ()
+    decode: tuple[str, ...] = ()
+    colocated: tuple[str, ...] = ()
+    routing_policy: RoutingPolicy = RoutingPolicy.KV_AWARE
+    api_key: str | None = None
+    max_model_len: int | None = None
+    max_running_requests: int = 256
+    max_queued_requests: int = 1024
+    max_attempts: int = 3
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        for flag, port in (("--port", self.port), ("--grpc-port", self.grpc_port)):
+            if not 0 <= port <= 65535:
+                raise ValueError(f"{flag} must be in 0..65535, got {port}")
+        for flag, value in (("--max-running-requests", self.max_running_requests),
+                            ("--max-attempts", self.max_attempts)):
+            if value < 1:
+                raise ValueError(f"{flag} must be >= 1, got {value}")
+        if self.max_queued_requests < 0:
+            raise ValueError(f"--max-queued-requests must be >= 0, got "
+                             f"{self.max_queued_requests}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"--max-model-len must be >= 1, got {self.max_model_len}")
+        static = self.prefill or self.decode or self.colocated
+        if self.redis_url and static:
+            raise ValueError("--redis-url: give it or static lists "
+                             "(--prefill/--decode/--colocated), not both")
+        if not self.redis_url and not static:
+            raise ValueError("--redis-url: give it or --prefill/--decode/--colocated")
+
+    @classmethod
+    def from_args(cls, ns: argparse.Namespace, environ: Mapping[str, str]) -> RouterConfig:
+        """From ``tandem router``'s parsed flags and its environment (read only here).
+
+        Raises:
+            ValueError: as the class.
+        """
+        return cls(host=ns.host, port=ns.port, grpc_port=ns.grpc_port, model=ns.model,
+                   served_model_name=ns.served_model_name, redis_url=ns.redis_url or None,
+                   prefill=_split(ns.prefill), decode=_split(ns.decode),
+                   colocated=_split(ns.colocated),
+                   routing_policy=RoutingPolicy(ns.routing_policy),
+                   api_key=ns.api_key or environ.get("TANDEM_API_KEY") or None,
+                   max_model_len=ns.max_model_len,
+                   max_running_requests=ns.max_running_requests,
+                   max_queued_requests=ns.max_queued_requests, max_attempts=ns.max_attempts,
+                   log_level=ns.log_level)

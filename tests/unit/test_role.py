@@ -1,0 +1,52 @@
+"""contracts/role.py: one Role enum whose values are the strings on the wire."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from tandem.contracts.role import ROLES, Role
+from tandem.services.common.metrics import ServiceMetrics
+from tandem.services.common.registry import instance_key
+from tandem.services.common.server import build_engine_config, build_parser
+from tandem.services.router.discovery import StaticDiscovery, _parse_entry
+
+
+def test_values_format_and_serialise_as_the_plain_strings() -> None:
+    assert [r.value for r in ROLES] == ["prefill", "decode", "both"]
+    for role in Role:
+        assert role == role.value and hash(role) == hash(role.value)
+        assert str(role) == f"{role}" == format(role, "") == role.value
+        assert json.dumps({"role": role}) == json.dumps({"role": role.value})
+    assert [r.uses_store for r in ROLES] == [True, True, False]
+
+
+def test_parse_names_the_field() -> None:
+    assert Role.parse("both") is Role.BOTH
+    with pytest.raises(ValueError, match=r"--role must be one of prefill, decode, both, got 'x'"):
+        Role.parse("x", "--role")
+
+
+def test_service_and_router_speak_the_same_values() -> None:
+    """The registry key, the metric label and the router's view all hold the value string."""
+    assert instance_key(Role.DECODE, "i1") == "tandem:instance:decode:i1"
+    metrics = ServiceMetrics(Role.BOTH)
+    metrics.num_requests_running.labels(role="both").set(1)
+    text = "\n".join(str(m) for m in metrics.registry.collect())
+    assert "role" in text and "Role." not in text
+    info = _parse_entry("tandem:instance:prefill:x", {"role": "prefill", "address": "h:1"})
+    assert info is not None and info.role is Role.PREFILL
+    d = StaticDiscovery(both=["h:2"])
+    assert [i.address for i in d.instances(Role.BOTH)] == ["h:2"]
+    assert not d.instances(Role.PREFILL) and not d.instances("prefill")
+
+
+def test_engine_config_rejects_an_unknown_role() -> None:
+    ns = build_parser("tandem serve", None).parse_args(["--role", "both"])
+    assert build_engine_config(ns, "both").kv_transfer.kv_connector is None
+    with pytest.raises(ValueError, match="role must be one of"):
+        build_engine_config(argparse.Namespace(**vars(ns)), "colocated")
+    with pytest.raises(ValueError, match="--redis-url is required for role 'prefill'"):
+        build_engine_config(ns, Role.PREFILL)
