@@ -37,13 +37,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from tandem.kernels import cpu_ext
+from tandem.kernels import backend, cpu_ext
 from tandem.kernels.attention_metadata import (
     AttentionMetadata,
     PrefillSeq,
     build_attention_metadata,
 )
-from tandem.kernels.triton_utils import use_triton
+from tandem.kernels.backend import KernelBackend
 
 __all__ = [
     "AttentionMetadata",
@@ -464,9 +464,10 @@ def paged_attention(
         raise ValueError(f"cache view {tuple(k_cache.shape)} does not fit key {tuple(key.shape)}")
     if not (query.dtype == key.dtype == k_cache.dtype == v_cache.dtype):
         raise ValueError("query, key and the cache must share a dtype")
-    if use_triton(query):
+    if backend.current().for_tensor(query) is KernelBackend.TRITON:
         impl = paged_attention_triton
     elif query.device.type == "cpu":
+        # the torch backend on the CPU too: its decode groups fall back to SDPA
         impl = paged_attention_cpu
     else:
         impl = paged_attention_ref

@@ -20,9 +20,10 @@
 #include <string.h>
 
 #include "simd_math.h"
+#include "tandem_kernels.h"
 #include "team.h"
 
-#define MAX_HIDDEN 16384
+#define MAX_HIDDEN TANDEM_MAX_HIDDEN
 
 static inline __attribute__((always_inline)) float ld(const void *p, int64_t i, int is_bf16) {
     if (is_bf16) {

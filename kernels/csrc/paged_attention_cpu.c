@@ -26,12 +26,13 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "tandem_kernels.h"
 #include "team.h"
 
-#define MAX_HEADS 256
-#define MAX_GROUP 32
-#define MAX_HEAD_DIM 256
-#define VL 16
+#define MAX_HEADS TANDEM_MAX_HEADS
+#define MAX_GROUP TANDEM_MAX_GROUP
+#define MAX_HEAD_DIM TANDEM_MAX_HEAD_DIM
+#define VL TANDEM_VECTOR_WIDTH
 
 typedef float vf __attribute__((vector_size(VL * sizeof(float))));
 typedef uint32_t vu32 __attribute__((vector_size(VL * sizeof(uint32_t))));

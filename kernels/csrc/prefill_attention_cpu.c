@@ -41,6 +41,7 @@
 #include <string.h>
 
 #include "simd_math.h"
+#include "tandem_kernels.h"
 #include "team.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)

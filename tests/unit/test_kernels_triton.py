@@ -112,10 +112,14 @@ def test_model_on_triton_path_matches_transformers(arch, monkeypatch):
     import transformers
 
     from tandem.engine.models.registry import build_model
-    from tandem.kernels import attention, cache, layernorm
+    from tandem.kernels import backend
 
-    for module in (attention, cache, layernorm):
-        monkeypatch.setattr(module, "use_triton", lambda t: True)
+    class TritonEverywhere(backend.KernelBackends):
+        def for_tensor(self, t: torch.Tensor) -> backend.KernelBackend:
+            return backend.KernelBackend.TRITON
+
+    base = backend.current()
+    monkeypatch.setattr(backend, "_current", TritonEverywhere(base.config, base.platform))
     config_cls = getattr(transformers, arch.replace("ForCausalLM", "Config"))
     config = config_cls(
         vocab_size=64,
