@@ -61,7 +61,8 @@ def _gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
     """``cache[block_ids]`` -> ``[*block_ids.shape[:-1], nb * block_size, kvh, hd]``.
 
     NOTE: ``index_select`` on dim 0 copies whole blocks with memcpy; advanced
-    indexing (``cache[ids]``) of the strided layer view is ~2.5x slower on CPU.
+    indexing (``cache[ids]``) of the strided layer view is slower on CPU
+    (docs/benchmarks.md).
     """
     g = cache.index_select(0, block_ids.reshape(-1))
     return g.view(*block_ids.shape[:-1], -1, *cache.shape[2:])

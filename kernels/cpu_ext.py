@@ -266,9 +266,9 @@ def argmax_rows_cpu(x: torch.Tensor) -> torch.Tensor | None:
     the last dim): ``[rows]`` int64, the first index of each row's maximum (of
     its first NaN when it has one), as ``x.max(dim=-1).indices`` returns it.
 
-    Why: the greedy sampler took ~2 ms per decode step on ``[64, 49152]``
-    logits through torch (a float32 copy, then a max over cold rows); this
-    reads the bf16 logits once with 16-lane compares. ``None`` when the native
+    Why: through torch the greedy sampler makes a float32 copy of the logits,
+    then a max over cold rows, a large share of a small model's decode step;
+    this reads the bf16 logits once with 16-lane compares. ``None`` when the native
     path cannot serve ``x`` (the caller uses torch).
     """
     if x.dim() != 2 or x.shape[1] < 1 or x.stride(1) != 1 or not _elementwise_ok(x):
@@ -437,9 +437,9 @@ def bf16_linear_argmax(
     """Row-wise argmax of ``x @ W.T + bias`` without materialising it: an LM head
     and greedy sampling in one pass (``W`` packed by ``bf16_pack_weight``).
 
-    Why: at a 64-sequence SmolLM2 decode step the ``[64, 49152]`` bf16 logits
-    cost a 6.3 MB write and a re-read (~1 ms of a ~4 ms head) only to be reduced
-    to 64 token ids when every request samples greedily.
+    Why: with a large vocabulary the logits are a write and a re-read of
+    megabytes per decode step (a large share of the LM head's time), only to be
+    reduced to one token id per row when every request samples greedily.
 
     Args:
         x: ``[M, K]`` bf16, unit stride in the last dim; bias ``[N]`` bf16 or ``None``.

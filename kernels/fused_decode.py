@@ -1,9 +1,8 @@
 """All decoder layers of a decode-only step in one native call (CPU, bf16,
 AVX512-BF16, on AMX tiles where the CPU has them).
 
-Why: on the 2-core AMX dev box a SmolLM2 decode step (64 sequences, 30 layers)
-spent ~8 ms of its ~60 ms in Python, ctypes and OpenMP wake-ups around nine
-kernel calls per layer. ``csrc/decode_layers_cpu.c`` runs the same kernels (the
+Why: with nine kernel calls per layer, a small model's decode step spends a
+large share of its time in Python, ctypes and OpenMP wake-ups between them. ``csrc/decode_layers_cpu.c`` runs the same kernels (the
 packed bf16 linears, the fused norms, rotary, the cache write and the paged
 decode attention) back to back inside one parallel region, so the result is
 bit-identical to the per-op path (``tests/unit/test_fused_decode.py``).

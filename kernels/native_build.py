@@ -34,6 +34,7 @@ import hashlib
 import os
 import platform
 import shutil
+import signal
 import subprocess
 import tempfile
 from dataclasses import dataclass
@@ -57,7 +58,8 @@ HEADERS = ("tandem_kernels.h", "team.h", "simd_math.h")
 # -Bsymbolic: the library's calls between its own files bind inside it, so the
 # variants loaded side by side in one test process never call into each other.
 _LDFLAGS = ("-shared", "-fopenmp", "-Wl,-Bsymbolic")
-_BUILD_TIMEOUT_S = 300
+# per compiler step; generous: a loaded 2-core host compiles the attention file slowly
+_BUILD_TIMEOUT_S = 1200
 
 
 @dataclass(frozen=True)
@@ -112,13 +114,19 @@ def find_compiler(preferred: str | None) -> str | None:
 
 
 def _run(cmd: list[str]) -> None:
-    proc = subprocess.run(
-        cmd, capture_output=True, text=True, timeout=_BUILD_TIMEOUT_S, check=False
+    # Own process group: on a timeout the compiler driver's children (cc1) are
+    # killed with it instead of compiling on as orphans.
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
     )
+    try:
+        _, stderr = proc.communicate(timeout=_BUILD_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
     if proc.returncode != 0:
-        raise RuntimeError(
-            f"{' '.join(cmd)} failed ({proc.returncode}): {proc.stderr.strip()[:2000]}"
-        )
+        raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}): {stderr.strip()[:2000]}")
 
 
 def build_variant(variant: IsaVariant, compiler: str, cache_dir: Path, host_flags: str) -> Path:

@@ -37,7 +37,7 @@ static inline __attribute__((always_inline)) float ld(const void *p, int64_t i, 
 
 /* Branch-free (a select, not an if) so that the `omp simd` loops calling it
  * vectorize: with an if, GCC gave up on them ("control flow in loop") and the
- * generic bf16 path (CPUs without AVX512-BF16) ran 4-30x slower than torch. */
+ * generic bf16 path (CPUs without AVX512-BF16) ran far slower than torch. */
 static inline __attribute__((always_inline)) float round_bf16(float f) {
     uint32_t u;
     memcpy(&u, &f, sizeof u);
