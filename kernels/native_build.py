@@ -45,16 +45,21 @@ CSRC = Path(__file__).parent / "csrc"
 # separate link step leaves it out, so crtfastmath (which would flush denormals
 # process-wide, torch included) is never linked in.
 _CFLAGS = ("-O3", "-fopenmp", "-fPIC", "-std=gnu11")
-# (source, extra flags). The elementwise kernels round like torch step by step,
-# so they must not contract a*b-c*d into FMAs.
+# (source, extra flags): one file per op family. The elementwise kernels round
+# like torch step by step, so they must not contract a*b-c*d into FMAs.
+_ELEMENTWISE = ("-ffast-math", "-ffp-contract=off")
 SOURCES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("paged_attention_cpu.c", ("-ffast-math",)),
-    ("elementwise_cpu.c", ("-ffast-math", "-ffp-contract=off")),
+    ("norm_cpu.c", _ELEMENTWISE),
+    ("rotary_cpu.c", _ELEMENTWISE),
+    ("activation_cpu.c", _ELEMENTWISE),
+    ("cache_cpu.c", _ELEMENTWISE),
+    ("sampling_cpu.c", _ELEMENTWISE),
     ("bf16_linear_cpu.c", ()),
     ("prefill_attention_cpu.c", ()),
     ("decode_layers_cpu.c", ()),
 )
-HEADERS = ("tandem_kernels.h", "team.h", "simd_math.h")
+HEADERS = ("tandem_kernels.h", "team.h", "simd_math.h", "elementwise.h")
 # -Bsymbolic: the library's calls between its own files bind inside it, so the
 # variants loaded side by side in one test process never call into each other.
 _LDFLAGS = ("-shared", "-fopenmp", "-Wl,-Bsymbolic")

@@ -68,19 +68,23 @@ int prefill_attention_bf16(const uint16_t *q, int64_t sq_t, int64_t sq_h, const 
                            int64_t block_size, float scale, int64_t window, int tiles,
                            int num_threads);
 
-/* elementwise_cpu.c: norm, rotary, activation, cache write, greedy argmax. */
+/* norm_cpu.c: residual add + RMSNorm. */
 int add_rms_norm(int is_bf16, const void *x, const void *res, const void *w, void *out,
                  void *res_out, int64_t rows, int64_t hidden, float eps, int num_threads);
+/* rotary_cpu.c: rotary embedding (GPT-NeoX layout). */
 int rotary_neox(int is_bf16, const void *x, int64_t sx_t, int64_t sx_h, void *out, int64_t tokens,
                 int64_t heads, int64_t head_dim, const void *cos, const void *sin,
                 int num_threads);
+/* activation_cpu.c: SiLU-and-multiply. */
 int silu_and_mul(int is_bf16, const void *x, void *out, int64_t tokens, int64_t inter,
                  int num_threads);
+/* cache_cpu.c: K/V rows into their cache slots. */
 int cache_write(const void *key, int64_t sk_t, int64_t sk_h, const void *value, int64_t sv_t,
                 int64_t sv_h, void *k_cache, int64_t ck_b, int64_t ck_o, int64_t ck_h,
                 void *v_cache, int64_t cv_b, int64_t cv_o, int64_t cv_h, const int64_t *slots,
                 int64_t tokens, int64_t heads, int64_t head_dim, int64_t block_size,
                 int64_t elem_size, int num_threads);
+/* sampling_cpu.c: the first index of each row's maximum. */
 int argmax_rows(int is_bf16, const void *x, int64_t sx, int64_t rows, int64_t cols, int64_t *out,
                 int num_threads);
 
