@@ -161,3 +161,21 @@ def test_selected_restores_the_previous_selection():
         assert backend.current().native() is lib
         assert backend.current().for_tensor(torch.zeros(1)) is KernelBackend.CPU_NATIVE
     assert backend.current() is before
+
+
+def test_cli_configures_kernels_for_model_commands_only(monkeypatch, tmp_path):
+    """The environment is read at the edge: ``tandem decode`` (a model command) builds
+    the KernelConfig from it; ``tandem router`` leaves the kernels alone."""
+    from tandem import cli
+
+    monkeypatch.setenv("TANDEM_CPU_KERNELS", "0")
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
+    before = backend.current()
+    with backend.selected(before):
+        cli.configure_kernels("router")
+        assert backend.current() is before
+        cli.configure_kernels("decode")
+        configured = backend.current()
+        assert configured.config == KernelConfig(cpu_native=False, cache_dir=tmp_path / "kernels")
+        assert configured.for_tensor(torch.zeros(1)) is KernelBackend.TORCH
+    assert backend.current() is before
