@@ -246,9 +246,9 @@ def run_hf(
 
 
 def _cpu_has_amx() -> bool:
-    from tandem.kernels.cpu_ext import cpu_flags
+    from tandem.kernels.backend import read_cpu_flags
 
-    return "amx_int8" in cpu_flags().split()
+    return "amx_int8" in read_cpu_flags()
 
 
 @contextlib.contextmanager

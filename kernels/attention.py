@@ -37,13 +37,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from tandem.kernels import cpu_ext
+from tandem.kernels import backend, cpu_ext
 from tandem.kernels.attention_metadata import (
     AttentionMetadata,
     PrefillSeq,
     build_attention_metadata,
 )
-from tandem.kernels.triton_utils import use_triton
+from tandem.kernels.backend import KernelBackend
 
 __all__ = [
     "AttentionMetadata",
@@ -61,7 +61,8 @@ def _gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
     """``cache[block_ids]`` -> ``[*block_ids.shape[:-1], nb * block_size, kvh, hd]``.
 
     NOTE: ``index_select`` on dim 0 copies whole blocks with memcpy; advanced
-    indexing (``cache[ids]``) of the strided layer view is ~2.5x slower on CPU.
+    indexing (``cache[ids]``) of the strided layer view is slower on CPU
+    (docs/benchmarks.md).
     """
     g = cache.index_select(0, block_ids.reshape(-1))
     return g.view(*block_ids.shape[:-1], -1, *cache.shape[2:])
@@ -464,9 +465,10 @@ def paged_attention(
         raise ValueError(f"cache view {tuple(k_cache.shape)} does not fit key {tuple(key.shape)}")
     if not (query.dtype == key.dtype == k_cache.dtype == v_cache.dtype):
         raise ValueError("query, key and the cache must share a dtype")
-    if use_triton(query):
+    if backend.current().for_tensor(query) is KernelBackend.TRITON:
         impl = paged_attention_triton
     elif query.device.type == "cpu":
+        # the torch backend on the CPU too: its decode groups fall back to SDPA
         impl = paged_attention_cpu
     else:
         impl = paged_attention_ref

@@ -19,9 +19,9 @@ from typing import Any
 
 import torch
 
-from tandem.kernels import cpu_ext
+from tandem.kernels import backend, cpu_ext
+from tandem.kernels.backend import KernelBackend
 from tandem.kernels.host_memory import empty_huge_page_tensor
-from tandem.kernels.triton_utils import use_triton
 
 
 def allocate_kv_cache(
@@ -177,10 +177,11 @@ def reshape_and_cache(
             f"slot_mapping must be int64 [{key.shape[0]}], got "
             f"{slot_mapping.dtype} {tuple(slot_mapping.shape)}"
         )
-    if use_triton(key):
+    kind = backend.current().for_tensor(key)
+    if kind is KernelBackend.TRITON:
         reshape_and_cache_triton(key, value, k_cache, v_cache, slot_mapping)
         return
-    if key.device.type == "cpu" and cpu_ext.cache_write_cpu(
+    if kind is KernelBackend.CPU_NATIVE and cpu_ext.cache_write_cpu(
         key, value, k_cache, v_cache, slot_mapping
     ):
         return

@@ -1,220 +1,42 @@
-"""Native CPU kernels (``kernels/csrc/*.c``), built on first use and loaded with ctypes.
+"""Native CPU kernels (``kernels/csrc/*.c``): the op wrappers over the loaded library.
 
 Kernels: paged decode attention, bf16 prefill attention, fused residual add +
-RMSNorm, rotary embedding, SiLU-and-multiply, and bf16 linear layers on packed
-weights (the bf16 kernels on AMX tiles where the CPU has them, else AVX512-BF16).
-Each wrapper declines (``supports`` is False or it returns ``None``) where it
-cannot serve the tensors, and the torch reference runs.
+RMSNorm, rotary embedding, SiLU-and-multiply, the cache write, row argmax, and
+bf16 linear layers on packed weights (the bf16 kernels on AMX tiles where the
+CPU has them, else AVX512-BF16). Each wrapper declines (``supports`` is False or
+it returns ``None``) where it cannot serve the tensors, and the torch reference
+runs.
 
 Why a C kernel: paged decode attention is memory bound, and the torch path has to
 gather every context block into a padded copy before SDPA can run (see
 ``kernels/attention.py``); ``paged_decode_attention_cpu`` reads K/V in place.
 
-The shared library is compiled once per machine with the system C compiler
-(``$CC``, else ``cc``/``gcc``), ``-O3 -march=native -fopenmp -ffast-math`` (compile step only), into
-``$TANDEM_CACHE_DIR`` (default ``~/.cache/tandem/kernels``), under a name that
-hashes the source, the flags and the CPU's feature flags, so a cache shared by
-different CPUs never loads code built for another one. Concurrent processes build
-into a temporary file and rename it into place. Where no compiler is found or the
-build fails, ``load()`` returns ``None`` (logged once) and callers use the torch
-reference. ``TANDEM_CPU_KERNELS=0`` disables the native path.
+Which build of the library runs (one per ISA variant, ``kernels/native_build.py``)
+and whether one runs at all is decided by ``kernels/backend.py``; the functions
+and their argument lists come from ``csrc/tandem_kernels.h``
+(``kernels/native_abi.py``).
 """
 
 from __future__ import annotations
 
-import ctypes
-import functools
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
-from pathlib import Path
-
 import torch
 
+from tandem.kernels import backend
 from tandem.kernels.host_memory import empty_huge_page_tensor
+from tandem.kernels.native_abi import ABI, NativeLibrary
 
-logger = logging.getLogger(__name__)
-
-_CSRC = Path(__file__).parent / "csrc"
-# -ffast-math only at compile time (it lets GCC use libmvec's vector expf); the
-# separate link step leaves it out, so crtfastmath (which would flush denormals
-# process-wide, torch included) is never linked in.
-_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-std=gnu11"]
-# (source, extra flags). The elementwise kernels round like torch step by step,
-# so they must not contract a*b-c*d into FMAs.
-_SOURCES = [
-    ("paged_attention_cpu.c", ["-ffast-math"]),
-    ("elementwise_cpu.c", ["-ffast-math", "-ffp-contract=off"]),
-    ("bf16_linear_cpu.c", []),
-    ("prefill_attention_cpu.c", []),
-    ("decode_layers_cpu.c", []),
-]
-_HEADERS = ["team.h", "simd_math.h"]
-_LDFLAGS = ["-shared", "-fopenmp"]
-# Limits compiled into the kernel (stack scratch per work item).
-MAX_HEADS = 256
-MAX_GROUP = 32  # query heads per KV head
-MAX_HEAD_DIM = 256
-MAX_HIDDEN = 16384  # row length of the fused RMSNorm (stack scratch)
-VECTOR_WIDTH = 16  # floats per vector; head_dim must be a multiple
-
-_i64 = ctypes.c_int64
-_ptr = ctypes.c_void_p
-_ARGTYPES = [
-    ctypes.c_int,  # is_bf16
-    _ptr, _i64, _i64,  # q, strides (token, head)
-    _ptr, _i64, _i64, _i64,  # k cache, strides (block, offset, head)
-    _ptr, _i64, _i64, _i64,  # v cache, strides
-    _ptr, _i64, _ptr,  # block tables, row stride, seq lens
-    _ptr, _i64, _i64,  # out, strides (token, head)
-    _i64, _i64, _i64, _i64, _i64,  # nd, num_heads, num_kv_heads, head_dim, block_size
-    ctypes.c_float, _i64, ctypes.c_int, ctypes.c_int,  # scale, window, amx, threads
-]  # fmt: skip
-_NORM_ARGTYPES = [
-    ctypes.c_int, _ptr, _ptr, _ptr, _ptr, _ptr,  # is_bf16, x, residual, weight, out, res_out
-    _i64, _i64, ctypes.c_float, ctypes.c_int,  # rows, hidden, eps, threads
-]  # fmt: skip
-_ROTARY_ARGTYPES = [
-    ctypes.c_int, _ptr, _i64, _i64, _ptr,  # is_bf16, x, strides (token, head), out
-    _i64, _i64, _i64, _ptr, _ptr, ctypes.c_int,  # tokens, heads, head_dim, cos, sin, threads
-]  # fmt: skip
-_SILU_ARGTYPES = [ctypes.c_int, _ptr, _ptr, _i64, _i64, ctypes.c_int]
-_PREFILL_ARGTYPES = [
-    _ptr, _i64, _i64,  # query, strides (token, head)
-    _ptr, _i64, _i64, _i64, _ptr, _i64, _i64, _i64,  # k cache, strides; v cache, strides
-    _ptr, _ptr, _i64,  # prefill descriptors [P, 4], block tables, P
-    _ptr, _i64, _i64,  # out, strides (token, head)
-    _i64, _i64, _i64, _i64,  # num_heads, num_kv_heads, head_dim, block_size
-    ctypes.c_float, _i64, ctypes.c_int, ctypes.c_int,  # scale, window (0 = none), tiles, threads
-]  # fmt: skip
-_ARGMAX_ARGTYPES = [ctypes.c_int, _ptr, _i64, _i64, _i64, _ptr, ctypes.c_int]
-_CACHE_WRITE_ARGTYPES = [
-    _ptr, _i64, _i64, _ptr, _i64, _i64,  # key, strides (token, head); value, strides
-    _ptr, _i64, _i64, _i64, _ptr, _i64, _i64, _i64,  # k cache, strides; v cache, strides
-    _ptr, _i64, _i64, _i64, _i64, _i64, ctypes.c_int,  # slots, T, H, D, block size, elem, threads
-]  # fmt: skip
-_LINEAR_ARGTYPES = [
-    ctypes.c_int, _ptr, _i64,  # tiles, x, row stride
-    _ptr, _ptr, _ptr, _i64,  # packed weight, bias, y, row stride
-    _i64, _i64, _i64, ctypes.c_int,  # M, N, K, threads
-]  # fmt: skip
+# Limits compiled into the kernels (stack scratch per work item), from the header.
+MAX_HEADS = ABI.constants["TANDEM_MAX_HEADS"]
+MAX_GROUP = ABI.constants["TANDEM_MAX_GROUP"]  # query heads per KV head
+MAX_HEAD_DIM = ABI.constants["TANDEM_MAX_HEAD_DIM"]
+MAX_HIDDEN = ABI.constants["TANDEM_MAX_HIDDEN"]  # row length of the fused RMSNorm
+VECTOR_WIDTH = ABI.constants["TANDEM_VECTOR_WIDTH"]  # floats per vector; head_dim % it == 0
 
 
-def cpu_flags() -> str:
-    """The CPU's feature flags (``/proc/cpuinfo``'s ``flags`` line, space-separated;
-    ``platform.processor()`` where there is none)."""
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
-
-
-def _cache_dir() -> Path:
-    root = os.environ.get("TANDEM_CACHE_DIR")
-    base = Path(root) if root else Path.home() / ".cache" / "tandem"
-    return base / "kernels"
-
-
-def _compiler() -> str | None:
-    for cand in (os.environ.get("CC"), "cc", "gcc", "clang"):
-        if cand and shutil.which(cand):
-            return cand
-    return None
-
-
-def _build(cc: str) -> Path:
-    """Compile the kernel library (or reuse a cached build); returns its path.
-
-    Raises:
-        RuntimeError: with the compiler's output when the build fails.
-    """
-    digest = hashlib.sha256()
-    for name, extra in _SOURCES:
-        digest.update((_CSRC / name).read_bytes() + " ".join(extra).encode())
-    for name in _HEADERS:
-        digest.update((_CSRC / name).read_bytes())
-    digest.update(" ".join([cc, *_CFLAGS, *_LDFLAGS]).encode())
-    digest.update(cpu_flags().encode() + platform.machine().encode())
-    key = digest.hexdigest()[:16]
-    out_dir = _cache_dir()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    lib = out_dir / f"tandem_cpu_kernels-{key}.so"
-    if lib.exists():
-        return lib
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
-    os.close(fd)
-    objs = [f"{tmp[:-3]}-{i}.o" for i in range(len(_SOURCES))]
-    try:
-        cmds = [
-            [cc, *_CFLAGS, *extra, "-c", str(_CSRC / name), "-o", obj]
-            for (name, extra), obj in zip(_SOURCES, objs, strict=True)
-        ]
-        cmds.append([cc, *_LDFLAGS, *objs, "-o", tmp, "-lm"])
-        for cmd in cmds:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
-            if proc.returncode != 0:
-                raise RuntimeError(
-                    f"{' '.join(cmd)} failed ({proc.returncode}): {proc.stderr.strip()[:2000]}"
-                )
-        os.replace(tmp, lib)  # atomic: a concurrent builder's file is equally good
-    finally:
-        for path in (tmp, *objs):
-            if os.path.exists(path):
-                os.unlink(path)
-    return lib
-
-
-@functools.cache
-def load() -> ctypes.CDLL | None:
-    """The loaded kernel library, or ``None`` when disabled or unbuildable (logged once)."""
-    if os.environ.get("TANDEM_CPU_KERNELS", "1") == "0":
-        return None
-    if platform.system() != "Linux":
-        return None
-    cc = _compiler()
-    if cc is None:
-        logger.warning("no C compiler found: CPU decode attention uses the torch path")
-        return None
-    try:
-        lib = ctypes.CDLL(str(_build(cc)))
-    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-        logger.warning("native CPU kernels unavailable (%s): using the torch path", exc)
-        return None
-    for name, argtypes in (
-        ("paged_decode_attention", _ARGTYPES),
-        ("add_rms_norm", _NORM_ARGTYPES),
-        ("rotary_neox", _ROTARY_ARGTYPES),
-        ("silu_and_mul", _SILU_ARGTYPES),
-        ("cache_write", _CACHE_WRITE_ARGTYPES),
-        ("argmax_rows", _ARGMAX_ARGTYPES),
-        ("prefill_attention_bf16", _PREFILL_ARGTYPES),
-        ("prefill_attention_bf16_available", []),
-        ("decode_layers", [_ptr, _i64, _ptr, ctypes.c_int, ctypes.c_int]),
-        (
-            "bf16_linear_argmax",
-            [ctypes.c_int, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, ctypes.c_int],
-        ),
-        ("decode_layers_available", []),
-        ("amx_available", []),
-        ("amx_init", []),
-        ("bf16_linear_available", []),
-        ("bf16_linear", _LINEAR_ARGTYPES),
-        ("bf16_linear_swiglu", _LINEAR_ARGTYPES),
-    ):
-        fn = getattr(lib, name)
-        fn.argtypes = argtypes
-        fn.restype = ctypes.c_int
-    lib.bf16_pack_weight.argtypes = [_ptr, _i64, _i64, _ptr]
-    lib.bf16_pack_weight.restype = None
-    return lib
+def load() -> NativeLibrary | None:
+    """The selected native library (``backend.current().native()``), or ``None``
+    when disabled or unbuildable."""
+    return backend.current().native()
 
 
 def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
@@ -444,9 +266,9 @@ def argmax_rows_cpu(x: torch.Tensor) -> torch.Tensor | None:
     the last dim): ``[rows]`` int64, the first index of each row's maximum (of
     its first NaN when it has one), as ``x.max(dim=-1).indices`` returns it.
 
-    Why: the greedy sampler took ~2 ms per decode step on ``[64, 49152]``
-    logits through torch (a float32 copy, then a max over cold rows); this
-    reads the bf16 logits once with 16-lane compares. ``None`` when the native
+    Why: through torch the greedy sampler makes a float32 copy of the logits,
+    then a max over cold rows, a large share of a small model's decode step;
+    this reads the bf16 logits once with 16-lane compares. ``None`` when the native
     path cannot serve ``x`` (the caller uses torch).
     """
     if x.dim() != 2 or x.shape[1] < 1 or x.stride(1) != 1 or not _elementwise_ok(x):
@@ -461,17 +283,11 @@ def argmax_rows_cpu(x: torch.Tensor) -> torch.Tensor | None:
     return out
 
 
-@functools.cache
 def amx_available() -> bool:
     """Whether the AMX tile paths can run here: a build for a CPU with AMX-BF16
-    and the tile state granted to this process by Linux (cached)."""
+    and the tile state granted to this process by Linux (asked once per library)."""
     lib = load()
-    if lib is None or not lib.amx_available():
-        return False
-    if lib.amx_init() != 0:
-        logger.info("Linux refused the AMX tile state: the bf16 kernels use AVX512-BF16")
-        return False
-    return True
+    return lib is not None and lib.tiles_available
 
 
 def bf16_linear_available() -> bool:
@@ -621,9 +437,9 @@ def bf16_linear_argmax(
     """Row-wise argmax of ``x @ W.T + bias`` without materialising it: an LM head
     and greedy sampling in one pass (``W`` packed by ``bf16_pack_weight``).
 
-    Why: at a 64-sequence SmolLM2 decode step the ``[64, 49152]`` bf16 logits
-    cost a 6.3 MB write and a re-read (~1 ms of a ~4 ms head) only to be reduced
-    to 64 token ids when every request samples greedily.
+    Why: with a large vocabulary the logits are a write and a re-read of
+    megabytes per decode step (a large share of the LM head's time), only to be
+    reduced to one token id per row when every request samples greedily.
 
     Args:
         x: ``[M, K]`` bf16, unit stride in the last dim; bias ``[N]`` bf16 or ``None``.

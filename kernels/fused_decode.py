@@ -1,9 +1,8 @@
 """All decoder layers of a decode-only step in one native call (CPU, bf16,
 AVX512-BF16, on AMX tiles where the CPU has them).
 
-Why: on the 2-core AMX dev box a SmolLM2 decode step (64 sequences, 30 layers)
-spent ~8 ms of its ~60 ms in Python, ctypes and OpenMP wake-ups around nine
-kernel calls per layer. ``csrc/decode_layers_cpu.c`` runs the same kernels (the
+Why: with nine kernel calls per layer, a small model's decode step spends a
+large share of its time in Python, ctypes and OpenMP wake-ups between them. ``csrc/decode_layers_cpu.c`` runs the same kernels (the
 packed bf16 linears, the fused norms, rotary, the cache write and the paged
 decode attention) back to back inside one parallel region, so the result is
 bit-identical to the per-op path (``tests/unit/test_fused_decode.py``).
@@ -22,36 +21,13 @@ from dataclasses import dataclass
 
 import torch
 
-from tandem.kernels import cpu_ext
+from tandem.kernels import cpu_ext, native_abi
 from tandem.kernels.attention_metadata import AttentionMetadata
 from tandem.kernels.linear import PACKED_MAX_ROWS
 
-_p = ctypes.c_void_p
-_i64 = ctypes.c_int64
-
-
-class _Layer(ctypes.Structure):  # mirrors decode_layer in csrc/decode_layers_cpu.c
-    _fields_ = [
-        ("input_norm", _p), ("post_norm", _p),
-        ("wqkv", _p), ("bqkv", _p), ("wo", _p), ("bo", _p),
-        ("wgu", _p), ("bgu", _p), ("wd", _p), ("bd", _p),
-        ("k_cache", _p), ("v_cache", _p),
-        ("window", _i64),
-    ]  # fmt: skip
-
-
-class _Step(ctypes.Structure):  # mirrors decode_step
-    _fields_ = [
-        ("tokens", _i64), ("hidden", _i64), ("num_heads", _i64), ("num_kv_heads", _i64),
-        ("head_dim", _i64), ("intermediate", _i64),
-        ("ck_b", _i64), ("ck_o", _i64), ("ck_h", _i64),
-        ("cv_b", _i64), ("cv_o", _i64), ("cv_h", _i64), ("block_size", _i64),
-        ("cos", _p), ("sin", _p),
-        ("slots", _p), ("block_tables", _p), ("seq_lens", _p), ("sbt", _i64),
-        ("eps", ctypes.c_float), ("scale", ctypes.c_float),
-        ("hidden_states", _p), ("residual", _p), ("normed", _p), ("qkv", _p),
-        ("q_rot", _p), ("attn", _p), ("act", _p), ("pad", _p),
-    ]  # fmt: skip
+# the header's structs (csrc/tandem_kernels.h), so the fields cannot drift from C
+_Layer = native_abi.struct("decode_layer")
+_Step = native_abi.struct("decode_step")
 
 
 @dataclass

@@ -1,10 +1,9 @@
 """Host tensors backed by transparent huge pages (Linux THP), for the CPU path.
 
-Why: the decode step streams ~0.5 GB of KV cache and ~0.3 GB of weights per
-step through the CPU (SmolLM2-135M, 64 sequences of ~300 tokens), from blocks
-scattered over the pool. With 4 KiB pages that is one TLB miss and page walk
-per page touched; on the 2-core dev box the native decode attention ran ~8%
-faster (32 -> 29 ms per step for 30 layers) over a cache in 2 MiB pages.
+Why: a decode step streams the whole KV cache and the weights through the CPU,
+from blocks scattered over the pool. With 4 KiB pages that is one TLB miss and
+page walk per page touched; over a cache in 2 MiB pages the native decode
+attention runs measurably faster (docs/benchmarks.md).
 
 Where the kernel runs THP in ``madvise`` mode (the usual default), memory must
 be marked before it is first touched, and a 2 MiB page needs a 2 MiB-aligned
@@ -58,6 +57,6 @@ def empty_huge_page_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.
         logger.debug("MADV_HUGEPAGE refused (%s)", exc)
     flat = torch.frombuffer(region, dtype=torch.uint8, count=nbytes, offset=offset)
     # Fault every page in now (as torch.zeros would): a huge page's first touch
-    # may compact memory, which inside a decode step cost ~0.5 s per run.
+    # may compact memory, which must not happen inside a decode step.
     flat.zero_()
     return flat.view(dtype).view(shape)

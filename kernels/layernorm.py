@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from tandem.kernels import cpu_ext
-from tandem.kernels.triton_utils import use_triton
+from tandem.kernels import backend, cpu_ext
+from tandem.kernels.backend import KernelBackend
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -111,11 +111,12 @@ def rms_norm(
             f"residual must match x ({tuple(x.shape)}, {x.dtype}), "
             f"got ({tuple(residual.shape)}, {residual.dtype})"
         )
-    if not x.is_cuda:
+    kind = backend.current().for_tensor(x)
+    if kind is KernelBackend.CPU_NATIVE:
         fused = cpu_ext.add_rms_norm_cpu(x, weight, eps, residual)
         if fused is not None:
             return fused
-    impl = rms_norm_triton if use_triton(x) else rms_norm_ref
+    impl = rms_norm_triton if kind is KernelBackend.TRITON else rms_norm_ref
     if residual is None:
         return impl(x, weight, eps)
     residual = x + residual

@@ -1,80 +1,43 @@
-"""Linear layers with oneDNN-prepacked bfloat16 weights for the CPU.
+"""bfloat16 linear layers for the CPU: our packed kernel for decode-sized batches,
+torch's public ``F.linear`` for the rest.
 
-Why: ``F.linear`` hands oneDNN a plain ``[out, in]`` weight on every call; a
-weight reordered once into oneDNN's blocked layout
-(``torch.ops.mkldnn._reorder_linear_weight``, the op PyTorch's Inductor uses
-when it freezes CPU models) skips that work. On the 2-core AVX-512 dev box the
-decode-sized GEMMs (64 x 576 x 3072, bf16) ran 15-35% faster, with bit-identical
-results. float32 weights are left alone: there the packed kernel sums in another
-order, and the float32 path is the one checked token for token against
-transformers.
+Why: ``F.linear`` is the fast path only where oneDNN has a native bf16 GEMM (CPUs
+with AVX-512 BW/VL/DQ, AVX-NE-CONVERT or AMX; ``Platform.fast_bf16_gemm``). There,
+on CPUs with AVX512-BF16, batches of fewer than ``PACKED_MAX_ROWS`` tokens (the
+decode steps) run our own kernel (``kernels/csrc/bf16_linear_cpu.c``) on a
+VNNI-tiled packing of the weight, on AMX tiles where the CPU has them, else with
+VDPBF16PS; it also fuses SwiGLU, the LM head's greedy argmax and
+(``kernels/fused_decode.py``) whole decode steps. Such layers keep the plain and
+the packed weight, so their bf16 weights take twice the memory.
 
-On CPUs with AVX512-BF16, small batches (fewer than ``PACKED_MAX_ROWS`` tokens:
-the decode steps) run our own kernel instead (``kernels/csrc/bf16_linear_cpu.c``)
-on a second, VNNI-tiled packing of the weight: on AMX tiles where the CPU has
-them, else with VDPBF16PS. On the 2-core Sapphire-Rapids-class box the tiles took
-a SmolLM2 layer's four decode GEMMs (64 tokens) from ~0.86 to ~0.6 ms, and the
-49152-row LM head from ~4.6 to ~2.8 ms, while oneDNN stayed ahead from ~128 rows
-up (prefill). On a 2-core Zen 5 VM (no AMX) VDPBF16PS ran the layer shapes at
-64 rows at 900-926 GFLOP/s against oneDNN's 694-904 (0.49 vs 0.55 ms a layer),
-the LM head alone at 735 vs 782. The kernel also fuses SwiGLU, the head's
-greedy argmax and (``kernels/fused_decode.py``) whole decode steps. Such layers
-keep both packings, so their bf16 weights take twice the memory.
+On CPUs without a native bf16 GEMM (no AVX-512: e.g. an AVX2-only EPYC VM),
+PyTorch's bf16 GEMM is several times slower than its float32 one on the same
+shapes. There ``Float32ComputeLinear`` keeps the bf16 layer's weight widened to
+float32 (exactly: every bf16 is a float32) and runs the float32 GEMM, rounding the
+output to bf16 once, as a bf16 GEMM with float32 accumulation does; the weight
+then takes twice the memory of bf16.
 
-On CPUs where oneDNN has no bf16 GEMM (no AVX-512: e.g. an AVX2-only EPYC VM),
-PyTorch's own bf16 GEMM ran ~21 GFLOP/s against ~100-126 for float32 on the same
-shapes (64 and 2048 x 576 x 1536, 2 cores). There ``Float32ComputeLinear`` keeps
-the bf16 layer's weight widened to float32 (exactly: every bf16 is a float32) and
-runs the float32 GEMM, rounding the output to bf16 once, as a bf16 GEMM with
-float32 accumulation does; the weight then takes twice the memory of bf16.
+NOTE: PyTorch's oneDNN weight prepacking (``torch.ops.mkldnn._reorder_linear_weight``
+/ ``_linear_pointwise``) is private API and is not used; docs/benchmarks.md has
+what that cost.
 """
 
 from __future__ import annotations
-
-import functools
-import logging
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tandem.kernels import cpu_ext
+from tandem.kernels import backend, cpu_ext
 
-logger = logging.getLogger(__name__)
-
-# Batch-size hint for the reorder (tokens); any batch size works at run time.
-_PACK_BATCH_HINT = 64
-# Below this many rows (tokens) the packed kernel serves; measured crossover
-# ~128 on AMX; on Zen 5 VDPBF16PS was still ahead at 111.
+# Below this many rows (tokens) the packed kernel serves: the crossover measured
+# against oneDNN (docs/benchmarks.md), a little under it on the CPUs measured.
 PACKED_MAX_ROWS = 112
 
 
-@functools.cache
-def mkldnn_packing_available(dtype: torch.dtype = torch.bfloat16) -> bool:
-    """Whether this PyTorch build *and this CPU* can prepack ``dtype`` linear weights
-    for oneDNN.
-
-    The ops exist in every x86 build, but oneDNN's bf16 reorder refuses CPUs
-    without AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT, so a small weight is packed
-    once to find out (cached per dtype for the process).
-    """
-    if not (
-        torch.backends.mkldnn.is_available()
-        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-    ):
-        return False
-    try:
-        probe = torch.ops.mkldnn._reorder_linear_weight(
-            torch.zeros(16, 16, dtype=dtype), _PACK_BATCH_HINT
-        )
-        torch.ops.mkldnn._linear_pointwise(
-            torch.zeros(1, 16, dtype=dtype), probe, None, "none", [], ""
-        )
-    except RuntimeError as exc:
-        logger.info("oneDNN %s weight packing unavailable on this CPU (%s)", dtype, exc)
-        return False
-    return True
+def fast_bf16_gemm() -> bool:
+    """Whether torch has a native bf16 GEMM on this CPU (see the module docstring)."""
+    return backend.current().platform.fast_bf16_gemm
 
 
 def _adopt_bf16_cpu_linear(layer: nn.Module, linear: nn.Linear) -> torch.Tensor:
@@ -95,16 +58,16 @@ def _adopt_bf16_cpu_linear(layer: nn.Module, linear: nn.Linear) -> torch.Tensor:
 
 
 class PackedLinear(nn.Module):
-    """``y = x @ W.T + b`` with ``W`` prepacked for oneDNN (CPU, bfloat16).
+    """``y = x @ W.T + b`` for a bf16 CPU layer, small batches on our packed kernel.
 
     Args:
-        linear: the ``nn.Linear`` to replace; its weight ``[out, in]`` bf16 is
-            reordered once, its bias (``[out]`` or ``None``) kept.
+        linear: the ``nn.Linear`` to replace; its weight ``[out, in]`` bf16 is kept
+            for ``F.linear`` and, where the CPU has AVX512-BF16 and the shape fits,
+            packed once into ``vnni_weight``; its bias (``[out]`` or ``None``) kept.
 
     Forward: ``x [..., in]`` bf16 -> ``[..., out]`` bf16. With fewer than
-    ``PACKED_MAX_ROWS`` rows and a VNNI-packed copy of the weight
-    (``vnni_weight``, kept where the CPU has AVX512-BF16 and the shape fits), our
-    kernel runs (float32 accumulation, another summation order than oneDNN's).
+    ``PACKED_MAX_ROWS`` rows and a ``vnni_weight``, our kernel runs (float32
+    accumulation, another summation order than oneDNN's); otherwise ``F.linear``.
 
     Raises:
         ValueError: when the layer is not a bf16 CPU ``nn.Linear``.
@@ -113,8 +76,7 @@ class PackedLinear(nn.Module):
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         w = _adopt_bf16_cpu_linear(self, linear)
-        packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), _PACK_BATCH_HINT)
-        self.register_buffer("packed_weight", packed, persistent=False)
+        self.register_buffer("weight", w.detach(), persistent=False)
         vnni = (
             cpu_ext.bf16_pack_weight(w)
             if cpu_ext.bf16_linear_supports(self.out_features, self.in_features)
@@ -139,9 +101,7 @@ class PackedLinear(nn.Module):
         if self._packed_serves(x2):
             y = cpu_ext.bf16_linear(x2, self.vnni_weight, self.bias, self.out_features)
         else:
-            y = torch.ops.mkldnn._linear_pointwise(
-                x2, self.packed_weight, self.bias, "none", [], ""
-            )
+            y = F.linear(x2, self.weight, self.bias)
         return y.view(*lead, self.out_features)
 
     def forward_argmax(self, x: torch.Tensor) -> torch.Tensor | None:
@@ -174,9 +134,7 @@ class Float32ComputeLinear(nn.Module):
 
     Args:
         linear: the bf16 CPU ``nn.Linear`` to replace; its weight ``[out, in]`` and
-            bias ``[out]`` are widened to float32 once (exact), the weight then
-            prepacked for oneDNN where it can be (on the 2-core AVX2 box 5-25% faster
-            than ``F.linear`` on layer shapes, 2x on the LM head at 16 rows).
+            bias ``[out]`` are widened to float32 once (exact).
 
     Forward: ``x [..., in]`` bf16 -> ``[..., out]`` bf16: the float32 product of the
     widened ``x`` and weight (float32 accumulation), rounded to bf16 once.
@@ -188,42 +146,33 @@ class Float32ComputeLinear(nn.Module):
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         w = _adopt_bf16_cpu_linear(self, linear)
-        w32 = w.detach().float().contiguous()
-        self.packed = mkldnn_packing_available(torch.float32)
-        if self.packed:
-            w32 = torch.ops.mkldnn._reorder_linear_weight(w32, _PACK_BATCH_HINT)
-        self.register_buffer("weight32", w32, persistent=False)
+        self.register_buffer("weight32", w.detach().float().contiguous(), persistent=False)
         bias = linear.bias.detach().float() if linear.bias is not None else None
         self.register_buffer("bias32", bias, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
-        x2 = x.reshape(-1, self.in_features).float()
-        if self.packed:
-            y = torch.ops.mkldnn._linear_pointwise(x2, self.weight32, self.bias32, "none", [], "")
-        else:
-            y = F.linear(x2, self.weight32, self.bias32)
+        y = F.linear(x.reshape(-1, self.in_features).float(), self.weight32, self.bias32)
         return y.to(x.dtype).view(*lead, self.out_features)
 
 
 def replace_cpu_bf16_linear(module: nn.Linear) -> nn.Module:
-    """A bf16 CPU ``nn.Linear`` made fast on this CPU: a ``PackedLinear`` where oneDNN
-    has a bf16 GEMM, else a ``Float32ComputeLinear`` (see the module docstring).
+    """A bf16 CPU ``nn.Linear`` made fast on this CPU: a ``PackedLinear`` where torch
+    has a native bf16 GEMM, else a ``Float32ComputeLinear`` (see the module docstring).
 
     Raises:
         ValueError: when the layer is not a bf16 CPU ``nn.Linear``.
-        RuntimeError: from oneDNN, when an op is missing from this build.
     """
-    cls = PackedLinear if mkldnn_packing_available() else Float32ComputeLinear
+    cls = PackedLinear if fast_bf16_gemm() else Float32ComputeLinear
     return cls(module)
 
 
 def pack_linear_layers(model: nn.Module) -> int:
-    """Replace every bf16 CPU ``nn.Linear`` of ``model`` by a ``PackedLinear`` (oneDNN
-    has a bf16 GEMM on this CPU) or else a ``Float32ComputeLinear``.
+    """Replace every bf16 CPU ``nn.Linear`` of ``model`` by a ``PackedLinear`` (torch
+    has a native bf16 GEMM on this CPU) or else a ``Float32ComputeLinear``.
 
-    Idempotent (already replaced layers are skipped). Layers that fail to pack
-    keep ``F.linear`` (logged once). Returns the number of layers replaced.
+    Idempotent (already replaced layers are skipped). Returns the number of layers
+    replaced.
     """
     targets = [
         (parent, name, child)
@@ -233,12 +182,6 @@ def pack_linear_layers(model: nn.Module) -> int:
         and child.weight.dtype == torch.bfloat16
         and child.weight.device.type == "cpu"
     ]
-    packed = 0
     for parent, name, child in targets:
-        try:
-            setattr(parent, name, replace_cpu_bf16_linear(child))
-            packed += 1
-        except RuntimeError as exc:  # an op missing from this oneDNN build
-            logger.warning("oneDNN weight packing unavailable (%s): using F.linear", exc)
-            break
-    return packed
+        setattr(parent, name, replace_cpu_bf16_linear(child))
+    return len(targets)

@@ -13,7 +13,8 @@ from typing import Any
 
 import torch
 
-from tandem.kernels import cpu_ext
+from tandem.kernels import backend, cpu_ext
+from tandem.kernels.backend import KernelBackend
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -137,7 +138,7 @@ def rotary_embedding(
         )
     if not (query.dtype == key.dtype == cos.dtype == sin.dtype):
         raise ValueError("query, key, cos and sin must share a dtype")
-    if not query.is_cuda:
+    if backend.current().for_tensor(query) is KernelBackend.CPU_NATIVE:
         q = cpu_ext.rotary_neox_cpu(query, cos, sin)
         k = cpu_ext.rotary_neox_cpu(key, cos, sin) if q is not None else None
         if q is not None and k is not None:

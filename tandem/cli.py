@@ -47,6 +47,25 @@ def configure_openmp(command: str) -> None:
         os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 
 
+# Commands that run models: the kernel backend is configured from the
+# environment here, once (the router imports no kernels, hence no torch).
+_MODEL_COMMANDS = frozenset({"prefill", "decode", "serve", "bench"})
+
+
+def configure_kernels(command: str) -> None:
+    """Build the kernel config of a model ``command`` from the environment
+    (``TANDEM_CPU_KERNELS``, ``TANDEM_CACHE_DIR``, ``CC``, ``TANDEM_CPU_ISA``; see
+    ``tandem.kernels.backend.KernelConfig.from_env``); other commands are left alone.
+
+    Raises:
+        ValueError: on a ``TANDEM_CPU_ISA`` no machine has.
+    """
+    if command in _MODEL_COMMANDS:
+        from tandem.kernels import backend
+
+        backend.configure(backend.KernelConfig.from_env(os.environ))
+
+
 def _usage() -> str:
     lines = ["usage: tandem <command> [options]", "", "commands:"]
     lines += [f"  {name:<10} {helptext}" for name, (_, helptext) in _COMMANDS.items()]
@@ -71,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tandem: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
     configure_openmp(name)
+    configure_kernels(name)
     module = importlib.import_module(_COMMANDS[name][0])
     return int(module.main(rest) or 0)
 

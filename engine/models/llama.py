@@ -20,8 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tandem.kernels import cpu_ext
+from tandem.kernels import backend, cpu_ext
 from tandem.kernels.attention import AttentionMetadata, paged_attention
+from tandem.kernels.backend import KernelBackend
 from tandem.kernels.cache import reshape_and_cache
 from tandem.kernels.fused_decode import DecodeLayerParams, FusedDecode
 from tandem.kernels.layernorm import rms_norm
@@ -124,7 +125,8 @@ class MLP(nn.Module):
         if act is not None:  # packed kernel: projection and SwiGLU in one pass (decode)
             return self.down_proj(act)
         gate_up = self.gate_up_proj(x)
-        act = None if gate_up.is_cuda else cpu_ext.silu_and_mul_cpu(gate_up)
+        native = backend.current().for_tensor(gate_up) is KernelBackend.CPU_NATIVE
+        act = cpu_ext.silu_and_mul_cpu(gate_up) if native else None
         if act is None:
             gate, up = gate_up.split(self.intermediate_size, dim=-1)
             act = F.silu(gate) * up

@@ -3,10 +3,9 @@
  * Extensions) tiles where the CPU has them, else with AVX512-BF16 dot products
  * (VDPBF16PS) on the same packed weights.
  *
- * Why: at decode batch sizes (M = 1..128 tokens) oneDNN's bf16 GEMM ran at
- * ~450-600 GFLOP/s on the 2-core Sapphire-Rapids-class dev box, a few percent
- * of what the tiles can do, so the decode step paid ~0.8 ms per layer for 7 MB
- * of weights. This kernel keeps the weights pre-packed in the tile layout
+ * Why: at decode batch sizes (M = 1..128 tokens) oneDNN's bf16 GEMM reaches a
+ * few percent of what the tiles can do, so the decode step pays for its layers
+ * far more than streaming their weights costs. This kernel keeps the weights pre-packed in the tile layout
  * TDPBF16PS wants and streams them through with one weight-tile load per two
  * multiply instructions. Without AMX (e.g. AMD Zen 4/5) the same packing feeds
  * VDPBF16PS, so the fused decode step (decode_layers_cpu.c), the fused SwiGLU
@@ -26,7 +25,7 @@
  * operand and a broadcast pair of an x row as the other: 8 rows x 2 column blocks
  * of float32 accumulators in registers, the same C blocks as the tiles.
  *
- * Shapes: K % 32 == 0 and N % 16 == 0 (the Python side checks, else oneDNN).
+ * Shapes: K % 32 == 0 and N % 16 == 0 (the Python side checks, else F.linear).
  * M is any size: rows are handled in chunks of 16, a partial last chunk through
  * a zero-padded copy of its rows.
  *
@@ -39,6 +38,7 @@
 #include <string.h>
 
 #include "simd_math.h"
+#include "tandem_kernels.h"
 #include "team.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
@@ -131,12 +131,13 @@ static inline void store_tile(const float *c, const uint16_t *bias, uint16_t *y,
 
 /* Weight tiles are prefetched PF_TILES k steps ahead: the packed weights of a
  * thread are one contiguous run, but tile loads do not seem to train the
- * hardware prefetchers (the kernel ran ~2x slower on weights not in cache). The
+ * hardware prefetchers (without this the kernel ran much slower on weights not in
+ * cache). The
  * addresses run past a column pair's panel into the next one's, which is the
  * one this thread reads next. Only a pair's first row chunk prefetches: the
  * later chunks find the panel in cache, and their 32 prefetch instructions
- * per k step only took issue slots (64-row decode GEMMs, 30 layers, weights
- * not in cache: 14.5 -> 12.9 ms; 2048 rows: 1.7-1.9 -> 2.0-2.2 TFLOP/s). */
+ * per k step only took issue slots (faster both at decode and at prefill
+ * sizes: docs/benchmarks.md). */
 #define PF_TILES 4
 static inline void prefetch_tiles(const uint16_t *a, const uint16_t *b) {
     for (int i = 0; i < 1024; i += 64) {

@@ -3,9 +3,8 @@
  * region (Llama-family layout, bf16, the linears of bf16_linear_cpu.c on AMX
  * tiles or with AVX512-BF16 dot products).
  *
- * Why: a SmolLM2 decode step (64 sequences, 30 layers) ran ~8 ms of Python,
- * ctypes and thread wake-ups around ~52 ms of kernels: nine calls per layer,
- * each a parallel region of its own. Here the same kernels run back to back as
+ * Why: per op, a small model's decode step pays Python, ctypes and thread
+ * wake-ups around nine calls per layer, each a parallel region of its own. Here the same kernels run back to back as
  * team bodies (team.h) separated by barriers, the rotary embedding writes the
  * keys straight into their cache slots, and Python is entered once per step.
  * The result is bit-identical to the per-op path: the same kernels in the same
@@ -24,34 +23,10 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "tandem_kernels.h"
 #include "team.h"
 
-/* One layer's parameters: packed weights (bf16_pack_weight), optional
- * biases (NULL), norm weights, and this layer's K/V cache views (strides in
- * the step struct: every layer's view shares them). */
-typedef struct {
-    const uint16_t *input_norm, *post_norm;
-    const uint16_t *wqkv, *bqkv, *wo, *bo, *wgu, *bgu, *wd, *bd;
-    uint16_t *k_cache, *v_cache;
-    int64_t window; /* sliding window in tokens, 0 = none */
-} decode_layer;
-
-/* One step: shapes, the step's metadata and the activation buffers (bf16,
- * row-major, allocated by the caller). */
-typedef struct {
-    int64_t tokens, hidden, num_heads, num_kv_heads, head_dim, intermediate;
-    int64_t ck_b, ck_o, ck_h, cv_b, cv_o, cv_h, block_size;
-    const uint16_t *cos, *sin;                         /* [T, head_dim / 2] */
-    const int64_t *slots, *block_tables, *seq_lens;    /* [T], [T, sbt], [T] */
-    int64_t sbt;
-    float eps, scale;
-    uint16_t *hidden_states, *residual;                /* [T, E] in/out */
-    uint16_t *normed;                                  /* [T, E] */
-    uint16_t *qkv;                                     /* [T, (H + 2 KVH) D] */
-    uint16_t *q_rot, *attn;                            /* [T, H D] */
-    uint16_t *act;                                     /* [T, I] */
-    uint16_t *pad;                                     /* [16, max(E, H D, I)] */
-} decode_step;
+/* decode_layer and decode_step are declared in tandem_kernels.h. */
 
 int decode_layers_available(void) {
     return team_bf16_linear_available() && team_elementwise_bf16_available();
@@ -66,8 +41,9 @@ int decode_layers(const decode_layer *layers, int64_t num_layers, const decode_s
     const int64_t D = st->head_dim, I = st->intermediate, QKV = (H + 2 * KVH) * D;
     /* the linears' shape rules (K % 32, N % 16, SwiGLU N % 32) and the
      * attention kernel's limits, checked once up front */
-    if (E % 32 || (H * D) % 32 || I % 32 || QKV % 16 || D % 16 || D > 256 || H > 256 ||
-        KVH < 1 || H % KVH || H / KVH > 32 || E > 16384 || T < 1)
+    if (E % 32 || (H * D) % 32 || I % 32 || QKV % 16 || D % 16 || D > TANDEM_MAX_HEAD_DIM ||
+        H > TANDEM_MAX_HEADS || KVH < 1 || H % KVH || H / KVH > TANDEM_MAX_GROUP ||
+        E > TANDEM_MAX_HIDDEN || T < 1)
         return -1;
     int failed = 0;
     int64_t counter = 0; /* the attention's shared work counter */

@@ -26,12 +26,13 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "tandem_kernels.h"
 #include "team.h"
 
-#define MAX_HEADS 256
-#define MAX_GROUP 32
-#define MAX_HEAD_DIM 256
-#define VL 16
+#define MAX_HEADS TANDEM_MAX_HEADS
+#define MAX_GROUP TANDEM_MAX_GROUP
+#define MAX_HEAD_DIM TANDEM_MAX_HEAD_DIM
+#define VL TANDEM_VECTOR_WIDTH
 
 typedef float vf __attribute__((vector_size(VL * sizeof(float))));
 typedef uint32_t vu32 __attribute__((vector_size(VL * sizeof(uint32_t))));
@@ -122,7 +123,7 @@ static inline __attribute__((always_inline)) __m512 scores16_bf16(
  * contiguous run of block_size * num_kv_heads * head_dim elements in the usual
  * cache layout, but consecutive blocks of a sequence sit at random places in the
  * pool, so the hardware prefetcher restarts at every block; without software
- * prefetch the kernel ran ~3.5x slower on cold caches than on hot ones. */
+ * prefetch the kernel ran several times slower on cold caches than on hot ones. */
 #define PREFETCH_BLOCKS 4
 
 /* Prefetch `span` elements of each of the `rows` rows (row stride s_o) from
@@ -287,9 +288,8 @@ static inline __attribute__((always_inline)) void attend_seq_impl(
 /* ---- AVX2 path (CPUs without AVX-512) ---------------------------------------
  * The generic code above keeps G x head_dim / 16 query and accumulator vectors of
  * 16 floats "in registers"; AVX2 has sixteen 8-float registers, so GCC spilled
- * them and the loops ran through the stack (235 ms a decode step of 64 sequences x
- * 320 tokens x 30 layers of SmolLM2 on a 2-core AVX2 EPYC, ~10x the time its 472
- * MB of bf16 K/V take to stream). Here a block's K (then V) rows of one KV head
+ * them and the loops ran through the stack (an order of magnitude slower than
+ * streaming the K/V takes). Here a block's K (then V) rows of one KV head
  * are widened to float32 once into L1 scratch; scores take eight rows at a time
  * (eight accumulators, one transposing reduction, hsum8x8), and the value pass
  * keeps one query head's accumulator (HD / 8 registers) while it walks the rows. */
@@ -490,16 +490,13 @@ static void attend_seq(int is_bf16, const void *k, const void *v, int64_t sk_b, 
  *
  * Why: the VDPBF16PS scores above need a horizontal reduction per key and query
  * head (~5 vector instructions per score), which made the kernel compute bound
- * (hot in cache it ran at ~24 GB/s, cold at ~18 GB/s on the 2-core dev box,
- * whose DRAM streams ~28 GB/s). TDPBF16PS does that reduction in the tile unit.
+ * (below the DRAM bandwidth even hot in cache). TDPBF16PS does that reduction in the tile unit.
  * Without AMX (e.g. AMD Zen 4/5) the same layout is computed with VDPBF16PS, one
  * 16-way reduction per key and group of 16 query heads instead of one per key
  * and query head, and GCC keeps this loop's vectors in registers where the
- * generic code above spilled them. SmolLM2's shape (64 sequences x 320 tokens, 9
- * query and 3 KV heads, one layer's 15.7 MB of K/V) on a 2-core Zen 5 VM: the
- * generic code took 0.58 ms a layer both hot in L3 and cold (compute bound),
- * this path 0.31-0.38 ms hot and 0.6-0.65 ms cold (30 layers' worth of K/V, read
- * at ~25 GB/s: scattered 6 KB block runs from DRAM bound both there).
+ * generic code above spilled them: the generic code is compute bound, this
+ * path bound by reading the scattered block runs from DRAM when the cache is
+ * cold (docs/benchmarks.md).
  *
  * Scores: S[key][column] = K[key, :] . Q[column, :] with A = 16 key rows of the
  * cache block (32 dims per k step, any row stride: straight from the cache) and
@@ -517,8 +514,8 @@ static void attend_seq(int is_bf16, const void *k, const void *v, int64_t sk_b, 
  * VDPBF16PS scores (value_pass_dp); either way the accumulators hold the dims in
  * an order of their own, put back once per sequence. */
 
-/* VDPBF16PS path: prefetch distance in blocks (1, 2, 4 and 8 measured alike;
- * without these prefetches it ran ~1.6x slower) */
+/* VDPBF16PS path: prefetch distance in blocks (1 to 8 measured alike; without
+ * these prefetches it ran slower) */
 #define DP_PF 2
 #define QTILE_ELEMS 512 /* bf16 per 16 x 64-byte tile */
 

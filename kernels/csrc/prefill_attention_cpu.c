@@ -3,12 +3,11 @@
  * the paged cache: on Intel AMX tiles where the CPU has them, else with
  * AVX512-BF16 dot products (VDPBF16PS; e.g. AMD Zen 4/5).
  *
- * Why: torch's SDPA ran the SmolLM2 prefill at ~250 GFLOP/s on the 2-core AMX dev
- * box (8 prompts x 256 tokens: ~75 ms of a ~360 ms step, plus ~20 ms of per-
- * sequence Python and copies), and at ~50 GFLOP/s in bf16 on a 2-core Zen 5 VM
- * without AMX (1.5 ms a sequence and layer: 2.2 s of a 13 s benchmark run); the
- * tiles, or VDPBF16PS on the same packed operands, multiply bf16 several times
- * faster, and one call serves every prefill sequence of a layer.
+ * Why: torch's SDPA runs bf16 prefill attention far below what the AMX tiles or
+ * VDPBF16PS can do (a large share of a prefill step, plus per-sequence Python
+ * and copies); the tiles, or VDPBF16PS on the same packed operands, multiply
+ * bf16 several times faster, and one call serves every prefill sequence of a
+ * layer.
  *
  * Algorithm: for each (sequence, query head, block of 16 query tokens) the scores
  * of every visible key are computed at once (S = Q K^T, float32), the softmax
@@ -41,6 +40,7 @@
 #include <string.h>
 
 #include "simd_math.h"
+#include "tandem_kernels.h"
 #include "team.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)

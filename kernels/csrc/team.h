@@ -24,7 +24,7 @@ void team_paged_decode_attention(int is_bf16, const void *q, int64_t sq_t, int64
                                  float scale, int64_t window, int amx, int64_t *counter,
                                  int *failed);
 
-/* elementwise_cpu.c (bf16 with AVX512-BF16 only): residual add + RMSNorm (res
+/* norm_cpu.c, rotary_cpu.c (bf16 with AVX512-BF16 only): residual add + RMSNorm (res
  * NULL: plain RMSNorm, res_out untouched); rotary of the query heads of each
  * qkv row into q_out [T, H, D] and of its key heads straight into the cache
  * slot, the value heads copied there (rotary + reshape_and_cache in one pass). */

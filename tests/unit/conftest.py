@@ -1,10 +1,38 @@
-"""Fixtures shared by unit test modules: the Helm chart of the Helm chart tests."""
+"""Fixtures shared by unit test modules: the Helm chart of the Helm chart tests, and the
+native ISA variants of the kernel tests (see native_variants.py)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
 import pytest
+from native_variants import VARIANTS, on_variant
+
+from tandem.kernels.native_abi import NativeLibrary
+
+
+@pytest.fixture(params=VARIANTS)
+def native_variant(request: pytest.FixtureRequest) -> Iterator[NativeLibrary]:
+    """The test once per native variant, that variant selected (skips: see on_variant)."""
+    with on_variant(request.param) as lib:
+        yield lib
+
+
+@pytest.fixture
+def bf16_variant(native_variant: NativeLibrary) -> NativeLibrary:
+    """``native_variant`` where it has the AVX512-BF16 kernels (else a skip)."""
+    if not native_variant.bf16_linear_available():
+        pytest.skip(f"the {native_variant.variant} variant has no AVX512-BF16 kernels")
+    return native_variant
+
+
+@pytest.fixture(params=[False, True], ids=["avx512bf16", "amx"])
+def tiles(request: pytest.FixtureRequest, bf16_variant: NativeLibrary) -> bool:
+    """The bf16 kernels with VDPBF16PS (False) and on AMX tiles (True, where the
+    variant has them and Linux grants the tile state)."""
+    if request.param and not bf16_variant.tiles_available:
+        pytest.skip(f"no AMX tiles in the {bf16_variant.variant} variant or on this CPU")
+    return request.param
 
 
 @pytest.fixture(scope="module")

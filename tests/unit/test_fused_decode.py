@@ -18,9 +18,8 @@ from tandem.kernels.cache import allocate_kv_cache
 from tandem.kernels.fused_decode import FusedDecode
 from tandem.kernels.linear import pack_linear_layers
 
-pytestmark = pytest.mark.skipif(
-    not FusedDecode.available(), reason="no AMX-BF16 / AVX512-BF16 on this CPU"
-)
+# every variant with the AVX512-BF16 kernels (conftest's bf16_variant)
+pytestmark = pytest.mark.usefixtures("bf16_variant")
 
 #: architecture -> its config's extra settings
 ARCHS = {

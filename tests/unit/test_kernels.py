@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from native_variants import VARIANTS, on_variant
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import (
     LlamaRMSNorm,
@@ -15,7 +16,7 @@ from transformers.models.llama.modeling_llama import (
 )
 
 from tandem.kernels import attention as attention_mod
-from tandem.kernels import cpu_ext
+from tandem.kernels import backend, cpu_ext
 from tandem.kernels import linear as linear_mod
 from tandem.kernels.attention import build_attention_metadata, paged_attention
 from tandem.kernels.cache import (
@@ -122,11 +123,11 @@ def test_reshape_and_cache_writes_only_its_slots():
     torch.testing.assert_close(kv, expected, rtol=0, atol=0)
 
 
+@pytest.mark.usefixtures("native_variant")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_native_cache_write_matches_reference_on_strided_views(dtype):
     """K/V as the model passes them (views into the fused qkv output) into one
     layer of a multi-layer cache; the native copy equals index_put exactly."""
-    _native_or_skip()
     torch.manual_seed(9)
     num_blocks, layers, bs, kvh, hd, tokens = 8, 3, 16, 3, 64, 21
     qkv = torch.randn(tokens, (9 + 2 * kvh) * hd).to(dtype)
@@ -173,26 +174,28 @@ def _dense_attention(q, k, v, num_computed, window=None):
 MIXED_BATCH = [(9, 1), (0, 13), (16, 1), (32, 7), (0, 1), (5, 11), (47, 1), (3, 1)]
 
 
-@pytest.fixture(params=["native", "torch"])
+@pytest.fixture(params=["torch", *VARIANTS])
 def cpu_attention_path(request, monkeypatch):
-    """Run a test on the native CPU decode kernel and on the torch reference.
+    """Run a test on the torch reference and on the native CPU decode kernel of
+    each ISA variant this CPU can execute.
 
     The native path is checked to be the one taken (a spy counts its calls)."""
     calls = []
     if request.param == "torch":
         monkeypatch.setattr(cpu_ext, "supports", lambda q, k: False)
-    else:
-        if cpu_ext.load() is None:
-            pytest.skip("no C compiler here: the native CPU kernel could not be built")
-        real = cpu_ext.paged_decode_attention_cpu
+        yield request.param
+        assert not calls
+        return
+    real = cpu_ext.paged_decode_attention_cpu
 
-        def spy(*args, **kwargs):
-            calls.append(1)
-            return real(*args, **kwargs)
+    def spy(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
 
-        monkeypatch.setattr(cpu_ext, "paged_decode_attention_cpu", spy)
-    yield request.param
-    assert bool(calls) == (request.param == "native")
+    monkeypatch.setattr(cpu_ext, "paged_decode_attention_cpu", spy)
+    with on_variant(request.param):
+        yield request.param
+    assert calls
 
 
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (6, 2), (4, 1)])
@@ -263,6 +266,7 @@ def test_paged_attention_bfloat16_close_to_dense(cpu_attention_path):
         start += n
 
 
+@pytest.mark.usefixtures("native_variant")
 @pytest.mark.parametrize(
     "dtype,tiles",
     [(torch.float32, None), (torch.bfloat16, False), (torch.bfloat16, None)],
@@ -283,8 +287,6 @@ def test_native_decode_kernel_matches_reference(
     16-row VDPBF16PS / AMX paths (16, 32) and one that cannot (8); query-head
     groups of 1, 3, 4, 6 and 16 (one or several KV heads per 16-column score
     tile), head dims 32-128."""
-    if cpu_ext.load() is None:
-        pytest.skip("no C compiler here: the native CPU kernel could not be built")
     torch.manual_seed(3)
     num_blocks, num_layers = 96 * 16 // bs, 3
     kv = torch.randn(num_blocks, num_layers, 2, bs, num_kv_heads, head_dim).to(dtype)
@@ -321,16 +323,15 @@ def test_native_kernel_declines_unsupported_shapes():
     assert not cpu_ext.supports(q.half(), cache.half())
 
 
-def test_native_kernel_build_failure_falls_back(monkeypatch, tmp_path):
-    """A compiler that fails leaves load() at None (the torch path serves)."""
-    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
-    monkeypatch.setenv("CC", "false")
-    cpu_ext.load.cache_clear()
-    try:
+def test_native_kernel_build_failure_falls_back(tmp_path):
+    """A compiler that fails leaves load() at None, every op on the torch backend."""
+    config = backend.KernelConfig(cache_dir=tmp_path, compiler="false")
+    failing = backend.KernelBackends(config, backend.Platform.detect())
+    with backend.selected(failing):
         assert cpu_ext.load() is None
-        assert not list((tmp_path / "kernels").glob("*.so"))
-    finally:
-        cpu_ext.load.cache_clear()
+        assert failing.for_tensor(torch.zeros(1)) is backend.KernelBackend.TORCH
+        assert cpu_ext.silu_and_mul_cpu(torch.zeros(2, 4).bfloat16()) is None
+    assert not list(tmp_path.glob("*"))
 
 
 def test_build_metadata_rejects_short_block_table():
@@ -352,14 +353,12 @@ def test_paged_attention_rejects_mismatched_heads():
         )
 
 
-@pytest.mark.skipif(
-    not linear_mod.mkldnn_packing_available(), reason="no oneDNN weight packing in this build"
-)
+@pytest.mark.usefixtures("native_variant")
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("tokens", [1, 5, 17, 33, 64, 111, 112, 300])
 @pytest.mark.parametrize("in_features", [96, 100])  # 100: no VNNI tiling (K % 32)
 def test_packed_linear_equals_f_linear_bf16(bias, tokens, in_features):
-    """oneDNN's prepacked path is bit-identical to F.linear; our packed kernel
+    """Large batches (or no VNNI packing) run F.linear itself; our packed kernel
     (fewer than PACKED_MAX_ROWS rows, where the CPU has AVX512-BF16) sums in
     float32 in another order and rounds once, so it is checked against the
     float32 product: within one bf16 rounding."""
@@ -382,19 +381,9 @@ def test_packed_linear_equals_f_linear_bf16(bias, tokens, in_features):
     assert (out == exact.bfloat16()).float().mean() > 0.95
 
 
-_TILES = [
-    pytest.param(False, id="avx512bf16"),
-    pytest.param(
-        True,
-        id="amx",
-        marks=pytest.mark.skipif(not cpu_ext.amx_available(), reason="no AMX-BF16 on this CPU"),
-    ),
-]
-
-
-_BF16_LINEAR = pytest.mark.skipif(
-    not cpu_ext.bf16_linear_available(), reason="no AVX512-BF16 on this CPU"
-)
+# The AVX512-BF16 kernels on each variant that has them (conftest's bf16_variant);
+# tests taking ``tiles`` run them with VDPBF16PS and on AMX tiles.
+_BF16_LINEAR = pytest.mark.usefixtures("bf16_variant")
 
 
 @_BF16_LINEAR
@@ -414,7 +403,6 @@ def test_packed_swiglu_is_bit_identical_to_linear_then_silu(bias, tokens):
 
 
 @_BF16_LINEAR
-@pytest.mark.parametrize("tiles", _TILES)
 @pytest.mark.parametrize("tokens", [1, 8, 21, 40])  # partial 16-row chunks, one or two
 @pytest.mark.parametrize("out_features", [48, 64])  # an odd and an even number of column blocks
 def test_bf16_linear_strided_rows_and_rejects_bad_shapes(tiles, tokens, out_features):
@@ -448,7 +436,7 @@ def test_pack_linear_layers_only_touches_bf16_cpu_linears():
     assert linear_mod.pack_linear_layers(model) == 0  # idempotent
     expected = (
         linear_mod.PackedLinear
-        if linear_mod.mkldnn_packing_available()
+        if linear_mod.fast_bf16_gemm()
         else linear_mod.Float32ComputeLinear
     )
     assert type(model[0]) is expected
@@ -462,8 +450,7 @@ def test_pack_linear_layers_only_touches_bf16_cpu_linears():
 @pytest.mark.parametrize("tokens", [1, 37])
 def test_float32_compute_linear_is_the_rounded_float32_product(bias, tokens):
     """A bf16 layer computed in float32: the float32 product of the (exactly widened)
-    bf16 operands rounded to bf16 once (oneDNN may sum in another order than
-    F.linear: then within one bf16 rounding), and close to PyTorch's bf16 GEMM."""
+    bf16 operands rounded to bf16 once, and close to PyTorch's bf16 GEMM."""
     torch.manual_seed(3)
     lin = torch.nn.Linear(96, 40, bias=bias).to(torch.bfloat16)
     x = torch.randn(tokens, 96, dtype=torch.bfloat16)
@@ -472,23 +459,16 @@ def test_float32_compute_linear_is_the_rounded_float32_product(bias, tokens):
     assert out.dtype == torch.bfloat16 and out.shape == (tokens, 40)
     b = lin.bias.float() if bias else None
     exact = torch.nn.functional.linear(x.float(), lin.weight.float(), b)
-    if not layer.packed:
-        assert torch.equal(out, exact.bfloat16())
-    torch.testing.assert_close(out.float(), exact, rtol=2**-8, atol=1e-6)
-    assert (out == exact.bfloat16()).float().mean() > 0.95
+    assert torch.equal(out, exact.bfloat16())
     torch.testing.assert_close(out, lin(x), rtol=2**-7, atol=1e-2)
     assert layer(x.reshape(1, tokens, 96)).shape == (1, tokens, 40)
 
 
-def _native_or_skip():
-    if cpu_ext.load() is None:
-        pytest.skip("no C compiler here: the native CPU kernels could not be built")
 
-
+@pytest.mark.usefixtures("native_variant")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [64, 48])  # 48: a partial last vector
 def test_native_rotary_is_bit_identical_to_reference(dtype, head_dim):
-    _native_or_skip()
     torch.manual_seed(5)
     rope = RotaryEmbedding(head_dim, 512, 10000.0, dtype=dtype)
     qkv = torch.randn(37, (9 + 2 * 3) * head_dim).to(dtype) * 4
@@ -501,10 +481,10 @@ def test_native_rotary_is_bit_identical_to_reference(dtype, head_dim):
         torch.testing.assert_close(out, rotary_embedding_ref(x, cos, sin), rtol=0, atol=0)
 
 
+@pytest.mark.usefixtures("native_variant")
 @pytest.mark.parametrize("with_residual", [False, True])
 @pytest.mark.parametrize("hidden", [576, 200])  # 200: a partial last vector
 def test_native_add_rms_norm_matches_reference_bf16(with_residual, hidden):
-    _native_or_skip()
     torch.manual_seed(6)
     x = (torch.randn(33, hidden) * 3).bfloat16()
     res = torch.randn(33, hidden).bfloat16() if with_residual else None
@@ -523,9 +503,9 @@ def test_native_add_rms_norm_matches_reference_bf16(with_residual, hidden):
     assert cpu_ext.add_rms_norm_cpu(x.float(), w.float(), 1e-5) is None  # fp32: torch path
 
 
+@pytest.mark.usefixtures("native_variant")
 @pytest.mark.parametrize("inter", [1536, 100])  # 100: a partial last vector
 def test_native_silu_and_mul_matches_reference_bf16(inter):
-    _native_or_skip()
     torch.manual_seed(7)
     x = (torch.randn(19, 2 * inter) * 4).bfloat16()
     out = cpu_ext.silu_and_mul_cpu(x)
@@ -539,10 +519,10 @@ def test_native_silu_and_mul_matches_reference_bf16(inter):
     assert cpu_ext.silu_and_mul_cpu(x.float()) is None
 
 
+@pytest.mark.usefixtures("native_variant")
 def test_native_silu_and_mul_edge_values_bf16():
     """Gates far in the tails: -0 where e^-x overflows (torch: x / inf), NaN for
     NaN and -inf, +inf for +inf (a clamped exponential once gave x * 2^-127)."""
-    _native_or_skip()
     inf, nan = float("inf"), float("nan")
     gate = torch.tensor(
         [-inf, -3.38e38, -1e36, -100.0, -88.5, -87.0, -20.0, -1.0, -0.0, 0.0, 1e-3, 1.0,
@@ -555,12 +535,12 @@ def test_native_silu_and_mul_edge_values_bf16():
     torch.testing.assert_close(out[0].float(), ref.float(), rtol=2**-7, atol=0, equal_nan=True)
 
 
+@pytest.mark.usefixtures("native_variant")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("cols", [49152, 100, 1])  # 100: a partial last vector
 def test_native_argmax_rows_matches_torch_max_indices(dtype, cols):
     """First maximal index on ties, the first NaN where a row has one, strided
     rows; the same indices as ``max(dim=-1).indices``."""
-    _native_or_skip()
     torch.manual_seed(3)
     base = torch.randn(9, cols + 7).to(dtype)
     x = base[:, 3 : 3 + cols]  # row stride != cols
@@ -577,17 +557,10 @@ def test_native_argmax_rows_matches_torch_max_indices(dtype, cols):
     assert cpu_ext.argmax_rows_cpu(x.t()) is None  # non-unit column stride: torch path
 
 
-_PREFILL_BF16 = pytest.mark.skipif(
-    not cpu_ext.prefill_attention_supports(
-        torch.zeros(1, 1, 32, dtype=torch.bfloat16),
-        *[torch.zeros(1, 16, 1, 32, dtype=torch.bfloat16)] * 2,
-    ),
-    reason="no AVX512-BF16 on this CPU",
-)
+_PREFILL_BF16 = pytest.mark.usefixtures("bf16_variant")
 
 
 @_PREFILL_BF16
-@pytest.mark.parametrize("tiles", _TILES)
 @pytest.mark.parametrize(
     "head_dim,num_heads,num_kv_heads", [(64, 9, 3), (128, 8, 2), (32, 4, 4), (96, 6, 1)]
 )
@@ -656,7 +629,6 @@ def test_cpu_paged_attention_takes_the_native_prefill_path(monkeypatch):
 
 
 @_BF16_LINEAR
-@pytest.mark.parametrize("tiles", _TILES)
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("tokens", [1, 17, 64, 111])
 @pytest.mark.parametrize("out_features", [4112, 48])  # 4112: an odd number of column blocks
@@ -711,18 +683,17 @@ def test_native_prefill_declines_views_it_cannot_read():
         torch.testing.assert_close(out.float(), want.float(), rtol=0, atol=2e-2)
 
 
-@pytest.mark.parametrize(
-    "path",
-    [
-        pytest.param("sdpa", id="sdpa"),
-        pytest.param("native-avx512bf16", marks=_PREFILL_BF16),
-        pytest.param(
-            "native-amx",
-            marks=pytest.mark.skipif(not cpu_ext.amx_available(), reason="no AMX-BF16 on this CPU"),
-        ),
-    ],
-)
-def test_prefill_ignores_slots_before_the_window(path):
+def test_prefill_ignores_slots_before_the_window_sdpa():
+    """See ``_prefill_ignores_slots_before_the_window``."""
+    _prefill_ignores_slots_before_the_window(None)
+
+
+def test_prefill_ignores_slots_before_the_window_native(tiles):
+    """See ``_prefill_ignores_slots_before_the_window``."""
+    _prefill_ignores_slots_before_the_window(tiles)
+
+
+def _prefill_ignores_slots_before_the_window(tiles):
     """A chunk after a cached prefix under a sliding window: cache slots before the
     first key any new query sees may hold anything (as the decode kernel allows);
     NaN there must not reach the outputs (it did: P = 0 times a NaN value)."""
@@ -742,19 +713,18 @@ def test_prefill_ignores_slots_before_the_window(path):
     meta = build_attention_metadata([n], [c], [table], bs)
     q = torch.randn(n, heads, hd).bfloat16()
     out = torch.full_like(q, float("nan"))
-    if path == "sdpa":
+    if tiles is None:
         attention_mod._prefill_attention_sdpa(out, q, k[c:], v[c:], *layer, meta, hd**-0.5, window)
     else:
         desc, flat = meta.prefill_descriptors()
         cpu_ext.prefill_attention_cpu(
-            q, *layer, desc, flat, hd**-0.5, window, out, tiles=path == "native-amx"
+            q, *layer, desc, flat, hd**-0.5, window, out, tiles=tiles
         )
     ref = _dense_attention(q, k, v, c, window)
     torch.testing.assert_close(out.double(), ref, rtol=0, atol=3e-2)
 
 
 @_BF16_LINEAR
-@pytest.mark.parametrize("tiles", _TILES)
 def test_bf16_linear_reads_a_packed_weight_at_any_offset(tiles):
     """A packed weight viewed at an offset that is not 64-byte aligned (a slice of a
     larger buffer) gives the same result as the aligned one (the VDPBF16PS path used

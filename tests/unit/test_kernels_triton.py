@@ -112,10 +112,14 @@ def test_model_on_triton_path_matches_transformers(arch, monkeypatch):
     from tiny_models import tiny_config, tiny_hf_model
 
     from tandem.engine.models.registry import build_model
-    from tandem.kernels import attention, cache, layernorm
+    from tandem.kernels import backend
 
-    for module in (attention, cache, layernorm):
-        monkeypatch.setattr(module, "use_triton", lambda t: True)
+    class TritonEverywhere(backend.KernelBackends):
+        def for_tensor(self, t: torch.Tensor) -> backend.KernelBackend:
+            return backend.KernelBackend.TRITON
+
+    base = backend.current()
+    monkeypatch.setattr(backend, "_current", TritonEverywhere(base.config, base.platform))
     window = 5 if arch.startswith("Mistral") else None
     config = tiny_config(arch, vocab=64, hidden=32, ffn=48, head_dim=16, max_len=64,
                          sliding_window=window)

@@ -55,10 +55,10 @@ def test_native_kernel_sources_are_package_data() -> None:
     assert sources, "no kernel sources found"
     for src in sources + headers:
         assert any(fnmatch.fnmatch(src, pat) for pat in patterns), src
-    from tandem.kernels import cpu_ext
+    from tandem.kernels import native_build
 
-    assert {name for name, _ in cpu_ext._SOURCES} == {Path(s).name for s in sources}
-    assert set(cpu_ext._HEADERS) == {Path(h).name for h in headers}
+    assert {name for name, _ in native_build.SOURCES} == {Path(s).name for s in sources}
+    assert set(native_build.HEADERS) == {Path(h).name for h in headers}
 
 
 def test_openmp_defaults_only_for_service_commands() -> None:

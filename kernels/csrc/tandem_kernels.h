@@ -1,0 +1,111 @@
+/*
+ * The exported interface of the CPU kernel library: every function Python calls,
+ * the structs it passes and the limits compiled into the kernels.
+ *
+ * This header is the one declaration source of the bindings. Each kernel source
+ * includes it, so the compiler rejects a definition that disagrees with it, and
+ * kernels/native_abi.py parses it to build the ctypes prototypes and structs, so
+ * Python cannot call with another argument list. Keep it to the subset of C that
+ * parser reads: `#define TANDEM_<NAME> <integer>`, `typedef struct { ... } name;`
+ * with one or more fields per line, and one prototype per declaration, over the
+ * types int, int64_t, float, void and pointers (to void, uint16_t, int64_t or a
+ * struct declared here).
+ */
+#ifndef TANDEM_KERNELS_H
+#define TANDEM_KERNELS_H
+#include <stdint.h>
+
+/* Limits of the stack scratch per work item; the Python wrappers decline larger. */
+#define TANDEM_MAX_HEADS 256
+#define TANDEM_MAX_GROUP 32 /* query heads per KV head */
+#define TANDEM_MAX_HEAD_DIM 256
+#define TANDEM_MAX_HIDDEN 16384 /* row length of the fused RMSNorm */
+#define TANDEM_VECTOR_WIDTH 16  /* floats per vector; decode head_dim must be a multiple */
+
+/* One decoder layer for decode_layers: packed weights (bf16_pack_weight),
+ * optional biases (NULL), norm weights, and this layer's K/V cache views
+ * (strides in decode_step: every layer's view shares them). */
+typedef struct {
+    const uint16_t *input_norm, *post_norm;
+    const uint16_t *wqkv, *bqkv, *wo, *bo, *wgu, *bgu, *wd, *bd;
+    uint16_t *k_cache, *v_cache;
+    int64_t window; /* sliding window in tokens, 0 = none */
+} decode_layer;
+
+/* One decode step for decode_layers: shapes, the step's metadata and the
+ * activation buffers (bf16, row-major, allocated by the caller). */
+typedef struct {
+    int64_t tokens, hidden, num_heads, num_kv_heads, head_dim, intermediate;
+    int64_t ck_b, ck_o, ck_h, cv_b, cv_o, cv_h, block_size;
+    const uint16_t *cos, *sin;                      /* [T, head_dim / 2] */
+    const int64_t *slots, *block_tables, *seq_lens; /* [T], [T, sbt], [T] */
+    int64_t sbt;
+    float eps, scale;
+    uint16_t *hidden_states, *residual; /* [T, E] in/out */
+    uint16_t *normed;                   /* [T, E] */
+    uint16_t *qkv;                      /* [T, (H + 2 KVH) D] */
+    uint16_t *q_rot, *attn;             /* [T, H D] */
+    uint16_t *act;                      /* [T, I] */
+    uint16_t *pad;                      /* [16, max(E, H D, I)] */
+} decode_step;
+
+/* paged_attention_cpu.c: decode attention straight from the paged cache. */
+int paged_decode_attention(int is_bf16, const void *q, int64_t sq_t, int64_t sq_h,
+                           const void *k, int64_t sk_b, int64_t sk_o, int64_t sk_h,
+                           const void *v, int64_t sv_b, int64_t sv_o, int64_t sv_h,
+                           const int64_t *bt, int64_t sbt, const int64_t *lens, void *out,
+                           int64_t so_t, int64_t so_h, int64_t nd, int64_t num_heads,
+                           int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                           float scale, int64_t window, int amx, int num_threads);
+
+/* prefill_attention_cpu.c: causal bf16 attention of every prefill sequence. */
+int prefill_attention_bf16_available(void);
+int prefill_attention_bf16(const uint16_t *q, int64_t sq_t, int64_t sq_h, const uint16_t *k_cache,
+                           int64_t sk_b, int64_t sk_o, int64_t sk_h, const uint16_t *v_cache,
+                           int64_t sv_b, int64_t sv_o, int64_t sv_h, const int64_t *desc,
+                           const int64_t *tables, int64_t num_seqs, uint16_t *out, int64_t so_t,
+                           int64_t so_h, int64_t num_heads, int64_t num_kv_heads, int64_t D,
+                           int64_t block_size, float scale, int64_t window, int tiles,
+                           int num_threads);
+
+/* norm_cpu.c: residual add + RMSNorm. */
+int add_rms_norm(int is_bf16, const void *x, const void *res, const void *w, void *out,
+                 void *res_out, int64_t rows, int64_t hidden, float eps, int num_threads);
+/* rotary_cpu.c: rotary embedding (GPT-NeoX layout). */
+int rotary_neox(int is_bf16, const void *x, int64_t sx_t, int64_t sx_h, void *out, int64_t tokens,
+                int64_t heads, int64_t head_dim, const void *cos, const void *sin,
+                int num_threads);
+/* activation_cpu.c: SiLU-and-multiply. */
+int silu_and_mul(int is_bf16, const void *x, void *out, int64_t tokens, int64_t inter,
+                 int num_threads);
+/* cache_cpu.c: K/V rows into their cache slots. */
+int cache_write(const void *key, int64_t sk_t, int64_t sk_h, const void *value, int64_t sv_t,
+                int64_t sv_h, void *k_cache, int64_t ck_b, int64_t ck_o, int64_t ck_h,
+                void *v_cache, int64_t cv_b, int64_t cv_o, int64_t cv_h, const int64_t *slots,
+                int64_t tokens, int64_t heads, int64_t head_dim, int64_t block_size,
+                int64_t elem_size, int num_threads);
+/* sampling_cpu.c: the first index of each row's maximum. */
+int argmax_rows(int is_bf16, const void *x, int64_t sx, int64_t rows, int64_t cols, int64_t *out,
+                int num_threads);
+
+/* bf16_linear_cpu.c: linears on VNNI-packed bf16 weights (AMX tiles or VDPBF16PS). */
+int amx_available(void);
+int amx_init(void);
+int bf16_linear_available(void);
+void bf16_pack_weight(const uint16_t *w, int64_t N, int64_t K, uint16_t *wp);
+int bf16_linear(int tiles, const uint16_t *x, int64_t sx, const uint16_t *wp,
+                const uint16_t *bias, uint16_t *y, int64_t sy, int64_t M, int64_t N, int64_t K,
+                int num_threads);
+int bf16_linear_swiglu(int tiles, const uint16_t *x, int64_t sx, const uint16_t *wp,
+                       const uint16_t *bias, uint16_t *y, int64_t sy, int64_t M, int64_t N,
+                       int64_t K, int num_threads);
+int bf16_linear_argmax(int tiles, const uint16_t *x, int64_t sx, const uint16_t *wp,
+                       const uint16_t *bias, int64_t *ids, int64_t M, int64_t N, int64_t K,
+                       int num_threads);
+
+/* decode_layers_cpu.c: every decoder layer of a decode-only step in one call. */
+int decode_layers_available(void);
+int decode_layers(const decode_layer *layers, int64_t num_layers, const decode_step *st,
+                  int tiles, int num_threads);
+
+#endif
