@@ -27,7 +27,7 @@ _OPTIONAL_SCALARS = (
     "logprobs",
 )
 
-_FINISH_REASONS = {
+_FINISH_REASONS: dict[str | None, common_pb2.FinishReason] = {
     None: common_pb2.FINISH_REASON_UNSPECIFIED,
     "stop": common_pb2.FINISH_REASON_STOP,
     "length": common_pb2.FINISH_REASON_LENGTH,
@@ -107,7 +107,7 @@ def logprobs_to_proto(
     return msg
 
 
-def finish_reason_to_proto(reason: str | None) -> int:
+def finish_reason_to_proto(reason: str | None) -> common_pb2.FinishReason:
     """Engine finish reason ("stop" | "length" | "abort" | None) -> ``FinishReason`` value."""
     return _FINISH_REASONS[reason]
 
