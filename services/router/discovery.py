@@ -19,6 +19,7 @@ import contextlib
 import logging
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 logger = logging.getLogger(__name__)
@@ -156,8 +157,8 @@ class StaticDiscovery(Discovery):
     Load fields are filled by the router's load poller (GetLoad), not here.
     """
 
-    def __init__(self, *, prefill: list[str] = (), decode: list[str] = (),
-                 both: list[str] = ()) -> None:
+    def __init__(self, *, prefill: Sequence[str] = (), decode: Sequence[str] = (),
+                 both: Sequence[str] = ()) -> None:
         super().__init__()
         for role, addrs in (("prefill", prefill), ("decode", decode), ("both", both)):
             for addr in addrs:

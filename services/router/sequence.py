@@ -17,7 +17,7 @@ from tandem.engine.sampling_params import SamplingParams
 from tandem.services.router.metrics import RouterMetrics
 from tandem.v1 import common_pb2
 
-_FINISH = {
+_FINISH: dict[int, str] = {
     common_pb2.FINISH_REASON_STOP: "stop",
     common_pb2.FINISH_REASON_LENGTH: "length",
     common_pb2.FINISH_REASON_ABORT: "abort",
