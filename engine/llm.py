@@ -12,7 +12,7 @@ Usage::
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 from tandem.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from tandem.engine.llm_engine import LLMEngine, OutputKind, PromptType
@@ -176,10 +176,12 @@ class LLM:
     def _as_batch(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
         if isinstance(prompts, str):
             return [prompts]
-        prompts = list(prompts)
-        if prompts and isinstance(prompts[0], int):
-            return [prompts]  # one prompt of token ids
-        return prompts
+        items = list(prompts)
+        # The union does not narrow by its first item: a list whose first item is an
+        # int is one prompt of token ids, any other a list of prompts.
+        if items and isinstance(items[0], int):
+            return [cast("list[int]", items)]
+        return cast("list[PromptType]", items)
 
     def _run(
         self, batch: list[PromptType], params_list: list[SamplingParams], use_tqdm: bool

@@ -274,6 +274,7 @@ class LLMEngine:
                     if lp.decoded_token is None:
                         lp.decoded_token = child.detok.decode_token(tid)
                 child.logprobs.append(pos)
+                assert child.cumulative_logprob is not None, "set together with logprobs"
                 child.cumulative_logprob += pos[tok].logprob
         if matched is not None:
             child.finish_reason = "stop"

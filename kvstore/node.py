@@ -428,12 +428,12 @@ class StoreNode:
         new = []
         mine = {id(e) for e in pending}
         for k in keys:
-            e = self.pool.entries.get(k)
-            if e is None or (not e.committed and id(e) not in mine):
+            found = self.pool.entries.get(k)
+            if found is None or (not found.committed and id(found) not in mine):
                 continue  # another put's pending write commits it
-            ttl_ms = self._ttl_ms(e)
+            ttl_ms = self._ttl_ms(found)
             if ttl_ms is not None:
-                new.append((k, self._entry(e).encode(), ttl_ms))
+                new.append((k, self._entry(found).encode(), ttl_ms))
         # NOTE: readable here before the index commit: a get that finds a fresh index
         # entry while the commit's reply is on its way must find the bytes too, or it
         # removes the entry as one whose payload is gone. Nobody finds them through

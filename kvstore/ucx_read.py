@@ -61,7 +61,7 @@ class UcxReader:
             KVStoreError: the connection failed.
         """
         runs = runs_of(views)
-        request = {"op": "get", "keys": names, "runs": runs}
+        request: dict[str, object] = {"op": "get", "keys": names, "runs": runs}
         msgs = None
         if node.slot_bytes:
             msgs = proto.group_messages(runs, [e.slot for e in entries],

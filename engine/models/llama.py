@@ -14,7 +14,7 @@ sliding-window attention (Mistral, or per ``config.layer_types``).
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -46,6 +46,19 @@ def head_dim_of(config: Any) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
+def _packed_weight(linear: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """``(vnni_weight, bias)`` of a linear that ``kernels/linear.py`` packed into the
+    VNNI layout, else ``None`` (an ``nn.Linear``, or a packed one whose shape or CPU
+    kept no VNNI weight). ``PackedLinear`` holds both as buffers, which ``nn.Module``
+    types as ``Tensor | Module``; hence the narrowing here."""
+    weight = getattr(linear, "vnni_weight", None)
+    if not isinstance(weight, torch.Tensor):
+        return None
+    bias = getattr(linear, "bias", None)
+    assert bias is None or isinstance(bias, torch.Tensor), "a linear's bias is a tensor or None"
+    return weight, bias
+
+
 class RMSNorm(nn.Module):
     """RMSNorm module holding its weight; see ``kernels/layernorm.py``."""
 
@@ -69,8 +82,8 @@ class Attention(nn.Module):
         sliding_window: int | None,
     ) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        self.num_heads: int = config.num_attention_heads
+        self.num_kv_heads: int = config.num_key_value_heads
         self.head_dim = head_dim_of(config)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
@@ -115,7 +128,7 @@ class MLP(nn.Module):
         bias = bool(getattr(config, "mlp_bias", False))
         if getattr(config, "hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (only silu)")
-        self.intermediate_size = config.intermediate_size
+        self.intermediate_size: int = config.intermediate_size
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
 
@@ -172,6 +185,13 @@ class DecoderModel(nn.Module):
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    @property
+    def decoder_layers(self) -> list[DecoderLayer]:
+        """``layers`` as a typed list (in order). ``nn.ModuleList`` is not generic:
+        it types its items as ``nn.Module``, while every item is the ``DecoderLayer``
+        built in ``__init__``; hence the cast."""
+        return cast("list[DecoderLayer]", list(self.layers))
 
 
 class LlamaForCausalLM(nn.Module):
@@ -258,12 +278,13 @@ class LlamaForCausalLM(nn.Module):
         fused = None
         if self.fused_decode_enabled and FusedDecode.serves(attn_metadata):
             fused = self._fused_decode(kv_caches, hidden)
+        residual: torch.Tensor | None
         if fused is not None:
             hidden, residual = fused(hidden, *cos_sin, attn_metadata)
             hidden, _ = self.model.norm(hidden, residual)
             return hidden
         residual = None
-        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+        for layer, kv_cache in zip(self.model.decoder_layers, kv_caches, strict=True):
             hidden, residual = layer(hidden, residual, cos_sin, kv_cache, attn_metadata)
         hidden, _ = self.model.norm(hidden, residual)
         return hidden
@@ -288,36 +309,41 @@ class LlamaForCausalLM(nn.Module):
             and not self.qk_norm
             and FusedDecode.available()
         ):
-            params = []
-            for layer, (k_cache, v_cache) in zip(self.model.layers, kv_caches, strict=True):
+            layers = self.model.decoder_layers
+            params: list[DecodeLayerParams] = []
+            for layer, (k_cache, v_cache) in zip(layers, kv_caches, strict=True):
                 attn, mlp = layer.self_attn, layer.mlp
-                linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-                if not all(getattr(m, "vnni_weight", None) is not None for m in linears):
+                packed = [
+                    _packed_weight(m)
+                    for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+                ]
+                qkv, o, gate_up, down = packed
+                if qkv is None or o is None or gate_up is None or down is None:
                     params = []
                     break
                 params.append(
                     DecodeLayerParams(
                         input_norm=layer.input_layernorm.weight.detach(),
                         post_norm=layer.post_attention_layernorm.weight.detach(),
-                        qkv=(attn.qkv_proj.vnni_weight, attn.qkv_proj.bias),
-                        o=(attn.o_proj.vnni_weight, attn.o_proj.bias),
-                        gate_up=(mlp.gate_up_proj.vnni_weight, mlp.gate_up_proj.bias),
-                        down=(mlp.down_proj.vnni_weight, mlp.down_proj.bias),
+                        qkv=qkv,
+                        o=o,
+                        gate_up=gate_up,
+                        down=down,
                         k_cache=k_cache,
                         v_cache=v_cache,
                         sliding_window=attn.sliding_window,
                     )
                 )
             if params:
-                attn0 = self.model.layers[0].self_attn
+                attn0 = layers[0].self_attn
                 try:
                     fused = FusedDecode(
                         params,
                         attn0.num_heads,
                         attn0.num_kv_heads,
                         attn0.head_dim,
-                        self.model.layers[0].mlp.intermediate_size,
-                        self.model.layers[0].input_layernorm.eps,
+                        layers[0].mlp.intermediate_size,
+                        layers[0].input_layernorm.eps,
                         attn0.scale,
                     )
                 except ValueError:

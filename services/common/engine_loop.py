@@ -130,9 +130,8 @@ class EngineLoop:
             ShuttingDownError: the engine thread is not running.
         """
         if self._stats_pending is None:
-            pending = asyncio.ensure_future(self.call(self.engine.get_stats))
-            pending.add_done_callback(self._stats_done)
-            self._stats_pending = pending
+            self._stats_pending = asyncio.ensure_future(self.call(self.engine.get_stats))
+            self._stats_pending.add_done_callback(self._stats_done)
         pending = self._stats_pending
         if self._stats is None:
             return await asyncio.shield(pending)

@@ -17,6 +17,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 import redis.asyncio as aioredis
+from redis.typing import EncodableT, FieldT
 
 from tandem.contracts.role import Role
 
@@ -76,12 +77,15 @@ class InstanceRegistration:
         Raises:
             redis.RedisError: Redis unreachable (callers in the heartbeat task log it).
         """
-        fields: dict[str, str | float | int] = dict(self._static)
+        # redis' hset takes a Mapping, whose key type is invariant: the fields are
+        # typed as its own FieldT (of which str is one) and filled through items().
+        fields: dict[FieldT, EncodableT] = {}
+        fields.update(self._static.items())
         try:
             self._last_load = await asyncio.wait_for(self._load_fn(), self._interval_s)
         except asyncio.TimeoutError:  # noqa: UP041 - a distinct class on Python 3.10
             logger.debug("load report slow (engine busy); heartbeat keeps the last one")
-        fields.update(self._last_load)
+        fields.update(self._last_load.items())
         fields["updated_at"] = time.time()
         async with self._redis.pipeline(transaction=True) as pipe:
             pipe.hset(self.key, mapping=fields)

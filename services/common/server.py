@@ -21,6 +21,7 @@ import socket
 import sys
 import uuid
 from collections.abc import Callable, Mapping
+from typing import Literal
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -42,7 +43,8 @@ from tandem.services.common.registry import InstanceRegistration
 
 logger = logging.getLogger(__name__)
 
-_KV_ROLE = {Role.PREFILL: "kv_producer", Role.DECODE: "kv_consumer"}
+_KV_ROLE: dict[Role, Literal["kv_producer", "kv_consumer"]] = {
+    Role.PREFILL: "kv_producer", Role.DECODE: "kv_consumer"}
 # 64 MiB: a 32k-token prompt's ids plus its block hashes fit with room to spare.
 _MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 

@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -183,7 +183,7 @@ async def _until_disconnect(request: Request) -> None:
         pass
 
 
-async def _collect(request: Request, deltas: AsyncIterator[tuple[int, SeqDelta]],
+async def _collect(request: Request, deltas: AsyncGenerator[tuple[int, SeqDelta], None],
                    num_choices: int) -> list[ChoiceState]:
     """Gather all deltas; a client that disconnects first cancels the generation."""
     states = [ChoiceState(index=i) for i in range(num_choices)]
@@ -207,7 +207,8 @@ async def _collect(request: Request, deltas: AsyncIterator[tuple[int, SeqDelta]]
     return states
 
 
-async def _stream(request: Request, rid: str, deltas: AsyncIterator[tuple[int, SeqDelta]],
+async def _stream(request: Request, rid: str,
+                  deltas: AsyncGenerator[tuple[int, SeqDelta], None],
                   streamer: _Streamer) -> Response:
     """Start an SSE response once the first delta exists (earlier errors: plain HTTP).
 
@@ -290,6 +291,8 @@ class _Streamer:
 
 
 class _ChatStreamer(_Streamer):
+    req: P.ChatCompletionRequest
+
     def __init__(self, fe: Frontend, req: P.ChatCompletionRequest, resp_id: str,
                  num_prompt_tokens: int) -> None:
         super().__init__(fe, req, resp_id, req.n, num_prompt_tokens)
@@ -318,6 +321,8 @@ class _ChatStreamer(_Streamer):
 
 
 class _CompletionStreamer(_Streamer):
+    req: P.CompletionRequest
+
     def __init__(self, fe: Frontend, req: P.CompletionRequest, resp_id: str, n: int,
                  echo_texts: list[str], num_prompt_tokens: int) -> None:
         super().__init__(fe, req, resp_id, n * len(echo_texts), num_prompt_tokens)

@@ -19,6 +19,7 @@ import contextlib
 import logging
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tandem.contracts.role import ROLES, Role
@@ -157,8 +158,8 @@ class StaticDiscovery(Discovery):
     Load fields are filled by the router's load poller (GetLoad), not here.
     """
 
-    def __init__(self, *, prefill: list[str] = (), decode: list[str] = (),
-                 both: list[str] = ()) -> None:
+    def __init__(self, *, prefill: Sequence[str] = (), decode: Sequence[str] = (),
+                 both: Sequence[str] = ()) -> None:
         super().__init__()
         for role, addrs in ((Role.PREFILL, prefill), (Role.DECODE, decode), (Role.BOTH, both)):
             for addr in addrs:

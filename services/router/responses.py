@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
 
 from tandem.services.router import protocol as P
@@ -44,7 +44,7 @@ class ChoiceState:
 
 
 async def merged(frontend: Frontend, requests: Sequence[GenerationRequest]
-                 ) -> AsyncIterator[tuple[int, SeqDelta]]:
+                 ) -> AsyncGenerator[tuple[int, SeqDelta], None]:
     """Deltas of several prompts' generations, with OpenAI choice indices (prompt * n + i).
 
     Closing this iterator closes (and so cancels) every generation.
