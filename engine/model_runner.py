@@ -225,16 +225,7 @@ class ModelRunner:
             nb = -(-n // self.block_size)
             tables.append(list(range(next_block, next_block + nb)))
             next_block += nb
-        kv = allocate_kv_cache(
-            next_block,
-            self.num_layers,
-            self.block_size,
-            self.num_kv_heads,
-            self.head_dim,
-            self.dtype,
-            self.device,
-        )
-        views = [(kv[:, i, 0], kv[:, i, 1]) for i in range(self.num_layers)]
+        kv, views = self._allocate_kv_cache(next_block)
         meta = build_attention_metadata(lens, [0] * len(lens), tables, self.block_size, self.device)
         ids = torch.zeros(meta.num_tokens, dtype=torch.int64, device=self.device)
         hidden = self.model(ids, meta.positions, views, meta)
@@ -247,7 +238,16 @@ class ModelRunner:
         and the per-layer ``(k, v)`` views the model writes into."""
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
-        self.kv_cache = allocate_kv_cache(
+        self.kv_cache, self.kv_caches = self._allocate_kv_cache(num_blocks)
+        self.num_blocks = num_blocks
+
+    def _allocate_kv_cache(
+        self, num_blocks: int
+    ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+        """A zeroed KV cache of ``num_blocks`` blocks in this model's layout (see
+        ``allocate_kv_cache``) and its per-layer ``(key, value)`` views, each
+        ``[num_blocks, block_size, num_kv_heads, head_dim]``."""
+        kv = allocate_kv_cache(
             num_blocks,
             self.num_layers,
             self.block_size,
@@ -256,10 +256,7 @@ class ModelRunner:
             self.dtype,
             self.device,
         )
-        self.kv_caches = [
-            (self.kv_cache[:, i, 0], self.kv_cache[:, i, 1]) for i in range(self.num_layers)
-        ]
-        self.num_blocks = num_blocks
+        return kv, [(kv[:, i, 0], kv[:, i, 1]) for i in range(self.num_layers)]
 
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+from collections.abc import Callable, Mapping
 
 # subcommand -> (module, one-line help)
 _COMMANDS: dict[str, tuple[str, str]] = {
@@ -66,33 +67,59 @@ def configure_kernels(command: str) -> None:
         backend.configure(backend.KernelConfig.from_env(os.environ))
 
 
-def _usage() -> str:
-    lines = ["usage: tandem <command> [options]", "", "commands:"]
-    lines += [f"  {name:<10} {helptext}" for name, (_, helptext) in _COMMANDS.items()]
+def _before_command(command: str) -> None:
+    """What runs before a command's module is imported: OpenMP and kernel settings."""
+    configure_openmp(command)
+    configure_kernels(command)
+
+
+def usage(prog: str, noun: str, commands: Mapping[str, tuple[str, str]]) -> str:
+    """The help text of a dispatcher: ``prog``'s ``noun``s with their one-line help."""
+    width = max(map(len, commands)) + 3
+    lines = [f"usage: {prog} <{noun}> [options]", "", f"{noun}s:"]
+    lines += [f"  {name:<{width}} {helptext}" for name, (_, helptext) in commands.items()]
     lines.append("")
-    lines.append("Run `tandem <command> --help` for a command's options.")
+    lines.append(f"Run `{prog} <{noun}> --help` for a {noun}'s options.")
     return "\n".join(lines)
+
+
+def dispatch(
+    prog: str,
+    noun: str,
+    commands: Mapping[str, tuple[str, str]],
+    argv: list[str],
+    before: Callable[[str], None] | None = None,
+) -> int:
+    """Run the ``noun`` named by ``argv[0]``: import its module (``commands[name][0]``)
+    only now and return ``int(module.main(argv[1:]) or 0)``.
+
+    ``-h`` / ``--help`` or no argument prints the usage and returns 0; an unknown name
+    prints it to stderr and returns 2. ``before(name)`` runs before the import (settings
+    that must be in the environment before a library loads).
+    """
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage(prog, noun, commands))
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in commands:
+        print(f"{prog}: unknown {noun} {name!r}\n\n{usage(prog, noun, commands)}",
+              file=sys.stderr)
+        return 2
+    if before is not None:
+        before(name)
+    module = importlib.import_module(commands[name][0])
+    return int(module.main(rest) or 0)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `tandem` console script. Returns the process exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help"):
-        print(_usage())
-        return 0
-    if argv[0] in ("-V", "--version"):
+    if argv and argv[0] in ("-V", "--version"):
         from tandem import __version__
 
         print(__version__)
         return 0
-    name, rest = argv[0], argv[1:]
-    if name not in _COMMANDS:
-        print(f"tandem: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
-        return 2
-    configure_openmp(name)
-    configure_kernels(name)
-    module = importlib.import_module(_COMMANDS[name][0])
-    return int(module.main(rest) or 0)
+    return dispatch("tandem", "command", _COMMANDS, argv, before=_before_command)
 
 
 if __name__ == "__main__":

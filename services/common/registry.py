@@ -20,6 +20,7 @@ import redis.asyncio as aioredis
 from redis.typing import EncodableT, FieldT
 
 from tandem.contracts.role import Role
+from tandem.services.common.periodic import start_periodic, stop_periodic
 
 logger = logging.getLogger(__name__)
 
@@ -95,29 +96,13 @@ class InstanceRegistration:
     async def start(self) -> None:
         """Register now, then heartbeat in the background (an unreachable Redis is
         logged and retried every interval, never fatal)."""
-        try:
-            await self.beat()
-        except Exception:  # noqa: BLE001 - the heartbeat retries
-            logger.warning("registering in Redis failed; retrying every %.1f s",
-                           self._interval_s, exc_info=True)
-        self._task = asyncio.create_task(self._heartbeat(), name="registry-heartbeat")
-
-    async def _heartbeat(self) -> None:
-        while True:
-            await asyncio.sleep(self._interval_s)
-            try:
-                await self.beat()
-            except Exception:  # noqa: BLE001 - keep beating; Redis may come back
-                logger.warning("registry heartbeat to Redis failed", exc_info=True)
+        self._task = await start_periodic(self.beat, self._interval_s,
+                                          what="registry heartbeat to Redis", log=logger)
 
     async def stop(self) -> None:
         """Stop the heartbeat and delete the entry (so the router stops routing here)."""
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+        await stop_periodic(self._task)
+        self._task = None
         try:
             await self._redis.delete(self.key)
         except Exception:  # noqa: BLE001 - the TTL removes it anyway

@@ -13,11 +13,10 @@ is sent as ``data: {"error": ...}`` followed by ``data: [DONE]``.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -40,6 +39,8 @@ from tandem.services.router.responses import (
     usage,
 )
 from tandem.services.router.sequence import GenerationRequest, SeqDelta
+
+_Req = TypeVar("_Req", P.CompletionRequest, P.ChatCompletionRequest)
 
 
 def create_app(fe: Frontend, lifespan: Any = None) -> FastAPI:
@@ -88,13 +89,26 @@ def create_app(fe: Frontend, lifespan: Any = None) -> FastAPI:
                              max_model_len=fe.max_model_len) for name in fe.served_model_names]
         return JSONResponse(P.ModelList(data=cards).model_dump(mode="json"))
 
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
+    async def accept(request: Request, model: type[_Req]) -> tuple[str, int, _Req]:
+        """Authenticate, name and parse one generation request: ``(request id, arrival
+        time in ns, the parsed body)``. Raises ``OpenAIError`` (401, 400, 404)."""
         check_auth(request)
         rid = fe.new_request_id(request.headers.get("x-request-id"))
         arrival_ns = time.monotonic_ns()
-        req = P.CompletionRequest.model_validate(await _json_body(request))
+        req = model.model_validate(await _json_body(request))
         fe.check_model(req.model)
+        return rid, arrival_ns, req
+
+    def reply(body: P.CompletionResponse | P.ChatCompletionResponse, rid: str,
+              num_prompt_tokens: int, states: list[ChoiceState]) -> JSONResponse:
+        """The non-streamed answer ``body`` with the usage and timings of ``states``."""
+        body.usage = usage(num_prompt_tokens, sum(s.num_tokens for s in states))
+        body.timings = _timings(states)
+        return JSONResponse(body.model_dump(mode="json"), headers={"X-Request-Id": rid})
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        rid, arrival_ns, req = await accept(request, P.CompletionRequest)
         prompts = fe.tokenize_prompts(req.prompt)
         gens = []
         for p, ids in enumerate(prompts):
@@ -124,19 +138,13 @@ def create_app(fe: Frontend, lifespan: Any = None) -> FastAPI:
             choices.append(P.CompletionChoice(index=i, text=prefix + st.text, logprobs=lps,
                                               finish_reason=st.finish_reason,
                                               stop_reason=st.stop_reason))
-        body = P.CompletionResponse(
-            id=resp_id, model=req.model or fe.model_name, choices=choices,
-            usage=usage(num_prompt_tokens, sum(s.num_tokens for s in states)),
-            timings=_timings(states))
-        return JSONResponse(body.model_dump(mode="json"), headers={"X-Request-Id": rid})
+        body = P.CompletionResponse(id=resp_id, model=req.model or fe.model_name,
+                                    choices=choices)
+        return reply(body, rid, num_prompt_tokens, states)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        check_auth(request)
-        rid = fe.new_request_id(request.headers.get("x-request-id"))
-        arrival_ns = time.monotonic_ns()
-        req = P.ChatCompletionRequest.model_validate(await _json_body(request))
-        fe.check_model(req.model)
+        rid, arrival_ns, req = await accept(request, P.ChatCompletionRequest)
         messages = [{"role": m.role, "content": m.text(),
                      **({"name": m.name} if m.name else {})} for m in req.messages]
         ids = fe.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt,
@@ -155,10 +163,9 @@ def create_app(fe: Frontend, lifespan: Any = None) -> FastAPI:
                                 logprobs=chat_logprobs(fe, st.logprobs) if req.logprobs else None,
                                 finish_reason=st.finish_reason, stop_reason=st.stop_reason)
                    for st in states]
-        body = P.ChatCompletionResponse(
-            id=resp_id, model=req.model or fe.model_name, choices=choices,
-            usage=usage(len(ids), sum(s.num_tokens for s in states)), timings=_timings(states))
-        return JSONResponse(body.model_dump(mode="json"), headers={"X-Request-Id": rid})
+        body = P.ChatCompletionResponse(id=resp_id, model=req.model or fe.model_name,
+                                        choices=choices)
+        return reply(body, rid, len(ids), states)
 
     return app
 
@@ -183,6 +190,20 @@ async def _until_disconnect(request: Request) -> None:
         pass
 
 
+async def _until_done_or_gone(request: Request, task: asyncio.Future[Any]) -> None:
+    """Wait until ``task`` is done; a client that disconnects first cancels it (which
+    unwinds the generation: its RPCs are cancelled). Returns once ``task`` is done, its
+    outcome not raised (read it from the task); a cancel of this coroutine cancels both."""
+    watch = asyncio.create_task(_until_disconnect(request))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.wait({task})  # (does not raise the task's outcome)
+
+
 async def _collect(request: Request, deltas: AsyncGenerator[tuple[int, SeqDelta], None],
                    num_choices: int) -> list[ChoiceState]:
     """Gather all deltas; a client that disconnects first cancels the generation."""
@@ -193,15 +214,9 @@ async def _collect(request: Request, deltas: AsyncGenerator[tuple[int, SeqDelta]
             states[idx].add(d)
 
     work = asyncio.create_task(consume())
-    watch = asyncio.create_task(_until_disconnect(request))
     try:
-        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        await _until_done_or_gone(request, work)
     finally:
-        watch.cancel()
-        if not work.done():
-            work.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await work
         await deltas.aclose()
     work.result()  # re-raise a generation error (OpenAIError -> its status)
     return states
@@ -216,14 +231,7 @@ async def _stream(request: Request, rid: str,
     watches the client: one that leaves meanwhile cancels the generation at once.
     """
     first_task = asyncio.ensure_future(deltas.__anext__())
-    watch = asyncio.create_task(_until_disconnect(request))
-    try:
-        await asyncio.wait({first_task, watch}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watch.cancel()
-        if not first_task.done():
-            first_task.cancel()  # the client left: unwinds the generation (RPCs cancelled)
-            await asyncio.wait({first_task})  # (does not raise the task's outcome)
+    await _until_done_or_gone(request, first_task)
     try:
         first = None if first_task.cancelled() else first_task.result()
     except StopAsyncIteration:

@@ -12,6 +12,7 @@ import logging
 import grpc
 
 from tandem.contracts.role import Role
+from tandem.services.common.periodic import start_periodic, stop_periodic
 from tandem.services.router.discovery import Discovery
 from tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
@@ -93,28 +94,13 @@ class InstancePool:
             info.model = res.model or info.model
 
     async def start(self, interval_s: float = 1.0) -> None:
-        """Poll loads now and then every ``interval_s`` in the background."""
-        await self._safe_poll()
-        self._task = asyncio.create_task(self._loop(interval_s))
-
-    async def _loop(self, interval_s: float) -> None:
-        while True:
-            await asyncio.sleep(interval_s)
-            await self._safe_poll()
-
-    async def _safe_poll(self) -> None:
-        try:
-            await self.poll_loads()
-        except Exception as exc:  # noqa: BLE001 - load reports are advisory
-            logger.debug("load poll failed: %s", exc)
+        """Poll loads now and then every ``interval_s`` in the background (load reports
+        are advisory: a failed poll is logged at DEBUG, retried next tick)."""
+        self._task = await start_periodic(self.poll_loads, interval_s, what="load poll",
+                                          log=logger, level=logging.DEBUG)
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-            self._task = None
+        await stop_periodic(self._task)
+        self._task = None
         channels, self._channels = self._channels, {}
         await asyncio.gather(*(ch.close() for ch in channels.values()), return_exceptions=True)

@@ -15,7 +15,6 @@ path); :meth:`Discovery.instances` is a cheap in-memory read.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from abc import ABC, abstractmethod
@@ -23,6 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tandem.contracts.role import ROLES, Role
+from tandem.services.common.periodic import start_periodic, stop_periodic
 
 logger = logging.getLogger(__name__)
 
@@ -129,27 +129,14 @@ class Discovery(ABC):
         self._failed_until.pop(address, None)
 
     async def start(self, interval_s: float = 1.0) -> None:
-        """First refresh now, then every ``interval_s`` in a background task."""
-        await self._safe_refresh()
-        self._task = asyncio.create_task(self._loop(interval_s))
+        """First refresh now, then every ``interval_s`` in a background task (a failed
+        refresh keeps the last view: logged, retried next tick)."""
+        self._task = await start_periodic(self.refresh, interval_s,
+                                          what="instance discovery refresh", log=logger)
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
-
-    async def _loop(self, interval_s: float) -> None:
-        while True:
-            await asyncio.sleep(interval_s)
-            await self._safe_refresh()
-
-    async def _safe_refresh(self) -> None:
-        try:
-            await self.refresh()
-        except Exception as exc:  # noqa: BLE001 - keep the last view; log and retry next tick
-            logger.warning("instance discovery refresh failed: %s", exc)
+        await stop_periodic(self._task)
+        self._task = None
 
 
 class StaticDiscovery(Discovery):

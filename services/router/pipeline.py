@@ -187,17 +187,25 @@ class Pipeline:
         async for delta in self._decode(ctx, dreq, metadata, state):
             yield delta
 
+    async def _attempts(self, stage: Role, ctx: RouteContext) -> AsyncIterator[InstanceInfo]:
+        """The instances to try in turn: at most ``max_attempts``, each chosen by the
+        routing policy among the ``stage`` instances not tried yet for this request
+        (``Discovery.instances``: benched ones only when nothing else is left); ends early
+        when none is left. Holds nothing: a caller may stop iterating at any point."""
+        tried: set[str] = set()
+        for _ in range(self.max_attempts):
+            cands = self.discovery.instances(stage, exclude=tried)
+            if not cands:
+                return
+            info = await self.router.choose(cands, ctx)
+            tried.add(info.address)
+            yield info
+
     async def _prefill(self, ctx: RouteContext, preq: prefill_pb2.PrefillRequest,
                        metadata: Sequence[tuple[str, str]], timings: Timings
                        ) -> prefill_pb2.PrefillResponse:
-        tried: set[str] = set()
         last: grpc.aio.AioRpcError | None = None
-        for _ in range(self.max_attempts):
-            cands = self.discovery.instances(Role.PREFILL, exclude=tried)
-            if not cands:
-                break
-            info = await self.router.choose(cands, ctx)
-            tried.add(info.address)
+        async for info in self._attempts(Role.PREFILL, ctx):
             self.discovery.acquire(info.address)
             try:
                 presp = await self.pool.prefill(info.address, preq, tuple(metadata))
@@ -220,14 +228,8 @@ class Pipeline:
     async def _decode(self, ctx: RouteContext, dreq: decode_pb2.DecodeRequest,
                       metadata: Sequence[tuple[str, str]], state: SeqState
                       ) -> AsyncIterator[SeqDelta]:
-        tried: set[str] = set()
         last: grpc.aio.AioRpcError | None = None
-        for _ in range(self.max_attempts):
-            cands = self.discovery.instances(ctx.stage, exclude=tried)
-            if not cands:
-                break
-            info = await self.router.choose(cands, ctx)
-            tried.add(info.address)
+        async for info in self._attempts(ctx.stage, ctx):
             state.timings.decode_instance = info.address
             if ctx.stage == Role.BOTH:
                 state.timings.prefill_instance = info.address

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from typing import Any, Literal
+from typing import Any, Generic, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -238,6 +238,23 @@ class UsageInfo(BaseModel):
     prompt_tokens_details: dict[str, int] | None = None
 
 
+_ChoiceT = TypeVar("_ChoiceT", bound=BaseModel)
+
+
+class _Answer(BaseModel, Generic[_ChoiceT]):
+    """The envelope every response and stream chunk shares; each subclass fixes
+    ``object`` (and, for a whole response, defaults ``created`` to now)."""
+
+    id: str
+    object: str
+    created: int  # Unix seconds
+    model: str
+    choices: list[_ChoiceT]
+    usage: UsageInfo | None = None
+    # tandem extension: where the time went (ns), on the final response/chunk only.
+    timings: dict[str, Any] | None = None
+
+
 class CompletionLogprobs(BaseModel):
     """Legacy completions logprobs: parallel lists, one entry per generated token."""
 
@@ -255,15 +272,9 @@ class CompletionChoice(BaseModel):
     stop_reason: int | str | None = None
 
 
-class CompletionResponse(BaseModel):
-    id: str
+class CompletionResponse(_Answer[CompletionChoice]):
     object: Literal["text_completion"] = "text_completion"
     created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[CompletionChoice]
-    usage: UsageInfo | None = None
-    # tandem extension: where the time went (ns), on the final response/chunk only.
-    timings: dict[str, Any] | None = None
 
 
 class TopLogprob(BaseModel):
@@ -293,15 +304,9 @@ class ChatChoice(BaseModel):
     stop_reason: int | str | None = None
 
 
-class ChatCompletionResponse(BaseModel):
-    id: str
+class ChatCompletionResponse(_Answer[ChatChoice]):
     object: Literal["chat.completion"] = "chat.completion"
     created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[ChatChoice]
-    usage: UsageInfo | None = None
-    # tandem extension: where the time went (ns), on the final response/chunk only.
-    timings: dict[str, Any] | None = None
 
 
 class DeltaMessage(BaseModel):
@@ -317,26 +322,12 @@ class ChatStreamChoice(BaseModel):
     stop_reason: int | str | None = None
 
 
-class ChatCompletionChunk(BaseModel):
-    id: str
+class ChatCompletionChunk(_Answer[ChatStreamChoice]):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChatStreamChoice]
-    usage: UsageInfo | None = None
-    # tandem extension: where the time went (ns), on the final response/chunk only.
-    timings: dict[str, Any] | None = None
 
 
-class CompletionChunk(BaseModel):
-    id: str
+class CompletionChunk(_Answer[CompletionChoice]):
     object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: UsageInfo | None = None
-    # tandem extension: where the time went (ns), on the final response/chunk only.
-    timings: dict[str, Any] | None = None
 
 
 class ModelCard(BaseModel):
