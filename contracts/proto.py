@@ -39,7 +39,7 @@ _OPTIONAL_SCALARS = (
     "logprobs",
 )
 
-_FINISH_TO_PROTO: dict[str | None, int] = {
+_FINISH_TO_PROTO: dict[str | None, common_pb2.FinishReason] = {
     None: common_pb2.FINISH_REASON_UNSPECIFIED,
     "stop": common_pb2.FINISH_REASON_STOP,
     "length": common_pb2.FINISH_REASON_LENGTH,
@@ -71,14 +71,15 @@ def sampling_params_from_proto(
     """
     kwargs: dict[str, object] = {name: getattr(msg, name)
                                  for name in _OPTIONAL_SCALARS if msg.HasField(name)}
-    return SamplingParams(  # type: ignore[arg-type]
+    return SamplingParams(
         max_tokens=msg.max_tokens if msg.HasField("max_tokens") else max_tokens_if_unset,
         logit_bias=dict(msg.logit_bias) or None,
         stop_token_ids=list(msg.stop_token_ids),
         stop=list(stop),
         include_stop_str_in_output=include_stop_str_in_output,
         skip_special_tokens=skip_special_tokens,
-        **kwargs,
+        # each value has its field's type: copied from the proto field of the same name
+        **kwargs,  # type: ignore[arg-type]
     )
 
 
@@ -111,7 +112,7 @@ def sampling_params_to_proto(params: SamplingParams) -> common_pb2.SamplingParam
     return msg
 
 
-def finish_reason_to_proto(reason: str | None) -> int:
+def finish_reason_to_proto(reason: str | None) -> common_pb2.FinishReason:
     """Engine finish reason ("stop" | "length" | "abort" | ``None``) -> ``FinishReason``.
 
     Raises:

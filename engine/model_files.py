@@ -166,7 +166,8 @@ def _gguf_tokenizer(metadata: dict[str, MetadataValue], folder: str) -> PreTrain
                 if f"tokenizer.{key}" in metadata}
         for group, renames in GGUF_TOKENIZER_MAPPING.items()
     }
-    spec, kwargs = groups["tokenizer"], groups["tokenizer_config"]
+    spec = groups["tokenizer"]
+    kwargs: dict[str, MetadataValue | None] = dict(groups["tokenizer_config"])
     if "tokens" not in spec:
         raise ValueError(f"model {folder!r}: the GGUF file holds no tokenizer.ggml.tokens")
     kind = spec.get("tokenizer_type")

@@ -31,13 +31,16 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from tandem.engine.config import ModelConfig
 from tandem.engine.model_files import load_tokenizer, model_id_of, resolve_model_path
 from tandem.engine.models.registry import build_model, get_model_class
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
@@ -223,6 +226,7 @@ def load_model(model_config: ModelConfig) -> LoadedModel:
     if gguf is not None:
         kwargs["gguf_file"] = gguf
     cached = _cached_folder(folder, gguf)
+    tokenizer: PreTrainedTokenizerBase | None
     if gguf is not None and cached is None:
         # transformers dequantizes the GGUF tensors into its own model; we copy
         # them out and free it. NOTE: no separate AutoConfig call: each one

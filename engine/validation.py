@@ -126,21 +126,21 @@ def check_context_length(
         ContextLengthError: naming ``field`` (the prompt) or ``"max_tokens"``.
     """
     room = max_model_len - num_prompt_tokens
-    facts = dict(num_prompt_tokens=num_prompt_tokens, max_tokens=max_tokens,
-                 max_model_len=max_model_len)
     if room < 1:
         raise ContextLengthError(
             field,
             f"prompt length {num_prompt_tokens} must be < max_model_len {max_model_len} "
             f"({field}: 1..{max_model_len - 1} tokens)",
-            **facts,
+            num_prompt_tokens=num_prompt_tokens, max_tokens=max_tokens,
+            max_model_len=max_model_len,
         )
     if max_tokens is not None and max_tokens > room:
         raise ContextLengthError(
             "max_tokens",
             f"max_tokens {max_tokens} must be <= {room}: the context length {max_model_len} "
             f"minus the prompt's {num_prompt_tokens} tokens",
-            **facts,
+            num_prompt_tokens=num_prompt_tokens, max_tokens=max_tokens,
+            max_model_len=max_model_len,
         )
 
 

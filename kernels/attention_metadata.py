@@ -83,7 +83,8 @@ class AttentionMetadata:
             sequence ``i``'s starting at its ``table_offset``.
         """
         if self._prefill_desc is None:
-            rows, flat = [], []
+            rows: list[list[int]] = []
+            flat: list[int] = []
             for p in self.prefills:
                 rows.append([p.token_start, p.num_new, p.num_computed, len(flat)])
                 flat.extend(p.block_table)

@@ -40,7 +40,14 @@ def fast_bf16_gemm() -> bool:
     return backend.current().platform.fast_bf16_gemm
 
 
-def _adopt_bf16_cpu_linear(layer: nn.Module, linear: nn.Linear) -> torch.Tensor:
+class _AdoptsLinear(nn.Module):
+    """A layer that stands in for an ``nn.Linear`` and keeps its feature counts."""
+
+    in_features: int
+    out_features: int
+
+
+def _adopt_bf16_cpu_linear(layer: _AdoptsLinear, linear: nn.Linear) -> torch.Tensor:
     """Give ``layer`` the ``in_features`` / ``out_features`` of ``linear`` and return
     ``linear.weight``, once checked to be bf16 on the CPU.
 
@@ -57,7 +64,7 @@ def _adopt_bf16_cpu_linear(layer: nn.Module, linear: nn.Linear) -> torch.Tensor:
     return w
 
 
-class PackedLinear(nn.Module):
+class PackedLinear(_AdoptsLinear):
     """``y = x @ W.T + b`` for a bf16 CPU layer, small batches on our packed kernel.
 
     Args:
@@ -73,6 +80,11 @@ class PackedLinear(nn.Module):
         ValueError: when the layer is not a bf16 CPU ``nn.Linear``.
     """
 
+    # Buffers (registered below), declared for the type checker.
+    weight: torch.Tensor
+    vnni_weight: torch.Tensor | None
+    bias: torch.Tensor | None
+
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         w = _adopt_bf16_cpu_linear(self, linear)
@@ -86,20 +98,22 @@ class PackedLinear(nn.Module):
         bias = linear.bias.detach().contiguous() if linear.bias is not None else None
         self.register_buffer("bias", bias, persistent=False)
 
-    def _packed_serves(self, x2: torch.Tensor) -> bool:
-        """Whether our packed kernel takes these ``[rows, in]`` inputs."""
-        return (
-            self.vnni_weight is not None
-            and 0 < x2.shape[0] < PACKED_MAX_ROWS
+    def _packed_for(self, x2: torch.Tensor) -> torch.Tensor | None:
+        """The packed weight where our packed kernel takes these ``[rows, in]`` inputs,
+        else ``None``."""
+        serves = (
+            0 < x2.shape[0] < PACKED_MAX_ROWS
             and x2.stride(1) == 1
             and x2.dtype == torch.bfloat16
         )
+        return self.vnni_weight if serves else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
-        if self._packed_serves(x2):
-            y = cpu_ext.bf16_linear(x2, self.vnni_weight, self.bias, self.out_features)
+        vnni = self._packed_for(x2)
+        if vnni is not None:
+            y = cpu_ext.bf16_linear(x2, vnni, self.bias, self.out_features)
         else:
             y = F.linear(x2, self.weight, self.bias)
         return y.view(*lead, self.out_features)
@@ -109,9 +123,10 @@ class PackedLinear(nn.Module):
         first maximal index) in one pass of the packed kernel that never writes the
         outputs; ``None`` where that kernel does not serve this call."""
         x2 = x.reshape(-1, self.in_features)
-        if not self._packed_serves(x2):
+        vnni = self._packed_for(x2)
+        if vnni is None:
             return None
-        ids = cpu_ext.bf16_linear_argmax(x2, self.vnni_weight, self.bias, self.out_features)
+        ids = cpu_ext.bf16_linear_argmax(x2, vnni, self.bias, self.out_features)
         return ids.view(x.shape[:-1])
 
     def forward_swiglu(self, x: torch.Tensor) -> torch.Tensor | None:
@@ -122,13 +137,14 @@ class PackedLinear(nn.Module):
         call (no packed weight, too many rows, an odd number of column blocks): the
         caller runs the two steps."""
         x2 = x.reshape(-1, self.in_features)
-        if not self._packed_serves(x2) or self.out_features % 32:
+        vnni = self._packed_for(x2)
+        if vnni is None or self.out_features % 32:
             return None
-        y = cpu_ext.bf16_linear_swiglu(x2, self.vnni_weight, self.bias, self.out_features)
+        y = cpu_ext.bf16_linear_swiglu(x2, vnni, self.bias, self.out_features)
         return y.view(*x.shape[:-1], self.out_features // 2)
 
 
-class Float32ComputeLinear(nn.Module):
+class Float32ComputeLinear(_AdoptsLinear):
     """``y = x @ W.T + b`` for a bf16 layer, computed in float32 (CPUs without a
     fast bf16 GEMM; see the module docstring).
 
@@ -142,6 +158,10 @@ class Float32ComputeLinear(nn.Module):
     Raises:
         ValueError: when the layer is not a bf16 CPU ``nn.Linear``.
     """
+
+    # Buffers (registered below), declared for the type checker.
+    weight32: torch.Tensor
+    bias32: torch.Tensor | None
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()

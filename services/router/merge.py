@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -17,7 +17,9 @@ T = TypeVar("T")
 _DONE = object()  # a stream's end, in the queue
 
 
-async def merge_streams(streams: Sequence[AsyncGenerator[T, None]]) -> AsyncIterator[T]:
+async def merge_streams(
+    streams: Sequence[AsyncGenerator[T, None]],
+) -> AsyncGenerator[T, None]:
     """Items of every stream, each as soon as it arrives.
 
     Each stream runs in its own task. The first error of any stream is raised here (the

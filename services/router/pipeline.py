@@ -128,7 +128,7 @@ class Pipeline:
         raise OpenAIError("no healthy engine instance is available", status_code=503,
                           retry_after_s=1)
 
-    async def generate(self, req: GenerationRequest) -> AsyncIterator[SeqDelta]:
+    async def generate(self, req: GenerationRequest) -> AsyncGenerator[SeqDelta, None]:
         """Deltas of all ``n`` completions, in the order they are produced.
 
         Raises:
