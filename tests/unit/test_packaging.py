@@ -22,7 +22,7 @@ def test_card_folders_not_importable_top_level(tmp_path) -> None:
     # Run from a neutral directory: only installed packages are visible there.
     code = (
         "import importlib.util, sys;"
-        "names=['kernels','engine','services','kvstore'];"
+        "names=['kernels','engine','services','kvstore','contracts'];"
         "sys.exit(1 if any(importlib.util.find_spec(n) for n in names) else 0)"
     )
     proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path)
