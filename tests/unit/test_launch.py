@@ -11,7 +11,8 @@ from waiting import wait_until
 
 from tandem.launch import Launcher, Part, StackError, start_part, stop_parts, wait_ready
 
-_SLEEPER = [sys.executable, "-c", "import time; print('up', flush=True); time.sleep(600)"]
+# A child that stays up until a signal ends it (the launcher's stop is what ends it).
+_SLEEPER = [sys.executable, "-c", "import signal; print('up', flush=True); signal.pause()"]
 
 
 def _py(code: str) -> list[str]:
@@ -43,10 +44,10 @@ def test_not_ready_in_time_names_the_part(tmp_path: Path) -> None:
 def test_close_stops_every_tier_and_the_group(tmp_path: Path) -> None:
     """Tiers stop newest first; a grandchild left in the group is killed too."""
     grandchild = tmp_path / "grandchild.pid"
-    spawner = _py("import subprocess, sys, time\n"
+    spawner = _py("import signal, subprocess, sys\n"
                   f"p = subprocess.Popen({_SLEEPER!r})\n"
                   f"open({str(grandchild)!r}, 'w').write(str(p.pid))\n"
-                  "time.sleep(600)")
+                  "signal.pause()")
     launcher = Launcher(tmp_path)
     launcher.launch([Part("first", _SLEEPER, lambda: True)], timeout_s=60)
     launcher.launch([Part("second", spawner, grandchild.exists)], timeout_s=300)
