@@ -290,32 +290,46 @@ def amx_available() -> bool:
     return lib is not None and lib.tiles_available
 
 
-def bf16_linear_available() -> bool:
-    """Whether the packed bf16 linear kernels (``csrc/bf16_linear_cpu.c``) run here:
-    a build for a CPU with AVX512-BF16, on AMX tiles where ``amx_available()``."""
+LINEAR_NONE = ABI.constants["TANDEM_LINEAR_NONE"]
+LINEAR_FMA = ABI.constants["TANDEM_LINEAR_FMA"]  # AVX2 + FMA, weights widened in registers
+LINEAR_BF16 = ABI.constants["TANDEM_LINEAR_BF16"]  # AVX512-BF16 (and AMX tiles)
+
+
+def bf16_linear_path() -> int:
+    """Which path runs the packed linear kernels here (``csrc/bf16_linear_cpu.c``):
+    ``LINEAR_BF16`` (a build for a CPU with AVX512-BF16, on AMX tiles where
+    ``amx_available()``), ``LINEAR_FMA`` (AVX2 + FMA: ``bf16_linear`` and
+    ``bf16_linear_argmax`` only, no fused SwiGLU) or ``LINEAR_NONE``."""
     lib = load()
-    return lib is not None and bool(lib.bf16_linear_available())
+    return LINEAR_NONE if lib is None else int(lib.bf16_linear_path())
 
 
-def bf16_linear_supports(out_features: int, in_features: int) -> bool:
-    """Whether ``bf16_linear`` takes a ``[out_features, in_features]`` weight."""
-    return in_features % 32 == 0 and out_features % 16 == 0 and bf16_linear_available()
+def bf16_linear_available() -> bool:
+    """Whether the AVX512-BF16 linear kernels (fused SwiGLU included) run here."""
+    return bf16_linear_path() == LINEAR_BF16
+
+
+def bf16_linear_supports(out_features: int, in_features: int, path: int = LINEAR_BF16) -> bool:
+    """Whether ``bf16_linear`` takes a ``[out_features, in_features]`` weight on this
+    machine with kernel path ``path`` (``bf16_linear_path()``'s values)."""
+    return in_features % 32 == 0 and out_features % 16 == 0 and bf16_linear_path() == path
 
 
 def bf16_pack_weight(weight: torch.Tensor) -> torch.Tensor:
     """Reorder a bf16 ``[N, K]`` weight into the VNNI tiles the bf16 linear kernels
     read (see ``csrc/bf16_linear_cpu.c``): a flat ``[N * K]`` bf16 tensor. Needs
-    ``bf16_linear_supports(N, K)``.
+    ``N % 16 == 0``, ``K % 32 == 0`` and a ``bf16_linear_path()`` other than
+    ``LINEAR_NONE``.
 
     Raises:
-        ValueError: on a shape or dtype the kernel does not take, or a CPU without
-            AVX512-BF16.
+        ValueError: on a shape or dtype the kernel does not take, or a build with
+            neither AVX512-BF16 nor AVX2 + FMA.
     """
     n, k = weight.shape
-    if weight.dtype != torch.bfloat16 or not bf16_linear_supports(n, k):
+    if weight.dtype != torch.bfloat16 or n % 16 or k % 32 or bf16_linear_path() == LINEAR_NONE:
         raise ValueError(
             f"bf16 packing needs a bf16 [N % 16, K % 32] weight and a CPU with "
-            f"AVX512-BF16, got {weight.dtype} {tuple(weight.shape)}"
+            f"AVX512-BF16 or AVX2 + FMA, got {weight.dtype} {tuple(weight.shape)}"
         )
     lib = load()
     assert lib is not None
@@ -361,7 +375,8 @@ def bf16_linear_swiglu(
 
     Raises:
         ValueError: on an argument of the wrong dtype, shape or stride.
-        RuntimeError: when the kernel rejects the shapes, or ``tiles=True`` without AMX.
+        RuntimeError: when the kernel rejects the shapes, ``tiles=True`` without AMX,
+            or a path other than ``LINEAR_BF16`` (``bf16_linear_available()``).
     """
     y = torch.empty((x.shape[0], out_features // 2), dtype=torch.bfloat16)
     return _linear_call("bf16_linear_swiglu", tiles, x, packed, bias, out_features, y, y.shape[1])
@@ -443,7 +458,8 @@ def bf16_linear_argmax(
 
     Args:
         x: ``[M, K]`` bf16, unit stride in the last dim; bias ``[N]`` bf16 or ``None``.
-        tiles: on AMX tiles (``None``: where ``amx_available()``), else VDPBF16PS.
+        tiles: on AMX tiles (``None``: where ``amx_available()``), else VDPBF16PS
+            or, on the ``LINEAR_FMA`` path, float32 FMAs.
 
     Returns:
         ``[M]`` int64: per row the first index of the maximum of the bf16 outputs
@@ -472,7 +488,7 @@ def bf16_linear(
         x: ``[M, K]`` bf16, unit stride in the last dim; packed: from
             ``bf16_pack_weight``; bias: ``[N]`` bf16 or ``None``.
         tiles: on AMX tiles (``None``: where ``amx_available()``), else VDPBF16PS
-            (another summation order).
+            or, on the ``LINEAR_FMA`` path, float32 FMAs (other summation orders).
 
     Returns:
         ``[M, N]`` bf16 (float32 accumulation, one rounding).

@@ -30,9 +30,11 @@ from torch import nn
 
 from tandem.kernels import backend, cpu_ext
 
-# Below this many rows (tokens) the packed kernel serves: the crossover measured
-# against oneDNN (docs/benchmarks.md), a little under it on the CPUs measured.
+# Below this many rows (tokens) the packed kernels serve: the crossovers measured
+# against oneDNN's bf16 GEMM (AVX512-BF16 / AMX) and torch's float32 GEMM (FMA
+# path), a little under them on the CPUs measured (docs/benchmarks.md).
 PACKED_MAX_ROWS = 112
+FMA_PACKED_MAX_ROWS = 112
 
 
 def fast_bf16_gemm() -> bool:
@@ -69,16 +71,22 @@ class PackedLinear(_AdoptsLinear):
 
     Args:
         linear: the ``nn.Linear`` to replace; its weight ``[out, in]`` bf16 is kept
-            for ``F.linear`` and, where the CPU has AVX512-BF16 and the shape fits,
-            packed once into ``vnni_weight``; its bias (``[out]`` or ``None``) kept.
+            for the dense path (``F.linear``) and, where this machine's kernel path is
+            ``KERNEL_PATH`` and the shape fits, packed once into ``vnni_weight``; its
+            bias (``[out]`` or ``None``) kept.
 
     Forward: ``x [..., in]`` bf16 -> ``[..., out]`` bf16. With fewer than
-    ``PACKED_MAX_ROWS`` rows and a ``vnni_weight``, our kernel runs (float32
-    accumulation, another summation order than oneDNN's); otherwise ``F.linear``.
+    ``MAX_PACKED_ROWS`` rows and a ``vnni_weight``, our kernel runs (float32
+    accumulation, another summation order than oneDNN's); otherwise the dense path.
 
     Raises:
         ValueError: when the layer is not a bf16 CPU ``nn.Linear``.
     """
+
+    # The kernel path (cpu_ext.bf16_linear_path()) that packs this class's weights,
+    # and the rows below which it serves.
+    KERNEL_PATH = cpu_ext.LINEAR_BF16
+    MAX_PACKED_ROWS = PACKED_MAX_ROWS
 
     # Buffers (registered below), declared for the type checker.
     weight: torch.Tensor
@@ -88,21 +96,29 @@ class PackedLinear(_AdoptsLinear):
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         w = _adopt_bf16_cpu_linear(self, linear)
-        self.register_buffer("weight", w.detach(), persistent=False)
+        self._keep_dense(linear)
         vnni = (
             cpu_ext.bf16_pack_weight(w)
-            if cpu_ext.bf16_linear_supports(self.out_features, self.in_features)
+            if cpu_ext.bf16_linear_supports(self.out_features, self.in_features, self.KERNEL_PATH)
             else None
         )
         self.register_buffer("vnni_weight", vnni, persistent=False)
         bias = linear.bias.detach().contiguous() if linear.bias is not None else None
         self.register_buffer("bias", bias, persistent=False)
 
+    def _keep_dense(self, linear: nn.Linear) -> None:
+        """Register what the dense path reads: here the bf16 weight itself."""
+        self.register_buffer("weight", linear.weight.detach(), persistent=False)
+
+    def _dense(self, x2: torch.Tensor) -> torch.Tensor:
+        """``[rows, in]`` -> ``[rows, out]`` bf16 through torch's GEMM."""
+        return F.linear(x2, self.weight, self.bias)
+
     def _packed_for(self, x2: torch.Tensor) -> torch.Tensor | None:
         """The packed weight where our packed kernel takes these ``[rows, in]`` inputs,
         else ``None``."""
         serves = (
-            0 < x2.shape[0] < PACKED_MAX_ROWS
+            0 < x2.shape[0] < self.MAX_PACKED_ROWS
             and x2.stride(1) == 1
             and x2.dtype == torch.bfloat16
         )
@@ -115,7 +131,7 @@ class PackedLinear(_AdoptsLinear):
         if vnni is not None:
             y = cpu_ext.bf16_linear(x2, vnni, self.bias, self.out_features)
         else:
-            y = F.linear(x2, self.weight, self.bias)
+            y = self._dense(x2)
         return y.view(*lead, self.out_features)
 
     def forward_argmax(self, x: torch.Tensor) -> torch.Tensor | None:
@@ -144,36 +160,46 @@ class PackedLinear(_AdoptsLinear):
         return y.view(*x.shape[:-1], self.out_features // 2)
 
 
-class Float32ComputeLinear(_AdoptsLinear):
-    """``y = x @ W.T + b`` for a bf16 layer, computed in float32 (CPUs without a
-    fast bf16 GEMM; see the module docstring).
+class Float32ComputeLinear(PackedLinear):
+    """``y = x @ W.T + b`` for a bf16 layer on CPUs without a fast bf16 GEMM (see the
+    module docstring): small batches on our FMA kernel (``cpu_ext.LINEAR_FMA``: the
+    packed bf16 weight widened in registers), the rest computed by torch in float32.
 
     Args:
         linear: the bf16 CPU ``nn.Linear`` to replace; its weight ``[out, in]`` and
-            bias ``[out]`` are widened to float32 once (exact).
+            bias ``[out]`` are widened to float32 once (exact) for the dense path,
+            and the weight packed where the FMA kernel runs here and the shape fits.
 
-    Forward: ``x [..., in]`` bf16 -> ``[..., out]`` bf16: the float32 product of the
-    widened ``x`` and weight (float32 accumulation), rounded to bf16 once.
+    Forward: ``x [..., in]`` bf16 -> ``[..., out]`` bf16. Fewer than
+    ``MAX_PACKED_ROWS`` rows with a ``vnni_weight``: the FMA kernel (float32
+    accumulation, one rounding). Otherwise the float32 product of the widened ``x``
+    and weight, rounded to bf16 once. No fused SwiGLU (``forward_swiglu`` is
+    ``None``).
 
     Raises:
         ValueError: when the layer is not a bf16 CPU ``nn.Linear``.
     """
 
-    # Buffers (registered below), declared for the type checker.
+    KERNEL_PATH = cpu_ext.LINEAR_FMA
+    MAX_PACKED_ROWS = FMA_PACKED_MAX_ROWS
+
     weight32: torch.Tensor
     bias32: torch.Tensor | None
 
-    def __init__(self, linear: nn.Linear) -> None:
-        super().__init__()
-        w = _adopt_bf16_cpu_linear(self, linear)
-        self.register_buffer("weight32", w.detach().float().contiguous(), persistent=False)
+    def _keep_dense(self, linear: nn.Linear) -> None:
+        self.register_buffer(
+            "weight32", linear.weight.detach().float().contiguous(), persistent=False
+        )
         bias = linear.bias.detach().float() if linear.bias is not None else None
         self.register_buffer("bias32", bias, persistent=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        lead = x.shape[:-1]
-        y = F.linear(x.reshape(-1, self.in_features).float(), self.weight32, self.bias32)
-        return y.to(x.dtype).view(*lead, self.out_features)
+    def _dense(self, x2: torch.Tensor) -> torch.Tensor:
+        return F.linear(x2.float(), self.weight32, self.bias32).to(x2.dtype)
+
+    def forward_swiglu(self, x: torch.Tensor) -> torch.Tensor | None:
+        """Always ``None``: the FMA kernel has no fused SwiGLU (the caller runs the
+        linear, then ``silu_and_mul``)."""
+        return None
 
 
 def replace_cpu_bf16_linear(module: nn.Linear) -> nn.Module:

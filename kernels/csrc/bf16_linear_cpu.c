@@ -41,6 +41,43 @@
 #include "tandem_kernels.h"
 #include "team.h"
 
+/* wp[((nb * KB + kb) * 16 + kp) * 32 + 2n + j] = w[(nb*16 + n) * K + kb*32 + 2kp + j] */
+void bf16_pack_weight(const uint16_t *w, int64_t N, int64_t K, uint16_t *wp) {
+    const int64_t KB = K / 32;
+#pragma omp parallel for schedule(static)
+    for (int64_t nb = 0; nb < N / 16; ++nb)
+        for (int64_t kb = 0; kb < KB; ++kb) {
+            uint16_t *tile = wp + (nb * KB + kb) * 512;
+            for (int64_t kp = 0; kp < 16; ++kp)
+                for (int64_t n = 0; n < 16; ++n)
+                    for (int64_t j = 0; j < 2; ++j)
+                        tile[kp * 32 + 2 * n + j] = w[(nb * 16 + n) * K + kb * 32 + 2 * kp + j];
+        }
+}
+
+/* ids[r] from the per-thread row maxima best[t * M + r] (their first columns in
+ * best_idx, -1 where thread t saw no column): threads hold ascending runs of
+ * columns in thread order, so the first maximum (or the first NaN) over threads
+ * in order is the first over all columns. */
+static void merge_argmax(int team, int64_t M, const float *best, const int64_t *best_idx,
+                         int64_t *ids) {
+    for (int64_t r = 0; r < M; ++r) {
+        int64_t at = -1;
+        float v = 0.f;
+        for (int t = 0; t < team; ++t) {
+            const int64_t i = best_idx[t * M + r];
+            if (i < 0) continue;
+            const float b = best[t * M + r];
+            if (at >= 0 && v != v) break; /* an earlier NaN won */
+            if (at < 0 || b != b || b > v) {
+                at = i;
+                v = b;
+            }
+        }
+        ids[r] = at < 0 ? 0 : at;
+    }
+}
+
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #include <math.h>
@@ -88,21 +125,7 @@ int amx_available(void) { return 0; }
 int amx_init(void) { return -1; }
 #endif
 
-int bf16_linear_available(void) { return 1; }
-
-/* wp[((nb * KB + kb) * 16 + kp) * 32 + 2n + j] = w[(nb*16 + n) * K + kb*32 + 2kp + j] */
-void bf16_pack_weight(const uint16_t *w, int64_t N, int64_t K, uint16_t *wp) {
-    const int64_t KB = K / 32;
-#pragma omp parallel for schedule(static)
-    for (int64_t nb = 0; nb < N / 16; ++nb)
-        for (int64_t kb = 0; kb < KB; ++kb) {
-            uint16_t *tile = wp + (nb * KB + kb) * 512;
-            for (int64_t kp = 0; kp < 16; ++kp)
-                for (int64_t n = 0; n < 16; ++n)
-                    for (int64_t j = 0; j < 2; ++j)
-                        tile[kp * 32 + 2 * n + j] = w[(nb * 16 + n) * K + kb * 32 + 2 * kp + j];
-        }
-}
+int bf16_linear_path(void) { return TANDEM_LINEAR_BF16; }
 
 /* 16 bf16 biases as float32 (zeros without a bias). */
 static inline __m512 load_bias(const uint16_t *bias) {
@@ -479,21 +502,7 @@ int bf16_linear_argmax(int tiles, const uint16_t *x, int64_t sx, const uint16_t 
         matmul_body(tiles, x, sx, wp, M, N, K, pad, &ep);
         if (tiles) team_amx_end();
     }
-    for (int64_t r = 0; r < M; ++r) {
-        int64_t at = -1;
-        float v = 0.f;
-        for (int t = 0; t < team; ++t) {
-            const int64_t i = best_idx[t * M + r];
-            if (i < 0) continue;
-            const float b = best[t * M + r];
-            if (at >= 0 && v != v) break; /* an earlier NaN won */
-            if (at < 0 || b != b || b > v) {
-                at = i;
-                v = b;
-            }
-        }
-        ids[r] = at < 0 ? 0 : at;
-    }
+    merge_argmax(team, M, best, best_idx, ids);
     free(pad);
     free(best);
     free(best_idx);
@@ -502,14 +511,6 @@ int bf16_linear_argmax(int tiles, const uint16_t *x, int64_t sx, const uint16_t 
 
 #else /* no AVX512-BF16 in this build */
 
-int bf16_linear_available(void) { return 0; }
-int bf16_linear_argmax(int tiles, const uint16_t *x, int64_t sx, const uint16_t *wp,
-                       const uint16_t *bias, int64_t *ids, int64_t M, int64_t N, int64_t K,
-                       int num_threads) {
-    (void)tiles, (void)x, (void)sx, (void)wp, (void)bias, (void)ids, (void)M, (void)N, (void)K;
-    (void)num_threads;
-    return -1;
-}
 int team_bf16_linear_available(void) { return 0; }
 int team_amx_available(void) { return 0; }
 void team_amx_begin(void) {}
@@ -521,12 +522,193 @@ int team_bf16_matmul(int tiles, const uint16_t *x, int64_t sx, const uint16_t *w
     (void)K, (void)swiglu, (void)pad;
     return -1;
 }
-
 int amx_available(void) { return 0; }
 int amx_init(void) { return -1; }
-void bf16_pack_weight(const uint16_t *w, int64_t N, int64_t K, uint16_t *wp) {
-    (void)w, (void)N, (void)K, (void)wp;
+/* No fused SwiGLU without AVX512-BF16: the caller runs the linear and silu_and_mul. */
+int bf16_linear_swiglu(int tiles, const uint16_t *x, int64_t sx, const uint16_t *wp,
+                       const uint16_t *bias, uint16_t *y, int64_t sy, int64_t M, int64_t N,
+                       int64_t K, int num_threads) {
+    (void)tiles, (void)x, (void)sx, (void)wp, (void)bias, (void)y, (void)sy, (void)M, (void)N;
+    (void)K, (void)num_threads;
+    return -1;
 }
+
+#if defined(__AVX2__) && defined(__FMA__)
+/*
+ * The FMA path (CPUs with AVX2 + FMA and no AVX512-BF16, e.g. AVX2-only EPYC VMs,
+ * where PyTorch has no fast bf16 GEMM): the same VNNI-packed bf16 weights, widened
+ * to float32 in registers, float32 FMAs, one rounding to bf16 at the end.
+ *
+ * A VNNI row of a column block (16 columns x one k pair, 64 bytes) is two 8-lane
+ * vectors of 32-bit pairs: the even k's float32 is the pair shifted left by 16, the
+ * odd k's the pair with its low half cleared (bf16 is a float32's upper half), two
+ * integer ops per vector, so the weights stream at bf16 size. x is widened once per
+ * call into a float32 copy whose elements are broadcast. Register block: FMA_ROWS
+ * rows x 16 columns (8 accumulators, 4 weight vectors, 2 broadcasts of 16 ymm).
+ * Rows in blocks of FMA_M_BLOCK (their float32 copy stays in L2 while every column
+ * block streams past), columns split over the threads in ascending runs.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <omp.h>
+
+#include "elementwise.h"
+
+#define FMA_ROWS 4
+#define FMA_M_BLOCK 64
+
+int bf16_linear_path(void) { return TANDEM_LINEAR_FMA; }
+
+/* c[i * 16 + n] = sum_k xf[i * K + k] * W[n][k] over the column block at wb (its KB
+ * k-blocks contiguous) for rows i < R. */
+static inline __attribute__((always_inline)) void fma_rows(const float *xf, int64_t K,
+                                                           const uint16_t *wb, int64_t KB,
+                                                           const int R, float *c) {
+    __m256 lo[FMA_ROWS], hi[FMA_ROWS];
+#pragma GCC unroll 4
+    for (int i = 0; i < R; ++i) lo[i] = hi[i] = _mm256_setzero_ps();
+    const __m256i odd = _mm256_set1_epi32((int)0xffff0000u);
+    for (int64_t kp = 0; kp < KB * 16; ++kp) {
+        const __m256i wl = _mm256_loadu_si256((const __m256i *)(wb + kp * 32));
+        const __m256i wh = _mm256_loadu_si256((const __m256i *)(wb + kp * 32 + 16));
+        const __m256 el = _mm256_castsi256_ps(_mm256_slli_epi32(wl, 16));
+        const __m256 ol = _mm256_castsi256_ps(_mm256_and_si256(wl, odd));
+        const __m256 eh = _mm256_castsi256_ps(_mm256_slli_epi32(wh, 16));
+        const __m256 oh = _mm256_castsi256_ps(_mm256_and_si256(wh, odd));
+#pragma GCC unroll 4
+        for (int i = 0; i < R; ++i) {
+            const __m256 xe = _mm256_broadcast_ss(xf + i * K + 2 * kp);
+            const __m256 xo = _mm256_broadcast_ss(xf + i * K + 2 * kp + 1);
+            lo[i] = _mm256_fmadd_ps(xo, ol, _mm256_fmadd_ps(xe, el, lo[i]));
+            hi[i] = _mm256_fmadd_ps(xo, oh, _mm256_fmadd_ps(xe, eh, hi[i]));
+        }
+    }
+#pragma GCC unroll 4
+    for (int i = 0; i < R; ++i) {
+        _mm256_storeu_ps(c + i * 16, lo[i]);
+        _mm256_storeu_ps(c + i * 16 + 8, hi[i]);
+    }
+}
+
+static void fma_block(const float *xf, int64_t K, const uint16_t *wb, int64_t KB, int R,
+                      float *c) {
+    switch (R) {
+    case 4: fma_rows(xf, K, wb, KB, 4, c); break;
+    case 3: fma_rows(xf, K, wb, KB, 3, c); break;
+    case 2: fma_rows(xf, K, wb, KB, 2, c); break;
+    default: fma_rows(xf, K, wb, KB, 1, c); break;
+    }
+}
+
+/* Where one R x 16 block of outputs goes: bf16 rows of y, or (best_idx != NULL) this
+ * thread's running row argmax of the bf16-rounded outputs (as argmax_tile). */
+typedef struct {
+    const uint16_t *bias;
+    uint16_t *y;
+    int64_t sy;
+    float *best;
+    int64_t *best_idx;
+} fma_epilogue;
+
+static void fma_emit(const fma_epilogue *e, const float *c, int64_t row, int64_t nb, int R) {
+    float b[16];
+    for (int n = 0; n < 16; ++n) b[n] = e->bias != NULL ? ld(e->bias, nb * 16 + n, 1) : 0.f;
+    for (int i = 0; i < R; ++i) {
+        const float *ci = c + i * 16;
+        if (e->best_idx == NULL) {
+            uint16_t *yr = e->y + (row + i) * e->sy + nb * 16;
+#pragma omp simd
+            for (int n = 0; n < 16; ++n) st(yr, n, ci[n] + b[n], 1);
+            continue;
+        }
+        float *best = e->best + row + i;
+        int64_t *at = e->best_idx + row + i;
+        if (*at >= 0 && *best != *best) continue; /* a NaN already won */
+        for (int n = 0; n < 16; ++n) {
+            const float v = round_bf16(ci[n] + b[n]);
+            if (v != v) {
+                *best = NAN;
+                *at = nb * 16 + n;
+                break;
+            }
+            if (*at < 0 || v > *best) {
+                *best = v;
+                *at = nb * 16 + n;
+            }
+        }
+    }
+}
+
+/* The body of a parallel region: xf = float32(x), then every output block. */
+static void fma_matmul(const uint16_t *x, int64_t sx, const uint16_t *wp, float *xf, int64_t M,
+                       int64_t N, int64_t K, const fma_epilogue *e) {
+    const int64_t KB = K / 32, NB = N / 16;
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < M; ++r)
+        for (int64_t k = 0; k < K; ++k) xf[r * K + k] = ld(x, r * sx + k, 1);
+    float c[FMA_ROWS * 16];
+    for (int64_t mb = 0; mb < M; mb += FMA_M_BLOCK) {
+        const int64_t me = mb + FMA_M_BLOCK < M ? mb + FMA_M_BLOCK : M;
+        /* the same static split for every row block: each thread's columns stay one
+         * ascending run (merge_argmax relies on it) */
+#pragma omp for schedule(static) nowait
+        for (int64_t nb = 0; nb < NB; ++nb)
+            for (int64_t m0 = mb; m0 < me; m0 += FMA_ROWS) {
+                const int R = me - m0 < FMA_ROWS ? (int)(me - m0) : FMA_ROWS;
+                fma_block(xf + m0 * K, K, wp + nb * KB * 512, KB, R, c);
+                fma_emit(e, c, m0, nb, R);
+            }
+    }
+}
+
+int bf16_linear(int tiles, const uint16_t *x, int64_t sx, const uint16_t *wp,
+                const uint16_t *bias, uint16_t *y, int64_t sy, int64_t M, int64_t N, int64_t K,
+                int num_threads) {
+    if (tiles || K % 32 || N % 16 || M < 1) return -1;
+    float *xf = (float *)malloc((size_t)(M * K) * sizeof(float));
+    if (xf == NULL) return -2;
+    const fma_epilogue ep = {bias, y, sy, NULL, NULL};
+#pragma omp parallel num_threads(num_threads)
+    fma_matmul(x, sx, wp, xf, M, N, K, &ep);
+    free(xf);
+    return 0;
+}
+
+/* As the AVX512-BF16 bf16_linear_argmax: the argmax of the bf16 outputs bf16_linear
+ * would write, without writing them. */
+int bf16_linear_argmax(int tiles, const uint16_t *x, int64_t sx, const uint16_t *wp,
+                       const uint16_t *bias, int64_t *ids, int64_t M, int64_t N, int64_t K,
+                       int num_threads) {
+    if (tiles || K % 32 || N % 16 || M < 1 || num_threads < 1) return -1;
+    float *xf = (float *)malloc((size_t)(M * K) * sizeof(float));
+    float *best = (float *)malloc((size_t)(num_threads * M) * sizeof(float));
+    int64_t *best_idx = (int64_t *)malloc((size_t)(num_threads * M) * sizeof(int64_t));
+    if (xf == NULL || best == NULL || best_idx == NULL) {
+        free(xf);
+        free(best);
+        free(best_idx);
+        return -2;
+    }
+    for (int64_t i = 0; i < num_threads * M; ++i) best_idx[i] = -1;
+    int team = 1;
+#pragma omp parallel num_threads(num_threads)
+    {
+        const int tid = omp_get_thread_num();
+#pragma omp single
+        team = omp_get_num_threads();
+        const fma_epilogue ep = {bias, NULL, 0, best + tid * M, best_idx + tid * M};
+        fma_matmul(x, sx, wp, xf, M, N, K, &ep);
+    }
+    merge_argmax(team, M, best, best_idx, ids);
+    free(xf);
+    free(best);
+    free(best_idx);
+    return 0;
+}
+
+#else /* neither AVX512-BF16 nor AVX2 + FMA */
+
+int bf16_linear_path(void) { return TANDEM_LINEAR_NONE; }
 int bf16_linear(int tiles, const uint16_t *x, int64_t sx, const uint16_t *wp,
                 const uint16_t *bias, uint16_t *y, int64_t sy, int64_t M, int64_t N, int64_t K,
                 int num_threads) {
@@ -534,10 +716,13 @@ int bf16_linear(int tiles, const uint16_t *x, int64_t sx, const uint16_t *wp,
     (void)K, (void)num_threads;
     return -1;
 }
-int bf16_linear_swiglu(int tiles, const uint16_t *x, int64_t sx, const uint16_t *wp,
-                       const uint16_t *bias, uint16_t *y, int64_t sy, int64_t M, int64_t N,
-                       int64_t K, int num_threads) {
-    return bf16_linear(tiles, x, sx, wp, bias, y, sy, M, N, K, num_threads);
+int bf16_linear_argmax(int tiles, const uint16_t *x, int64_t sx, const uint16_t *wp,
+                       const uint16_t *bias, int64_t *ids, int64_t M, int64_t N, int64_t K,
+                       int num_threads) {
+    (void)tiles, (void)x, (void)sx, (void)wp, (void)bias, (void)ids, (void)M, (void)N, (void)K;
+    (void)num_threads;
+    return -1;
 }
 
-#endif
+#endif /* AVX2 + FMA */
+#endif /* AVX512-BF16 */

@@ -88,10 +88,15 @@ int cache_write(const void *key, int64_t sk_t, int64_t sk_h, const void *value, 
 int argmax_rows(int is_bf16, const void *x, int64_t sx, int64_t rows, int64_t cols, int64_t *out,
                 int num_threads);
 
-/* bf16_linear_cpu.c: linears on VNNI-packed bf16 weights (AMX tiles or VDPBF16PS). */
+/* bf16_linear_cpu.c: linears on VNNI-packed bf16 weights (AMX tiles or VDPBF16PS; the
+ * FMA path widens them to float32 and has no fused SwiGLU). bf16_linear_path() says
+ * which path this build runs. */
+#define TANDEM_LINEAR_NONE 0
+#define TANDEM_LINEAR_FMA 1  /* AVX2 + FMA */
+#define TANDEM_LINEAR_BF16 2 /* AVX512-BF16, and AMX tiles where amx_available() */
 int amx_available(void);
 int amx_init(void);
-int bf16_linear_available(void);
+int bf16_linear_path(void);
 void bf16_pack_weight(const uint16_t *w, int64_t N, int64_t K, uint16_t *wp);
 int bf16_linear(int tiles, const uint16_t *x, int64_t sx, const uint16_t *wp,
                 const uint16_t *bias, uint16_t *y, int64_t sy, int64_t M, int64_t N, int64_t K,

@@ -8,6 +8,7 @@ Oracle: transformers ``generate(do_sample=False)`` in float32, token for token.
 
 from __future__ import annotations
 
+import contextlib
 import zlib
 
 import pytest
@@ -146,18 +147,20 @@ def test_aborts_free_blocks_tiny(tiny) -> None:
     assert engine.engine_core.scheduler.requests == {}
 
 
-def test_bfloat16_cpu_fast_paths_match_reference_path(tiny, monkeypatch) -> None:
-    """bf16 on the CPU: native decode attention + prepacked linears (oneDNN, and
-    AMX tiles for small batches where the CPU has them) give the reference
-    path's greedy tokens (a first difference only at a bf16 near-tie of the
-    reference's top-2 logprobs). Llama has a tied LM head, Mistral its own (a
-    packed untied head once crashed compute_logits)."""
+@pytest.mark.parametrize("linear_path", ["best", "fma"])
+def test_bfloat16_cpu_fast_paths_match_reference_path(tiny, monkeypatch, linear_path) -> None:
+    """bf16 on the CPU: native decode attention + packed linears (our kernels for
+    small batches: AMX tiles or VDPBF16PS where the CPU has them; with
+    ``linear_path="fma"`` the AVX2 variant's FMA kernel, as on CPUs without a fast
+    bf16 GEMM) give the reference path's greedy tokens (a first difference only at a
+    bf16 near-tie of the reference's top-2 logprobs). Llama has a tied LM head,
+    Mistral its own (a packed untied head once crashed compute_logits)."""
     folder, _ = tiny
     if "Llama" not in folder and "Mistral" not in folder:
         pytest.skip("a tied and an untied head are enough for the bf16 fast-path check")
     from tandem.engine import model_runner
     from tandem.engine.models.llama import LlamaForCausalLM
-    from tandem.kernels import cpu_ext, linear
+    from tandem.kernels import backend, cpu_ext, linear
 
     ps = prompts()
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, logprobs=2)
@@ -165,16 +168,27 @@ def test_bfloat16_cpu_fast_paths_match_reference_path(tiny, monkeypatch) -> None
     def run() -> list:
         llm = LLM(model=folder, dtype="bfloat16", max_model_len=MAX_LEN, kv_cache_memory=4 << 20)
         layers = llm.llm_engine.engine_core.executor.driver_worker.model_runner.model.modules()
-        n_packed = sum(isinstance(m, linear.PackedLinear) for m in layers)
-        return llm.generate(ps, params, use_tqdm=False), n_packed
+        packed = [m for m in layers if isinstance(m, linear.PackedLinear)]
+        n_served = sum(m.vnni_weight is not None for m in packed)
+        return llm.generate(ps, params, use_tqdm=False), len(packed), n_served
 
-    fast, n_packed = run()
-    if linear.fast_bf16_gemm():
+    with contextlib.ExitStack() as stack:
+        if linear_path == "fma":
+            b = backend.current()
+            avx2 = next(v for v in b.platform.variants if v.name == "avx2")
+            if avx2.missing_flags(b.platform.cpu_flags):
+                pytest.skip("this CPU cannot execute the avx2 variant")
+            stack.enter_context(backend.selected(backend.with_native(b.load(avx2))))
+            monkeypatch.setattr(linear, "fast_bf16_gemm", lambda: False)
+        fast, n_packed, n_served = run()
+    if linear_path == "fma":
+        assert n_packed > 0 and n_served == n_packed  # every layer on the FMA kernel
+    elif linear.fast_bf16_gemm():
         assert n_packed > 0
     monkeypatch.setattr(cpu_ext, "supports", lambda q, k: False)
     monkeypatch.setattr(model_runner, "pack_linear_layers", lambda model: 0)
     monkeypatch.setattr(LlamaForCausalLM, "pack_tied_lm_head", lambda self: False)
-    ref, n_packed_ref = run()
+    ref, n_packed_ref, _ = run()
     assert n_packed_ref == 0
     for a, b in zip(fast, ref, strict=True):
         ours, theirs = a.outputs[0].token_ids, b.outputs[0].token_ids

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 import pytest
 from native_variants import VARIANTS, on_variant
 
+from tandem.kernels import cpu_ext
 from tandem.kernels.native_abi import NativeLibrary
 
 
@@ -21,7 +22,7 @@ def native_variant(request: pytest.FixtureRequest) -> Iterator[NativeLibrary]:
 @pytest.fixture
 def bf16_variant(native_variant: NativeLibrary) -> NativeLibrary:
     """``native_variant`` where it has the AVX512-BF16 kernels (else a skip)."""
-    if not native_variant.bf16_linear_available():
+    if native_variant.bf16_linear_path() != cpu_ext.LINEAR_BF16:
         pytest.skip(f"the {native_variant.variant} variant has no AVX512-BF16 kernels")
     return native_variant
 
@@ -33,6 +34,19 @@ def tiles(request: pytest.FixtureRequest, bf16_variant: NativeLibrary) -> bool:
     if request.param and not bf16_variant.tiles_available:
         pytest.skip(f"no AMX tiles in the {bf16_variant.variant} variant or on this CPU")
     return request.param
+
+
+@pytest.fixture(params=["fma", "avx512bf16", "amx"])
+def linear_tiles(request: pytest.FixtureRequest, native_variant: NativeLibrary) -> bool:
+    """The packed linear kernels on each of their paths, as ``bf16_linear``'s ``tiles``
+    argument: float32 FMAs on the variants whose path is ``LINEAR_FMA`` (AVX2,
+    AVX-512 without BF16), VDPBF16PS and AMX tiles as ``tiles`` has them."""
+    want = cpu_ext.LINEAR_FMA if request.param == "fma" else cpu_ext.LINEAR_BF16
+    if native_variant.bf16_linear_path() != want:
+        pytest.skip(f"the {native_variant.variant} variant has no {request.param} linear path")
+    if request.param == "amx" and not native_variant.tiles_available:
+        pytest.skip(f"no AMX tiles in the {native_variant.variant} variant or on this CPU")
+    return request.param == "amx"
 
 
 @pytest.fixture(scope="module")

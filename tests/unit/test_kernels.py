@@ -402,12 +402,13 @@ def test_packed_swiglu_is_bit_identical_to_linear_then_silu(bias, tokens):
     assert packed.forward_swiglu(torch.randn(linear_mod.PACKED_MAX_ROWS, 96).bfloat16()) is None
 
 
-@_BF16_LINEAR
-@pytest.mark.parametrize("tokens", [1, 8, 21, 40])  # partial 16-row chunks, one or two
+@pytest.mark.parametrize("tokens", [1, 3, 8, 21, 40, 70])  # partial row blocks of each path
 @pytest.mark.parametrize("out_features", [48, 64])  # an odd and an even number of column blocks
-def test_bf16_linear_strided_rows_and_rejects_bad_shapes(tiles, tokens, out_features):
-    """Both paths (AMX tiles, VDPBF16PS) against the float32 product, within one bf16
-    rounding; the SwiGLU epilogue bit-identical to the linear then SiLU-and-mul."""
+def test_bf16_linear_strided_rows_and_rejects_bad_shapes(linear_tiles, tokens, out_features):
+    """Every path (AMX tiles, VDPBF16PS, float32 FMAs) against the float32 product,
+    within one bf16 rounding; the SwiGLU epilogue (AVX512-BF16 only) bit-identical to
+    the linear then SiLU-and-mul, and refused on the FMA path."""
+    tiles = linear_tiles
     torch.manual_seed(8)
     w = torch.randn(out_features, 64).bfloat16()
     b = torch.randn(out_features).bfloat16()
@@ -417,9 +418,12 @@ def test_bf16_linear_strided_rows_and_rejects_bad_shapes(tiles, tokens, out_feat
     out = cpu_ext.bf16_linear(x, packed, b, out_features, tiles=tiles)
     exact = x.float() @ w.float().T + b.float()
     torch.testing.assert_close(out.float(), exact, rtol=2**-8, atol=1e-3)
-    if out_features % 32 == 0:
+    if out_features % 32 == 0 and cpu_ext.bf16_linear_available():
         fused = cpu_ext.bf16_linear_swiglu(x, packed, b, out_features, tiles=tiles)
         torch.testing.assert_close(fused, cpu_ext.silu_and_mul_cpu(out), rtol=0, atol=0)
+    elif out_features % 32 == 0:
+        with pytest.raises(RuntimeError, match="bf16_linear_swiglu failed"):
+            cpu_ext.bf16_linear_swiglu(x, packed, b, out_features, tiles=tiles)
     with pytest.raises(ValueError, match="bf16 packing"):
         cpu_ext.bf16_pack_weight(torch.randn(48, 40).bfloat16())
     with pytest.raises(ValueError, match="bf16 packing"):
@@ -446,22 +450,36 @@ def test_pack_linear_layers_only_touches_bf16_cpu_linears():
             cls(torch.nn.Linear(4, 4))
 
 
+@pytest.mark.usefixtures("native_variant")
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("tokens", [1, 37])
+@pytest.mark.parametrize("tokens", [1, 37, 111, 112, 200])
 def test_float32_compute_linear_is_the_rounded_float32_product(bias, tokens):
-    """A bf16 layer computed in float32: the float32 product of the (exactly widened)
-    bf16 operands rounded to bf16 once, and close to PyTorch's bf16 GEMM."""
+    """A bf16 layer computed in float32: below FMA_PACKED_MAX_ROWS rows, where the
+    variant's linear path is LINEAR_FMA, our FMA kernel (another summation order:
+    within one bf16 rounding of the float32 product); otherwise the float32 product
+    of the (exactly widened) bf16 operands rounded to bf16 once. Both close to
+    PyTorch's bf16 GEMM; the fused argmax picks what argmax over the outputs picks,
+    and there is no fused SwiGLU."""
     torch.manual_seed(3)
-    lin = torch.nn.Linear(96, 40, bias=bias).to(torch.bfloat16)
+    lin = torch.nn.Linear(96, 48, bias=bias).to(torch.bfloat16)
     x = torch.randn(tokens, 96, dtype=torch.bfloat16)
     layer = linear_mod.Float32ComputeLinear(lin)
+    fma = cpu_ext.bf16_linear_path() == cpu_ext.LINEAR_FMA
+    assert (layer.vnni_weight is not None) == fma
     out = layer(x)
-    assert out.dtype == torch.bfloat16 and out.shape == (tokens, 40)
+    assert out.dtype == torch.bfloat16 and out.shape == (tokens, 48)
     b = lin.bias.float() if bias else None
     exact = torch.nn.functional.linear(x.float(), lin.weight.float(), b)
-    assert torch.equal(out, exact.bfloat16())
+    if fma and tokens < linear_mod.FMA_PACKED_MAX_ROWS:
+        torch.testing.assert_close(out.float(), exact, rtol=2**-8, atol=1e-3)
+        assert (out == exact.bfloat16()).float().mean() > 0.95
+        assert layer.forward_argmax(x).tolist() == out.max(dim=-1).indices.tolist()
+    else:
+        assert torch.equal(out, exact.bfloat16())
+        assert layer.forward_argmax(x) is None
     torch.testing.assert_close(out, lin(x), rtol=2**-7, atol=1e-2)
-    assert layer(x.reshape(1, tokens, 96)).shape == (1, tokens, 40)
+    assert layer(x.reshape(1, tokens, 96)).shape == (1, tokens, 48)
+    assert layer.forward_swiglu(x) is None
 
 
 
@@ -628,15 +646,15 @@ def test_cpu_paged_attention_takes_the_native_prefill_path(monkeypatch):
         assert len(calls) == expected
 
 
-@_BF16_LINEAR
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("tokens", [1, 17, 64, 111])
 @pytest.mark.parametrize("out_features", [4112, 48])  # 4112: an odd number of column blocks
-def test_bf16_linear_argmax_equals_argmax_of_the_outputs(bias, tokens, out_features, tiles):
+def test_bf16_linear_argmax_equals_argmax_of_the_outputs(bias, tokens, out_features, linear_tiles):
     """The fused head + greedy pass picks exactly what argmax over the bf16 outputs
     of ``bf16_linear`` picks (on either path): exact ties (duplicated weight rows, also across the
     two threads' column ranges) go to the first column, a NaN output wins at its
     first column."""
+    tiles = linear_tiles
     torch.manual_seed(5)
     w = (torch.randn(out_features, 64) * 0.3).bfloat16()
     w[out_features - 7] = w[3]  # tie between the first and the last column range
@@ -724,11 +742,11 @@ def _prefill_ignores_slots_before_the_window(tiles):
     torch.testing.assert_close(out.double(), ref, rtol=0, atol=3e-2)
 
 
-@_BF16_LINEAR
-def test_bf16_linear_reads_a_packed_weight_at_any_offset(tiles):
+def test_bf16_linear_reads_a_packed_weight_at_any_offset(linear_tiles):
     """A packed weight viewed at an offset that is not 64-byte aligned (a slice of a
     larger buffer) gives the same result as the aligned one (the VDPBF16PS path used
     aligned loads and crashed)."""
+    tiles = linear_tiles
     torch.manual_seed(13)
     w = torch.randn(64, 96).bfloat16()
     x = torch.randn(19, 96).bfloat16()
