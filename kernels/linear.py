@@ -12,10 +12,12 @@ the packed weight, so their bf16 weights take twice the memory.
 
 On CPUs without a native bf16 GEMM (no AVX-512: e.g. an AVX2-only EPYC VM),
 PyTorch's bf16 GEMM is several times slower than its float32 one on the same
-shapes. There ``Float32ComputeLinear`` keeps the bf16 layer's weight widened to
-float32 (exactly: every bf16 is a float32) and runs the float32 GEMM, rounding the
-output to bf16 once, as a bf16 GEMM with float32 accumulation does; the weight
-then takes twice the memory of bf16.
+shapes. There ``Float32ComputeLinear`` runs the FMA path of the same kernel file:
+the VNNI-packed bf16 weight widened to float32 in registers (exactly: every bf16
+is a float32), float32 FMAs, the output rounded to bf16 once, as a bf16 GEMM with
+float32 accumulation does; at every batch size it was at least as fast as torch's
+float32 GEMM on widened weights, with half the weight memory (docs/benchmarks.md).
+Layers whose shape the kernel does not take keep a float32 copy for ``F.linear``.
 
 NOTE: PyTorch's oneDNN weight prepacking (``torch.ops.mkldnn._reorder_linear_weight``
 / ``_linear_pointwise``) is private API and is not used; docs/benchmarks.md has
@@ -30,11 +32,10 @@ from torch import nn
 
 from tandem.kernels import backend, cpu_ext
 
-# Below this many rows (tokens) the packed kernels serve: the crossovers measured
-# against oneDNN's bf16 GEMM (AVX512-BF16 / AMX) and torch's float32 GEMM (FMA
-# path), a little under them on the CPUs measured (docs/benchmarks.md).
+# Below this many rows (tokens) the AVX512-BF16 / AMX kernel serves: the crossover
+# measured against oneDNN's bf16 GEMM, a little under it on the CPUs measured
+# (docs/benchmarks.md). The FMA path serves every batch (no crossover measured).
 PACKED_MAX_ROWS = 112
-FMA_PACKED_MAX_ROWS = 112
 
 
 def fast_bf16_gemm() -> bool:
@@ -84,9 +85,9 @@ class PackedLinear(_AdoptsLinear):
     """
 
     # The kernel path (cpu_ext.bf16_linear_path()) that packs this class's weights,
-    # and the rows below which it serves.
+    # and the rows below which it serves (None: every batch).
     KERNEL_PATH = cpu_ext.LINEAR_BF16
-    MAX_PACKED_ROWS = PACKED_MAX_ROWS
+    MAX_PACKED_ROWS: int | None = PACKED_MAX_ROWS
 
     # Buffers (registered below), declared for the type checker.
     weight: torch.Tensor
@@ -96,7 +97,6 @@ class PackedLinear(_AdoptsLinear):
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         w = _adopt_bf16_cpu_linear(self, linear)
-        self._keep_dense(linear)
         vnni = (
             cpu_ext.bf16_pack_weight(w)
             if cpu_ext.bf16_linear_supports(self.out_features, self.in_features, self.KERNEL_PATH)
@@ -105,9 +105,12 @@ class PackedLinear(_AdoptsLinear):
         self.register_buffer("vnni_weight", vnni, persistent=False)
         bias = linear.bias.detach().contiguous() if linear.bias is not None else None
         self.register_buffer("bias", bias, persistent=False)
+        self._keep_dense(linear, vnni is not None)
 
-    def _keep_dense(self, linear: nn.Linear) -> None:
-        """Register what the dense path reads: here the bf16 weight itself."""
+    def _keep_dense(self, linear: nn.Linear, packed: bool) -> None:
+        """Register what the dense path reads (``packed``: whether a VNNI weight was
+        kept): here always the bf16 weight itself, for batches of
+        ``MAX_PACKED_ROWS`` rows or more."""
         self.register_buffer("weight", linear.weight.detach(), persistent=False)
 
     def _dense(self, x2: torch.Tensor) -> torch.Tensor:
@@ -117,8 +120,10 @@ class PackedLinear(_AdoptsLinear):
     def _packed_for(self, x2: torch.Tensor) -> torch.Tensor | None:
         """The packed weight where our packed kernel takes these ``[rows, in]`` inputs,
         else ``None``."""
+        rows = x2.shape[0]
         serves = (
-            0 < x2.shape[0] < self.MAX_PACKED_ROWS
+            0 < rows
+            and (self.MAX_PACKED_ROWS is None or rows < self.MAX_PACKED_ROWS)
             and x2.stride(1) == 1
             and x2.dtype == torch.bfloat16
         )
@@ -162,38 +167,41 @@ class PackedLinear(_AdoptsLinear):
 
 class Float32ComputeLinear(PackedLinear):
     """``y = x @ W.T + b`` for a bf16 layer on CPUs without a fast bf16 GEMM (see the
-    module docstring): small batches on our FMA kernel (``cpu_ext.LINEAR_FMA``: the
-    packed bf16 weight widened in registers), the rest computed by torch in float32.
+    module docstring): every batch on our FMA kernel (``cpu_ext.LINEAR_FMA``: the
+    packed bf16 weight widened to float32 in registers) where the shape packs,
+    else computed by torch in float32.
 
     Args:
-        linear: the bf16 CPU ``nn.Linear`` to replace; its weight ``[out, in]`` and
-            bias ``[out]`` are widened to float32 once (exact) for the dense path,
-            and the weight packed where the FMA kernel runs here and the shape fits.
+        linear: the bf16 CPU ``nn.Linear`` to replace; its weight ``[out, in]`` is
+            packed where the FMA kernel runs here and the shape fits
+            (``in % 32 == 0``, ``out % 16 == 0``), else it and the bias are widened
+            to float32 once (exact) for ``F.linear``.
 
-    Forward: ``x [..., in]`` bf16 -> ``[..., out]`` bf16. Fewer than
-    ``MAX_PACKED_ROWS`` rows with a ``vnni_weight``: the FMA kernel (float32
-    accumulation, one rounding). Otherwise the float32 product of the widened ``x``
-    and weight, rounded to bf16 once. No fused SwiGLU (``forward_swiglu`` is
-    ``None``).
+    Forward: ``x [..., in]`` bf16 -> ``[..., out]`` bf16: float32 accumulation of
+    the exactly widened operands, rounded to bf16 once (the FMA kernel sums in
+    another order than torch's float32 GEMM). No fused SwiGLU (``forward_swiglu``
+    is ``None``).
 
     Raises:
         ValueError: when the layer is not a bf16 CPU ``nn.Linear``.
     """
 
     KERNEL_PATH = cpu_ext.LINEAR_FMA
-    MAX_PACKED_ROWS = FMA_PACKED_MAX_ROWS
+    MAX_PACKED_ROWS = None
 
-    weight32: torch.Tensor
+    weight32: torch.Tensor | None
     bias32: torch.Tensor | None
 
-    def _keep_dense(self, linear: nn.Linear) -> None:
-        self.register_buffer(
-            "weight32", linear.weight.detach().float().contiguous(), persistent=False
-        )
-        bias = linear.bias.detach().float() if linear.bias is not None else None
+    def _keep_dense(self, linear: nn.Linear, packed: bool) -> None:
+        """The float32 weight and bias only where no VNNI weight was kept (the
+        kernel serves every batch otherwise)."""
+        weight32 = None if packed else linear.weight.detach().float().contiguous()
+        self.register_buffer("weight32", weight32, persistent=False)
+        bias = linear.bias.detach().float() if linear.bias is not None and not packed else None
         self.register_buffer("bias32", bias, persistent=False)
 
     def _dense(self, x2: torch.Tensor) -> torch.Tensor:
+        assert self.weight32 is not None, "a packed Float32ComputeLinear runs the kernel"
         return F.linear(x2.float(), self.weight32, self.bias32).to(x2.dtype)
 
     def forward_swiglu(self, x: torch.Tensor) -> torch.Tensor | None:

@@ -59,8 +59,8 @@ void bf16_pack_weight(const uint16_t *w, int64_t N, int64_t K, uint16_t *wp) {
  * best_idx, -1 where thread t saw no column): threads hold ascending runs of
  * columns in thread order, so the first maximum (or the first NaN) over threads
  * in order is the first over all columns. */
-static void merge_argmax(int team, int64_t M, const float *best, const int64_t *best_idx,
-                         int64_t *ids) {
+static inline void merge_argmax(int team, int64_t M, const float *best, const int64_t *best_idx,
+                                int64_t *ids) {
     for (int64_t r = 0; r < M; ++r) {
         int64_t at = -1;
         float v = 0.f;
@@ -76,6 +76,40 @@ static void merge_argmax(int team, int64_t M, const float *best, const int64_t *
         }
         ids[r] = at < 0 ? 0 : at;
     }
+}
+
+/* The buffers of one bf16_linear_argmax call: the path's scratch (64-byte aligned)
+ * and every thread's running row maxima (best_idx -1: none yet). */
+typedef struct {
+    void *scratch;
+    float *best;
+    int64_t *best_idx;
+} argmax_state;
+
+static inline void argmax_free(argmax_state *st) {
+    free(st->scratch);
+    free(st->best);
+    free(st->best_idx);
+}
+
+/* 0, or -2 (nothing left allocated) when memory runs out. */
+static inline int argmax_begin(argmax_state *st, int num_threads, int64_t M,
+                               size_t scratch_bytes) {
+    st->scratch = aligned_alloc(64, (scratch_bytes + 63) / 64 * 64);
+    st->best = (float *)malloc((size_t)(num_threads * M) * sizeof(float));
+    st->best_idx = (int64_t *)malloc((size_t)(num_threads * M) * sizeof(int64_t));
+    if (st->scratch == NULL || st->best == NULL || st->best_idx == NULL) {
+        argmax_free(st);
+        return -2;
+    }
+    for (int64_t i = 0; i < num_threads * M; ++i) st->best_idx[i] = -1;
+    return 0;
+}
+
+/* Merge the team's maxima into ids and free the buffers. */
+static inline void argmax_end(argmax_state *st, int team, int64_t M, int64_t *ids) {
+    merge_argmax(team, M, st->best, st->best_idx, ids);
+    argmax_free(st);
 }
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
@@ -481,16 +515,8 @@ int bf16_linear_argmax(int tiles, const uint16_t *x, int64_t sx, const uint16_t 
 #ifndef HAVE_AMX_LINEAR
     if (tiles) return -1;
 #endif
-    uint16_t *pad = (uint16_t *)aligned_alloc(64, (size_t)(16 * K * 2));
-    float *best = (float *)malloc((size_t)(num_threads * M) * sizeof(float));
-    int64_t *best_idx = (int64_t *)malloc((size_t)(num_threads * M) * sizeof(int64_t));
-    if (pad == NULL || best == NULL || best_idx == NULL) {
-        free(pad);
-        free(best);
-        free(best_idx);
-        return -2;
-    }
-    for (int64_t i = 0; i < num_threads * M; ++i) best_idx[i] = -1;
+    argmax_state st;
+    if (argmax_begin(&st, num_threads, M, (size_t)(16 * K * 2)) != 0) return -2;
     int team = 1;
 #pragma omp parallel num_threads(num_threads)
     {
@@ -498,14 +524,11 @@ int bf16_linear_argmax(int tiles, const uint16_t *x, int64_t sx, const uint16_t 
 #pragma omp single
         team = omp_get_num_threads();
         if (tiles) team_amx_begin();
-        const epilogue ep = {bias, NULL, 0, 0, best + tid * M, best_idx + tid * M};
-        matmul_body(tiles, x, sx, wp, M, N, K, pad, &ep);
+        const epilogue ep = {bias, NULL, 0, 0, st.best + tid * M, st.best_idx + tid * M};
+        matmul_body(tiles, x, sx, wp, M, N, K, (uint16_t *)st.scratch, &ep);
         if (tiles) team_amx_end();
     }
-    merge_argmax(team, M, best, best_idx, ids);
-    free(pad);
-    free(best);
-    free(best_idx);
+    argmax_end(&st, team, M, ids);
     return 0;
 }
 
@@ -544,7 +567,10 @@ int bf16_linear_swiglu(int tiles, const uint16_t *x, int64_t sx, const uint16_t 
  * odd k's the pair with its low half cleared (bf16 is a float32's upper half), two
  * integer ops per vector, so the weights stream at bf16 size. x is widened once per
  * call into a float32 copy whose elements are broadcast. Register block: FMA_ROWS
- * rows x 16 columns (8 accumulators, 4 weight vectors, 2 broadcasts of 16 ymm).
+ * rows x 16 columns: 12 accumulators, two weight vectors and a broadcast of the 16
+ * ymm registers (fma_rows says why two weight vectors); with four rows and all
+ * four weight vectors live the kernel was ~20% slower at prefill sizes than with
+ * this block (docs/benchmarks.md).
  * Rows in blocks of FMA_M_BLOCK (their float32 copy stays in L2 while every column
  * block streams past), columns split over the threads in ascending runs.
  */
@@ -554,36 +580,42 @@ int bf16_linear_swiglu(int tiles, const uint16_t *x, int64_t sx, const uint16_t 
 
 #include "elementwise.h"
 
-#define FMA_ROWS 4
+#define FMA_ROWS 6
 #define FMA_M_BLOCK 64
 
 int bf16_linear_path(void) { return TANDEM_LINEAR_FMA; }
 
 /* c[i * 16 + n] = sum_k xf[i * K + k] * W[n][k] over the column block at wb (its KB
- * k-blocks contiguous) for rows i < R. */
+ * k-blocks contiguous) for rows i < R. The even k of a pair for every row, then the
+ * odd k (the pair loaded again from L1): two weight vectors live at a time, and an
+ * accumulator's two FMAs a pair are R FMAs apart. */
 static inline __attribute__((always_inline)) void fma_rows(const float *xf, int64_t K,
                                                            const uint16_t *wb, int64_t KB,
                                                            const int R, float *c) {
     __m256 lo[FMA_ROWS], hi[FMA_ROWS];
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int i = 0; i < R; ++i) lo[i] = hi[i] = _mm256_setzero_ps();
     const __m256i odd = _mm256_set1_epi32((int)0xffff0000u);
     for (int64_t kp = 0; kp < KB * 16; ++kp) {
-        const __m256i wl = _mm256_loadu_si256((const __m256i *)(wb + kp * 32));
-        const __m256i wh = _mm256_loadu_si256((const __m256i *)(wb + kp * 32 + 16));
-        const __m256 el = _mm256_castsi256_ps(_mm256_slli_epi32(wl, 16));
-        const __m256 ol = _mm256_castsi256_ps(_mm256_and_si256(wl, odd));
-        const __m256 eh = _mm256_castsi256_ps(_mm256_slli_epi32(wh, 16));
-        const __m256 oh = _mm256_castsi256_ps(_mm256_and_si256(wh, odd));
-#pragma GCC unroll 4
+        const __m256i *w = (const __m256i *)(wb + kp * 32);
+        const __m256 el = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_loadu_si256(w), 16));
+        const __m256 eh = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_loadu_si256(w + 1), 16));
+#pragma GCC unroll 8
         for (int i = 0; i < R; ++i) {
             const __m256 xe = _mm256_broadcast_ss(xf + i * K + 2 * kp);
+            lo[i] = _mm256_fmadd_ps(xe, el, lo[i]);
+            hi[i] = _mm256_fmadd_ps(xe, eh, hi[i]);
+        }
+        const __m256 ol = _mm256_castsi256_ps(_mm256_and_si256(_mm256_loadu_si256(w), odd));
+        const __m256 oh = _mm256_castsi256_ps(_mm256_and_si256(_mm256_loadu_si256(w + 1), odd));
+#pragma GCC unroll 8
+        for (int i = 0; i < R; ++i) {
             const __m256 xo = _mm256_broadcast_ss(xf + i * K + 2 * kp + 1);
-            lo[i] = _mm256_fmadd_ps(xo, ol, _mm256_fmadd_ps(xe, el, lo[i]));
-            hi[i] = _mm256_fmadd_ps(xo, oh, _mm256_fmadd_ps(xe, eh, hi[i]));
+            lo[i] = _mm256_fmadd_ps(xo, ol, lo[i]);
+            hi[i] = _mm256_fmadd_ps(xo, oh, hi[i]);
         }
     }
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int i = 0; i < R; ++i) {
         _mm256_storeu_ps(c + i * 16, lo[i]);
         _mm256_storeu_ps(c + i * 16 + 8, hi[i]);
@@ -593,6 +625,8 @@ static inline __attribute__((always_inline)) void fma_rows(const float *xf, int6
 static void fma_block(const float *xf, int64_t K, const uint16_t *wb, int64_t KB, int R,
                       float *c) {
     switch (R) {
+    case 6: fma_rows(xf, K, wb, KB, 6, c); break;
+    case 5: fma_rows(xf, K, wb, KB, 5, c); break;
     case 4: fma_rows(xf, K, wb, KB, 4, c); break;
     case 3: fma_rows(xf, K, wb, KB, 3, c); break;
     case 2: fma_rows(xf, K, wb, KB, 2, c); break;
@@ -680,29 +714,18 @@ int bf16_linear_argmax(int tiles, const uint16_t *x, int64_t sx, const uint16_t 
                        const uint16_t *bias, int64_t *ids, int64_t M, int64_t N, int64_t K,
                        int num_threads) {
     if (tiles || K % 32 || N % 16 || M < 1 || num_threads < 1) return -1;
-    float *xf = (float *)malloc((size_t)(M * K) * sizeof(float));
-    float *best = (float *)malloc((size_t)(num_threads * M) * sizeof(float));
-    int64_t *best_idx = (int64_t *)malloc((size_t)(num_threads * M) * sizeof(int64_t));
-    if (xf == NULL || best == NULL || best_idx == NULL) {
-        free(xf);
-        free(best);
-        free(best_idx);
-        return -2;
-    }
-    for (int64_t i = 0; i < num_threads * M; ++i) best_idx[i] = -1;
+    argmax_state st;
+    if (argmax_begin(&st, num_threads, M, (size_t)(M * K) * sizeof(float)) != 0) return -2;
     int team = 1;
 #pragma omp parallel num_threads(num_threads)
     {
         const int tid = omp_get_thread_num();
 #pragma omp single
         team = omp_get_num_threads();
-        const fma_epilogue ep = {bias, NULL, 0, best + tid * M, best_idx + tid * M};
-        fma_matmul(x, sx, wp, xf, M, N, K, &ep);
+        const fma_epilogue ep = {bias, NULL, 0, st.best + tid * M, st.best_idx + tid * M};
+        fma_matmul(x, sx, wp, (float *)st.scratch, M, N, K, &ep);
     }
-    merge_argmax(team, M, best, best_idx, ids);
-    free(xf);
-    free(best);
-    free(best_idx);
+    argmax_end(&st, team, M, ids);
     return 0;
 }
 

@@ -454,23 +454,24 @@ def test_pack_linear_layers_only_touches_bf16_cpu_linears():
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("tokens", [1, 37, 111, 112, 200])
 def test_float32_compute_linear_is_the_rounded_float32_product(bias, tokens):
-    """A bf16 layer computed in float32: below FMA_PACKED_MAX_ROWS rows, where the
-    variant's linear path is LINEAR_FMA, our FMA kernel (another summation order:
-    within one bf16 rounding of the float32 product); otherwise the float32 product
-    of the (exactly widened) bf16 operands rounded to bf16 once. Both close to
-    PyTorch's bf16 GEMM; the fused argmax picks what argmax over the outputs picks,
-    and there is no fused SwiGLU."""
+    """A bf16 layer computed in float32: where the variant's linear path is
+    LINEAR_FMA, our FMA kernel at every batch size (another summation order: within
+    one bf16 rounding of the float32 product) and no float32 weight kept; otherwise
+    the float32 product of the (exactly widened) bf16 operands rounded to bf16 once.
+    Both close to PyTorch's bf16 GEMM; the fused argmax picks what argmax over the
+    outputs picks, and there is no fused SwiGLU."""
     torch.manual_seed(3)
     lin = torch.nn.Linear(96, 48, bias=bias).to(torch.bfloat16)
     x = torch.randn(tokens, 96, dtype=torch.bfloat16)
     layer = linear_mod.Float32ComputeLinear(lin)
     fma = cpu_ext.bf16_linear_path() == cpu_ext.LINEAR_FMA
     assert (layer.vnni_weight is not None) == fma
+    assert (layer.weight32 is None) == fma
     out = layer(x)
     assert out.dtype == torch.bfloat16 and out.shape == (tokens, 48)
     b = lin.bias.float() if bias else None
     exact = torch.nn.functional.linear(x.float(), lin.weight.float(), b)
-    if fma and tokens < linear_mod.FMA_PACKED_MAX_ROWS:
+    if fma:
         torch.testing.assert_close(out.float(), exact, rtol=2**-8, atol=1e-3)
         assert (out == exact.bfloat16()).float().mean() > 0.95
         assert layer.forward_argmax(x).tolist() == out.max(dim=-1).indices.tolist()
