@@ -39,6 +39,7 @@ from tandem.kvstore.config import ClientOptions, StoreConnectorConfig
 from tandem.services.common.context import ServiceContext
 from tandem.services.common.engine_loop import EngineLoop
 from tandem.services.common.errors import ErrorMappingInterceptor
+from tandem.services.common.periodic import start_periodic, stop_periodic
 from tandem.services.common.registry import InstanceRegistration
 
 logger = logging.getLogger(__name__)
@@ -195,7 +196,14 @@ async def _serve(
     metrics_server = gauges_task = None
     if ns.metrics_port is not None:
         metrics_server = ctx.metrics.serve(ns.metrics_port)
-        gauges_task = asyncio.create_task(_refresh_gauges(ctx), name="metrics-gauges")
+
+        async def refresh_gauges() -> None:
+            # registry_load also sets the Prometheus gauges (queues, KV usage), with or
+            # without Redis
+            await ctx.registry_load()
+
+        gauges_task = await start_periodic(refresh_gauges, 1.0, what="refreshing metrics gauges",
+                                           log=logger)
 
     registration = None
     if ns.redis_url:
@@ -215,20 +223,9 @@ async def _serve(
         await registration.stop()
     engine_loop.stop_accepting()
     await server.stop(ns.shutdown_grace_s)
+    await stop_periodic(gauges_task)  # its ticks ask the engine loop for stats
     await engine_loop.shutdown()
     ctx.close()
-    if gauges_task is not None:
-        gauges_task.cancel()
     if metrics_server is not None:
         metrics_server.shutdown()
     logger.info("stopped")
-
-
-async def _refresh_gauges(ctx: ServiceContext, interval_s: float = 1.0) -> None:
-    """Keep the Prometheus gauges (queues, KV usage) current, with or without Redis."""
-    while True:
-        try:
-            await ctx.registry_load()
-        except Exception:  # noqa: BLE001 - metrics must never take the server down
-            logger.warning("refreshing metrics gauges failed", exc_info=True)
-        await asyncio.sleep(interval_s)
