@@ -59,8 +59,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         req.sampling_params = full_params
         token_id = first.new_token_ids[0]
         reason: str | None = "abort"
+        stop = None if aborted else check_stop(req, ctx.max_seq_len)
         if not aborted:
-            stop = check_stop(req, ctx.max_seq_len)
             reason = None if stop is None else stop.finish_reason
         scheduled_ns = _mono_ns(req.first_scheduled_time, arrival_ns)
         resp = prefill_pb2.PrefillResponse(
@@ -80,6 +80,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             resp.first_logprobs.CopyFrom(
                 logprobs_to_proto(token_id, first.new_logprobs[0], full_params.logprobs)
             )
+        if stop is not None and stop.stop_reason is not None:
+            resp.stop_token_id = stop.stop_reason
         if req.generator is not None:
             resp.generator_state = bytes(req.generator.get_state().tolist())
         m = ctx.metrics

@@ -165,7 +165,8 @@ class Pipeline:
                 sampling_params=psp, priority=req.priority), metadata, timings)
             state.num_cached_tokens = presp.num_cached_tokens
             lps = [presp.first_logprobs] if presp.HasField("first_logprobs") else None
-            delta = state.add([presp.first_token_id], lps, presp.finish_reason, None)
+            stop_tok = presp.stop_token_id if presp.HasField("stop_token_id") else None
+            delta = state.add([presp.first_token_id], lps, presp.finish_reason, stop_tok)
             if delta is not None:
                 yield delta
             if state.finished:

@@ -161,6 +161,20 @@ def test_stop_string_cuts_text_and_cancels_decode(client, oracle) -> None:
     assert resp.choices[0].model_extra["stop_reason"] == stop
 
 
+def test_stop_token_id_is_the_stop_reason_at_every_position(client, oracle) -> None:
+    """A stop token id matched by the first token (sampled on the prefill instance) or by
+    a later one (on the decode instance) ends the choice with it as ``stop_reason`` (the
+    first token's was lost: PrefillResponse had no field for it)."""
+    ids = oracle["completion"][PROMPTS[0]].token_ids
+    for pos in (0, 3):
+        assert ids[pos] not in ids[:pos], ids
+        resp = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=MAX_TOKENS,
+                                         temperature=0, extra_body={"stop_token_ids": [ids[pos]]})
+        choice = resp.choices[0]
+        assert (choice.finish_reason, choice.model_extra["stop_reason"]) == ("stop", ids[pos])
+        assert resp.usage.completion_tokens == pos + 1
+
+
 def test_n_choices_greedy_and_seeded(client, oracle) -> None:
     q = QUESTIONS[1]
     resp = client.chat.completions.create(model=MODEL, messages=_chat(q), n=3,
