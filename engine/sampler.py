@@ -172,8 +172,9 @@ def apply_token_bitmask(
     if allowed.shape[1] >= vocab:
         allowed = allowed[:, :vocab]
     else:
-        pad = torch.zeros((len(rows), vocab - allowed.shape[1]), dtype=torch.bool,
-                          device=logits.device)
+        pad = torch.zeros(
+            (len(rows), vocab - allowed.shape[1]), dtype=torch.bool, device=logits.device
+        )
         allowed = torch.cat([allowed, pad], dim=1)
     index = torch.tensor(rows, dtype=torch.int64, device=logits.device)
     logits[index] = logits[index].masked_fill(~allowed, float("-inf"))

@@ -55,8 +55,10 @@ class StructuredOutputsParams:
     def __post_init__(self) -> None:
         if self.choice is not None and not isinstance(self.choice, tuple):
             if not isinstance(self.choice, list):
-                raise RequestError("structured_outputs.choice",
-                                   "structured_outputs.choice must be a list of strings")
+                raise RequestError(
+                    "structured_outputs.choice",
+                    "structured_outputs.choice must be a list of strings",
+                )
             object.__setattr__(self, "choice", tuple(self.choice))
         if self.json_object is False:
             object.__setattr__(self, "json_object", None)

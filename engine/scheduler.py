@@ -254,7 +254,8 @@ class Scheduler:
             out.kv_connector_metadata = self.connector.build_connector_meta(out)
         if self.structured_output is not None:
             sampled = [
-                r for r in scheduled
+                r
+                for r in scheduled
                 if r.num_computed_tokens + num_scheduled[r.request_id] == r.num_tokens
             ]
             out.grammar_bitmask = self.structured_output.grammar_bitmask(sampled)
@@ -286,9 +287,7 @@ class Scheduler:
             )
         for req in done:
             self.finish_requests(req.request_id, RequestStatus.FINISHED_STOPPED)
-            self._pending_outputs.append(
-                EngineCoreOutput(req.request_id, [], finish_reason="stop")
-            )
+            self._pending_outputs.append(EngineCoreOutput(req.request_id, [], finish_reason="stop"))
 
     def _schedule_waiting(
         self, budget: int, scheduled: list[Request], num_scheduled: dict[str, int]

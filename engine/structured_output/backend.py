@@ -144,9 +144,7 @@ class XgrammarBackend:
             else:
                 compiled = c.compile_grammar(spec)
         except (RuntimeError, ValueError, TypeError) as exc:
-            raise RequestError(
-                params.field, f"{params.field}: {library_message(exc)}"
-            ) from None
+            raise RequestError(params.field, f"{params.field}: {library_message(exc)}") from None
         return CompiledGrammar(params.cache_key(), compiled)
 
     def allocate_bitmask(self, num_rows: int) -> torch.Tensor:

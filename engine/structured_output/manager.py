@@ -129,9 +129,7 @@ class StructuredOutputManager:
         self.max_cache_entries = max_cache_entries
         self.compile_timeout_s = compile_timeout_s
         self._lock = threading.Lock()
-        self._cache: collections.OrderedDict[CacheKey, CompiledGrammar] = (
-            collections.OrderedDict()
-        )
+        self._cache: collections.OrderedDict[CacheKey, CompiledGrammar] = collections.OrderedDict()
         self._inflight: dict[CacheKey, concurrent.futures.Future[CompiledGrammar]] = {}
         self.stats = ManagerStats()
 
@@ -269,8 +267,9 @@ class StructuredOutputManager:
         finishes after this step anyway (it cannot be sampled again).
         """
         constrained = [
-            r for r in requests if r.structured_output is not None
-            and r.structured_output.matcher is not None
+            r
+            for r in requests
+            if r.structured_output is not None and r.structured_output.matcher is not None
         ]
         if not constrained:
             return None
