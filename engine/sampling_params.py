@@ -27,8 +27,8 @@ class StructuredOutputsParams:
     Exactly one kind is set:
 
     Attributes:
-        json: a JSON schema (a ``dict``, or its JSON text); the output is one JSON value
-            that validates against it.
+        json: a JSON schema (a ``dict``, or its JSON text, parsed at construction); the
+            output is one JSON value that validates against it.
         json_object: ``True``: the output is any JSON object.
         regex: the output matches this regular expression (xgrammar's regex dialect).
         choice: the output is exactly one of these strings (non-empty list).
@@ -84,6 +84,7 @@ class StructuredOutputsParams:
                     raise RequestError(name, f"{name} is not valid JSON: {exc}") from None
                 if not isinstance(parsed, dict | bool):
                     raise RequestError(name, f"{name} must be a JSON object (a JSON schema)")
+                object.__setattr__(self, "json", parsed)  # one form: equal schemas compare equal
             elif not isinstance(value, dict | bool):
                 raise RequestError(name, f"{name} must be a JSON schema (an object)")
         elif kind == "json_object":
@@ -117,8 +118,7 @@ class StructuredOutputsParams:
         as a JSON array, the others as given."""
         kind = self.kind
         if kind == "json":
-            value = self.json if not isinstance(self.json, str) else json.loads(self.json)
-            return json.dumps(value, sort_keys=True, separators=(",", ":"))
+            return json.dumps(self.json, sort_keys=True, separators=(",", ":"))
         if kind == "json_object":
             return ""
         if kind == "choice":

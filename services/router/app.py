@@ -110,13 +110,15 @@ def create_app(fe: Frontend, lifespan: Any = None) -> FastAPI:
     async def completions(request: Request) -> Response:
         rid, arrival_ns, req = await accept(request, P.CompletionRequest)
         prompts = fe.tokenize_prompts(req.prompt)
+        constraint = req.constraint()
         gens = []
         for p, ids in enumerate(prompts):
             sp = req.to_sampling_params(num_prompt_tokens=len(ids),
-                                        max_model_len=fe.max_model_len)
+                                        max_model_len=fe.max_model_len, constraint=constraint)
             fe.check_sampling_params(sp)
             gens.append(GenerationRequest(rid if len(prompts) == 1 else f"{rid}-p{p}", ids, sp,
-                                          req.priority, arrival_ns))
+                                          req.priority, arrival_ns,
+                                          param_of_field=constraint.param_of_field))
         if isinstance(req.prompt, str):
             echo_texts = [req.prompt]
         elif isinstance(req.prompt[0], str):
@@ -150,9 +152,12 @@ def create_app(fe: Frontend, lifespan: Any = None) -> FastAPI:
         ids = fe.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt,
                                      continue_final_message=req.continue_final_message,
                                      kwargs=req.chat_template_kwargs)
-        sp = req.to_sampling_params(num_prompt_tokens=len(ids), max_model_len=fe.max_model_len)
+        constraint = req.constraint()
+        sp = req.to_sampling_params(num_prompt_tokens=len(ids), max_model_len=fe.max_model_len,
+                                    constraint=constraint)
         fe.check_sampling_params(sp)
-        gen = GenerationRequest(rid, ids, sp, req.priority, arrival_ns)
+        gen = GenerationRequest(rid, ids, sp, req.priority, arrival_ns,
+                                param_of_field=constraint.param_of_field)
         resp_id = f"chatcmpl-{rid}"
         if req.stream:
             return await _stream(request, rid, merged(fe, [gen]),

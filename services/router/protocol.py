@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.validation import RequestError, check_context_length
 from tandem.services.router.errors import OpenAIError, from_request_error
+from tandem.services.router.structured import Constraint, build_constraint, check_unsupported
 
 logger = logging.getLogger(__name__)
 
@@ -69,9 +70,17 @@ class _SamplingRequest(BaseModel):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     priority: int = Field(0, ge=_INT32[0], le=_INT32[1])
+    # Structured outputs (services/router/structured.py): OpenAI's, vLLM's, vLLM's legacy.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @model_validator(mode="after")
     def _warn_unknown(self) -> _SamplingRequest:
+        check_unsupported(self.model_extra)
         if self.model_extra:
             logger.warning("ignoring unknown request fields: %s", sorted(self.model_extra))
         if self.stream_options is not None and not self.stream:
@@ -88,12 +97,25 @@ class _SamplingRequest(BaseModel):
     def _num_logprobs(self) -> int | None:
         raise NotImplementedError
 
-    def to_sampling_params(self, *, num_prompt_tokens: int, max_model_len: int) -> SamplingParams:
+    def constraint(self) -> Constraint:
+        """The request's output constraint, from whichever field set it.
+
+        Raises:
+            OpenAIError: 400 naming the field(s) (``structured.build_constraint``).
+        """
+        legacy = {name: getattr(self, name) for name in
+                  ("guided_json", "guided_regex", "guided_choice", "guided_grammar")}
+        return build_constraint(response_format=self.response_format,
+                                structured_outputs=self.structured_outputs, legacy=legacy)
+
+    def to_sampling_params(self, *, num_prompt_tokens: int, max_model_len: int,
+                           constraint: Constraint | None = None) -> SamplingParams:
         """Build the engine's sampling parameters and check the context length.
 
         Args:
             num_prompt_tokens: tokens in the (templated) prompt.
             max_model_len: the model's context length in tokens.
+            constraint: the output constraint (``None``: :meth:`constraint`).
 
         Returns:
             ``SamplingParams``; ``max_tokens`` defaults to the room left in the context.
@@ -119,6 +141,8 @@ class _SamplingRequest(BaseModel):
                     "logit_bias keys must be token ids (integers as strings)", param="logit_bias"
                 ) from exc
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if constraint is None:
+            constraint = self.constraint()
         try:
             return SamplingParams(
                 n=self.n,
@@ -142,6 +166,7 @@ class _SamplingRequest(BaseModel):
                 logprobs=self._num_logprobs(),
                 skip_special_tokens=self.skip_special_tokens,
                 spaces_between_special_tokens=self.spaces_between_special_tokens,
+                structured_outputs=constraint.params,
             )
         except RequestError as exc:
             raise from_request_error(exc) from exc
