@@ -50,13 +50,21 @@ class Constraint:
 
 
 @dataclass(frozen=True)
-class _Source:
-    param: str  # the HTTP field
+class ConstraintSource:
+    """One field's constraint before the one-constraint rule is applied.
+
+    Attributes:
+        param: the HTTP field that set it (named in errors).
+        kind: a ``StructuredOutputsParams`` kind.
+        value: that kind's value.
+    """
+
+    param: str
     kind: str
     value: Any
 
 
-def _response_format_source(rf: Any) -> _Source | None:
+def _response_format_source(rf: Any) -> ConstraintSource | None:
     if rf is None:
         return None
     if not isinstance(rf, dict):
@@ -69,7 +77,7 @@ def _response_format_source(rf: Any) -> _Source | None:
     if kind == "text":
         return None
     if kind == "json_object":
-        return _Source("response_format", "json_object", True)
+        return ConstraintSource("response_format", "json_object", True)
     if kind == "json_schema":
         js = rf.get("json_schema")
         if not isinstance(js, dict):
@@ -88,13 +96,13 @@ def _response_format_source(rf: Any) -> _Source | None:
             raise OpenAIError("response_format.json_schema.schema is required",
                               param="response_format.json_schema.schema")
         # NOTE: `strict` is accepted either way: the output is always held to the schema.
-        return _Source("response_format.json_schema.schema", "json", js["schema"])
+        return ConstraintSource("response_format.json_schema.schema", "json", js["schema"])
     raise OpenAIError(
         f"response_format.type must be one of text, json_object, json_schema, got {kind!r}",
         param="response_format.type")
 
 
-def _so_sources(so: Any) -> tuple[list[_Source], bool]:
+def _so_sources(so: Any) -> tuple[list[ConstraintSource], bool]:
     if so is None:
         return [], False
     if not isinstance(so, dict):
@@ -108,13 +116,13 @@ def _so_sources(so: Any) -> tuple[list[_Source], bool]:
     if not isinstance(ws, bool):
         raise OpenAIError("structured_outputs.disable_any_whitespace must be a boolean",
                           param="structured_outputs.disable_any_whitespace")
-    sources = [_Source(f"structured_outputs.{k}", k, so[k]) for k in
+    sources = [ConstraintSource(f"structured_outputs.{k}", k, so[k]) for k in
                ("json", "json_object", "regex", "choice", "grammar") if so.get(k) is not None]
     return sources, ws
 
 
 def build_constraint(*, response_format: Any, structured_outputs: Any,
-                     legacy: dict[str, Any], extra: _Source | None = None) -> Constraint:
+                     legacy: dict[str, Any], extra: ConstraintSource | None = None) -> Constraint:
     """The one constraint of a request, from all the fields that may set one.
 
     Args:
@@ -128,7 +136,7 @@ def build_constraint(*, response_format: Any, structured_outputs: Any,
             a malformed one (wrong type, empty choice list, a schema that is not an
             object), an unknown key.
     """
-    sources: list[_Source] = []
+    sources: list[ConstraintSource] = []
     rf = _response_format_source(response_format)
     if rf is not None:
         sources.append(rf)
@@ -136,7 +144,7 @@ def build_constraint(*, response_format: Any, structured_outputs: Any,
     sources.extend(so_sources)
     for name, value in legacy.items():
         if value is not None:
-            sources.append(_Source(name, LEGACY_FIELDS[name], value))
+            sources.append(ConstraintSource(name, LEGACY_FIELDS[name], value))
     if extra is not None:
         sources.append(extra)
     if not sources:
