@@ -161,7 +161,7 @@ def create_app(fe: Frontend, lifespan: Any = None) -> FastAPI:
         fe.check_sampling_params(sp)
         param_of_field = dict(constraint.param_of_field)
         if tool_choice is not None and tool_choice.mode == "named":
-            index = [t.name for t in tool_choice.tools].index(tool_choice.name)
+            index = [t.name for t in tool_choice.tools].index(str(tool_choice.name))
             param_of_field = {f: f"tools[{index}].function.parameters" for f in param_of_field}
         elif tool_choice is not None and tool_choice.mode == "required":
             param_of_field = {f: "tools" for f in param_of_field}

@@ -320,9 +320,11 @@ def _raise_if_caller_error(exc: grpc.aio.AioRpcError, param_of_field: Mapping[st
         if key == FIELD_METADATA_KEY and isinstance(value, str):
             field = value
     message = exc.details() or "invalid request"
-    param = param_of_field.get(field, field) if field is not None else None
-    if field is not None and param != field and message.startswith(f"{field}:"):
-        message = param + message[len(field):]
+    param = None
+    if field is not None:
+        param = param_of_field.get(field, field)
+        if param != field and message.startswith(f"{field}:"):
+            message = param + message[len(field):]
     raise OpenAIError(message, status_code=400, param=param) from exc
 
 

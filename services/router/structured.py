@@ -27,11 +27,16 @@ from tandem.engine.validation import RequestError
 from tandem.services.router.errors import OpenAIError
 
 #: vLLM ``structured_outputs`` keys tandem takes; any other key is a 400 naming it.
-_SO_KEYS = frozenset({"json", "json_object", "regex", "choice", "grammar",
-                      "disable_any_whitespace"})
+_SO_KEYS = frozenset(
+    {"json", "json_object", "regex", "choice", "grammar", "disable_any_whitespace"}
+)
 #: legacy field -> the kind it sets.
-LEGACY_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
-                 "guided_grammar": "grammar"}
+LEGACY_FIELDS = {
+    "guided_json": "json",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+}
 
 
 @dataclass(frozen=True)
@@ -72,8 +77,10 @@ def _response_format_source(rf: Any) -> ConstraintSource | None:
     kind = rf.get("type")
     unknown = set(rf) - {"type", "json_schema"}
     if unknown:
-        raise OpenAIError(f"response_format: unsupported field {sorted(unknown)[0]!r}",
-                          param=f"response_format.{sorted(unknown)[0]}")
+        raise OpenAIError(
+            f"response_format: unsupported field {sorted(unknown)[0]!r}",
+            param=f"response_format.{sorted(unknown)[0]}",
+        )
     if kind == "text":
         return None
     if kind == "json_object":
@@ -81,25 +88,34 @@ def _response_format_source(rf: Any) -> ConstraintSource | None:
     if kind == "json_schema":
         js = rf.get("json_schema")
         if not isinstance(js, dict):
-            raise OpenAIError("response_format.json_schema must be an object with a schema",
-                              param="response_format.json_schema")
+            raise OpenAIError(
+                "response_format.json_schema must be an object with a schema",
+                param="response_format.json_schema",
+            )
         unknown = set(js) - {"name", "schema", "strict", "description"}
         if unknown:
             bad = sorted(unknown)[0]
-            raise OpenAIError(f"response_format.json_schema: unsupported field {bad!r}",
-                              param=f"response_format.json_schema.{bad}")
+            raise OpenAIError(
+                f"response_format.json_schema: unsupported field {bad!r}",
+                param=f"response_format.json_schema.{bad}",
+            )
         name = js.get("name")
         if name is not None and not isinstance(name, str):
-            raise OpenAIError("response_format.json_schema.name must be a string",
-                              param="response_format.json_schema.name")
+            raise OpenAIError(
+                "response_format.json_schema.name must be a string",
+                param="response_format.json_schema.name",
+            )
         if "schema" not in js:
-            raise OpenAIError("response_format.json_schema.schema is required",
-                              param="response_format.json_schema.schema")
+            raise OpenAIError(
+                "response_format.json_schema.schema is required",
+                param="response_format.json_schema.schema",
+            )
         # NOTE: `strict` is accepted either way: the output is always held to the schema.
         return ConstraintSource("response_format.json_schema.schema", "json", js["schema"])
     raise OpenAIError(
         f"response_format.type must be one of text, json_object, json_schema, got {kind!r}",
-        param="response_format.type")
+        param="response_format.type",
+    )
 
 
 def _so_sources(so: Any) -> tuple[list[ConstraintSource], bool]:
@@ -110,19 +126,31 @@ def _so_sources(so: Any) -> tuple[list[ConstraintSource], bool]:
     unknown = set(so) - _SO_KEYS
     if unknown:
         bad = sorted(unknown)[0]
-        raise OpenAIError(f"structured_outputs.{bad} is not supported (supported: "
-                          f"{', '.join(sorted(_SO_KEYS))})", param=f"structured_outputs.{bad}")
+        raise OpenAIError(
+            f"structured_outputs.{bad} is not supported (supported: {', '.join(sorted(_SO_KEYS))})",
+            param=f"structured_outputs.{bad}",
+        )
     ws = so.get("disable_any_whitespace", False)
     if not isinstance(ws, bool):
-        raise OpenAIError("structured_outputs.disable_any_whitespace must be a boolean",
-                          param="structured_outputs.disable_any_whitespace")
-    sources = [ConstraintSource(f"structured_outputs.{k}", k, so[k]) for k in
-               ("json", "json_object", "regex", "choice", "grammar") if so.get(k) is not None]
+        raise OpenAIError(
+            "structured_outputs.disable_any_whitespace must be a boolean",
+            param="structured_outputs.disable_any_whitespace",
+        )
+    sources = [
+        ConstraintSource(f"structured_outputs.{k}", k, so[k])
+        for k in ("json", "json_object", "regex", "choice", "grammar")
+        if so.get(k) is not None
+    ]
     return sources, ws
 
 
-def build_constraint(*, response_format: Any, structured_outputs: Any,
-                     legacy: dict[str, Any], extra: ConstraintSource | None = None) -> Constraint:
+def build_constraint(
+    *,
+    response_format: Any,
+    structured_outputs: Any,
+    legacy: dict[str, Any],
+    extra: ConstraintSource | None = None,
+) -> Constraint:
     """The one constraint of a request, from all the fields that may set one.
 
     Args:
@@ -173,10 +201,14 @@ def check_unsupported(extra_fields: dict[str, Any] | None) -> None:
     """
     fields = extra_fields or {}
     if fields.get("guided_whitespace_pattern") is not None:
-        raise OpenAIError("guided_whitespace_pattern is not supported (use "
-                          "structured_outputs.disable_any_whitespace)",
-                          param="guided_whitespace_pattern")
+        raise OpenAIError(
+            "guided_whitespace_pattern is not supported (use "
+            "structured_outputs.disable_any_whitespace)",
+            param="guided_whitespace_pattern",
+        )
     backend = fields.get("guided_decoding_backend")
     if backend is not None and backend not in ("xgrammar", "auto"):
-        raise OpenAIError(f"guided_decoding_backend {backend!r} is not available: tandem "
-                          "uses xgrammar", param="guided_decoding_backend")
+        raise OpenAIError(
+            f"guided_decoding_backend {backend!r} is not available: tandem uses xgrammar",
+            param="guided_decoding_backend",
+        )

@@ -93,21 +93,32 @@ class ToolChoice:
             tool = next(t for t in self.tools if t.name == self.name)
             return ConstraintSource("tool_choice", "json", tool.parameters)
         if self.mode == "required":
-            items = [{"type": "object",
-                      "properties": {"name": {"type": "string", "enum": [t.name]},
-                                     "parameters": t.parameters},
-                      "required": ["name", "parameters"], "additionalProperties": False}
-                     for t in self.tools]
-            schema: dict[str, Any] = {"type": "array", "minItems": 1,
-                                      "items": items[0] if len(items) == 1 else {"anyOf": items}}
+            items = [
+                {
+                    "type": "object",
+                    "properties": {
+                        "name": {"type": "string", "enum": [t.name]},
+                        "parameters": t.parameters,
+                    },
+                    "required": ["name", "parameters"],
+                    "additionalProperties": False,
+                }
+                for t in self.tools
+            ]
+            schema: dict[str, Any] = {
+                "type": "array",
+                "minItems": 1,
+                "items": items[0] if len(items) == 1 else {"anyOf": items},
+            }
             if not self.parallel:
                 schema["maxItems"] = 1
             return ConstraintSource("tool_choice", "json", schema)
         return None
 
 
-def parse_tool_choice(tools: list[Any] | None, tool_choice: Any,
-                      parallel_tool_calls: bool | None) -> ToolChoice | None:
+def parse_tool_choice(
+    tools: list[Any] | None, tool_choice: Any, parallel_tool_calls: bool | None
+) -> ToolChoice | None:
     """Validate ``tools``, ``tool_choice`` and ``parallel_tool_calls``.
 
     Returns:
@@ -126,15 +137,21 @@ def parse_tool_choice(tools: list[Any] | None, tool_choice: Any,
     parsed: list[Tool] = []
     for i, t in enumerate(tools):
         where = f"tools[{i}]"
-        if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(
-                t.get("function"), dict):
-            raise OpenAIError(f'{where} must be {{"type": "function", "function": {{...}}}}',
-                              param=where)
+        if (
+            not isinstance(t, dict)
+            or t.get("type") != "function"
+            or not isinstance(t.get("function"), dict)
+        ):
+            raise OpenAIError(
+                f'{where} must be {{"type": "function", "function": {{...}}}}', param=where
+            )
         fn = t["function"]
         name = fn.get("name")
         if not isinstance(name, str) or not _NAME.match(name):
-            raise OpenAIError(f"{where}.function.name must match [a-zA-Z0-9_-]{{1,64}}, got "
-                              f"{name!r}", param=f"{where}.function.name")
+            raise OpenAIError(
+                f"{where}.function.name must match [a-zA-Z0-9_-]{{1,64}}, got {name!r}",
+                param=f"{where}.function.name",
+            )
         params = fn.get("parameters", {"type": "object", "properties": {}})
         where_p = f"{where}.function.parameters"
         if not isinstance(params, dict):
@@ -142,8 +159,9 @@ def parse_tool_choice(tools: list[Any] | None, tool_choice: Any,
         try:
             jsonschema.validators.validator_for(params).check_schema(params)
         except jsonschema.SchemaError as exc:
-            raise OpenAIError(f"{where_p} is not a valid JSON schema: {exc.message}",
-                              param=where_p) from None
+            raise OpenAIError(
+                f"{where_p} is not a valid JSON schema: {exc.message}", param=where_p
+            ) from None
         desc = fn.get("description")
         parsed.append(Tool(name, desc if isinstance(desc, str) else None, params))
     names = [t.name for t in parsed]
@@ -158,11 +176,16 @@ def parse_tool_choice(tools: list[Any] | None, tool_choice: Any,
         fn = tool_choice.get("function")
         name = fn.get("name") if isinstance(fn, dict) else None
         if name not in names:
-            raise OpenAIError(f"tool_choice names function {name!r}, which is not in tools "
-                              f"({', '.join(names)})", param="tool_choice")
+            raise OpenAIError(
+                f"tool_choice names function {name!r}, which is not in tools ({', '.join(names)})",
+                param="tool_choice",
+            )
         return ToolChoice(tuple(parsed), "named", name=name, parallel=parallel)
-    raise OpenAIError('tool_choice must be "none", "auto", "required" or {"type": "function", '
-                      '"function": {"name": ...}}', param="tool_choice")
+    raise OpenAIError(
+        'tool_choice must be "none", "auto", "required" or {"type": "function", '
+        '"function": {"name": ...}}',
+        param="tool_choice",
+    )
 
 
 def new_tool_call_id() -> str:
@@ -178,8 +201,11 @@ class ToolCall:
     id: str = field(default_factory=new_tool_call_id)
 
     def to_openai(self, index: int | None = None) -> dict[str, Any]:
-        out: dict[str, Any] = {"id": self.id, "type": "function",
-                               "function": {"name": self.name, "arguments": self.arguments}}
+        out: dict[str, Any] = {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
         if index is not None:
             out["index"] = index
         return out
@@ -254,16 +280,16 @@ class ToolCallParser:
                 if at < 0:
                     keep = _partial_suffix(self._buf, _OPEN)
                     out.content += self._buf[: len(self._buf) - keep]
-                    self._buf = self._buf[len(self._buf) - keep:]
+                    self._buf = self._buf[len(self._buf) - keep :]
                     return out
                 out.content += self._buf[:at]
-                self._buf = self._buf[at + len(_OPEN):]
+                self._buf = self._buf[at + len(_OPEN) :]
                 self._inside = True
             else:
                 at = self._buf.find(_CLOSE)
                 if at < 0:
                     return out
-                body, self._buf = self._buf[:at], self._buf[at + len(_CLOSE):]
+                body, self._buf = self._buf[:at], self._buf[at + len(_CLOSE) :]
                 self._inside = False
                 self._add_block(body, out)
 
@@ -285,10 +311,12 @@ class ToolCallParser:
             except ValueError:
                 items = None
             if isinstance(items, list) and all(
-                    isinstance(it, dict) and isinstance(it.get("name"), str) for it in items):
+                isinstance(it, dict) and isinstance(it.get("name"), str) for it in items
+            ):
                 for it in items:
-                    call = ToolCall(it["name"],
-                                    json.dumps(it.get("parameters", {}), ensure_ascii=False))
+                    call = ToolCall(
+                        it["name"], json.dumps(it.get("parameters", {}), ensure_ascii=False)
+                    )
                     self.calls.append(call)
                     out.calls.append(call)
             else:
@@ -297,10 +325,10 @@ class ToolCallParser:
         if mode == "auto":
             if self._inside:
                 # The model stopped inside a block (EOS before </tool_call>).
-                call = _hermes_call(self._buf.strip())
-                if call is not None and (not self.calls or self.choice.parallel):
-                    self.calls.append(call)
-                    out.calls.append(call)
+                last = _hermes_call(self._buf.strip())
+                if last is not None and (not self.calls or self.choice.parallel):
+                    self.calls.append(last)
+                    out.calls.append(last)
                 else:
                     out.content = _OPEN + self._buf
             else:

@@ -680,8 +680,8 @@ def test_killed_node_fails_fast_then_misses(store_url: str, tmp_path, read_path:
 
 
 def test_redis_restart_nodes_reregister_and_clients_reconnect(tmp_path) -> None:
-    from redis_server import RedisServer
     from ports import free_port
+    from redis_server import RedisServer
 
     redis_srv = RedisServer(free_port())
     redis_srv.start()
@@ -710,8 +710,8 @@ def test_redis_restart_nodes_reregister_and_clients_reconnect(tmp_path) -> None:
 
 
 def test_no_live_node_is_a_clear_error(tmp_path) -> None:
-    from redis_server import RedisServer
     from ports import free_port
+    from redis_server import RedisServer
 
     redis_srv = RedisServer(free_port())
     redis_srv.start()
@@ -827,8 +827,8 @@ def test_channels_of_exited_threads_are_closed(store_url: str, nodes) -> None:
 def test_index_unreachable_is_a_miss_without_the_loop_path(tmp_path) -> None:
     """Redis gone: a same-host get reports a miss at once instead of retrying the
     lookup on the client loop (which doubled the wait when Redis hangs)."""
-    from redis_server import RedisServer
     from ports import free_port
+    from redis_server import RedisServer
 
     redis_srv = RedisServer(free_port())
     redis_srv.start()
