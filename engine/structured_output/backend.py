@@ -30,6 +30,49 @@ def library_message(exc: BaseException) -> str:
     return _LOCATION.sub("", str(exc).strip()).strip()
 
 
+#: JSON-schema keywords xgrammar compiles without enforcing (found by matching outputs that
+#: break them): a schema using one is refused, so no output claims a constraint it lacks.
+UNSUPPORTED_SCHEMA_KEYWORDS = ("not", "if", "then", "else")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions",
+                   "dependentSchemas")
+_SUBSCHEMAS = ("items", "additionalProperties", "contains", "propertyNames",
+               "unevaluatedProperties", "unevaluatedItems")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+
+
+def unsupported_schema_feature(schema: object, path: str = "#") -> str | None:
+    """Where ``schema`` uses a keyword xgrammar would not enforce, as ``"<keyword> at
+    <JSON pointer>"``; ``None`` when it uses none. Also ``allOf`` with several branches,
+    which xgrammar only partly merges."""
+    if not isinstance(schema, dict):
+        return None
+    for key in UNSUPPORTED_SCHEMA_KEYWORDS:
+        if key in schema:
+            return f"'{key}' at {path}"
+    all_of = schema.get("allOf")
+    if isinstance(all_of, list) and len(all_of) > 1:
+        return f"'allOf' with {len(all_of)} branches at {path}"
+    for key in _SUBSCHEMA_MAPS:
+        sub = schema.get(key)
+        if isinstance(sub, dict):
+            for name, value in sub.items():
+                found = unsupported_schema_feature(value, f"{path}/{key}/{name}")
+                if found:
+                    return found
+    for key in _SUBSCHEMAS:
+        found = unsupported_schema_feature(schema.get(key), f"{path}/{key}")
+        if found:
+            return found
+    for key in _SUBSCHEMA_LISTS:
+        sub = schema.get(key)
+        if isinstance(sub, list):
+            for i, value in enumerate(sub):
+                found = unsupported_schema_feature(value, f"{path}/{key}/{i}")
+                if found:
+                    return found
+    return None
+
+
 def choice_grammar(choices: Sequence[str]) -> str:
     """An EBNF grammar whose language is exactly ``choices``: ``root ::= "a" | "b"``.
 
@@ -125,10 +168,18 @@ class XgrammarBackend:
 
         Raises:
             RequestError: naming ``params.field``, with xgrammar's message, for a schema
-                xgrammar rejects or does not support, a regex that does not parse, or a
-                grammar with a syntax error.
+                xgrammar rejects or does not support (``unsupported_schema_feature``), a
+                regex that does not parse, or a grammar with a syntax error.
         """
         kind = params.kind
+        if kind == "json":
+            found = unsupported_schema_feature(params.json)
+            if found is not None:
+                raise RequestError(
+                    params.field,
+                    f"{params.field}: the JSON schema uses {found}, which the grammar "
+                    "backend (xgrammar) cannot enforce",
+                )
         spec = params.spec()
         any_ws = not params.disable_any_whitespace
         c = self._compiler
