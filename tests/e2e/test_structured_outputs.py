@@ -33,8 +33,7 @@ pytestmark = pytest.mark.slow
 
 MODEL = "SmolLM2-135M-Instruct"
 MAX_TOKENS = 48
-ENGINE_ARGS = ["--dtype", "float32", "--kv-cache-memory", str(128 << 20),
-               "--max-model-len", "1024"]
+ENGINE_ARGS = ["--dtype", "float32", "--kv-cache-memory", str(128 << 20), "--max-model-len", "1024"]
 QUESTIONS = [
     "Describe a person as JSON.",
     "What is the capital of France?",
@@ -54,9 +53,11 @@ OBJECT_QUESTIONS = [
 
 PERSON = {
     "type": "object",
-    "properties": {"name": {"type": "string", "minLength": 1, "maxLength": 10},
-                   "age": {"type": "integer", "minimum": 0, "maximum": 120},
-                   "likes_tea": {"type": "boolean"}},
+    "properties": {
+        "name": {"type": "string", "minLength": 1, "maxLength": 10},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "likes_tea": {"type": "boolean"},
+    },
     "required": ["name", "age", "likes_tea"],
     "additionalProperties": False,
 }
@@ -87,17 +88,25 @@ def _check_grammar(text: str) -> None:
 
 # kind -> (constraint, HTTP extra body, oracle)
 KINDS = {
-    "json": (SO(json=PERSON, disable_any_whitespace=True),
-             {"response_format": {"type": "json_schema", "json_schema": {
-                 "name": "person", "schema": PERSON, "strict": True}},
-              "structured_outputs": {"disable_any_whitespace": True}}, _check_json),
-    "json_object": (SO(json_object=True, disable_any_whitespace=True),
-                    {"structured_outputs": {"json_object": True,
-                                            "disable_any_whitespace": True}}, _check_object),
+    "json": (
+        SO(json=PERSON, disable_any_whitespace=True),
+        {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "person", "schema": PERSON, "strict": True},
+            },
+            "structured_outputs": {"disable_any_whitespace": True},
+        },
+        _check_json,
+    ),
+    "json_object": (
+        SO(json_object=True, disable_any_whitespace=True),
+        {"structured_outputs": {"json_object": True, "disable_any_whitespace": True}},
+        _check_object,
+    ),
     "regex": (SO(regex=REGEX), {"guided_regex": REGEX}, _check_regex),
     "choice": (SO(choice=CHOICES), {"guided_choice": CHOICES}, _check_choice),
-    "grammar": (SO(grammar=GRAMMAR), {"structured_outputs": {"grammar": GRAMMAR}},
-                _check_grammar),
+    "grammar": (SO(grammar=GRAMMAR), {"structured_outputs": {"grammar": GRAMMAR}}, _check_grammar),
 }
 
 
@@ -108,22 +117,23 @@ def _chat(q: str) -> list[dict]:
 def _runs(seeds: list[int | None] = SEEDS) -> list[tuple[str, str, int | None]]:
     """(kind, question, seed) of every constrained generation: 20 per kind (12 of any
     JSON object, see OBJECT_QUESTIONS)."""
-    return [(k, q, s) for k in KINDS
-            for q in (OBJECT_QUESTIONS if k == "json_object" else QUESTIONS) for s in seeds]
+    return [
+        (k, q, s)
+        for k in KINDS
+        for q in (OBJECT_QUESTIONS if k == "json_object" else QUESTIONS)
+        for s in seeds
+    ]
 
 
 def _params(kind: str, seed: int | None, **kw: object) -> SamplingParams:
     sampled = {"temperature": 0.0} if seed is None else {"temperature": 0.8, "seed": seed}
     kw.setdefault("max_tokens", MAX_TOKENS)
-    return SamplingParams(structured_outputs=KINDS[kind][0],
-                          **{**sampled, **kw})
+    return SamplingParams(structured_outputs=KINDS[kind][0], **{**sampled, **kw})
 
 
 def _body(kind: str) -> dict:
-    body = dict(KINDS[kind][1])
-    if kind == "json":  # response_format and structured_outputs would be two constraints
-        body = {"response_format": body["response_format"]}
-    return body
+    # NOTE: json's structured_outputs holds only disable_any_whitespace: no second kind.
+    return dict(KINDS[kind][1])
 
 
 @pytest.fixture(scope="module")
@@ -134,42 +144,60 @@ def offline():
 
     llm = LLM(dtype="float32", kv_cache_memory=96 << 20, max_model_len=1024)
     runs = _runs()
-    outs = llm.chat([_chat(q) for _, q, _ in runs], [_params(k, s) for k, _, s in runs],
-                    use_tqdm=False)
+    outs = llm.chat(
+        [_chat(q) for _, q, _ in runs], [_params(k, s) for k, _, s in runs], use_tqdm=False
+    )
     results = {run: o.outputs[0] for run, o in zip(runs, outs, strict=True)}
     # Logprobs of a choice: every returned token must be one the grammar allows.
     lp = llm.chat(_chat(QUESTIONS[1]), _params("choice", 5, logprobs=5), use_tqdm=False)
     # Forced preemption: a cache of 12 blocks (192 tokens) for 8 growing sequences.
     small = LLM(dtype="float32", max_model_len=1024, kv_cache_memory=12 * 16 * 46080)
-    pre = small.chat([_chat(q) for q in QUESTIONS[:4]] * 2,
-                     [_params("json", None), _params("regex", None)] * 4, use_tqdm=False)
+    pre = small.chat(
+        [_chat(q) for q in QUESTIONS[:4]] * 2,
+        [_params("json", None), _params("regex", None)] * 4,
+        use_tqdm=False,
+    )
     preempted = small.llm_engine.engine_core.scheduler.num_preemptions
     n3 = llm.chat(_chat(QUESTIONS[0]), _params("json", 7, n=3), use_tqdm=False)
     tok = llm.get_tokenizer()
     del llm, small
-    return {"results": results, "logprobs": lp[0].outputs[0], "tokenizer": tok,
-            "preempted": (preempted, [o.outputs[0] for o in pre]), "n3": n3[0].outputs}
+    return {
+        "results": results,
+        "logprobs": lp[0].outputs[0],
+        "tokenizer": tok,
+        "preempted": (preempted, [o.outputs[0] for o in pre]),
+        "n3": n3[0].outputs,
+    }
 
 
 @pytest.fixture(scope="module")
 def stack(redis_url, offline):
-    cfg = StackConfig(num_prefill=1, num_decode=1, port=0, grpc_port=0, redis_url=redis_url,
-                      engine_args=ENGINE_ARGS, router_args=["--max-model-len", "1024"],
-                      startup_timeout_s=600)
+    cfg = StackConfig(
+        num_prefill=1,
+        num_decode=1,
+        port=0,
+        grpc_port=0,
+        redis_url=redis_url,
+        engine_args=ENGINE_ARGS,
+        router_args=["--max-model-len", "1024"],
+        startup_timeout_s=600,
+    )
     with Stack(cfg) as s:
         yield s
 
 
 @pytest.fixture(scope="module")
 def client(stack):
-    return openai.OpenAI(base_url=f"{stack.http_url}/v1", api_key="none", max_retries=0,
-                         timeout=300)
+    return openai.OpenAI(
+        base_url=f"{stack.http_url}/v1", api_key="none", max_retries=0, timeout=300
+    )
 
 
 @pytest.fixture(scope="module")
 def colocated(offline, tmp_path_factory):
-    svc = EngineService("both", None, tmp_path_factory.mktemp("colocated"), None,
-                        ENGINE_ARGS[2:], 600)
+    svc = EngineService(
+        "both", None, tmp_path_factory.mktemp("colocated"), None, ENGINE_ARGS[2:], 600
+    )
     yield svc
     svc.stop()
 
@@ -189,8 +217,10 @@ def test_offline_logprobs_see_only_allowed_tokens(offline) -> None:
         for tid, lp in pos.items():
             piece = tok.decode([tid])
             assert lp.logprob > float("-inf")
-            assert tid == tok.eos_token_id or any(
-                c.startswith(prefix + piece) for c in CHOICES), (prefix, piece)
+            assert tid == tok.eos_token_id or any(c.startswith(prefix + piece) for c in CHOICES), (
+                prefix,
+                piece,
+            )
         prefix += tok.decode([token]) if token != tok.eos_token_id else ""
 
 
@@ -215,9 +245,14 @@ def _http(client, kind: str, q: str, seed: int | None, **kw: object):
     body = _body(kind)
     extra = {k: v for k, v in body.items() if k != "response_format"}
     return client.chat.completions.create(
-        model=MODEL, messages=_chat(q), max_tokens=MAX_TOKENS,
+        model=MODEL,
+        messages=_chat(q),
+        max_tokens=MAX_TOKENS,
         response_format=body.get("response_format", openai.NOT_GIVEN),
-        extra_body=extra or None, **sampled, **kw)
+        extra_body=extra or None,
+        **sampled,
+        **kw,
+    )
 
 
 def test_disaggregated_every_kind_matches_offline(client, offline) -> None:
@@ -255,37 +290,77 @@ def test_n3_streamed_and_logprobs_over_http(client) -> None:
     for c in r.choices:
         _check_json(c.message.content)
     stream = client.chat.completions.create(
-        model=MODEL, messages=_chat(QUESTIONS[1]), max_tokens=MAX_TOKENS, temperature=0,
-        stream=True, logprobs=True, top_logprobs=5, extra_body={"guided_choice": CHOICES})
+        model=MODEL,
+        messages=_chat(QUESTIONS[1]),
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        stream=True,
+        logprobs=True,
+        top_logprobs=5,
+        extra_body={"guided_choice": CHOICES},
+    )
     text, tops = "", []
     for chunk in stream:
         if chunk.choices and chunk.choices[0].delta.content:
             text += chunk.choices[0].delta.content
         if chunk.choices and chunk.choices[0].logprobs:
-            tops += [t.token for lp in chunk.choices[0].logprobs.content
-                     for t in lp.top_logprobs]
+            tops += [t.token for lp in chunk.choices[0].logprobs.content for t in lp.top_logprobs]
     _check_choice(text)
-    assert tops and all(any(c.startswith(t) or t in c for c in CHOICES) or t == "<|im_end|>"
-                        for t in tops), tops
+    assert tops and all(
+        any(c.startswith(t) or t in c for c in CHOICES) or t == "<|im_end|>" for t in tops
+    ), tops
 
 
 BAD = [
     ({"extra_body": {"guided_regex": "(["}}, "guided_regex", "Unclosed"),
     ({"extra_body": {"guided_json": {"type": 5}}}, "guided_json", "Type should be a string"),
     ({"extra_body": {"guided_choice": []}}, "guided_choice", "must not be empty"),
-    ({"extra_body": {"structured_outputs": {"grammar": "root ::= ("}}},
-     "structured_outputs.grammar", "EBNF parser error"),
-    ({"response_format": {"type": "json_schema", "json_schema": {
-        "name": "x", "schema": {"type": "object", "properties": {"a": {"not": {
-            "type": "string"}}}}}}}, "response_format.json_schema.schema",
-     "'not' at #/properties/a"),
-    ({"response_format": {"type": "json_object"}, "extra_body": {"guided_regex": "a"}},
-     "response_format", "guided_regex"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
-        "type": "object", "properties": {"a": {"type": "nope"}}}}}]},
-     "tools[0].function.parameters", "not a valid JSON schema"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}],
-      "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice", "'g'"),
+    (
+        {"extra_body": {"structured_outputs": {"grammar": "root ::= ("}}},
+        "structured_outputs.grammar",
+        "EBNF parser error",
+    ),
+    (
+        {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {
+                    "name": "x",
+                    "schema": {"type": "object", "properties": {"a": {"not": {"type": "string"}}}},
+                },
+            }
+        },
+        "response_format.json_schema.schema",
+        "'not' at #/properties/a",
+    ),
+    (
+        {"response_format": {"type": "json_object"}, "extra_body": {"guided_regex": "a"}},
+        "response_format",
+        "guided_regex",
+    ),
+    (
+        {
+            "tools": [
+                {
+                    "type": "function",
+                    "function": {
+                        "name": "f",
+                        "parameters": {"type": "object", "properties": {"a": {"type": "nope"}}},
+                    },
+                }
+            ]
+        },
+        "tools[0].function.parameters",
+        "not a valid JSON schema",
+    ),
+    (
+        {
+            "tools": [{"type": "function", "function": {"name": "f"}}],
+            "tool_choice": {"type": "function", "function": {"name": "g"}},
+        },
+        "tool_choice",
+        "'g'",
+    ),
 ]
 
 
@@ -302,20 +377,38 @@ def test_bad_inputs_are_400s_and_the_next_request_succeeds(client, kw, param, ma
 
 # -- tool calling ------------------------------------------------------------------------------
 
-WEATHER = {"type": "object",
-           "properties": {"city": {"type": "string", "maxLength": 20},
-                          "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
-           "required": ["city", "unit"], "additionalProperties": False}
-TOOLS = [{"type": "function", "function": {"name": "get_weather",
-                                           "description": "Current weather in a city",
-                                           "parameters": WEATHER}},
-         {"type": "function", "function": {"name": "add", "description": "Add two integers",
-                                           "parameters": {
-                                               "type": "object",
-                                               "properties": {"a": {"type": "integer"},
-                                                              "b": {"type": "integer"}},
-                                               "required": ["a", "b"],
-                                               "additionalProperties": False}}}]
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 20},
+        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+    },
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Current weather in a city",
+            "parameters": WEATHER,
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "add",
+            "description": "Add two integers",
+            "parameters": {
+                "type": "object",
+                "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                "required": ["a", "b"],
+                "additionalProperties": False,
+            },
+        },
+    },
+]
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 ASK = _chat("What is the weather in Paris?")
 
@@ -328,41 +421,64 @@ def _check_calls(calls, only: str | None = None) -> None:
         jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
 
 
-@pytest.mark.parametrize("tool_choice", ["required", {"type": "function",
-                                                      "function": {"name": "get_weather"}}])
+@pytest.mark.parametrize(
+    "tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}]
+)
 def test_forced_tool_calls_parse_and_validate(client, tool_choice) -> None:
     only = None if tool_choice == "required" else "get_weather"
-    r = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS,
-                                       tool_choice=tool_choice, max_tokens=120, temperature=0)
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=ASK,
+        tools=TOOLS,
+        tool_choice=tool_choice,
+        max_tokens=120,
+        temperature=0,
+    )
     choice = r.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
     _check_calls(choice.message.tool_calls, only)
-    with client.chat.completions.stream(model=MODEL, messages=ASK, tools=TOOLS,
-                                        tool_choice=tool_choice, max_tokens=120,
-                                        temperature=0) as s:
+    with client.chat.completions.stream(
+        model=MODEL,
+        messages=ASK,
+        tools=TOOLS,
+        tool_choice=tool_choice,
+        max_tokens=120,
+        temperature=0,
+    ) as s:
         for _ in s:
             pass
         final = s.get_final_completion()
     streamed = final.choices[0]
     assert streamed.finish_reason == "tool_calls"
     _check_calls(streamed.message.tool_calls, only)
-    assert [(c.function.name, c.function.arguments) for c in streamed.message.tool_calls] == \
-        [(c.function.name, c.function.arguments) for c in choice.message.tool_calls]
+    assert [(c.function.name, c.function.arguments) for c in streamed.message.tool_calls] == [
+        (c.function.name, c.function.arguments) for c in choice.message.tool_calls
+    ]
 
 
 def test_multi_turn_with_a_tool_result(client) -> None:
-    r = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS,
-                                       tool_choice="required", parallel_tool_calls=False,
-                                       max_tokens=120, temperature=0)
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=ASK,
+        tools=TOOLS,
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_tokens=120,
+        temperature=0,
+    )
     calls = r.choices[0].message.tool_calls
     assert len(calls) == 1
     messages = ASK + [
         {"role": "assistant", "content": None, "tool_calls": [calls[0].model_dump()]},
-        {"role": "tool", "tool_call_id": calls[0].id,
-         "content": json.dumps({"temperature": 21, "unit": "celsius"})},
+        {
+            "role": "tool",
+            "tool_call_id": calls[0].id,
+            "content": json.dumps({"temperature": 21, "unit": "celsius"}),
+        },
     ]
-    r2 = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS,
-                                        max_tokens=40, temperature=0)
+    r2 = client.chat.completions.create(
+        model=MODEL, messages=messages, tools=TOOLS, max_tokens=40, temperature=0
+    )
     c2 = r2.choices[0]
     assert c2.finish_reason in ("stop", "length", "tool_calls")
     assert c2.message.content or c2.message.tool_calls
@@ -374,8 +490,14 @@ def test_multi_turn_with_a_tool_result(client) -> None:
 def test_auto_is_well_formed_either_way(client, seed) -> None:
     sampled = {"temperature": 0} if seed is None else {"temperature": 0.9, "seed": seed}
     for stream in (False, True):
-        kw = dict(model=MODEL, messages=_chat("Add 2 and 3 using the add tool."),
-                  tools=TOOLS, tool_choice="auto", max_tokens=60, **sampled)
+        kw = dict(
+            model=MODEL,
+            messages=_chat("Add 2 and 3 using the add tool."),
+            tools=TOOLS,
+            tool_choice="auto",
+            max_tokens=60,
+            **sampled,
+        )
         if stream:
             chunks = list(client.chat.completions.create(stream=True, **kw))
             calls: dict[int, dict] = {}
@@ -393,13 +515,15 @@ def test_auto_is_well_formed_either_way(client, seed) -> None:
                 finish = ch.choices[0].finish_reason or finish
             assert content or calls
             for entry in calls.values():
-                jsonschema.validate(json.loads(entry["arguments"]), SCHEMAS[entry["name"]]) \
-                    if entry["name"] in SCHEMAS else json.loads(entry["arguments"])
+                jsonschema.validate(
+                    json.loads(entry["arguments"]), SCHEMAS[entry["name"]]
+                ) if entry["name"] in SCHEMAS else json.loads(entry["arguments"])
             assert (finish == "tool_calls") == bool(calls) or finish == "length"
         else:
             c = client.chat.completions.create(**kw).choices[0]
             assert c.message.content or c.message.tool_calls
             for call in c.message.tool_calls or []:
                 json.loads(call.function.arguments)
-            assert (c.finish_reason == "tool_calls") == bool(c.message.tool_calls) or \
-                c.finish_reason == "length"
+            assert (c.finish_reason == "tool_calls") == bool(
+                c.message.tool_calls
+            ) or c.finish_reason == "length"

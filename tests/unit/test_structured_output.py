@@ -155,10 +155,9 @@ def test_cache_key_is_canonical() -> None:
         (SO(regex="(["), "Unclosed"),
         (SO(json={"type": 5}), "Type should be a string"),
         (SO(grammar="root ::= "), "EBNF parser error"),
-        (SO(json={"properties": {"a": {"not": {"type": "string"}}}}),
-         "'not' at #/properties/a"),
+        (SO(json={"properties": {"a": {"not": {"type": "string"}}}}), "'not' at #/properties/a"),
         (SO(json={"allOf": [{"type": "integer"}, {"maximum": 3}]}), "'allOf' with 2"),
-        (SO(json={"$defs": {"x": {"if": {}}}}), "'if' at #/\$defs/x"),
+        (SO(json={"$defs": {"x": {"if": {}}}}), r"'if' at #/\$defs/x"),
     ],
 )
 def test_library_errors_name_the_field_without_noise(so, match) -> None:
