@@ -249,7 +249,9 @@ def run_tandem_structured(llm: Any, args: argparse.Namespace) -> tuple[RunOne, d
     )
 
     def run_one(prompts: list[list[int]]) -> int:
-        outs = llm.generate(prompts, params, use_tqdm=False)
+        # NOTE: the unconstrained pass just ran on these prompts: reversed, they are as
+        # long but share no cached block with it (each block hash covers its prefix).
+        outs = llm.generate([p[::-1] for p in prompts], params, use_tqdm=False)
         for o in outs:
             # NOTE: a request the engine failed (its grammar) would finish "abort".
             if o.outputs[0].finish_reason != "length":

@@ -153,7 +153,26 @@ class Sampler:
 def apply_token_bitmask(
     logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int], mask_rows: list[int]
 ) -> None:
-    """Set the logits of disallowed tokens to -inf, in place.
+    """Set the logits of disallowed tokens to -inf, in place, with xgrammar's kernel
+    (``structured_output.backend.apply_token_bitmask``; ~60x faster than
+    :func:`apply_token_bitmask_ref` on the CPU, see docs/benchmarks.md). Same arguments
+    and, where the bitmask covers the logits' width (the engine's always does), the same
+    result as the reference, which the tests hold it to.
+    """
+    # NOTE: a lazy import: only steps with constrained requests load xgrammar.
+    from tandem.engine.structured_output.backend import apply_token_bitmask as apply_kernel
+
+    aligned = torch.full(
+        (logits.shape[0], bitmask.shape[1]), -1, dtype=torch.int32, device=bitmask.device
+    )
+    aligned[rows] = bitmask[mask_rows]
+    apply_kernel(logits, aligned, rows)
+
+
+def apply_token_bitmask_ref(
+    logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int], mask_rows: list[int]
+) -> None:
+    """Set the logits of disallowed tokens to -inf, in place (the torch reference).
 
     Args:
         logits: ``[num_reqs, vocab]`` float32 (any device).

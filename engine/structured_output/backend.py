@@ -33,10 +33,15 @@ def library_message(exc: BaseException) -> str:
 #: JSON-schema keywords xgrammar compiles without enforcing (found by matching outputs that
 #: break them): a schema using one is refused, so no output claims a constraint it lacks.
 UNSUPPORTED_SCHEMA_KEYWORDS = ("not", "if", "then", "else")
-_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions",
-                   "dependentSchemas")
-_SUBSCHEMAS = ("items", "additionalProperties", "contains", "propertyNames",
-               "unevaluatedProperties", "unevaluatedItems")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SUBSCHEMAS = (
+    "items",
+    "additionalProperties",
+    "contains",
+    "propertyNames",
+    "unevaluatedProperties",
+    "unevaluatedItems",
+)
 _SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
 
 
@@ -80,6 +85,20 @@ def choice_grammar(choices: Sequence[str]) -> str:
     (``\\"``, ``\\\\``, ``\\n``, ``\\uXXXX``), which xgrammar's EBNF string literals read.
     """
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+    """xgrammar's kernel: ``logits[i, j] = -inf`` where bit ``j`` of ``bitmask[i]`` is 0, for
+    the rows ``i`` in ``rows``; in place.
+
+    Args:
+        logits: ``[num_reqs, vocab]`` float32.
+        bitmask: ``int32 [num_reqs, ceil(vocab' / 32)]``, row-aligned with ``logits``.
+            Tokens past ``32 * bitmask.shape[1]`` are left as they are; the engine's
+            bitmask covers the model's whole vocabulary (``XgrammarBackend.vocab_size``).
+        rows: the rows to mask.
+    """
+    xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=rows)
 
 
 class CompiledGrammar:

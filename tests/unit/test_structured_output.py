@@ -23,7 +23,7 @@ from tandem.engine.engine_core import EngineCore
 from tandem.engine.executor import create_executor
 from tandem.engine.model_loader import LoadedModel
 from tandem.engine.request import Request, RequestStatus
-from tandem.engine.sampler import apply_token_bitmask
+from tandem.engine.sampler import apply_token_bitmask, apply_token_bitmask_ref
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.sampling_params import StructuredOutputsParams as SO
 from tandem.engine.structured_output.backend import XgrammarBackend, choice_grammar
@@ -178,6 +178,17 @@ def test_choice_grammar_escapes() -> None:
         assert m.accept_string(c) and m.is_completed(), c
 
 
+def test_bitmask_kernel_matches_the_reference() -> None:
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(5, 100, generator=gen)
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (3, 4), dtype=torch.int32, generator=gen)
+    want, got = logits.clone(), logits.clone()
+    apply_token_bitmask_ref(want, bitmask, [4, 0, 2], [1, 0, 2])
+    apply_token_bitmask(got, bitmask, [4, 0, 2], [1, 0, 2])
+    assert torch.equal(want, got)
+    assert want[1].isfinite().all() and not want[4].isfinite().all()
+
+
 def test_bitmask_masks_before_bias_and_is_exact() -> None:
     vocab = 70
     logits = torch.zeros(3, vocab)
@@ -185,7 +196,7 @@ def test_bitmask_masks_before_bias_and_is_exact() -> None:
     bitmask[0, 0] = 1 << 5  # token 5
     bitmask[1, 1] = -(2**31)  # bit 31 of word 1: token 63 (a negative int32)
     bitmask[1, 2] = 1 << 1  # token 65
-    apply_token_bitmask(logits, bitmask, [2, 0], [0, 1])
+    apply_token_bitmask_ref(logits, bitmask, [2, 0], [0, 1])
     assert (logits[2].isfinite().nonzero().flatten().tolist()) == [5]
     assert (logits[0].isfinite().nonzero().flatten().tolist()) == [63, 65]
     assert logits[1].isfinite().all()
