@@ -527,3 +527,30 @@ def test_auto_is_well_formed_either_way(client, seed) -> None:
             assert (c.finish_reason == "tool_calls") == bool(
                 c.message.tool_calls
             ) or c.finish_reason == "length"
+
+
+def test_decode_replays_the_first_token_and_rejects_a_foreign_one(colocated, offline) -> None:
+    """The decode side of the handoff (a Decode with ``first_token_id``, as after Prefill):
+    a first token the grammar allows is replayed and continued; one it forbids fails the
+    request with INVALID_ARGUMENT naming ``first_token_id``, never unconstrained text."""
+    import grpc
+
+    from tandem.v1 import decode_pb2
+
+    tok = offline["tokenizer"]
+    text = tok.apply_chat_template(_chat(QUESTIONS[1]), tokenize=False, add_generation_prompt=True)
+    ids = tok.encode(text, add_special_tokens=False)
+    want = offline["results"][("choice", QUESTIONS[1], None)].token_ids
+    sp = sampling_params_to_proto(_params("choice", None))
+    good = decode_pb2.DecodeRequest(
+        prompt_token_ids=ids, first_token_id=want[0], sampling_params=sp
+    )
+    got = [want[0]] + [t for m in colocated.decode.Decode(good, timeout=120) for t in m.token_ids]
+    assert got == want
+    foreign = tok.encode(" banana", add_special_tokens=False)[0]
+    bad = decode_pb2.DecodeRequest(prompt_token_ids=ids, first_token_id=foreign, sampling_params=sp)
+    with pytest.raises(grpc.RpcError) as info:
+        list(colocated.decode.Decode(bad, timeout=120))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "first_token_id" in info.value.details()
+    assert ("tandem-field", "first_token_id") in tuple(info.value.trailing_metadata())
