@@ -20,6 +20,13 @@ One step (``schedule``):
 ``request.num_computed_tokens`` is advanced in ``update_from_output``, which
 also appends sampled tokens, applies stop conditions and frees finished
 requests (after the connector saved them, if it asks to).
+
+Structured outputs (with a ``StructuredOutputManager``): a constrained request waits in
+``WAITING_FOR_GRAMMAR`` (skipped like one waiting for remote KV) until its grammar has
+compiled; each ``schedule`` first polls those requests and ends by asking the manager
+for the bitmask of the constrained requests sampled this step; ``update_from_output``
+advances each one's matcher by its token and finishes it ("stop") once the grammar
+is complete.
 """
 
 from __future__ import annotations
