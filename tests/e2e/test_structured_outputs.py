@@ -554,3 +554,45 @@ def test_decode_replays_the_first_token_and_rejects_a_foreign_one(colocated, off
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "first_token_id" in info.value.details()
     assert ("tandem-field", "first_token_id") in tuple(info.value.trailing_metadata())
+
+
+def test_completions_and_public_grpc_take_constraints(stack, client, offline) -> None:
+    """The other front doors: ``/v1/completions`` (vLLM's fields there too) and the public
+    ``GenerationService.Generate`` (the ``StructuredOutputs`` oneof in its sampling
+    params), the latter matching offline greedy output token for token."""
+    import grpc
+
+    from tandem.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+
+    r = client.completions.create(
+        model=MODEL,
+        prompt="The capital of France is",
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        extra_body={"guided_choice": CHOICES},
+    )
+    assert r.choices[0].text in CHOICES and r.choices[0].finish_reason == "stop"
+    q = QUESTIONS[1]
+    want = offline["results"][("regex", q, None)]
+    sp = sampling_params_to_proto(_params("regex", None))
+    with grpc.insecure_channel(stack.grpc_address) as ch:
+        stub = generation_pb2_grpc.GenerationServiceStub(ch)
+        req = generation_pb2.GenerateRequest(
+            chat=generation_pb2.ChatMessages(
+                messages=[generation_pb2.ChatMessage(role="user", content=q)]
+            ),
+            sampling_params=sp,
+        )
+        msgs = list(stub.Generate(req, timeout=300))
+        assert [t for m in msgs for t in m.token_ids] == want.token_ids
+        assert msgs[-1].finish_reason == common_pb2.FINISH_REASON_STOP
+        bad = common_pb2.SamplingParams(max_tokens=4)
+        bad.structured_outputs.regex = "(["
+        with pytest.raises(grpc.RpcError) as info:
+            list(
+                stub.Generate(
+                    generation_pb2.GenerateRequest(text="hi", sampling_params=bad), timeout=300
+                )
+            )
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "structured_outputs.regex" in info.value.details()
