@@ -7,8 +7,8 @@ Modes (OpenAI's ``tool_choice``):
 * ``auto`` (the default with tools): the tools are rendered into the prompt by the chat
   template and the model chooses; its text is parsed by the ``hermes`` parser:
   every ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` block becomes a call,
-  the text outside them the content. A block that is not such JSON stays content, so
-  the answer is well formed either way.
+  the text outside them the content. A block that is not such JSON, or names no tool
+  of the request, stays content, so the answer is well formed either way.
 * ``required``: the output is constrained (a JSON schema) to a JSON array of one or more
   ``{"name": <a tool's name>, "parameters": <its arguments>}`` objects (at most one with
   ``parallel_tool_calls: false``), so the calls always parse and their arguments validate
@@ -293,8 +293,14 @@ class ToolCallParser:
                 self._inside = False
                 self._add_block(body, out)
 
+    def _known(self, call: ToolCall | None) -> ToolCall | None:
+        """``call`` if it names one of the request's tools (else it is not a call)."""
+        if call is None or call.name not in {t.name for t in self.choice.tools}:
+            return None
+        return call
+
     def _add_block(self, body: str, out: ParsedDelta) -> None:
-        call = _hermes_call(body.strip())
+        call = self._known(_hermes_call(body.strip()))
         if call is None or (self.calls and not self.choice.parallel):
             out.content += _OPEN + body + _CLOSE  # not a call: it stays text
             return
@@ -325,7 +331,7 @@ class ToolCallParser:
         if mode == "auto":
             if self._inside:
                 # The model stopped inside a block (EOS before </tool_call>).
-                last = _hermes_call(self._buf.strip())
+                last = self._known(_hermes_call(self._buf.strip()))
                 if last is not None and (not self.calls or self.choice.parallel):
                     self.calls.append(last)
                     out.calls.append(last)

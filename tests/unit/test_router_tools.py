@@ -206,6 +206,9 @@ def test_hermes_parser_keeps_what_is_not_a_call_as_content() -> None:
     assert calls == [] and content == "a < b and <tool_call>not json</tool_call> ok"
     content, calls, _ = _parse(choice, ['<tool_call>{"name": "add", "arguments": {"a": 1}}'])
     assert calls == [("add", {"a": 1})] and content == ""  # EOS before </tool_call>
+    unknown = '<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>'
+    content, calls, _ = _parse(choice, [unknown])
+    assert calls == [] and content == unknown  # not one of the request's tools
     single = parse_tool_choice(TOOLS, "auto", False)
     _, calls, _ = _parse(single, [AUTO_TEXT])
     assert [c[0] for c in calls] == ["get_weather"]  # parallel_tool_calls=false: one call
