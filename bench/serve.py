@@ -78,10 +78,11 @@ def sample_prompts(n: int, input_len: int, output_len: int, range_ratio: float,
 
 
 async def _one(client: Any, url: str, model: str, prompt: list[int], max_tokens: int,
-               ignore_eos: bool) -> RequestResult:
+               ignore_eos: bool, extra: dict[str, Any] | None = None) -> RequestResult:
     res = RequestResult(prompt_len=len(prompt))
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-            "stream": True, "ignore_eos": ignore_eos, "stream_options": {"include_usage": True}}
+            "stream": True, "ignore_eos": ignore_eos, "stream_options": {"include_usage": True},
+            **(extra or {})}
     start = time.perf_counter()
     last = start
     try:
@@ -117,19 +118,33 @@ async def _one(client: Any, url: str, model: str, prompt: list[int], max_tokens:
 
 async def run_rate(url: str, model: str, prompts: list[tuple[list[int], int]],
                    request_rate: float, burstiness: float, max_concurrency: int | None,
-                   ignore_eos: bool, seed: int) -> tuple[list[RequestResult], float]:
-    """Send ``prompts`` with gamma-distributed gaps at ``request_rate`` req/s (inf: at once)."""
+                   ignore_eos: bool, seed: int, structured: str | None = None
+                   ) -> tuple[list[RequestResult], float]:
+    """Send ``prompts`` with gamma-distributed gaps at ``request_rate`` req/s (inf: at once).
+
+    ``structured="json"``: every request carries vLLM's ``structured_outputs`` with the JSON
+    schema of ``tandem bench throughput --structured json`` (no output of its
+    ``max_tokens`` completes it, so constrained and unconstrained runs generate the same
+    token counts).
+    """
     import httpx
 
     rng = np.random.default_rng(seed)
     sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(timeout=httpx.Timeout(3600.0), limits=limits) as client:
+        def extra(o: int) -> dict[str, Any] | None:
+            if structured is None:
+                return None
+            from tandem.bench.throughput import structured_schema
+
+            return {"structured_outputs": {"json": structured_schema(o)}}
+
         async def guarded(p: list[int], o: int) -> RequestResult:
             if sem is None:
-                return await _one(client, url, model, p, o, ignore_eos)
+                return await _one(client, url, model, p, o, ignore_eos, extra(o))
             async with sem:
-                return await _one(client, url, model, p, o, ignore_eos)
+                return await _one(client, url, model, p, o, ignore_eos, extra(o))
 
         tasks = []
         start = time.perf_counter()
@@ -296,6 +311,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--burstiness", type=float, default=1.0)
     p.add_argument("--max-concurrency", type=int, default=None)
     p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--structured", choices=["json"], default=None,
+                   help="constrain every request by a JSON schema (structured_outputs.json) "
+                        "that no output of its length completes")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--percentile-metrics", default="ttft,tpot,itl,e2el")
     p.add_argument("--metric-percentiles", default="50,90,99")
@@ -349,12 +367,12 @@ def _run_all(args: argparse.Namespace, url: str, percentiles: list[float],
               f"\nMaximum request concurrency: {args.max_concurrency}", flush=True)
         results, duration = asyncio.run(run_rate(
             base + args.endpoint, model, prompts, rate, args.burstiness, args.max_concurrency,
-            args.ignore_eos, args.seed))
+            args.ignore_eos, args.seed, args.structured))
         m = compute_metrics(results, duration, percentiles, slo)
         m.update(date=datetime.now().strftime("%Y%m%d-%H%M%S"), backend="tandem",
                  model_id=model, tokenizer_id=model, num_prompts=args.num_prompts,
                  request_rate=rate, burstiness=args.burstiness,
-                 max_concurrency=args.max_concurrency, label=label)
+                 max_concurrency=args.max_concurrency, label=label, structured=args.structured)
         print_result(m, percentiles, rate)
         failed += m["failed"]
         all_results.append(m)

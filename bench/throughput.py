@@ -22,6 +22,14 @@ the same pass of the others: shared machines vary by 10-50% over minutes, and a
 ratio of two blocks of passes taken minutes apart measures the machine as much
 as the backends. The per-pass ratios are printed and written
 (``paired_ratios``) beside the ratio of the medians.
+
+``--structured json`` adds a ``tandem+json`` run beside ``tandem``: the same LLM and
+prompts, every request constrained by a JSON schema (an object holding an array of at
+least ``--output-len`` non-empty strings, so no request completes its JSON, and so stops,
+before ``--output-len`` tokens: both runs generate exactly the same number of tokens at
+the same batch sizes). It reports the ratio of output tokens/s, constrained over
+unconstrained, pass by pass, and the grammar's compile time: the first compile (the
+xgrammar backend's setup over the vocabulary counted apart) and a cached one.
 """
 
 from __future__ import annotations
@@ -75,6 +83,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         default=1,
         help="timed runs per backend, each on fresh prompts (seed, seed+1, ...); "
         "the median is reported",
+    )
+    p.add_argument(
+        "--structured",
+        choices=["json"],
+        default=None,
+        help="also run tandem with every request constrained by a JSON schema (tandem+json)",
     )
     p.add_argument("--json", dest="json_path", default=None, help="write results to PATH")
     args = p.parse_args(argv)
@@ -193,7 +207,64 @@ def run_tandem(
 
     # Every repeat gets fresh prompts, so the prefix cache never serves one run
     # from an earlier one.
-    return run_one, {"dtype": str(_dtype_of(llm))}
+    meta: dict[str, Any] = {"dtype": str(_dtype_of(llm))}
+    if args.structured:
+        meta["structured_runner"] = run_tandem_structured(llm, args)
+    return run_one, meta
+
+
+def structured_schema(output_len: int) -> dict[str, Any]:
+    """A JSON schema no output of ``output_len`` tokens can complete (see the module doc)."""
+    return {
+        "type": "object",
+        "properties": {
+            "items": {
+                "type": "array",
+                "minItems": output_len,
+                "items": {"type": "string", "minLength": 1},
+            }
+        },
+        "required": ["items"],
+        "additionalProperties": False,
+    }
+
+
+def run_tandem_structured(llm: Any, args: argparse.Namespace) -> tuple[RunOne, dict[str, Any]]:
+    """The constrained run on ``llm`` (already loaded and warm), and its compile times."""
+    from tandem.engine.sampling_params import SamplingParams, StructuredOutputsParams
+
+    so = StructuredOutputsParams(json=structured_schema(args.output_len))
+    core = llm.llm_engine.engine_core
+    start = time.perf_counter()
+    _ = core.structured_output.backend  # the tokenizer's vocabulary, once per engine
+    setup_s = time.perf_counter() - start
+    start = time.perf_counter()
+    core.check_structured_outputs(so)
+    first_s = time.perf_counter() - start
+    start = time.perf_counter()
+    core.check_structured_outputs(so)
+    cached_s = time.perf_counter() - start
+    params = SamplingParams(
+        temperature=0.0, ignore_eos=True, max_tokens=args.output_len, structured_outputs=so
+    )
+
+    def run_one(prompts: list[list[int]]) -> int:
+        # NOTE: the unconstrained pass just ran on these prompts: reversed, they are as
+        # long but share no cached block with it (each block hash covers its prefix).
+        outs = llm.generate([p[::-1] for p in prompts], params, use_tqdm=False)
+        for o in outs:
+            # NOTE: a request the engine failed (its grammar) would finish "abort".
+            if o.outputs[0].finish_reason != "length":
+                raise RuntimeError(f"constrained request finished {o.outputs[0].finish_reason}")
+        return sum(len(o.outputs[0].token_ids) for o in outs)
+
+    meta = {
+        "dtype": str(_dtype_of(llm)),
+        "grammar_backend_setup_s": setup_s,
+        "grammar_compile_first_s": first_s,
+        "grammar_compile_cached_s": cached_s,
+    }
+    return run_one, meta
 
 
 def _dtype_of(llm: Any) -> str:
@@ -338,20 +409,29 @@ RUNNERS: dict[
 }
 
 
+#: The ``lscpu`` flags that decide which kernels run (recorded with the numbers).
+_ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_tile")
+
+
 def machine_info() -> dict[str, Any]:
     """CPU model and count, platform, torch version: recorded beside the numbers."""
     import torch
 
     cpu = platform.processor() or "unknown"
+    flags: list[str] = []
     try:
         lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
         for line in lscpu.splitlines():
             if line.startswith("Model name:"):
                 cpu = line.split(":", 1)[1].strip()
+            if line.startswith("Flags:"):
+                have = set(line.split(":", 1)[1].split())
+                flags = [f for f in _ISA_FLAGS if f in have]
     except (OSError, subprocess.CalledProcessError):
         pass  # lscpu missing: keep platform.processor()
     return {
         "cpu": cpu,
+        "cpu_flags": flags,
         "num_cpus": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "platform": platform.platform(),
@@ -377,6 +457,9 @@ def main(argv: list[str] | None = None) -> int:
     for backend in dict.fromkeys(args.backend):
         print(f"[{backend}] loading ...", file=sys.stderr, flush=True)
         runners[backend], meta[backend] = RUNNERS[backend](args, prompt_sets)
+        if backend == "tandem" and args.structured:
+            name = f"tandem+{args.structured}"
+            runners[name], meta[name] = meta[backend].pop("structured_runner")
     timed = _run_interleaved(runners, prompt_sets)
     results: dict[str, dict[str, Any]] = {}
     for backend, r in timed.items():
@@ -408,7 +491,7 @@ def main(argv: list[str] | None = None) -> int:
     if "tandem" in results:
         t = results["tandem"]
         for name, r in results.items():
-            if name == "tandem":
+            if name == "tandem" or name.startswith("tandem+"):
                 continue
             key = f"tandem/{name}"
             ratios[key] = t["output_tokens_per_s"] / r["output_tokens_per_s"]
@@ -421,6 +504,30 @@ def main(argv: list[str] | None = None) -> int:
             if len(paired[key]) > 1:
                 line += " (per pass: " + ", ".join(f"{x:.2f}x" for x in paired[key]) + ")"
             print(line)
+    structured: dict[str, Any] = {}
+    name = f"tandem+{args.structured}" if args.structured else ""
+    if name in results and "tandem" in results:
+        t, c = results["tandem"], results[name]
+        structured = {
+            "ratio": c["output_tokens_per_s"] / t["output_tokens_per_s"],
+            "paired_ratios": [
+                (c["num_output_tokens"] / cs) / (t["num_output_tokens"] / ts)
+                for cs, ts in zip(c["runs_s"], t["runs_s"], strict=True)
+            ],
+            "grammar_backend_setup_s": c["grammar_backend_setup_s"],
+            "grammar_compile_first_s": c["grammar_compile_first_s"],
+            "grammar_compile_cached_s": c["grammar_compile_cached_s"],
+        }
+        line = f"{name} / tandem: {structured['ratio']:.2f}x output tokens/s"
+        if len(structured["paired_ratios"]) > 1:
+            line += " (per pass: " + ", ".join(f"{x:.2f}x" for x in structured["paired_ratios"])
+            line += ")"
+        print(line)
+        print(
+            f"grammar: backend setup {structured['grammar_backend_setup_s'] * 1e3:.1f} ms, "
+            f"first compile {structured['grammar_compile_first_s'] * 1e3:.2f} ms, "
+            f"cached {structured['grammar_compile_cached_s'] * 1e3:.3f} ms"
+        )
     if args.json_path:
         doc = {
             "benchmark": "throughput",
@@ -430,6 +537,7 @@ def main(argv: list[str] | None = None) -> int:
             "results": results,
             "ratios": ratios,
             "paired_ratios": paired,
+            "structured": structured,
         }
         with open(args.json_path, "w") as f:
             json.dump(doc, f, indent=2)

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from tandem.v1 import common_pb2
 
 if TYPE_CHECKING:
@@ -71,6 +71,8 @@ def sampling_params_from_proto(
     """
     kwargs: dict[str, object] = {name: getattr(msg, name)
                                  for name in _OPTIONAL_SCALARS if msg.HasField(name)}
+    if msg.HasField("structured_outputs"):
+        kwargs["structured_outputs"] = structured_outputs_from_proto(msg.structured_outputs)
     return SamplingParams(
         max_tokens=msg.max_tokens if msg.HasField("max_tokens") else max_tokens_if_unset,
         logit_bias=dict(msg.logit_bias) or None,
@@ -109,7 +111,42 @@ def sampling_params_to_proto(params: SamplingParams) -> common_pb2.SamplingParam
         msg.max_tokens = params.max_tokens
     if params.logprobs is not None:
         msg.logprobs = params.logprobs
+    if params.structured_outputs is not None:
+        msg.structured_outputs.CopyFrom(structured_outputs_to_proto(params.structured_outputs))
     return msg
+
+
+def structured_outputs_to_proto(so: StructuredOutputsParams) -> common_pb2.StructuredOutputs:
+    """The proto form of a constraint: its kind in the ``oneof`` (a schema as its canonical
+    JSON text, ``StructuredOutputsParams.spec``)."""
+    msg = common_pb2.StructuredOutputs(disable_any_whitespace=so.disable_any_whitespace)
+    kind = so.kind
+    if kind == "json":
+        msg.json = so.spec()
+    elif kind == "json_object":
+        msg.json_object = True
+    elif kind == "choice":
+        msg.choice.choices.extend(so.choice or ())
+    else:
+        setattr(msg, kind, so.spec())
+    return msg
+
+
+def structured_outputs_from_proto(msg: common_pb2.StructuredOutputs) -> StructuredOutputsParams:
+    """A constraint from its proto.
+
+    Raises:
+        RequestError: no kind set, or a value of the wrong shape (an empty choice list, a
+            schema that is not JSON), naming ``structured_outputs.<kind>``.
+    """
+    kind = msg.WhichOneof("kind")
+    ws = msg.disable_any_whitespace
+    if kind == "choice":
+        return StructuredOutputsParams(choice=tuple(msg.choice.choices),
+                                       disable_any_whitespace=ws)
+    if kind is None:
+        return StructuredOutputsParams(disable_any_whitespace=ws)  # raises, naming the field
+    return StructuredOutputsParams(**{kind: getattr(msg, kind)}, disable_any_whitespace=ws)
 
 
 def finish_reason_to_proto(reason: str | None) -> common_pb2.FinishReason:

@@ -27,11 +27,14 @@ from tandem.engine.executor import Executor, create_executor
 from tandem.engine.model_facts import ModelFacts
 from tandem.engine.outputs import EngineCoreOutput
 from tandem.engine.request import Request
+from tandem.engine.sampling_params import StructuredOutputsParams
 from tandem.engine.sched_output import ModelRunnerOutput
-from tandem.engine.validation import RequestLimits, validate_request
+from tandem.engine.structured_output.manager import StructuredOutputManager
+from tandem.engine.validation import RequestError, RequestLimits, validate_request
 
 if TYPE_CHECKING:
     from tandem.engine.kv_connector import KVConnectorScheduler, KVConnectorWorker
+    from tandem.engine.structured_output.backend import XgrammarBackend
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +48,9 @@ class EngineCore:
             (``executor.create_executor``; tests pass one wrapping a shared model, or a
             fake); ``None`` builds it from ``config`` (loads the model). The core owns
             it from here on: ``shutdown`` shuts it down.
+        structured_output: the grammar manager of constrained requests (tests pass one
+            over a tiny vocabulary); ``None`` builds one over the model's tokenizer,
+            whose xgrammar backend is made when the first constrained request arrives.
 
     Attributes:
         executor: the executor; the core's only way to the model.
@@ -57,7 +63,12 @@ class EngineCore:
             or a KV budget that holds no block.
     """
 
-    def __init__(self, config: EngineConfig, executor: Executor | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        executor: Executor | None = None,
+        structured_output: StructuredOutputManager | None = None,
+    ) -> None:
         from tandem.engine.scheduler import Scheduler
 
         self.config = config
@@ -79,12 +90,18 @@ class EngineCore:
             assert pair is not None, "a named connector always yields both sides"
             self.connector_scheduler, self.connector_worker = pair
             self.executor.register_kv_caches(self.connector_worker)
+        self.structured_output = (
+            structured_output
+            if structured_output is not None
+            else StructuredOutputManager(self._make_grammar_backend)
+        )
         self.scheduler = Scheduler(
             config.scheduler,
             config.cache,
             num_blocks,
             self.max_model_len,
             connector=self.connector_scheduler,
+            structured_output=self.structured_output,
         )
         #: What a request must fit here (the router and services check the same rules).
         self.limits: RequestLimits = dataclasses.replace(
@@ -120,7 +137,34 @@ class EngineCore:
             block_size=self.config.cache.block_size,
         )
 
+    def _make_grammar_backend(self) -> XgrammarBackend:
+        """The xgrammar backend over this model's tokenizer (first constrained request).
+
+        Raises:
+            RequestError: naming ``structured_outputs`` when the model has no tokenizer.
+        """
+        from tandem.engine.structured_output.backend import XgrammarBackend
+
+        if self.tokenizer is None:
+            raise RequestError(
+                "structured_outputs", "structured_outputs: this model has no tokenizer"
+            )
+        return XgrammarBackend.from_tokenizer(self.tokenizer, self.vocab_size, self.eos_token_id)
+
     # -- requests ------------------------------------------------------------------------------
+
+    def check_structured_outputs(
+        self, params: StructuredOutputsParams, timeout_s: float | None = None
+    ) -> None:
+        """Compile a constraint now (or find it cached), blocking the caller only; any
+        thread may call it (the services do, before queueing a request; the offline
+        ``LLMEngine`` too). The engine's own compile of the request is then a cache hit.
+
+        Raises:
+            RequestError: naming the field: the grammar library's message, or a compile
+                longer than ``timeout_s`` (the manager's ``compile_timeout_s`` if ``None``).
+        """
+        self.structured_output.validate(params, timeout_s)
 
     def validate_request(self, request: Request) -> None:
         """Check a request against this engine's limits; allocate nothing.
@@ -200,4 +244,5 @@ class EngineCore:
         self.abort_requests(list(self.scheduler.requests))
         if self.connector_worker is not None:
             self.connector_worker.shutdown()
+        self.structured_output.shutdown()
         self.executor.shutdown()

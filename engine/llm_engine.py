@@ -149,6 +149,8 @@ class LLMEngine:
         if request_id in self._parents:
             raise ValueError(f"request_id {request_id!r} is already in use")
         ids = self.tokenize(prompt)
+        if params.structured_outputs is not None:
+            self.engine_core.check_structured_outputs(params.structured_outputs)
         parent = _Parent(request_id, prompt if isinstance(prompt, str) else None, ids, kind)
         requests = []
         for child in fan_out(request_id, params):

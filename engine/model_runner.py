@@ -321,9 +321,8 @@ class ModelRunner:
                     out.sampled_token_ids[req.request_id] = token_id
                 return out
         logits = self.model.compute_logits(last, upcast=False)
-        for req, (token_id, logprobs) in zip(
-            sample_reqs, self.sampler(logits, sample_reqs), strict=True
-        ):
+        results = self.sampler(logits, sample_reqs, sched.grammar_bitmask)
+        for req, (token_id, logprobs) in zip(sample_reqs, results, strict=True):
             out.sampled_token_ids[req.request_id] = token_id
             if logprobs is not None:
                 out.logprobs[req.request_id] = logprobs

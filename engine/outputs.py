@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tandem.engine.request import PositionLogprobs
+from tandem.engine.validation import RequestError
 
 
 @dataclass
@@ -19,6 +20,8 @@ class EngineCoreOutput:
         finish_reason: "stop" | "length" | "abort" once finished, else ``None``.
         stop_reason: the stop token id that finished it, if any.
         num_cached_tokens: prompt tokens served from cache (local or remote).
+        error: why the engine failed the request (finish reason "abort"): its grammar
+            did not compile or timed out, or rejected a token it already had.
     """
 
     request_id: str
@@ -27,6 +30,7 @@ class EngineCoreOutput:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    error: RequestError | None = None
 
     @property
     def finished(self) -> bool:

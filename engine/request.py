@@ -5,11 +5,15 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from tandem.contracts.block_key import KVTransferParams
 from tandem.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from tandem.engine.structured_output.manager import GrammarState
 
 
 class RequestStatus(enum.IntEnum):
@@ -17,6 +21,8 @@ class RequestStatus(enum.IntEnum):
 
     WAITING = enum.auto()
     WAITING_FOR_REMOTE_KV = enum.auto()
+    # Its grammar (structured outputs) is compiling off the step loop.
+    WAITING_FOR_GRAMMAR = enum.auto()
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
     FINISHED_STOPPED = enum.auto()
@@ -72,6 +78,8 @@ class Request:
         kv_transfer_params: where the prompt's KV lies in the KV store (decode
             side: the prefill's block hashes and layout fingerprint), read by the
             KV connector, opaque to the scheduler.
+        structured_output: the grammar state of a constrained request (set by the
+            engine's ``StructuredOutputManager``), else ``None``.
     """
 
     request_id: str
@@ -94,6 +102,7 @@ class Request:
     # Monotonic seconds of the first schedule / first token, for metrics.
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    structured_output: GrammarState | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids: list[int] = list(self.prompt_token_ids)

@@ -8,11 +8,128 @@ allocates anything. Checks against a model (token ids in the vocabulary) are in
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from typing import Any
 
 from tandem.engine.validation import RequestError
 
 _SAMPLING_EPS = 1e-5
+
+#: The constraint kinds of ``StructuredOutputsParams``, in the order vLLM names them.
+STRUCTURED_OUTPUT_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """A constraint on the generated text (vLLM's ``StructuredOutputsParams``).
+
+    Exactly one kind is set:
+
+    Attributes:
+        json: a JSON schema (a ``dict``, or its JSON text, parsed at construction); the
+            output is one JSON value that validates against it.
+        json_object: ``True``: the output is any JSON object.
+        regex: the output matches this regular expression (xgrammar's regex dialect).
+        choice: the output is exactly one of these strings (non-empty list).
+        grammar: an EBNF / GBNF grammar (xgrammar's dialect, start rule ``root``).
+        disable_any_whitespace: JSON kinds only: no free whitespace between tokens of the
+            JSON text (compact output), as vLLM's flag of that name.
+
+    The constraint is compiled by the engine (``engine.structured_output``); only its
+    shape is checked here, so that the router (which runs no grammar library) rejects
+    malformed requests before any RPC.
+
+    Raises:
+        RequestError: no kind or two kinds set (naming both), or a value of the wrong
+            type / an empty one, naming ``structured_outputs.<kind>``.
+    """
+
+    json: dict[str, Any] | bool | str | None = None
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        if self.choice is not None and not isinstance(self.choice, tuple):
+            if not isinstance(self.choice, list):
+                raise RequestError(
+                    "structured_outputs.choice",
+                    "structured_outputs.choice must be a list of strings",
+                )
+            object.__setattr__(self, "choice", tuple(self.choice))
+        if self.json_object is False:
+            object.__setattr__(self, "json_object", None)
+        kinds = [k for k in STRUCTURED_OUTPUT_KINDS if getattr(self, k) is not None]
+        if not kinds:
+            raise RequestError(
+                "structured_outputs",
+                "structured_outputs must set one of " + ", ".join(STRUCTURED_OUTPUT_KINDS),
+            )
+        if len(kinds) > 1:
+            raise RequestError(
+                f"structured_outputs.{kinds[0]}",
+                f"structured_outputs sets more than one kind: {' and '.join(kinds)}; set one",
+            )
+        kind = kinds[0]
+        value = getattr(self, kind)
+        name = f"structured_outputs.{kind}"
+        if kind == "json":
+            if isinstance(value, str):
+                try:
+                    parsed = json.loads(value)
+                except ValueError as exc:
+                    raise RequestError(name, f"{name} is not valid JSON: {exc}") from None
+                if not isinstance(parsed, dict | bool):
+                    raise RequestError(name, f"{name} must be a JSON object (a JSON schema)")
+                object.__setattr__(self, "json", parsed)  # one form: equal schemas compare equal
+            elif not isinstance(value, dict | bool):
+                raise RequestError(name, f"{name} must be a JSON schema (an object)")
+        elif kind == "json_object":
+            if value is not True:
+                raise RequestError(name, f"{name} must be true")
+        elif kind in ("regex", "grammar"):
+            if not isinstance(value, str) or not value:
+                raise RequestError(name, f"{name} must be a non-empty string")
+        elif kind == "choice":
+            if not value:
+                raise RequestError(name, f"{name} must not be empty")
+            if not all(isinstance(c, str) and c for c in value):
+                raise RequestError(name, f"{name} must hold non-empty strings")
+
+    @property
+    def kind(self) -> str:
+        """The kind that is set: one of ``STRUCTURED_OUTPUT_KINDS``."""
+        for k in STRUCTURED_OUTPUT_KINDS:
+            if getattr(self, k) is not None:
+                return k
+        raise AssertionError("validated in __post_init__: one kind is set")
+
+    @property
+    def field(self) -> str:
+        """The request field of the constraint, e.g. ``"structured_outputs.json"``."""
+        return f"structured_outputs.{self.kind}"
+
+    def spec(self) -> str:
+        """The constraint as one canonical string (the compile cache's key with ``kind``,
+        and what travels in the protobuf): a schema as compact sorted JSON, a choice list
+        as a JSON array, the others as given."""
+        kind = self.kind
+        if kind == "json":
+            return json.dumps(self.json, sort_keys=True, separators=(",", ":"))
+        if kind == "json_object":
+            return ""
+        if kind == "choice":
+            return json.dumps(list(self.choice or ()))
+        value = getattr(self, kind)
+        assert isinstance(value, str), f"{kind} is a string"
+        return value
+
+    def cache_key(self) -> tuple[str, str, bool]:
+        """``(kind, spec, disable_any_whitespace)``: equal keys compile to equal grammars."""
+        return (self.kind, self.spec(), self.disable_any_whitespace)
 
 
 @dataclass
@@ -47,6 +164,9 @@ class SamplingParams:
         prompt_logprobs: reserved; not supported yet (must be ``None``).
         skip_special_tokens: drop special tokens from the detokenized text.
         spaces_between_special_tokens: as in vLLM/transformers decode.
+        structured_outputs: a constraint on the output (JSON schema, regex, choice,
+            grammar); the engine masks the logits to the tokens it allows before every
+            other rule, and the request finishes ("stop") once the grammar is complete.
 
     Raises:
         RequestError: naming the field, for any value outside its range.
@@ -72,6 +192,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -120,6 +241,11 @@ class SamplingParams:
                     )
         if any(not s for s in self.stop):
             raise RequestError("stop", "stop must not contain empty strings")
+        so = self.structured_outputs
+        if so is not None and not isinstance(so, StructuredOutputsParams):
+            raise RequestError(
+                "structured_outputs", "structured_outputs must be a StructuredOutputsParams"
+            )
 
     @property
     def greedy(self) -> bool:

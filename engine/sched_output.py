@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tandem.engine.request import Request
+
+if TYPE_CHECKING:
+    from tandem.engine.structured_output.manager import StepBitmask
 
 
 @dataclass
@@ -28,6 +31,10 @@ class SchedulerOutput:
         finished_req_ids: requests that finished since the last step (the runner
             may drop per-request state).
         kv_connector_metadata: connector-specific work for the worker side.
+        grammar_bitmask: the allowed tokens of the constrained requests sampled this
+            step (``structured_output.manager.StepBitmask``: an int32 bitmask and each
+            request's row), applied by the sampler before every other rule; ``None``
+            when no sampled request is constrained.
     """
 
     scheduled_requests: list[Request] = field(default_factory=list)
@@ -37,6 +44,7 @@ class SchedulerOutput:
     preempted_req_ids: set[str] = field(default_factory=set)
     finished_req_ids: set[str] = field(default_factory=set)
     kv_connector_metadata: Any = None
+    grammar_bitmask: StepBitmask | None = None
 
     @property
     def is_empty(self) -> bool:

@@ -20,6 +20,13 @@ One step (``schedule``):
 ``request.num_computed_tokens`` is advanced in ``update_from_output``, which
 also appends sampled tokens, applies stop conditions and frees finished
 requests (after the connector saved them, if it asks to).
+
+Structured outputs (with a ``StructuredOutputManager``): a constrained request waits in
+``WAITING_FOR_GRAMMAR`` (skipped like one waiting for remote KV) until its grammar has
+compiled; each ``schedule`` first polls those requests and ends by asking the manager
+for the bitmask of the constrained requests sampled this step; ``update_from_output``
+advances each one's matcher by its token and finishes it ("stop") once the grammar
+is complete.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ import logging
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from tandem.engine.config import CacheConfig, SchedulerConfig
 from tandem.engine.kv_cache_manager import KVCacheBlocks, KVCacheManager
@@ -38,7 +46,10 @@ from tandem.engine.request import Request, RequestStatus
 from tandem.engine.request_queue import create_request_queue
 from tandem.engine.sched_output import ModelRunnerOutput, SchedulerOutput
 from tandem.engine.stop import check_stop
-from tandem.engine.validation import RequestLimits, validate_request
+from tandem.engine.validation import RequestError, RequestLimits, validate_request
+
+if TYPE_CHECKING:
+    from tandem.engine.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +99,11 @@ class Scheduler:
         num_blocks: KV blocks in the cache tensor.
         max_model_len: context length (prompt + output) in tokens.
         connector: scheduler side of a KV connector, or ``None`` (colocated).
+        structured_output: the engine's grammar manager; requests with
+            ``structured_outputs`` wait in ``WAITING_FOR_GRAMMAR`` until it has compiled
+            their grammar, each step gets its token bitmask
+            (``SchedulerOutput.grammar_bitmask``) and every sampled token advances the
+            request's matcher. ``None``: such requests are rejected.
 
     Single-threaded: every method is called from the engine thread.
     ``schedule`` and ``update_from_output`` alternate; ``add_request``,
@@ -101,6 +117,7 @@ class Scheduler:
         num_blocks: int,
         max_model_len: int,
         connector: KVConnectorScheduler | None = None,
+        structured_output: StructuredOutputManager | None = None,
     ) -> None:
         if max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
@@ -132,7 +149,13 @@ class Scheduler:
             num_blocks, self.block_size, cache_config.enable_prefix_caching
         )
         self.connector = connector
+        self.structured_output = structured_output
         self.requests: dict[str, Request] = {}  # every unfinished request
+        # Requests whose grammar is compiling (also in the waiting queue).
+        self._waiting_for_grammar: dict[str, Request] = {}
+        # Outputs of requests finished between steps (grammar failed or completed at
+        # once), returned by the next update_from_output.
+        self._pending_outputs: list[EngineCoreOutput] = []
         self.waiting = create_request_queue(scheduler_config.policy)
         self.running: list[Request] = []
         self.finished_req_ids: set[str] = set()  # since the last schedule()
@@ -155,12 +178,23 @@ class Scheduler:
                 breaks :attr:`limits` (``engine.validation.validate_request``: empty,
                 no room for a token in ``max_model_len`` or in the KV cache, or, with
                 chunked prefill off, more than ``max_num_batched_tokens``).
+            RequestError: ``structured_outputs`` on a scheduler without a grammar manager.
         """
         self.check_request_id(request.request_id)
         validate_request(request.prompt_token_ids, request.sampling_params, self.limits)
         if request.status != RequestStatus.WAITING:
             raise ValueError(f"request status must be WAITING, got {request.status.name}")
+        constrained = request.sampling_params.structured_outputs is not None
+        if constrained and self.structured_output is None:
+            raise RequestError(
+                "structured_outputs", "structured_outputs: this engine has no grammar backend"
+            )
         rid = request.request_id
+        if constrained:
+            assert self.structured_output is not None
+            self.structured_output.add_request(request)
+            request.status = RequestStatus.WAITING_FOR_GRAMMAR
+            self._waiting_for_grammar[rid] = request
         self.requests[rid] = request
         self._arrival_seq[rid] = next(self._seq)
         self.waiting.add(request)
@@ -176,6 +210,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Build the next step's batch (see the module docstring). Never raises for
         lack of blocks: requests wait or are preempted instead."""
+        if self._waiting_for_grammar:
+            self._poll_grammars()
         kvm = self.kv_cache_manager
         budget = self.config.max_num_batched_tokens
         scheduled: list[Request] = []
@@ -223,7 +259,42 @@ class Scheduler:
         self.finished_req_ids = set()
         if self.connector is not None:
             out.kv_connector_metadata = self.connector.build_connector_meta(out)
+        if self.structured_output is not None:
+            sampled = [
+                r
+                for r in scheduled
+                if r.num_computed_tokens + num_scheduled[r.request_id] == r.num_tokens
+            ]
+            out.grammar_bitmask = self.structured_output.grammar_bitmask(sampled)
         return out
+
+    def _poll_grammars(self) -> None:
+        """Move requests whose grammar compiled to WAITING; fail those whose grammar did
+        not compile (or timed out, or rejects a token the request already has)."""
+        manager = self.structured_output
+        assert manager is not None, "constrained requests imply a manager"
+        failed: list[tuple[Request, RequestError]] = []
+        done: list[Request] = []
+        for rid, req in list(self._waiting_for_grammar.items()):
+            result = manager.poll(req)
+            if result is False:
+                continue
+            del self._waiting_for_grammar[rid]
+            if isinstance(result, RequestError):
+                failed.append((req, result))
+            elif manager.is_terminated(req):
+                done.append(req)  # the tokens it came with already complete the grammar
+            else:
+                req.status = RequestStatus.WAITING
+        for req, error in failed:
+            logger.info("%s: %s", req.request_id, error)
+            self.finish_requests(req.request_id, RequestStatus.FINISHED_ABORTED)
+            self._pending_outputs.append(
+                EngineCoreOutput(req.request_id, [], finish_reason="abort", error=error)
+            )
+        for req in done:
+            self.finish_requests(req.request_id, RequestStatus.FINISHED_STOPPED)
+            self._pending_outputs.append(EngineCoreOutput(req.request_id, [], finish_reason="stop"))
 
     def _schedule_waiting(
         self, budget: int, scheduled: list[Request], num_scheduled: dict[str, int]
@@ -235,6 +306,9 @@ class Scheduler:
             rid = req.request_id
             if req.status == RequestStatus.WAITING_FOR_REMOTE_KV:
                 skipped.append(self.waiting.pop())  # until update_from_output reports it
+                continue
+            if req.status == RequestStatus.WAITING_FOR_GRAMMAR:
+                skipped.append(self.waiting.pop())  # until _poll_grammars finds it ready
                 continue
 
             hits, num_hit = KVCacheBlocks(), 0
@@ -359,7 +433,7 @@ class Scheduler:
         Returns:
             One ``EngineCoreOutput`` per request that got a token this step.
         """
-        outputs: list[EngineCoreOutput] = []
+        outputs, self._pending_outputs = self._pending_outputs, []
         stopped: set[str] = set()
         for req in sched.scheduled_requests:
             rid = req.request_id
@@ -376,7 +450,17 @@ class Scheduler:
             req.append_output_token(token, logprobs)
             if req.first_token_time is None:
                 req.first_token_time = time.monotonic()
-            if self._check_stop(req):
+            error = None
+            if req.structured_output is not None:
+                error = self._advance_grammar(req, token)
+            if error is not None:
+                req.status = RequestStatus.FINISHED_ABORTED
+                stopped.add(rid)
+            elif self.structured_output is not None and self.structured_output.is_terminated(req):
+                # The grammar is complete (its stop token, EOS, was accepted).
+                req.status = RequestStatus.FINISHED_STOPPED
+                stopped.add(rid)
+            elif self._check_stop(req):
                 stopped.add(rid)
             outputs.append(
                 EngineCoreOutput(
@@ -386,6 +470,7 @@ class Scheduler:
                     finish_reason=req.get_finish_reason(),
                     stop_reason=req.stop_reason,
                     num_cached_tokens=max(req.num_cached_tokens, 0),
+                    error=error,
                 )
             )
         if stopped:
@@ -394,6 +479,19 @@ class Scheduler:
                 self._finish_request(self.requests[rid])
         self._update_transfers(finished_recving, finished_sending)
         return outputs
+
+    def _advance_grammar(self, req: Request, token: int) -> RequestError | None:
+        """Advance the request's matcher by ``token``; the error that fails the request
+        when the grammar rejects it (a token sampled under the mask is always allowed,
+        unless every token was masked, e.g. by ``min_tokens`` banning the grammar's EOS)."""
+        assert self.structured_output is not None
+        if self.structured_output.accept(req, token):
+            return None
+        return RequestError(
+            "structured_outputs",
+            f"structured_outputs: sampled token {token} is not allowed by the grammar "
+            "(no allowed token was left: check min_tokens, logit_bias, stop_token_ids)",
+        )
 
     def _check_stop(self, req: Request) -> bool:
         stop = check_stop(req, self.max_seq_len)
@@ -460,6 +558,9 @@ class Scheduler:
         del self.requests[rid]
         self._arrival_seq.pop(rid, None)
         self._remote_requested.pop(rid, None)
+        self._waiting_for_grammar.pop(rid, None)
+        if self.structured_output is not None:
+            self.structured_output.free(req)
         self.finished_req_ids.add(rid)
         kvm = self.kv_cache_manager
         if self.connector is not None and self.connector.request_finished(
@@ -474,7 +575,7 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         """True while requests wait or run, or finished ones still hold blocks for a save
         (the engine must keep stepping so the connector's results are collected)."""
-        return bool(self.requests or self._pending_free)
+        return bool(self.requests or self._pending_free or self._pending_outputs)
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)

@@ -184,6 +184,21 @@ class ServiceContext:
             priority=priority,
         )
 
+    async def check_structured_outputs(self, request: Request) -> None:
+        """Compile the request's constraint (if any) on a worker thread before it is
+        queued, so a bad schema, regex or grammar is rejected by the RPC itself; the
+        engine's own compile is then a cache hit. The engine thread is not involved.
+
+        Raises:
+            RequestError: naming ``structured_outputs.<kind>`` with the library's message,
+                or a compile longer than the engine's time limit.
+        """
+        so = request.sampling_params.structured_outputs
+        if so is None:
+            return
+        engine = self.engine_loop.engine
+        await asyncio.to_thread(engine.check_structured_outputs, so)
+
     async def stats(self) -> Any:
         """The scheduler's ``SchedulerStats`` (read in the engine thread; the last
         snapshot while a long step runs, see ``EngineLoop.stats``)."""

@@ -246,7 +246,9 @@ class EngineLoop:
                 queue = self._queues.get(out.request_id)
                 if queue is None:
                     continue  # aborted by its handler meanwhile
-                items.append((queue, out))
+                # The engine failed the request (its grammar did not compile, ...):
+                # the handler sees the RequestError, which names the field.
+                items.append((queue, out.error if out.error is not None else out))
                 if out.finished:
                     del self._queues[out.request_id]
             self._deliver(items)

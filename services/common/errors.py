@@ -18,6 +18,10 @@ exception                          gRPC status
                                    blocks (see ``engine_loop.RequestStream``)
 anything else                      INTERNAL (logged with its traceback)
 =================================  ===================
+
+A ``RequestError`` (a ``ValueError`` naming the request field at fault) also sends that
+field as the trailing metadata entry :data:`FIELD_METADATA_KEY`, so a caller (the router)
+can report it as the OpenAI error's ``param`` without parsing the message.
 """
 
 from __future__ import annotations
@@ -30,9 +34,12 @@ from typing import Any
 
 import grpc
 
-from tandem.engine.validation import KVCapacityError
+from tandem.engine.validation import KVCapacityError, RequestError
 
 logger = logging.getLogger(__name__)
+
+#: Trailing-metadata key of the request field an INVALID_ARGUMENT names.
+FIELD_METADATA_KEY = "tandem-field"
 
 
 class UnknownRequestError(LookupError):
@@ -78,8 +85,11 @@ async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> None:
         message = f"internal error: {type(exc).__name__}: {exc}"
     else:
         message = str(exc) or type(exc).__name__
+    trailing: tuple[tuple[str, str], ...] = ()
+    if isinstance(exc, RequestError):
+        trailing = ((FIELD_METADATA_KEY, exc.field),)
     # context.abort raises grpc.aio.AbortError, which grpc turns into the status.
-    await context.abort(code, message)
+    await context.abort(code, message, trailing_metadata=trailing)
 
 
 def _wrap_unary(

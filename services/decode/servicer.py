@@ -94,6 +94,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         ctx = self._ctx
         arrival_ns = now_ns()
         req = self._build(request)
+        # A grammar this instance cannot compile, or one that rejects the first token
+        # (checked by the engine when it replays it), fails the request: never
+        # unconstrained output.
+        await ctx.check_structured_outputs(req)
         disaggregated = request.HasField("first_token_id")
         if disaggregated:
             stop = check_stop(req, ctx.max_seq_len)

@@ -35,6 +35,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         req = ctx.new_request(
             request.request_id, request.prompt_token_ids, request.sampling_params, request.priority
         )
+        await ctx.check_structured_outputs(req)
         full_params = req.sampling_params
         # The engine computes only token 1; min_tokens <= max_tokens must hold.
         req.sampling_params = dataclasses.replace(
@@ -62,6 +63,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         stop = None if aborted else check_stop(req, ctx.max_seq_len)
         if not aborted:
             reason = None if stop is None else stop.finish_reason
+            if first.finish_reason == "stop":
+                reason = "stop"  # EOS or a stop id (as above), or the grammar is complete
         scheduled_ns = _mono_ns(req.first_scheduled_time, arrival_ns)
         resp = prefill_pb2.PrefillResponse(
             request_id=req.request_id,

@@ -39,6 +39,7 @@ from tandem.services.router.responses import (
     usage,
 )
 from tandem.services.router.sequence import GenerationRequest, SeqDelta
+from tandem.services.router.tools import ToolCallParser, ToolChoice, finish_reason_with_calls
 
 _Req = TypeVar("_Req", P.CompletionRequest, P.ChatCompletionRequest)
 
@@ -110,13 +111,15 @@ def create_app(fe: Frontend, lifespan: Any = None) -> FastAPI:
     async def completions(request: Request) -> Response:
         rid, arrival_ns, req = await accept(request, P.CompletionRequest)
         prompts = fe.tokenize_prompts(req.prompt)
+        constraint = req.constraint()
         gens = []
         for p, ids in enumerate(prompts):
             sp = req.to_sampling_params(num_prompt_tokens=len(ids),
-                                        max_model_len=fe.max_model_len)
+                                        max_model_len=fe.max_model_len, constraint=constraint)
             fe.check_sampling_params(sp)
             gens.append(GenerationRequest(rid if len(prompts) == 1 else f"{rid}-p{p}", ids, sp,
-                                          req.priority, arrival_ns))
+                                          req.priority, arrival_ns,
+                                          param_of_field=constraint.param_of_field))
         if isinstance(req.prompt, str):
             echo_texts = [req.prompt]
         elif isinstance(req.prompt[0], str):
@@ -145,29 +148,59 @@ def create_app(fe: Frontend, lifespan: Any = None) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         rid, arrival_ns, req = await accept(request, P.ChatCompletionRequest)
-        messages = [{"role": m.role, "content": m.text(),
-                     **({"name": m.name} if m.name else {})} for m in req.messages]
+        tool_choice = req.tool_choice_spec()
+        messages = [m.to_template() for m in req.messages]
+        tools = ([t.to_template() for t in tool_choice.tools]
+                 if tool_choice is not None and tool_choice.render_tools else None)
         ids = fe.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt,
                                      continue_final_message=req.continue_final_message,
-                                     kwargs=req.chat_template_kwargs)
-        sp = req.to_sampling_params(num_prompt_tokens=len(ids), max_model_len=fe.max_model_len)
+                                     kwargs=req.chat_template_kwargs, tools=tools)
+        constraint = req.constraint(tool_choice.constraint() if tool_choice else None)
+        sp = req.to_sampling_params(num_prompt_tokens=len(ids), max_model_len=fe.max_model_len,
+                                    constraint=constraint)
         fe.check_sampling_params(sp)
-        gen = GenerationRequest(rid, ids, sp, req.priority, arrival_ns)
+        param_of_field = dict(constraint.param_of_field)
+        if tool_choice is not None and tool_choice.mode == "named":
+            index = [t.name for t in tool_choice.tools].index(str(tool_choice.name))
+            param_of_field = {f: f"tools[{index}].function.parameters" for f in param_of_field}
+        elif tool_choice is not None and tool_choice.mode == "required":
+            param_of_field = {f: "tools" for f in param_of_field}
+        gen = GenerationRequest(rid, ids, sp, req.priority, arrival_ns,
+                                param_of_field=param_of_field)
         resp_id = f"chatcmpl-{rid}"
+        parses = tool_choice if tool_choice is not None and tool_choice.parses_calls else None
         if req.stream:
             return await _stream(request, rid, merged(fe, [gen]),
-                                 _ChatStreamer(fe, req, resp_id, len(ids)))
+                                 _ChatStreamer(fe, req, resp_id, len(ids), parses))
         states = await _collect(request, merged(fe, [gen]), sp.n)
-        choices = [P.ChatChoice(index=st.index,
-                                message=P.ChatResponseMessage(content=st.text),
-                                logprobs=chat_logprobs(fe, st.logprobs) if req.logprobs else None,
-                                finish_reason=st.finish_reason, stop_reason=st.stop_reason)
-                   for st in states]
+        choices = []
+        for st in states:
+            message, finish = _chat_message(st.text, st.finish_reason, parses)
+            choices.append(P.ChatChoice(
+                index=st.index, message=message,
+                logprobs=chat_logprobs(fe, st.logprobs) if req.logprobs else None,
+                finish_reason=finish, stop_reason=st.stop_reason))
         body = P.ChatCompletionResponse(id=resp_id, model=req.model or fe.model_name,
                                         choices=choices)
         return reply(body, rid, len(ids), states)
 
     return app
+
+
+def _chat_message(text: str, finish_reason: str | None, tool_choice: ToolChoice | None
+                  ) -> tuple[P.ChatResponseMessage, str | None]:
+    """A whole answer's message and finish reason: with tools, its calls parsed out."""
+    if tool_choice is None:
+        return P.ChatResponseMessage(content=text), finish_reason
+    parser = ToolCallParser(tool_choice)
+    first, rest = parser.feed(text), parser.finish()
+    content = first.content + rest.content
+    calls = parser.calls
+    if calls:
+        content = content.strip()
+    message = P.ChatResponseMessage(content=content or None,
+                                    tool_calls=[c.to_openai() for c in calls] or None)
+    return message, finish_reason_with_calls(finish_reason, bool(calls))
 
 
 async def _json_body(request: Request) -> Any:
@@ -299,25 +332,75 @@ class _Streamer:
 
 
 class _ChatStreamer(_Streamer):
+    """Chat chunks; with tools, each choice's text goes through a ``ToolCallParser`` and
+    calls are sent as ``delta.tool_calls`` entries (``index``, then ``id``, ``type`` and
+    ``function.name`` on a call's first entry, ``function.arguments`` in pieces), the
+    shape the ``openai`` client's stream helpers assemble."""
+
     req: P.ChatCompletionRequest
 
     def __init__(self, fe: Frontend, req: P.ChatCompletionRequest, resp_id: str,
-                 num_prompt_tokens: int) -> None:
+                 num_prompt_tokens: int, tool_choice: ToolChoice | None = None) -> None:
         super().__init__(fe, req, resp_id, req.n, num_prompt_tokens)
+        self.parsers = ([ToolCallParser(tool_choice) for _ in range(req.n)]
+                        if tool_choice is not None else None)
+        self._num_calls_sent = [0] * req.n
+        self._held_space = [""] * req.n
+
+    def _tool_delta(self, idx: int, d: SeqDelta) -> tuple[str | None, list[dict] | None,
+                                                           str | None]:
+        """(content, tool_calls entries, finish_reason) of one delta with tools."""
+        assert self.parsers is not None
+        parser = self.parsers[idx]
+        named_before = parser.named_call is not None
+        parsed = parser.feed(d.text)
+        tail = parser.finish() if d.finish_reason is not None else None
+        content = parsed.content + (tail.content if tail else "")
+        calls = parsed.calls + (tail.calls if tail else [])
+        entries: list[dict] = []
+        if parsed.arguments:
+            call = parser.named_call
+            assert call is not None
+            if named_before:
+                entries.append({"index": 0, "function": {"arguments": parsed.arguments}})
+            else:
+                first = call.to_openai(0)
+                first["function"]["arguments"] = parsed.arguments
+                entries.append(first)
+                self._num_calls_sent[idx] = 1
+        for call in calls:
+            entries.append(call.to_openai(self._num_calls_sent[idx]))
+            self._num_calls_sent[idx] += 1
+        # NOTE: whitespace is held until text follows it, so the blank lines around
+        # <tool_call> blocks do not become content of an answer that only calls tools.
+        content = self._held_space[idx] + content
+        if content.strip():
+            self._held_space[idx] = ""
+        else:
+            self._held_space[idx], content = content, ""
+        if d.finish_reason is not None and not parser.calls:
+            content += self._held_space[idx]
+        finish = finish_reason_with_calls(d.finish_reason, bool(parser.calls))
+        return content or None, entries or None, finish
 
     def chunks(self, idx: int, d: SeqDelta) -> list[str]:
         st = self.states[idx]
         st.add(d)
         first = not st.sent_role
-        if not (d.text or d.finish_reason or first or (self.req.logprobs and d.logprobs)):
+        content: str | None = d.text
+        tool_calls = None
+        finish = d.finish_reason
+        if self.parsers is not None:
+            content, tool_calls, finish = self._tool_delta(idx, d)
+        if not (content or tool_calls or finish or first or (self.req.logprobs and d.logprobs)):
             return []
         st.sent_role = True
         choice = P.ChatStreamChoice(
             index=idx, delta=P.DeltaMessage(role="assistant" if first else None,
-                                            content=d.text),
+                                            content=content, tool_calls=tool_calls),
             logprobs=chat_logprobs(self.fe, d.logprobs) if self.req.logprobs and d.logprobs
             else None,
-            finish_reason=d.finish_reason, stop_reason=d.stop_reason)
+            finish_reason=finish, stop_reason=d.stop_reason)
         chunk = P.ChatCompletionChunk(id=self.resp_id, created=self.created, model=self.model,
                                       choices=[choice])
         self._finish(chunk, d)

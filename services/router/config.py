@@ -31,6 +31,9 @@ class RouterConfig:
         max_model_len: context length in tokens, ``None`` for the model's own.
         max_running_requests / max_queued_requests: admission limits (requests).
         max_attempts: tries per stage on different instances.
+        chat_template: ``--chat-template`` as given (a path, a shipped template's name or
+            the template), ``None`` for the model's.
+        tool_call_parser: ``--tool-call-parser`` (``hermes``).
         log_level: Python logging level name.
 
     Raises:
@@ -52,6 +55,8 @@ class RouterConfig:
     max_running_requests: int = 256
     max_queued_requests: int = 1024
     max_attempts: int = 3
+    chat_template: str | None = None
+    tool_call_parser: str = "hermes"
     log_level: str = "info"
 
     def __post_init__(self) -> None:
@@ -65,6 +70,8 @@ class RouterConfig:
         if self.max_queued_requests < 0:
             raise ValueError(f"--max-queued-requests must be >= 0, got "
                              f"{self.max_queued_requests}")
+        if self.tool_call_parser not in ("hermes",):
+            raise ValueError(f"--tool-call-parser must be hermes, got {self.tool_call_parser!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"--max-model-len must be >= 1, got {self.max_model_len}")
         static = self.prefill or self.decode or self.colocated
@@ -90,4 +97,6 @@ class RouterConfig:
                    max_model_len=ns.max_model_len,
                    max_running_requests=ns.max_running_requests,
                    max_queued_requests=ns.max_queued_requests, max_attempts=ns.max_attempts,
+                   chat_template=getattr(ns, "chat_template", None),
+                   tool_call_parser=getattr(ns, "tool_call_parser", "hermes"),
                    log_level=ns.log_level)

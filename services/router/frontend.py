@@ -8,6 +8,7 @@ tokens again (the template already holds them) -- the same rule as the offline `
 
 from __future__ import annotations
 
+import importlib.resources
 import uuid
 from collections.abc import Sequence
 from typing import Any
@@ -27,12 +28,24 @@ class Frontend:
         served_model_names: names accepted in ``model`` (the first is reported).
         max_model_len: context length in tokens.
         api_key: required bearer token for ``/v1`` routes, or ``None``.
+        chat_template: a Jinja chat template used instead of the model's for every
+            request (``--chat-template``), or ``None``.
+        tool_call_parser: how tool calls are read from the model's text
+            (``--tool-call-parser``; ``tools.TOOL_CALL_PARSERS``).
     """
 
     def __init__(self, *, tokenizer: Any, pipeline: Pipeline, served_model_names: Sequence[str],
-                 max_model_len: int, api_key: str | None = None) -> None:
+                 max_model_len: int, api_key: str | None = None,
+                 chat_template: str | None = None, tool_call_parser: str = "hermes") -> None:
         if not served_model_names:
             raise ValueError("served_model_names must not be empty")
+        self.chat_template = chat_template
+        self.tool_call_parser = tool_call_parser
+        own = chat_template or getattr(tokenizer, "chat_template", None) or ""
+        # NOTE: a template that never mentions `tools` would drop them silently; requests
+        # with tools then use the shipped Hermes template (``tool_chat_template``).
+        self.tool_chat_template: str | None = (
+            None if "tools" in own else load_shipped_template("hermes_tool_use"))
         self.tokenizer = tokenizer
         self.pipeline = pipeline
         self.served_model_names = list(served_model_names)
@@ -102,18 +115,33 @@ class Frontend:
     def apply_chat_template(self, messages: list[dict[str, Any]], *,
                             add_generation_prompt: bool = True,
                             continue_final_message: bool = False,
-                            kwargs: dict[str, Any] | None = None) -> list[int]:
-        """Render chat messages with the model's template and tokenize.
+                            kwargs: dict[str, Any] | None = None,
+                            tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """Render chat messages with the chat template and tokenize.
+
+        The template is ``--chat-template`` if given, else the model's; a request with
+        ``tools`` (or with tool turns) whose template has no tool support uses the
+        shipped Hermes template instead.
 
         Raises:
             OpenAIError: 400 when the template rejects the messages or yields no tokens.
         """
         if continue_final_message and add_generation_prompt:
             add_generation_prompt = False
+        template = self.chat_template
+        uses_tools = bool(tools) or any(m.get("role") == "tool" or m.get("tool_calls")
+                                        for m in messages)
+        if uses_tools and self.tool_chat_template is not None:
+            template = self.tool_chat_template
+        extra: dict[str, Any] = dict(kwargs or {})
+        if template is not None:
+            extra["chat_template"] = template
+        if tools:
+            extra["tools"] = tools
         try:
             text = self.tokenizer.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message, **(kwargs or {}))
+                continue_final_message=continue_final_message, **extra)
         except Exception as exc:  # noqa: BLE001 - jinja raises many types for bad input
             raise OpenAIError(f"chat template failed on these messages: {exc}",
                               param="messages") from exc
@@ -129,3 +157,29 @@ class Frontend:
             if len(self._token_text) < 200_000:
                 self._token_text[token_id] = text
         return text
+
+
+def load_shipped_template(name: str) -> str:
+    """A chat template shipped in ``services/router/chat_templates/<name>.jinja``."""
+    files = importlib.resources.files("tandem.services.router") / "chat_templates"
+    return (files / f"{name}.jinja").read_text(encoding="utf-8")
+
+
+def read_chat_template(value: str) -> str:
+    """``--chat-template``'s value: a file path, a shipped template's name, or the template.
+
+    Raises:
+        ValueError: naming ``--chat-template`` when a path-like value names no file.
+    """
+    import os
+
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    shipped = importlib.resources.files("tandem.services.router") / "chat_templates"
+    if (shipped / f"{value}.jinja").is_file():
+        return load_shipped_template(value)
+    if "{" not in value:
+        raise ValueError(f"--chat-template: no file {value!r} and no shipped template of "
+                         "that name (and it is no Jinja template)")
+    return value

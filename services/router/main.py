@@ -49,6 +49,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests queued behind those; more get 503 + Retry-After")
     p.add_argument("--max-attempts", type=int, default=3,
                    help="tries per stage (prefill, decode) on different instances")
+    p.add_argument("--chat-template", default=None,
+                   help="chat template for every request: a Jinja file, a shipped template's "
+                        "name (hermes_tool_use) or the template itself; default the model's")
+    p.add_argument("--tool-call-parser", default="hermes", choices=["hermes"],
+                   help="how tool calls are read from the model's text (hermes: "
+                        "<tool_call>{json}</tool_call>)")
     p.add_argument("--log-level", default="info")
     return p
 
@@ -86,7 +92,7 @@ async def serve(cfg: RouterConfig) -> None:
     from tandem.services.router.app import create_app
     from tandem.services.router.client import InstancePool
     from tandem.services.router.discovery import Discovery, RedisDiscovery, StaticDiscovery
-    from tandem.services.router.frontend import Frontend
+    from tandem.services.router.frontend import Frontend, read_chat_template
     from tandem.services.router.grpc_server import start_grpc_server
     from tandem.services.router.metrics import RouterMetrics
     from tandem.services.router.pipeline import Pipeline
@@ -114,7 +120,9 @@ async def serve(cfg: RouterConfig) -> None:
                         max_running=cfg.max_running_requests,
                         max_waiting=cfg.max_queued_requests, max_attempts=cfg.max_attempts)
     fe = Frontend(tokenizer=tokenizer, pipeline=pipeline, served_model_names=served,
-                  max_model_len=cfg.max_model_len or facts.max_model_len, api_key=cfg.api_key)
+                  max_model_len=cfg.max_model_len or facts.max_model_len, api_key=cfg.api_key,
+                  chat_template=read_chat_template(cfg.chat_template) if cfg.chat_template
+                  else None, tool_call_parser=cfg.tool_call_parser)
     await discovery.start()
     await pool.start()
     grpc_server: Any = None

@@ -28,7 +28,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from typing import Any
 
 import grpc
@@ -37,6 +37,7 @@ from tandem.contracts.proto import sampling_params_to_proto
 from tandem.contracts.role import Role
 from tandem.engine.fan_out import fan_out
 from tandem.engine.sampling_params import SamplingParams
+from tandem.services.common.errors import FIELD_METADATA_KEY
 from tandem.services.router.client import CALLER_ERROR_CODES, InstancePool
 from tandem.services.router.discovery import Discovery, InstanceInfo
 from tandem.services.router.errors import OpenAIError
@@ -162,7 +163,8 @@ class Pipeline:
             ctx = RouteContext(Role.PREFILL, req.prompt_token_ids, seq_id)
             presp = await self._prefill(ctx, prefill_pb2.PrefillRequest(
                 request_id=seq_id, prompt_token_ids=req.prompt_token_ids,
-                sampling_params=psp, priority=req.priority), metadata, timings)
+                sampling_params=psp, priority=req.priority), metadata, timings,
+                req.param_of_field)
             state.num_cached_tokens = presp.num_cached_tokens
             lps = [presp.first_logprobs] if presp.HasField("first_logprobs") else None
             stop_tok = presp.stop_token_id if presp.HasField("stop_token_id") else None
@@ -185,7 +187,7 @@ class Pipeline:
                 sampling_params=psp, priority=req.priority)
             stage = Role.BOTH
         ctx = RouteContext(stage, req.prompt_token_ids, seq_id)
-        async for delta in self._decode(ctx, dreq, metadata, state):
+        async for delta in self._decode(ctx, dreq, metadata, state, req.param_of_field):
             yield delta
 
     async def _attempts(self, stage: Role, ctx: RouteContext) -> AsyncIterator[InstanceInfo]:
@@ -203,15 +205,15 @@ class Pipeline:
             yield info
 
     async def _prefill(self, ctx: RouteContext, preq: prefill_pb2.PrefillRequest,
-                       metadata: Sequence[tuple[str, str]], timings: Timings
-                       ) -> prefill_pb2.PrefillResponse:
+                       metadata: Sequence[tuple[str, str]], timings: Timings,
+                       param_of_field: Mapping[str, str]) -> prefill_pb2.PrefillResponse:
         last: grpc.aio.AioRpcError | None = None
         async for info in self._attempts(Role.PREFILL, ctx):
             self.discovery.acquire(info.address)
             try:
                 presp = await self.pool.prefill(info.address, preq, tuple(metadata))
             except grpc.aio.AioRpcError as exc:
-                _raise_if_caller_error(exc)
+                _raise_if_caller_error(exc, param_of_field)
                 last = exc
                 self._failed(info, Role.PREFILL, exc)
                 continue
@@ -227,8 +229,8 @@ class Pipeline:
         raise _unavailable(Role.PREFILL, last)
 
     async def _decode(self, ctx: RouteContext, dreq: decode_pb2.DecodeRequest,
-                      metadata: Sequence[tuple[str, str]], state: SeqState
-                      ) -> AsyncIterator[SeqDelta]:
+                      metadata: Sequence[tuple[str, str]], state: SeqState,
+                      param_of_field: Mapping[str, str]) -> AsyncIterator[SeqDelta]:
         last: grpc.aio.AioRpcError | None = None
         async for info in self._attempts(ctx.stage, ctx):
             state.timings.decode_instance = info.address
@@ -255,7 +257,7 @@ class Pipeline:
                 raise OpenAIError(f"decode stream from {info.address} ended unfinished",
                                   status_code=503)
             except grpc.aio.AioRpcError as exc:
-                _raise_if_caller_error(exc)
+                _raise_if_caller_error(exc, param_of_field)
                 self._failed(info, ctx.stage, exc)
                 if num_emitted:
                     raise OpenAIError(
@@ -308,9 +310,23 @@ class Pipeline:
         self.metrics.retries.labels(model_name=self.metrics.model_name, stage=stage).inc()
 
 
-def _raise_if_caller_error(exc: grpc.aio.AioRpcError) -> None:
-    if exc.code() in CALLER_ERROR_CODES:
-        raise OpenAIError(exc.details() or "invalid request", status_code=400) from exc
+def _raise_if_caller_error(exc: grpc.aio.AioRpcError, param_of_field: Mapping[str, str]
+                           ) -> None:
+    """A 400 for the engine's verdict on a bad request: ``param`` is the field the engine
+    names (trailing metadata ``FIELD_METADATA_KEY``), in the client's API's words."""
+    if exc.code() not in CALLER_ERROR_CODES:
+        return
+    field = None
+    for key, value in exc.trailing_metadata() or ():
+        if key == FIELD_METADATA_KEY and isinstance(value, str):
+            field = value
+    message = exc.details() or "invalid request"
+    param = None
+    if field is not None:
+        param = param_of_field.get(field, field)
+        if param != field and message.startswith(f"{field}:"):
+            message = param + message[len(field):]
+    raise OpenAIError(message, status_code=400, param=param) from exc
 
 
 def _unavailable(stage: Role, last: grpc.aio.AioRpcError | None) -> OpenAIError:

@@ -21,6 +21,13 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.validation import RequestError, check_context_length
 from tandem.services.router.errors import OpenAIError, from_request_error
+from tandem.services.router.structured import (
+    Constraint,
+    ConstraintSource,
+    build_constraint,
+    check_unsupported,
+)
+from tandem.services.router.tools import ToolChoice, parse_tool_choice
 
 logger = logging.getLogger(__name__)
 
@@ -69,9 +76,17 @@ class _SamplingRequest(BaseModel):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     priority: int = Field(0, ge=_INT32[0], le=_INT32[1])
+    # Structured outputs (services/router/structured.py): OpenAI's, vLLM's, vLLM's legacy.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @model_validator(mode="after")
     def _warn_unknown(self) -> _SamplingRequest:
+        check_unsupported(self.model_extra)
         if self.model_extra:
             logger.warning("ignoring unknown request fields: %s", sorted(self.model_extra))
         if self.stream_options is not None and not self.stream:
@@ -88,12 +103,29 @@ class _SamplingRequest(BaseModel):
     def _num_logprobs(self) -> int | None:
         raise NotImplementedError
 
-    def to_sampling_params(self, *, num_prompt_tokens: int, max_model_len: int) -> SamplingParams:
+    def constraint(self, extra: ConstraintSource | None = None) -> Constraint:
+        """The request's output constraint, from whichever field set it.
+
+        Args:
+            extra: a constraint implied by another field (a forced tool call).
+
+        Raises:
+            OpenAIError: 400 naming the field(s) (``structured.build_constraint``).
+        """
+        legacy = {name: getattr(self, name) for name in
+                  ("guided_json", "guided_regex", "guided_choice", "guided_grammar")}
+        return build_constraint(response_format=self.response_format,
+                                structured_outputs=self.structured_outputs, legacy=legacy,
+                                extra=extra)
+
+    def to_sampling_params(self, *, num_prompt_tokens: int, max_model_len: int,
+                           constraint: Constraint | None = None) -> SamplingParams:
         """Build the engine's sampling parameters and check the context length.
 
         Args:
             num_prompt_tokens: tokens in the (templated) prompt.
             max_model_len: the model's context length in tokens.
+            constraint: the output constraint (``None``: :meth:`constraint`).
 
         Returns:
             ``SamplingParams``; ``max_tokens`` defaults to the room left in the context.
@@ -119,6 +151,8 @@ class _SamplingRequest(BaseModel):
                     "logit_bias keys must be token ids (integers as strings)", param="logit_bias"
                 ) from exc
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if constraint is None:
+            constraint = self.constraint()
         try:
             return SamplingParams(
                 n=self.n,
@@ -142,6 +176,7 @@ class _SamplingRequest(BaseModel):
                 logprobs=self._num_logprobs(),
                 skip_special_tokens=self.skip_special_tokens,
                 spaces_between_special_tokens=self.spaces_between_special_tokens,
+                structured_outputs=constraint.params,
             )
         except RequestError as exc:
             raise from_request_error(exc) from exc
@@ -181,6 +216,20 @@ class ChatMessage(BaseModel):
     role: str
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    # An assistant turn's calls (OpenAI form) and a tool turn's answer to one of them.
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+
+    def to_template(self) -> dict[str, Any]:
+        """The message as chat templates take it (``content`` always a string)."""
+        msg: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.name:
+            msg["name"] = self.name
+        if self.tool_calls:
+            msg["tool_calls"] = self.tool_calls
+        if self.tool_call_id is not None:
+            msg["tool_call_id"] = self.tool_call_id
+        return msg
 
     def text(self) -> str:
         """The message's text; text parts are joined, other part types rejected."""
@@ -204,6 +253,9 @@ class ChatCompletionRequest(_SamplingRequest):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
     def _requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else (
@@ -221,7 +273,23 @@ class ChatCompletionRequest(_SamplingRequest):
     def _check(self) -> ChatCompletionRequest:
         if not self.messages:
             raise OpenAIError("messages must not be empty", param="messages")
+        for legacy in ("functions", "function_call"):
+            if (self.model_extra or {}).get(legacy) is not None:
+                raise OpenAIError(f"{legacy} is not supported; use tools and tool_choice",
+                                  param=legacy)
+        for i, m in enumerate(self.messages):
+            if m.role == "tool" and not m.tool_call_id:
+                raise OpenAIError(f"messages[{i}]: a tool message needs tool_call_id",
+                                  param=f"messages[{i}].tool_call_id")
         return self
+
+    def tool_choice_spec(self) -> ToolChoice | None:
+        """The request's tools and ``tool_choice``, validated (``None`` without tools).
+
+        Raises:
+            OpenAIError: 400 naming the field (``tools.parse_tool_choice``).
+        """
+        return parse_tool_choice(self.tools, self.tool_choice, self.parallel_tool_calls)
 
 
 # ---- responses -------------------------------------------------------------------------
@@ -294,6 +362,8 @@ class ChatLogprobs(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
+    # OpenAI form: [{"id", "type": "function", "function": {"name", "arguments"}}].
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -312,6 +382,9 @@ class ChatCompletionResponse(_Answer[ChatChoice]):
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
+    # A call's first delta: {"index", "id", "type", "function": {"name", "arguments"}};
+    # later ones {"index", "function": {"arguments": <more>}} (as OpenAI streams them).
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class ChatStreamChoice(BaseModel):

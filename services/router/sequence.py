@@ -29,6 +29,9 @@ class GenerationRequest:
         sampling_params: validated; ``stop`` strings are handled here, not by engines.
         priority: engine scheduling priority (lower first).
         arrival_ns: ``time.monotonic_ns()`` when the router received it.
+        param_of_field: engine field -> the API field the client used for it (e.g.
+            ``"structured_outputs.json"`` -> ``"response_format.json_schema.schema"``),
+            to name it in the errors engines report.
     """
 
     request_id: str
@@ -36,6 +39,7 @@ class GenerationRequest:
     sampling_params: SamplingParams
     priority: int = 0
     arrival_ns: int = field(default_factory=time.monotonic_ns)
+    param_of_field: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass

@@ -16,6 +16,7 @@ from tandem.contracts.proto import (
 )
 from tandem.engine.request import Logprob
 from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.sampling_params import StructuredOutputsParams as SO
 from tandem.v1 import common_pb2
 
 # Engine fields the proto does not carry on purpose (the router keeps them).
@@ -26,7 +27,8 @@ NOT_CARRIED = {"n", "stop", "include_stop_str_in_output", "prompt_logprobs",
 NON_DEFAULT = dict(temperature=0.5, top_k=7, top_p=0.875, min_p=0.125, seed=3,
                    presence_penalty=0.5, frequency_penalty=-0.5, repetition_penalty=1.25,
                    logit_bias={5: 2.0}, min_tokens=2, max_tokens=9, ignore_eos=True,
-                   stop_token_ids=[4], logprobs=0)
+                   stop_token_ids=[4], logprobs=0,
+                   structured_outputs=SO(json={"type": "object"}, disable_any_whitespace=True))
 
 
 def test_unset_fields_take_engine_defaults():
@@ -66,6 +68,28 @@ def test_text_side_fields_and_unset_max_tokens_come_from_the_caller():
     assert sp.skip_special_tokens is False
     msg.max_tokens = 3
     assert sampling_params_from_proto(msg, max_tokens_if_unset=12).max_tokens == 3
+
+
+@pytest.mark.parametrize("so", [
+    SO(json={"type": "object", "properties": {"a": {"type": "integer"}}}),
+    SO(json_object=True), SO(regex="[a-z]+"), SO(choice=["x", 'y"z']),
+    SO(grammar='root ::= "a"'), SO(regex="a", disable_any_whitespace=True)])
+def test_structured_outputs_round_trip(so):
+    msg = sampling_params_to_proto(SamplingParams(structured_outputs=so))
+    assert msg.structured_outputs.WhichOneof("kind") == so.kind
+    back = sampling_params_from_proto(msg).structured_outputs
+    assert back is not None and back.cache_key() == so.cache_key()
+
+
+def test_structured_outputs_bad_proto_names_the_field():
+    msg = common_pb2.SamplingParams()
+    msg.structured_outputs.choice.SetInParent()  # an empty choice list
+    with pytest.raises(ValueError, match="structured_outputs.choice must not be empty"):
+        sampling_params_from_proto(msg)
+    msg = common_pb2.SamplingParams()
+    msg.structured_outputs.disable_any_whitespace = True  # no kind
+    with pytest.raises(ValueError, match="structured_outputs must set one of"):
+        sampling_params_from_proto(msg)
 
 
 def test_invalid_value_names_the_field():

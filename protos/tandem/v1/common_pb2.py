@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/common.proto\x12\ttandem.v1\"\xf6\x04\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_k\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x04\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x08 \x01(\x02H\x07\x88\x01\x01\x12<\n\nlogit_bias\x18\t \x03(\x0b\x32(.tandem.v1.SamplingParams.LogitBiasEntry\x12\x17\n\nmin_tokens\x18\n \x01(\rH\x08\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x0b \x01(\rH\t\x88\x01\x01\x12\x17\n\nignore_eos\x18\x0c \x01(\x08H\n\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\r \x03(\x05\x12\x15\n\x08logprobs\x18\x0e \x01(\rH\x0b\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\r\n\x0b_min_tokensB\r\n\x0b_max_tokensB\r\n\x0b_ignore_eosB\x0b\n\t_logprobs\"M\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x11\n\x04rank\x18\x03 \x01(\rH\x00\x88\x01\x01\x42\x07\n\x05_rank\"]\n\x0bTopLogprobs\x12(\n\x07sampled\x18\x01 \x01(\x0b\x32\x17.tandem.v1.TokenLogprob\x12$\n\x03top\x18\x02 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\x94\x02\n\x0eRequestTimings\x12\x14\n\x07ttft_ns\x18\x01 \x01(\x03H\x00\x88\x01\x01\x12\x1d\n\x10prefill_queue_ns\x18\x02 \x01(\x03H\x01\x88\x01\x01\x12\x1f\n\x12prefill_compute_ns\x18\x03 \x01(\x03H\x02\x88\x01\x01\x12\x1a\n\rkv_publish_ns\x18\x04 \x01(\x03H\x03\x88\x01\x01\x12\x17\n\nkv_pull_ns\x18\x05 \x01(\x03H\x04\x88\x01\x01\x12\x13\n\x06\x65\x32\x65_ns\x18\x06 \x01(\x03H\x05\x88\x01\x01\x42\n\n\x08_ttft_nsB\x13\n\x11_prefill_queue_nsB\x15\n\x13_prefill_compute_nsB\x10\n\x0e_kv_publish_nsB\r\n\x0b_kv_pull_nsB\t\n\x07_e2e_ns\"\x10\n\x0eGetLoadRequest\"\xa5\x02\n\x0fGetLoadResponse\x12\x1c\n\x14num_running_requests\x18\x01 \x01(\r\x12\x1c\n\x14num_waiting_requests\x18\x02 \x01(\r\x12\x16\n\x0ekv_cache_usage\x18\x03 \x01(\x02\x12\x17\n\x0fnum_free_blocks\x18\x04 \x01(\r\x12\x18\n\x10num_total_blocks\x18\x05 \x01(\r\x12\x1d\n\x15prefix_cache_hit_rate\x18\x06 \x01(\x02\x12\x0c\n\x04role\x18\x07 \x01(\t\x12\r\n\x05model\x18\x08 \x01(\t\x12\x12\n\nblock_size\x18\t \x01(\r\x12\x1d\n\x15kv_layout_fingerprint\x18\n \x01(\x0c\x12\x1c\n\x14num_kv_load_failures\x18\x0b \x01(\x04*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/common.proto\x12\ttandem.v1\"\xb0\x05\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_k\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x04\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x08 \x01(\x02H\x07\x88\x01\x01\x12<\n\nlogit_bias\x18\t \x03(\x0b\x32(.tandem.v1.SamplingParams.LogitBiasEntry\x12\x17\n\nmin_tokens\x18\n \x01(\rH\x08\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x0b \x01(\rH\t\x88\x01\x01\x12\x17\n\nignore_eos\x18\x0c \x01(\x08H\n\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\r \x03(\x05\x12\x15\n\x08logprobs\x18\x0e \x01(\rH\x0b\x88\x01\x01\x12\x38\n\x12structured_outputs\x18\x0f \x01(\x0b\x32\x1c.tandem.v1.StructuredOutputs\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\r\n\x0b_min_tokensB\r\n\x0b_max_tokensB\r\n\x0b_ignore_eosB\x0b\n\t_logprobs\"\xaf\x01\n\x11StructuredOutputs\x12\x0e\n\x04json\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\'\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x15.tandem.v1.ChoiceListH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x12\x1e\n\x16\x64isable_any_whitespace\x18\x06 \x01(\x08\x42\x06\n\x04kind\"\x1d\n\nChoiceList\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"M\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x11\n\x04rank\x18\x03 \x01(\rH\x00\x88\x01\x01\x42\x07\n\x05_rank\"]\n\x0bTopLogprobs\x12(\n\x07sampled\x18\x01 \x01(\x0b\x32\x17.tandem.v1.TokenLogprob\x12$\n\x03top\x18\x02 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\x94\x02\n\x0eRequestTimings\x12\x14\n\x07ttft_ns\x18\x01 \x01(\x03H\x00\x88\x01\x01\x12\x1d\n\x10prefill_queue_ns\x18\x02 \x01(\x03H\x01\x88\x01\x01\x12\x1f\n\x12prefill_compute_ns\x18\x03 \x01(\x03H\x02\x88\x01\x01\x12\x1a\n\rkv_publish_ns\x18\x04 \x01(\x03H\x03\x88\x01\x01\x12\x17\n\nkv_pull_ns\x18\x05 \x01(\x03H\x04\x88\x01\x01\x12\x13\n\x06\x65\x32\x65_ns\x18\x06 \x01(\x03H\x05\x88\x01\x01\x42\n\n\x08_ttft_nsB\x13\n\x11_prefill_queue_nsB\x15\n\x13_prefill_compute_nsB\x10\n\x0e_kv_publish_nsB\r\n\x0b_kv_pull_nsB\t\n\x07_e2e_ns\"\x10\n\x0eGetLoadRequest\"\xa5\x02\n\x0fGetLoadResponse\x12\x1c\n\x14num_running_requests\x18\x01 \x01(\r\x12\x1c\n\x14num_waiting_requests\x18\x02 \x01(\r\x12\x16\n\x0ekv_cache_usage\x18\x03 \x01(\x02\x12\x17\n\x0fnum_free_blocks\x18\x04 \x01(\r\x12\x18\n\x10num_total_blocks\x18\x05 \x01(\r\x12\x1d\n\x15prefix_cache_hit_rate\x18\x06 \x01(\x02\x12\x0c\n\x04role\x18\x07 \x01(\t\x12\r\n\x05model\x18\x08 \x01(\t\x12\x12\n\nblock_size\x18\t \x01(\r\x12\x1d\n\x15kv_layout_fingerprint\x18\n \x01(\x0c\x12\x1c\n\x14num_kv_load_failures\x18\x0b \x01(\x04*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,22 +33,26 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=1519
-  _globals['_FINISHREASON']._serialized_end=1639
+  _globals['_FINISHREASON']._serialized_start=1786
+  _globals['_FINISHREASON']._serialized_end=1906
   _globals['_SAMPLINGPARAMS']._serialized_start=38
-  _globals['_SAMPLINGPARAMS']._serialized_end=668
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=441
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=489
-  _globals['_TOKENLOGPROB']._serialized_start=670
-  _globals['_TOKENLOGPROB']._serialized_end=747
-  _globals['_TOPLOGPROBS']._serialized_start=749
-  _globals['_TOPLOGPROBS']._serialized_end=842
-  _globals['_USAGE']._serialized_start=844
-  _globals['_USAGE']._serialized_end=924
-  _globals['_REQUESTTIMINGS']._serialized_start=927
-  _globals['_REQUESTTIMINGS']._serialized_end=1203
-  _globals['_GETLOADREQUEST']._serialized_start=1205
-  _globals['_GETLOADREQUEST']._serialized_end=1221
-  _globals['_GETLOADRESPONSE']._serialized_start=1224
-  _globals['_GETLOADRESPONSE']._serialized_end=1517
+  _globals['_SAMPLINGPARAMS']._serialized_end=726
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=499
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=547
+  _globals['_STRUCTUREDOUTPUTS']._serialized_start=729
+  _globals['_STRUCTUREDOUTPUTS']._serialized_end=904
+  _globals['_CHOICELIST']._serialized_start=906
+  _globals['_CHOICELIST']._serialized_end=935
+  _globals['_TOKENLOGPROB']._serialized_start=937
+  _globals['_TOKENLOGPROB']._serialized_end=1014
+  _globals['_TOPLOGPROBS']._serialized_start=1016
+  _globals['_TOPLOGPROBS']._serialized_end=1109
+  _globals['_USAGE']._serialized_start=1111
+  _globals['_USAGE']._serialized_end=1191
+  _globals['_REQUESTTIMINGS']._serialized_start=1194
+  _globals['_REQUESTTIMINGS']._serialized_end=1470
+  _globals['_GETLOADREQUEST']._serialized_start=1472
+  _globals['_GETLOADREQUEST']._serialized_end=1488
+  _globals['_GETLOADRESPONSE']._serialized_start=1491
+  _globals['_GETLOADRESPONSE']._serialized_end=1784
 # @@protoc_insertion_point(module_scope)

@@ -1,0 +1,234 @@
+"""xgrammar behind one small seam: compile a constraint, match tokens, fill a bitmask.
+
+Only this module imports xgrammar (which imports torch), so the router, which checks the
+shape of a constraint but never compiles one, stays free of both.
+
+Bitmask layout (xgrammar's): ``int32 [num_rows, ceil(vocab_size / 32)]``; bit ``j % 32``
+of word ``j // 32`` of a row is 1 when token ``j`` is allowed.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import xgrammar as xgr
+
+from tandem.engine.sampling_params import StructuredOutputsParams
+from tandem.engine.validation import RequestError
+
+#: xgrammar prefixes its C++ errors with a time stamp and a source location
+#: ("[19:39:51] /project/cpp/regex_converter.cc:94: "): noise for a client.
+_LOCATION = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")
+
+
+def library_message(exc: BaseException) -> str:
+    """xgrammar's error text without its time stamp and C++ source location."""
+    return _LOCATION.sub("", str(exc).strip()).strip()
+
+
+#: JSON-schema keywords xgrammar compiles without enforcing (found by matching outputs that
+#: break them): a schema using one is refused, so no output claims a constraint it lacks.
+UNSUPPORTED_SCHEMA_KEYWORDS = ("not", "if", "then", "else")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SUBSCHEMAS = (
+    "items",
+    "additionalProperties",
+    "contains",
+    "propertyNames",
+    "unevaluatedProperties",
+    "unevaluatedItems",
+)
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+
+
+def unsupported_schema_feature(schema: object, path: str = "#") -> str | None:
+    """Where ``schema`` uses a keyword xgrammar would not enforce, as ``"<keyword> at
+    <JSON pointer>"``; ``None`` when it uses none. Also ``allOf`` with several branches,
+    which xgrammar only partly merges."""
+    if not isinstance(schema, dict):
+        return None
+    for key in UNSUPPORTED_SCHEMA_KEYWORDS:
+        if key in schema:
+            return f"'{key}' at {path}"
+    all_of = schema.get("allOf")
+    if isinstance(all_of, list) and len(all_of) > 1:
+        return f"'allOf' with {len(all_of)} branches at {path}"
+    for key in _SUBSCHEMA_MAPS:
+        sub = schema.get(key)
+        if isinstance(sub, dict):
+            for name, value in sub.items():
+                found = unsupported_schema_feature(value, f"{path}/{key}/{name}")
+                if found:
+                    return found
+    for key in _SUBSCHEMAS:
+        found = unsupported_schema_feature(schema.get(key), f"{path}/{key}")
+        if found:
+            return found
+    for key in _SUBSCHEMA_LISTS:
+        sub = schema.get(key)
+        if isinstance(sub, list):
+            for i, value in enumerate(sub):
+                found = unsupported_schema_feature(value, f"{path}/{key}/{i}")
+                if found:
+                    return found
+    return None
+
+
+def choice_grammar(choices: Sequence[str]) -> str:
+    """An EBNF grammar whose language is exactly ``choices``: ``root ::= "a" | "b"``.
+
+    ``json.dumps`` writes each string as a double-quoted literal with C-style escapes
+    (``\\"``, ``\\\\``, ``\\n``, ``\\uXXXX``), which xgrammar's EBNF string literals read.
+    """
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+    """xgrammar's kernel: ``logits[i, j] = -inf`` where bit ``j`` of ``bitmask[i]`` is 0, for
+    the rows ``i`` in ``rows``; in place.
+
+    Args:
+        logits: ``[num_reqs, vocab]`` float32.
+        bitmask: ``int32 [num_reqs, ceil(vocab' / 32)]``, row-aligned with ``logits``.
+            Tokens past ``32 * bitmask.shape[1]`` are left as they are; the engine's
+            bitmask covers the model's whole vocabulary (``XgrammarBackend.vocab_size``).
+        rows: the rows to mask.
+    """
+    bitmask = bitmask.to(logits.device)
+    num_rows, vocab = logits.shape
+    num_words = bitmask.shape[1]
+    if vocab == 32 * num_words and logits.is_contiguous():
+        # NOTE: xgrammar's CPU kernel writes -inf token by token, ~11 ms for 64 rows that
+        # allow few tokens (the start of a JSON value), but ~0.05 ms when nearly all are
+        # allowed (inside a string). Words that forbid all 32 of their tokens are filled
+        # here in one masked pass (~1 ms) and handed to the kernel as "all allowed".
+        empty = bitmask == 0
+        if bool(empty.any()):
+            logits.view(num_rows, num_words, 32).masked_fill_(empty.unsqueeze(-1), float("-inf"))
+            bitmask = bitmask.masked_fill(empty, -1)
+    xgr.apply_token_bitmask_inplace(logits, bitmask, indices=rows)
+
+
+class CompiledGrammar:
+    """A compiled constraint (immutable; shared by every request with the same key).
+
+    Attributes:
+        key: ``StructuredOutputsParams.cache_key()`` of what was compiled.
+    """
+
+    def __init__(self, key: tuple[str, str, bool], compiled: Any) -> None:
+        self.key = key
+        self._compiled = compiled
+
+    def new_matcher(self) -> GrammarMatcher:
+        """A fresh matcher at the grammar's start."""
+        return GrammarMatcher(xgr.GrammarMatcher(self._compiled))
+
+    @property
+    def memory_bytes(self) -> int:
+        """Approximate size of the compiled grammar (for the cache's bound)."""
+        return int(self._compiled.memory_size_bytes)
+
+
+class GrammarMatcher:
+    """One request's position in its grammar. Not thread-safe (the engine thread uses it)."""
+
+    def __init__(self, matcher: Any) -> None:
+        self._m = matcher
+        self.num_accepted_tokens = 0
+
+    def accept_token(self, token_id: int) -> bool:
+        """Advance by ``token_id``; ``False`` (state unchanged) when the grammar forbids it."""
+        ok = bool(self._m.accept_token(token_id))
+        if ok:
+            self.num_accepted_tokens += 1
+        return ok
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        """Write the allowed next tokens into row ``row`` of ``bitmask`` (see module doc)."""
+        self._m.fill_next_token_bitmask(bitmask, row)
+
+    def is_terminated(self) -> bool:
+        """Whether the grammar is complete and its stop token was accepted."""
+        return bool(self._m.is_terminated())
+
+
+class XgrammarBackend:
+    """Compiles ``StructuredOutputsParams`` for one model's vocabulary.
+
+    Args:
+        tokenizer_info: xgrammar's view of the vocabulary (see :meth:`from_tokenizer`,
+            :meth:`from_vocab`).
+        vocab_size: rows of the model's logits (the bitmask width).
+
+    Thread-safety: :meth:`compile` may run on several threads at once (xgrammar's
+    compiler is thread-safe); matchers belong to one thread.
+    """
+
+    def __init__(self, tokenizer_info: Any, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+        # NOTE: xgrammar's own cache is off: the manager keeps the one bounded cache.
+        self._compiler = xgr.GrammarCompiler(tokenizer_info, max_threads=1, cache_enabled=False)
+
+    @classmethod
+    def from_tokenizer(
+        cls, tokenizer: Any, vocab_size: int, eos_token_id: int | None
+    ) -> XgrammarBackend:
+        """From a Hugging Face tokenizer; the engine's EOS is the grammar's stop token."""
+        stop = [eos_token_id] if eos_token_id is not None else None
+        info = xgr.TokenizerInfo.from_huggingface(
+            tokenizer, vocab_size=vocab_size, stop_token_ids=stop
+        )
+        return cls(info, vocab_size)
+
+    @classmethod
+    def from_vocab(cls, vocab: Sequence[str], eos_token_id: int) -> XgrammarBackend:
+        """From the raw text of each token id (tests with tiny models, which have no
+        tokenizer); ``vocab[eos_token_id]`` is the stop token."""
+        info = xgr.TokenizerInfo(
+            list(vocab), xgr.VocabType.RAW, vocab_size=len(vocab), stop_token_ids=[eos_token_id]
+        )
+        return cls(info, len(vocab))
+
+    def compile(self, params: StructuredOutputsParams) -> CompiledGrammar:
+        """Compile one constraint (blocking; call it off the step loop).
+
+        Raises:
+            RequestError: naming ``params.field``, with xgrammar's message, for a schema
+                xgrammar rejects or does not support (``unsupported_schema_feature``), a
+                regex that does not parse, or a grammar with a syntax error.
+        """
+        kind = params.kind
+        if kind == "json":
+            found = unsupported_schema_feature(params.json)
+            if found is not None:
+                raise RequestError(
+                    params.field,
+                    f"{params.field}: the JSON schema uses {found}, which the grammar "
+                    "backend (xgrammar) cannot enforce",
+                )
+        spec = params.spec()
+        any_ws = not params.disable_any_whitespace
+        c = self._compiler
+        try:
+            if kind == "json":
+                compiled = c.compile_json_schema(spec, any_whitespace=any_ws)
+            elif kind == "json_object":
+                compiled = c.compile_json_schema('{"type": "object"}', any_whitespace=any_ws)
+            elif kind == "regex":
+                compiled = c.compile_regex(spec)
+            elif kind == "choice":
+                compiled = c.compile_grammar(choice_grammar(params.choice or ()))
+            else:
+                compiled = c.compile_grammar(spec)
+        except (RuntimeError, ValueError, TypeError) as exc:
+            raise RequestError(params.field, f"{params.field}: {library_message(exc)}") from None
+        return CompiledGrammar(params.cache_key(), compiled)
+
+    def allocate_bitmask(self, num_rows: int) -> torch.Tensor:
+        """A bitmask of ``num_rows`` rows, every token allowed."""
+        return xgr.allocate_token_bitmask(num_rows, self.vocab_size)

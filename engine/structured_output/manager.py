@@ -1,0 +1,322 @@
+"""The structured-output manager: compile off the step loop, fill one bitmask per step.
+
+vLLM v1's shape: the engine core owns one ``StructuredOutputManager``; the scheduler
+hands it each constrained request when it arrives (the request waits in
+``WAITING_FOR_GRAMMAR`` while its grammar compiles on the manager's thread pool, and other
+requests keep running), asks it every step whether the grammar is ready, and asks it for
+the step's token bitmask; after each sampled token it advances the request's matcher.
+
+Compiled grammars are cached by ``StructuredOutputsParams.cache_key()`` (kind, spec,
+whitespace flag) in a bounded LRU, and concurrent compiles of one key share one future,
+so in steady state (the decode instance compiling what the prefill instance compiled
+for the same request, or many requests with one schema) a compile is a dictionary hit.
+
+Thread-safety: :meth:`compile_async` and :meth:`validate` may be called from any thread
+(the services validate a request off the engine thread); the per-request methods
+(:meth:`add_request`, :meth:`poll`, :meth:`grammar_bitmask`, :meth:`accept`,
+:meth:`free`) belong to the engine thread.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from tandem.engine.request import Request
+from tandem.engine.sampling_params import StructuredOutputsParams
+from tandem.engine.validation import RequestError
+
+if TYPE_CHECKING:
+    import torch
+
+    # NOTE: only for types: the backend imports xgrammar, which an engine that never
+    # sees a constrained request need not load (the factory imports it on first use).
+    from tandem.engine.structured_output.backend import (
+        CompiledGrammar,
+        GrammarMatcher,
+        XgrammarBackend,
+    )
+
+logger = logging.getLogger(__name__)
+
+CacheKey = tuple[str, str, bool]
+
+
+@dataclass
+class GrammarState:
+    """One constrained request's grammar (``Request.structured_output``).
+
+    Attributes:
+        params: the request's constraint.
+        future: the compile in flight or done (``None`` once the matcher exists).
+        deadline: ``time.monotonic()`` seconds after which a compile still running is a
+            request error.
+        matcher: the request's matcher once the grammar is ready; it has accepted every
+            output token of the request so far.
+    """
+
+    params: StructuredOutputsParams
+    future: concurrent.futures.Future[CompiledGrammar] | None
+    deadline: float
+    matcher: GrammarMatcher | None = None
+
+
+@dataclass
+class ManagerStats:
+    """Cumulative counters (tests and logs).
+
+    Attributes:
+        num_compiles: grammars compiled (cache misses that ran the compiler).
+        num_cache_hits: lookups served from the cache or from a compile in flight.
+        compile_s: seconds spent compiling, summed over compiles.
+    """
+
+    num_compiles: int = 0
+    num_cache_hits: int = 0
+    compile_s: list[float] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class StepBitmask:
+    """The token bitmask of one step.
+
+    Attributes:
+        bitmask: ``int32 [num_rows, ceil(vocab / 32)]`` (xgrammar's layout: bit ``j % 32``
+            of word ``j // 32`` is 1 when token ``j`` is allowed).
+        rows: request id -> its row, for the constrained requests sampled this step.
+    """
+
+    bitmask: torch.Tensor
+    rows: dict[str, int]
+
+
+class StructuredOutputManager:
+    """Compiles, caches and matches the grammars of constrained requests.
+
+    Args:
+        backend_factory: builds the compiler backend on first use (the tokenizer's
+            vocabulary is read then, not at engine start).
+        max_workers: compile threads.
+        max_cache_entries: compiled grammars kept (least recently used evicted).
+        compile_timeout_s: a grammar still compiling this long after its request arrived
+            fails the request (the compile thread finishes in the background; its result
+            is cached). Bounds what a pathological schema or regex costs a request.
+    """
+
+    def __init__(
+        self,
+        backend_factory: Callable[[], XgrammarBackend],
+        *,
+        max_workers: int = 2,
+        max_cache_entries: int = 256,
+        compile_timeout_s: float = 30.0,
+    ) -> None:
+        if max_cache_entries < 1:
+            raise ValueError(f"max_cache_entries must be >= 1, got {max_cache_entries}")
+        if not compile_timeout_s > 0:
+            raise ValueError(f"compile_timeout_s must be > 0, got {compile_timeout_s}")
+        self._backend_factory = backend_factory
+        self._backend: XgrammarBackend | None = None
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers, thread_name_prefix="grammar-compile"
+        )
+        self.max_cache_entries = max_cache_entries
+        self.compile_timeout_s = compile_timeout_s
+        self._lock = threading.Lock()
+        self._cache: collections.OrderedDict[CacheKey, CompiledGrammar] = collections.OrderedDict()
+        self._inflight: dict[CacheKey, concurrent.futures.Future[CompiledGrammar]] = {}
+        self.stats = ManagerStats()
+
+    # -- compiling (any thread) ----------------------------------------------------------------
+
+    @property
+    def backend(self) -> XgrammarBackend:
+        """The compiler backend (built on first use; thread-safe)."""
+        with self._lock:
+            if self._backend is None:
+                self._backend = self._backend_factory()
+            return self._backend
+
+    def compile_async(
+        self, params: StructuredOutputsParams
+    ) -> concurrent.futures.Future[CompiledGrammar]:
+        """The compiled grammar of ``params``, as a future: already resolved on a cache hit,
+        shared with a compile of the same key in flight, else a new job on the pool.
+        The future's exception is a ``RequestError`` naming the field."""
+        key = params.cache_key()
+        backend = self.backend
+        with self._lock:
+            hit = self._cache.get(key)
+            if hit is not None:
+                self._cache.move_to_end(key)
+                self.stats.num_cache_hits += 1
+                done: concurrent.futures.Future[CompiledGrammar] = concurrent.futures.Future()
+                done.set_result(hit)
+                return done
+            running = self._inflight.get(key)
+            if running is not None:
+                self.stats.num_cache_hits += 1
+                return running
+            future = self._pool.submit(self._compile, backend, params, key)
+            self._inflight[key] = future
+            return future
+
+    def _compile(
+        self, backend: XgrammarBackend, params: StructuredOutputsParams, key: CacheKey
+    ) -> CompiledGrammar:
+        start = time.monotonic()
+        try:
+            compiled = backend.compile(params)
+        finally:
+            with self._lock:
+                self._inflight.pop(key, None)
+        elapsed = time.monotonic() - start
+        with self._lock:
+            self.stats.num_compiles += 1
+            self.stats.compile_s.append(elapsed)
+            self._cache[key] = compiled
+            self._cache.move_to_end(key)
+            while len(self._cache) > self.max_cache_entries:
+                self._cache.popitem(last=False)
+        logger.debug("compiled %s grammar in %.1f ms", params.kind, elapsed * 1e3)
+        return compiled
+
+    def validate(self, params: StructuredOutputsParams, timeout_s: float | None = None) -> None:
+        """Compile ``params`` (or find it cached) and wait; blocks the caller only.
+
+        Raises:
+            RequestError: naming ``params.field``: the library rejected the constraint,
+                or compiling took longer than ``timeout_s`` (default
+                ``compile_timeout_s``).
+        """
+        timeout = self.compile_timeout_s if timeout_s is None else timeout_s
+        future = self.compile_async(params)
+        try:
+            future.result(timeout=timeout)
+        except concurrent.futures.TimeoutError:
+            raise _timeout_error(params, timeout) from None
+
+    def cached(self, params: StructuredOutputsParams) -> bool:
+        """Whether the grammar of ``params`` is in the cache."""
+        with self._lock:
+            return params.cache_key() in self._cache
+
+    # -- requests (engine thread) --------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Start compiling the request's grammar; sets ``request.structured_output``."""
+        params = request.sampling_params.structured_outputs
+        assert params is not None, f"{request.request_id} has no structured_outputs"
+        request.structured_output = GrammarState(
+            params=params,
+            future=self.compile_async(params),
+            deadline=time.monotonic() + self.compile_timeout_s,
+        )
+
+    def poll(self, request: Request) -> bool | RequestError:
+        """Whether the request's grammar is ready; makes its matcher when it just became so.
+
+        A new matcher first accepts the request's output tokens so far (on a decode
+        instance: the first token that the prefill instance sampled under the same
+        grammar), so it continues where the request is.
+
+        Returns:
+            ``True`` ready, ``False`` still compiling, or the ``RequestError`` that fails
+            the request: the grammar did not compile (xgrammar's message), the compile
+            timed out, or an output token so far is not allowed by the grammar.
+        """
+        state = request.structured_output
+        assert state is not None, f"{request.request_id} is not constrained"
+        if state.matcher is not None:
+            return True
+        future = state.future
+        assert future is not None, "a state without matcher has a compile future"
+        if not future.done():
+            if time.monotonic() > state.deadline:
+                return _timeout_error(state.params, self.compile_timeout_s)
+            return False
+        exc = future.exception()
+        if exc is not None:
+            if isinstance(exc, RequestError):
+                return exc
+            return RequestError(state.params.field, f"{state.params.field}: {exc}")
+        matcher = future.result().new_matcher()
+        for i, token in enumerate(request.output_token_ids):
+            if not matcher.accept_token(token):
+                name = "first_token_id" if i == 0 else "output_token_ids"
+                return RequestError(
+                    name,
+                    f"{name}: token {token} (output position {i}) is not allowed by the "
+                    f"request's {state.params.kind} grammar",
+                )
+        state.matcher = matcher
+        state.future = None
+        return True
+
+    def grammar_bitmask(self, requests: Sequence[Request]) -> StepBitmask | None:
+        """The bitmask for the constrained ones among ``requests`` (those sampled this
+        step, in any order), or ``None`` when none is constrained.
+
+        A matcher that is already terminated gets an all-allowed row; the request
+        finishes after this step anyway (it cannot be sampled again).
+        """
+        constrained = [
+            r
+            for r in requests
+            if r.structured_output is not None and r.structured_output.matcher is not None
+        ]
+        if not constrained:
+            return None
+        bitmask = self.backend.allocate_bitmask(len(constrained))
+        rows: dict[str, int] = {}
+        for row, req in enumerate(constrained):
+            state = req.structured_output
+            assert state is not None and state.matcher is not None
+            if not state.matcher.is_terminated():
+                state.matcher.fill_bitmask(bitmask, row)
+            rows[req.request_id] = row
+        return StepBitmask(bitmask, rows)
+
+    def accept(self, request: Request, token_id: int) -> bool:
+        """Advance the request's matcher by its newly sampled token.
+
+        Returns:
+            ``False`` when the grammar rejects the token (the caller fails the request).
+        """
+        state = request.structured_output
+        assert state is not None and state.matcher is not None, (
+            f"{request.request_id}: a token was sampled before its grammar was ready"
+        )
+        return state.matcher.accept_token(token_id)
+
+    @staticmethod
+    def is_terminated(request: Request) -> bool:
+        """Whether the request's grammar is complete (its stop token accepted)."""
+        state = request.structured_output
+        return state is not None and state.matcher is not None and state.matcher.is_terminated()
+
+    def free(self, request: Request) -> None:
+        """Drop the request's grammar state (finished or aborted, in any status).
+
+        NOTE: a compile still running is not cancelled: its future may be shared with
+        other requests of the same key, and its result is worth caching anyway.
+        """
+        request.structured_output = None
+
+    def shutdown(self) -> None:
+        """Stop the compile threads (queued compiles are cancelled)."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _timeout_error(params: StructuredOutputsParams, timeout_s: float) -> RequestError:
+    return RequestError(
+        params.field,
+        f"{params.field}: the grammar did not compile within {timeout_s:g} s "
+        "(too complex a schema, regex or grammar)",
+    )

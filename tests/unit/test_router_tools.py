@@ -1,0 +1,279 @@
+"""The router's side of structured outputs and tool calling, without a server or a model:
+one constraint per request (services/router/structured.py), tools and tool_choice, the
+hermes parser fed in every split, the shipped chat template (services/router/tools.py,
+frontend.py)."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+
+from tandem.engine.model_files import load_tokenizer
+from tandem.services.router.config import RouterConfig
+from tandem.services.router.errors import OpenAIError
+from tandem.services.router.frontend import load_shipped_template, read_chat_template
+from tandem.services.router.main import build_parser
+from tandem.services.router.protocol import ChatCompletionRequest
+from tandem.services.router.structured import build_constraint
+from tandem.services.router.tools import ToolCallParser, finish_reason_with_calls, parse_tool_choice
+
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+TOOLS = [
+    {
+        "type": "function",
+        "function": {"name": "get_weather", "description": "Weather.", "parameters": SCHEMA},
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "add",
+            "parameters": {
+                "type": "object",
+                "properties": {"a": {"type": "number"}, "b": {"type": "number"}},
+                "required": ["a", "b"],
+            },
+        },
+    },
+]
+
+
+def _build(**kw: object):
+    return build_constraint(
+        response_format=kw.pop("response_format", None),
+        structured_outputs=kw.pop("structured_outputs", None),
+        legacy=kw,
+    )
+
+
+@pytest.mark.parametrize(
+    ("kw", "kind", "param"),
+    [
+        ({"response_format": {"type": "json_object"}}, "json_object", "response_format"),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": SCHEMA, "strict": True},
+                }
+            },
+            "json",
+            "response_format.json_schema.schema",
+        ),
+        (
+            {"structured_outputs": {"regex": "a+", "disable_any_whitespace": True}},
+            "regex",
+            "structured_outputs.regex",
+        ),
+        ({"guided_json": SCHEMA}, "json", "guided_json"),
+        ({"guided_regex": "[0-9]+"}, "regex", "guided_regex"),
+        ({"guided_choice": ["a", "b"]}, "choice", "guided_choice"),
+        ({"guided_grammar": 'root ::= "a"'}, "grammar", "guided_grammar"),
+    ],
+)
+def test_each_way_of_asking_builds_one_constraint(kw, kind, param) -> None:
+    c = _build(**kw)
+    assert c.params is not None and c.params.kind == kind and c.param == param
+    assert c.param_of_field == {f"structured_outputs.{kind}": param}
+
+
+def test_text_format_is_no_constraint() -> None:
+    assert _build(response_format={"type": "text"}).params is None
+    assert _build().params is None
+
+
+@pytest.mark.parametrize(
+    ("kw", "param", "match"),
+    [
+        (
+            {"response_format": {"type": "json_object"}, "guided_regex": "a"},
+            "response_format",
+            "response_format and guided_regex both",
+        ),
+        (
+            {"structured_outputs": {"json": SCHEMA, "choice": ["a"]}},
+            "structured_outputs.json",
+            "structured_outputs.json and structured_outputs.choice both",
+        ),
+        ({"guided_choice": []}, "guided_choice", "guided_choice must not be empty"),
+        ({"guided_json": "[1, 2"}, "guided_json", "guided_json is not valid JSON"),
+        ({"response_format": {"type": "json_schema"}}, "response_format.json_schema", "schema"),
+        ({"response_format": {"type": "xml"}}, "response_format.type", "must be one of"),
+        (
+            {"structured_outputs": {"structural_tag": "x"}},
+            "structured_outputs.structural_tag",
+            "not supported",
+        ),
+    ],
+)
+def test_bad_constraints_are_400s_naming_the_field(kw, param, match) -> None:
+    with pytest.raises(OpenAIError, match=match) as info:
+        _build(**kw)
+    assert info.value.status_code == 400 and info.value.param == param
+
+
+def test_unsupported_guided_knobs_are_refused_by_name() -> None:
+    base = {"messages": [{"role": "user", "content": "hi"}]}
+    for field, value in (
+        ("guided_whitespace_pattern", " "),
+        ("guided_decoding_backend", "outlines"),
+        ("functions", []),
+    ):
+        with pytest.raises(OpenAIError) as info:
+            ChatCompletionRequest.model_validate({**base, field: value})
+        assert info.value.param == field
+
+
+# -- tools -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("tools", "choice", "param", "match"),
+    [
+        (TOOLS, {"type": "function", "function": {"name": "nope"}}, "tool_choice", "nope"),
+        (None, "required", "tool_choice", "needs tools"),
+        (TOOLS, "sometimes", "tool_choice", "must be"),
+        ([{"type": "retrieval"}], None, "tools[0]", "must be"),
+        (
+            [{"type": "function", "function": {"name": "a b"}}],
+            None,
+            "tools[0].function.name",
+            "must match",
+        ),
+        (
+            [{"type": "function", "function": {"name": "f", "parameters": {"type": "bogus"}}}],
+            None,
+            "tools[0].function.parameters",
+            "not a valid JSON schema",
+        ),
+    ],
+)
+def test_bad_tools_are_400s_naming_the_field(tools, choice, param, match) -> None:
+    with pytest.raises(OpenAIError, match=match) as info:
+        parse_tool_choice(tools, choice, None)
+    assert info.value.param == param
+
+
+def test_required_and_named_constrain_to_the_tools_schemas() -> None:
+    required = parse_tool_choice(TOOLS, "required", False)
+    assert required is not None
+    src = required.constraint()
+    assert src is not None and src.param == "tool_choice"
+    schema = src.value
+    jsonschema.validate([{"name": "add", "parameters": {"a": 1, "b": 2}}], schema)
+    for bad in (
+        [],
+        [{"name": "add", "parameters": {"a": 1}}],
+        [{"name": "get_weather", "parameters": {"city": "x"}}] * 2,
+    ):  # maxItems 1
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, schema)
+    named = parse_tool_choice(TOOLS, {"type": "function", "function": {"name": "add"}}, None)
+    assert named is not None and named.constraint().value == TOOLS[1]["function"]["parameters"]
+    assert parse_tool_choice(TOOLS, None, None).mode == "auto"
+    none = parse_tool_choice(TOOLS, "none", None)
+    assert not none.render_tools and none.constraint() is None
+
+
+def _parse(choice, pieces: list[str]):
+    parser = ToolCallParser(choice)
+    deltas = [parser.feed(p) for p in pieces] + [parser.finish()]
+    content = "".join(d.content for d in deltas)
+    return content, [(c.name, json.loads(c.arguments)) for c in parser.calls], deltas
+
+
+AUTO_TEXT = (
+    'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}'
+    '\n</tool_call>\n<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n'
+    "</tool_call>"
+)
+
+
+@pytest.mark.parametrize("step", [1, 2, 3, 7, len(AUTO_TEXT)])
+def test_hermes_parser_is_split_invariant(step) -> None:
+    choice = parse_tool_choice(TOOLS, "auto", None)
+    pieces = [AUTO_TEXT[i : i + step] for i in range(0, len(AUTO_TEXT), step)]
+    content, calls, deltas = _parse(choice, pieces)
+    assert content.strip() == "Let me check."
+    assert calls == [("get_weather", {"city": "Paris"}), ("add", {"a": 1, "b": 2})]
+    assert "<tool" not in content  # nothing of a block leaks into the content
+
+
+def test_hermes_parser_keeps_what_is_not_a_call_as_content() -> None:
+    choice = parse_tool_choice(TOOLS, "auto", None)
+    content, calls, _ = _parse(choice, ["a < b and <tool_call>not json</tool_call> ok"])
+    assert calls == [] and content == "a < b and <tool_call>not json</tool_call> ok"
+    content, calls, _ = _parse(choice, ['<tool_call>{"name": "add", "arguments": {"a": 1}}'])
+    assert calls == [("add", {"a": 1})] and content == ""  # EOS before </tool_call>
+    unknown = '<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>'
+    content, calls, _ = _parse(choice, [unknown])
+    assert calls == [] and content == unknown  # not one of the request's tools
+    single = parse_tool_choice(TOOLS, "auto", False)
+    _, calls, _ = _parse(single, [AUTO_TEXT])
+    assert [c[0] for c in calls] == ["get_weather"]  # parallel_tool_calls=false: one call
+
+
+def test_required_and_named_outputs_become_calls() -> None:
+    required = parse_tool_choice(TOOLS, "required", None)
+    text = json.dumps([{"name": "add", "parameters": {"a": 1, "b": 2}}])
+    content, calls, _ = _parse(required, [text[:5], text[5:]])
+    assert calls == [("add", {"a": 1, "b": 2})] and content == ""
+    content, calls, _ = _parse(required, ['[{"name": "ad'])  # cut short: text as it is
+    assert calls == [] and content == '[{"name": "ad'
+    named = parse_tool_choice(TOOLS, {"type": "function", "function": {"name": "add"}}, None)
+    content, calls, deltas = _parse(named, ['{"a": 1,', ' "b": 2}'])
+    assert calls == [("add", {"a": 1, "b": 2})] and content == ""
+    assert [d.arguments for d in deltas] == ['{"a": 1,', ' "b": 2}', ""]
+    assert finish_reason_with_calls("stop", True) == "tool_calls"
+    assert finish_reason_with_calls("length", True) == "length"
+    assert finish_reason_with_calls("stop", False) == "stop"
+
+
+# -- chat template -----------------------------------------------------------------------------
+
+
+def test_shipped_template_renders_tools_and_turns_like_the_model_without() -> None:
+    tok = load_tokenizer()
+    template = load_shipped_template("hermes_tool_use")
+    plain = [{"role": "user", "content": "hi"}]
+    assert tok.apply_chat_template(
+        plain, tokenize=False, add_generation_prompt=True
+    ) == tok.apply_chat_template(
+        plain, tokenize=False, add_generation_prompt=True, chat_template=template
+    )
+    turns = plain + [
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {
+                    "id": "c1",
+                    "type": "function",
+                    "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "3"},
+    ]
+    text = tok.apply_chat_template(
+        turns, tools=TOOLS, tokenize=False, add_generation_prompt=True, chat_template=template
+    )
+    assert "<tools>\n" + json.dumps(TOOLS[0]) in text
+    assert '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>' in text
+    assert "<|im_start|>user\n<tool_response>\n3\n</tool_response><|im_end|>" in text
+    assert text.endswith("<|im_start|>assistant\n")
+
+
+def test_chat_template_flags(tmp_path) -> None:
+    path = tmp_path / "t.jinja"
+    path.write_text("{{ messages[0]['content'] }}")
+    assert read_chat_template(str(path)) == "{{ messages[0]['content'] }}"
+    assert read_chat_template("hermes_tool_use") == load_shipped_template("hermes_tool_use")
+    with pytest.raises(ValueError, match="--chat-template"):
+        read_chat_template("/no/such/file.jinja")
+    ns = build_parser().parse_args(
+        ["--colocated", "h:1", "--chat-template", str(path), "--tool-call-parser", "hermes"]
+    )
+    cfg = RouterConfig.from_args(ns, {})
+    assert (cfg.chat_template, cfg.tool_call_parser) == (str(path), "hermes")

@@ -1,0 +1,393 @@
+"""Structured outputs in the engine on a tiny random model over a tiny text vocabulary.
+
+The manager (compile cache, compiles off the step loop, abort while compiling, timeouts,
+library errors naming the field), the sampler's bitmask (applied before every rule, the
+logprobs included) and the scheduler (WAITING_FOR_GRAMMAR, grammar completion ->
+"stop", preemption keeps the matcher right, replay of tokens a request came with).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import re
+import threading
+
+import jsonschema
+import pytest
+import torch
+from tiny_models import as_loaded_model, tiny_config, tiny_hf_model
+
+from tandem.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from tandem.engine.engine_core import EngineCore
+from tandem.engine.executor import create_executor
+from tandem.engine.model_loader import LoadedModel
+from tandem.engine.request import Request, RequestStatus
+from tandem.engine.sampler import apply_token_bitmask, apply_token_bitmask_ref
+from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.sampling_params import StructuredOutputsParams as SO
+from tandem.engine.structured_output.backend import XgrammarBackend, choice_grammar
+from tandem.engine.structured_output.manager import StructuredOutputManager
+from tandem.engine.validation import RequestError
+
+# 96 text tokens and a stop token (id 96): what the tiny model's logits range over.
+_CHARS = list('0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ{}[]":, \n.-_')
+_WORDS = ["true", "false", "null", '"a"', '"b"', "ab", "yes", "no", '{"', '":', "12", "34"]
+VOCAB = _CHARS + _WORDS
+VOCAB += [f"<unused{i}>" for i in range(96 - len(VOCAB))]
+STOP = len(VOCAB)
+VOCAB.append("</s>")
+MAX_LEN = 96
+BLOCK = 4
+_ids = itertools.count()
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"a": {"type": "integer"}, "b": {"type": "boolean"}},
+    "required": ["a", "b"],
+    "additionalProperties": False,
+}
+
+
+def text_of(ids: list[int]) -> str:
+    return "".join(VOCAB[t] for t in ids if t != STOP)
+
+
+@pytest.fixture(scope="module")
+def tiny() -> LoadedModel:
+    config = tiny_config(
+        "LlamaForCausalLM",
+        vocab=len(VOCAB),
+        hidden=32,
+        ffn=64,
+        max_len=MAX_LEN,
+        special_tokens=False,
+    )
+    return as_loaded_model(tiny_hf_model(config, std=0.3), "tiny-llama", MAX_LEN)
+
+
+def backend() -> XgrammarBackend:
+    return XgrammarBackend.from_vocab(VOCAB, STOP)
+
+
+def make_core(
+    loaded: LoadedModel, manager: StructuredOutputManager | None = None, num_blocks: int = 64
+) -> EngineCore:
+    config = EngineConfig(
+        model=ModelConfig(dtype="float32", max_model_len=MAX_LEN),
+        cache=CacheConfig(block_size=BLOCK, num_blocks_override=num_blocks),
+        scheduler=SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8),
+    )
+    return EngineCore(
+        config,
+        create_executor(config, loaded),
+        manager if manager is not None else StructuredOutputManager(backend),
+    )
+
+
+def make_request(so: SO | None, prompt: list[int] | None = None, **params: object) -> Request:
+    params.setdefault("temperature", 0.0)
+    params.setdefault("max_tokens", 60)
+    return Request(
+        f"r{next(_ids)}", prompt or [1, 2, 3], SamplingParams(structured_outputs=so, **params)
+    )
+
+
+def run(core: EngineCore, *reqs: Request) -> dict[str, list]:
+    for r in reqs:
+        core.add_request(r)
+    outs: dict[str, list] = {r.request_id: [] for r in reqs}
+    while core.has_unfinished_requests():
+        for o in core.step():
+            outs.setdefault(o.request_id, []).append(o)
+    return outs
+
+
+def tokens(outs: list) -> list[int]:
+    return [t for o in outs for t in o.new_token_ids]
+
+
+def assert_idle(core: EngineCore) -> None:
+    pool = core.scheduler.kv_cache_manager.block_pool
+    assert pool.num_free_blocks == pool.num_blocks
+    assert not core.has_unfinished_requests()
+    assert not core.scheduler._waiting_for_grammar
+
+
+# -- params -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field", "match"),
+    [
+        ({}, "structured_outputs", "must set one of"),
+        ({"json": SCHEMA, "regex": "a"}, "structured_outputs.json", "json and regex"),
+        ({"choice": []}, "structured_outputs.choice", "must not be empty"),
+        ({"choice": ["a", 3]}, "structured_outputs.choice", "non-empty strings"),
+        ({"json": "{not json"}, "structured_outputs.json", "not valid JSON"),
+        ({"json": [1]}, "structured_outputs.json", "JSON schema"),
+        ({"regex": ""}, "structured_outputs.regex", "non-empty string"),
+    ],
+)
+def test_params_shape_errors_name_the_field(kwargs, field, match) -> None:
+    with pytest.raises(RequestError, match=match) as info:
+        SO(**kwargs)
+    assert info.value.field == field
+
+
+def test_cache_key_is_canonical() -> None:
+    a = SO(json={"b": 1, "a": 2})
+    b = SO(json='{"a": 2, "b": 1}')
+    assert a.cache_key() == b.cache_key() == ("json", '{"a":2,"b":1}', False)
+    assert SO(json_object=True, disable_any_whitespace=True).cache_key() == (
+        "json_object",
+        "",
+        True,
+    )
+
+
+# -- backend -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("so", "match"),
+    [
+        (SO(regex="(["), "Unclosed"),
+        (SO(json={"type": 5}), "Type should be a string"),
+        (SO(grammar="root ::= "), "EBNF parser error"),
+        (SO(json={"properties": {"a": {"not": {"type": "string"}}}}), "'not' at #/properties/a"),
+        (SO(json={"allOf": [{"type": "integer"}, {"maximum": 3}]}), "'allOf' with 2"),
+        (SO(json={"$defs": {"x": {"if": {}}}}), r"'if' at #/\$defs/x"),
+    ],
+)
+def test_library_errors_name_the_field_without_noise(so, match) -> None:
+    with pytest.raises(RequestError, match=match) as info:
+        backend().compile(so)
+    assert info.value.field == so.field
+    assert str(info.value).startswith(f"{so.field}: ")
+    assert ".cc:" not in str(info.value)  # xgrammar's C++ location is stripped
+
+
+def test_choice_grammar_escapes() -> None:
+    choices = ['a"b', "c\\d", "e\nf", "ü"]
+    matcher = backend()._compiler.compile_grammar(choice_grammar(choices))
+    import xgrammar as xgr
+
+    for c in choices:
+        m = xgr.GrammarMatcher(matcher)
+        assert m.accept_string(c) and m.is_completed(), c
+
+
+def test_bitmask_kernel_matches_the_reference() -> None:
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(5, 100, generator=gen)
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (3, 4), dtype=torch.int32, generator=gen)
+    want, got = logits.clone(), logits.clone()
+    apply_token_bitmask_ref(want, bitmask, [4, 0, 2], [1, 0, 2])
+    apply_token_bitmask(got, bitmask, [4, 0, 2], [1, 0, 2])
+    assert torch.equal(want, got)
+    assert want[1].isfinite().all() and not want[4].isfinite().all()
+
+
+def test_bitmask_masks_before_bias_and_is_exact() -> None:
+    vocab = 70
+    logits = torch.zeros(3, vocab)
+    bitmask = torch.zeros(2, 3, dtype=torch.int32)
+    bitmask[0, 0] = 1 << 5  # token 5
+    bitmask[1, 1] = -(2**31)  # bit 31 of word 1: token 63 (a negative int32)
+    bitmask[1, 2] = 1 << 1  # token 65
+    apply_token_bitmask_ref(logits, bitmask, [2, 0], [0, 1])
+    assert (logits[2].isfinite().nonzero().flatten().tolist()) == [5]
+    assert (logits[0].isfinite().nonzero().flatten().tolist()) == [63, 65]
+    assert logits[1].isfinite().all()
+
+
+# -- manager -----------------------------------------------------------------------------------
+
+
+def test_compile_cache_hits_and_bound() -> None:
+    m = StructuredOutputManager(backend, max_cache_entries=2)
+    m.validate(SO(json=SCHEMA))
+    m.validate(SO(json=json.dumps(SCHEMA)))  # same key, written differently
+    assert (m.stats.num_compiles, m.stats.num_cache_hits) == (1, 1)
+    m.validate(SO(regex="a+"))
+    m.validate(SO(regex="b+"))  # evicts the schema (least recently used)
+    assert not m.cached(SO(json=SCHEMA)) and m.cached(SO(regex="a+"))
+    m.validate(SO(json=SCHEMA))
+    assert m.stats.num_compiles == 4
+    m.shutdown()
+
+
+class _GatedBackend(XgrammarBackend):
+    """A backend whose compiles wait for :attr:`gate` (a compile that takes long)."""
+
+    def __init__(self) -> None:
+        b = backend()
+        self.__dict__.update(b.__dict__)
+        self.gate = threading.Event()
+        self.started = threading.Event()
+
+    def compile(self, params):  # type: ignore[no-untyped-def]
+        self.started.set()
+        self.gate.wait()
+        return super().compile(params)
+
+
+def test_async_compile_does_not_block_a_running_batch(tiny) -> None:
+    gated = _GatedBackend()
+    core = make_core(tiny, StructuredOutputManager(lambda: gated))
+    plain = make_request(None, max_tokens=5)
+    constrained = make_request(SO(regex="[0-9]{3}"))
+    core.add_request(plain)
+    core.add_request(constrained)
+    assert constrained.status == RequestStatus.WAITING_FOR_GRAMMAR
+    gated.started.wait()
+    scheduled = []
+    while plain.status != RequestStatus.FINISHED_LENGTH_CAPPED:
+        sched = core.scheduler.schedule()
+        scheduled.append([r.request_id for r in sched.scheduled_requests])
+        core.scheduler.update_from_output(sched, core.executor.execute_model(sched))
+    # The plain request ran its 5 steps alone while the grammar compiled.
+    assert scheduled == [[plain.request_id]] * 5
+    assert constrained.status == RequestStatus.WAITING_FOR_GRAMMAR
+    gated.gate.set()
+    assert constrained.structured_output is not None
+    constrained.structured_output.future.result()  # type: ignore[union-attr]
+    outs = run(core)
+    assert re.fullmatch("[0-9]{3}", text_of(tokens(outs[constrained.request_id])))
+    assert outs[constrained.request_id][-1].finish_reason == "stop"
+    assert_idle(core)
+    core.shutdown()
+
+
+def test_abort_while_compiling_frees_everything(tiny) -> None:
+    gated = _GatedBackend()
+    manager = StructuredOutputManager(lambda: gated)
+    core = make_core(tiny, manager)
+    req = make_request(SO(regex="x+"))
+    core.add_request(req)
+    gated.started.wait()
+    core.abort_requests([req.request_id])
+    assert req.status == RequestStatus.FINISHED_ABORTED and req.structured_output is None
+    assert not core.scheduler.requests and not core.scheduler.waiting
+    assert_idle(core)
+    gated.gate.set()  # the compile finishes into the cache, for the next request
+    outs = run(core, again := make_request(SO(regex="x+"), max_tokens=4))
+    assert set(text_of(tokens(outs[again.request_id]))) <= {"x"}
+    assert manager.stats.num_compiles == 1
+    core.shutdown()
+
+
+def test_compile_timeout_fails_only_that_request(tiny) -> None:
+    gated = _GatedBackend()
+    core = make_core(tiny, StructuredOutputManager(lambda: gated, compile_timeout_s=1e-9))
+    slow = make_request(SO(regex="[a-z]+"))
+    plain = make_request(None, max_tokens=3)
+    outs = run(core, slow, plain)
+    (only,) = outs[slow.request_id]
+    assert only.finish_reason == "abort" and only.new_token_ids == []
+    assert isinstance(only.error, RequestError)
+    assert only.error.field == "structured_outputs.regex"
+    assert "did not compile within" in str(only.error)
+    assert len(tokens(outs[plain.request_id])) == 3
+    assert_idle(core)
+    gated.gate.set()
+    core.shutdown()
+
+
+def test_bad_grammar_is_an_output_error_in_the_engine(tiny) -> None:
+    core = make_core(tiny)
+    bad = make_request(SO(grammar="root ::= ("))
+    outs = run(core, bad)
+    (only,) = outs[bad.request_id]
+    assert only.finish_reason == "abort"
+    assert only.error is not None and only.error.field == "structured_outputs.grammar"
+    with pytest.raises(RequestError, match="EBNF parser error"):
+        core.check_structured_outputs(SO(grammar="root ::= ("))
+    assert_idle(core)
+
+
+# -- generation --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", [None, 0, 1, 2])
+def test_each_kind_is_obeyed(tiny, seed) -> None:
+    core = make_core(tiny)
+    sampled = {} if seed is None else {"temperature": 1.0, "seed": seed}
+    cases = [
+        (
+            SO(json=SCHEMA, disable_any_whitespace=True),
+            lambda t: jsonschema.validate(json.loads(t), SCHEMA),
+        ),
+        (
+            SO(json_object=True, disable_any_whitespace=True),
+            lambda t: isinstance(json.loads(t), dict) or pytest.fail(t),
+        ),
+        (
+            SO(regex="[a-c]{2,4}-[0-9]+"),
+            lambda t: re.fullmatch("[a-c]{2,4}-[0-9]+", t) or pytest.fail(t),
+        ),
+        (SO(choice=["yes", "no", "ab"]), lambda t: t in {"yes", "no", "ab"} or pytest.fail(t)),
+        (
+            SO(grammar='root ::= "a" ("b" | "c")* "."'),
+            lambda t: re.fullmatch(r"a[bc]*\.", t) or pytest.fail(t),
+        ),
+    ]
+    reqs = [make_request(so, [5 + i, 7, 9], **sampled) for i, (so, _) in enumerate(cases)]
+    outs = run(core, *reqs)
+    num_length = 0
+    for req, (so, check) in zip(reqs, cases, strict=True):
+        steps = outs[req.request_id]
+        if steps[-1].finish_reason == "length":
+            num_length += 1
+            continue  # random weights may wander (a number that never ends)
+        assert steps[-1].finish_reason == "stop", so.kind
+        assert tokens(steps)[-1] == STOP
+        check(text_of(tokens(steps)))
+    assert num_length <= 2
+    assert_idle(core)
+
+
+def test_logprobs_see_only_allowed_tokens(tiny) -> None:
+    core = make_core(tiny)
+    req = make_request(SO(choice=["yes", "no"]), logprobs=5, temperature=0.7, seed=3)
+    outs = run(core, req)
+    allowed_first = {VOCAB.index(t) for t in ("y", "n", "yes", "no")}
+    first = outs[req.request_id][0].new_logprobs[0]
+    assert set(first) <= allowed_first
+    for o in outs[req.request_id]:
+        for pos in o.new_logprobs:
+            assert all(lp.logprob > float("-inf") for lp in pos.values())
+
+
+def test_greedy_constrained_matches_unbatched_and_survives_preemption(tiny) -> None:
+    so = SO(json=SCHEMA, disable_any_whitespace=True)
+    alone = make_request(so, [4, 5, 6])
+    ref = tokens(run(make_core(tiny), alone)[alone.request_id])
+    # A cache of 9 blocks of 4 tokens cannot hold three growing sequences: preemption.
+    core = make_core(tiny, num_blocks=9)
+    reqs = [make_request(so, [4, 5, 6]) for _ in range(3)]
+    outs = run(core, *reqs)
+    assert core.scheduler.num_preemptions > 0
+    for r in reqs:
+        assert tokens(outs[r.request_id]) == ref
+    assert_idle(core)
+
+
+def test_replayed_tokens_continue_the_grammar(tiny) -> None:
+    """The decode side: a request arrives with its first token (sampled by prefill under
+    the same grammar); the matcher replays it and continues."""
+    so = SO(regex="[0-9]{2}-[0-9]{2}")
+    whole = make_request(so, [3, 3])
+    ref = tokens(run(make_core(tiny), whole)[whole.request_id])
+    core = make_core(tiny)
+    cont = make_request(so, [3, 3])
+    cont.append_output_token(ref[0])
+    outs = run(core, cont)
+    assert [ref[0], *tokens(outs[cont.request_id])] == ref
+    bad = make_request(so, [3, 3])
+    bad.append_output_token(VOCAB.index("a"))
+    (only,) = run(core, bad)[bad.request_id]
+    assert only.finish_reason == "abort" and only.error is not None
+    assert only.error.field == "first_token_id"
+    assert_idle(core)
