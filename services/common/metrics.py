@@ -49,8 +49,11 @@ class ServiceMetrics:
             "tandem:kv_load_failures",
             "Requests whose remote KV was missing or corrupt and got recomputed.",
             labels, registry=r)
+        self.num_preemptions = Counter(
+            "tandem:num_preemptions", "Requests preempted (their KV freed, recomputed later).",
+            labels, registry=r)
         self._role = Role(role).value
-        self._num_kv_load_failures = 0
+        self._followed: dict[str, int] = {}
 
     def labels(self, metric: Any, **extra: str) -> Any:
         """``metric`` with this instance's role label (and ``extra`` labels)."""
@@ -61,11 +64,16 @@ class ServiceMetrics:
         self.labels(self.num_requests_running).set(stats.num_running)
         self.labels(self.num_requests_waiting).set(stats.num_waiting)
         self.labels(self.kv_cache_usage_perc).set(stats.kv_cache_usage)
-        # The connector counts; the Prometheus counter follows its increments.
-        delta = num_kv_load_failures - self._num_kv_load_failures
+        self._follow("kv_load_failures", self.kv_load_failures, num_kv_load_failures)
+        self._follow("num_preemptions", self.num_preemptions, stats.num_preemptions)
+
+    def _follow(self, key: str, counter: Counter, total: int) -> None:
+        """Advance ``counter`` to ``total``: the engine (or connector) counts, the
+        Prometheus counter follows its increments."""
+        delta = total - self._followed.get(key, 0)
         if delta > 0:
-            self.labels(self.kv_load_failures).inc(delta)
-            self._num_kv_load_failures = num_kv_load_failures
+            self.labels(counter).inc(delta)
+            self._followed[key] = total
 
     def serve(self, port: int) -> Any:
         """Serve ``/metrics`` on ``port`` in a daemon thread; returns the server (``.shutdown()``)."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import re
 import sys
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -27,7 +28,9 @@ from tandem.up import Stack, StackConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
 
+from ports import free_port  # noqa: E402
 from services_harness import EngineService, run_colocated  # noqa: E402
+from waiting import wait_until  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -49,6 +52,8 @@ OBJECT_QUESTIONS = [
     "Return a JSON object with the key ok set to true.",
     "What is 2+2? Answer as a JSON object.",
     "Give a JSON object with a name and an age.",
+    "Give me a JSON object with the key city.",
+    "Answer in JSON: what is the capital of Spain?",
 ]
 
 PERSON = {
@@ -115,8 +120,8 @@ def _chat(q: str) -> list[dict]:
 
 
 def _runs(seeds: list[int | None] = SEEDS) -> list[tuple[str, str, int | None]]:
-    """(kind, question, seed) of every constrained generation: 20 per kind (12 of any
-    JSON object, see OBJECT_QUESTIONS)."""
+    """(kind, question, seed) of every constrained generation: 20 per kind with
+    ``SEEDS``."""
     return [
         (k, q, s)
         for k in KINDS
@@ -259,7 +264,7 @@ def test_disaggregated_every_kind_matches_offline(client, offline) -> None:
     """Prefill samples token 1 under the grammar; decode compiles it, replays token 1 and
     continues: the same tokens as offline, greedy and seeded."""
     results = offline["results"]
-    runs = _runs([None, 1])
+    runs = _runs()
     with ThreadPoolExecutor(16) as pool:  # concurrent, as clients are
         answers = list(pool.map(lambda run: _http(client, *run), runs))
     for run, r in zip(runs, answers, strict=True):
@@ -282,6 +287,44 @@ def test_colocated_greedy_matches_offline(colocated, offline) -> None:
         got = list(pool.map(generate, runs))
     for run, ids in zip(runs, got, strict=True):
         assert ids == offline["results"][run].token_ids, run
+
+
+@pytest.fixture(scope="module")
+def small_colocated(offline, tmp_path_factory):
+    """A colocated engine whose KV cache (12 blocks, as the offline preemption case's) cannot
+    hold 8 growing sequences at once, its Prometheus metrics on a port: ``(service, port)``."""
+    port = free_port()
+    args = ["--kv-cache-memory", str(12 * 16 * 46080), "--max-model-len", "1024",
+            "--metrics-port", str(port)]
+    svc = EngineService("both", None, tmp_path_factory.mktemp("small"), None, args, 600)
+    yield svc, port
+    svc.stop()
+
+
+def test_service_preemption_keeps_grammar_state(small_colocated, offline) -> None:
+    """Constrained requests preempted inside a service (their KV freed and recomputed, the
+    matcher kept) give the offline greedy tokens."""
+    svc, port = small_colocated
+    tok = offline["tokenizer"]
+    runs = [("json" if i % 2 == 0 else "regex", QUESTIONS[i % 4], None) for i in range(8)]
+
+    def generate(run: tuple[str, str, int | None]) -> list[int]:
+        text = tok.apply_chat_template(_chat(run[1]), tokenize=False, add_generation_prompt=True)
+        ids = tok.encode(text, add_special_tokens=False)
+        return run_colocated(svc, ids, sampling_params_to_proto(_params(run[0], None)))
+
+    with ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(generate, runs))
+    for run, ids in zip(runs, got, strict=True):
+        assert ids == offline["results"][run].token_ids, run
+
+    def preemptions() -> float:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+            m = re.search(r'^tandem:num_preemptions_total\{role="both"\} (\S+)$',
+                          r.read().decode(), re.M)
+        return float(m.group(1)) if m else 0.0
+
+    wait_until(lambda: preemptions() > 0, 30, "a preemption in the service's metrics")
 
 
 def test_n3_streamed_and_logprobs_over_http(client) -> None:
