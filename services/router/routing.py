@@ -1,6 +1,6 @@
 """Routing policies: small strategies behind one async interface, chosen by name.
 
-- ``round_robin``: rotate over the healthy instances of the role.
+- ``round_robin``: rotate over the healthy instances of the role (one rotation per stage).
 - ``least_loaded``: fewest requests (running + waiting, or our own in-flight count if
   larger), then lowest KV usage, then round robin.
 - ``kv_aware`` (default): for prefill, the instance that most likely holds the longest
@@ -23,7 +23,7 @@ import enum
 import itertools
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from tandem.contracts.block_hash import BlockHash, hash_token_blocks
@@ -73,23 +73,39 @@ class Router(ABC):
         """Called once the chosen instance accepted the request (default: nothing)."""
 
 
+class _Rotation:
+    """One rotation per stage: a disaggregated request advances the prefill rotation with
+    its prefill choice and the decode rotation with its decode choice.
+
+    Why: with one counter for both choices, each request advanced it twice, so with two
+    prefill instances every prefill choice landed on the same one.
+    """
+
+    def __init__(self) -> None:
+        self._counters: dict[Role, Iterator[int]] = {}
+
+    def next(self, stage: Role) -> int:
+        """The next turn of ``stage``'s rotation (0, 1, 2, ...)."""
+        return next(self._counters.setdefault(Role(stage), itertools.count()))
+
+
 class RoundRobinRouter(Router):
     def __init__(self) -> None:
-        self._counter = itertools.count()
+        self._rotation = _Rotation()
 
     async def choose(self, candidates: Sequence[InstanceInfo], ctx: RouteContext
                      ) -> InstanceInfo:
         ordered = sorted(candidates, key=lambda i: i.address)
-        return ordered[next(self._counter) % len(ordered)]
+        return ordered[self._rotation.next(ctx.stage) % len(ordered)]
 
 
 class LeastLoadedRouter(Router):
     def __init__(self) -> None:
-        self._counter = itertools.count()
+        self._rotation = _Rotation()
 
     async def choose(self, candidates: Sequence[InstanceInfo], ctx: RouteContext
                      ) -> InstanceInfo:
-        return least_loaded(candidates, next(self._counter))
+        return least_loaded(candidates, self._rotation.next(ctx.stage))
 
 
 def least_loaded(candidates: Sequence[InstanceInfo], tiebreak: int = 0) -> InstanceInfo:
@@ -137,11 +153,11 @@ class KVAwareRouter(Router):
         self._hints: dict[str, _PrefixHints] = {}
         self._capacity_blocks = capacity_blocks
         self._balance_slack = balance_slack
-        self._counter = itertools.count()
+        self._rotation = _Rotation()
 
     async def choose(self, candidates: Sequence[InstanceInfo], ctx: RouteContext
                      ) -> InstanceInfo:
-        fallback = least_loaded(candidates, next(self._counter))
+        fallback = least_loaded(candidates, self._rotation.next(ctx.stage))
         if ctx.stage == Role.DECODE:
             return fallback
         best, best_blocks = fallback, 0

@@ -90,6 +90,20 @@ def test_kv_aware_routes_shared_prefix_to_same_prefill(stack) -> None:
     assert len(seen) == 1, f"one shared prefix went to several prefill instances: {seen}"
 
 
+def test_requests_one_at_a_time_use_both_prefill_instances(stack) -> None:
+    """Prompts without a shared prefix, one at a time (idle instances: every choice is a
+    tie): the prefill choices rotate over both prefill instances (with one rotation for the
+    prefill and the decode choice, every request's prefill went to the same instance)."""
+    url, model = stack.http_url, _model(stack.http_url)
+    seen = []
+    for i in range(6):
+        resp = httpx.post(f"{url}/v1/completions", timeout=REQUEST_TIMEOUT_S, json={
+            "model": model, "prompt": [3000 + 100 * i + j for j in range(20)], "max_tokens": 2})
+        assert resp.status_code == 200, resp.text
+        seen.append(resp.json()["timings"]["prefill_instance"])
+    assert set(seen) == {stack.part("prefill-0").url, stack.part("prefill-1").url}, seen
+
+
 def test_concurrent_requests_spread_over_decode_instances(stack) -> None:
     url, model = stack.http_url, _model(stack.http_url)
 

@@ -35,6 +35,28 @@ def test_round_robin_cycles_over_all() -> None:
     assert picks == [i.address for i in infos] * 2
 
 
+@pytest.mark.parametrize("policy", ["round_robin", "least_loaded", "kv_aware"])
+@pytest.mark.parametrize(("num_prefill", "num_decode"), [(2, 2), (2, 3), (3, 2), (3, 3)])
+def test_each_stage_rotates_on_its_own(policy, num_prefill, num_decode) -> None:
+    """Requests placed as the pipeline places them (a prefill choice, then a decode
+    choice), on idle instances with distinct prompts: the prefill choices cycle over every
+    prefill instance and the decode choices over every decode instance. With one rotation
+    for both stages, two prefill instances got every prefill (round robin, and the
+    least-loaded tie-break of the other two policies)."""
+    router = make_router(policy)
+    prefill = _infos(*[0] * num_prefill)
+    decode = [InstanceInfo(role="decode", address=f"10.0.1.{i}:1") for i in range(num_decode)]
+    picks: dict[str, list[str]] = {"prefill": [], "decode": []}
+    for n in range(6):
+        for stage, infos in (("prefill", prefill), ("decode", decode)):
+            ctx = RouteContext(stage, [1000 + 64 * n + j for j in range(40)])
+            info = _choose(router, infos, ctx.prompt_token_ids, stage)
+            router.on_routed(info, ctx)
+            picks[stage].append(info.address)
+    assert picks["prefill"] == [i.address for i in prefill] * (6 // num_prefill)
+    assert picks["decode"] == [i.address for i in decode] * (6 // num_decode)
+
+
 def test_least_loaded_uses_reports_and_own_inflight() -> None:
     infos = _infos(3, 1, 2)
     assert _choose(LeastLoadedRouter(), infos).address == "10.0.0.1:1"
