@@ -274,17 +274,18 @@ def test_disaggregated_every_kind_matches_offline(client, offline) -> None:
         assert choice.message.content == results[run].text, run
 
 
-def test_colocated_greedy_matches_offline(colocated, offline) -> None:
+def _greedy_on(svc: EngineService, offline: dict, run: tuple[str, str, int | None]) -> list[int]:
+    """The greedy tokens of ``run``'s chat prompt and constraint from a colocated service."""
     tok = offline["tokenizer"]
+    text = tok.apply_chat_template(_chat(run[1]), tokenize=False, add_generation_prompt=True)
+    ids = tok.encode(text, add_special_tokens=False)
+    return run_colocated(svc, ids, sampling_params_to_proto(_params(run[0], None)))
+
+
+def test_colocated_greedy_matches_offline(colocated, offline) -> None:
     runs = _runs([None])
-
-    def generate(run: tuple[str, str, int | None]) -> list[int]:
-        text = tok.apply_chat_template(_chat(run[1]), tokenize=False, add_generation_prompt=True)
-        ids = tok.encode(text, add_special_tokens=False)
-        return run_colocated(colocated, ids, sampling_params_to_proto(_params(run[0], None)))
-
     with ThreadPoolExecutor(16) as pool:
-        got = list(pool.map(generate, runs))
+        got = list(pool.map(lambda run: _greedy_on(colocated, offline, run), runs))
     for run, ids in zip(runs, got, strict=True):
         assert ids == offline["results"][run].token_ids, run
 
@@ -305,16 +306,9 @@ def test_service_preemption_keeps_grammar_state(small_colocated, offline) -> Non
     """Constrained requests preempted inside a service (their KV freed and recomputed, the
     matcher kept) give the offline greedy tokens."""
     svc, port = small_colocated
-    tok = offline["tokenizer"]
     runs = [("json" if i % 2 == 0 else "regex", QUESTIONS[i % 4], None) for i in range(8)]
-
-    def generate(run: tuple[str, str, int | None]) -> list[int]:
-        text = tok.apply_chat_template(_chat(run[1]), tokenize=False, add_generation_prompt=True)
-        ids = tok.encode(text, add_special_tokens=False)
-        return run_colocated(svc, ids, sampling_params_to_proto(_params(run[0], None)))
-
     with ThreadPoolExecutor(8) as pool:
-        got = list(pool.map(generate, runs))
+        got = list(pool.map(lambda run: _greedy_on(svc, offline, run), runs))
     for run, ids in zip(runs, got, strict=True):
         assert ids == offline["results"][run].token_ids, run
 
@@ -469,25 +463,13 @@ def _check_calls(calls, only: str | None = None) -> None:
 )
 def test_forced_tool_calls_parse_and_validate(client, tool_choice) -> None:
     only = None if tool_choice == "required" else "get_weather"
-    r = client.chat.completions.create(
-        model=MODEL,
-        messages=ASK,
-        tools=TOOLS,
-        tool_choice=tool_choice,
-        max_tokens=120,
-        temperature=0,
-    )
+    kw = dict(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=tool_choice, max_tokens=120,
+              temperature=0)
+    r = client.chat.completions.create(**kw)
     choice = r.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
     _check_calls(choice.message.tool_calls, only)
-    with client.chat.completions.stream(
-        model=MODEL,
-        messages=ASK,
-        tools=TOOLS,
-        tool_choice=tool_choice,
-        max_tokens=120,
-        temperature=0,
-    ) as s:
+    with client.chat.completions.stream(**kw) as s:
         for _ in s:
             pass
         final = s.get_final_completion()

@@ -6,6 +6,7 @@ import itertools
 
 import pytest
 import transformers
+from engine_steps import run
 from memory_connector import MemoryKVStore, register_memory_connector
 from tiny_models import as_loaded_model, hf_greedy_steps, tiny_config, tiny_hf_model
 
@@ -50,17 +51,6 @@ def make_core(loaded: LoadedModel, num_blocks: int = 32, **kv: object) -> Engine
 def make_request(prompt: list[int], **params: object) -> Request:
     params.setdefault("temperature", 0.0)
     return Request(f"r{next(_ids)}", prompt, SamplingParams(**params))
-
-
-def run(core: EngineCore, *reqs: Request) -> dict[str, list]:
-    """Add requests, step to the end; request id -> its EngineCoreOutputs."""
-    for r in reqs:
-        core.add_request(r)
-    outs: dict[str, list] = {r.request_id: [] for r in reqs}
-    while core.has_unfinished_requests():
-        for o in core.step():
-            outs.setdefault(o.request_id, []).append(o)
-    return outs
 
 
 def assert_idle(core: EngineCore) -> None:

@@ -16,6 +16,7 @@ import threading
 import jsonschema
 import pytest
 import torch
+from engine_steps import run
 from tiny_models import as_loaded_model, tiny_config, tiny_hf_model
 
 from tandem.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
@@ -91,16 +92,6 @@ def make_request(so: SO | None, prompt: list[int] | None = None, **params: objec
     return Request(
         f"r{next(_ids)}", prompt or [1, 2, 3], SamplingParams(structured_outputs=so, **params)
     )
-
-
-def run(core: EngineCore, *reqs: Request) -> dict[str, list]:
-    for r in reqs:
-        core.add_request(r)
-    outs: dict[str, list] = {r.request_id: [] for r in reqs}
-    while core.has_unfinished_requests():
-        for o in core.step():
-            outs.setdefault(o.request_id, []).append(o)
-    return outs
 
 
 def tokens(outs: list) -> list[int]:
