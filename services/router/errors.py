@@ -75,13 +75,22 @@ class OpenAIError(Exception):
                 "code": self.code if self.code is not None else self.status_code}
 
 
+# pydantic names the member of a union a value failed to match in the error's location
+# (``("guided_json", "dict[str,any]")``): type names, not fields of the request.
+_UNION_TAGS = frozenset({"str", "int", "float", "bool", "bytes", "none"})
+
+
+def _is_union_tag(part: object) -> bool:
+    return isinstance(part, str) and (part in _UNION_TAGS or "[" in part)
+
+
 def from_validation_error(exc: ValidationError | RequestValidationError) -> OpenAIError:
     """A 400 naming the first invalid field of a pydantic validation error."""
     errors = exc.errors()
     if not errors:
         return OpenAIError("invalid request")
     first = errors[0]
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    loc = [str(p) for p in first.get("loc", ()) if p != "body" and not _is_union_tag(p)]
     param = ".".join(loc) or None
     msg = first.get("msg", "invalid value")
     return OpenAIError(f"{param}: {msg}" if param else msg, param=param)

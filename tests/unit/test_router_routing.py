@@ -149,3 +149,24 @@ def test_unknown_fields_ignored_with_warning(caplog) -> None:
     assert "frobnicate" in caplog.text
     sp = req.to_sampling_params(num_prompt_tokens=1, max_model_len=100)
     assert sp.stop == ["END"] and sp.top_k == 5
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"guided_json": True}, "guided_json"),  # a union: dict | str
+    ({"guided_choice": "red"}, "guided_choice"),
+    ({"messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
+    ({"max_tokens": "many"}, "max_tokens"),
+])
+def test_validation_errors_name_the_request_field(body, param) -> None:
+    """A value that fails a field's type is a 400 whose ``param`` is the field's path in
+    the request, without the union member pydantic tried (``guided_json.dict[str,any]``
+    was reported)."""
+    from pydantic import ValidationError
+
+    from tandem.services.router.errors import from_validation_error
+
+    with pytest.raises(ValidationError) as info:
+        ChatCompletionRequest.model_validate(
+            {"messages": [{"role": "user", "content": "hi"}], **body})
+    err = from_validation_error(info.value)
+    assert err.status_code == 400 and err.param == param, err.param
