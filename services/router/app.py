@@ -211,6 +211,9 @@ async def _json_body(request: Request) -> Any:
         return json.loads(body)
     except (ValueError, UnicodeDecodeError) as exc:
         raise OpenAIError(f"request body is not valid JSON: {exc}") from exc
+    except RecursionError as exc:
+        # json's decoder recurses once per nesting level (~1,000 deep is Python's limit)
+        raise OpenAIError("request body is not valid JSON: nested too deeply") from exc
 
 
 def _timings(states: list[ChoiceState]) -> dict[str, Any] | None:

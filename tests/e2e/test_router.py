@@ -175,6 +175,25 @@ def test_stop_token_id_is_the_stop_reason_at_every_position(client, oracle) -> N
         assert resp.usage.completion_tokens == pos + 1
 
 
+@pytest.mark.parametrize("body", [
+    '{"model": "m", "prompt": ' + "[" * 3000 + "]" * 3000 + "}",
+    '{"model": "m", "messages": [{"role": "user", "content": "hi"}], "x": '
+    + '{"a": ' * 5000 + "1" + "}" * 5000 + "}",
+], ids=["nested-prompt", "nested-object"])
+def test_deeply_nested_body_is_a_400_and_the_connection_lives_on(stack, client, body) -> None:
+    """JSON nested beyond what Python's decoder recurses into: a 400 in OpenAI's form (it
+    was a 500 from a RecursionError, and the keep-alive connection was reset), then a
+    normal request on the same connection succeeds."""
+    path = "/v1/completions" if "prompt" in body else "/v1/chat/completions"
+    with httpx.Client(base_url=stack.http_url, timeout=60) as http:
+        resp = http.post(path, content=body, headers={"content-type": "application/json"})
+        assert resp.status_code == 400, resp.text
+        assert "nested too deeply" in resp.json()["error"]["message"]
+        ok = http.post("/v1/completions", json={"model": MODEL, "prompt": PROMPTS[0],
+                                                "max_tokens": 2, "temperature": 0})
+        assert ok.status_code == 200, ok.text
+
+
 def test_n_choices_greedy_and_seeded(client, oracle) -> None:
     q = QUESTIONS[1]
     resp = client.chat.completions.create(model=MODEL, messages=_chat(q), n=3,
