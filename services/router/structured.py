@@ -81,6 +81,11 @@ def _response_format_source(rf: Any) -> ConstraintSource | None:
             f"response_format: unsupported field {sorted(unknown)[0]!r}",
             param=f"response_format.{sorted(unknown)[0]}",
         )
+    if "json_schema" in rf and kind != "json_schema":
+        raise OpenAIError(
+            f"response_format.json_schema goes with type json_schema, not {kind!r}",
+            param="response_format.json_schema",
+        )
     if kind == "text":
         return None
     if kind == "json_object":
@@ -110,7 +115,12 @@ def _response_format_source(rf: Any) -> ConstraintSource | None:
                 "response_format.json_schema.schema is required",
                 param="response_format.json_schema.schema",
             )
-        # NOTE: `strict` is accepted either way: the output is always held to the schema.
+        # NOTE: `strict` true or false: the output is always held to the schema.
+        if js.get("strict") is not None and not isinstance(js["strict"], bool):
+            raise OpenAIError(
+                "response_format.json_schema.strict must be a boolean",
+                param="response_format.json_schema.strict",
+            )
         return ConstraintSource("response_format.json_schema.schema", "json", js["schema"])
     raise OpenAIError(
         f"response_format.type must be one of text, json_object, json_schema, got {kind!r}",

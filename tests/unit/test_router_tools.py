@@ -100,6 +100,17 @@ def test_text_format_is_no_constraint() -> None:
         ({"guided_json": "[1, 2"}, "guided_json", "guided_json is not valid JSON"),
         ({"response_format": {"type": "json_schema"}}, "response_format.json_schema", "schema"),
         ({"response_format": {"type": "xml"}}, "response_format.type", "must be one of"),
+        (  # the schema would be ignored
+            {"response_format": {"type": "json_object", "json_schema": {"schema": SCHEMA}}},
+            "response_format.json_schema",
+            "goes with type json_schema",
+        ),
+        (
+            {"response_format": {"type": "json_schema",
+                                 "json_schema": {"schema": SCHEMA, "strict": "yes"}}},
+            "response_format.json_schema.strict",
+            "must be a boolean",
+        ),
         (
             {"structured_outputs": {"structural_tag": "x"}},
             "structured_outputs.structural_tag",
