@@ -201,8 +201,22 @@ class Float32ComputeLinear(PackedLinear):
         self.register_buffer("bias32", bias, persistent=False)
 
     def _dense(self, x2: torch.Tensor) -> torch.Tensor:
-        assert self.weight32 is not None, "a packed Float32ComputeLinear runs the kernel"
-        return F.linear(x2.float(), self.weight32, self.bias32).to(x2.dtype)
+        """Unpacked: torch's float32 GEMM. Packed: what ``_packed_for`` declined, an
+        empty batch (as ``nn.Linear`` gives) or a strided ``x`` (made contiguous for
+        the kernel).
+
+        Raises:
+            ValueError: a packed layer given a ``x`` that is not bf16.
+        """
+        if self.weight32 is not None:
+            return F.linear(x2.float(), self.weight32, self.bias32).to(x2.dtype)
+        if x2.shape[0] == 0:
+            return x2.new_empty((0, self.out_features))
+        if x2.dtype != torch.bfloat16:
+            raise ValueError(f"{type(self).__name__} takes bf16 inputs, got {x2.dtype}")
+        assert self.vnni_weight is not None, "a layer without weight32 is packed"
+        return cpu_ext.bf16_linear(x2.contiguous(), self.vnni_weight, self.bias,
+                                   self.out_features)
 
     def forward_swiglu(self, x: torch.Tensor) -> torch.Tensor | None:
         """Always ``None``: the FMA kernel has no fused SwiGLU (the caller runs the

@@ -481,6 +481,11 @@ def test_float32_compute_linear_is_the_rounded_float32_product(bias, tokens):
     torch.testing.assert_close(out, lin(x), rtol=2**-7, atol=1e-2)
     assert layer(x.reshape(1, tokens, 96)).shape == (1, tokens, 48)
     assert layer.forward_swiglu(x) is None
+    # an empty batch and a strided x (every other column of a wider tensor), as nn.Linear
+    assert layer(torch.empty(0, 96, dtype=torch.bfloat16)).shape == (0, 48)
+    wide = torch.zeros(tokens, 192, dtype=torch.bfloat16)
+    wide[:, ::2] = x
+    assert torch.equal(layer(wide[:, ::2]), out)
 
 
 
