@@ -153,18 +153,17 @@ class EngineCore:
 
     # -- requests ------------------------------------------------------------------------------
 
-    def check_structured_outputs(
-        self, params: StructuredOutputsParams, timeout_s: float | None = None
-    ) -> None:
+    def check_structured_outputs(self, params: StructuredOutputsParams) -> None:
         """Compile a constraint now (or find it cached), blocking the caller only; any
         thread may call it (the services do, before queueing a request; the offline
         ``LLMEngine`` too). The engine's own compile of the request is then a cache hit.
 
         Raises:
             RequestError: naming the field: the grammar library's message, or a compile
-                longer than ``timeout_s`` (the manager's ``compile_timeout_s`` if ``None``).
+                longer than the manager's ``compile_timeout_s``.
+            GrammarCompilerBusyError: the compiler has too much queued.
         """
-        self.structured_output.validate(params, timeout_s)
+        self.structured_output.validate(params)
 
     def validate_request(self, request: Request) -> None:
         """Check a request against this engine's limits; allocate nothing.

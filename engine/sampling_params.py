@@ -12,12 +12,16 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from tandem.engine.structured_output.json_schema import check_json_schema
 from tandem.engine.validation import RequestError
 
 _SAMPLING_EPS = 1e-5
 
 #: The constraint kinds of ``StructuredOutputsParams``, in the order vLLM names them.
 STRUCTURED_OUTPUT_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+#: Longest constraint (``StructuredOutputsParams.spec()``) a request may send: bounds what
+#: one request makes the compiler, the compile cache and the handoff RPC carry.
+MAX_SPEC_CHARS = 256 * 1024
 
 
 @dataclass(frozen=True)
@@ -28,7 +32,9 @@ class StructuredOutputsParams:
 
     Attributes:
         json: a JSON schema (a ``dict``, or its JSON text, parsed at construction); the
-            output is one JSON value that validates against it.
+            output is one JSON value that validates against it. The schema must be valid
+            (its metaschema) and use only keywords the grammar backend enforces
+            (``structured_output.json_schema``).
         json_object: ``True``: the output is any JSON object.
         regex: the output matches this regular expression (xgrammar's regex dialect).
         choice: the output is exactly one of these strings (non-empty list).
@@ -36,16 +42,17 @@ class StructuredOutputsParams:
         disable_any_whitespace: JSON kinds only: no free whitespace between tokens of the
             JSON text (compact output), as vLLM's flag of that name.
 
-    The constraint is compiled by the engine (``engine.structured_output``); only its
-    shape is checked here, so that the router (which runs no grammar library) rejects
-    malformed requests before any RPC.
+    The constraint is compiled by the engine (``engine.structured_output``); its shape
+    and the schema rules are checked here, so that the router (which runs no grammar
+    library) rejects malformed requests before any RPC.
 
     Raises:
-        RequestError: no kind or two kinds set (naming both), or a value of the wrong
-            type / an empty one, naming ``structured_outputs.<kind>``.
+        RequestError: no kind or two kinds set (naming both), a value of the wrong
+            type / an empty one, an invalid JSON schema, or a spec longer than
+            ``MAX_SPEC_CHARS``, naming ``structured_outputs.<kind>``.
     """
 
-    json: dict[str, Any] | bool | str | None = None
+    json: dict[str, Any] | str | None = None
     json_object: bool | None = None
     regex: str | None = None
     choice: tuple[str, ...] | None = None
@@ -82,11 +89,8 @@ class StructuredOutputsParams:
                     parsed = json.loads(value)
                 except ValueError as exc:
                     raise RequestError(name, f"{name} is not valid JSON: {exc}") from None
-                if not isinstance(parsed, dict | bool):
-                    raise RequestError(name, f"{name} must be a JSON object (a JSON schema)")
                 object.__setattr__(self, "json", parsed)  # one form: equal schemas compare equal
-            elif not isinstance(value, dict | bool):
-                raise RequestError(name, f"{name} must be a JSON schema (an object)")
+            check_json_schema(self.json, name)
         elif kind == "json_object":
             if value is not True:
                 raise RequestError(name, f"{name} must be true")
@@ -98,6 +102,10 @@ class StructuredOutputsParams:
                 raise RequestError(name, f"{name} must not be empty")
             if not all(isinstance(c, str) and c for c in value):
                 raise RequestError(name, f"{name} must hold non-empty strings")
+        if len(self.spec()) > MAX_SPEC_CHARS:
+            raise RequestError(
+                name, f"{name} is longer than {MAX_SPEC_CHARS} characters (as compact JSON)"
+            )
 
     @property
     def kind(self) -> str:
@@ -227,6 +235,14 @@ class SamplingParams:
             raise _bad("min_tokens", "be >= 0", self.min_tokens)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise _bad("min_tokens", "be <= max_tokens", f"{self.min_tokens} > {self.max_tokens}")
+        if self.min_tokens > 0 and self.structured_outputs is not None:
+            # A grammar may be complete (only EOS allowed) before min_tokens: the request
+            # would then have no token left to sample.
+            raise RequestError(
+                "min_tokens",
+                "min_tokens cannot be combined with structured outputs: the constraint "
+                "decides where the output ends",
+            )
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise _bad("logprobs", "be in [0, 20]", self.logprobs)
         if self.prompt_logprobs is not None:

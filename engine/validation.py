@@ -41,6 +41,11 @@ class KVCapacityError(RequestError):
     could take it: the services answer RESOURCE_EXHAUSTED, so the router tries another)."""
 
 
+class GrammarCompilerBusyError(RequestError):
+    """The engine's grammar compiler has more work queued than it can start in time (the
+    services answer RESOURCE_EXHAUSTED: a retry, or another instance, may take it)."""
+
+
 class ContextLengthError(RequestError):
     """The prompt, or the prompt plus ``max_tokens``, does not fit in the context length.
 

@@ -1,7 +1,8 @@
 """xgrammar behind one small seam: compile a constraint, match tokens, fill a bitmask.
 
-Only this module imports xgrammar (which imports torch), so the router, which checks the
-shape of a constraint but never compiles one, stays free of both.
+Only this module (and the compile children, ``compile_worker.py``) imports xgrammar, which
+imports torch, so the router, which checks a constraint but never compiles one, stays
+free of both.
 
 Bitmask layout (xgrammar's): ``int32 [num_rows, ceil(vocab_size / 32)]``; bit ``j % 32``
 of word ``j // 32`` of a row is 1 when token ``j`` is allowed.
@@ -18,6 +19,11 @@ import torch
 import xgrammar as xgr
 
 from tandem.engine.sampling_params import StructuredOutputsParams
+from tandem.engine.structured_output.compile_worker import (
+    CompileFailed,
+    CompileTimeout,
+    CompileWorkers,
+)
 from tandem.engine.validation import RequestError
 
 #: xgrammar prefixes its C++ errors with a time stamp and a source location
@@ -28,54 +34,6 @@ _LOCATION = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")
 def library_message(exc: BaseException) -> str:
     """xgrammar's error text without its time stamp and C++ source location."""
     return _LOCATION.sub("", str(exc).strip()).strip()
-
-
-#: JSON-schema keywords xgrammar compiles without enforcing (found by matching outputs that
-#: break them): a schema using one is refused, so no output claims a constraint it lacks.
-UNSUPPORTED_SCHEMA_KEYWORDS = ("not", "if", "then", "else")
-_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
-_SUBSCHEMAS = (
-    "items",
-    "additionalProperties",
-    "contains",
-    "propertyNames",
-    "unevaluatedProperties",
-    "unevaluatedItems",
-)
-_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
-
-
-def unsupported_schema_feature(schema: object, path: str = "#") -> str | None:
-    """Where ``schema`` uses a keyword xgrammar would not enforce, as ``"<keyword> at
-    <JSON pointer>"``; ``None`` when it uses none. Also ``allOf`` with several branches,
-    which xgrammar only partly merges."""
-    if not isinstance(schema, dict):
-        return None
-    for key in UNSUPPORTED_SCHEMA_KEYWORDS:
-        if key in schema:
-            return f"'{key}' at {path}"
-    all_of = schema.get("allOf")
-    if isinstance(all_of, list) and len(all_of) > 1:
-        return f"'allOf' with {len(all_of)} branches at {path}"
-    for key in _SUBSCHEMA_MAPS:
-        sub = schema.get(key)
-        if isinstance(sub, dict):
-            for name, value in sub.items():
-                found = unsupported_schema_feature(value, f"{path}/{key}/{name}")
-                if found:
-                    return found
-    for key in _SUBSCHEMAS:
-        found = unsupported_schema_feature(schema.get(key), f"{path}/{key}")
-        if found:
-            return found
-    for key in _SUBSCHEMA_LISTS:
-        sub = schema.get(key)
-        if isinstance(sub, list):
-            for i, value in enumerate(sub):
-                found = unsupported_schema_feature(value, f"{path}/{key}/{i}")
-                if found:
-                    return found
-    return None
 
 
 def choice_grammar(choices: Sequence[str]) -> str:
@@ -157,78 +115,118 @@ class GrammarMatcher:
         return bool(self._m.is_terminated())
 
 
+def compile_constraint(compiler: Any, kind: str, spec: str, any_whitespace: bool) -> Any:
+    """Compile one constraint with an ``xgrammar.GrammarCompiler`` in this process
+    (``compile_worker``'s child runs it).
+
+    Args:
+        kind: one of ``STRUCTURED_OUTPUT_KINDS``; ``spec`` is
+            ``StructuredOutputsParams.spec()`` of that kind.
+
+    Returns:
+        The ``xgrammar.CompiledGrammar``.
+
+    Raises:
+        RuntimeError, ValueError, TypeError: xgrammar's errors (a schema it rejects, a regex
+            that does not parse, a grammar with a syntax error).
+    """
+    if kind == "json":
+        return compiler.compile_json_schema(spec, any_whitespace=any_whitespace)
+    if kind == "json_object":
+        return compiler.compile_json_schema('{"type": "object"}', any_whitespace=any_whitespace)
+    if kind == "regex":
+        return compiler.compile_regex(spec)
+    if kind == "choice":
+        return compiler.compile_grammar(choice_grammar(json.loads(spec)))
+    return compiler.compile_grammar(spec)
+
+
 class XgrammarBackend:
     """Compiles ``StructuredOutputsParams`` for one model's vocabulary.
+
+    Compiles run in child processes (``compile_worker.CompileWorkers``), so that one past
+    its time limit is killed rather than left running; the compiled grammar comes back
+    serialised and is rebuilt here over the same vocabulary.
 
     Args:
         tokenizer_info: xgrammar's view of the vocabulary (see :meth:`from_tokenizer`,
             :meth:`from_vocab`).
         vocab_size: rows of the model's logits (the bitmask width).
+        num_workers: compile processes (compiles that may run at once).
 
-    Thread-safety: :meth:`compile` may run on several threads at once (xgrammar's
-    compiler is thread-safe); matchers belong to one thread.
+    Thread-safety: :meth:`compile` may run on several threads at once (each waits for a
+    free worker); matchers belong to one thread.
     """
 
-    def __init__(self, tokenizer_info: Any, vocab_size: int) -> None:
+    def __init__(self, tokenizer_info: Any, vocab_size: int, num_workers: int = 2) -> None:
         self.vocab_size = vocab_size
-        # NOTE: xgrammar's own cache is off: the manager keeps the one bounded cache.
-        self._compiler = xgr.GrammarCompiler(tokenizer_info, max_threads=1, cache_enabled=False)
+        self._info = tokenizer_info
+        self.workers = CompileWorkers.acquire(tokenizer_info.serialize_json(), num_workers)
+        self._released = False
 
     @classmethod
     def from_tokenizer(
-        cls, tokenizer: Any, vocab_size: int, eos_token_id: int | None
+        cls, tokenizer: Any, vocab_size: int, eos_token_id: int | None, num_workers: int = 2
     ) -> XgrammarBackend:
         """From a Hugging Face tokenizer; the engine's EOS is the grammar's stop token."""
         stop = [eos_token_id] if eos_token_id is not None else None
         info = xgr.TokenizerInfo.from_huggingface(
             tokenizer, vocab_size=vocab_size, stop_token_ids=stop
         )
-        return cls(info, vocab_size)
+        return cls(info, vocab_size, num_workers)
 
     @classmethod
-    def from_vocab(cls, vocab: Sequence[str], eos_token_id: int) -> XgrammarBackend:
+    def from_vocab(
+        cls, vocab: Sequence[str], eos_token_id: int, num_workers: int = 2
+    ) -> XgrammarBackend:
         """From the raw text of each token id (tests with tiny models, which have no
         tokenizer); ``vocab[eos_token_id]`` is the stop token."""
         info = xgr.TokenizerInfo(
             list(vocab), xgr.VocabType.RAW, vocab_size=len(vocab), stop_token_ids=[eos_token_id]
         )
-        return cls(info, len(vocab))
+        return cls(info, len(vocab), num_workers)
 
-    def compile(self, params: StructuredOutputsParams) -> CompiledGrammar:
+    def compile(self, params: StructuredOutputsParams, timeout_s: float) -> CompiledGrammar:
         """Compile one constraint (blocking; call it off the step loop).
+
+        Args:
+            timeout_s: seconds the compile may take; past them it is killed.
 
         Raises:
             RequestError: naming ``params.field``, with xgrammar's message, for a schema
-                xgrammar rejects or does not support (``unsupported_schema_feature``), a
-                regex that does not parse, or a grammar with a syntax error.
+                xgrammar rejects, a regex that does not parse, a grammar with a syntax
+                error, or a compile longer than ``timeout_s``. (What xgrammar would compile
+                without enforcing is refused earlier, by ``StructuredOutputsParams``.)
         """
         kind = params.kind
-        if kind == "json":
-            found = unsupported_schema_feature(params.json)
-            if found is not None:
-                raise RequestError(
-                    params.field,
-                    f"{params.field}: the JSON schema uses {found}, which the grammar "
-                    "backend (xgrammar) cannot enforce",
-                )
-        spec = params.spec()
-        any_ws = not params.disable_any_whitespace
-        c = self._compiler
         try:
-            if kind == "json":
-                compiled = c.compile_json_schema(spec, any_whitespace=any_ws)
-            elif kind == "json_object":
-                compiled = c.compile_json_schema('{"type": "object"}', any_whitespace=any_ws)
-            elif kind == "regex":
-                compiled = c.compile_regex(spec)
-            elif kind == "choice":
-                compiled = c.compile_grammar(choice_grammar(params.choice or ()))
-            else:
-                compiled = c.compile_grammar(spec)
-        except (RuntimeError, ValueError, TypeError) as exc:
-            raise RequestError(params.field, f"{params.field}: {library_message(exc)}") from None
+            text = self.workers.compile(
+                kind, params.spec(), not params.disable_any_whitespace, timeout_s
+            )
+        except CompileTimeout:
+            raise compile_timeout_error(params, timeout_s) from None
+        except CompileFailed as exc:
+            raise RequestError(params.field, f"{params.field}: {exc}") from None
+        compiled = xgr.CompiledGrammar.deserialize_json(text, self._info)
         return CompiledGrammar(params.cache_key(), compiled)
 
     def allocate_bitmask(self, num_rows: int) -> torch.Tensor:
         """A bitmask of ``num_rows`` rows, every token allowed."""
         return xgr.allocate_token_bitmask(num_rows, self.vocab_size)
+
+    def shutdown(self) -> None:
+        """Release the compile processes (stopped once no backend of this process over
+        the same vocabulary uses them). Idempotent."""
+        if not self._released:
+            self._released = True
+            self.workers.release()
+
+
+def compile_timeout_error(params: StructuredOutputsParams, timeout_s: float) -> RequestError:
+    """The error of a compile that ran past ``timeout_s`` seconds (a 400: the constraint is
+    too complex for this server's limit)."""
+    return RequestError(
+        params.field,
+        f"{params.field}: the grammar did not compile within {timeout_s:g} s "
+        "(too complex a schema, regex or grammar)",
+    )

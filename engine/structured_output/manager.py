@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 
 from tandem.engine.request import Request
 from tandem.engine.sampling_params import StructuredOutputsParams
-from tandem.engine.validation import RequestError
+from tandem.engine.validation import GrammarCompilerBusyError, RequestError
 
 if TYPE_CHECKING:
     import torch
@@ -54,16 +54,14 @@ class GrammarState:
 
     Attributes:
         params: the request's constraint.
-        future: the compile in flight or done (``None`` once the matcher exists).
-        deadline: ``time.monotonic()`` seconds after which a compile still running is a
-            request error.
+        future: the compile in flight or done (``None`` once the matcher exists); it
+            always resolves: a compile is killed past the manager's time limit.
         matcher: the request's matcher once the grammar is ready; it has accepted every
             output token of the request so far.
     """
 
     params: StructuredOutputsParams
     future: concurrent.futures.Future[CompiledGrammar] | None
-    deadline: float
     matcher: GrammarMatcher | None = None
 
 
@@ -74,11 +72,13 @@ class ManagerStats:
     Attributes:
         num_compiles: grammars compiled (cache misses that ran the compiler).
         num_cache_hits: lookups served from the cache or from a compile in flight.
+        num_busy: compiles refused because too many were queued or they waited too long.
         compile_s: seconds spent compiling, summed over compiles.
     """
 
     num_compiles: int = 0
     num_cache_hits: int = 0
+    num_busy: int = 0
     compile_s: list[float] = field(default_factory=list)
 
 
@@ -102,11 +102,16 @@ class StructuredOutputManager:
     Args:
         backend_factory: builds the compiler backend on first use (the tokenizer's
             vocabulary is read then, not at engine start).
-        max_workers: compile threads.
+        max_workers: compiles that run at once (the backend's worker processes).
         max_cache_entries: compiled grammars kept (least recently used evicted).
-        compile_timeout_s: a grammar still compiling this long after its request arrived
-            fails the request (the compile thread finishes in the background; its result
-            is cached). Bounds what a pathological schema or regex costs a request.
+        compile_timeout_s: a compile that runs longer fails its requests with a
+            ``RequestError`` (a 400) and is killed (``XgrammarBackend.compile``), so a
+            pathological schema or regex costs this much compile time and no more.
+        max_queue_wait_s: a compile that waited longer than this for a free worker fails
+            with ``GrammarCompilerBusyError`` (a 503 through the services), as does one
+            submitted while ``max_pending`` distinct compiles are queued or running.
+            Defaults to ``compile_timeout_s``.
+        max_pending: bound on distinct compiles queued or running.
     """
 
     def __init__(
@@ -116,6 +121,8 @@ class StructuredOutputManager:
         max_workers: int = 2,
         max_cache_entries: int = 256,
         compile_timeout_s: float = 30.0,
+        max_queue_wait_s: float | None = None,
+        max_pending: int = 64,
     ) -> None:
         if max_cache_entries < 1:
             raise ValueError(f"max_cache_entries must be >= 1, got {max_cache_entries}")
@@ -128,6 +135,8 @@ class StructuredOutputManager:
         )
         self.max_cache_entries = max_cache_entries
         self.compile_timeout_s = compile_timeout_s
+        self.max_queue_wait_s = compile_timeout_s if max_queue_wait_s is None else max_queue_wait_s
+        self.max_pending = max_pending
         self._lock = threading.Lock()
         self._cache: collections.OrderedDict[CacheKey, CompiledGrammar] = collections.OrderedDict()
         self._inflight: dict[CacheKey, concurrent.futures.Future[CompiledGrammar]] = {}
@@ -163,16 +172,29 @@ class StructuredOutputManager:
             if running is not None:
                 self.stats.num_cache_hits += 1
                 return running
-            future = self._pool.submit(self._compile, backend, params, key)
+            if len(self._inflight) >= self.max_pending:
+                self.stats.num_busy += 1
+                busy: concurrent.futures.Future[CompiledGrammar] = concurrent.futures.Future()
+                busy.set_exception(_busy_error(params, f"{self.max_pending} compiles are queued"))
+                return busy
+            future = self._pool.submit(self._compile, backend, params, key, time.monotonic())
             self._inflight[key] = future
             return future
 
     def _compile(
-        self, backend: XgrammarBackend, params: StructuredOutputsParams, key: CacheKey
+        self,
+        backend: XgrammarBackend,
+        params: StructuredOutputsParams,
+        key: CacheKey,
+        submitted: float,
     ) -> CompiledGrammar:
         start = time.monotonic()
         try:
-            compiled = backend.compile(params)
+            if start - submitted > self.max_queue_wait_s:
+                with self._lock:
+                    self.stats.num_busy += 1
+                raise _busy_error(params, f"it waited {start - submitted:.1f} s for a worker")
+            compiled = backend.compile(params, self.compile_timeout_s)
         finally:
             with self._lock:
                 self._inflight.pop(key, None)
@@ -187,20 +209,16 @@ class StructuredOutputManager:
         logger.debug("compiled %s grammar in %.1f ms", params.kind, elapsed * 1e3)
         return compiled
 
-    def validate(self, params: StructuredOutputsParams, timeout_s: float | None = None) -> None:
-        """Compile ``params`` (or find it cached) and wait; blocks the caller only.
+    def validate(self, params: StructuredOutputsParams) -> None:
+        """Compile ``params`` (or find it cached) and wait; blocks the caller only, for at
+        most about ``max_queue_wait_s + compile_timeout_s``.
 
         Raises:
             RequestError: naming ``params.field``: the library rejected the constraint,
-                or compiling took longer than ``timeout_s`` (default
-                ``compile_timeout_s``).
+                or compiling took longer than ``compile_timeout_s``.
+            GrammarCompilerBusyError: too many compiles queued.
         """
-        timeout = self.compile_timeout_s if timeout_s is None else timeout_s
-        future = self.compile_async(params)
-        try:
-            future.result(timeout=timeout)
-        except concurrent.futures.TimeoutError:
-            raise _timeout_error(params, timeout) from None
+        self.compile_async(params).result()
 
     def cached(self, params: StructuredOutputsParams) -> bool:
         """Whether the grammar of ``params`` is in the cache."""
@@ -216,7 +234,6 @@ class StructuredOutputManager:
         request.structured_output = GrammarState(
             params=params,
             future=self.compile_async(params),
-            deadline=time.monotonic() + self.compile_timeout_s,
         )
 
     def poll(self, request: Request) -> bool | RequestError:
@@ -229,7 +246,8 @@ class StructuredOutputManager:
         Returns:
             ``True`` ready, ``False`` still compiling, or the ``RequestError`` that fails
             the request: the grammar did not compile (xgrammar's message), the compile
-            timed out, or an output token so far is not allowed by the grammar.
+            timed out or found the compiler busy, or an output token so far is not
+            allowed by the grammar.
         """
         state = request.structured_output
         assert state is not None, f"{request.request_id} is not constrained"
@@ -238,8 +256,6 @@ class StructuredOutputManager:
         future = state.future
         assert future is not None, "a state without matcher has a compile future"
         if not future.done():
-            if time.monotonic() > state.deadline:
-                return _timeout_error(state.params, self.compile_timeout_s)
             return False
         exc = future.exception()
         if exc is not None:
@@ -310,13 +326,17 @@ class StructuredOutputManager:
         request.structured_output = None
 
     def shutdown(self) -> None:
-        """Stop the compile threads (queued compiles are cancelled)."""
+        """Stop the compile threads (queued compiles are cancelled) and the backend's
+        compile processes."""
         self._pool.shutdown(wait=False, cancel_futures=True)
+        with self._lock:
+            backend = self._backend
+        if backend is not None:
+            backend.shutdown()
 
 
-def _timeout_error(params: StructuredOutputsParams, timeout_s: float) -> RequestError:
-    return RequestError(
+def _busy_error(params: StructuredOutputsParams, why: str) -> GrammarCompilerBusyError:
+    return GrammarCompilerBusyError(
         params.field,
-        f"{params.field}: the grammar did not compile within {timeout_s:g} s "
-        "(too complex a schema, regex or grammar)",
+        f"{params.field}: the grammar compiler is busy ({why}); retry later",
     )

@@ -191,7 +191,9 @@ class ServiceContext:
 
         Raises:
             RequestError: naming ``structured_outputs.<kind>`` with the library's message,
-                or a compile longer than the engine's time limit.
+                or a compile longer than the engine's time limit (INVALID_ARGUMENT).
+            GrammarCompilerBusyError: the compile could not start in time
+                (RESOURCE_EXHAUSTED).
         """
         so = request.sampling_params.structured_outputs
         if so is None:

@@ -8,6 +8,7 @@ exception                          gRPC status
 =================================  ===================
 ``KVCapacityError``                RESOURCE_EXHAUSTED (the prompt never fits this
                                    instance's KV cache; another's may be larger)
+``GrammarCompilerBusyError``       RESOURCE_EXHAUSTED (too many grammar compiles queued)
 ``ValueError``                     INVALID_ARGUMENT (the message names the field)
 ``UnknownRequestError``            NOT_FOUND
 ``CapacityError``                  RESOURCE_EXHAUSTED
@@ -34,7 +35,7 @@ from typing import Any
 
 import grpc
 
-from tandem.engine.validation import KVCapacityError, RequestError
+from tandem.engine.validation import GrammarCompilerBusyError, KVCapacityError, RequestError
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +63,7 @@ class ShuttingDownError(RuntimeError):
 # a bad request), but for a service it is "not here", not "never".
 _CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (KVCapacityError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (GrammarCompilerBusyError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
     (UnknownRequestError, grpc.StatusCode.NOT_FOUND),
     (CapacityError, grpc.StatusCode.RESOURCE_EXHAUSTED),

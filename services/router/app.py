@@ -194,10 +194,12 @@ def _chat_message(text: str, finish_reason: str | None, tool_choice: ToolChoice 
         return P.ChatResponseMessage(content=text), finish_reason
     parser = ToolCallParser(tool_choice)
     first, rest = parser.feed(text), parser.finish()
-    content = first.content + rest.content
+    # The same rule as the streamed answer (_ChatStreamer._tool_delta): no leading
+    # whitespace, and no trailing whitespace beside calls.
+    content = (first.content + rest.content).lstrip()
     calls = parser.calls
     if calls:
-        content = content.strip()
+        content = content.rstrip()
     message = P.ChatResponseMessage(content=content or None,
                                     tool_calls=[c.to_openai() for c in calls] or None)
     return message, finish_reason_with_calls(finish_reason, bool(calls))
@@ -349,6 +351,7 @@ class _ChatStreamer(_Streamer):
                         if tool_choice is not None else None)
         self._num_calls_sent = [0] * req.n
         self._held_space = [""] * req.n
+        self._content_started = [False] * req.n
 
     def _tool_delta(self, idx: int, d: SeqDelta) -> tuple[str | None, list[dict] | None,
                                                            str | None]:
@@ -374,15 +377,17 @@ class _ChatStreamer(_Streamer):
         for call in calls:
             entries.append(call.to_openai(self._num_calls_sent[idx]))
             self._num_calls_sent[idx] += 1
-        # NOTE: whitespace is held until text follows it, so the blank lines around
-        # <tool_call> blocks do not become content of an answer that only calls tools.
+        # NOTE: trailing whitespace is held until text follows it, so the blank lines
+        # around <tool_call> blocks do not end the content of an answer with calls, and
+        # whitespace before the first text is dropped: the rule of _chat_message.
         content = self._held_space[idx] + content
-        if content.strip():
-            self._held_space[idx] = ""
-        else:
-            self._held_space[idx], content = content, ""
+        body = content.rstrip()
+        self._held_space[idx], content = content[len(body):], body
         if d.finish_reason is not None and not parser.calls:
             content += self._held_space[idx]
+        if not self._content_started[idx]:
+            content = content.lstrip()
+            self._content_started[idx] = bool(content)
         finish = finish_reason_with_calls(d.finish_reason, bool(parser.calls))
         return content or None, entries or None, finish
 

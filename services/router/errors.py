@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Iterable
 from http import HTTPStatus
 
 from fastapi import Request
@@ -84,14 +85,25 @@ def _is_union_tag(part: object) -> bool:
     return isinstance(part, str) and (part in _UNION_TAGS or "[" in part)
 
 
+def field_path(parts: Iterable[object]) -> str | None:
+    """A field's path as the router's errors write it: ``messages[1].content`` (list
+    indices in brackets), from pydantic's location tuple; ``None`` for the empty path."""
+    out = ""
+    for part in parts:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += f".{part}" if out else str(part)
+    return out or None
+
+
 def from_validation_error(exc: ValidationError | RequestValidationError) -> OpenAIError:
     """A 400 naming the first invalid field of a pydantic validation error."""
     errors = exc.errors()
     if not errors:
         return OpenAIError("invalid request")
     first = errors[0]
-    loc = [str(p) for p in first.get("loc", ()) if p != "body" and not _is_union_tag(p)]
-    param = ".".join(loc) or None
+    param = field_path(p for p in first.get("loc", ()) if p != "body" and not _is_union_tag(p))
     msg = first.get("msg", "invalid value")
     return OpenAIError(f"{param}: {msg}" if param else msg, param=param)
 

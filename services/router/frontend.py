@@ -13,6 +13,8 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
+import jinja2
+
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.validation import RequestError, check_prompt_token_ids, check_vocab_params
 from tandem.services.router.errors import OpenAIError, from_request_error
@@ -142,8 +144,12 @@ class Frontend:
             text = self.tokenizer.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message, **extra)
+        except jinja2.exceptions.UndefinedError as exc:
+            raise OpenAIError(
+                "messages: the chat template needs something these messages lack "
+                f"({exc.message})", param="messages") from exc
         except Exception as exc:  # noqa: BLE001 - jinja raises many types for bad input
-            raise OpenAIError(f"chat template failed on these messages: {exc}",
+            raise OpenAIError(f"messages: the chat template refused these messages: {exc}",
                               param="messages") from exc
         ids = self.tokenizer.encode(text, add_special_tokens=False)
         self.check_token_ids(ids, "messages")

@@ -27,7 +27,7 @@ from tandem.services.router.structured import (
     build_constraint,
     check_unsupported,
 )
-from tandem.services.router.tools import ToolChoice, parse_tool_choice
+from tandem.services.router.tools import ToolChoice, check_tool_messages, parse_tool_choice
 
 logger = logging.getLogger(__name__)
 
@@ -182,6 +182,12 @@ class _SamplingRequest(BaseModel):
             raise from_request_error(exc) from exc
 
 
+#: Fields of Chat Completions that change its output; sent to /v1/completions, they would
+#: be ignored, so they are refused there by name.
+_CHAT_ONLY_FIELDS = ("messages", "tools", "tool_choice", "parallel_tool_calls",
+                     "max_completion_tokens", "top_logprobs")
+
+
 class CompletionRequest(_SamplingRequest):
     """``POST /v1/completions``. ``prompt``: a string, strings, token ids, or lists of ids."""
 
@@ -196,6 +202,13 @@ class CompletionRequest(_SamplingRequest):
 
     @model_validator(mode="after")
     def _check(self) -> CompletionRequest:
+        for name in _CHAT_ONLY_FIELDS:
+            if (self.model_extra or {}).get(name) is not None:
+                raise OpenAIError(
+                    f"{name} is a Chat Completions field; /v1/completions does not take it "
+                    "(use /v1/chat/completions)",
+                    param=name,
+                )
         if self.suffix:
             raise OpenAIError("suffix is not supported", param="suffix")
         if self.best_of is not None and self.best_of != self.n:
@@ -277,10 +290,7 @@ class ChatCompletionRequest(_SamplingRequest):
             if (self.model_extra or {}).get(legacy) is not None:
                 raise OpenAIError(f"{legacy} is not supported; use tools and tool_choice",
                                   param=legacy)
-        for i, m in enumerate(self.messages):
-            if m.role == "tool" and not m.tool_call_id:
-                raise OpenAIError(f"messages[{i}]: a tool message needs tool_call_id",
-                                  param=f"messages[{i}].tool_call_id")
+        check_tool_messages([(m.role, m.tool_calls, m.tool_call_id) for m in self.messages])
         return self
 
     def tool_choice_spec(self) -> ToolChoice | None:

@@ -24,11 +24,12 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import jsonschema
-
+from tandem.engine.structured_output.json_schema import check_json_schema
+from tandem.engine.validation import RequestError
 from tandem.services.router.errors import OpenAIError
 from tandem.services.router.structured import ConstraintSource
 
@@ -126,9 +127,10 @@ def parse_tool_choice(
 
     Raises:
         OpenAIError: 400 naming the field: a tool that is not a function, a bad name, a
-            ``parameters`` that is not a valid JSON schema (jsonschema's message), a
-            ``tool_choice`` without tools, of an unknown form, or naming an unknown
-            function.
+            ``parameters`` that is not a valid JSON schema (jsonschema's message) or, for
+            a tool whose call is constrained (``required``, named), one that uses a
+            keyword the grammar backend does not enforce; a ``tool_choice`` without tools,
+            of an unknown form, or naming an unknown function.
     """
     if not tools:
         if tool_choice not in (None, "none"):
@@ -153,15 +155,7 @@ def parse_tool_choice(
                 param=f"{where}.function.name",
             )
         params = fn.get("parameters", {"type": "object", "properties": {}})
-        where_p = f"{where}.function.parameters"
-        if not isinstance(params, dict):
-            raise OpenAIError(f"{where_p} must be a JSON schema object", param=where_p)
-        try:
-            jsonschema.validators.validator_for(params).check_schema(params)
-        except jsonschema.SchemaError as exc:
-            raise OpenAIError(
-                f"{where_p} is not a valid JSON schema: {exc.message}", param=where_p
-            ) from None
+        _check_parameters(params, f"{where}.function.parameters", enforced=False)
         desc = fn.get("description")
         parsed.append(Tool(name, desc if isinstance(desc, str) else None, params))
     names = [t.name for t in parsed]
@@ -171,6 +165,9 @@ def parse_tool_choice(
     if tool_choice is None or tool_choice == "auto":
         return ToolChoice(tuple(parsed), "auto", parallel=parallel)
     if tool_choice in ("none", "required"):
+        if tool_choice == "required":
+            for i, t in enumerate(parsed):
+                _check_parameters(t.parameters, f"tools[{i}].function.parameters")
         return ToolChoice(tuple(parsed), tool_choice, parallel=parallel)
     if isinstance(tool_choice, dict) and tool_choice.get("type") == "function":
         fn = tool_choice.get("function")
@@ -180,12 +177,76 @@ def parse_tool_choice(
                 f"tool_choice names function {name!r}, which is not in tools ({', '.join(names)})",
                 param="tool_choice",
             )
+        i = names.index(name)
+        _check_parameters(parsed[i].parameters, f"tools[{i}].function.parameters")
         return ToolChoice(tuple(parsed), "named", name=name, parallel=parallel)
     raise OpenAIError(
         'tool_choice must be "none", "auto", "required" or {"type": "function", '
         '"function": {"name": ...}}',
         param="tool_choice",
     )
+
+
+def check_tool_messages(messages: Sequence[tuple[str, list[Any] | None, str | None]]) -> None:
+    """The tool turns of a conversation: every assistant call well formed, every tool
+    message answering a call made earlier.
+
+    Args:
+        messages: per message, ``(role, tool_calls, tool_call_id)``.
+
+    Raises:
+        OpenAIError: 400 naming the field: ``tool_calls`` on a message that is not the
+            assistant's; a call without a string ``id``, with a ``type`` other than
+            ``function``, without ``function.name``, or whose ``function.arguments`` is
+            not a JSON object in a string (OpenAI's form); a tool message without
+            ``tool_call_id`` or whose id matches no earlier call.
+    """
+    call_ids: set[str] = set()
+    for i, (role, tool_calls, tool_call_id) in enumerate(messages):
+        where = f"messages[{i}]"
+        if tool_calls is not None and role != "assistant":
+            raise OpenAIError(f"{where}.tool_calls: only assistant messages make tool calls",
+                              param=f"{where}.tool_calls")
+        for j, call in enumerate(tool_calls or ()):
+            at = f"{where}.tool_calls[{j}]"
+            if not isinstance(call, dict):
+                raise OpenAIError(f"{at} must be an object", param=at)
+            if not isinstance(call.get("id"), str) or not call["id"]:
+                raise OpenAIError(f"{at}.id must be a non-empty string", param=f"{at}.id")
+            if call.get("type", "function") != "function":
+                raise OpenAIError(f"{at}.type must be \"function\"", param=f"{at}.type")
+            fn = call.get("function")
+            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                raise OpenAIError(f"{at}.function.name must be a string",
+                                  param=f"{at}.function.name")
+            args = fn.get("arguments")
+            try:
+                parsed = json.loads(args) if isinstance(args, str) else None
+            except ValueError:
+                parsed = None
+            if not isinstance(parsed, dict):
+                raise OpenAIError(
+                    f"{at}.function.arguments must be a string holding a JSON object",
+                    param=f"{at}.function.arguments",
+                )
+            call_ids.add(call["id"])
+        if role == "tool":
+            if not tool_call_id:
+                raise OpenAIError(f"{where}: a tool message needs tool_call_id",
+                                  param=f"{where}.tool_call_id")
+            if tool_call_id not in call_ids:
+                raise OpenAIError(
+                    f"{where}.tool_call_id {tool_call_id!r} answers no tool call of an "
+                    "earlier assistant message",
+                    param=f"{where}.tool_call_id",
+                )
+
+
+def _check_parameters(params: Any, where: str, *, enforced: bool = True) -> None:
+    try:
+        check_json_schema(params, where, enforced=enforced)
+    except RequestError as exc:
+        raise OpenAIError(str(exc), param=where) from None
 
 
 def new_tool_call_id() -> str:

@@ -98,7 +98,7 @@ COMPLETION = {"model": MODEL, "prompt": "Hello"}
     ("/v1/chat/completions", {**CHAT, "messages": "hi"}, "messages"),
     ("/v1/chat/completions", {**CHAT, "messages": []}, "messages"),
     ("/v1/chat/completions", {"model": MODEL}, "messages"),
-    ("/v1/chat/completions", {**CHAT, "messages": [{"content": "no role"}]}, "messages.0.role"),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"content": "no role"}]}, "messages[0].role"),
     ("/v1/chat/completions", {**CHAT, "messages": [
         {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
         "messages"),
@@ -119,6 +119,72 @@ def test_invalid_parameter_is_400_naming_the_field(http, path, body, param) -> N
     err = _error(http.post(path, json=body), 400)
     assert err["type"] == "invalid_request_error"
     assert err["param"] == param, err
+
+
+def _call(args: object, call_id: str = "c1") -> dict:
+    return {"id": call_id, "type": "function", "function": {"name": "f", "arguments": args}}
+
+
+def _tool(params: dict) -> dict:
+    return {"type": "function", "function": {"name": "f", "parameters": params}}
+
+
+_USER = {"role": "user", "content": "Hello"}
+_NOT = {"type": "object", "properties": {"a": {"not": {"type": "string"}}}}
+_SO_CASES = [
+    # Each was accepted before (a 503 here, a 200 with a running stack) or named the wrong
+    # field; the message must name the client's field and say why.
+    ({"messages": [_USER, {"role": "assistant", "tool_calls": [_call('{"x": 1}')]},
+                   {"role": "tool", "tool_call_id": "c2", "content": "3"}]},
+     "messages[2].tool_call_id", "answers no tool call"),
+    ({"messages": [_USER, {"role": "assistant", "tool_calls": [_call({"x": 1})]}]},
+     "messages[1].tool_calls[0].function.arguments", "string holding a JSON object"),
+    ({"messages": [_USER, {"role": "assistant", "tool_calls": [_call("{x")]}]},
+     "messages[1].tool_calls[0].function.arguments", "string holding a JSON object"),
+    ({"messages": [{"role": "user", "content": "hi", "tool_calls": [_call("{}")]}]},
+     "messages[0].tool_calls", "only assistant"),
+    ({"min_tokens": 2, "response_format": {"type": "json_object"}}, "min_tokens",
+     "cannot be combined"),
+    ({"min_tokens": 2, "response_format": {"type": "json_object"}, "stream": True},
+     "min_tokens", "cannot be combined"),
+    ({"guided_json": '{"type": []}'}, "guided_json", "not a valid JSON schema at #/type"),
+    ({"guided_json": "true"}, "guided_json", "must be a JSON schema object"),
+    ({"structured_outputs": {"json": True}}, "structured_outputs.json",
+     "must be a JSON schema object"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": True}}},
+     "response_format.json_schema.schema", "must be a JSON schema object"),
+    ({"tools": [_tool(_NOT)], "tool_choice": "required"}, "tools[0].function.parameters",
+     "'not' at #/properties/a"),
+    ({"tools": [_tool({"type": "object"}), {"type": "function", "function": {
+        "name": "g", "parameters": _NOT}}],
+      "tool_choice": {"type": "function", "function": {"name": "g"}}},
+     "tools[1].function.parameters", "'not' at #/properties/a"),
+]
+
+
+@pytest.mark.parametrize(("extra", "param", "match"), _SO_CASES)
+def test_constraint_and_tool_turn_errors_name_the_clients_field(http, extra, param,
+                                                                match) -> None:
+    err = _error(http.post("/v1/chat/completions", json={**CHAT, **extra}), 400)
+    assert err["param"] == param, err
+    assert match in err["message"], err
+    assert "structured_outputs" not in err["message"] or param.startswith("structured_outputs")
+
+
+@pytest.mark.parametrize("field", ["messages", "tools", "tool_choice", "parallel_tool_calls",
+                                   "max_completion_tokens"])
+def test_chat_fields_on_completions_are_400s(http, field) -> None:
+    value = {"messages": CHAT["messages"], "tools": [_tool({"type": "object"})],
+             "tool_choice": "required", "parallel_tool_calls": False,
+             "max_completion_tokens": 3}[field]
+    err = _error(http.post("/v1/completions", json={**COMPLETION, field: value}), 400)
+    assert err["param"] == field and "Chat Completions field" in err["message"], err
+
+
+def test_a_schema_keyword_only_matters_where_it_is_enforced(http) -> None:
+    # tool_choice auto renders the tools and constrains nothing: 'not' is fine there (a
+    # 503 here: no instance listens).
+    _error(http.post("/v1/chat/completions", json={**CHAT, "tools": [_tool(_NOT)]}), 503)
 
 
 @pytest.mark.parametrize(("path", "body", "param"), [

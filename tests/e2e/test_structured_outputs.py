@@ -350,7 +350,8 @@ def test_n3_streamed_and_logprobs_over_http(client) -> None:
 
 BAD = [
     ({"extra_body": {"guided_regex": "(["}}, "guided_regex", "Unclosed"),
-    ({"extra_body": {"guided_json": {"type": 5}}}, "guided_json", "Type should be a string"),
+    ({"extra_body": {"guided_json": {"type": 5}}}, "guided_json", "not a valid JSON schema"),
+    ({"extra_body": {"guided_json": '{"$ref": "#/$defs/x"}'}}, "guided_json", "Cannot find"),
     ({"extra_body": {"guided_choice": []}}, "guided_choice", "must not be empty"),
     (
         {"extra_body": {"structured_outputs": {"grammar": "root ::= ("}}},

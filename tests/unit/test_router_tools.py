@@ -288,3 +288,38 @@ def test_chat_template_flags(tmp_path) -> None:
     )
     cfg = RouterConfig.from_args(ns, {})
     assert (cfg.chat_template, cfg.tool_call_parser) == (str(path), "hermes")
+
+
+_CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "\nHello\n" + _CALL + "\n",  # the leading newline was streamed, not in the answer
+        "\n\n" + _CALL,
+        "  Plain answer, no call.  ",
+        "\n \n",
+        "Before\n" + _CALL + "\nafter\n",
+    ],
+)
+@pytest.mark.parametrize("step", [1, 3, 1000])
+def test_streamed_tool_answer_equals_the_whole_one(text, step) -> None:
+    from tandem.services.router import protocol as P
+    from tandem.services.router.app import _chat_message, _ChatStreamer
+    from tandem.services.router.sequence import SeqDelta
+
+    choice = parse_tool_choice(TOOLS, "auto", None)
+    req = P.ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}])
+    whole, finish = _chat_message(text, "stop", choice)
+    streamer = _ChatStreamer(None, req, "id", 1, choice)  # type: ignore[arg-type]
+    pieces = [text[i : i + step] for i in range(0, len(text), step)]
+    content, names, last = "", [], None
+    for i, piece in enumerate(pieces):
+        done = "stop" if i == len(pieces) - 1 else None
+        c, entries, last = streamer._tool_delta(0, SeqDelta(0, piece, [], finish_reason=done))
+        content += c or ""
+        names += [e["function"]["name"] for e in entries or [] if "name" in e["function"]]
+    assert content == (whole.content or "")
+    assert names == [c["function"]["name"] for c in whole.tool_calls or []]
+    assert last == finish

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import re
 import threading
+import time
 
 import jsonschema
 import pytest
@@ -29,7 +31,7 @@ from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.sampling_params import StructuredOutputsParams as SO
 from tandem.engine.structured_output.backend import XgrammarBackend, choice_grammar
 from tandem.engine.structured_output.manager import StructuredOutputManager
-from tandem.engine.validation import RequestError
+from tandem.engine.validation import GrammarCompilerBusyError, RequestError
 
 # 96 text tokens and a stop token (id 96): what the tiny model's logits range over.
 _CHARS = list('0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ{}[]":, \n.-_')
@@ -67,8 +69,21 @@ def tiny() -> LoadedModel:
     return as_loaded_model(tiny_hf_model(config, std=0.3), "tiny-llama", MAX_LEN)
 
 
-def backend() -> XgrammarBackend:
-    return XgrammarBackend.from_vocab(VOCAB, STOP)
+def backend(num_workers: int = 2) -> XgrammarBackend:
+    return XgrammarBackend.from_vocab(VOCAB, STOP, num_workers)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def shared_backend():
+    # Held for the module: the engines made by the tests share its compile processes.
+    b = backend()
+    yield b
+    b.shutdown()
+
+
+#: A regex that xgrammar compiles for seconds over this vocabulary (each bounded repeat
+#: costs ~0.4 s; 40 of them, far past the limits the tests set).
+SLOW_REGEX = "".join(f"[a-z]{{1,{300 + i}}}-" for i in range(40))
 
 
 def make_core(
@@ -118,12 +133,37 @@ def assert_idle(core: EngineCore) -> None:
         ({"json": "{not json"}, "structured_outputs.json", "not valid JSON"),
         ({"json": [1]}, "structured_outputs.json", "JSON schema"),
         ({"regex": ""}, "structured_outputs.regex", "non-empty string"),
+        ({"json": True}, "structured_outputs.json", "must be a JSON schema object"),
+        ({"json": "true"}, "structured_outputs.json", "must be a JSON schema object"),
+        ({"json": '{"type": []}'}, "structured_outputs.json", "not a valid JSON schema at #/type"),
+        ({"json": {"type": 5}}, "structured_outputs.json", "not a valid JSON schema at #/type"),
+        (
+            {"json": {"properties": {"a": {"not": {"type": "string"}}}}},
+            "structured_outputs.json",
+            "'not' at #/properties/a",
+        ),
+        (
+            {"json": {"allOf": [{"type": "integer"}, {"maximum": 3}]}},
+            "structured_outputs.json",
+            "'allOf' with 2",
+        ),
+        ({"json": {"$defs": {"x": {"if": {}}}}}, "structured_outputs.json", r"'if' at #/\$defs/x"),
+        ({"regex": "a" * (256 * 1024 + 1)}, "structured_outputs.regex", "longer than 262144"),
     ],
 )
 def test_params_shape_errors_name_the_field(kwargs, field, match) -> None:
     with pytest.raises(RequestError, match=match) as info:
         SO(**kwargs)
     assert info.value.field == field
+
+
+def test_min_tokens_with_a_constraint_is_refused_naming_min_tokens() -> None:
+    # It used to be accepted and then failed mid-generation once the grammar allowed only
+    # EOS ("sampled token ... is not allowed"), after a streamed answer had begun.
+    with pytest.raises(RequestError, match="min_tokens cannot be combined") as info:
+        SamplingParams(min_tokens=2, structured_outputs=SO(json_object=True))
+    assert info.value.field == "min_tokens"
+    SamplingParams(min_tokens=2)  # without a constraint it is fine
 
 
 def test_cache_key_is_canonical() -> None:
@@ -144,16 +184,13 @@ def test_cache_key_is_canonical() -> None:
     ("so", "match"),
     [
         (SO(regex="(["), "Unclosed"),
-        (SO(json={"type": 5}), "Type should be a string"),
+        (SO(json={"$ref": "#/$defs/missing"}), "Cannot find field"),
         (SO(grammar="root ::= "), "EBNF parser error"),
-        (SO(json={"properties": {"a": {"not": {"type": "string"}}}}), "'not' at #/properties/a"),
-        (SO(json={"allOf": [{"type": "integer"}, {"maximum": 3}]}), "'allOf' with 2"),
-        (SO(json={"$defs": {"x": {"if": {}}}}), r"'if' at #/\$defs/x"),
     ],
 )
-def test_library_errors_name_the_field_without_noise(so, match) -> None:
+def test_library_errors_name_the_field_without_noise(shared_backend, so, match) -> None:
     with pytest.raises(RequestError, match=match) as info:
-        backend().compile(so)
+        shared_backend.compile(so, 30.0)
     assert info.value.field == so.field
     assert str(info.value).startswith(f"{so.field}: ")
     assert ".cc:" not in str(info.value)  # xgrammar's C++ location is stripped
@@ -161,9 +198,10 @@ def test_library_errors_name_the_field_without_noise(so, match) -> None:
 
 def test_choice_grammar_escapes() -> None:
     choices = ['a"b', "c\\d", "e\nf", "ü"]
-    matcher = backend()._compiler.compile_grammar(choice_grammar(choices))
     import xgrammar as xgr
 
+    info = xgr.TokenizerInfo(VOCAB, xgr.VocabType.RAW, vocab_size=len(VOCAB))
+    matcher = xgr.GrammarCompiler(info).compile_grammar(choice_grammar(choices))
     for c in choices:
         m = xgr.GrammarMatcher(matcher)
         assert m.accept_string(c) and m.is_completed(), c
@@ -212,20 +250,19 @@ def test_compile_cache_hits_and_bound() -> None:
 class _GatedBackend(XgrammarBackend):
     """A backend whose compiles wait for :attr:`gate` (a compile that takes long)."""
 
-    def __init__(self) -> None:
-        b = backend()
-        self.__dict__.update(b.__dict__)
+    def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(*args, **kwargs)
         self.gate = threading.Event()
         self.started = threading.Event()
 
-    def compile(self, params):  # type: ignore[no-untyped-def]
+    def compile(self, params, timeout_s):  # type: ignore[no-untyped-def]
         self.started.set()
         self.gate.wait()
-        return super().compile(params)
+        return super().compile(params, timeout_s)
 
 
 def test_async_compile_does_not_block_a_running_batch(tiny) -> None:
-    gated = _GatedBackend()
+    gated = _GatedBackend.from_vocab(VOCAB, STOP)
     core = make_core(tiny, StructuredOutputManager(lambda: gated))
     plain = make_request(None, max_tokens=5)
     constrained = make_request(SO(regex="[0-9]{3}"))
@@ -252,7 +289,7 @@ def test_async_compile_does_not_block_a_running_batch(tiny) -> None:
 
 
 def test_abort_while_compiling_frees_everything(tiny) -> None:
-    gated = _GatedBackend()
+    gated = _GatedBackend.from_vocab(VOCAB, STOP)
     manager = StructuredOutputManager(lambda: gated)
     core = make_core(tiny, manager)
     req = make_request(SO(regex="x+"))
@@ -270,20 +307,59 @@ def test_abort_while_compiling_frees_everything(tiny) -> None:
 
 
 def test_compile_timeout_fails_only_that_request(tiny) -> None:
-    gated = _GatedBackend()
-    core = make_core(tiny, StructuredOutputManager(lambda: gated, compile_timeout_s=1e-9))
-    slow = make_request(SO(regex="[a-z]+"))
+    manager = StructuredOutputManager(backend, compile_timeout_s=1.0)
+    core = make_core(tiny, manager)
+    slow = make_request(SO(regex=SLOW_REGEX))
     plain = make_request(None, max_tokens=3)
     outs = run(core, slow, plain)
     (only,) = outs[slow.request_id]
     assert only.finish_reason == "abort" and only.new_token_ids == []
     assert isinstance(only.error, RequestError)
     assert only.error.field == "structured_outputs.regex"
-    assert "did not compile within" in str(only.error)
+    assert "did not compile within 1 s" in str(only.error)
     assert len(tokens(outs[plain.request_id])) == 3
     assert_idle(core)
-    gated.gate.set()
     core.shutdown()
+
+
+def test_a_compile_past_the_limit_is_killed_and_frees_its_worker() -> None:
+    # One worker: before compiles ran in killable processes, the slow compile went on in
+    # its thread after its request failed, and the next constraint waited behind it.
+    b = backend(num_workers=1)
+    manager = StructuredOutputManager(lambda: b, max_workers=1, compile_timeout_s=1.0)
+    with pytest.raises(RequestError, match="did not compile within 1 s"):
+        manager.validate(SO(regex=SLOW_REGEX))
+    assert b.workers.num_killed == 1 and b.workers.pids() == []
+    manager.validate(SO(regex="[0-9]{2}x"))
+    assert manager.cached(SO(regex="[0-9]{2}x")) and not manager.cached(SO(regex=SLOW_REGEX))
+    (pid,) = b.workers.pids()
+    manager.shutdown()
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+
+
+def test_a_full_compile_queue_is_a_busy_error_not_a_bad_request(tiny) -> None:
+    gated = _GatedBackend.from_vocab(VOCAB, STOP)
+    manager = StructuredOutputManager(
+        lambda: gated, max_workers=1, max_queue_wait_s=0.5, max_pending=2
+    )
+    first = manager.compile_async(SO(regex="a+"))
+    gated.started.wait()
+    queued = manager.compile_async(SO(regex="b+"))  # waits for the one worker
+    with pytest.raises(GrammarCompilerBusyError, match="2 compiles are queued"):
+        manager.validate(SO(regex="c+"))
+    # The rule under test is about elapsed time: let the queued compile wait past it.
+    past = time.monotonic() + 0.6
+    while time.monotonic() < past:
+        time.sleep(0.05)
+    gated.gate.set()
+    first.result()
+    with pytest.raises(GrammarCompilerBusyError, match="waited .* for a worker") as info:
+        queued.result()
+    assert info.value.field == "structured_outputs.regex"
+    assert manager.stats.num_busy == 2
+    manager.validate(SO(regex="b+"))  # nothing queued now: it compiles
+    manager.shutdown()
 
 
 def test_bad_grammar_is_an_output_error_in_the_engine(tiny) -> None:
