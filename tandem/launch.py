@@ -31,6 +31,8 @@ from tandem.child import spawn
 
 #: How often readiness probes are polled while parts start.
 READY_POLL_S = 0.2
+#: Earlier logs of a part kept beside its current one (``<name>.log.1`` is the newest).
+KEPT_LOGS = 5
 
 
 class StackError(RuntimeError):
@@ -137,6 +139,7 @@ def start_part(part: Part, *, log_path: Path | None, env: Mapping[str, str] | No
     """
     out: int | object | None = None
     if log_path is not None:
+        rotate_log(log_path)
         out = log_path.open("wb")
     kwargs: dict[str, object] = dict(stdout=out, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, env=env, cwd=cwd)
@@ -150,6 +153,21 @@ def start_part(part: Part, *, log_path: Path | None, env: Mapping[str, str] | No
             out.close()  # the child holds its own descriptor
     part.log_path = log_path
     return part.proc
+
+
+def rotate_log(path: Path, keep: int = KEPT_LOGS) -> None:
+    """Move ``path`` to ``path.1`` (``.1`` to ``.2``, ...; the oldest past ``keep`` is
+    removed), so that a part started again, or a new run in the same folder, writes a fresh
+    log and the previous ones stay readable."""
+    if not path.exists():
+        return
+    oldest = path.with_name(f"{path.name}.{keep}")
+    oldest.unlink(missing_ok=True)
+    for i in range(keep - 1, 0, -1):
+        older = path.with_name(f"{path.name}.{i}")
+        if older.exists():
+            older.rename(path.with_name(f"{path.name}.{i + 1}"))
+    path.rename(path.with_name(f"{path.name}.1"))
 
 
 def wait_ready(parts: Sequence[Part], timeout_s: float) -> None:
@@ -235,6 +253,28 @@ class Launcher:
     def dead_parts(self) -> list[Part]:
         """Parts whose process has exited."""
         return [p for p in self.parts if p.proc is not None and p.proc.poll() is not None]
+
+    def restart(self, part: Part) -> None:
+        """Start ``part`` (one of this launcher's, whose process has exited) again, with the
+        same command line, in the same process group; its previous log is rotated. Does
+        not wait for it to be ready.
+
+        Raises:
+            OSError: the command cannot be started.
+        """
+        assert part in self.parts and not part.alive(), f"{part.name}: not a dead part of ours"
+        if part.proc is not None:
+            part.proc.wait()  # reap it
+        log = self.log_dir / f"{part.name}.log" if self.log_dir is not None else None
+        try:
+            start_part(part, log_path=log, env=self.env, process_group=self._pgid or 0)
+        except PermissionError:
+            # Every member of the group has exited, so it is gone: lead a new one (the
+            # failed start left an empty log, which must not push the last one away).
+            if log is not None:
+                log.unlink(missing_ok=True)
+            proc = start_part(part, log_path=log, env=self.env, process_group=0)
+            self._pgid = proc.pid
 
     def part(self, name: str) -> Part:
         """The part called ``name`` (StopIteration when there is none)."""

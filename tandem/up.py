@@ -3,11 +3,14 @@
 Disaggregated (default): redis-server (unless ``--redis-url``), one KV store node,
 ``--prefill N`` prefill and ``--decode M`` decode services, and the router.
 ``--colocated [--replicas K]``: K engines in the colocated role (no store) behind the same
-router. Waits until every part reports healthy, prints the URLs, and on Ctrl-C or SIGTERM
-stops everything: the children share one process group that is terminated (then killed),
-each child also gets SIGTERM from the kernel if this process dies (``PR_SET_PDEATHSIG``, set by
-``tandem/child.py`` before it execs the part),
-and the temporary directory (logs, redis working dir) is removed.
+router. Waits until every part reports healthy, prints the URLs, then supervises: a part
+that exits is started again with backoff while the rest keeps serving
+(``tandem.supervise``), and each event is printed. On Ctrl-C or SIGTERM it stops
+everything: the children share one process group that is terminated (then killed), each
+child also gets SIGTERM from the kernel if this process dies (``PR_SET_PDEATHSIG``, set by
+``tandem/child.py`` before it execs the part), and the temporary directory (redis working
+dir) is removed. The children's logs go to ``--log-dir`` (``tandem-logs`` in the working
+directory), one ``<part>.log`` each, rotated when a part starts again, and are kept.
 
 :class:`Stack` is the same thing as a context manager, used by ``tandem.demo``, the
 benchmarks and the end-to-end tests; it decides what to start and ``tandem.launch`` starts,
@@ -40,6 +43,7 @@ from tandem.launch import (
     redis_ok,
     tandem_argv,
 )
+from tandem.supervise import Supervisor
 
 
 def banner(stack: Stack, mode: str) -> str:
@@ -52,7 +56,9 @@ def banner(stack: Stack, mode: str) -> str:
             + (f"  KV store     {stack.kvstore_metrics_url}\n" if stack.kvstore_metrics_url
                else "")
             + ("" if stack.config.verbose
-               else f"  logs         {stack.tmpdir}   (removed on exit)\n")
+               else f"  logs         {stack.log_dir}   (<part>.log; .1 .. .5 earlier runs)\n"
+               if stack.config.log_dir is not None
+               else f"  logs         {stack.log_dir}   (removed on exit)\n")
             + "Press Ctrl-C to stop.")
 
 
@@ -72,6 +78,8 @@ class StackConfig:
         cpus_per_engine: pin engine i to its own CPU set of this size (0: no pinning).
         startup_timeout_s: how long every part gets to become healthy.
         verbose: children write to this terminal instead of log files.
+        log_dir: folder for the children's logs, kept after the stack stops (``None``:
+            the stack's temporary folder, removed with it).
     """
 
     num_prefill: int = 1
@@ -89,6 +97,7 @@ class StackConfig:
     cpus_per_engine: int = 0
     startup_timeout_s: float = 600.0
     verbose: bool = False
+    log_dir: Path | None = None
 
 
 #: Most of the host memory available at start that the stack's KV caches may take together
@@ -164,6 +173,7 @@ class Stack:
         self.http_url = ""
         self.grpc_address = ""
         self.kvstore_metrics_url = ""  # set when a KV store node is started
+        self.log_dir: Path | None = None  # None: the children log to this terminal
         self._cpu_next = 0
 
     # ---- lifecycle ---------------------------------------------------------------------
@@ -186,7 +196,10 @@ class Stack:
         env = dict(os.environ)
         if cfg.cpus_per_engine:
             env.setdefault("OMP_NUM_THREADS", str(cfg.cpus_per_engine))
-        self._launcher = Launcher(None if cfg.verbose else self.tmpdir, env)
+        if not cfg.verbose:
+            self.log_dir = cfg.log_dir if cfg.log_dir is not None else self.tmpdir
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+        self._launcher = Launcher(self.log_dir, env)
         if not self.redis_url:
             binary = shutil.which("redis-server")
             if binary is None:
@@ -255,6 +268,12 @@ class Stack:
         self._launcher.launch(parts, self.config.startup_timeout_s)
 
     @property
+    def launcher(self) -> Launcher:
+        """The launcher of the started parts (``start()`` first)."""
+        assert self._launcher is not None, "start() first"
+        return self._launcher
+
+    @property
     def parts(self) -> list[Part]:
         """Every part started, in start order."""
         return self._launcher.parts if self._launcher is not None else []
@@ -276,6 +295,10 @@ class Stack:
         if self.tmpdir is not None:
             shutil.rmtree(self.tmpdir, ignore_errors=True)
             self.tmpdir = None
+
+
+#: How often ``tandem up`` looks at its children (seconds).
+SUPERVISION_INTERVAL_S = 0.5
 
 
 def raise_on_sigterm() -> None:
@@ -315,6 +338,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="extra flag for the router, e.g. --router-arg=--api-key=KEY")
     p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds")
     p.add_argument("--verbose", action="store_true", help="children log to this terminal")
+    p.add_argument("--log-dir", type=Path, default=Path("tandem-logs"),
+                   help="folder for the children's logs, kept after exit; a part's previous "
+                        "logs are rotated to <part>.log.1 .. .5 (default: ./tandem-logs)")
     return p
 
 
@@ -327,11 +353,12 @@ def config_from_args(ns: argparse.Namespace) -> StackConfig:
                        engine_args=list(ns.engine_arg), router_args=list(ns.router_arg),
                        kvstore_capacity_bytes=ns.kvstore_capacity,
                        cpus_per_engine=ns.cpus_per_engine, startup_timeout_s=ns.startup_timeout,
-                       verbose=ns.verbose)
+                       verbose=ns.verbose, log_dir=ns.log_dir)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of `tandem up`: start, print URLs, wait for Ctrl-C/SIGTERM, stop."""
+    """Entry point of `tandem up`: start, print URLs, restart parts that exit until
+    Ctrl-C/SIGTERM, stop."""
     ns = build_parser().parse_args(argv)
     try:
         cfg = config_from_args(ns)
@@ -347,14 +374,11 @@ def main(argv: list[str] | None = None) -> int:
               flush=True)
         stack.start()
         print(banner(stack, mode), flush=True)
+        supervisor = Supervisor(stack.launcher, cfg.startup_timeout_s)
         while True:
-            dead = stack.dead_parts()
-            if dead:
-                part = dead[0]
-                print(f"tandem up: {part.name} exited with code {part.proc.returncode}:\n"
-                      f"{part.log_tail()}", file=sys.stderr)
-                return 1
-            time.sleep(1.0)  # supervision interval
+            for line in supervisor.poll():
+                print(line, file=sys.stderr, flush=True)
+            time.sleep(SUPERVISION_INTERVAL_S)
     except StackError as exc:
         print(f"tandem up: {exc}", file=sys.stderr)
         return 1

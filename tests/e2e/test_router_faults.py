@@ -234,8 +234,9 @@ def _launch_tandem_up(tiny: str, tmp_path: Path, *, sigint_ignored: bool = False
     then can abort the child (see tandem/child.py)."""
     port, grpc_port = free_port(), free_port()
     env = dict(os.environ, TMPDIR=str(tmp_path))
+    log_dir = tmp_path / "logs"
     argv = [sys.executable, "-P", "-m", "tandem.cli", "up", "--colocated", "--model", tiny,
-            "--port", str(port), "--grpc-port", str(grpc_port),
+            "--port", str(port), "--grpc-port", str(grpc_port), "--log-dir", str(log_dir),
             *[f"--engine-arg={a}" for a in ENGINE_ARGS], "--router-arg=--max-model-len=1024"]
     if sigint_ignored:
         argv = ["sh", "-c", "trap '' INT; exec \"$@\"", "sh", *argv]
@@ -313,3 +314,58 @@ def test_tandem_up_sigint_with_inherited_sig_ign_stops_everything(tiny, tmp_path
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=60) == 0, proc.stdout.read()
         _assert_stack_gone(kids, tmp_path)
+
+
+class _Output:
+    """Every line a process writes, read on a thread (the test polls what arrived)."""
+
+    def __init__(self, proc: subprocess.Popen) -> None:
+        import threading
+
+        self.lines: list[str] = []
+        assert proc.stdout is not None
+        stdout = proc.stdout
+        self._thread = threading.Thread(target=lambda: self.lines.extend(stdout), daemon=True)
+        self._thread.start()
+
+    def has(self, text: str) -> bool:
+        return any(text in line for line in list(self.lines))
+
+
+def test_tandem_up_restarts_a_killed_engine_and_redis(tiny, tmp_path) -> None:
+    """Each part SIGKILLed under `tandem up` is started again (it used to take the whole
+    stack down), says so, and the stack serves again; the killed run's log is kept."""
+    import psutil
+
+    proc, port = _launch_tandem_up(tiny, tmp_path)
+    try:
+        out = _Output(proc)
+        wait_until(lambda: out.has("Press Ctrl-C to stop."), 300, "tandem up ready")
+        url = f"http://127.0.0.1:{port}"
+        model = _model(url)
+
+        def serves() -> bool:
+            assert proc.poll() is None, "".join(out.lines)
+            try:
+                return httpx.post(f"{url}/v1/completions", timeout=30, json={
+                    "model": model, "prompt": [5, 6, 7], "max_tokens": 3}).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        assert serves()
+        for name, marker in (("colocated-0", "--role both"), ("redis", "redis-server")):
+            (victim,) = [c for c in psutil.Process(proc.pid).children(recursive=True)
+                         if marker in " ".join(c.cmdline()) and "child.py" not in
+                         " ".join(c.cmdline())]
+            victim.kill()
+            wait_until(lambda n=name: out.has(f"{n} exited with code -9"), 30, f"{name} exit")
+            wait_until(lambda n=name: out.has(f"{n} is back"), 300, f"{name} back")
+            wait_until(serves, 30, f"the stack to serve after {name} came back")
+            assert (tmp_path / "logs" / f"{name}.log.1").exists()
+        assert proc.poll() is None, "tandem up must keep running"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

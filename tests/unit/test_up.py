@@ -57,14 +57,17 @@ def test_banner_names_logs_and_kv_store_metrics() -> None:
 
     from tandem.up import StackConfig, banner
 
-    def stack(verbose: bool, kv: str) -> SimpleNamespace:
+    def stack(verbose: bool, kv: str, log_dir: str | None = None) -> SimpleNamespace:
         return SimpleNamespace(http_url="http://127.0.0.1:8000", grpc_address="127.0.0.1:50051",
                                redis_url="redis://127.0.0.1:7/0", kvstore_metrics_url=kv,
-                               tmpdir="/tmp/tandem-up-x", config=StackConfig(verbose=verbose))
+                               log_dir=log_dir or "/tmp/tandem-up-x",
+                               config=StackConfig(verbose=verbose, log_dir=log_dir))
 
     text = banner(stack(False, "http://127.0.0.1:9/metrics"), "1 prefill + 1 decode")
     assert "  logs         /tmp/tandem-up-x   (removed on exit)" in text
     assert "  KV store     http://127.0.0.1:9/metrics" in text
+    text = banner(stack(False, "", "tandem-logs"), "1 prefill + 1 decode")
+    assert "  logs         tandem-logs   (<part>.log; .1 .. .5 earlier runs)" in text
     text = banner(stack(True, ""), "colocated x1")
     assert "logs" not in text and "KV store" not in text
     assert "  OpenAI API   http://127.0.0.1:8000/v1" in text
