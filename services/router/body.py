@@ -25,6 +25,9 @@ from tandem.services.router.errors import OpenAIError
 #: A lone surrogate: what ``json.loads`` makes of an unpaired ``\\udXXX`` escape (a paired
 #: escape becomes one astral character, never a surrogate).
 _SURROGATE = re.compile("[\ud800-\udfff]")
+#: The only way a surrogate gets into decoded JSON: strict UTF-8 decoding refuses encoded
+#: ones, so a body without such an escape needs no walk over its values.
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 
 
 def default_max_request_body_bytes(max_model_len: int) -> int:
@@ -80,20 +83,26 @@ def parse_json(body: bytes) -> Any:
     except RecursionError as exc:
         # json's decoder recurses once per nesting level (~1,000 deep is Python's limit)
         raise OpenAIError("request body is not valid JSON: nested too deeply") from exc
-    check_unicode(value)
+    if _SURROGATE_ESCAPE.search(text):
+        check_unicode(value)
     return value
+
+
+#: A value's place in the body: (the parent's path, its key or index), ``None`` at the root.
+_Path = tuple[Any, str | int] | None
 
 
 def check_unicode(value: Any) -> None:
     """Raise unless every string and key in the decoded JSON ``value`` is valid Unicode.
 
-    Iterative, so it walks any depth ``json.loads`` produced without recursing.
+    Iterative, so it walks any depth ``json.loads`` produced without recursing; linear in
+    the size of ``value`` (a path is only spelled out for the error).
 
     Raises:
-        OpenAIError: 400 naming the path of the first string (or object key) that holds a
-            lone UTF-16 surrogate, in pydantic's dotted form (``messages.0.content``).
+        OpenAIError: 400 naming the path of a string (or object key) that holds a lone
+            UTF-16 surrogate, in pydantic's dotted form (``messages.0.content``).
     """
-    stack: list[tuple[Any, tuple[str, ...]]] = [(value, ())]
+    stack: list[tuple[Any, _Path]] = [(value, None)]
     while stack:
         item, path = stack.pop()
         if isinstance(item, str):
@@ -101,16 +110,22 @@ def check_unicode(value: Any) -> None:
         elif isinstance(item, dict):
             for key, sub in item.items():
                 _check_text(key, path, "an object key ")
-                stack.append((sub, (*path, key)))
+                stack.append((sub, (path, key)))
         elif isinstance(item, list):
-            stack.extend((sub, (*path, str(i))) for i, sub in enumerate(item))
+            # (numbers, the bulk of a token-id prompt, hold no text: not stacked)
+            stack.extend((sub, (path, i)) for i, sub in enumerate(item)
+                         if isinstance(sub, (str, dict, list)))
 
 
-def _check_text(text: str, path: tuple[str, ...], what: str) -> None:
+def _check_text(text: str, path: _Path, what: str) -> None:
     match = _SURROGATE.search(text)
     if match is None:
         return
-    param = ".".join(path) or None
+    keys: list[str] = []
+    while path is not None:
+        path, key = path
+        keys.append(str(key))
+    param = ".".join(reversed(keys)) or None
     where = f"{param}: " if param else ""
     raise OpenAIError(f"{where}{what}holds a lone UTF-16 surrogate "
                       f"(\\u{ord(match.group()):04x} at character {match.start()}); strings "

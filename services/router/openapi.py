@@ -54,7 +54,9 @@ def install(app: FastAPI, request_models: Sequence[type[BaseModel]]) -> None:
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
-            doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            doc = get_openapi(title=app.title, version=app.version,
+                              openapi_version=app.openapi_version,
+                              description=app.description, routes=app.routes)
             schemas = doc.setdefault("components", {}).setdefault("schemas", {})
             for name, schema in defs.items():
                 assert schemas.get(name, schema) == schema, (

@@ -82,7 +82,8 @@ def test_parse_json_refuses_what_is_not_utf8_json() -> None:
     for body, words in ((b"", "empty"), (b"\xff", "UTF-8"),
                         ('"x"'.encode("utf-16"), "UTF-8"), (b"{x", "not valid JSON"),
                         (b"[" * 5000 + b"]" * 5000, "nested too deeply"),
-                        (b'{"p": "\\ud800"}', "surrogate")):
+                        (b'{"p": "\\ud800"}', "surrogate"),
+                        (b'{"p": ["ok", "\\uDBFF"]}', "surrogate")):
         with pytest.raises(OpenAIError, match=words) as info:
             parse_json(body)
         assert info.value.status_code == 400
