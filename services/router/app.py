@@ -33,7 +33,7 @@ from starlette.requests import ClientDisconnect
 from tandem.contracts.role import ROLES, Role
 from tandem.services.router import openapi
 from tandem.services.router import protocol as P
-from tandem.services.router.body import default_max_request_body_bytes, read_json_body
+from tandem.services.router.body import read_json_body
 from tandem.services.router.errors import OpenAIError, openai_error_handler, to_openai_error
 from tandem.services.router.frontend import Frontend
 from tandem.services.router.metrics import CONTENT_TYPE
@@ -58,17 +58,15 @@ _CLIENT_GONE = 499
 
 
 def create_app(fe: Frontend, lifespan: Any = None, *,
-               max_request_body_bytes: int | None = None) -> FastAPI:
+               max_request_body_bytes: int) -> FastAPI:
     """Build the FastAPI app around a ready ``Frontend``.
 
     Args:
         fe: tokenizer, pipeline and settings.
         lifespan: optional async context manager factory (starts/stops discovery).
-        max_request_body_bytes: largest request body accepted (413 beyond); ``None``:
-            ``body.default_max_request_body_bytes`` of the context length.
+        max_request_body_bytes: largest request body accepted (413 beyond).
     """
-    max_body = (max_request_body_bytes if max_request_body_bytes is not None
-                else default_max_request_body_bytes(fe.max_model_len))
+    max_body = max_request_body_bytes
     app = FastAPI(title="tandem router", lifespan=lifespan)
     openapi.install(app, [P.CompletionRequest, P.ChatCompletionRequest])
     # NOTE: one handler; the ``Exception`` entry only catches router bugs (-> 500, logged).

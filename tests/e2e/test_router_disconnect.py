@@ -120,3 +120,18 @@ def test_disconnect_before_first_token_cancels_prefill(router, slow_prefill, str
     text = log.read_text()
     assert "Exception in ASGI application" not in text, text[-3000:]
     assert "Traceback" not in text and " ERROR " not in text, text[-3000:]
+
+
+def test_disconnect_while_sending_the_body_is_no_error(router) -> None:
+    """A client that leaves halfway through its upload: nothing to answer, a debug line
+    (Starlette's ClientDisconnect reached the catch-all handler: a 500 and a traceback)."""
+    url, log = router
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                     b"Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n"
+                     b'{"prompt": "Hello')
+    wait_for(lambda: "the client disconnected while sending the body" in log.read_text(), 30,
+             "the router to log the disconnect")
+    text = log.read_text()
+    assert "Traceback" not in text and " ERROR " not in text, text[-3000:]
