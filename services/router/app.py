@@ -7,25 +7,33 @@ instances), ``GET /ready`` (200 only when some instance path can serve), ``GET /
 A streamed response starts only once the first token exists: errors found before it
 (engine rejects the prompt, no instance, overload) are plain HTTP errors with their status;
 the first chat chunk carries the role together with the first token. A failure after that
-is sent as ``data: {"error": ...}`` followed by ``data: [DONE]``.
+is sent as ``data: {"error": ...}`` followed by ``data: [DONE]``. A client that leaves
+before its answer is complete cancels the generation; that is logged at debug level.
+
+Bodies are read by ``body.read_json_body`` (size limit, UTF-8, valid Unicode) and
+validated by the strict pydantic models of ``protocol``; ``/openapi.json`` documents them
+(``openapi``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
+import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from tandem.contracts.role import ROLES, Role
+from tandem.services.router import openapi
 from tandem.services.router import protocol as P
+from tandem.services.router.body import read_json_body
 from tandem.services.router.errors import OpenAIError, openai_error_handler, to_openai_error
 from tandem.services.router.frontend import Frontend
 from tandem.services.router.metrics import CONTENT_TYPE
@@ -41,21 +49,31 @@ from tandem.services.router.responses import (
 from tandem.services.router.sequence import GenerationRequest, SeqDelta
 from tandem.services.router.tools import ToolCallParser, ToolChoice, finish_reason_with_calls
 
+logger = logging.getLogger(__name__)
+
 _Req = TypeVar("_Req", P.CompletionRequest, P.ChatCompletionRequest)
+#: The status a request whose client left gets (nginx's "client closed request"); nobody
+#: reads it, it is for access logs.
+_CLIENT_GONE = 499
 
 
-def create_app(fe: Frontend, lifespan: Any = None) -> FastAPI:
+def create_app(fe: Frontend, lifespan: Any = None, *,
+               max_request_body_bytes: int) -> FastAPI:
     """Build the FastAPI app around a ready ``Frontend``.
 
     Args:
         fe: tokenizer, pipeline and settings.
         lifespan: optional async context manager factory (starts/stops discovery).
+        max_request_body_bytes: largest request body accepted (413 beyond).
     """
+    max_body = max_request_body_bytes
     app = FastAPI(title="tandem router", lifespan=lifespan)
+    openapi.install(app, [P.CompletionRequest, P.ChatCompletionRequest])
     # NOTE: one handler; the ``Exception`` entry only catches router bugs (-> 500, logged).
     for exc_type in (OpenAIError, ValidationError, RequestValidationError,
                      StarletteHTTPException, Exception):
         app.add_exception_handler(exc_type, openai_error_handler)
+    app.add_exception_handler(ClientDisconnect, _client_gone_while_sending)
 
     def check_auth(request: Request) -> None:
         if fe.api_key is None:
@@ -69,7 +87,8 @@ def create_app(fe: Frontend, lifespan: Any = None) -> FastAPI:
         counts = {role.value: len(fe.pipeline.discovery.instances(role)) for role in ROLES}
         return JSONResponse({"status": "ok", "instances": counts})
 
-    @app.get("/ready")
+    @app.get("/ready", responses={503: {"model": P.ErrorResponse,
+                                        "description": "no live engine instance yet"}})
     async def ready() -> JSONResponse:
         d = fe.pipeline.discovery
         if d.has_live(Role.PREFILL) and d.has_live(Role.DECODE):
@@ -78,12 +97,14 @@ def create_app(fe: Frontend, lifespan: Any = None) -> FastAPI:
             return JSONResponse({"status": "ready", "mode": "colocated"})
         raise OpenAIError("no live engine instance yet", status_code=503, retry_after_s=1)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse,
+             responses={200: {"description": "Prometheus text exposition format"}})
     async def metrics() -> Response:
         fe.pipeline.metrics.set_instances(fe.pipeline.discovery.all_instances())
         return Response(fe.pipeline.metrics.render(), media_type=CONTENT_TYPE)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", response_model=P.ModelList,
+             responses={401: openapi.GENERATION_ERRORS[401]})
     async def models(request: Request) -> JSONResponse:
         check_auth(request)
         cards = [P.ModelCard(id=name, root=fe.served_model_names[0],
@@ -96,7 +117,7 @@ def create_app(fe: Frontend, lifespan: Any = None) -> FastAPI:
         check_auth(request)
         rid = fe.new_request_id(request.headers.get("x-request-id"))
         arrival_ns = time.monotonic_ns()
-        req = model.model_validate(await _json_body(request))
+        req = model.model_validate(await read_json_body(request, max_body))
         fe.check_model(req.model)
         return rid, arrival_ns, req
 
@@ -107,7 +128,11 @@ def create_app(fe: Frontend, lifespan: Any = None) -> FastAPI:
         body.timings = _timings(states)
         return JSONResponse(body.model_dump(mode="json"), headers={"X-Request-Id": rid})
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", response_model=P.CompletionResponse,
+              openapi_extra=openapi.request_body(P.CompletionRequest),
+              responses={**openapi.GENERATION_ERRORS, **openapi.streamed(
+                  "the completion; with `stream: true` server-sent events of "
+                  "CompletionChunk objects, then `data: [DONE]`")})
     async def completions(request: Request) -> Response:
         rid, arrival_ns, req = await accept(request, P.CompletionRequest)
         prompts = fe.tokenize_prompts(req.prompt)
@@ -132,7 +157,9 @@ def create_app(fe: Frontend, lifespan: Any = None) -> FastAPI:
         if req.stream:
             return await _stream(request, rid, merged(fe, gens), _CompletionStreamer(
                 fe, req, resp_id, n, echo_texts, num_prompt_tokens))
-        states = await _collect(request, merged(fe, gens), len(prompts) * n)
+        states = await _collect(request, rid, merged(fe, gens), len(prompts) * n)
+        if states is None:
+            return Response(status_code=_CLIENT_GONE)
         choices = []
         for i, st in enumerate(states):
             prefix = echo_texts[i // n] if req.echo else ""
@@ -145,7 +172,11 @@ def create_app(fe: Frontend, lifespan: Any = None) -> FastAPI:
                                     choices=choices)
         return reply(body, rid, num_prompt_tokens, states)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", response_model=P.ChatCompletionResponse,
+              openapi_extra=openapi.request_body(P.ChatCompletionRequest),
+              responses={**openapi.GENERATION_ERRORS, **openapi.streamed(
+                  "the chat completion; with `stream: true` server-sent events of "
+                  "ChatCompletionChunk objects, then `data: [DONE]`")})
     async def chat_completions(request: Request) -> Response:
         rid, arrival_ns, req = await accept(request, P.ChatCompletionRequest)
         tool_choice = req.tool_choice_spec()
@@ -172,7 +203,9 @@ def create_app(fe: Frontend, lifespan: Any = None) -> FastAPI:
         if req.stream:
             return await _stream(request, rid, merged(fe, [gen]),
                                  _ChatStreamer(fe, req, resp_id, len(ids), parses))
-        states = await _collect(request, merged(fe, [gen]), sp.n)
+        states = await _collect(request, rid, merged(fe, [gen]), sp.n)
+        if states is None:
+            return Response(status_code=_CLIENT_GONE)
         choices = []
         for st in states:
             message, finish = _chat_message(st.text, st.finish_reason, parses)
@@ -205,17 +238,11 @@ def _chat_message(text: str, finish_reason: str | None, tool_choice: ToolChoice 
     return message, finish_reason_with_calls(finish_reason, bool(calls))
 
 
-async def _json_body(request: Request) -> Any:
-    body = await request.body()
-    if not body:
-        raise OpenAIError("request body is empty; expected a JSON object")
-    try:
-        return json.loads(body)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise OpenAIError(f"request body is not valid JSON: {exc}") from exc
-    except RecursionError as exc:
-        # json's decoder recurses once per nesting level (~1,000 deep is Python's limit)
-        raise OpenAIError("request body is not valid JSON: nested too deeply") from exc
+async def _client_gone_while_sending(request: Request, exc: Exception) -> Response:
+    """A client that left while sending its body: nothing to answer, not an error."""
+    logger.debug("%s %s: the client disconnected while sending the body", request.method,
+                 request.url.path)
+    return Response(status_code=_CLIENT_GONE)
 
 
 def _timings(states: list[ChoiceState]) -> dict[str, Any] | None:
@@ -242,9 +269,11 @@ async def _until_done_or_gone(request: Request, task: asyncio.Future[Any]) -> No
             await asyncio.wait({task})  # (does not raise the task's outcome)
 
 
-async def _collect(request: Request, deltas: AsyncGenerator[tuple[int, SeqDelta], None],
-                   num_choices: int) -> list[ChoiceState]:
-    """Gather all deltas; a client that disconnects first cancels the generation."""
+async def _collect(request: Request, rid: str,
+                   deltas: AsyncGenerator[tuple[int, SeqDelta], None],
+                   num_choices: int) -> list[ChoiceState] | None:
+    """Gather all deltas; ``None`` when the client disconnected first (which cancels the
+    generation: an outcome for nobody, so no error). Raises: the generation's error."""
     states = [ChoiceState(index=i) for i in range(num_choices)]
 
     async def consume() -> None:
@@ -256,6 +285,9 @@ async def _collect(request: Request, deltas: AsyncGenerator[tuple[int, SeqDelta]
         await _until_done_or_gone(request, work)
     finally:
         await deltas.aclose()
+    if work.cancelled():
+        logger.debug("request %s: the client disconnected before the answer; cancelled", rid)
+        return None
     work.result()  # re-raise a generation error (OpenAIError -> its status)
     return states
 
@@ -279,8 +311,9 @@ async def _stream(request: Request, rid: str,
         raise
     if first_task.cancelled():
         await deltas.aclose()
-        # Nobody reads this; nginx's 499 "client closed request" for the access log.
-        return Response(status_code=499)
+        logger.debug("request %s: the client disconnected before the first token; "
+                     "cancelled", rid)
+        return Response(status_code=_CLIENT_GONE)
 
     async def body() -> AsyncIterator[str]:
         try:

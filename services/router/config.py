@@ -34,6 +34,9 @@ class RouterConfig:
         chat_template: ``--chat-template`` as given (a path, a shipped template's name or
             the template), ``None`` for the model's.
         tool_call_parser: ``--tool-call-parser`` (``hermes``).
+        max_request_body_bytes: largest HTTP request body and gRPC request message
+            accepted (``--max-request-body-bytes``; 413 / RESOURCE_EXHAUSTED beyond),
+            ``None`` for ``body.default_max_request_body_bytes`` of the context length.
         log_level: Python logging level name.
 
     Raises:
@@ -57,6 +60,7 @@ class RouterConfig:
     max_attempts: int = 3
     chat_template: str | None = None
     tool_call_parser: str = "hermes"
+    max_request_body_bytes: int | None = None
     log_level: str = "info"
 
     def __post_init__(self) -> None:
@@ -72,6 +76,9 @@ class RouterConfig:
                              f"{self.max_queued_requests}")
         if self.tool_call_parser not in ("hermes",):
             raise ValueError(f"--tool-call-parser must be hermes, got {self.tool_call_parser!r}")
+        if self.max_request_body_bytes is not None and self.max_request_body_bytes < 1:
+            raise ValueError(f"--max-request-body-bytes must be >= 1, got "
+                             f"{self.max_request_body_bytes}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"--max-model-len must be >= 1, got {self.max_model_len}")
         static = self.prefill or self.decode or self.colocated
@@ -99,4 +106,5 @@ class RouterConfig:
                    max_queued_requests=ns.max_queued_requests, max_attempts=ns.max_attempts,
                    chat_template=getattr(ns, "chat_template", None),
                    tool_call_parser=getattr(ns, "tool_call_parser", "hermes"),
+                   max_request_body_bytes=ns.max_request_body_bytes,
                    log_level=ns.log_level)

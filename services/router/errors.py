@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from http import HTTPStatus
+from typing import Any
 
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
@@ -105,7 +106,27 @@ def from_validation_error(exc: ValidationError | RequestValidationError) -> Open
     first = errors[0]
     param = field_path(p for p in first.get("loc", ()) if p != "body" and not _is_union_tag(p))
     msg = first.get("msg", "invalid value")
+    members = _union_members(errors, first)
+    if len(members) > 1:
+        # The first member's complaint alone misleads (``prompt: [false]`` is no list of
+        # token ids, not "no valid string"): name every form the field takes.
+        msg = f"Input should be one of: {', '.join(members)}"
     return OpenAIError(f"{param}: {msg}" if param else msg, param=param)
+
+
+def _union_members(errors: Sequence[Any], first: Mapping[str, Any]) -> list[str]:
+    """The union members pydantic tried for the field of ``first`` (``[]``: no union)."""
+    loc = tuple(first.get("loc", ()))
+    cut = next((i for i, p in enumerate(loc) if _is_union_tag(p)), None)
+    if cut is None:
+        return []
+    members: list[str] = []
+    for err in errors:
+        other = tuple(err.get("loc", ()))
+        if other[:cut] == loc[:cut] and len(other) > cut and _is_union_tag(other[cut]):
+            if other[cut] not in members:
+                members.append(str(other[cut]))
+    return members
 
 
 def from_request_error(exc: RequestError) -> OpenAIError:

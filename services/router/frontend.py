@@ -19,6 +19,7 @@ from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.validation import RequestError, check_prompt_token_ids, check_vocab_params
 from tandem.services.router.errors import OpenAIError, from_request_error
 from tandem.services.router.pipeline import Pipeline
+from tandem.services.router.protocol import CHAT_ROLES
 
 
 class Frontend:
@@ -123,11 +124,20 @@ class Frontend:
 
         The template is ``--chat-template`` if given, else the model's; a request with
         ``tools`` (or with tool turns) whose template has no tool support uses the
-        shipped Hermes template instead.
+        shipped Hermes template instead. A ``developer`` message reaches a template that
+        never names that role as ``system`` (OpenAI's meaning of it), rather than as a
+        role the model was never trained on.
 
         Raises:
-            OpenAIError: 400 when the template rejects the messages or yields no tokens.
+            OpenAIError: 400 for a role outside ``protocol.CHAT_ROLES`` (``param``
+                ``messages.<i>.role``), or when the template rejects the messages or
+                yields no tokens.
         """
+        for i, m in enumerate(messages):
+            if m.get("role") not in CHAT_ROLES:
+                raise OpenAIError(f"messages.{i}.role: {m.get('role')!r} is no chat role; "
+                                  f"expected one of {', '.join(sorted(CHAT_ROLES))}",
+                                  param=f"messages.{i}.role")
         if continue_final_message and add_generation_prompt:
             add_generation_prompt = False
         template = self.chat_template
@@ -135,6 +145,11 @@ class Frontend:
                                         for m in messages)
         if uses_tools and self.tool_chat_template is not None:
             template = self.tool_chat_template
+        source = template if template is not None else getattr(self.tokenizer,
+                                                              "chat_template", None)
+        if "developer" not in str(source or ""):
+            messages = [{**m, "role": "system"} if m["role"] == "developer" else m
+                        for m in messages]
         extra: dict[str, Any] = dict(kwargs or {})
         if template is not None:
             extra["chat_template"] = template

@@ -4,6 +4,10 @@ Same pipeline as the HTTP routes; text in, text deltas and token ids out. Errors
 ``OpenAIError`` status to gRPC codes: 400 -> INVALID_ARGUMENT, 401 -> UNAUTHENTICATED,
 404 -> NOT_FOUND, 503 overloaded -> RESOURCE_EXHAUSTED, 503 no instance -> UNAVAILABLE.
 A cancelled client stream cancels the pipeline (and so every engine RPC).
+
+The port also serves ``grpc.health.v1`` (overall and per service) and server reflection,
+as the engine services do (``services/common/server.py``), so grpcurl-style clients can
+list and call ``tandem.v1.GenerationService`` without the .proto files.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import logging
 from collections.abc import AsyncIterator
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from tandem.contracts.proto import finish_reason_to_proto, sampling_params_from_proto
 from tandem.engine.validation import RequestError, check_context_length
@@ -36,6 +41,19 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
 
     def __init__(self, fe: Frontend) -> None:
         self.fe = fe
+
+    async def generate_from_bytes(self, raw: bytes, context: grpc.aio.ServicerContext
+                                  ) -> AsyncIterator[generation_pb2.GenerateResponse]:
+        """``Generate`` on the serialized request, so that bytes protobuf refuses (a
+        string field that is not UTF-8) are INVALID_ARGUMENT, not grpc's UNKNOWN for a
+        failed deserializer (which also logs a traceback)."""
+        try:
+            request = generation_pb2.GenerateRequest.FromString(raw)
+        except DecodeError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"not a valid tandem.v1.GenerateRequest: {exc}")
+        async for out in self.Generate(request, context):
+            yield out
 
     async def Generate(self, request: generation_pb2.GenerateRequest,  # noqa: N802
                        context: grpc.aio.ServicerContext
@@ -103,20 +121,36 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         return GenerationRequest(rid, ids, sp)
 
 
-async def start_grpc_server(fe: Frontend, port: int, host: str = "0.0.0.0") -> grpc.aio.Server:
-    """Start the public gRPC server (health service included) on ``host:port``.
+async def start_grpc_server(fe: Frontend, port: int, host: str = "0.0.0.0", *,
+                            max_message_bytes: int = 64 * 1024 * 1024) -> grpc.aio.Server:
+    """Start the public gRPC server (health and reflection included) on ``host:port``.
+
+    Args:
+        max_message_bytes: largest request message accepted (``--max-request-body-bytes``);
+            grpc answers a larger one with RESOURCE_EXHAUSTED.
 
     Raises:
         RuntimeError: the port could not be bound.
     """
     from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha import reflection
 
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 * 1024 * 1024)])
-    generation_pb2_grpc.add_GenerationServiceServicer_to_server(GenerationServicer(fe), server)
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", max_message_bytes)])
+    generation = generation_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name
+    servicer = GenerationServicer(fe)
+    # NOTE: registered by hand (grpc's public generic-handler API) rather than with the
+    # generated add_..._to_server, to parse requests in the servicer (generate_from_bytes).
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(generation, {
+        "Generate": grpc.unary_stream_rpc_method_handler(
+            servicer.generate_from_bytes,
+            response_serializer=generation_pb2.GenerateResponse.SerializeToString)}),))
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        [generation, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
     if server.add_insecure_port(f"{host}:{port}") == 0:
         raise RuntimeError(f"cannot bind the gRPC port {host}:{port}")
     await server.start()
-    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    for name in ("", generation):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     return server

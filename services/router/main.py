@@ -55,6 +55,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tool-call-parser", default="hermes", choices=["hermes"],
                    help="how tool calls are read from the model's text (hermes: "
                         "<tool_call>{json}</tool_call>)")
+    p.add_argument("--max-request-body-bytes", type=int, default=None,
+                   help="largest request accepted, in bytes: HTTP bodies (413 beyond) and "
+                        "public gRPC messages (default: 8 MiB + 32 bytes per token of the "
+                        "context length)")
     p.add_argument("--log-level", default="info")
     return p
 
@@ -90,6 +94,7 @@ async def serve(cfg: RouterConfig) -> None:
 
     from tandem.engine.model_files import load_tokenizer_and_facts
     from tandem.services.router.app import create_app
+    from tandem.services.router.body import default_max_request_body_bytes
     from tandem.services.router.client import InstancePool
     from tandem.services.router.discovery import Discovery, RedisDiscovery, StaticDiscovery
     from tandem.services.router.frontend import Frontend, read_chat_template
@@ -123,13 +128,15 @@ async def serve(cfg: RouterConfig) -> None:
                   max_model_len=cfg.max_model_len or facts.max_model_len, api_key=cfg.api_key,
                   chat_template=read_chat_template(cfg.chat_template) if cfg.chat_template
                   else None, tool_call_parser=cfg.tool_call_parser)
+    max_body = cfg.max_request_body_bytes or default_max_request_body_bytes(fe.max_model_len)
     await discovery.start()
     await pool.start()
     grpc_server: Any = None
     try:
         if cfg.grpc_port:
-            grpc_server = await start_grpc_server(fe, cfg.grpc_port, cfg.host)
-        config = uvicorn.Config(create_app(fe), host=cfg.host, port=cfg.port,
+            grpc_server = await start_grpc_server(fe, cfg.grpc_port, cfg.host,
+                                                  max_message_bytes=max_body)
+        config = uvicorn.Config(create_app(fe, max_request_body_bytes=max_body), host=cfg.host, port=cfg.port,
                                 log_level=cfg.log_level.lower(), timeout_graceful_shutdown=3,
                                 access_log=False)
         logger.info("router: http://%s:%d (OpenAI API), grpc %s:%d, model %s", cfg.host,

@@ -1,7 +1,9 @@
 """OpenAI request and response models (pydantic), as the official ``openai`` client uses them.
 
 Requests accept OpenAI's fields plus vLLM's extra sampling fields. Unknown fields are
-ignored with a warning in the log, as vLLM does. Every request model converts itself
+ignored with a warning in the log, as vLLM does. Request models validate strictly
+(pydantic's strict mode): a value of another JSON type is a 400, never coerced -- ``"yes"``
+is no boolean, ``false`` no token id, ``"1"`` no number (an integer is a valid float). Every request model converts itself
 to the engine's ``SamplingParams`` with :meth:`to_sampling_params`; a value the engine
 rejects becomes an ``OpenAIError`` (HTTP 400) naming the field.
 
@@ -14,7 +16,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from typing import Any, Generic, Literal, TypeVar
+from typing import Any, Generic, Literal, TypeVar, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -40,8 +42,18 @@ _INT32 = (-(2**31), 2**31 - 1)
 _INT64 = (-(2**63), 2**63 - 1)
 
 
+#: Chat roles a request may use. ``developer`` (OpenAI's newer name for ``system``) reaches
+#: a chat template that names it as is, else as ``system`` (``Frontend.apply_chat_template``).
+ChatRole = Literal["system", "developer", "user", "assistant", "tool"]
+CHAT_ROLES: frozenset[str] = frozenset(get_args(ChatRole))
+#: pydantic config of every request model: strict types (see the module docstring).
+_STRICT = ConfigDict(strict=True)
+
+
 class StreamOptions(BaseModel):
     """``stream_options``: ``include_usage`` adds a final chunk with token counts."""
+
+    model_config = _STRICT
 
     include_usage: bool = False
     continuous_usage_stats: bool = False
@@ -50,7 +62,7 @@ class StreamOptions(BaseModel):
 class _SamplingRequest(BaseModel):
     """Fields shared by ``/v1/completions`` and ``/v1/chat/completions``."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     model: str | None = None
     max_tokens: int | None = None
@@ -224,9 +236,9 @@ class CompletionRequest(_SamplingRequest):
 class ChatMessage(BaseModel):
     """One chat message. ``content`` may be a string or a list of text parts."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
-    role: str
+    role: ChatRole
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
     # An assistant turn's calls (OpenAI form) and a tool turn's answer to one of them.
@@ -425,3 +437,18 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class ErrorInfo(BaseModel):
+    """The error object of OpenAI's error JSON (``errors.OpenAIError.to_dict``)."""
+
+    message: str
+    type: str
+    param: str | None = None
+    code: str | int | None = None
+
+
+class ErrorResponse(BaseModel):
+    """Every non-2xx answer of the HTTP API: ``{"error": {...}}``."""
+
+    error: ErrorInfo

@@ -5,6 +5,10 @@ client that gave up during a long prefill (minutes for a long prompt on a loaded
 left the prefill running to the end, work for nobody. The prefill instance here is a
 gRPC server in the test process whose Prefill never answers (the slow prefill) and
 records the cancellation; the router is a real `tandem router` subprocess.
+
+Bug: a client that left during a non-streaming request made the router log
+``ERROR: Exception in ASGI application`` with a CancelledError traceback; a client going
+away is no error, so the router logs it at debug level.
 """
 
 from __future__ import annotations
@@ -81,11 +85,13 @@ def router(tmp_path_factory, slow_prefill):
     part = Part("router", tandem_argv(
         "router", "--host", "127.0.0.1", "--port", str(port), "--grpc-port", "0",
         "--model", model, "--prefill", slow_prefill[1], "--decode", f"127.0.0.1:{free_port()}",
-        "--max-model-len", "512"), lambda: http_ok(f"{url}/health", timeout_s=1))
-    start_part(part, log_path=tmp_path_factory.mktemp("router") / "router.log")
+        "--max-model-len", "512", "--log-level", "debug"),
+        lambda: http_ok(f"{url}/health", timeout_s=1))
+    log = tmp_path_factory.mktemp("router") / "router.log"
+    start_part(part, log_path=log)
     try:
         wait_ready([part], 120)
-        yield url
+        yield url, log
     finally:
         stop_parts([part], timeout_s=20)
 
@@ -93,15 +99,39 @@ def router(tmp_path_factory, slow_prefill):
 @pytest.mark.parametrize("stream", [True, False])
 def test_disconnect_before_first_token_cancels_prefill(router, slow_prefill, stream) -> None:
     servicer, _ = slow_prefill
+    url, log = router
     started, cancelled = servicer.started, servicer.cancelled
+    rid = f"gone-{'stream' if stream else 'whole'}"
     body = json.dumps({"prompt": "Hello there", "max_tokens": 4, "stream": stream}).encode()
-    host, port = router.removeprefix("http://").split(":")
+    host, port = url.removeprefix("http://").split(":")
     # A raw socket: an HTTP client would block waiting for response headers, which a
     # streamed response sends only with the first token.
     with socket.create_connection((host, int(port)), timeout=30) as sock:
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
                      b"Content-Type: application/json\r\n"
+                     + f"X-Request-Id: {rid}\r\n".encode()
                      + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
         wait_for(lambda: servicer.started > started, 60, "the request to reach prefill")
     # The client is gone: the router must cancel the prefill RPC.
     wait_for(lambda: servicer.cancelled > cancelled, 30, "the prefill RPC to be cancelled")
+    # The router's own account of it: one debug line, no error and no traceback.
+    wait_for(lambda: f"request {rid}: the client disconnected" in log.read_text(), 30,
+             "the router to log the disconnect")
+    text = log.read_text()
+    assert "Exception in ASGI application" not in text, text[-3000:]
+    assert "Traceback" not in text and " ERROR " not in text, text[-3000:]
+
+
+def test_disconnect_while_sending_the_body_is_no_error(router) -> None:
+    """A client that leaves halfway through its upload: nothing to answer, a debug line
+    (Starlette's ClientDisconnect reached the catch-all handler: a 500 and a traceback)."""
+    url, log = router
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                     b"Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n"
+                     b'{"prompt": "Hello')
+    wait_for(lambda: "the client disconnected while sending the body" in log.read_text(), 30,
+             "the router to log the disconnect")
+    text = log.read_text()
+    assert "Traceback" not in text and " ERROR " not in text, text[-3000:]

@@ -299,3 +299,14 @@ def test_grpc_errors(router) -> None:
             text="hi", model="gpt-17")) == grpc.StatusCode.NOT_FOUND
         assert code(generation_pb2.GenerateRequest(
             text="hi", sampling_params=sp(max_tokens=4))) == grpc.StatusCode.UNAVAILABLE
+        chat = generation_pb2.ChatMessages(messages=[
+            generation_pb2.ChatMessage(role="wizard", content="hi")])
+        assert code(generation_pb2.GenerateRequest(chat=chat)) == \
+            grpc.StatusCode.INVALID_ARGUMENT
+        # Bytes protobuf refuses (field 3, ``text``, holding bytes that are not UTF-8):
+        # INVALID_ARGUMENT, not grpc's UNKNOWN for a deserializer that raised.
+        raw = ch.unary_stream("/tandem.v1.GenerationService/Generate",
+                              request_serializer=None, response_deserializer=None)
+        with pytest.raises(grpc.RpcError) as info:
+            list(raw(bytes([0x1A, 2, 0xFF, 0xFE]), metadata=md, timeout=30))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()

@@ -24,6 +24,9 @@ def test_flags_and_environment_into_one_frozen_value() -> None:
     assert _cfg("--colocated", "h:1", environ={"TANDEM_API_KEY": ""}).api_key is None
     with pytest.raises(AttributeError):
         cfg.port = 1  # type: ignore[misc]
+    assert cfg.max_request_body_bytes is None  # derived from the context length
+    assert _cfg("--colocated", "h:1", "--max-request-body-bytes", "1048576"
+                ).max_request_body_bytes == 1 << 20
 
 
 @pytest.mark.parametrize(("flags", "message"), [
@@ -32,6 +35,8 @@ def test_flags_and_environment_into_one_frozen_value() -> None:
     (("--colocated", "h:1", "--port", "70000"), "--port must be in 0..65535"),
     (("--colocated", "h:1", "--max-attempts", "0"), "--max-attempts must be >= 1"),
     (("--colocated", "h:1", "--max-model-len", "0"), "--max-model-len must be >= 1"),
+    (("--colocated", "h:1", "--max-request-body-bytes", "0"),
+     "--max-request-body-bytes must be >= 1"),
 ])
 def test_bad_flags_are_value_errors_naming_the_flag(flags: tuple[str, ...], message: str) -> None:
     with pytest.raises(ValueError, match=message):
