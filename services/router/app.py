@@ -34,7 +34,13 @@ from tandem.contracts.role import ROLES, Role
 from tandem.services.router import openapi
 from tandem.services.router import protocol as P
 from tandem.services.router.body import read_json_body
-from tandem.services.router.errors import OpenAIError, openai_error_handler, to_openai_error
+from tandem.services.router.drain import Drain, shutting_down_error
+from tandem.services.router.errors import (
+    OpenAIError,
+    error_response,
+    openai_error_handler,
+    to_openai_error,
+)
 from tandem.services.router.frontend import Frontend
 from tandem.services.router.metrics import CONTENT_TYPE
 from tandem.services.router.responses import (
@@ -57,17 +63,45 @@ _Req = TypeVar("_Req", P.CompletionRequest, P.ChatCompletionRequest)
 _CLIENT_GONE = 499
 
 
+#: The routes whose requests a drain waits for and ends (``drain.Drain``).
+GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+
+
+class _DrainMiddleware:
+    """Counts each generation request from its first byte to its last (a stream's body
+    included) in the ``Drain``, and refuses new ones with a 503 once it drains."""
+
+    def __init__(self, app: Any, drain: Drain) -> None:
+        self.app = app
+        self.drain = drain
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["path"] not in GENERATION_PATHS:
+            await self.app(scope, receive, send)
+            return
+        if self.drain.draining:
+            rid = dict(scope.get("headers") or ()).get(b"x-request-id")
+            response = error_response(shutting_down_error(), rid.decode() if rid else None)
+            await response(scope, receive, send)
+            return
+        async with self.drain.request():
+            await self.app(scope, receive, send)
+
+
 def create_app(fe: Frontend, lifespan: Any = None, *,
-               max_request_body_bytes: int) -> FastAPI:
+               max_request_body_bytes: int, drain: Drain | None = None) -> FastAPI:
     """Build the FastAPI app around a ready ``Frontend``.
 
     Args:
         fe: tokenizer, pipeline and settings.
         lifespan: optional async context manager factory (starts/stops discovery).
         max_request_body_bytes: largest request body accepted (413 beyond).
+        drain: the router's shutdown (``Drain.run`` on SIGTERM); a fresh one if ``None``.
     """
     max_body = max_request_body_bytes
+    drain = drain if drain is not None else Drain()
     app = FastAPI(title="tandem router", lifespan=lifespan)
+    app.add_middleware(_DrainMiddleware, drain=drain)
     openapi.install(app, [P.CompletionRequest, P.ChatCompletionRequest])
     # NOTE: one handler; the ``Exception`` entry only catches router bugs (-> 500, logged).
     for exc_type in (OpenAIError, ValidationError, RequestValidationError,
@@ -90,6 +124,8 @@ def create_app(fe: Frontend, lifespan: Any = None, *,
     @app.get("/ready", responses={503: {"model": P.ErrorResponse,
                                         "description": "no live engine instance yet"}})
     async def ready() -> JSONResponse:
+        if drain.draining:
+            raise shutting_down_error()
         d = fe.pipeline.discovery
         if d.has_live(Role.PREFILL) and d.has_live(Role.DECODE):
             return JSONResponse({"status": "ready", "mode": "disagg"})
@@ -156,8 +192,8 @@ def create_app(fe: Frontend, lifespan: Any = None, *,
         num_prompt_tokens = sum(len(ids) for ids in prompts)
         if req.stream:
             return await _stream(request, rid, merged(fe, gens), _CompletionStreamer(
-                fe, req, resp_id, n, echo_texts, num_prompt_tokens))
-        states = await _collect(request, rid, merged(fe, gens), len(prompts) * n)
+                fe, req, resp_id, n, echo_texts, num_prompt_tokens), drain)
+        states = await _collect(request, rid, merged(fe, gens), len(prompts) * n, drain)
         if states is None:
             return Response(status_code=_CLIENT_GONE)
         choices = []
@@ -202,8 +238,8 @@ def create_app(fe: Frontend, lifespan: Any = None, *,
         parses = tool_choice if tool_choice is not None and tool_choice.parses_calls else None
         if req.stream:
             return await _stream(request, rid, merged(fe, [gen]),
-                                 _ChatStreamer(fe, req, resp_id, len(ids), parses))
-        states = await _collect(request, rid, merged(fe, [gen]), sp.n)
+                                 _ChatStreamer(fe, req, resp_id, len(ids), parses), drain)
+        states = await _collect(request, rid, merged(fe, [gen]), sp.n, drain)
         if states is None:
             return Response(status_code=_CLIENT_GONE)
         choices = []
@@ -255,15 +291,19 @@ async def _until_disconnect(request: Request) -> None:
         pass
 
 
-async def _until_done_or_gone(request: Request, task: asyncio.Future[Any]) -> None:
+async def _until_done_or_gone(request: Request, task: asyncio.Future[Any],
+                              drain: Drain) -> None:
     """Wait until ``task`` is done; a client that disconnects first cancels it (which
-    unwinds the generation: its RPCs are cancelled). Returns once ``task`` is done, its
-    outcome not raised (read it from the task); a cancel of this coroutine cancels both."""
+    unwinds the generation: its RPCs are cancelled), as does the end of a drain's grace
+    period. Returns once ``task`` is done, its outcome not raised (read it from the task);
+    a cancel of this coroutine cancels both."""
     watch = asyncio.create_task(_until_disconnect(request))
+    expired = asyncio.create_task(drain.expired.wait())
     try:
-        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({task, watch, expired}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         watch.cancel()
+        expired.cancel()
         if not task.done():
             task.cancel()
             await asyncio.wait({task})  # (does not raise the task's outcome)
@@ -271,9 +311,10 @@ async def _until_done_or_gone(request: Request, task: asyncio.Future[Any]) -> No
 
 async def _collect(request: Request, rid: str,
                    deltas: AsyncGenerator[tuple[int, SeqDelta], None],
-                   num_choices: int) -> list[ChoiceState] | None:
+                   num_choices: int, drain: Drain) -> list[ChoiceState] | None:
     """Gather all deltas; ``None`` when the client disconnected first (which cancels the
-    generation: an outcome for nobody, so no error). Raises: the generation's error."""
+    generation: an outcome for nobody, so no error). Raises: the generation's error, or a
+    503 when the router's drain ended the request."""
     states = [ChoiceState(index=i) for i in range(num_choices)]
 
     async def consume() -> None:
@@ -282,9 +323,11 @@ async def _collect(request: Request, rid: str,
 
     work = asyncio.create_task(consume())
     try:
-        await _until_done_or_gone(request, work)
+        await _until_done_or_gone(request, work, drain)
     finally:
         await deltas.aclose()
+    if work.cancelled() and drain.expired.is_set():
+        raise shutting_down_error()
     if work.cancelled():
         logger.debug("request %s: the client disconnected before the answer; cancelled", rid)
         return None
@@ -294,14 +337,17 @@ async def _collect(request: Request, rid: str,
 
 async def _stream(request: Request, rid: str,
                   deltas: AsyncGenerator[tuple[int, SeqDelta], None],
-                  streamer: _Streamer) -> Response:
+                  streamer: _Streamer, drain: Drain) -> Response:
     """Start an SSE response once the first delta exists (earlier errors: plain HTTP).
 
     The wait for the first delta (prefill: can be minutes for a long prompt under load)
-    watches the client: one that leaves meanwhile cancels the generation at once.
+    watches the client: one that leaves meanwhile cancels the generation at once. The
+    stream's chunks are made by one task per stream and handed over in a queue, so the end
+    of a drain's grace period can end a stream between any two chunks (an error event, then
+    ``[DONE]``), however long the next token takes.
     """
     first_task = asyncio.ensure_future(deltas.__anext__())
-    await _until_done_or_gone(request, first_task)
+    await _until_done_or_gone(request, first_task, drain)
     try:
         first = None if first_task.cancelled() else first_task.result()
     except StopAsyncIteration:
@@ -311,24 +357,47 @@ async def _stream(request: Request, rid: str,
         raise
     if first_task.cancelled():
         await deltas.aclose()
+        if drain.expired.is_set():
+            raise shutting_down_error()
         logger.debug("request %s: the client disconnected before the first token; "
                      "cancelled", rid)
         return Response(status_code=_CLIENT_GONE)
 
-    async def body() -> AsyncIterator[str]:
+    chunks: asyncio.Queue[str | None] = asyncio.Queue()  # None: the end
+
+    async def produce() -> None:
         try:
             if first is not None:
                 for chunk in streamer.chunks(*first):
-                    yield chunk
+                    chunks.put_nowait(chunk)
                 async for idx, d in deltas:
                     for chunk in streamer.chunks(idx, d):
-                        yield chunk
+                        chunks.put_nowait(chunk)
             for chunk in streamer.final():
-                yield chunk
+                chunks.put_nowait(chunk)
         except Exception as exc:  # noqa: BLE001 - reported to the client as an error event
-            yield sse({"error": to_openai_error(exc).to_dict()})
+            chunks.put_nowait(sse({"error": to_openai_error(exc).to_dict()}))
         finally:
             await deltas.aclose()
+            chunks.put_nowait(None)
+
+    async def body() -> AsyncIterator[str]:
+        producer = asyncio.create_task(produce())
+
+        def end_now() -> None:
+            producer.cancel()
+            chunks.put_nowait(sse({"error": shutting_down_error().to_dict()}))
+            chunks.put_nowait(None)
+
+        unregister = drain.on_expire(end_now)
+        try:
+            while (chunk := await chunks.get()) is not None:
+                yield chunk
+        finally:
+            unregister()
+            if not producer.done():
+                producer.cancel()
+            await asyncio.wait({producer})
         yield DONE
 
     headers = {"X-Request-Id": rid, "Cache-Control": "no-cache"}

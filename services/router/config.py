@@ -37,6 +37,8 @@ class RouterConfig:
         max_request_body_bytes: largest HTTP request body and gRPC request message
             accepted (``--max-request-body-bytes``; 413 / RESOURCE_EXHAUSTED beyond),
             ``None`` for ``body.default_max_request_body_bytes`` of the context length.
+        shutdown_grace_s: on SIGTERM, seconds open requests get to finish before they are
+            ended with an error (``--shutdown-grace-s``; ``drain.Drain``).
         log_level: Python logging level name.
 
     Raises:
@@ -61,6 +63,7 @@ class RouterConfig:
     chat_template: str | None = None
     tool_call_parser: str = "hermes"
     max_request_body_bytes: int | None = None
+    shutdown_grace_s: float = 8.0
     log_level: str = "info"
 
     def __post_init__(self) -> None:
@@ -79,6 +82,8 @@ class RouterConfig:
         if self.max_request_body_bytes is not None and self.max_request_body_bytes < 1:
             raise ValueError(f"--max-request-body-bytes must be >= 1, got "
                              f"{self.max_request_body_bytes}")
+        if not self.shutdown_grace_s >= 0:
+            raise ValueError(f"--shutdown-grace-s must be >= 0, got {self.shutdown_grace_s}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"--max-model-len must be >= 1, got {self.max_model_len}")
         static = self.prefill or self.decode or self.colocated
@@ -107,4 +112,4 @@ class RouterConfig:
                    chat_template=getattr(ns, "chat_template", None),
                    tool_call_parser=getattr(ns, "tool_call_parser", "hermes"),
                    max_request_body_bytes=ns.max_request_body_bytes,
-                   log_level=ns.log_level)
+                   shutdown_grace_s=ns.shutdown_grace_s, log_level=ns.log_level)

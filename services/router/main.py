@@ -59,6 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="largest request accepted, in bytes: HTTP bodies (413 beyond) and "
                         "public gRPC messages (default: 8 MiB + 32 bytes per token of the "
                         "context length)")
+    p.add_argument("--shutdown-grace-s", type=float, default=8.0,
+                   help="on SIGTERM: seconds open requests get to finish; then streams end "
+                        "with an error event and [DONE] (default 8, below tandem up's 10 s)")
     p.add_argument("--log-level", default="info")
     return p
 
@@ -97,6 +100,7 @@ async def serve(cfg: RouterConfig) -> None:
     from tandem.services.router.body import default_max_request_body_bytes
     from tandem.services.router.client import InstancePool
     from tandem.services.router.discovery import Discovery, RedisDiscovery, StaticDiscovery
+    from tandem.services.router.drain import Drain
     from tandem.services.router.frontend import Frontend, read_chat_template
     from tandem.services.router.grpc_server import start_grpc_server
     from tandem.services.router.metrics import RouterMetrics
@@ -136,15 +140,29 @@ async def serve(cfg: RouterConfig) -> None:
         if cfg.grpc_port:
             grpc_server = await start_grpc_server(fe, cfg.grpc_port, cfg.host,
                                                   max_message_bytes=max_body)
-        config = uvicorn.Config(create_app(fe, max_request_body_bytes=max_body), host=cfg.host, port=cfg.port,
+        drain = Drain()
+        config = uvicorn.Config(create_app(fe, max_request_body_bytes=max_body, drain=drain),
+                                host=cfg.host, port=cfg.port,
                                 log_level=cfg.log_level.lower(), timeout_graceful_shutdown=3,
                                 access_log=False)
         logger.info("router: http://%s:%d (OpenAI API), grpc %s:%d, model %s", cfg.host,
                     cfg.port, cfg.host, cfg.grpc_port, served[0])
         server = _Server(config)
         loop = asyncio.get_running_loop()
+        stopping: list[asyncio.Task[None]] = []
+
+        async def drain_then_exit() -> None:
+            await drain.run(cfg.shutdown_grace_s)
+            server.request_exit()
+
+        def on_signal() -> None:
+            if stopping:  # a second signal: stop now
+                server.request_exit()
+            else:
+                stopping.append(asyncio.create_task(drain_then_exit()))
+
         for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, server.request_exit)
+            loop.add_signal_handler(sig, on_signal)
         await server.serve()
     finally:
         if grpc_server is not None:
