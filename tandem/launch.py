@@ -26,6 +26,7 @@ import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from tandem.child import spawn
 
@@ -62,13 +63,15 @@ def http_ok(url: str, timeout_s: float = 2.0) -> bool:
         return False
 
 
-def grpc_serving(address: str, timeout_s: float = 2.0) -> bool:
-    """``address`` answers the gRPC health check with SERVING."""
+def grpc_serving(address: str, timeout_s: float = 2.0, credentials: Any = None) -> bool:
+    """``address`` answers the gRPC health check with SERVING (over TLS with
+    ``credentials``, a ``grpc.ChannelCredentials``)."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     try:
-        with grpc.insecure_channel(address) as ch:
+        with (grpc.secure_channel(address, credentials) if credentials is not None
+              else grpc.insecure_channel(address)) as ch:
             resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(),
                                                         timeout=timeout_s)
             return bool(resp.status == health_pb2.HealthCheckResponse.SERVING)

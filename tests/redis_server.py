@@ -17,11 +17,14 @@ from tandem.launch import Part, redis_ok, start_part, wait_ready
 
 
 class RedisServer:
-    """A ``redis-server`` subprocess without persistence; restartable on the same port."""
+    """A ``redis-server`` subprocess without persistence; restartable on the same port;
+    with ``password``, clients must authenticate (``requirepass``; the URL carries it)."""
 
-    def __init__(self, port: int) -> None:
+    def __init__(self, port: int, password: str | None = None) -> None:
         self.port = port
-        self.url = f"redis://127.0.0.1:{port}/0"
+        self.password = password
+        auth = f":{password}@" if password else ""
+        self.url = f"redis://{auth}127.0.0.1:{port}/0"
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self, timeout_s: float = 10.0) -> None:
@@ -32,7 +35,8 @@ class RedisServer:
         # teardown, and redis then dies with it instead of living on as an orphan (seen
         # after a killed CI run).
         self.part = Part("redis", [exe, "--port", str(self.port), "--bind", "127.0.0.1",
-                                   "--save", "", "--appendonly", "no"],
+                                   "--save", "", "--appendonly", "no",
+                                   *(["--requirepass", self.password] if self.password else [])],
                          lambda: redis_ok(self.url, timeout_s=1))
         self.proc = start_part(self.part, log_path=Path(os.devnull))
         wait_ready([self.part], timeout_s)

@@ -4,7 +4,9 @@
 :func:`run`. It builds the frozen ``EngineConfig`` from the flags, loads the
 engine, starts the engine thread (:mod:`.engine_loop`), serves the role's
 servicer(s) plus ``grpc.health.v1`` and server reflection on ``--listen``,
-registers the instance in Redis with a heartbeat, and on SIGTERM/SIGINT drains:
+registers the instance in Redis with a heartbeat (the port serves TLS, mutual with
+``--tls-ca``, when ``--tls-cert``/``--tls-key`` are given: ``tls.py``), and on SIGTERM/SIGINT
+drains:
 health NOT_SERVING and registry entry deleted (the router stops sending),
 new RPCs refused, in-flight ones given ``--shutdown-grace-s`` to finish, then
 the rest aborted and the process exits 0.
@@ -41,6 +43,7 @@ from tandem.services.common.engine_loop import EngineLoop
 from tandem.services.common.errors import ErrorMappingInterceptor
 from tandem.services.common.periodic import start_periodic, stop_periodic
 from tandem.services.common.registry import InstanceRegistration
+from tandem.services.common.tls import TLSFiles, add_tls_flags, tls_from_args
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +89,7 @@ def build_parser(prog: str, role: Role | None) -> argparse.ArgumentParser:
     p.add_argument("--instance-id", default=None, help="registry id (default: random)")
     p.add_argument("--seed", type=int, default=0, help="seed of the engine's global generator")
     p.add_argument("--log-level", default="INFO")
+    add_tls_flags(p, "this service's gRPC port")
     return p
 
 
@@ -148,18 +152,22 @@ def run(
                         format=f"%(asctime)s {role} %(levelname)s %(name)s: %(message)s")
     try:
         config = build_engine_config(ns, role)
+        tls = tls_from_args(ns)
+        if tls.enabled:
+            tls.server_credentials()  # a CA alone is no server identity: refuse it now
     except ValueError as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2
     if role not in servicers:
         print(f"{prog}: error: role {role!r} is not served by this entry point", file=sys.stderr)
         return 2
-    asyncio.run(_serve(ns, role, config, servicers[role]))
+    asyncio.run(_serve(ns, role, config, servicers[role], tls))
     return 0
 
 
 async def _serve(
-    ns: argparse.Namespace, role: Role, config: EngineConfig, add_servicers: AddServicers
+    ns: argparse.Namespace, role: Role, config: EngineConfig, add_servicers: AddServicers,
+    tls: TLSFiles,
 ) -> None:
     # Imported here: `tandem serve --help` should not pay for torch.
     from tandem.engine.engine_core import EngineCore
@@ -187,7 +195,8 @@ async def _serve(
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(names, server)
-    port = server.add_insecure_port(ns.listen)
+    port = (server.add_secure_port(ns.listen, tls.server_credentials()) if tls.enabled
+            else server.add_insecure_port(ns.listen))
     if port == 0:
         raise RuntimeError(f"could not bind --listen {ns.listen}")
     await server.start()

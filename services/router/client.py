@@ -36,17 +36,23 @@ class InstancePool:
 
     Args:
         discovery: where GetLoad results are written by :meth:`poll_loads`.
+        credentials: TLS for every channel (``tls.TLSFiles.channel_credentials``), or
+            ``None`` for plaintext.
     """
 
-    def __init__(self, discovery: Discovery) -> None:
+    def __init__(self, discovery: Discovery,
+                 credentials: grpc.ChannelCredentials | None = None) -> None:
         self._discovery = discovery
+        self._credentials = credentials
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._task: asyncio.Task | None = None
 
     def channel(self, address: str) -> grpc.aio.Channel:
         ch = self._channels.get(address)
         if ch is None:
-            ch = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
+            ch = (grpc.aio.secure_channel(address, self._credentials, options=_CHANNEL_OPTIONS)
+                  if self._credentials is not None
+                  else grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS))
             self._channels[address] = ch
         return ch
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from tandem.services.common.tls import TLSFiles, tls_from_args
 from tandem.services.router.routing import RoutingPolicy
 
 
@@ -37,6 +38,8 @@ class RouterConfig:
         max_request_body_bytes: largest HTTP request body and gRPC request message
             accepted (``--max-request-body-bytes``; 413 / RESOURCE_EXHAUSTED beyond),
             ``None`` for ``body.default_max_request_body_bytes`` of the context length.
+        tls: TLS of the router's channels to the engines (``--tls-cert``/``--tls-key``/
+            ``--tls-ca``: ``services/common/tls.py``), read from the files here.
         shutdown_grace_s: on SIGTERM, seconds open requests get to finish before they are
             ended with an error (``--shutdown-grace-s``; ``drain.Drain``).
         log_level: Python logging level name.
@@ -64,6 +67,7 @@ class RouterConfig:
     tool_call_parser: str = "hermes"
     max_request_body_bytes: int | None = None
     shutdown_grace_s: float = 8.0
+    tls: TLSFiles = field(default_factory=TLSFiles)
     log_level: str = "info"
 
     def __post_init__(self) -> None:
@@ -112,4 +116,5 @@ class RouterConfig:
                    chat_template=getattr(ns, "chat_template", None),
                    tool_call_parser=getattr(ns, "tool_call_parser", "hermes"),
                    max_request_body_bytes=ns.max_request_body_bytes,
-                   shutdown_grace_s=ns.shutdown_grace_s, log_level=ns.log_level)
+                   shutdown_grace_s=ns.shutdown_grace_s, tls=tls_from_args(ns),
+                   log_level=ns.log_level)

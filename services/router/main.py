@@ -17,6 +17,7 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
+from tandem.services.common.tls import add_tls_flags
 from tandem.services.router.config import RouterConfig
 from tandem.services.router.routing import RoutingPolicy
 
@@ -62,6 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shutdown-grace-s", type=float, default=8.0,
                    help="on SIGTERM: seconds open requests get to finish; then streams end "
                         "with an error event and [DONE] (default 8, below tandem up's 10 s)")
+    add_tls_flags(p, "the router's connections to the engines")
     p.add_argument("--log-level", default="info")
     return p
 
@@ -122,7 +124,7 @@ async def serve(cfg: RouterConfig) -> None:
     else:
         discovery = StaticDiscovery(prefill=list(cfg.prefill), decode=list(cfg.decode),
                                     both=list(cfg.colocated))
-    pool = InstancePool(discovery)
+    pool = InstancePool(discovery, cfg.tls.channel_credentials() if cfg.tls.enabled else None)
     metrics = RouterMetrics(served[0])
     pipeline = Pipeline(tokenizer=tokenizer, discovery=discovery, pool=pool,
                         router=make_router(cfg.routing_policy), metrics=metrics,
