@@ -115,6 +115,11 @@ class GrammarMatcher:
         return bool(self._m.is_terminated())
 
 
+#: Compile processes per engine process: a compile killed at its time limit holds one for
+#: that long, so a few pathological constraints at once leave room for others.
+DEFAULT_COMPILE_WORKERS = 4
+
+
 def compile_constraint(compiler: Any, kind: str, spec: str, any_whitespace: bool) -> Any:
     """Compile one constraint with an ``xgrammar.GrammarCompiler`` in this process
     (``compile_worker``'s child runs it).
@@ -152,13 +157,14 @@ class XgrammarBackend:
         tokenizer_info: xgrammar's view of the vocabulary (see :meth:`from_tokenizer`,
             :meth:`from_vocab`).
         vocab_size: rows of the model's logits (the bitmask width).
-        num_workers: compile processes (compiles that may run at once).
+        num_workers: compile processes (compiles that may run at once; each is started
+            when compiles first overlap that much).
 
     Thread-safety: :meth:`compile` may run on several threads at once (each waits for a
     free worker); matchers belong to one thread.
     """
 
-    def __init__(self, tokenizer_info: Any, vocab_size: int, num_workers: int = 2) -> None:
+    def __init__(self, tokenizer_info: Any, vocab_size: int, num_workers: int = DEFAULT_COMPILE_WORKERS) -> None:
         self.vocab_size = vocab_size
         self._info = tokenizer_info
         self.workers = CompileWorkers.acquire(tokenizer_info.serialize_json(), num_workers)
@@ -166,7 +172,7 @@ class XgrammarBackend:
 
     @classmethod
     def from_tokenizer(
-        cls, tokenizer: Any, vocab_size: int, eos_token_id: int | None, num_workers: int = 2
+        cls, tokenizer: Any, vocab_size: int, eos_token_id: int | None, num_workers: int = DEFAULT_COMPILE_WORKERS
     ) -> XgrammarBackend:
         """From a Hugging Face tokenizer; the engine's EOS is the grammar's stop token."""
         stop = [eos_token_id] if eos_token_id is not None else None
@@ -177,7 +183,7 @@ class XgrammarBackend:
 
     @classmethod
     def from_vocab(
-        cls, vocab: Sequence[str], eos_token_id: int, num_workers: int = 2
+        cls, vocab: Sequence[str], eos_token_id: int, num_workers: int = DEFAULT_COMPILE_WORKERS
     ) -> XgrammarBackend:
         """From the raw text of each token id (tests with tiny models, which have no
         tokenizer); ``vocab[eos_token_id]`` is the stop token."""

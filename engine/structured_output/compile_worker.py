@@ -58,7 +58,8 @@ class CompileWorkers:
 
     Args:
         tokenizer_info_json: the vocabulary, as ``xgrammar.TokenizerInfo.serialize_json()``.
-        size: slots (children); at most this many compiles run at once.
+        size: slots (children, each started on first use); at most this many compiles
+            run at once.
 
     Thread-safety: :meth:`compile` may be called from several threads; a call waits for a
     free slot.
@@ -72,7 +73,9 @@ class CompileWorkers:
         if size < 1:
             raise ValueError(f"size must be >= 1, got {size}")
         self._info = tokenizer_info_json.encode()
-        self._idle: queue.Queue[_Child] = queue.Queue()
+        # NOTE: last in, first out: the child used last is reused, so the others start
+        # only when compiles overlap (each costs ~200 MiB once it imports xgrammar).
+        self._idle: queue.LifoQueue[_Child] = queue.LifoQueue()
         self._children = [_Child(self._info) for _ in range(size)]
         for child in self._children:
             self._idle.put(child)

@@ -31,12 +31,16 @@ _SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
 def unsupported_schema_feature(schema: object, path: str = "#") -> str | None:
     """Where ``schema`` uses a keyword xgrammar would not enforce, as ``"<keyword> at
     <JSON pointer>"``; ``None`` when it uses none. Also ``allOf`` with several branches,
-    which xgrammar only partly merges."""
+    which xgrammar only partly merges, and a ``$ref`` that is not local (``#...``), which
+    it leaves unconstrained."""
     if not isinstance(schema, dict):
         return None
     for key in UNSUPPORTED_SCHEMA_KEYWORDS:
         if key in schema:
             return f"'{key}' at {path}"
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and not ref.startswith("#"):
+        return f"'$ref' to {ref!r} (only references within the schema, '#/...') at {path}"
     all_of = schema.get("allOf")
     if isinstance(all_of, list) and len(all_of) > 1:
         return f"'allOf' with {len(all_of)} branches at {path}"
@@ -75,13 +79,18 @@ def check_json_schema(schema: Any, field: str, *, enforced: bool = True) -> None
         raise RequestError(field, f"{field} must be a JSON schema object")
     try:
         jsonschema.validators.validator_for(schema).check_schema(schema)
+    except RecursionError:
+        raise RequestError(field, f"{field} is nested too deeply") from None
     except jsonschema.SchemaError as exc:
         where = "/".join(str(p) for p in exc.absolute_path)
         at = f" at #/{where}" if where else ""
         raise RequestError(
             field, f"{field} is not a valid JSON schema{at}: {exc.message}"
         ) from None
-    found = unsupported_schema_feature(schema) if enforced else None
+    try:
+        found = unsupported_schema_feature(schema) if enforced else None
+    except RecursionError:
+        raise RequestError(field, f"{field} is nested too deeply") from None
     if found is not None:
         raise RequestError(
             field,

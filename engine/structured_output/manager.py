@@ -102,7 +102,8 @@ class StructuredOutputManager:
     Args:
         backend_factory: builds the compiler backend on first use (the tokenizer's
             vocabulary is read then, not at engine start).
-        max_workers: compiles that run at once (the backend's worker processes).
+        max_workers: compiles that run at once (as many as the backend's worker
+            processes, ``backend.DEFAULT_COMPILE_WORKERS``).
         max_cache_entries: compiled grammars kept (least recently used evicted).
         compile_timeout_s: a compile that runs longer fails its requests with a
             ``RequestError`` (a 400) and is killed (``XgrammarBackend.compile``), so a
@@ -118,9 +119,9 @@ class StructuredOutputManager:
         self,
         backend_factory: Callable[[], XgrammarBackend],
         *,
-        max_workers: int = 2,
+        max_workers: int = 4,
         max_cache_entries: int = 256,
-        compile_timeout_s: float = 30.0,
+        compile_timeout_s: float = 10.0,
         max_queue_wait_s: float | None = None,
         max_pending: int = 64,
     ) -> None:

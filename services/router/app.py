@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
@@ -58,6 +58,7 @@ from tandem.services.router.tools import ToolCallParser, ToolChoice, finish_reas
 logger = logging.getLogger(__name__)
 
 _Req = TypeVar("_Req", P.CompletionRequest, P.ChatCompletionRequest)
+_T = TypeVar("_T")
 #: The status a request whose client left gets (nginx's "client closed request"); nobody
 #: reads it, it is for access logs.
 _CLIENT_GONE = 499
@@ -172,7 +173,7 @@ def create_app(fe: Frontend, lifespan: Any = None, *,
     async def completions(request: Request) -> Response:
         rid, arrival_ns, req = await accept(request, P.CompletionRequest)
         prompts = fe.tokenize_prompts(req.prompt)
-        constraint = req.constraint()
+        constraint = await _off_loop(req, req.constraint)
         gens = []
         for p, ids in enumerate(prompts):
             sp = req.to_sampling_params(num_prompt_tokens=len(ids),
@@ -215,14 +216,15 @@ def create_app(fe: Frontend, lifespan: Any = None, *,
                   "ChatCompletionChunk objects, then `data: [DONE]`")})
     async def chat_completions(request: Request) -> Response:
         rid, arrival_ns, req = await accept(request, P.ChatCompletionRequest)
-        tool_choice = req.tool_choice_spec()
+        tool_choice = await _off_loop(req, req.tool_choice_spec)
         messages = [m.to_template() for m in req.messages]
         tools = ([t.to_template() for t in tool_choice.tools]
                  if tool_choice is not None and tool_choice.render_tools else None)
         ids = fe.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt,
                                      continue_final_message=req.continue_final_message,
                                      kwargs=req.chat_template_kwargs, tools=tools)
-        constraint = req.constraint(tool_choice.constraint() if tool_choice else None)
+        constraint = await _off_loop(
+            req, lambda: req.constraint(tool_choice.constraint() if tool_choice else None))
         sp = req.to_sampling_params(num_prompt_tokens=len(ids), max_model_len=fe.max_model_len,
                                     constraint=constraint)
         fe.check_sampling_params(sp)
@@ -254,6 +256,15 @@ def create_app(fe: Frontend, lifespan: Any = None, *,
         return reply(body, rid, len(ids), states)
 
     return app
+
+
+async def _off_loop(req: P._SamplingRequest, check: Callable[[], _T]) -> _T:
+    """Run ``check`` (building a request's constraint or tools: JSON-schema checks in pure
+    Python, linear in the schema's size) on a worker thread when the request has such
+    fields, so that one large schema does not stall every other request."""
+    if not req.has_constraint_fields():
+        return check()
+    return await asyncio.to_thread(check)
 
 
 def _chat_message(text: str, finish_reason: str | None, tool_choice: ToolChoice | None

@@ -226,7 +226,7 @@ class Pipeline:
             timings.prefill_compute_ns = presp.compute_ns
             timings.kv_publish_ns = presp.publish_ns
             return presp
-        raise _unavailable(Role.PREFILL, last)
+        raise _unavailable(Role.PREFILL, last, param_of_field)
 
     async def _decode(self, ctx: RouteContext, dreq: decode_pb2.DecodeRequest,
                       metadata: Sequence[tuple[str, str]], state: SeqState,
@@ -274,7 +274,7 @@ class Pipeline:
                     logger.debug("cancelling decode of %s on %s", dreq.request_id, info.address)
                 call.cancel()
                 self.discovery.release(info.address)
-        raise _unavailable(ctx.stage, last)
+        raise _unavailable(ctx.stage, last, param_of_field)
 
     def _first_decode_message(self, msg: decode_pb2.DecodeResponse, state: SeqState,
                               start_ns: int, info: InstanceInfo, ctx: RouteContext) -> None:
@@ -316,20 +316,35 @@ def _raise_if_caller_error(exc: grpc.aio.AioRpcError, param_of_field: Mapping[st
     names (trailing metadata ``FIELD_METADATA_KEY``), in the client's API's words."""
     if exc.code() not in CALLER_ERROR_CODES:
         return
+    message, param = _in_clients_words(exc, param_of_field)
+    raise OpenAIError(message or "invalid request", status_code=400, param=param) from exc
+
+
+def _in_clients_words(exc: grpc.aio.AioRpcError, param_of_field: Mapping[str, str]
+                      ) -> tuple[str, str | None]:
+    """The engine's message and the field it names (``FIELD_METADATA_KEY``), both in the
+    client's API's words: ``(message, param)``."""
     field = None
     for key, value in exc.trailing_metadata() or ():
         if key == FIELD_METADATA_KEY and isinstance(value, str):
             field = value
-    message = exc.details() or "invalid request"
+    message = exc.details() or ""
     param = None
     if field is not None:
         param = param_of_field.get(field, field)
         if param != field and message.startswith(f"{field}:"):
             message = param + message[len(field):]
-    raise OpenAIError(message, status_code=400, param=param) from exc
+    return message, param
 
 
-def _unavailable(stage: Role, last: grpc.aio.AioRpcError | None) -> OpenAIError:
+def _unavailable(stage: Role, last: grpc.aio.AioRpcError | None,
+                 param_of_field: Mapping[str, str]) -> OpenAIError:
+    if last is not None and last.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        # Every instance was busy with this request's kind of work (a full queue, a
+        # saturated grammar compiler): their reason, in the client's words.
+        message, param = _in_clients_words(last, param_of_field)
+        if param is not None:
+            return OpenAIError(message, status_code=503, retry_after_s=1, param=param)
     why = f": {last.code().name} {last.details()}" if last is not None else ""
     role = "colocated" if stage == Role.BOTH else str(stage)
     return OpenAIError(f"no {role} instance could serve the request{why}", status_code=503,

@@ -115,6 +115,12 @@ class _SamplingRequest(BaseModel):
     def _num_logprobs(self) -> int | None:
         raise NotImplementedError
 
+    def has_constraint_fields(self) -> bool:
+        """Whether a field that sets a constraint or tools (JSON schemas to check) is set."""
+        return any(getattr(self, name, None) is not None for name in (
+            "response_format", "structured_outputs", "guided_json", "guided_regex",
+            "guided_choice", "guided_grammar", "tools"))
+
     def constraint(self, extra: ConstraintSource | None = None) -> Constraint:
         """The request's output constraint, from whichever field set it.
 

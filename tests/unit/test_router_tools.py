@@ -323,3 +323,53 @@ def test_streamed_tool_answer_equals_the_whole_one(text, step) -> None:
     assert content == (whole.content or "")
     assert names == [c["function"]["name"] for c in whole.tool_calls or []]
     assert last == finish
+
+
+def test_constraints_and_tools_are_checked_off_the_event_loop() -> None:
+    """A large schema's metaschema check (pure Python) ran on the router's event loop and
+    stalled every other request for seconds; requests with such fields run it on a
+    worker thread, plain ones stay on the loop (no thread hop)."""
+    import asyncio
+    import threading
+
+    from tandem.services.router import protocol as P
+    from tandem.services.router.app import _off_loop
+
+    loop_thread: list[int] = []
+
+    async def where(req) -> int:
+        loop_thread.append(threading.get_ident())
+        return await _off_loop(req, threading.get_ident)
+
+    msgs = [{"role": "user", "content": "x"}]
+    constrained = P.ChatCompletionRequest(messages=msgs, response_format={"type": "json_object"})
+    with_tools = P.ChatCompletionRequest(messages=msgs, tools=TOOLS)
+    plain = P.ChatCompletionRequest(messages=msgs)
+    for req, off in ((constrained, True), (with_tools, True), (plain, False)):
+        ran_on = asyncio.run(where(req))
+        assert (ran_on != loop_thread[-1]) == off
+
+
+def test_a_busy_grammar_compiler_is_a_503_in_the_clients_words() -> None:
+    """Every instance answering RESOURCE_EXHAUSTED for a saturated grammar compiler was a
+    503 "no prefill instance could serve the request: RESOURCE_EXHAUSTED
+    structured_outputs.regex: ..." with no param; it names the client's field now."""
+    import grpc
+    from grpc.aio import Metadata
+
+    from tandem.contracts.role import Role
+    from tandem.services.common.errors import FIELD_METADATA_KEY
+    from tandem.services.router.pipeline import _unavailable
+
+    busy = grpc.aio.AioRpcError(
+        grpc.StatusCode.RESOURCE_EXHAUSTED, Metadata(),
+        Metadata((FIELD_METADATA_KEY, "structured_outputs.regex")),
+        details="structured_outputs.regex: the grammar compiler is busy (...); retry later")
+    err = _unavailable(Role.PREFILL, busy, {"structured_outputs.regex": "guided_regex"})
+    assert (err.status_code, err.param, err.retry_after_s) == (503, "guided_regex", 1)
+    assert err.message == "guided_regex: the grammar compiler is busy (...); retry later"
+    down = grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, Metadata(), Metadata(),
+                                details="connection refused")
+    err = _unavailable(Role.DECODE, down, {})
+    assert err.status_code == 503 and err.param is None
+    assert err.message.startswith("no decode instance could serve the request")

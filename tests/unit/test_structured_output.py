@@ -148,7 +148,19 @@ def assert_idle(core: EngineCore) -> None:
             "'allOf' with 2",
         ),
         ({"json": {"$defs": {"x": {"if": {}}}}}, "structured_outputs.json", r"'if' at #/\$defs/x"),
-        ({"regex": "a" * (256 * 1024 + 1)}, "structured_outputs.regex", "longer than 262144"),
+        ({"regex": "a" * (128 * 1024 + 1)}, "structured_outputs.regex", "longer than 131072"),
+        # The size cap comes first: the metaschema check of a huge schema stalled the router
+        # for seconds before the refusal.
+        ({"json": {"type": 5, "description": "x" * (128 * 1024)}}, "structured_outputs.json",
+         "longer than 131072"),
+        # An external reference: xgrammar only warns and leaves that part unconstrained.
+        ({"json": {"$ref": "http://example.com/s.json"}}, "structured_outputs.json",
+         r"'\$ref' to 'http://example\.com/s\.json'"),
+        (
+            {"json": {"properties": {"a": {"$ref": "other.json#/x"}}}},
+            "structured_outputs.json",
+            "at #/properties/a",
+        ),
     ],
 )
 def test_params_shape_errors_name_the_field(kwargs, field, match) -> None:
