@@ -21,12 +21,14 @@ kubernetes_validate = pytest.importorskip("kubernetes_validate")
 
 from helm_support import (  # noqa: E402  (after the importorskips)
     CHART,
+    ENGINE_ROLES,
     KUBE_VERSIONS,
     NAMESPACE,
     RELEASE,
     REPO,
     TANDEM_ROLES,
     VALUE_SETS,
+    by_kind,
     component,
     manifests,
     merge,
@@ -78,7 +80,7 @@ def test_default_renders_every_component() -> None:
     assert ("StatefulSet", "redis") in kinds
     assert ("Service", "redis") in kinds
     present = {d["kind"] for d in docs}
-    assert {"ConfigMap", "ServiceAccount"} <= present
+    assert {"ConfigMap", "ServiceAccount", "NetworkPolicy"} <= present
     # Optional objects stay off by default.
     assert present.isdisjoint({"Ingress", "HorizontalPodAutoscaler", "ServiceMonitor", "DaemonSet"})
 
@@ -170,3 +172,27 @@ def test_docs_helm_install_commands_render(chart: Any, doc: str, min_commands: i
         ]
         if values.get("prefill", {}).get("replicas"):
             assert workload_of(tuple(docs), "prefill")["spec"]["replicas"] == 3
+
+
+def test_network_policies_let_only_the_callers_of_each_part_in() -> None:
+    """Only the router reaches prefill/decode, only the engines the KV store, only tandem's
+    pods the bundled Redis; metrics ports stay scrapeable; nothing restricts the router;
+    ``networkPolicy.enabled=false`` renders none (the objects validate with the rest)."""
+    docs = manifests("default")
+    policies = by_kind(docs, "NetworkPolicy")
+
+    def callers(role: str) -> list[set[str]]:
+        pol = policies[f"{RELEASE}-tandem-{role}"]
+        assert pol["spec"]["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == role
+        return [{p["podSelector"]["matchLabels"]["app.kubernetes.io/component"]
+                 for p in rule.get("from", [])} for rule in pol["spec"]["ingress"]]
+
+    for role in ENGINE_ROLES:
+        assert callers(role) == [{"router"}, set()]  # grpc from the router; metrics open
+    assert callers("kvstore") == [{"prefill", "decode"}, set()]
+    assert callers("redis") == [{"router", "prefill", "decode", "kvstore"}]
+    assert f"{RELEASE}-tandem-router" not in policies
+    with helm.Chart.load(CHART) as loaded:
+        files = loaded.render({"networkPolicy": {"enabled": False}}, name=RELEASE,
+                              namespace=NAMESPACE, is_install=True)
+    assert not files.get("tandem/templates/networkpolicy.yaml", "").strip()
