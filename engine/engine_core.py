@@ -102,6 +102,7 @@ class EngineCore:
             self.max_model_len,
             connector=self.connector_scheduler,
             structured_output=self.structured_output,
+            speculative=config.speculative,
         )
         #: What a request must fit here (the router and services check the same rules).
         self.limits: RequestLimits = dataclasses.replace(
