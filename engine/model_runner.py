@@ -126,14 +126,24 @@ class ModelRunner:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.proposer: Proposer | None = None
         if config.speculative is not None:
-            self.proposer = create_proposer(config.speculative)
+            self.proposer = create_proposer(
+                config.speculative,
+                vocab_size=self.vocab_size,
+                max_model_len=self.max_model_len,
+                tokenizer=self.loaded.tokenizer,
+                dtype=self.dtype,
+                device=self.device,
+                block_size=self.block_size,
+            )
 
     @property
     def block_bytes(self) -> int:
-        """Bytes of one KV block across all layers (K and V)."""
-        return kv_cache_bytes_per_block(
+        """Bytes of one KV block across all layers (K and V), plus the proposer's own
+        cache for that block (a draft model's)."""
+        own = kv_cache_bytes_per_block(
             self.num_layers, self.block_size, self.num_kv_heads, self.head_dim, self.dtype
         )
+        return own + (self.proposer.block_bytes if self.proposer is not None else 0)
 
     def determine_num_blocks(self) -> int:
         """Number of KV blocks the cache gets.
@@ -246,6 +256,8 @@ class ModelRunner:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.kv_cache, self.kv_caches = self._allocate_kv_cache(num_blocks)
         self.num_blocks = num_blocks
+        if self.proposer is not None:
+            self.proposer.initialize_kv_cache(num_blocks)
 
     def _allocate_kv_cache(
         self, num_blocks: int

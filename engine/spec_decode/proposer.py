@@ -69,6 +69,16 @@ class Proposer(ABC):
     def free(self, request_ids: Iterable[str]) -> None:  # noqa: B027 (optional hook)
         """Forget per-request state of preempted or finished requests (no-op by default)."""
 
+    @property
+    def block_bytes(self) -> int:
+        """Bytes the proposer's own KV cache takes per KV block of the target (0: none);
+        the target's KV budget is divided by its own block bytes plus these."""
+        return 0
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:  # noqa: B027 (optional hook)
+        """Allocate the proposer's KV cache for the target's ``num_blocks`` blocks (no-op
+        for a proposer without one)."""
+
 
 def create_proposer(config: SpeculativeConfig, **kwargs: object) -> Proposer:
     """The proposer ``config.method`` names; the one place that maps a method to a class.

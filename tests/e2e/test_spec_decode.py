@@ -160,3 +160,74 @@ def test_abort_mid_verification_frees_every_block(folder) -> None:
     run(core)
     assert victim.get_finish_reason() == "abort"
     assert_clean(llm)
+
+
+# -- draft model -------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def draft_folder(tmp_path_factory) -> str:
+    """The target's weights with noise: a draft that agrees often, not always."""
+    path = str(tmp_path_factory.mktemp("spec-draft"))
+    config = tiny_config("LlamaForCausalLM", vocab=VOCAB, hidden=64, ffn=128, max_len=MAX_LEN,
+                         special_tokens=False)
+    model = tiny_hf_model(config, std=0.1, seed=3)
+    g = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.add_(torch.randn(p.shape, generator=g) * 0.04)
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_draft_model_greedy_equals_greedy_without(folder, draft_folder, k) -> None:
+    ps = prompts()
+    want = token_ids(make_llm(folder, None, max_num_batched_tokens=48), ps, GREEDY)
+    spec = {"method": "draft_model", "model": draft_folder, "num_speculative_tokens": k}
+    llm = make_llm(folder, spec, max_num_batched_tokens=48)
+    assert token_ids(llm, ps, GREEDY) == want
+    assert_both_paths(llm)
+    assert_clean(llm)
+
+
+def test_draft_model_under_preemption_and_its_blocks(folder, draft_folder) -> None:
+    """The draft's cache shares the target's block tables: a forced preemption and
+    prefix hits leave the output unchanged and every block free."""
+    ps = prompts(8)
+    spec = {"method": "draft_model", "model": draft_folder, "num_speculative_tokens": 3}
+    want = token_ids(make_llm(folder, None), ps, GREEDY)
+    llm = make_llm(folder, spec, num_blocks=40, kv_cache_memory=None)
+    assert token_ids(llm, ps, GREEDY) == want
+    assert token_ids(llm, ps, GREEDY) == want  # again, over cached prefixes
+    stats = llm.llm_engine.engine_core.get_stats()
+    assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
+    assert_both_paths(llm)
+    assert_clean(llm)
+
+
+def test_draft_model_counts_in_the_kv_budget(folder, draft_folder) -> None:
+    budget = 1 << 20
+    plain = make_llm(folder, None, kv_cache_memory=budget).llm_engine.engine_core.num_blocks
+    spec = {"method": "draft_model", "model": draft_folder}
+    with_draft = make_llm(folder, spec, kv_cache_memory=budget).llm_engine.engine_core.num_blocks
+    assert with_draft == plain // 2  # the draft's blocks are as large as the target's
+
+
+def test_draft_model_start_up_errors_name_the_field(folder, tmp_path) -> None:
+    other_vocab = tiny_config("LlamaForCausalLM", vocab=VOCAB + 8, hidden=32, ffn=64,
+                              max_len=MAX_LEN, special_tokens=False)
+    tiny_hf_model(other_vocab).save_pretrained(tmp_path / "vocab")
+    short = tiny_config("LlamaForCausalLM", vocab=VOCAB, hidden=32, ffn=64, max_len=64,
+                        special_tokens=False)
+    tiny_hf_model(short).save_pretrained(tmp_path / "short")
+    cases = [
+        ({"model": str(tmp_path / "vocab")}, r"speculative_config\.model: .*vocabulary"),
+        ({"model": str(tmp_path / "short")}, r"speculative_config\.model: .*context"),
+        ({"model": folder, "max_model_len": 128}, r"speculative_config\.max_model_len"),
+        ({"model": str(tmp_path / "missing")}, r"speculative_config\.model"),
+    ]
+    for extra, match in cases:
+        with pytest.raises(ValueError, match=match):
+            make_llm(folder, {"method": "draft_model", **extra})
