@@ -235,3 +235,27 @@ def test_speculative_config_flag_of_serve_and_up() -> None:
     assert Stack(stack_cfg)._spec_args() == ["--speculative-config", spec]
     with pytest.raises(ValueError, match="method"):
         config_from_args(up_parser().parse_args(["--speculative-config", '{"method": "x"}']))
+
+
+def test_latency_bench_reads_acceptance_from_metrics() -> None:
+    from prometheus_client import generate_latest
+
+    from tandem.bench.latency import make_prompt, spec_decode_counters
+
+    m = ServiceMetrics(Role.BOTH)
+
+    class Stats:
+        num_running = num_waiting = 0
+        kv_cache_usage = 0.0
+        num_preemptions = 0
+        spec_decode = SpecDecodeStats(2, num_drafts=4, num_draft_tokens=8, num_accepted_tokens=6,
+                                      num_accepted_tokens_per_pos=[4, 2])
+
+    m.observe_stats(Stats(), 0)
+    c = spec_decode_counters(generate_latest(m.registry).decode())
+    assert c["spec_decode_num_draft_tokens"] == 8 and c["spec_decode_num_accepted_tokens"] == 6
+    assert c["acceptance_rate"] == 0.75 and c["mean_acceptance_length"] == 2.5
+    import random
+
+    p = make_prompt(random.Random(0), 10, 100, "repeated")
+    assert len(p) == 10 and p[:3] == p[3:6]
