@@ -138,9 +138,11 @@ class Sampler:
         if logits.dtype != torch.float32:
             logits = logits.float()
         if bitmask is not None and mask_rows is not None:
-            rows = [i for i, m in enumerate(mask_rows) if m is not None]
-            if rows:
-                apply_token_bitmask(logits, bitmask, rows, [mask_rows[i] for i in rows])
+            pairs = [(i, m) for i, m in enumerate(mask_rows) if m is not None]
+            if pairs:
+                apply_token_bitmask(
+                    logits, bitmask, [i for i, _ in pairs], [m for _, m in pairs]
+                )
         _apply_bias_and_min_tokens(logits, requests)
         _apply_penalties(logits, requests)
         return logits

@@ -101,9 +101,9 @@ def verify(
         rows.extend(draft_positions(req, d))
     assert logits.shape[0] == len(rows), f"{logits.shape[0]} logits rows for {len(rows)} positions"
     if all(is_plain_greedy(r) for r in rows):
-        argmax = argmax_rows(logits).tolist()
+        plain = argmax_rows(logits).tolist()
         return [
-            (greedy_accept(d, argmax[s : s + len(d) + 1]), None)
+            (greedy_accept(d, plain[s : s + len(d) + 1]), None)
             for s, d in zip(starts, drafts, strict=True)
         ]
     mask_rows: list[int | None] | None = None
@@ -152,8 +152,9 @@ def verify(
 
     results: list[VerifyResult] = []
     for i, req in enumerate(requests):
-        toks = emitted[i]
-        assert toks is not None
+        out = emitted[i]
+        assert out is not None
+        toks = out
         params = req.sampling_params
         if params.logprobs is None:
             results.append((toks, None))
