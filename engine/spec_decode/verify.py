@@ -134,10 +134,14 @@ def verify(
             (len(random_idx), k_max + 1, vocab), dtype=torch.float32, device=processed.device
         )
         padded = torch.zeros((len(random_idx), k_max), dtype=torch.int64)
+        # One pass over every random row (per-call overhead dominates at these sizes).
+        sel = [j for i in random_idx for j in range(starts[i], starts[i] + len(drafts[i]) + 1)]
+        probs = sampler.target_probs(processed[sel], [rows[j] for j in sel])
+        at = 0
         for b, i in enumerate(random_idx):
             n = len(drafts[i]) + 1
-            sel = list(range(starts[i], starts[i] + n))
-            target[b, :n] = sampler.target_probs(processed[sel], [rows[j] for j in sel])
+            target[b, :n] = probs[at : at + n]
+            at += n
             padded[b, : n - 1] = torch.tensor(drafts[i], dtype=torch.int64)
         sampled = rejection_sample(
             padded,

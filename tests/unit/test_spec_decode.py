@@ -259,3 +259,38 @@ def test_latency_bench_reads_acceptance_from_metrics() -> None:
 
     p = make_prompt(random.Random(0), 10, 100, "repeated")
     assert len(p) == 10 and p[:3] == p[3:6]
+
+
+def test_verify_samples_each_position_under_its_own_rules() -> None:
+    """Through ``verify``: position 0 follows p after the request's own tokens, position
+    1 (after an accepted draft) p with that draft counted as output, here by a
+    repetition penalty and ``min_tokens`` (EOS banned only at position 0)."""
+    from tandem.engine.spec_decode.verify import verify
+
+    num = 6_000
+    g = torch.Generator().manual_seed(6)
+    logits = torch.randn(3, VOCAB, generator=g) * 1.5
+    drafts = [int(logits[0].argmax()), int(logits[1].argmax())]  # likely accepted
+    eos = int(logits[1].topk(2).indices[1])
+    params = SamplingParams(temperature=1.0, repetition_penalty=2.0, min_tokens=1,
+                            max_tokens=10)
+    reqs = [Request(f"r{i}", [0, 1], params, eos_token_id=eos) for i in range(num)]
+    sampler = Sampler(seed=0)
+    out = verify(sampler, logits.repeat(num, 1), reqs, [drafts] * num)
+
+    def p_after(extra: list[int], row: int) -> torch.Tensor:
+        r = Request("x", [0, 1], params, eos_token_id=eos)
+        for t in extra:
+            r.append_output_token(t)
+        return Sampler.target_probs(Sampler.process_logits(logits[row : row + 1].clone(), [r]),
+                                    [r])[0]
+
+    first = torch.tensor([toks[0] for toks, _ in out])
+    assert _chi_square_p(first, p_after([], 0)) > 0.01
+    second = torch.tensor([toks[1] for toks, _ in out if len(toks) > 1 and toks[0] == drafts[0]])
+    assert len(second) > 500
+    p1 = p_after([drafts[0]], 1)
+    assert p1[eos] > 0  # min_tokens no longer bans EOS at position 1
+    assert _chi_square_p(second, p1) > 0.01
+    # Without the draft counted as output, EOS would be banned there: it was emitted.
+    assert p_after([], 1)[eos] == 0 and int((second == eos).sum()) > 0
