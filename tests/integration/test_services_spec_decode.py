@@ -72,3 +72,34 @@ def test_max_tokens_and_stop_inside_an_accepted_run(tiny, prefill, decode):
     stop = full[9]
     got, _ = run_disaggregated(prefill, decode, prompt, params(30, stop_token_ids=[stop]))
     assert got == full[: full.index(stop) + 1]
+
+
+def test_draft_model_decode_builds_the_draft_kv_itself(tiny, prefill, redis_url, store,
+                                                       tmp_path_factory):
+    """A decode instance with a draft model (here the target's own weights): the target's
+    KV for the prompt comes from the store, the draft's is computed on the decode side
+    (the prefill instance runs no draft); greedy output equals transformers'."""
+    from services_harness import EngineService
+
+    spec = f'{{"method": "draft_model", "model": "{tiny}", "num_speculative_tokens": 3}}'
+    args = [*ENGINE_ARGS[:-2], "--speculative-config", spec]
+    svc = EngineService("decode", tiny, tmp_path_factory.mktemp("draft-decode"), redis_url, args)
+    try:
+        rng = random.Random(3)
+        prompts = [[rng.randrange(0, 512) for _ in range(n)] for n in (9, 40, 90)]
+        want = hf_greedy(tiny, prompts, max_new_tokens=20)
+        multi = 0
+        for prompt, expected in zip(prompts, want, strict=True):
+            pre = prefill.prefill.Prefill(
+                prefill_pb2.PrefillRequest(prompt_token_ids=prompt, sampling_params=params(20)),
+                timeout=60)
+            msgs = list(svc.decode.Decode(decode_request_from(pre, prompt, params(20)),
+                                          timeout=60))
+            got = [pre.first_token_id] + [t for m in msgs for t in m.token_ids]
+            assert got == expected, f"prompt of {len(prompt)} tokens"
+            multi += sum(len(m.token_ids) > 1 for m in msgs)
+        assert multi > 0
+        load = svc.get_load()
+        assert load.num_free_blocks == load.num_total_blocks
+    finally:
+        assert svc.stop() == 0
