@@ -354,7 +354,16 @@ class ModelRunner:
             rows = hidden[torch.tensor(spec_rows, dtype=torch.int64, device=self.device)]
             self._verify(rows, spec_reqs, sched, out)
         if self.proposer is not None and sched.num_lookahead_tokens:
-            self._propose(sched, out)
+            rows_of: dict[str, list[int]] = {}
+            if self.proposer.uses_hidden_states:
+                for req, row in zip(sample_reqs, sample_rows, strict=True):
+                    rows_of[req.request_id] = [row]
+                start = 0
+                for req in spec_reqs:
+                    n = len(sched.scheduled_spec_token_ids[req.request_id]) + 1
+                    rows_of[req.request_id] = spec_rows[start : start + n]
+                    start += n
+            self._propose(sched, out, hidden, rows_of)
         return out
 
     def _sample(
@@ -408,8 +417,18 @@ class ModelRunner:
             if logprobs is not None:
                 out.verified_logprobs[req.request_id] = logprobs
 
-    def _propose(self, sched: SchedulerOutput, out: ModelRunnerOutput) -> None:
-        """Draft tokens for the next step of the requests the scheduler gave a lookahead."""
+    def _propose(
+        self,
+        sched: SchedulerOutput,
+        out: ModelRunnerOutput,
+        hidden: torch.Tensor,
+        rows_of: dict[str, list[int]],
+    ) -> None:
+        """Draft tokens for the next step of the requests the scheduler gave a lookahead.
+
+        ``rows_of``: request id -> the rows of ``hidden`` (``[num_tokens, hidden_size]``)
+        at the positions that produced its tokens this step, for a proposer that takes
+        the target's hidden states (empty otherwise)."""
         assert self.proposer is not None
         inputs: list[ProposeInput] = []
         by_id = {r.request_id: r for r in sched.scheduled_requests}
@@ -420,7 +439,12 @@ class ModelRunner:
                 if token is None:
                     continue
                 new = [token]
-            inputs.append(ProposeInput(by_id[rid], new, k, sched.block_tables[rid]))
+            states = None
+            if rid in rows_of:
+                # The positions whose outputs were emitted: one per new token.
+                index = torch.tensor(rows_of[rid][: len(new)], device=self.device)
+                states = hidden[index]
+            inputs.append(ProposeInput(by_id[rid], new, k, sched.block_tables[rid], states))
         if not inputs:
             return
         for inp, drafts in zip(inputs, self.proposer.propose(inputs), strict=True):

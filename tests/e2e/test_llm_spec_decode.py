@@ -231,3 +231,29 @@ def test_draft_model_start_up_errors_name_the_field(folder, tmp_path) -> None:
     for extra, match in cases:
         with pytest.raises(ValueError, match=match):
             make_llm(folder, {"method": "draft_model", **extra})
+
+
+def test_a_proposer_can_take_the_target_hidden_states(folder) -> None:
+    """The interface an EAGLE / Medusa head needs: one target hidden state per new token."""
+    from tandem.engine.spec_decode.ngram import NgramProposer
+    from tandem.engine.spec_decode.proposer import ProposeInput
+
+    seen: list[tuple[int, tuple[int, ...]]] = []
+
+    class Recording(NgramProposer):
+        uses_hidden_states = True
+
+        def propose(self, inputs: list[ProposeInput]) -> list[list[int]]:
+            for inp in inputs:
+                assert inp.hidden_states is not None
+                seen.append((len(inp.new_token_ids), tuple(inp.hidden_states.shape)))
+            return super().propose(inputs)
+
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+    llm = make_llm(folder, spec)
+    runner = llm.llm_engine.engine_core.executor.driver_worker.model_runner
+    runner.proposer = Recording(runner.config.speculative)
+    want = token_ids(make_llm(folder, None), prompts(4), GREEDY)
+    assert token_ids(llm, prompts(4), GREEDY) == want
+    assert seen and all(shape == (n, 64) for n, shape in seen)
+    assert any(n > 1 for n, _ in seen)  # accepted runs give several states
