@@ -114,7 +114,9 @@ class DraftModelProposer(Proposer):
         self.loaded = loaded
         self.model = loaded.model
         if loaded.dtype == torch.bfloat16 and loaded.device.type == "cpu":
+            # As the target's runner does: the packed CPU kernels, and the head's argmax.
             pack_linear_layers(self.model)
+            self.model.pack_tied_lm_head()
         if self.model.rotary.max_position < max_model_len:
             self.model.extend_rotary(max_model_len)
         hf = loaded.hf_config
