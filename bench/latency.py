@@ -14,6 +14,13 @@ prefix-cache hits): TTFT both ways, publish and pull times, the handoff
 (publish + pull) as a share of the disaggregated TTFT, and the time to the
 second token. The handoff is what disaggregation adds on top of the prefill
 compute: publish delays the first token, pull delays the second.
+
+With ``--output-len N`` (> 2) each request generates N tokens and the decode rate
+(tokens after the first per second of streaming, batch 1) is reported both ways;
+``--speculative-config JSON`` runs the decode and colocated engines with speculative
+decoding and prints their acceptance (scraped from their ``/metrics``), to set beside
+the same run without it. ``--prompt-pattern repeated`` makes prompts that prompt
+lookup can copy from (a random quarter of the prompt, repeated).
 """
 
 from __future__ import annotations
@@ -41,6 +48,7 @@ class _Cluster:
         self._launcher = Launcher(workdir)
         self.redis_url = ns.redis_url
         self.addresses: dict[Role, str] = {}
+        self.metrics_urls: dict[Role, str] = {}
         try:
             self._start(ns)
         except BaseException:
@@ -72,6 +80,12 @@ class _Cluster:
             args = ["serve", "--role", role.value, "--listen", address, *engine]
             if role.uses_store:
                 args += ["--redis-url", self.redis_url]
+            if role != Role.PREFILL:
+                port = free_port()
+                self.metrics_urls[role] = f"http://127.0.0.1:{port}/metrics"
+                args += ["--metrics-port", str(port)]
+                if ns.speculative_config:
+                    args += ["--speculative-config", ns.speculative_config]
             engines.append(Part(role.value, tandem_argv(*args),
                                 lambda a=address: grpc_serving(a)))
             self.addresses[role] = address
@@ -94,14 +108,49 @@ class Row:
     handoff_share_of_ttft: float
     second_token_colocated_ms: float
     second_token_disagg_ms: float
+    decode_tok_s_colocated: float | None = None
+    decode_tok_s_disagg: float | None = None
 
 
-def _measure(cluster: _Cluster, length: int, repeats: int, vocab: int, rng: random.Random):
+def make_prompt(rng: random.Random, length: int, vocab: int, pattern: str) -> list[int]:
+    """Random ids in ``[10, vocab)``; ``pattern="repeated"``: a random segment of
+    ``ceil(length / 4)`` ids repeated to ``length``."""
+    if pattern != "repeated":
+        return [rng.randrange(10, vocab) for _ in range(length)]
+    seg = [rng.randrange(10, vocab) for _ in range(-(-length // 4))]
+    return (seg * 4)[:length]
+
+
+def spec_decode_counters(metrics_text: str) -> dict[str, float]:
+    """The ``tandem:spec_decode_*`` totals in a Prometheus text exposition (summed over
+    labels), with ``acceptance_rate`` and ``mean_acceptance_length`` (vLLM's: accepted
+    per draft, plus one)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    totals: dict[str, float] = {}
+    for family in text_string_to_metric_families(metrics_text):
+        for sample in family.samples:
+            name = sample.name.removeprefix("tandem:")
+            if name.startswith("spec_decode_") and name.endswith("_total"):
+                if "position" in sample.labels:
+                    continue
+                key = name.removesuffix("_total")
+                totals[key] = totals.get(key, 0.0) + sample.value
+    drafts = totals.get("spec_decode_num_drafts", 0.0)
+    draft_tokens = totals.get("spec_decode_num_draft_tokens", 0.0)
+    accepted = totals.get("spec_decode_num_accepted_tokens", 0.0)
+    totals["acceptance_rate"] = accepted / draft_tokens if draft_tokens else 0.0
+    totals["mean_acceptance_length"] = 1 + (accepted / drafts if drafts else 0.0)
+    return totals
+
+
+def _measure(cluster: _Cluster, length: int, repeats: int, vocab: int, rng: random.Random,
+             output_len: int = 2, pattern: str = "random"):
     import grpc
 
     from tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
-    sp = common_pb2.SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    sp = common_pb2.SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     pch = grpc.insecure_channel(cluster.addresses[Role.PREFILL])
     dch = grpc.insecure_channel(cluster.addresses[Role.DECODE])
     cch = grpc.insecure_channel(cluster.addresses[Role.BOTH])
@@ -109,9 +158,10 @@ def _measure(cluster: _Cluster, length: int, repeats: int, vocab: int, rng: rand
     dstub = decode_pb2_grpc.DecodeServiceStub(dch)
     cstub = decode_pb2_grpc.DecodeServiceStub(cch)
     samples: dict[str, list[float]] = {f: [] for f in Row.__dataclass_fields__ if f.endswith("ms")}
+    rates: dict[str, list[float]] = {"decode_tok_s_colocated": [], "decode_tok_s_disagg": []}
     shares = []
     for _ in range(repeats):
-        prompt = [rng.randrange(10, vocab) for _ in range(length)]
+        prompt = make_prompt(rng, length, vocab, pattern)
         t0 = time.perf_counter()
         msgs = cstub.Decode(decode_pb2.DecodeRequest(prompt_token_ids=prompt, sampling_params=sp),
                             timeout=600)
@@ -119,13 +169,18 @@ def _measure(cluster: _Cluster, length: int, repeats: int, vocab: int, rng: rand
         t1 = time.perf_counter()
         assert len(first.token_ids) == 1
         t2 = None
-        for _m in msgs:
+        num_after_first, t_last = 0, t1
+        for m in msgs:
             t2 = t2 or time.perf_counter()  # the second token's message
+            num_after_first += len(m.token_ids)
+            t_last = time.perf_counter()
         t2 = t2 or t1
+        if num_after_first and t_last > t1:
+            rates["decode_tok_s_colocated"].append(num_after_first / (t_last - t1))
         samples["ttft_colocated_ms"].append((t1 - t0) * 1e3)
         samples["second_token_colocated_ms"].append((t2 - t0) * 1e3)
 
-        prompt = [rng.randrange(10, vocab) for _ in range(length)]
+        prompt = make_prompt(rng, length, vocab, pattern)
         t0 = time.perf_counter()
         pre = pstub.Prefill(prefill_pb2.PrefillRequest(prompt_token_ids=prompt, sampling_params=sp),
                             timeout=600)
@@ -137,8 +192,13 @@ def _measure(cluster: _Cluster, length: int, repeats: int, vocab: int, rng: rand
         dmsgs = dstub.Decode(req, timeout=600)
         dfirst = next(dmsgs)
         t2 = time.perf_counter()
-        for _m in dmsgs:
-            pass
+        # Decode rate from the second token on (the first came from the prefill).
+        num_after_second, t_last = 0, t2
+        for m in dmsgs:
+            num_after_second += len(m.token_ids)
+            t_last = time.perf_counter()
+        if num_after_second and t_last > t2:
+            rates["decode_tok_s_disagg"].append(num_after_second / (t_last - t2))
         ttft = (t1 - t0) * 1e3
         publish = pre.publish_ns / 1e6
         pull = dfirst.kv_pull_ns / 1e6
@@ -151,8 +211,9 @@ def _measure(cluster: _Cluster, length: int, repeats: int, vocab: int, rng: rand
     for ch in (pch, dch, cch):
         ch.close()
     med = {k: round(statistics.median(v), 2) for k, v in samples.items()}
+    med_rates = {k: round(statistics.median(v), 2) if v else None for k, v in rates.items()}
     return Row(prompt_tokens=length, handoff_share_of_ttft=round(statistics.median(shares), 4),
-               **med)
+               **med, **med_rates)
 
 
 def _markdown(rows: list[Row]) -> str:
@@ -186,11 +247,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, default=None, help="also write the rows as JSON here")
     p.add_argument("--keep-logs", action="store_true", help="keep the services' logs")
+    p.add_argument("--output-len", type=int, default=2,
+                   help="tokens generated per request (> 2: the decode rate is reported)")
+    p.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help="speculative decoding on the decode and colocated engines")
+    p.add_argument("--prompt-pattern", choices=("random", "repeated"), default="random",
+                   help="repeated: a random quarter of the prompt repeated four times")
     ns = p.parse_args(argv)
+    if ns.output_len < 2:
+        p.error("--output-len must be >= 2")
+    if ns.speculative_config is not None:
+        from tandem.engine.config import SpeculativeConfig
+
+        try:
+            SpeculativeConfig.from_json(ns.speculative_config)
+        except ValueError as exc:
+            p.error(f"--speculative-config: {exc}")
     lengths = [int(x) for x in ns.lengths.split(",") if x]
     if not lengths or min(lengths) < 1:
         p.error("--lengths must be positive integers")
-    if max(lengths) + 2 > ns.max_model_len:
+    if max(lengths) + ns.output_len > ns.max_model_len:
         p.error("--max-model-len must exceed the longest prompt")
 
     from tandem.engine.model_files import load_tokenizer
@@ -199,13 +275,26 @@ def main(argv: list[str] | None = None) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="tandem-bench-latency-"))
     cluster = _Cluster(ns, workdir)
     rows: list[Row] = []
+    spec: dict[str, dict[str, float]] = {}
     try:
         rng = random.Random(ns.seed)
         _measure(cluster, min(lengths), 1, vocab, rng)  # warm-up (first-call overheads)
         for length in lengths:
-            row = _measure(cluster, length, ns.repeats, vocab, rng)
+            row = _measure(cluster, length, ns.repeats, vocab, rng, ns.output_len,
+                           ns.prompt_pattern)
             rows.append(row)
             print(f"{length} tokens: {json.dumps(asdict(row))}", flush=True)
+        import urllib.request
+
+        if ns.speculative_config:
+            # NOTE: the engines refresh their /metrics counters once a second
+            # (services/common/server.py): two periods pass before the scrape.
+            time.sleep(2.0)
+        for role, url in cluster.metrics_urls.items():
+            if not ns.speculative_config:
+                break
+            with urllib.request.urlopen(url, timeout=10) as resp:
+                spec[role.value] = spec_decode_counters(resp.read().decode())
     finally:
         cluster.close()
         if ns.keep_logs:
@@ -216,8 +305,20 @@ def main(argv: list[str] | None = None) -> int:
     print(f"host: {os.cpu_count()} CPUs, {ns.device}, dtype {ns.dtype}, model "
           f"{ns.model or 'SmolLM2-135M-Instruct (GGUF)'}")
     print(_markdown(rows))
+    if ns.output_len > 2:
+        for r in rows:
+            print(f"{r.prompt_tokens} tokens: decode {r.decode_tok_s_colocated} tok/s colocated, "
+                  f"{r.decode_tok_s_disagg} tok/s disaggregated (batch 1)")
+    for role, c in spec.items():
+        print(f"speculative decoding ({role}): acceptance rate {c['acceptance_rate']:.3f}, "
+              f"mean acceptance length {c['mean_acceptance_length']:.2f} "
+              f"({c.get('spec_decode_num_accepted_tokens', 0):.0f} of "
+              f"{c.get('spec_decode_num_draft_tokens', 0):.0f} draft tokens)")
     if ns.json is not None:
-        ns.json.write_text(json.dumps([asdict(r) for r in rows], indent=2))
+        doc: object = [asdict(r) for r in rows]
+        if spec:
+            doc = {"rows": doc, "speculative": spec}
+        ns.json.write_text(json.dumps(doc, indent=2))
     return 0
 
 

@@ -90,12 +90,35 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         default=None,
         help="also run tandem with every request constrained by a JSON schema (tandem+json)",
     )
+    p.add_argument(
+        "--speculative-config",
+        default=None,
+        metavar="JSON",
+        help="also run tandem with speculative decoding (tandem+spec), e.g. "
+        '\'{"method": "ngram", "num_speculative_tokens": 3}\'; prints its acceptance',
+    )
+    p.add_argument(
+        "--prompt-pattern",
+        choices=["random", "repeated"],
+        default="random",
+        help="random: uniform token ids; repeated: a random quarter of --input-len "
+        "repeated four times (text that prompt lookup can copy from)",
+    )
     p.add_argument("--json", dest="json_path", default=None, help="write results to PATH")
     args = p.parse_args(argv)
     args.backend = args.backend or ["tandem"]
     for name in ("num_prompts", "input_len", "output_len", "hf_batch_size", "repeat"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.speculative_config is not None:
+        from tandem.engine.config import SpeculativeConfig
+
+        try:
+            args.speculative = SpeculativeConfig.from_json(args.speculative_config)
+        except ValueError as exc:
+            p.error(f"--speculative-config: {exc}")
+        if "tandem" not in args.backend:
+            args.backend.insert(0, "tandem")
     # Checked here rather than at load time: the other backends load first and
     # the run would fail only after them.
     if "llama.cpp" in args.backend and importlib.util.find_spec("llama_cpp") is None:
@@ -122,14 +145,24 @@ def prompt_vocab(model: str | None) -> tuple[int, set[int]]:
 
 
 def make_prompts(
-    vocab_size: int, special: set[int], num: int, length: int, seed: int
+    vocab_size: int,
+    special: set[int],
+    num: int,
+    length: int,
+    seed: int,
+    pattern: str = "random",
 ) -> list[list[int]]:
-    """``num`` prompts of ``length`` token ids drawn uniformly from the non-special vocab."""
+    """``num`` prompts of ``length`` token ids drawn uniformly from the non-special vocab
+    (``pattern="repeated"``: a random segment of ``ceil(length / 4)`` ids, repeated)."""
     import torch
 
     allowed = torch.tensor([t for t in range(vocab_size) if t not in special])
     gen = torch.Generator().manual_seed(seed)
-    idx = torch.randint(0, len(allowed), (num, length), generator=gen)
+    if pattern == "repeated":
+        seg = -(-length // 4)
+        idx = torch.randint(0, len(allowed), (num, seg), generator=gen).repeat(1, 4)[:, :length]
+    else:
+        idx = torch.randint(0, len(allowed), (num, length), generator=gen)
     return allowed[idx].tolist()
 
 
@@ -183,9 +216,10 @@ def _run_interleaved(
 
 
 def run_tandem(
-    args: argparse.Namespace, prompt_sets: list[list[list[int]]]
+    args: argparse.Namespace, prompt_sets: list[list[list[int]]], speculative: Any = None
 ) -> tuple[RunOne, dict[str, Any]]:
-    """Load tandem and warm it up; returns the timed pass and the result's metadata."""
+    """Load tandem and warm it up; returns the timed pass and the result's metadata
+    (with ``speculative``: the engine runs with that ``SpeculativeConfig``)."""
     from tandem.engine.llm import LLM
     from tandem.engine.sampling_params import SamplingParams
 
@@ -196,6 +230,7 @@ def run_tandem(
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         seed=args.seed,
+        speculative_config=speculative,
     )
     params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=args.output_len)
     warm = [prompt_sets[0][0][:16]]
@@ -208,9 +243,40 @@ def run_tandem(
     # Every repeat gets fresh prompts, so the prefix cache never serves one run
     # from an earlier one.
     meta: dict[str, Any] = {"dtype": str(_dtype_of(llm))}
+    if speculative is not None:
+        meta["spec_stats_at_start"] = spec_stats(llm)
+        meta["spec_llm"] = llm
+        return run_one, meta
     if args.structured:
         meta["structured_runner"] = run_tandem_structured(llm, args)
+    if getattr(args, "speculative", None) is not None:
+        meta["spec_runner"] = run_tandem(args, prompt_sets, args.speculative)
     return run_one, meta
+
+
+def spec_stats(llm: Any) -> dict[str, Any]:
+    """The engine's cumulative speculative-decoding counters (``SpecDecodeStats``)."""
+    st = llm.llm_engine.engine_core.get_stats().spec_decode
+    return {
+        "num_drafts": st.num_drafts,
+        "num_draft_tokens": st.num_draft_tokens,
+        "num_accepted_tokens": st.num_accepted_tokens,
+        "num_accepted_tokens_per_pos": list(st.num_accepted_tokens_per_pos),
+    }
+
+
+def acceptance(start: dict[str, Any], end: dict[str, Any]) -> dict[str, Any]:
+    """Acceptance over the timed passes (``end - start`` of ``spec_stats``): rate =
+    accepted / draft tokens; mean acceptance length = tokens per verification
+    (accepted + 1, vLLM's definition)."""
+    d = {k: end[k] - start[k] for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}
+    d["num_accepted_tokens_per_pos"] = [
+        b - a for a, b in zip(start["num_accepted_tokens_per_pos"],
+                              end["num_accepted_tokens_per_pos"], strict=True)
+    ]
+    d["acceptance_rate"] = d["num_accepted_tokens"] / max(d["num_draft_tokens"], 1)
+    d["mean_acceptance_length"] = 1 + d["num_accepted_tokens"] / max(d["num_drafts"], 1)
+    return d
 
 
 def structured_schema(output_len: int) -> dict[str, Any]:
@@ -449,7 +515,8 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     vocab_size, special = prompt_vocab(args.model)
     prompt_sets = [
-        make_prompts(vocab_size, special, args.num_prompts, args.input_len, args.seed + i)
+        make_prompts(vocab_size, special, args.num_prompts, args.input_len, args.seed + i,
+                     args.prompt_pattern)
         for i in range(args.repeat)
     ]
     runners: dict[str, RunOne] = {}
@@ -460,10 +527,16 @@ def main(argv: list[str] | None = None) -> int:
         if backend == "tandem" and args.structured:
             name = f"tandem+{args.structured}"
             runners[name], meta[name] = meta[backend].pop("structured_runner")
+        if backend == "tandem" and "spec_runner" in meta[backend]:
+            runners["tandem+spec"], meta["tandem+spec"] = meta[backend].pop("spec_runner")
     timed = _run_interleaved(runners, prompt_sets)
     results: dict[str, dict[str, Any]] = {}
     for backend, r in timed.items():
-        r.update(meta[backend])
+        m = meta[backend]
+        if "spec_llm" in m:
+            m["spec_decode"] = acceptance(m.pop("spec_stats_at_start"),
+                                          spec_stats(m.pop("spec_llm")))
+        r.update(m)
         elapsed = r["elapsed_s"]
         num_in = args.num_prompts * args.input_len
         r["requests_per_s"] = args.num_prompts / elapsed
@@ -528,16 +601,41 @@ def main(argv: list[str] | None = None) -> int:
             f"first compile {structured['grammar_compile_first_s'] * 1e3:.2f} ms, "
             f"cached {structured['grammar_compile_cached_s'] * 1e3:.3f} ms"
         )
+    speculative: dict[str, Any] = {}
+    if "tandem+spec" in results and "tandem" in results:
+        t, c = results["tandem"], results["tandem+spec"]
+        acc = c["spec_decode"]
+        speculative = {
+            "ratio": c["output_tokens_per_s"] / t["output_tokens_per_s"],
+            "paired_ratios": [
+                (c["num_output_tokens"] / cs) / (t["num_output_tokens"] / ts)
+                for cs, ts in zip(c["runs_s"], t["runs_s"], strict=True)
+            ],
+            **acc,
+        }
+        line = f"tandem+spec / tandem: {speculative['ratio']:.2f}x output tokens/s"
+        if len(speculative["paired_ratios"]) > 1:
+            line += " (per pass: " + ", ".join(f"{x:.2f}x" for x in speculative["paired_ratios"])
+            line += ")"
+        print(line)
+        print(
+            f"speculative decoding: acceptance rate {acc['acceptance_rate']:.3f}, "
+            f"mean acceptance length {acc['mean_acceptance_length']:.2f} "
+            f"({acc['num_accepted_tokens']} of {acc['num_draft_tokens']} draft tokens "
+            f"in {acc['num_drafts']} drafts; accepted per position "
+            f"{acc['num_accepted_tokens_per_pos']})"
+        )
     if args.json_path:
         doc = {
             "benchmark": "throughput",
             "command": "tandem bench throughput " + " ".join(argv or sys.argv[1:]),
-            "args": vars(args),
+            "args": {k: v for k, v in vars(args).items() if k != "speculative"},
             "machine": machine_info(),
             "results": results,
             "ratios": ratios,
             "paired_ratios": paired,
             "structured": structured,
+            "speculative": speculative,
         }
         with open(args.json_path, "w") as f:
             json.dump(doc, f, indent=2)

@@ -83,8 +83,18 @@ class IncrementalDetokenizer:
 
         Returns:
             The matched stop string (``output_text`` is then cut: before it, or after
-            it with ``include_stop_str_in_output``), else ``None``.
+            it with ``include_stop_str_in_output``), else ``None``. Several tokens at
+            once (speculative decoding's accepted runs) are checked one by one, so a
+            stop string ends the output at the token that completed it, exactly as
+            one token per call would; the tokens after it are dropped.
         """
+        if len(new_token_ids) > 1 and self.stop:
+            last = len(new_token_ids) - 1
+            for i, tok in enumerate(new_token_ids):
+                matched = self.update([tok], stop_terminated and i == last)
+                if matched is not None:
+                    return matched
+            return None
         self.token_ids.extend(new_token_ids)
         to_decode = list(new_token_ids)
         if stop_terminated and to_decode and not self.params.include_stop_str_in_output:

@@ -102,19 +102,23 @@ class EngineCore:
             self.max_model_len,
             connector=self.connector_scheduler,
             structured_output=self.structured_output,
+            speculative=config.speculative,
         )
         #: What a request must fit here (the router and services check the same rules).
         self.limits: RequestLimits = dataclasses.replace(
             self.scheduler.limits, vocab_size=self.vocab_size
         )
         self.num_steps = 0
+        spec = config.speculative
         logger.info(
-            "engine ready: model=%s dtype=%s blocks=%d (%d tokens) max_model_len=%d",
+            "engine ready: model=%s dtype=%s blocks=%d (%d tokens) max_model_len=%d%s",
             self.layout.model_id,
             self.layout.dtype,
             num_blocks,
             num_blocks * config.cache.block_size,
             self.max_model_len,
+            "" if spec is None
+            else f" speculative={spec.method} k={spec.num_speculative_tokens}",
         )
 
     # -- properties ----------------------------------------------------------------------------

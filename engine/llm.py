@@ -14,7 +14,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, cast
 
-from tandem.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from tandem.engine.config import (
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
 from tandem.engine.llm_engine import LLMEngine, OutputKind, PromptType
 from tandem.engine.outputs import RequestOutput
 from tandem.engine.sampling_params import SamplingParams
@@ -64,6 +70,7 @@ class LLM:
         seed: int = 0,
         policy: str = "fcfs",
         loaded: Any | None = None,
+        speculative_config: dict[str, Any] | SpeculativeConfig | None = None,
     ) -> None:
         config = EngineConfig(
             model=ModelConfig(
@@ -85,6 +92,10 @@ class LLM:
                 policy=policy,  # type: ignore[arg-type]
                 enable_chunked_prefill=enable_chunked_prefill,
                 long_prefill_token_threshold=long_prefill_token_threshold,
+            ),
+            speculative=(
+                None if speculative_config is None
+                else SpeculativeConfig.from_dict(speculative_config)
             ),
         )
         self.llm_engine = LLMEngine(config, loaded=loaded)

@@ -31,6 +31,9 @@ from tandem.engine.models.llama import head_dim_of
 from tandem.engine.request import Request
 from tandem.engine.sampler import Sampler, is_plain_greedy
 from tandem.engine.sched_output import ModelRunnerOutput, SchedulerOutput
+from tandem.engine.spec_decode.proposer import ProposeInput, Proposer, create_proposer
+from tandem.engine.spec_decode.rejection_sampler import greedy_accept
+from tandem.engine.spec_decode.verify import draft_positions, verify
 from tandem.kernels.attention import build_attention_metadata
 from tandem.kernels.cache import allocate_kv_cache, kv_cache_bytes_per_block
 from tandem.kernels.linear import pack_linear_layers
@@ -121,13 +124,26 @@ class ModelRunner:
         self.sampler = Sampler(seed=config.model.seed)
         self.kv_cache: torch.Tensor | None = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.proposer: Proposer | None = None
+        if config.speculative is not None:
+            self.proposer = create_proposer(
+                config.speculative,
+                vocab_size=self.vocab_size,
+                max_model_len=self.max_model_len,
+                tokenizer=self.loaded.tokenizer,
+                dtype=self.dtype,
+                device=self.device,
+                block_size=self.block_size,
+            )
 
     @property
     def block_bytes(self) -> int:
-        """Bytes of one KV block across all layers (K and V)."""
-        return kv_cache_bytes_per_block(
+        """Bytes of one KV block across all layers (K and V), plus the proposer's own
+        cache for that block (a draft model's)."""
+        own = kv_cache_bytes_per_block(
             self.num_layers, self.block_size, self.num_kv_heads, self.head_dim, self.dtype
         )
+        return own + (self.proposer.block_bytes if self.proposer is not None else 0)
 
     def determine_num_blocks(self) -> int:
         """Number of KV blocks the cache gets.
@@ -240,6 +256,8 @@ class ModelRunner:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.kv_cache, self.kv_caches = self._allocate_kv_cache(num_blocks)
         self.num_blocks = num_blocks
+        if self.proposer is not None:
+            self.proposer.initialize_kv_cache(num_blocks)
 
     def _allocate_kv_cache(
         self, num_blocks: int
@@ -269,15 +287,24 @@ class ModelRunner:
         ``num_computed_tokens + n == request.num_tokens``. The runner mutates no
         request state (the scheduler advances ``num_computed_tokens``).
 
+        Speculative decoding: a request with draft tokens
+        (``sched.scheduled_spec_token_ids``) is fed its known tokens then the drafts,
+        and its last ``k + 1`` positions are verified (``spec_decode.verify``); after
+        sampling, the proposer drafts tokens for the requests in
+        ``sched.num_lookahead_tokens``.
+
         Returns:
             ``ModelRunnerOutput`` with a sampled token (and logprobs when asked)
-            for every request sampled this step.
+            for every request sampled this step, the verified requests' emitted tokens
+            and the next step's draft tokens.
 
         Raises:
             AssertionError: when ``initialize_kv_cache`` has not run.
         """
         assert self.kv_cache is not None, "initialize_kv_cache() must run before execute_model()"
         out = ModelRunnerOutput()
+        if self.proposer is not None:
+            self.proposer.free(sched.preempted_req_ids | sched.finished_req_ids)
         reqs = sched.scheduled_requests
         if not reqs:
             return out
@@ -287,43 +314,139 @@ class ModelRunner:
         tables: list[list[int]] = []
         sample_rows: list[int] = []
         sample_reqs: list[Request] = []
+        spec_rows: list[int] = []
+        spec_reqs: list[Request] = []
         num_tokens = 0
         for req in reqs:
             n = sched.num_scheduled_tokens[req.request_id]
+            drafts = sched.scheduled_spec_token_ids.get(req.request_id, [])
+            known = n - len(drafts)
             c = req.num_computed_tokens
-            if n == 1:
+            if known == 1:
                 input_ids.append(req.all_token_ids[c])
             else:
-                input_ids.extend(req.all_token_ids[c : c + n])
+                input_ids.extend(req.all_token_ids[c : c + known])
+            input_ids.extend(drafts)
             query_lens.append(n)
             num_computed.append(c)
             tables.append(sched.block_tables[req.request_id])
             num_tokens += n
-            if c + n == req.num_tokens:
-                sample_rows.append(num_tokens - 1)
-                sample_reqs.append(req)
+            if c + known == req.num_tokens:
+                if drafts:
+                    # The last known token and every draft: k + 1 positions to verify.
+                    spec_rows.extend(range(num_tokens - len(drafts) - 1, num_tokens))
+                    spec_reqs.append(req)
+                else:
+                    sample_rows.append(num_tokens - 1)
+                    sample_reqs.append(req)
         meta = build_attention_metadata(
             query_lens, num_computed, tables, self.block_size, self.device
         )
         ids = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
         hidden = self.model(ids, meta.positions, self.kv_caches, meta)
-        if not sample_reqs:
-            return out
-        if len(sample_rows) == num_tokens:
-            last = hidden
-        else:
-            last = hidden[torch.tensor(sample_rows, dtype=torch.int64, device=self.device)]
-        if all(is_plain_greedy(r) for r in sample_reqs):
+        if sample_reqs:
+            if len(sample_rows) == num_tokens:
+                last = hidden
+            else:
+                last = hidden[torch.tensor(sample_rows, dtype=torch.int64, device=self.device)]
+            self._sample(last, sample_reqs, sched, out)
+        if spec_reqs:
+            rows = hidden[torch.tensor(spec_rows, dtype=torch.int64, device=self.device)]
+            self._verify(rows, spec_reqs, sched, out)
+        if self.proposer is not None and sched.num_lookahead_tokens:
+            rows_of: dict[str, list[int]] = {}
+            if self.proposer.uses_hidden_states:
+                for req, row in zip(sample_reqs, sample_rows, strict=True):
+                    rows_of[req.request_id] = [row]
+                start = 0
+                for req in spec_reqs:
+                    n = len(sched.scheduled_spec_token_ids[req.request_id]) + 1
+                    rows_of[req.request_id] = spec_rows[start : start + n]
+                    start += n
+            self._propose(sched, out, hidden, rows_of)
+        return out
+
+    def _sample(
+        self,
+        last: torch.Tensor,
+        reqs: list[Request],
+        sched: SchedulerOutput,
+        out: ModelRunnerOutput,
+    ) -> None:
+        """Sample one token per request from ``last`` (``[len(reqs), hidden]``)."""
+        if all(is_plain_greedy(r) for r in reqs):
             # Greedy without processors or logprobs: the head's argmax pass, no logits.
             ids = self.model.compute_greedy(last)
             if ids is not None:
-                for req, token_id in zip(sample_reqs, ids.tolist(), strict=True):
+                for req, token_id in zip(reqs, ids.tolist(), strict=True):
                     out.sampled_token_ids[req.request_id] = token_id
-                return out
+                return
         logits = self.model.compute_logits(last, upcast=False)
-        results = self.sampler(logits, sample_reqs, sched.grammar_bitmask)
-        for req, (token_id, logprobs) in zip(sample_reqs, results, strict=True):
+        results = self.sampler(logits, reqs, sched.grammar_bitmask)
+        for req, (token_id, logprobs) in zip(reqs, results, strict=True):
             out.sampled_token_ids[req.request_id] = token_id
             if logprobs is not None:
                 out.logprobs[req.request_id] = logprobs
-        return out
+
+    def _verify(
+        self,
+        rows: torch.Tensor,
+        reqs: list[Request],
+        sched: SchedulerOutput,
+        out: ModelRunnerOutput,
+    ) -> None:
+        """Verify the draft tokens of ``reqs`` from the hidden states of their positions
+        (``rows``: ``[sum(k_i + 1), hidden]``) with the rejection sampler."""
+        drafts = [sched.scheduled_spec_token_ids[r.request_id] for r in reqs]
+        positions = [p for r, d in zip(reqs, drafts, strict=True) for p in draft_positions(r, d)]
+        if all(is_plain_greedy(p) for p in positions):
+            ids = self.model.compute_greedy(rows)
+            if ids is not None:
+                argmax = ids.tolist()
+                start = 0
+                for req, d in zip(reqs, drafts, strict=True):
+                    out.verified_token_ids[req.request_id] = greedy_accept(
+                        d, argmax[start : start + len(d) + 1]
+                    )
+                    start += len(d) + 1
+                return
+        logits = self.model.compute_logits(rows, upcast=False)
+        results = verify(self.sampler, logits, reqs, drafts, sched.grammar_bitmask)
+        for req, (tokens, logprobs) in zip(reqs, results, strict=True):
+            out.verified_token_ids[req.request_id] = tokens
+            if logprobs is not None:
+                out.verified_logprobs[req.request_id] = logprobs
+
+    def _propose(
+        self,
+        sched: SchedulerOutput,
+        out: ModelRunnerOutput,
+        hidden: torch.Tensor,
+        rows_of: dict[str, list[int]],
+    ) -> None:
+        """Draft tokens for the next step of the requests the scheduler gave a lookahead.
+
+        ``rows_of``: request id -> the rows of ``hidden`` (``[num_tokens, hidden_size]``)
+        at the positions that produced its tokens this step, for a proposer that takes
+        the target's hidden states (empty otherwise)."""
+        assert self.proposer is not None
+        inputs: list[ProposeInput] = []
+        by_id = {r.request_id: r for r in sched.scheduled_requests}
+        for rid, k in sched.num_lookahead_tokens.items():
+            new = out.verified_token_ids.get(rid)
+            if new is None:
+                token = out.sampled_token_ids.get(rid)
+                if token is None:
+                    continue
+                new = [token]
+            states = None
+            if rid in rows_of:
+                # The positions whose outputs were emitted: one per new token.
+                index = torch.tensor(rows_of[rid][: len(new)], device=self.device)
+                states = hidden[index]
+            inputs.append(ProposeInput(by_id[rid], new, k, sched.block_tables[rid], states))
+        if not inputs:
+            return
+        for inp, drafts in zip(inputs, self.proposer.propose(inputs), strict=True):
+            if drafts:
+                out.draft_token_ids[inp.request.request_id] = drafts[: inp.max_num_tokens]

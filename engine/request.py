@@ -80,6 +80,11 @@ class Request:
             KV connector, opaque to the scheduler.
         structured_output: the grammar state of a constrained request (set by the
             engine's ``StructuredOutputManager``), else ``None``.
+        spec_token_ids: draft tokens proposed after the last step, verified by the next
+            one (speculative decoding); never part of ``all_token_ids``.
+        num_spec_tokens: how many draft tokens the request gets per step now (the
+            scheduler's acceptance back-off adapts it); ``-1`` until first scheduled.
+        spec_pause_steps: steps left before a backed-off request proposes again.
     """
 
     request_id: str
@@ -103,6 +108,9 @@ class Request:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     structured_output: GrammarState | None = None
+    spec_token_ids: list[int] = field(default_factory=list)
+    num_spec_tokens: int = -1
+    spec_pause_steps: int = 0
 
     def __post_init__(self) -> None:
         self.all_token_ids: list[int] = list(self.prompt_token_ids)

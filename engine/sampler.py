@@ -85,22 +85,18 @@ class Sampler:
             # the logits in their own dtype is the token (widening bf16 to float32 is
             # exact, so the float32 path would pick the same index), and the
             # [num_reqs, vocab] float32 copy is skipped.
-            return [(t, None) for t in _greedy(logits).tolist()]
-        if logits.dtype != torch.float32:
-            logits = logits.float()
-        params = [r.sampling_params for r in requests]
+            return [(t, None) for t in argmax_rows(logits).tolist()]
+        mask_rows = None
         if grammar_bitmask is not None:
-            rows = [i for i, r in enumerate(requests) if r.request_id in grammar_bitmask.rows]
-            if rows:
-                mask_rows = [grammar_bitmask.rows[requests[i].request_id] for i in rows]
-                apply_token_bitmask(logits, grammar_bitmask.bitmask, rows, mask_rows)
-        _apply_bias_and_min_tokens(logits, requests)
-        _apply_penalties(logits, requests)
-
+            mask_rows = [grammar_bitmask.rows.get(r.request_id) for r in requests]
+        logits = self.process_logits(
+            logits, requests, grammar_bitmask.bitmask if grammar_bitmask else None, mask_rows
+        )
+        params = [r.sampling_params for r in requests]
         greedy = [p.greedy for p in params]
         want_logprobs = any(p.logprobs is not None for p in params)
         if all(greedy):
-            token_ids = _greedy(logits)
+            token_ids = argmax_rows(logits)
             processed = logits
         else:
             temps = torch.tensor(
@@ -112,12 +108,66 @@ class Sampler:
             token_ids = self._sample_random(work, requests, greedy)
             if any(greedy):
                 greedy_mask = torch.tensor(greedy, device=logits.device)
-                token_ids = torch.where(greedy_mask, _greedy(logits), token_ids)
+                token_ids = torch.where(greedy_mask, argmax_rows(logits), token_ids)
 
         ids = token_ids.tolist()
         if not want_logprobs:
             return [(t, None) for t in ids]
-        return _gather_logprobs(processed, ids, params)
+        return gather_logprobs(processed, ids, params)
+
+    @staticmethod
+    def process_logits(
+        logits: torch.Tensor,
+        requests: Sequence[Request],
+        bitmask: torch.Tensor | None = None,
+        mask_rows: Sequence[int | None] | None = None,
+    ) -> torch.Tensor:
+        """Steps 0-2 of the module docstring: grammar mask, ``logit_bias`` and
+        ``min_tokens``, penalties.
+
+        Args:
+            logits: ``[num_reqs, vocab]`` (any float dtype); modified in place when float32.
+            requests: row ``i``'s request (its output so far defines penalties and
+                ``min_tokens``).
+            bitmask / mask_rows: the step's grammar bitmask and, per logits row, its
+                bitmask row (``None``: unconstrained).
+
+        Returns:
+            ``[num_reqs, vocab]`` float32 processed logits (``logits`` itself if float32).
+        """
+        if logits.dtype != torch.float32:
+            logits = logits.float()
+        if bitmask is not None and mask_rows is not None:
+            pairs = [(i, m) for i, m in enumerate(mask_rows) if m is not None]
+            if pairs:
+                apply_token_bitmask(
+                    logits, bitmask, [i for i, _ in pairs], [m for _, m in pairs]
+                )
+        _apply_bias_and_min_tokens(logits, requests)
+        _apply_penalties(logits, requests)
+        return logits
+
+    @staticmethod
+    def target_probs(processed: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+        """The distribution a random request samples from (step 4 without the draw):
+        temperature, top-k / top-p, softmax, min-p, renormalised.
+
+        Args:
+            processed: ``[num_reqs, vocab]`` float32 from :meth:`process_logits`; not
+                modified. Every row's request must sample (temperature > 0).
+
+        Returns:
+            ``[num_reqs, vocab]`` float32, each row summing to 1.
+        """
+        params = [r.sampling_params for r in requests]
+        assert not any(p.greedy for p in params), "target_probs of a greedy request"
+        temps = torch.tensor([p.temperature for p in params], dtype=torch.float32)
+        work = processed / temps.to(processed.device).unsqueeze(1)
+        greedy = [False] * len(params)
+        _apply_top_k_top_p(work, params, greedy)
+        probs = torch.softmax(work, dim=-1)
+        _apply_min_p(probs, params, greedy)
+        return probs.div_(probs.sum(dim=-1, keepdim=True))
 
     def _sample_random(
         self, logits: torch.Tensor, requests: Sequence[Request], greedy: list[bool]
@@ -248,7 +298,7 @@ def is_plain_greedy(r: Request) -> bool:
     )
 
 
-def _greedy(logits: torch.Tensor) -> torch.Tensor:
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     """Row-wise argmax of ``[num_reqs, vocab]`` logits (float32 or bf16): ``[num_reqs]``
     int64, the first maximal index as ``argmax`` returns it.
 
@@ -318,10 +368,17 @@ def _apply_min_p(probs: torch.Tensor, params: list, greedy: list[bool]) -> None:
     probs[rows] = sub.masked_fill(sub < threshold, 0.0)
 
 
-def _gather_logprobs(
+def gather_logprobs(
     processed: torch.Tensor, token_ids: list[int], params: list
 ) -> list[SampleResult]:
-    """Build per-row ``{token_id: Logprob}`` for the sampled token and the top-N."""
+    """Per row, ``(token, {token_id: Logprob})`` for the sampled token and the top-N
+    (``None`` for rows whose params ask for no logprobs).
+
+    Args:
+        processed: ``[num_rows, vocab]`` float32 processed logits, divided by the
+            temperature for random rows (vLLM's "processed" logprobs).
+        token_ids / params: per row, the emitted token and its request's params.
+    """
     results: list[SampleResult] = []
     rows = [i for i, p in enumerate(params) if p.logprobs is not None]
     logprobs = torch.log_softmax(processed[rows], dim=-1).cpu()

@@ -35,6 +35,14 @@ class SchedulerOutput:
             step (``structured_output.manager.StepBitmask``: an int32 bitmask and each
             request's row), applied by the sampler before every other rule; ``None``
             when no sampled request is constrained.
+        scheduled_spec_token_ids: request_id -> the draft tokens verified this step
+            (speculative decoding). They follow the request's known tokens in its input
+            and are counted in ``num_scheduled_tokens``: a request with ``d`` of them is
+            fed ``all_token_ids[c : c + n - d] + drafts`` and sampled iff
+            ``c + n - d == request.num_tokens``, at each of its last ``d + 1`` positions.
+        num_lookahead_tokens: request_id -> most draft tokens the proposer may propose
+            for it after this step's sample (absent: none); its block table already has
+            room for them beyond this step's tokens.
     """
 
     scheduled_requests: list[Request] = field(default_factory=list)
@@ -45,6 +53,18 @@ class SchedulerOutput:
     finished_req_ids: set[str] = field(default_factory=set)
     kv_connector_metadata: Any = None
     grammar_bitmask: StepBitmask | None = None
+    scheduled_spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    num_lookahead_tokens: dict[str, int] = field(default_factory=dict)
+
+    def num_known_tokens(self, request: Request) -> int:
+        """Tokens of ``request`` fed this step that are already in ``all_token_ids``
+        (the scheduled ones less the draft tokens)."""
+        rid = request.request_id
+        return self.num_scheduled_tokens[rid] - len(self.scheduled_spec_token_ids.get(rid, ()))
+
+    def is_sampled(self, request: Request) -> bool:
+        """Whether ``request`` reaches the end of its known tokens this step."""
+        return request.num_computed_tokens + self.num_known_tokens(request) == request.num_tokens
 
     @property
     def is_empty(self) -> bool:
@@ -60,7 +80,17 @@ class ModelRunnerOutput:
             reached the end of their known tokens this step.
         logprobs: request_id -> logprobs of the sampled position (token id ->
             Logprob: the sampled token and the top-N), when requested.
+        verified_token_ids: request_id -> the tokens a step with draft tokens produced
+            for it, in order: the accepted drafts, then one token of the target's (the
+            recovered or bonus token); such a request is not in ``sampled_token_ids``.
+        verified_logprobs: request_id -> logprobs of each of its ``verified_token_ids``,
+            when requested.
+        draft_token_ids: request_id -> draft tokens proposed after this step's sample
+            (at most ``SchedulerOutput.num_lookahead_tokens``), for the next step.
     """
 
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, Any] = field(default_factory=dict)
+    verified_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    verified_logprobs: dict[str, list[Any]] = field(default_factory=dict)
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)

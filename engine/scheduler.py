@@ -27,10 +27,19 @@ compiled; each ``schedule`` first polls those requests and ends by asking the ma
 for the bitmask of the constrained requests sampled this step; ``update_from_output``
 advances each one's matcher by its token and finishes it ("stop") once the grammar
 is complete.
+
+Speculative decoding (with a ``SpeculativeConfig``): a decoding request whose proposer
+left draft tokens (``Request.spec_token_ids``) is scheduled for ``1 + k`` tokens, its
+last known token and ``k`` drafts, verified in the same forward; ``update_from_output``
+appends what the rejection sampler emitted and rolls ``num_computed_tokens`` back by
+the rejected drafts (their KV slots are simply overwritten later; prefix-cache hashes
+only ever cover ``all_token_ids``, which never hold an unverified token). How many
+drafts each request gets is ``spec_decode.policy``'s rule.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -38,13 +47,14 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from tandem.engine.config import CacheConfig, SchedulerConfig
+from tandem.engine.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from tandem.engine.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from tandem.engine.kv_connector import KVConnectorScheduler
 from tandem.engine.outputs import EngineCoreOutput
 from tandem.engine.request import Request, RequestStatus
 from tandem.engine.request_queue import create_request_queue
 from tandem.engine.sched_output import ModelRunnerOutput, SchedulerOutput
+from tandem.engine.spec_decode.policy import SpecDecodePolicy, SpecDecodeStats
 from tandem.engine.stop import check_stop
 from tandem.engine.validation import RequestError, RequestLimits, validate_request
 
@@ -69,6 +79,8 @@ class SchedulerStats:
         num_kv_load_failures: cumulative remote loads that returned fewer tokens
             than requested (the rest was recomputed).
         num_pending_kv_sends: finished requests whose blocks wait for a save.
+        spec_decode: cumulative draft-acceptance counters (speculative decoding), else
+            ``None``.
     """
 
     num_running: int
@@ -82,6 +94,7 @@ class SchedulerStats:
     num_preemptions: int
     num_kv_load_failures: int
     num_pending_kv_sends: int
+    spec_decode: SpecDecodeStats | None = None
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -104,6 +117,8 @@ class Scheduler:
             their grammar, each step gets its token bitmask
             (``SchedulerOutput.grammar_bitmask``) and every sampled token advances the
             request's matcher. ``None``: such requests are rejected.
+        speculative: speculative decoding's config (``None``: off); decodes then verify
+            the draft tokens the runner proposed for them.
 
     Single-threaded: every method is called from the engine thread.
     ``schedule`` and ``update_from_output`` alternate; ``add_request``,
@@ -118,6 +133,7 @@ class Scheduler:
         max_model_len: int,
         connector: KVConnectorScheduler | None = None,
         structured_output: StructuredOutputManager | None = None,
+        speculative: SpeculativeConfig | None = None,
     ) -> None:
         if max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
@@ -167,6 +183,9 @@ class Scheduler:
         self._pending_free: dict[str, Request] = {}
         self.num_preemptions = 0
         self.num_kv_load_failures = 0
+        self.spec: SpecDecodePolicy | None = (
+            SpecDecodePolicy(speculative, self.max_seq_len) if speculative is not None else None
+        )
 
     # -- admission ---------------------------------------------------------------------
 
@@ -216,6 +235,8 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: list[Request] = []
         num_scheduled: dict[str, int] = {}
+        spec_tokens: dict[str, list[int]] = {}
+        lookahead: dict[str, int] = {}
         preempted: list[Request] = []
 
         # 1. Running requests, decodes first.
@@ -226,14 +247,22 @@ class Scheduler:
                 break
             if req.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            num_new = min(self._prefill_cap(req.num_tokens - req.num_computed_tokens), budget)
+            num_known = req.num_tokens - req.num_computed_tokens
+            num_new = min(self._prefill_cap(num_known), budget)
             if num_new <= 0:
                 continue
-            while kvm.allocate_slots(req, num_new) is None:
+            drafts: list[int] = []
+            if self.spec is not None and num_known == 1:
+                drafts = req.spec_token_ids[: self.spec.num_verified(req, budget)]
+            num_ahead = self._num_lookahead(req, req.num_computed_tokens, num_new, num_known)
+            num_slots = num_new + len(drafts) + self._lookahead_slots(num_ahead)
+            while kvm.allocate_slots(req, num_slots) is None:
                 victim = max(self.running, key=self._victim_key)
                 if victim.request_id in num_scheduled:
                     budget += num_scheduled.pop(victim.request_id)
                     scheduled.remove(victim)
+                    spec_tokens.pop(victim.request_id, None)
+                    lookahead.pop(victim.request_id, None)
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is req:
@@ -241,12 +270,16 @@ class Scheduler:
             if req.status != RequestStatus.RUNNING:
                 continue
             scheduled.append(req)
-            num_scheduled[req.request_id] = num_new
-            budget -= num_new
+            num_scheduled[req.request_id] = num_new + len(drafts)
+            budget -= num_new + len(drafts)
+            if drafts:
+                spec_tokens[req.request_id] = drafts
+            if num_ahead:
+                lookahead[req.request_id] = num_ahead
 
         # 2. Waiting requests (not in a step that had to preempt: blocks are short).
         if not preempted:
-            budget = self._schedule_waiting(budget, scheduled, num_scheduled)
+            budget = self._schedule_waiting(budget, scheduled, num_scheduled, lookahead)
 
         out = SchedulerOutput(
             scheduled_requests=scheduled,
@@ -255,18 +288,29 @@ class Scheduler:
             total_num_scheduled_tokens=sum(num_scheduled.values()),
             preempted_req_ids={r.request_id for r in preempted},
             finished_req_ids=self.finished_req_ids,
+            scheduled_spec_token_ids=spec_tokens,
+            num_lookahead_tokens=lookahead,
         )
         self.finished_req_ids = set()
         if self.connector is not None:
             out.kv_connector_metadata = self.connector.build_connector_meta(out)
         if self.structured_output is not None:
-            sampled = [
-                r
-                for r in scheduled
-                if r.num_computed_tokens + num_scheduled[r.request_id] == r.num_tokens
-            ]
-            out.grammar_bitmask = self.structured_output.grammar_bitmask(sampled)
+            sampled = [r for r in scheduled if out.is_sampled(r)]
+            out.grammar_bitmask = self.structured_output.grammar_bitmask(sampled, spec_tokens)
         return out
+
+    def _num_lookahead(self, req: Request, num_computed: int, num_new: int, num_known: int) -> int:
+        """Draft tokens to propose for ``req`` after a step of ``num_new`` of its
+        ``num_known`` uncomputed tokens, ``num_computed`` computed before it (0 unless
+        that step samples it)."""
+        if self.spec is None or num_new != num_known:
+            return 0
+        return self.spec.num_lookahead(req, len(self.running), num_computed + num_new)
+
+    def _lookahead_slots(self, num_lookahead: int) -> int:
+        """KV slots to reserve past a step's tokens for the proposer (a draft model
+        writes its own KV for its proposals there)."""
+        return num_lookahead if self.spec is not None and self.spec.needs_lookahead_slots else 0
 
     def _poll_grammars(self) -> None:
         """Move requests whose grammar compiled to WAITING; fail those whose grammar did
@@ -297,7 +341,11 @@ class Scheduler:
             self._pending_outputs.append(EngineCoreOutput(req.request_id, [], finish_reason="stop"))
 
     def _schedule_waiting(
-        self, budget: int, scheduled: list[Request], num_scheduled: dict[str, int]
+        self,
+        budget: int,
+        scheduled: list[Request],
+        num_scheduled: dict[str, int],
+        lookahead: dict[str, int],
     ) -> int:
         kvm = self.kv_cache_manager
         skipped: list[Request] = []
@@ -353,8 +401,11 @@ class Scheduler:
                 and budget < num_new <= self.config.max_num_batched_tokens
             ):
                 break
+            num_known = num_new
             num_new = min(self._prefill_cap(num_new), budget)
-            if kvm.allocate_slots(req, num_new, num_hit, hits) is None:
+            num_ahead = self._num_lookahead(req, num_computed, num_new, num_known)
+            num_slots = num_new + self._lookahead_slots(num_ahead)
+            if kvm.allocate_slots(req, num_slots, num_hit, hits) is None:
                 break
             self.waiting.pop()
             if not has_blocks:
@@ -368,6 +419,8 @@ class Scheduler:
             self.running.append(req)
             scheduled.append(req)
             num_scheduled[rid] = num_new
+            if num_ahead:
+                lookahead[rid] = num_ahead
             budget -= num_new
         if skipped:
             self.waiting.prepend(skipped)
@@ -391,6 +444,7 @@ class Scheduler:
         self.kv_cache_manager.free(req)  # before resetting num_computed_tokens (see free)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
+        req.spec_token_ids = []
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.prepend([req])
@@ -439,34 +493,40 @@ class Scheduler:
             rid = req.request_id
             if req.status != RequestStatus.RUNNING:
                 continue  # finished or preempted since the step was scheduled
-            req.num_computed_tokens += sched.num_scheduled_tokens[rid]
-            token = out.sampled_token_ids.get(rid)
-            if token is None:
+            drafts = sched.scheduled_spec_token_ids.get(rid, ())
+            tokens: list[int] | None = out.verified_token_ids.get(rid)
+            token_logprobs: list | None = out.verified_logprobs.get(rid)
+            if tokens is None:
+                token = out.sampled_token_ids.get(rid)
+                tokens = None if token is None else [token]
+                logprobs = out.logprobs.get(rid)
+                token_logprobs = [logprobs] if logprobs is not None else None
+            num_rejected = len(drafts) - (len(tokens) - 1 if tokens is not None else 0)
+            req.num_computed_tokens += sched.num_scheduled_tokens[rid] - num_rejected
+            if tokens is None:
                 continue
-            assert req.num_computed_tokens == req.num_tokens, (
-                f"{rid}: sampled with {req.num_computed_tokens} of {req.num_tokens} computed"
+            assert req.num_computed_tokens == req.num_tokens + len(tokens) - 1, (
+                f"{rid}: {len(tokens)} tokens with {req.num_computed_tokens} of "
+                f"{req.num_tokens} computed"
             )
-            logprobs = out.logprobs.get(rid)
-            req.append_output_token(token, logprobs)
+            if drafts:
+                assert self.spec is not None
+                self.spec.on_verified(req, len(drafts), len(tokens) - 1)
             if req.first_token_time is None:
                 req.first_token_time = time.monotonic()
-            error = None
-            if req.structured_output is not None:
-                error = self._advance_grammar(req, token)
-            if error is not None:
-                req.status = RequestStatus.FINISHED_ABORTED
+            new_tokens, error = self._append_tokens(req, tokens, token_logprobs)
+            if req.is_finished():
                 stopped.add(rid)
-            elif self.structured_output is not None and self.structured_output.is_terminated(req):
-                # The grammar is complete (its stop token, EOS, was accepted).
-                req.status = RequestStatus.FINISHED_STOPPED
-                stopped.add(rid)
-            elif self._check_stop(req):
-                stopped.add(rid)
+                # Tokens past a stop were computed but are not the request's.
+                req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens - 1)
+            else:
+                req.spec_token_ids = out.draft_token_ids.get(rid, [])
+            new_logprobs = token_logprobs[: len(new_tokens)] if token_logprobs else None
             outputs.append(
                 EngineCoreOutput(
                     request_id=rid,
-                    new_token_ids=[token],
-                    new_logprobs=[logprobs] if logprobs is not None else None,
+                    new_token_ids=new_tokens,
+                    new_logprobs=new_logprobs,
                     finish_reason=req.get_finish_reason(),
                     stop_reason=req.stop_reason,
                     num_cached_tokens=max(req.num_cached_tokens, 0),
@@ -479,6 +539,31 @@ class Scheduler:
                 self._finish_request(self.requests[rid])
         self._update_transfers(finished_recving, finished_sending)
         return outputs
+
+    def _append_tokens(
+        self, req: Request, tokens: list[int], logprobs: list | None
+    ) -> tuple[list[int], RequestError | None]:
+        """Append a step's tokens one by one, each through the grammar and the stop rule;
+        the first one that finishes the request ends the run (the rest is dropped).
+
+        Returns:
+            (the tokens appended, the grammar's error when it failed the request).
+        """
+        for i, token in enumerate(tokens):
+            req.append_output_token(token, logprobs[i] if logprobs else None)
+            error = None
+            if req.structured_output is not None:
+                error = self._advance_grammar(req, token)
+            if error is not None:
+                req.status = RequestStatus.FINISHED_ABORTED
+                return tokens[: i + 1], error
+            if self.structured_output is not None and self.structured_output.is_terminated(req):
+                # The grammar is complete (its stop token, EOS, was accepted).
+                req.status = RequestStatus.FINISHED_STOPPED
+                return tokens[: i + 1], None
+            if self._check_stop(req):
+                return tokens[: i + 1], None
+        return tokens, None
 
     def _advance_grammar(self, req: Request, token: int) -> RequestError | None:
         """Advance the request's matcher by ``token``; the error that fails the request
@@ -597,4 +682,12 @@ class Scheduler:
             num_preemptions=self.num_preemptions,
             num_kv_load_failures=self.num_kv_load_failures,
             num_pending_kv_sends=len(self._pending_free),
+            spec_decode=(
+                dataclasses.replace(
+                    self.spec.stats,
+                    num_accepted_tokens_per_pos=list(self.spec.stats.num_accepted_tokens_per_pos),
+                )
+                if self.spec is not None
+                else None
+            ),
         )

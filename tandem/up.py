@@ -74,6 +74,8 @@ class StackConfig:
         redis_url: use this Redis instead of starting one.
         engine_args: extra flags for every engine (``--dtype float32``...).
         router_args: extra flags for the router.
+        speculative_config: ``--speculative-config`` JSON for the engines that decode
+            (decode and colocated; prefill samples one token, nothing to speculate on).
         kvstore_capacity_bytes: KV store node memory.
         cpus_per_engine: pin engine i to its own CPU set of this size (0: no pinning).
         startup_timeout_s: how long every part gets to become healthy.
@@ -93,6 +95,7 @@ class StackConfig:
     redis_url: str | None = None
     engine_args: list[str] = field(default_factory=list)
     router_args: list[str] = field(default_factory=list)
+    speculative_config: str | None = None
     kvstore_capacity_bytes: int = 1 << 30
     cpus_per_engine: int = 0
     startup_timeout_s: float = 600.0
@@ -215,7 +218,8 @@ class Stack:
         engines: list[Part] = []
         if cfg.colocated:
             for i in range(cfg.replicas):
-                engines.append(self._engine_part(f"colocated-{i}", ["serve", "--role", Role.BOTH.value]))
+                engines.append(self._engine_part(f"colocated-{i}", ["serve", "--role", Role.BOTH.value,
+                                                                    *self._spec_args()]))
         else:
             kv_port, kv_metrics = free_port(), free_port()
             self.kvstore_metrics_url = f"http://127.0.0.1:{kv_metrics}/metrics"
@@ -229,7 +233,7 @@ class Stack:
                 engines.append(self._engine_part(f"prefill-{i}", ["prefill"],
                                                  kvstore=f"127.0.0.1:{kv_port}"))
             for i in range(cfg.num_decode):
-                engines.append(self._engine_part(f"decode-{i}", ["decode"],
+                engines.append(self._engine_part(f"decode-{i}", ["decode", *self._spec_args()],
                                                  kvstore=f"127.0.0.1:{kv_port}"))
         self._launch(engines)
         port = cfg.port or free_port()
@@ -242,6 +246,10 @@ class Stack:
         self.grpc_address = f"{cfg.host}:{grpc_port}"
         self._launch([Part("router", tandem_argv(*router_argv),
                            lambda u=self.http_url: http_ok(f"{u}/ready"), self.http_url)])
+
+    def _spec_args(self) -> list[str]:
+        spec = self.config.speculative_config
+        return ["--speculative-config", spec] if spec else []
 
     def _engine_part(self, name: str, cmd: list[str], kvstore: str | None = None) -> Part:
         cfg = self.config
@@ -336,6 +344,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="extra flag for every engine, e.g. --engine-arg=--dtype=float32")
     p.add_argument("--router-arg", action="append", default=[],
                    help="extra flag for the router, e.g. --router-arg=--api-key=KEY")
+    p.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help="speculative decoding on the decode (or colocated) engines, "
+                        "e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 3}'")
     p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds")
     p.add_argument("--verbose", action="store_true", help="children log to this terminal")
     p.add_argument("--log-dir", type=Path, default=Path("tandem-logs"),
@@ -347,10 +358,15 @@ def build_parser() -> argparse.ArgumentParser:
 def config_from_args(ns: argparse.Namespace) -> StackConfig:
     if ns.prefill < 1 or ns.decode < 1 or ns.replicas < 1:
         raise ValueError("--prefill, --decode and --replicas must be >= 1")
+    if ns.speculative_config is not None:
+        from tandem.engine.config import SpeculativeConfig
+
+        SpeculativeConfig.from_json(ns.speculative_config)  # fail here, not in a child
     return StackConfig(num_prefill=ns.prefill, num_decode=ns.decode, colocated=ns.colocated,
                        replicas=ns.replicas, port=ns.port, grpc_port=ns.grpc_port,
                        host=ns.host, model=ns.model, redis_url=ns.redis_url,
                        engine_args=list(ns.engine_arg), router_args=list(ns.router_arg),
+                       speculative_config=ns.speculative_config,
                        kvstore_capacity_bytes=ns.kvstore_capacity,
                        cpus_per_engine=ns.cpus_per_engine, startup_timeout_s=ns.startup_timeout,
                        verbose=ns.verbose, log_dir=ns.log_dir)

@@ -106,6 +106,13 @@ class GrammarMatcher:
             self.num_accepted_tokens += 1
         return ok
 
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last ``num_tokens`` accepted tokens (speculative decoding's tentative
+        advance through draft tokens); 0 is a no-op."""
+        if num_tokens > 0:
+            self._m.rollback(num_tokens)
+            self.num_accepted_tokens -= num_tokens
+
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the allowed next tokens into row ``row`` of ``bitmask`` (see module doc)."""
         self._m.fill_next_token_bitmask(bitmask, row)

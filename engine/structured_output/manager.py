@@ -24,7 +24,7 @@ import concurrent.futures
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -90,10 +90,14 @@ class StepBitmask:
         bitmask: ``int32 [num_rows, ceil(vocab / 32)]`` (xgrammar's layout: bit ``j % 32``
             of word ``j // 32`` is 1 when token ``j`` is allowed).
         rows: request id -> its row, for the constrained requests sampled this step.
+        spec_rows: request id -> its row at each verified position (``k + 1`` rows for
+            ``k`` draft tokens), for the constrained requests with draft tokens this
+            step (speculative decoding); such a request is not in ``rows``.
     """
 
     bitmask: torch.Tensor
     rows: dict[str, int]
+    spec_rows: dict[str, list[int]] = field(default_factory=dict)
 
 
 class StructuredOutputManager:
@@ -276,13 +280,24 @@ class StructuredOutputManager:
         state.future = None
         return True
 
-    def grammar_bitmask(self, requests: Sequence[Request]) -> StepBitmask | None:
+    def grammar_bitmask(
+        self,
+        requests: Sequence[Request],
+        spec_token_ids: Mapping[str, list[int]] | None = None,
+    ) -> StepBitmask | None:
         """The bitmask for the constrained ones among ``requests`` (those sampled this
         step, in any order), or ``None`` when none is constrained.
+
+        A request with draft tokens (``spec_token_ids``) gets one row per verified
+        position: its matcher advances through the drafts to fill each row, then rolls
+        back (the scheduler advances it by the tokens really emitted). After a draft
+        token the grammar rejects, the rows are all-allowed: that token's own row
+        forbids it, so no later position is ever accepted.
 
         A matcher that is already terminated gets an all-allowed row; the request
         finishes after this step anyway (it cannot be sampled again).
         """
+        spec = spec_token_ids or {}
         constrained = [
             r
             for r in requests
@@ -290,15 +305,34 @@ class StructuredOutputManager:
         ]
         if not constrained:
             return None
-        bitmask = self.backend.allocate_bitmask(len(constrained))
+        num_rows = sum(len(spec.get(r.request_id, ())) + 1 for r in constrained)
+        bitmask = self.backend.allocate_bitmask(num_rows)
         rows: dict[str, int] = {}
-        for row, req in enumerate(constrained):
+        spec_rows: dict[str, list[int]] = {}
+        row = 0
+        for req in constrained:
             state = req.structured_output
             assert state is not None and state.matcher is not None
-            if not state.matcher.is_terminated():
-                state.matcher.fill_bitmask(bitmask, row)
-            rows[req.request_id] = row
-        return StepBitmask(bitmask, rows)
+            drafts = spec.get(req.request_id)
+            if not drafts:
+                if not state.matcher.is_terminated():
+                    state.matcher.fill_bitmask(bitmask, row)
+                rows[req.request_id] = row
+                row += 1
+                continue
+            own = list(range(row, row + len(drafts) + 1))
+            row += len(drafts) + 1
+            spec_rows[req.request_id] = own
+            num_advanced = 0
+            for j, r in enumerate(own):
+                if state.matcher.is_terminated():
+                    break
+                state.matcher.fill_bitmask(bitmask, r)
+                if j == len(drafts) or not state.matcher.accept_token(drafts[j]):
+                    break
+                num_advanced += 1
+            state.matcher.rollback(num_advanced)
+        return StepBitmask(bitmask, rows, spec_rows)
 
     def accept(self, request: Request, token_id: int) -> bool:
         """Advance the request's matcher by its newly sampled token.

@@ -52,6 +52,19 @@ class ServiceMetrics:
         self.num_preemptions = Counter(
             "tandem:num_preemptions", "Requests preempted (their KV freed, recomputed later).",
             labels, registry=r)
+        # Speculative decoding (vLLM's spec_decode_* counters; zero when it is off).
+        self.spec_decode_num_drafts = Counter(
+            "tandem:spec_decode_num_drafts", "Verifications of draft tokens (request-steps).",
+            labels, registry=r)
+        self.spec_decode_num_draft_tokens = Counter(
+            "tandem:spec_decode_num_draft_tokens", "Draft tokens verified.", labels, registry=r)
+        self.spec_decode_num_accepted_tokens = Counter(
+            "tandem:spec_decode_num_accepted_tokens", "Draft tokens accepted.", labels,
+            registry=r)
+        self.spec_decode_num_accepted_tokens_per_pos = Counter(
+            "tandem:spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted, by position in the draft (0-based).",
+            [*labels, "position"], registry=r)
         self._role = Role(role).value
         self._followed: dict[str, int] = {}
 
@@ -66,13 +79,24 @@ class ServiceMetrics:
         self.labels(self.kv_cache_usage_perc).set(stats.kv_cache_usage)
         self._follow("kv_load_failures", self.kv_load_failures, num_kv_load_failures)
         self._follow("num_preemptions", self.num_preemptions, stats.num_preemptions)
+        spec = getattr(stats, "spec_decode", None)
+        if spec is not None:
+            self._follow("spec_decode_num_drafts", self.spec_decode_num_drafts, spec.num_drafts)
+            self._follow("spec_decode_num_draft_tokens", self.spec_decode_num_draft_tokens,
+                         spec.num_draft_tokens)
+            self._follow("spec_decode_num_accepted_tokens", self.spec_decode_num_accepted_tokens,
+                         spec.num_accepted_tokens)
+            for pos, total in enumerate(spec.num_accepted_tokens_per_pos):
+                self._follow(f"spec_decode_num_accepted_tokens_per_pos:{pos}",
+                             self.spec_decode_num_accepted_tokens_per_pos, total,
+                             position=str(pos))
 
-    def _follow(self, key: str, counter: Counter, total: int) -> None:
-        """Advance ``counter`` to ``total``: the engine (or connector) counts, the
-        Prometheus counter follows its increments."""
+    def _follow(self, key: str, counter: Counter, total: int, **extra: str) -> None:
+        """Advance ``counter`` (with ``extra`` labels) to ``total``: the engine (or
+        connector) counts, the Prometheus counter follows its increments."""
         delta = total - self._followed.get(key, 0)
         if delta > 0:
-            self.labels(counter).inc(delta)
+            self.labels(counter, **extra).inc(delta)
             self._followed[key] = total
 
     def serve(self, port: int) -> Any:

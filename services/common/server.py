@@ -36,6 +36,7 @@ from tandem.engine.config import (
     KVTransferConfig,
     ModelConfig,
     SchedulerConfig,
+    SpeculativeConfig,
 )
 from tandem.kvstore.config import ClientOptions, StoreConnectorConfig
 from tandem.services.common.context import ServiceContext
@@ -88,6 +89,10 @@ def build_parser(prog: str, role: Role | None) -> argparse.ArgumentParser:
                    help="seconds in-flight requests get to finish after SIGTERM")
     p.add_argument("--instance-id", default=None, help="registry id (default: random)")
     p.add_argument("--seed", type=int, default=0, help="seed of the engine's global generator")
+    p.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='speculative decoding, vLLM\'s JSON: {"method": "ngram"|"draft_model", '
+                        '"num_speculative_tokens": k, "prompt_lookup_min": .., '
+                        '"prompt_lookup_max": .., "model": PATH} (default: off)')
     p.add_argument("--log-level", default="INFO")
     add_tls_flags(p, "this service's gRPC port")
     return p
@@ -117,6 +122,10 @@ def build_engine_config(ns: argparse.Namespace, role: Role | str) -> EngineConfi
                                   max_num_seqs=ns.max_num_seqs,
                                   long_prefill_token_threshold=ns.long_prefill_token_threshold),
         kv_transfer=kv,
+        speculative=(
+            None if ns.speculative_config is None
+            else SpeculativeConfig.from_json(ns.speculative_config)
+        ),
     )
 
 

@@ -148,3 +148,26 @@ def test_backends_run_pass_by_pass() -> None:
     assert calls == [("tandem", 10), ("hf", 10), ("tandem", 11), ("hf", 11),
                      ("tandem", 12), ("hf", 12)]  # fmt: skip
     assert [len(r["runs_s"]) for r in timed.values()] == [3, 3]
+
+
+def test_throughput_with_speculative_config(tmp_path, capsys) -> None:
+    """tandem and tandem+spec side by side on repeated prompts, with the acceptance."""
+    config = tiny_config("LlamaForCausalLM", vocab=128, hidden=32, ffn=64)
+    tiny_hf_model(config).save_pretrained(tmp_path / "tiny")
+    out_json = tmp_path / "r.json"
+    spec = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}'
+    argv = ["--model", str(tmp_path / "tiny"), "--num-prompts", "2", "--input-len", "16",
+            "--output-len", "12", "--dtype", "float32", "--prompt-pattern", "repeated",
+            "--speculative-config", spec, "--json", str(out_json)]
+    assert throughput.main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "tandem+spec / tandem" in printed and "acceptance rate" in printed
+    doc = json.loads(out_json.read_text())
+    assert set(doc["results"]) == {"tandem", "tandem+spec"}
+    assert doc["results"]["tandem+spec"]["num_output_tokens"] == 24
+    sp = doc["speculative"]
+    assert sp["num_draft_tokens"] > 0 and 0 <= sp["acceptance_rate"] <= 1
+    assert sp["mean_acceptance_length"] == pytest.approx(
+        1 + sp["num_accepted_tokens"] / sp["num_drafts"])
+    with pytest.raises(SystemExit):
+        throughput.main(["--speculative-config", '{"method": "nope"}'])

@@ -222,6 +222,22 @@ def test_settings_give_same_tokens(real, llm, settings) -> None:
         assert other.llm_engine.engine_core.get_stats().num_preemptions > 0
 
 
+def test_speculative_ngram_gives_same_tokens(real, llm) -> None:
+    """Prompt lookup (k = 3) on the real model: the greedy tokens (ties aside) of the
+    engine without it, with drafts accepted on the prompts that quote their text."""
+    p = prompts_mixed(real.tok)
+    prompts = [p[2], p[6], p[7]]
+    params = SamplingParams(temperature=0.0, max_tokens=16, logprobs=2, ignore_eos=True)
+    ref = llm.generate(prompts, params, use_tqdm=False)
+    spec = real.make_llm(speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    outs = spec.generate(prompts, params, use_tqdm=False)
+    for a, b in zip(ref, outs, strict=True):
+        oa, ob = a.outputs[0], b.outputs[0]
+        assert_same_or_tie(oa.token_ids, ob.token_ids, oa.logprobs, ob.logprobs)
+    stats = spec.llm_engine.engine_core.get_stats().spec_decode
+    assert stats.num_accepted_tokens > 0, stats
+
+
 def test_prefix_cache_hits_give_same_tokens(real, llm) -> None:
     prompt = real.tok.encode(LONG_TEXT)
     params = SamplingParams(temperature=0.0, max_tokens=8)

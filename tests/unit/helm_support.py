@@ -89,6 +89,7 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
                     ]
                 }
             },
+            "speculative": {"method": "ngram", "numSpeculativeTokens": 4, "promptLookupMax": 3},
         },
         "kvstore": {"kind": "DaemonSet", "capacity": 64 * 2**30},
         "serviceMonitor": {"enabled": True, "labels": {"release": "kube-prometheus-stack"}},

@@ -126,6 +126,9 @@ def test_schema_rejects_missing_model_path(chart: Any) -> None:
         ({"prefill": {"scheduler": {"maxNumSeqs": 0}}}, "/prefill/scheduler/maxNumSeqs"),
         ({"router": {"port": 70000}}, "/router/port"),
         ({"ucx": {"env": {"TLS": "tcp"}}}, "/ucx/env"),
+        ({"decode": {"speculative": {"method": "eagle"}}}, "/decode/speculative/method"),
+        ({"decode": {"speculative": {"method": "ngram", "numSpeculativeTokens": 17}}},
+         "/decode/speculative/numSpeculativeTokens"),
     ],
 )
 def test_schema_rejects_bad_values(chart: Any, values: dict[str, Any], where: str) -> None:

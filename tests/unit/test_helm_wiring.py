@@ -245,6 +245,14 @@ def test_engine_flags_mirror_values() -> None:
     assert router["--api-key"] == "$(TANDEM_API_KEY)"
     kvstore = flag_values(containers(workload_of(docs, "kvstore"))[0])
     assert kvstore["--capacity"] == str(64 * 2**30)
+    # decode.speculative -> --speculative-config, on the decode pods only.
+    from tandem.engine.config import SpeculativeConfig
+
+    spec = SpeculativeConfig.from_json(decode["--speculative-config"])
+    assert spec == SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=3)
+    assert "--speculative-config" not in prefill
+    default = flag_values(containers(workload_of(manifests("default"), "decode"))[0])
+    assert "--speculative-config" not in default
 
 
 @pytest.mark.parametrize("name", ["default", "hostpath-nodeport", "production"])

@@ -21,7 +21,13 @@ import torch
 from engine_steps import run
 from tiny_models import as_loaded_model, tiny_config, tiny_hf_model
 
-from tandem.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from tandem.engine.config import (
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
 from tandem.engine.engine_core import EngineCore
 from tandem.engine.executor import create_executor
 from tandem.engine.model_loader import LoadedModel
@@ -87,12 +93,16 @@ SLOW_REGEX = "".join(f"[a-z]{{1,{300 + i}}}-" for i in range(40))
 
 
 def make_core(
-    loaded: LoadedModel, manager: StructuredOutputManager | None = None, num_blocks: int = 64
+    loaded: LoadedModel,
+    manager: StructuredOutputManager | None = None,
+    num_blocks: int = 64,
+    speculative: SpeculativeConfig | None = None,
 ) -> EngineCore:
     config = EngineConfig(
         model=ModelConfig(dtype="float32", max_model_len=MAX_LEN),
         cache=CacheConfig(block_size=BLOCK, num_blocks_override=num_blocks),
         scheduler=SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8),
+        speculative=speculative,
     )
     return EngineCore(
         config,
@@ -450,6 +460,38 @@ def test_greedy_constrained_matches_unbatched_and_survives_preemption(tiny) -> N
     assert core.scheduler.num_preemptions > 0
     for r in reqs:
         assert tokens(outs[r.request_id]) == ref
+    assert_idle(core)
+
+
+def test_speculative_decoding_masks_every_verified_position(tiny) -> None:
+    """With prompt-lookup drafts (the prompt holds grammar-valid and -invalid text),
+    greedy constrained outputs equal those without speculation, and seeded sampled
+    ones still obey their grammar: each draft position is verified under its mask."""
+    prompt = [VOCAB.index(c) for c in '{"a":1234,"b":false} aaab.abcb.aab']
+    cases = [
+        SO(json=SCHEMA, disable_any_whitespace=True),
+        SO(grammar='root ::= "a" ("b" | "c")* "."'),
+        SO(regex="[a-c]{2,4}-[0-9]+"),
+    ]
+    spec = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1,
+                             acceptance_backoff=False)
+    greedy = [make_request(so, prompt) for so in cases]
+    want = run(make_core(tiny), *greedy)
+    core = make_core(tiny, speculative=spec)
+    again = [make_request(so, prompt) for so in cases]
+    got = run(core, *again)
+    for a, b in zip(greedy, again, strict=True):
+        assert tokens(got[b.request_id]) == tokens(want[a.request_id])
+    sampled = [make_request(so, prompt, temperature=1.0, seed=i) for i, so in enumerate(cases)]
+    outs = run(core, *sampled)
+    checks = [lambda t: jsonschema.validate(json.loads(t), SCHEMA),
+              lambda t: re.fullmatch(r"a[bc]*\.", t) or pytest.fail(t),
+              lambda t: re.fullmatch("[a-c]{2,4}-[0-9]+", t) or pytest.fail(t)]
+    for req, check in zip(sampled, checks, strict=True):
+        if outs[req.request_id][-1].finish_reason == "stop":
+            check(text_of(tokens(outs[req.request_id])))
+    st = core.get_stats().spec_decode
+    assert 0 < st.num_accepted_tokens < st.num_draft_tokens, st
     assert_idle(core)
 
 

@@ -29,6 +29,16 @@ Called with (dict "root" $ "role" "prefill"|"decode").
 {{- with $v.scheduler.maxNumSeqs }}
 - --max-num-seqs={{ . | int64 }}
 {{- end }}
+{{- /* Speculative decoding runs where tokens are decoded (the decode role). */}}
+{{- if and (eq .role "decode") $v.speculative }}
+{{- $s := $v.speculative }}
+{{- $cfg := dict "method" $s.method }}
+{{- with $s.numSpeculativeTokens }}{{ $_ := set $cfg "num_speculative_tokens" (int64 .) }}{{ end }}
+{{- with $s.promptLookupMin }}{{ $_ := set $cfg "prompt_lookup_min" (int64 .) }}{{ end }}
+{{- with $s.promptLookupMax }}{{ $_ := set $cfg "prompt_lookup_max" (int64 .) }}{{ end }}
+{{- with $s.model }}{{ $_ := set $cfg "model" . }}{{ end }}
+- {{ printf "--speculative-config=%s" (toJson $cfg) | quote }}
+{{- end }}
 {{- /* Drain (health NOT_SERVING, deregister, finish in-flight requests) within the
 pod's grace period, leaving 10 s to exit before the kubelet kills it. */}}
 - --shutdown-grace-s={{ max 1 (sub (int $v.terminationGracePeriodSeconds) 10) }}

@@ -1,0 +1,207 @@
+"""Draft-model proposer: a small causal LM with the target's tokenizer proposes greedily.
+
+The draft runs on the engine's own model code (``engine/models``) with its own paged KV
+cache, indexed by the target's block tables: block ``b`` of the draft cache holds the
+draft's K/V for the same tokens as block ``b`` of the target's, so draft blocks are
+allocated and freed with the target's and need no accounting of their own (the
+scheduler reserves ``num_lookahead_tokens`` slots past each request's tokens, where the
+draft writes the K/V of its own proposals).
+
+Per request the proposer remembers how many leading tokens its cache holds (it only
+ever counts tokens the request really has): each call first feeds the tokens it has
+not seen (the whole prompt the first time, which is also how a disaggregated decode
+instance builds the draft's KV for a prompt whose target KV came from the store), then
+``k - 1`` single-token steps; the proposals are the argmax of each step (a point-mass
+``q`` for the rejection sampler). Preemption or finish drops the memory, and the next
+call recomputes from token 0: prefix-cache hits are not trusted for the draft, whose
+blocks may never have been written by it (a remote load, a request that finished
+before the draft caught up).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+
+from tandem.engine.config import ModelConfig, SpeculativeConfig
+from tandem.engine.model_loader import LoadedModel, load_model
+from tandem.engine.models.llama import head_dim_of
+from tandem.engine.spec_decode.proposer import ProposeInput, Proposer
+from tandem.kernels.attention import build_attention_metadata
+from tandem.kernels.cache import allocate_kv_cache, kv_cache_bytes_per_block
+from tandem.kernels.linear import pack_linear_layers
+
+logger = logging.getLogger(__name__)
+
+
+def check_draft_fits(
+    draft: LoadedModel,
+    target_vocab_size: int,
+    target_max_model_len: int,
+    target_tokenizer: Any,
+    draft_max_model_len: int | None = None,
+) -> None:
+    """Start-up checks of a draft against its target.
+
+    Raises:
+        ValueError: naming ``speculative_config.model`` for another vocabulary size or
+            tokenizer vocabulary, or a context shorter than the target's;
+            ``speculative_config.max_model_len`` when it is below the target's.
+    """
+    vocab = int(draft.hf_config.vocab_size)
+    if vocab != target_vocab_size:
+        raise ValueError(
+            f"speculative_config.model: the draft's vocabulary has {vocab} tokens, the "
+            f"target's {target_vocab_size} (a draft needs the target's tokenizer)"
+        )
+    if target_tokenizer is not None and draft.tokenizer is not None:
+        if target_tokenizer.get_vocab() != draft.tokenizer.get_vocab():
+            raise ValueError(
+                "speculative_config.model: the draft's tokenizer differs from the target's "
+                "(same size, other tokens)"
+            )
+    if draft_max_model_len is not None and draft_max_model_len < target_max_model_len:
+        raise ValueError(
+            f"speculative_config.max_model_len ({draft_max_model_len}) is below the "
+            f"target's max_model_len ({target_max_model_len})"
+        )
+    context = int(draft.hf_config.max_position_embeddings)
+    if context < target_max_model_len:
+        raise ValueError(
+            f"speculative_config.model: the draft's context ({context} tokens) is shorter "
+            f"than the target's max_model_len ({target_max_model_len}); lower max_model_len"
+        )
+
+
+class DraftModelProposer(Proposer):
+    """``method="draft_model"``.
+
+    Args:
+        config: the speculative config (``model``: the draft's path).
+        vocab_size / max_model_len / tokenizer: the target's, checked against the draft.
+        dtype / device: the target's; the draft is loaded in them.
+        block_size: the target's KV block size (the draft shares its block tables).
+        loaded: an already loaded draft (tests), instead of loading ``config.model``.
+
+    Raises:
+        ValueError: from the loader (naming ``model``) or ``check_draft_fits``.
+    """
+
+    def __init__(
+        self,
+        config: SpeculativeConfig,
+        *,
+        vocab_size: int,
+        max_model_len: int,
+        tokenizer: Any,
+        dtype: torch.dtype,
+        device: torch.device,
+        block_size: int,
+        loaded: LoadedModel | None = None,
+    ) -> None:
+        if loaded is None:
+            name = str(dtype).removeprefix("torch.")
+            try:
+                loaded = load_model(ModelConfig(
+                    model=config.model, dtype=name,  # type: ignore[arg-type]
+                    device=str(device), max_model_len=max_model_len))
+            except ValueError as exc:
+                raise ValueError(f"speculative_config.{exc}") from exc
+        check_draft_fits(loaded, vocab_size, max_model_len, tokenizer, config.max_model_len)
+        self.loaded = loaded
+        self.model = loaded.model
+        if loaded.dtype == torch.bfloat16 and loaded.device.type == "cpu":
+            # As the target's runner does: the packed CPU kernels, and the head's argmax.
+            pack_linear_layers(self.model)
+            self.model.pack_tied_lm_head()
+        if self.model.rotary.max_position < max_model_len:
+            self.model.extend_rotary(max_model_len)
+        hf = loaded.hf_config
+        self.num_layers = int(hf.num_hidden_layers)
+        self.num_kv_heads = int(hf.num_key_value_heads)
+        self.head_dim = int(head_dim_of(hf))
+        self.dtype = loaded.dtype
+        self.device = loaded.device
+        self.block_size = block_size
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._kv: torch.Tensor | None = None
+        # request id -> leading tokens whose draft K/V is in the draft cache.
+        self._num_computed: dict[str, int] = {}
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one draft KV block across the draft's layers (K and V)."""
+        return kv_cache_bytes_per_block(
+            self.num_layers, self.block_size, self.num_kv_heads, self.head_dim, self.dtype
+        )
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        """Allocate the zeroed draft cache of ``num_blocks`` blocks (the target's count)."""
+        self._kv = allocate_kv_cache(
+            num_blocks, self.num_layers, self.block_size, self.num_kv_heads, self.head_dim,
+            self.dtype, self.device,
+        )
+        self.kv_caches = [(self._kv[:, i, 0], self._kv[:, i, 1]) for i in range(self.num_layers)]
+        self._num_computed.clear()
+
+    def free(self, request_ids: Iterable[str]) -> None:
+        for rid in request_ids:
+            self._num_computed.pop(rid, None)
+
+    @torch.inference_mode()
+    def propose(self, inputs: Sequence[ProposeInput]) -> list[list[int]]:
+        assert self._kv is not None, "initialize_kv_cache() must run before propose()"
+        if not inputs:
+            return []
+        # 1. Catch up on the tokens the draft has not seen; the last one's logits give
+        #    the first proposal.
+        tokens = [inp.token_ids for inp in inputs]
+        starts = [min(self._num_computed.get(inp.request.request_id, 0), len(t) - 1)
+                  for inp, t in zip(inputs, tokens, strict=True)]
+        ids: list[int] = []
+        for t, s in zip(tokens, starts, strict=True):
+            ids.extend(t[s:])
+        lens = [len(t) - s for t, s in zip(tokens, starts, strict=True)]
+        tables = [inp.block_table for inp in inputs]
+        last_rows = torch.tensor(lens, device=self.device).cumsum(0) - 1
+        next_ids = self._forward(ids, lens, starts, tables, last_rows)
+        proposals = [[tok] for tok in next_ids]
+        for inp, t in zip(inputs, tokens, strict=True):
+            self._num_computed[inp.request.request_id] = len(t)
+        # 2. One token at a time for the rest, for the requests that want more.
+        k_max = max(inp.max_num_tokens for inp in inputs)
+        for step in range(1, k_max):
+            live = [i for i, inp in enumerate(inputs) if inp.max_num_tokens > step]
+            if not live:
+                break
+            step_ids = [proposals[i][-1] for i in live]
+            positions = [len(tokens[i]) + step - 1 for i in live]
+            next_ids = self._forward(
+                step_ids, [1] * len(live), positions, [tables[i] for i in live], None
+            )
+            for i, tok in zip(live, next_ids, strict=True):
+                proposals[i].append(tok)
+        return proposals
+
+    def _forward(
+        self,
+        ids: list[int],
+        lens: list[int],
+        num_computed: list[int],
+        tables: list[list[int]],
+        rows: torch.Tensor | None,
+    ) -> list[int]:
+        """One draft forward over sequences laid out back to back; the argmax at
+        ``rows`` (``None``: every row)."""
+        meta = build_attention_metadata(lens, num_computed, tables, self.block_size, self.device)
+        x = torch.tensor(ids, dtype=torch.int64, device=self.device)
+        hidden = self.model(x, meta.positions, self.kv_caches, meta)
+        if rows is not None:
+            hidden = hidden[rows]
+        greedy = self.model.compute_greedy(hidden)
+        if greedy is None:
+            greedy = self.model.compute_logits(hidden).argmax(dim=-1)
+        return [int(t) for t in greedy.tolist()]

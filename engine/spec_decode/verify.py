@@ -1,0 +1,172 @@
+"""Verifying draft tokens: the target's logits at every draft position -> emitted tokens.
+
+A request with ``k`` draft tokens was fed its last known token and the drafts, so the
+target scored ``k + 1`` positions in the step's one forward. Position ``j`` is the
+distribution after the request's tokens plus the first ``j`` drafts: every sampling
+rule (grammar mask, ``logit_bias``, ``min_tokens``, penalties, temperature, top-k/p,
+min-p) is applied there as if those drafts were already output tokens
+(:class:`DraftPosition`), with the sampler's own code, so ``p`` is exactly what
+decoding without speculation would sample from. The rejection sampler then decides.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, cast
+
+import torch
+
+from tandem.engine.request import PositionLogprobs, Request
+from tandem.engine.sampler import Sampler, argmax_rows, gather_logprobs, is_plain_greedy
+from tandem.engine.spec_decode.rejection_sampler import greedy_accept, rejection_sample
+
+if TYPE_CHECKING:
+    from tandem.engine.sampling_params import SamplingParams
+    from tandem.engine.structured_output.manager import StepBitmask
+
+VerifyResult = tuple[list[int], list[PositionLogprobs] | None]
+
+
+class DraftPosition:
+    """A request as the sampler sees it at one draft position: its output extended by
+    the drafts before that position (read-only, what the sampler reads of a ``Request``).
+    """
+
+    __slots__ = ("_req", "_drafts")
+
+    def __init__(self, request: Request, drafts: list[int]) -> None:
+        self._req = request
+        self._drafts = drafts
+
+    @property
+    def request_id(self) -> str:
+        return self._req.request_id
+
+    @property
+    def sampling_params(self) -> SamplingParams:
+        return self._req.sampling_params
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self._req.eos_token_id
+
+    @property
+    def generator(self) -> torch.Generator | None:
+        return self._req.generator
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self._req.num_output_tokens + len(self._drafts)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self._req.output_token_ids + self._drafts
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self._req.all_token_ids + self._drafts
+
+
+def draft_positions(request: Request, drafts: list[int]) -> list[Request]:
+    """The ``len(drafts) + 1`` positions of a verified request, as sampler rows."""
+    return [cast("Request", DraftPosition(request, drafts[:j])) for j in range(len(drafts) + 1)]
+
+
+def verify(
+    sampler: Sampler,
+    logits: torch.Tensor,
+    requests: Sequence[Request],
+    drafts: Sequence[list[int]],
+    grammar_bitmask: StepBitmask | None = None,
+) -> list[VerifyResult]:
+    """The tokens each verified request emits this step.
+
+    Args:
+        logits: ``[sum(len(d) + 1 for d in drafts), vocab]`` target logits (model dtype
+            or float32, any device): request ``i``'s ``len(drafts[i]) + 1`` positions in
+            order, requests in order. Modified in place when float32.
+        requests / drafts: the verified requests and their draft tokens (>= 1 each).
+        grammar_bitmask: the step's bitmask; ``spec_rows[request_id]`` gives a
+            constrained request's row at each of its positions.
+
+    Returns:
+        Per request: the emitted tokens (accepted drafts, then the target's recovered
+        or bonus token) and, when the request asks for logprobs, their logprobs.
+    """
+    rows: list[Request] = []
+    starts: list[int] = []
+    for req, d in zip(requests, drafts, strict=True):
+        assert d, f"{req.request_id}: verification without draft tokens"
+        starts.append(len(rows))
+        rows.extend(draft_positions(req, d))
+    assert logits.shape[0] == len(rows), f"{logits.shape[0]} logits rows for {len(rows)} positions"
+    if all(is_plain_greedy(r) for r in rows):
+        plain = argmax_rows(logits).tolist()
+        return [
+            (greedy_accept(d, plain[s : s + len(d) + 1]), None)
+            for s, d in zip(starts, drafts, strict=True)
+        ]
+    mask_rows: list[int | None] | None = None
+    bitmask = None
+    if grammar_bitmask is not None:
+        bitmask = grammar_bitmask.bitmask
+        mask_rows = []
+        for req, d in zip(requests, drafts, strict=True):
+            spec = grammar_bitmask.spec_rows.get(req.request_id)
+            mask_rows.extend(spec if spec is not None else [None] * (len(d) + 1))
+    processed = sampler.process_logits(logits, rows, bitmask, mask_rows)
+
+    emitted: list[list[int] | None] = [None] * len(requests)
+    argmax: list[int] | None = None
+    random_idx: list[int] = []
+    for i, req in enumerate(requests):
+        if req.sampling_params.greedy:
+            if argmax is None:
+                argmax = argmax_rows(processed).tolist()
+            s = starts[i]
+            emitted[i] = greedy_accept(drafts[i], argmax[s : s + len(drafts[i]) + 1])
+        else:
+            random_idx.append(i)
+    if random_idx:
+        k_max = max(len(drafts[i]) for i in random_idx)
+        vocab = processed.shape[1]
+        target = torch.zeros(
+            (len(random_idx), k_max + 1, vocab), dtype=torch.float32, device=processed.device
+        )
+        padded = torch.zeros((len(random_idx), k_max), dtype=torch.int64)
+        # One pass over every random row (per-call overhead dominates at these sizes).
+        sel = [j for i in random_idx for j in range(starts[i], starts[i] + len(drafts[i]) + 1)]
+        probs = sampler.target_probs(processed[sel], [rows[j] for j in sel])
+        at = 0
+        for b, i in enumerate(random_idx):
+            n = len(drafts[i]) + 1
+            target[b, :n] = probs[at : at + n]
+            at += n
+            padded[b, : n - 1] = torch.tensor(drafts[i], dtype=torch.int64)
+        sampled = rejection_sample(
+            padded,
+            [len(drafts[i]) for i in random_idx],
+            target,
+            None,
+            [requests[i].generator for i in random_idx],
+            sampler.generator,
+        )
+        for i, toks in zip(random_idx, sampled, strict=True):
+            emitted[i] = toks
+
+    results: list[VerifyResult] = []
+    for i, req in enumerate(requests):
+        out = emitted[i]
+        assert out is not None
+        toks = out
+        params = req.sampling_params
+        if params.logprobs is None:
+            results.append((toks, None))
+            continue
+        sel = list(range(starts[i], starts[i] + len(toks)))
+        lp_rows = processed[sel]
+        if not params.greedy:
+            lp_rows = lp_rows / params.temperature
+        lps = gather_logprobs(lp_rows, toks, [params] * len(toks))
+        results.append((toks, [lp for _, lp in lps if lp is not None]))
+    return results
