@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from tandem.engine.config import CacheConfig, SchedulerConfig
-from tandem.engine.kv_cache_manager import KVCacheBlocks, KVCacheManager
+from tandem.engine.kv_cache_manager import KVCacheBlocks, KVCacheManager, PrefixCacheStats
 from tandem.engine.kv_connector import KVConnectorScheduler
 from tandem.engine.outputs import EngineCoreOutput
 from tandem.engine.request import Request, RequestStatus
@@ -64,7 +64,12 @@ class SchedulerStats:
         num_waiting_for_remote_kv: requests whose KV is being loaded.
         kv_cache_usage: fraction of KV blocks held by requests, in [0, 1].
         num_free_blocks / num_total_blocks: KV blocks (free includes cached-but-unused).
-        prefix_cache_queries / prefix_cache_hits: cumulative, in tokens.
+        prefix_cache_queries / prefix_cache_hits: cumulative, in tokens (the local
+            prefix cache: queries count each admitted request's tokens).
+        connector_prefix_cache_queries / connector_prefix_cache_hits: the same for the
+            connector's tier (the KV store): tokens of each request admitted while a
+            connector was asked, and tokens actually loaded from it (vLLM's
+            ``connector_prefix_cache_stats``; 0 without a connector).
         num_preemptions: cumulative preemptions.
         num_kv_load_failures: cumulative remote loads that returned fewer tokens
             than requested (the rest was recomputed).
@@ -82,6 +87,8 @@ class SchedulerStats:
     num_preemptions: int
     num_kv_load_failures: int
     num_pending_kv_sends: int
+    connector_prefix_cache_queries: int = 0
+    connector_prefix_cache_hits: int = 0
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -167,6 +174,8 @@ class Scheduler:
         self._pending_free: dict[str, Request] = {}
         self.num_preemptions = 0
         self.num_kv_load_failures = 0
+        # Tokens asked of / loaded from the connector's tier (the local tier's are kvm's).
+        self.connector_prefix_cache_stats = PrefixCacheStats()
 
     # -- admission ---------------------------------------------------------------------
 
@@ -333,6 +342,7 @@ class Scheduler:
                         break
                     self.waiting.pop()
                     kvm.record_prefix_cache_lookup(req, num_hit)
+                    self._record_connector_lookup(req)
                     req.num_computed_tokens = num_hit
                     req.status = RequestStatus.WAITING_FOR_REMOTE_KV
                     self._remote_requested[rid] = num_external
@@ -359,6 +369,7 @@ class Scheduler:
             self.waiting.pop()
             if not has_blocks:
                 kvm.record_prefix_cache_lookup(req, num_hit)
+                self._record_connector_lookup(req)
             req.num_computed_tokens = num_computed
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_computed
@@ -372,6 +383,12 @@ class Scheduler:
         if skipped:
             self.waiting.prepend(skipped)
         return budget
+
+    def _record_connector_lookup(self, req: Request) -> None:
+        """Count an admitted request's tokens as queried of the connector's tier."""
+        if self.connector is not None:
+            self.connector_prefix_cache_stats.num_requests += 1
+            self.connector_prefix_cache_stats.queries += req.num_tokens
 
     def _prefill_cap(self, num_new: int) -> int:
         """``num_new`` tokens capped at ``long_prefill_token_threshold`` (if set)."""
@@ -403,6 +420,7 @@ class Scheduler:
             self.num_kv_load_failures += 1
             logger.info("%s: remote KV load got %d of %d tokens", rid, loaded, requested)
         req.num_computed_tokens += loaded
+        self.connector_prefix_cache_stats.hits += loaded
         self.kv_cache_manager.cache_blocks(req, req.num_computed_tokens)
         req.status = RequestStatus.WAITING
 
@@ -597,4 +615,6 @@ class Scheduler:
             num_preemptions=self.num_preemptions,
             num_kv_load_failures=self.num_kv_load_failures,
             num_pending_kv_sends=len(self._pending_free),
+            connector_prefix_cache_queries=self.connector_prefix_cache_stats.queries,
+            connector_prefix_cache_hits=self.connector_prefix_cache_stats.hits,
         )

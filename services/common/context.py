@@ -39,18 +39,20 @@ class TransferEvents:
     (a ``TransferListener``).
 
     The connector calls :meth:`on_save_done` / :meth:`on_load_done` from its own
-    threads; handlers await :meth:`wait_save` or read :meth:`pop_load`. A result
-    that arrives before its handler asks is kept until asked for (or discarded
-    by :meth:`forget`).
+    threads; handlers await :meth:`expect_save` (before the request enters the engine)
+    or read :meth:`pop_load`. A load result that arrives before its handler asks is kept
+    until asked for (or discarded by :meth:`forget`); a save result nobody expects is
+    only passed to ``on_save``.
     """
 
     def __init__(
-        self, loop: asyncio.AbstractEventLoop, on_event: Callable[[], None] = lambda: None
+        self, loop: asyncio.AbstractEventLoop, on_event: Callable[[], None] = lambda: None,
+        on_save: Callable[[SaveResult], None] = lambda result: None,
     ) -> None:
         self._loop = loop
         self._on_event = on_event
+        self._on_save = on_save
         self._lock = threading.Lock()
-        self._saves: dict[str, SaveResult] = {}
         self._save_waiters: dict[str, asyncio.Future[SaveResult]] = {}
         self._loads: dict[str, LoadResult] = {}
 
@@ -58,12 +60,13 @@ class TransferEvents:
     def on_save_done(self, request_id: str, result: SaveResult) -> None:
         """A request's blocks are published (or failed to be: ``result.ok``)."""
         self._on_event()  # the engine collects it and frees the blocks
+        self._on_save(result)
         with self._lock:
             waiter = self._save_waiters.pop(request_id, None)
-            if waiter is None:
-                self._saves[request_id] = result
-                return
-        self._loop.call_soon_threadsafe(_resolve, waiter, result)
+        # NOTE: a save nobody awaits (a decode's output publish, or a handler already
+        # gone) is dropped: keeping it would grow without bound.
+        if waiter is not None:
+            self._loop.call_soon_threadsafe(_resolve, waiter, result)
 
     def on_load_done(self, request_id: str, result: LoadResult) -> None:
         """A request's remote blocks are loaded (``result.num_tokens`` of them)."""
@@ -76,10 +79,7 @@ class TransferEvents:
         """A future resolved with the request's save result."""
         future: asyncio.Future[SaveResult] = self._loop.create_future()
         with self._lock:
-            if request_id in self._saves:
-                future.set_result(self._saves.pop(request_id))
-            else:
-                self._save_waiters[request_id] = future
+            self._save_waiters[request_id] = future
         return future
 
     def pop_load(self, request_id: str) -> LoadResult | None:
@@ -90,7 +90,6 @@ class TransferEvents:
     def forget(self, request_id: str) -> None:
         """Drop everything about a request (its handler is gone)."""
         with self._lock:
-            self._saves.pop(request_id, None)
             self._save_waiters.pop(request_id, None)
             self._loads.pop(request_id, None)
 
@@ -137,7 +136,16 @@ class ServiceContext:
         """Route the KV connector's transfer events to :attr:`transfers` (no-op without one)."""
         if self._connector is None:
             return
-        self.transfers = TransferEvents(loop, self.engine_loop.wake)
+        on_save = None
+        if self.role == Role.DECODE:
+            metrics = self.metrics
+
+            def on_save(result: SaveResult) -> None:
+                outcome = "ok" if result.ok else "failed"
+                metrics.labels(metrics.kv_output_publishes, outcome=outcome).inc()
+
+        self.transfers = TransferEvents(loop, self.engine_loop.wake,
+                                        on_save or (lambda result: None))
         self._connector.set_listener(self.transfers)
 
     @property

@@ -52,6 +52,19 @@ class ServiceMetrics:
         self.num_preemptions = Counter(
             "tandem:num_preemptions", "Requests preempted (their KV freed, recomputed later).",
             labels, registry=r)
+        # Per cache tier: "local" (this engine's prefix cache), "store" (the KV store,
+        # through the connector); queries count each admitted request's tokens, so
+        # hits / queries is the tier's hit rate.
+        self.prefix_cache_queries = Counter(
+            "tandem:prefix_cache_queries", "Prompt tokens looked up, per cache tier.",
+            [*labels, "tier"], registry=r)
+        self.prefix_cache_hits = Counter(
+            "tandem:prefix_cache_hits", "Prompt tokens served from a cache tier (not computed).",
+            [*labels, "tier"], registry=r)
+        self.kv_output_publishes = Counter(
+            "tandem:kv_output_publishes",
+            "Finished requests whose prompt + output blocks were published (decode), by outcome.",
+            [*labels, "outcome"], registry=r)
         self._role = Role(role).value
         self._followed: dict[str, int] = {}
 
@@ -66,13 +79,20 @@ class ServiceMetrics:
         self.labels(self.kv_cache_usage_perc).set(stats.kv_cache_usage)
         self._follow("kv_load_failures", self.kv_load_failures, num_kv_load_failures)
         self._follow("num_preemptions", self.num_preemptions, stats.num_preemptions)
+        tiers = {
+            "local": (stats.prefix_cache_queries, stats.prefix_cache_hits),
+            "store": (stats.connector_prefix_cache_queries, stats.connector_prefix_cache_hits),
+        }
+        for tier, (queries, hits) in tiers.items():
+            self._follow(f"queries:{tier}", self.prefix_cache_queries, queries, tier=tier)
+            self._follow(f"hits:{tier}", self.prefix_cache_hits, hits, tier=tier)
 
-    def _follow(self, key: str, counter: Counter, total: int) -> None:
+    def _follow(self, key: str, counter: Counter, total: int, **extra: str) -> None:
         """Advance ``counter`` to ``total``: the engine (or connector) counts, the
         Prometheus counter follows its increments."""
         delta = total - self._followed.get(key, 0)
         if delta > 0:
-            self.labels(counter).inc(delta)
+            self.labels(counter, **extra).inc(delta)
             self._followed[key] = total
 
     def serve(self, port: int) -> Any:
