@@ -34,6 +34,12 @@ class RouterConfig:
         chat_template: ``--chat-template`` as given (a path, a shipped template's name or
             the template), ``None`` for the model's.
         tool_call_parser: ``--tool-call-parser`` (``hermes``).
+        kv_index_url: Redis of the KV store index the kv_aware policy and conditional
+            disaggregation read (``--kv-index-url``, default ``redis_url``; ``None``: the
+            store is not consulted).
+        disagg_min_uncached_tokens: a prompt with fewer uncached tokens than this on the
+            chosen decode instance skips the prefill hop (``--disagg-min-uncached-tokens``;
+            0: always disaggregate).
         log_level: Python logging level name.
 
     Raises:
@@ -57,6 +63,8 @@ class RouterConfig:
     max_attempts: int = 3
     chat_template: str | None = None
     tool_call_parser: str = "hermes"
+    kv_index_url: str | None = None
+    disagg_min_uncached_tokens: int = 0
     log_level: str = "info"
 
     def __post_init__(self) -> None:
@@ -67,6 +75,9 @@ class RouterConfig:
                             ("--max-attempts", self.max_attempts)):
             if value < 1:
                 raise ValueError(f"{flag} must be >= 1, got {value}")
+        if self.disagg_min_uncached_tokens < 0:
+            raise ValueError("--disagg-min-uncached-tokens must be >= 0, got "
+                             f"{self.disagg_min_uncached_tokens}")
         if self.max_queued_requests < 0:
             raise ValueError(f"--max-queued-requests must be >= 0, got "
                              f"{self.max_queued_requests}")
@@ -99,4 +110,6 @@ class RouterConfig:
                    max_queued_requests=ns.max_queued_requests, max_attempts=ns.max_attempts,
                    chat_template=getattr(ns, "chat_template", None),
                    tool_call_parser=getattr(ns, "tool_call_parser", "hermes"),
+                   kv_index_url=getattr(ns, "kv_index_url", None) or ns.redis_url or None,
+                   disagg_min_uncached_tokens=getattr(ns, "disagg_min_uncached_tokens", 0),
                    log_level=ns.log_level)

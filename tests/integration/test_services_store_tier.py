@@ -107,3 +107,108 @@ def test_turn_2_on_another_prefill_loads_turn_1_prompt_and_answer(tiny, cluster)
     # 4 full blocks, all from the store (B never saw turn 1).
     assert pre.num_cached_tokens == (len(turn1) + len(got1) - 1) // BS * BS == 64
     b.wait_metric("tandem:prefix_cache_hits_total", store_before + 64, tier="store")
+
+
+def test_a_decode_instance_prefilling_itself_loads_from_the_store(tiny, cluster):
+    from services_harness import run_colocated
+
+    from tandem.v1 import prefill_pb2
+
+    a, _, decode = cluster
+    rng = random.Random(21)
+    prompt = _prompt(rng, 70)  # 4 full blocks
+    a.svc.prefill.Prefill(prefill_pb2.PrefillRequest(prompt_token_ids=prompt,
+                                                     sampling_params=params(1)), timeout=60)
+    longer = prompt + _prompt(rng, 10)
+    before = decode.metric("tandem:prefix_cache_hits_total", tier="store")
+    assert run_colocated(decode.svc, longer, params(6)) == hf_greedy(tiny, [longer], 6)[0]
+    decode.wait_metric("tandem:prefix_cache_hits_total", before + 64, tier="store")
+
+
+class Router:
+    """`tandem router` over the cluster's static instances, reading the store index."""
+
+    def __init__(self, tiny: str, tmp, redis_url: str, cluster, min_uncached: int) -> None:
+        from services_harness import Proc
+
+        from tandem.launch import http_ok
+
+        a, b, decode = cluster
+        self.url = f"http://127.0.0.1:{free_port()}"
+        port = self.url.rsplit(":", 1)[1]
+        self.proc = Proc(
+            ["router", "--host", "127.0.0.1", "--port", port, "--grpc-port", "0",
+             "--model", tiny, "--prefill", f"{a.svc.address},{b.svc.address}",
+             "--decode", decode.svc.address, "--kv-index-url", redis_url,
+             "--disagg-min-uncached-tokens", str(min_uncached)],
+            tmp / f"router-{port}.log", ready=lambda: http_ok(f"{self.url}/health"))
+        self.proc.wait_ready(120)
+
+    def complete(self, prompt: list[int], max_tokens: int = 6) -> dict:
+        import httpx
+
+        resp = httpx.post(f"{self.url}/v1/completions", timeout=120, json={
+            "model": httpx.get(f"{self.url}/v1/models").json()["data"][0]["id"],
+            "prompt": prompt, "max_tokens": max_tokens, "temperature": 0})
+        assert resp.status_code == 200, resp.text
+        return resp.json()
+
+    def metric(self, name: str, **labels: str) -> float:
+        import httpx
+        from prometheus_client.parser import text_string_to_metric_families
+
+        text = httpx.get(f"{self.url}/metrics").text
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                if s.name == name and labels.items() <= s.labels.items():
+                    return s.value
+        return 0.0
+
+
+@pytest.fixture(scope="module")
+def routers(tiny, redis_url, cluster, tmp_path_factory):
+    """(always disaggregated, conditional with 32 tokens)."""
+    tmp = tmp_path_factory.mktemp("routers")
+    started = []
+    try:
+        for threshold in (0, 32):
+            started.append(Router(tiny, tmp, redis_url, cluster, threshold))
+        yield started
+    finally:
+        for r in started:
+            r.proc.stop()
+
+
+def test_conditional_disaggregation(cluster, routers):
+    always, conditional = routers
+    _, _, decode = cluster
+    rng = random.Random(22)
+    short, long = _prompt(rng, 10), _prompt(rng, 100)
+
+    # Short: straight to the decode instance, which prefills it; same text as through
+    # the prefill hop.
+    got = conditional.complete(short)
+    t = got["timings"]
+    assert t["disagg_decision"] == "local_prefill", t
+    assert t["prefill_instance"] == t["decode_instance"] == decode.svc.address
+    want = always.complete(short)
+    assert want["timings"]["disagg_decision"] == "remote_prefill"
+    assert want["timings"]["prefill_instance"] != decode.svc.address
+    assert got["choices"][0]["text"] == want["choices"][0]["text"]
+
+    # Long and new: through a prefill instance.
+    got = conditional.complete(long)
+    assert got["timings"]["disagg_decision"] == "remote_prefill", got["timings"]
+    assert got["timings"]["prefill_instance"] != decode.svc.address
+    assert got["choices"][0]["text"] == always.complete(long)["choices"][0]["text"]
+    # Long again: 96 of its 100 tokens are cached (decode instance and store): local.
+    again = conditional.complete(long)
+    assert again["timings"]["disagg_decision"] == "local_prefill", again["timings"]
+    assert "4 uncached tokens < 32" in again["timings"]["disagg_reason"]
+    assert again["choices"][0]["text"] == got["choices"][0]["text"]
+
+    assert conditional.metric("tandem:disagg_decision_total", path="local_prefill") == 2
+    assert conditional.metric("tandem:disagg_decision_total", path="remote_prefill") == 1
+    # One store lookup per request, on both routers (the kv_aware prefill choice reads it).
+    assert conditional.metric("tandem:kv_store_lookup_seconds_count") == 3
+    assert always.metric("tandem:kv_store_lookup_seconds_count") == 2
