@@ -326,9 +326,12 @@ class Scheduler:
                 hits, num_hit = kvm.get_computed_blocks(req)
                 num_external = 0
                 if self.connector is not None:
-                    num_external = self.connector.get_num_new_matched_tokens(req, num_hit)
+                    matched = self.connector.get_num_new_matched_tokens(req, num_hit)
+                    if matched is None:
+                        skipped.append(self.waiting.pop())  # its lookup runs: ask again
+                        continue
                     # At least one token must be computed here to produce a sample.
-                    num_external = min(num_external, req.num_tokens - 1 - num_hit)
+                    num_external = min(matched, req.num_tokens - 1 - num_hit)
                 if num_external > 0:
                     # NOTE: blocks for every remaining token, not only the remote ones:
                     # a loaded request then never waits for one more block while

@@ -178,7 +178,8 @@ class StoreConnectorConfig(KVConnectorConfig):
             + output when a request finishes, so a later turn of the conversation finds
             them (``--kv-publish-output``).
         lookup_timeout_s: deadline of one index lookup made for ``load_from_store``
-            (on the engine thread: a lookup that takes longer is a miss).
+            (a lookup that takes longer is a miss; the request waits for it, the engine
+            does not).
 
     Raises:
         ValueError: a field out of range (named in the message).
@@ -191,7 +192,7 @@ class StoreConnectorConfig(KVConnectorConfig):
     client_options: ClientOptions = ClientOptions()
     load_from_store: bool = True
     publish_output: bool = True
-    lookup_timeout_s: float = 0.5
+    lookup_timeout_s: float = 2.0
 
     def __post_init__(self) -> None:
         if self.lookup_timeout_s <= 0:

@@ -18,10 +18,13 @@ freed either way; a failed publish only makes the decode side recompute).
 
 Store lookups (both roles, ``load_from_store``): a request without block hashes (a
 prefill, or a decode instance's local prefill) looks up the full blocks of its prompt
-beyond the local prefix-cache hit in the store index (one batched lookup on the engine
-thread, metadata only: :class:`~tandem.kvstore.lookup.IndexProbe`) and loads the leading
-run present, exactly as a decode loads a prefill's blocks; the loaded blocks join the
-local prefix cache. The last prompt token is always computed (it yields the sample).
+beyond the local prefix-cache hit in the store index (one batched lookup, metadata only:
+:class:`~tandem.kvstore.lookup.IndexProbe`) and loads the leading run present, exactly as
+a decode loads a prefill's blocks; the loaded blocks join the local prefix cache. The
+last prompt token is always computed (it yields the sample). The lookup runs on a thread
+of its own: until it answers, ``get_num_new_matched_tokens`` says "not known yet" and the
+request waits (other requests keep running), so a slow or unreachable index never stalls
+the engine's step loop; the listener's ``on_lookup_done`` wakes the engine.
 
 Consumer (decode, ``kv_consumer``): a request whose ``kv_transfer_params``
 (``contracts.block_key.KVTransferParams``) hold the prompt's block hashes under
@@ -119,6 +122,74 @@ class _Job:
     first_block: int = 0
 
 
+class _Lookups:
+    """Store index lookups of waiting requests, on their own thread.
+
+    Thread-safety: ``get``/``pop`` come from the engine thread, the probe runs
+    on the lookup thread; ``_lock`` guards the two dicts.
+    """
+
+    def __init__(self, probe: StoreProbe, transfers: _Transfers) -> None:
+        self._probe = probe
+        self._transfers = transfers  # for its listener
+        self._queue: queue.Queue[tuple[str, int, int, list[BlockHash], bytes] | None] = (
+            queue.Queue())
+        self._lock = threading.Lock()
+        self._pending: dict[str, int] = {}  # request id -> start block of the lookup asked
+        self._done: dict[str, _Found] = {}
+        self._thread = threading.Thread(target=self._run, name="kv-index-lookup", daemon=True)
+        self._thread.start()
+
+    def get(self, request_id: str, start: int, stop: int, hashes: Callable[[], list[BlockHash]],
+            fingerprint: bytes) -> _Found | None:
+        """The lookup of blocks ``[start, stop)`` if it answered; else start it (once) and
+        return ``None``. ``hashes()`` gives the full-block hash chain (called only to
+        start a lookup)."""
+        with self._lock:
+            found = self._done.get(request_id)
+            if found is not None and found.start == start:
+                return found
+            if self._pending.get(request_id) == start:
+                return None
+            self._pending[request_id] = start
+            self._done.pop(request_id, None)
+        self._queue.put((request_id, start, stop, hashes(), fingerprint))
+        return None
+
+    def pop(self, request_id: str) -> _Found | None:
+        with self._lock:
+            self._pending.pop(request_id, None)
+            return self._done.pop(request_id, None)
+
+    def num_pending(self) -> int:
+        with self._lock:
+            return len(self._pending)
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=30)
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            rid, start, stop, hashes, fingerprint = item
+            try:
+                n = self._probe([BlockKey(h, fingerprint) for h in hashes[start:stop]])
+            except Exception as exc:  # noqa: BLE001 - a failed lookup is a miss
+                logger.warning("store lookup of %s failed: %s", rid, exc)
+                n = 0
+            with self._lock:
+                if self._pending.get(rid) != start:
+                    continue  # finished, or a newer lookup was asked meanwhile
+                del self._pending[rid]
+                self._done[rid] = _Found(start, max(0, min(n, stop - start)), hashes)
+            listener = self._transfers.listener
+            if listener is not None:
+                listener.on_lookup_done(rid)
+
+
 @dataclass(frozen=True)
 class _Found:
     """A store lookup of a waiting request: ``num_blocks`` leading blocks present from
@@ -161,6 +232,7 @@ class _Transfers:
         self._loaded_blocks: dict[str, range] = {}
         self.kv_cache: torch.Tensor | None = None
         self.listener: TransferListener | None = None
+        self.lookups: _Lookups | None = None  # set by the scheduler side, closed here
         self.num_load_failures = 0
         self._threads = [
             threading.Thread(target=self._run, name=f"kv-transfer-{i}", daemon=True)
@@ -199,6 +271,8 @@ class _Transfers:
         return sending, recving
 
     def close(self) -> None:
+        if self.lookups is not None:
+            self.lookups.close()
         for _ in self._threads:
             self._queue.put(None)
         for thread in self._threads:
@@ -317,11 +391,11 @@ class StoreConnectorScheduler(KVConnectorScheduler):
         self.is_consumer = kv_role in ("kv_consumer", "kv_both")
         self.block_size = block_size
         self.fingerprint = fingerprint
-        self.probe = probe
         self.publish_output = publish_output and self.is_consumer
         self._loads: dict[str, _Job] = {}
-        # Waiting requests' store lookups (one per admission attempt at a new local hit).
-        self._found: dict[str, _Found] = {}
+        # Waiting requests' store lookups (one per request and local hit).
+        self._lookups = _Lookups(probe, transfers) if probe is not None else None
+        transfers.lookups = self._lookups
 
     def _remote_hashes(self, request: Request) -> tuple[BlockHash, ...] | None:
         params = request.kv_transfer_params
@@ -331,7 +405,8 @@ class StoreConnectorScheduler(KVConnectorScheduler):
             return None  # another layout's blocks: recompute (the service rejects these)
         return params.block_hashes
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
+                                   ) -> int | None:
         if request.kv_transfer_params is None:
             return self._store_hit(request, num_computed_tokens)
         # NOTE: optimistic (no store lookup on the step loop): the producer published
@@ -342,10 +417,10 @@ class StoreConnectorScheduler(KVConnectorScheduler):
         covered = min(len(hashes) * self.block_size, request.num_prompt_tokens)
         return max(0, covered - num_computed_tokens)
 
-    def _store_hit(self, request: Request, num_computed_tokens: int) -> int:
+    def _store_hit(self, request: Request, num_computed_tokens: int) -> int | None:
         """Tokens of the leading run of full blocks after the local hit that the store
-        index holds (one lookup per request and local hit; later calls reuse it)."""
-        if self.probe is None:
+        index holds; ``None`` while its lookup (one per request and local hit) runs."""
+        if self._lookups is None:
             return 0
         bs = self.block_size
         start = num_computed_tokens // bs
@@ -353,19 +428,17 @@ class StoreConnectorScheduler(KVConnectorScheduler):
         stop = (request.num_tokens - 1) // bs
         if stop <= start:
             return 0
-        rid = request.request_id
-        found = self._found.get(rid)
-        if found is None or found.start != start:
-            hashes = hash_token_blocks(request.all_token_ids[: stop * bs], bs)
-            n = self.probe([BlockKey(h, self.fingerprint) for h in hashes[start:stop]])
-            found = self._found[rid] = _Found(start, max(0, min(n, stop - start)), hashes)
-        return found.num_blocks * bs
+        tokens = request.all_token_ids
+        found = self._lookups.get(request.request_id, start, stop,
+                                  lambda: hash_token_blocks(tokens[: stop * bs], bs),
+                                  self.fingerprint)
+        return None if found is None else found.num_blocks * bs
 
     def update_state_after_alloc(
         self, request: Request, block_ids: list[int], num_external_tokens: int
     ) -> None:
         rid = request.request_id
-        found = self._found.pop(rid, None)
+        found = self._lookups.pop(rid) if self._lookups is not None else None
         hashes: Sequence[BlockHash] | None = self._remote_hashes(request)
         if hashes is None and found is not None:
             hashes = found.hashes
@@ -393,7 +466,8 @@ class StoreConnectorScheduler(KVConnectorScheduler):
 
     def request_finished(self, request: Request, block_ids: list[int]) -> bool:
         rid = request.request_id
-        self._found.pop(rid, None)
+        if self._lookups is not None:
+            self._lookups.pop(rid)
         if self._loads.pop(rid, None) is not None:
             return False  # its load was never started: nothing writes into the blocks
         if self._transfers.cancel(rid):
@@ -496,7 +570,7 @@ def build_store_connector(
 
     Args:
         probe: store index lookup for requests without block hashes (``None``: off);
-            called on the engine thread, so it must be metadata only and bounded.
+            called on a lookup thread of its own (metadata only: one round trip).
         publish_output: a consumer publishes finished requests' prompt + output blocks.
 
     Raises:
@@ -539,7 +613,9 @@ def create_connector(
     if config.load_from_store:
         from tandem.kvstore.lookup import IndexProbe
 
-        probe = IndexProbe(config.redis_url, timeout_s=config.lookup_timeout_s).leading
+        index = IndexProbe(config.redis_url, timeout_s=config.lookup_timeout_s)
+        threading.Thread(target=index.warm, name="kv-index-warm", daemon=True).start()
+        probe = index.leading
     return build_store_connector(
         kv_transfer_config.kv_role, layout, connect, config.num_transfer_threads,
         probe=probe, publish_output=config.publish_output,

@@ -1,6 +1,6 @@
 """Index-only store lookups: how many leading blocks of a prefix live store nodes hold.
 
-The engine's scheduler (through the store connector) and the router ask this before any
+The store connector (for its engine's scheduler) and the router ask this before any
 byte moves: one Redis round trip (:data:`~tandem.kvstore.index.LOOKUP_LUA`: the entries
 of every key plus the registry records of the nodes they name) per prompt, whatever its
 length. A key whose entry is absent, malformed, or names a node without a live heartbeat
@@ -67,7 +67,7 @@ class _Backoff:
 
 
 class IndexProbe:
-    """Blocking lookups on the caller's thread (the engine thread: metadata only).
+    """Blocking lookups on the caller's thread (the store connector's lookup thread).
 
     Args:
         redis_url: the store's index.
@@ -92,6 +92,15 @@ class IndexProbe:
     @property
     def num_failures(self) -> int:
         return self._backoff.num_failures
+
+    def warm(self) -> None:
+        """Connect and load the lookup script now (call it off the engine thread): the
+        first lookup then pays one round trip, not a connection and a script load, which
+        on a busy host can exceed ``timeout_s``. Failures are only logged."""
+        try:
+            self._redis.script_load(LOOKUP_LUA)
+        except (RedisError, OSError) as exc:
+            logger.info("KV store index not reachable yet: %s", exc)
 
     def leading(self, keys: Sequence[BlockKey]) -> int:
         """Number of leading ``keys`` held by live nodes; 0 when the index is unreachable."""

@@ -74,6 +74,10 @@ class TransferEvents:
             self._loads[request_id] = result
         self._on_event()  # the engine schedules the request now
 
+    def on_lookup_done(self, request_id: str) -> None:
+        """A waiting request's store lookup answered: the engine can admit it now."""
+        self._on_event()
+
     # event loop ---------------------------------------------------------------------------
     def expect_save(self, request_id: str) -> asyncio.Future[SaveResult]:
         """A future resolved with the request's save result."""

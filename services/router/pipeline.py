@@ -189,7 +189,7 @@ class Pipeline:
                 request_id=seq_id, prompt_token_ids=req.prompt_token_ids,
                 sampling_params=psp, priority=req.priority), metadata, timings,
                 req.param_of_field)
-            state.num_cached_tokens = presp.num_cached_tokens
+            state.num_cached_tokens = timings.cached_tokens = presp.num_cached_tokens
             lps = [presp.first_logprobs] if presp.HasField("first_logprobs") else None
             stop_tok = presp.stop_token_id if presp.HasField("stop_token_id") else None
             delta = state.add([presp.first_token_id], lps, presp.finish_reason, stop_tok)
@@ -356,7 +356,7 @@ class Pipeline:
                 t.prefill_queue_ns = msg.queue_ns
                 t.prefill_compute_ns = max(0, t.first_decode_ns - msg.queue_ns)
         if msg.HasField("num_cached_tokens") and colocated_form:
-            state.num_cached_tokens = msg.num_cached_tokens
+            state.num_cached_tokens = t.cached_tokens = msg.num_cached_tokens
         m = self.metrics
         if not colocated_form and t.kv_pull_ns is not None:
             handoff_s = ((t.kv_publish_ns or 0) + t.kv_pull_ns) / 1e9

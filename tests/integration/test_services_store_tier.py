@@ -212,3 +212,42 @@ def test_conditional_disaggregation(cluster, routers):
     # One store lookup per request, on both routers (the kv_aware prefill choice reads it).
     assert conditional.metric("tandem:kv_store_lookup_seconds_count") == 3
     assert always.metric("tandem:kv_store_lookup_seconds_count") == 2
+
+
+def test_bench_multi_turn_workload_reports_reuse_per_turn(tiny, routers):
+    """`tandem bench serve --dataset-name multi-turn`'s workload, small: every turn
+    completes, and from turn 2 on at least the previous turn's prompt is cached.
+
+    NOTE: the random model's answers are random token ids; their text does not re-tokenise
+    to the same ids in the next turn's chat template, so the answer's blocks are not
+    matched here (test_turn_2_on_another_prefill_loads_turn_1_prompt_and_answer covers
+    them with token ids)."""
+    import asyncio
+
+    import httpx
+
+    from tandem.bench.multiturn import (
+        MultiTurnShape,
+        build_conversations,
+        run_conversations,
+        turn_metrics,
+    )
+    from tandem.engine.model_files import load_tokenizer
+
+    always, _ = routers
+    shape = MultiTurnShape(num_conversations=2, num_turns=3, system_len=40, user_len=12,
+                           answer_len=8)
+    system, users = build_conversations(shape, load_tokenizer(tiny), seed=0)
+    model = httpx.get(f"{always.url}/v1/models").json()["data"][0]["id"]
+    results, duration = asyncio.run(run_conversations(
+        f"{always.url}/v1/chat/completions", model, shape, system, users,
+        request_rate=float("inf"), burstiness=1.0, max_concurrency=None, seed=0))
+    m = turn_metrics(results, duration, [50, 90])
+    assert (m["completed"], m["failed"]) == (6, 0), m["errors"]
+    rows = {r["turn"]: r for r in m["per_turn"]}
+    assert sorted(rows) == [1, 2, 3]
+    assert all(rows[t]["completed"] == 2 and rows[t]["median_ttft_ms"] > 0 for t in rows)
+    by_turn = {(r.conversation, r.turn): r for r in results}
+    for (c, t), r in by_turn.items():
+        if t > 1:
+            assert r.cached_tokens >= by_turn[c, t - 1].prompt_tokens // 16 * 16, (c, t)

@@ -94,6 +94,9 @@ class Recorder:
         with self.lock:
             self.loads[request_id] = result
 
+    def on_lookup_done(self, request_id: str) -> None:
+        pass
+
 
 @pytest.fixture
 def store() -> Iterator[DictBlockStore]:

@@ -239,3 +239,47 @@ def test_the_index_probe_treats_an_unreachable_index_as_a_miss_and_backs_off() -
         probe.close()
     with pytest.raises(ValueError, match="timeout_s"):
         IndexProbe("redis://x", timeout_s=0)
+
+
+def test_a_slow_lookup_holds_only_its_own_request(tiny, store) -> None:
+    """The lookup runs off the step loop: while it hangs, another request runs to the end;
+    once it answers, the waiting request loads and finishes with the oracle's tokens."""
+    loaded, hf = tiny
+    a, b = make_core(loaded, "kv_producer"), make_core(loaded, "kv_producer")
+    try:
+        prompt = list(range(50, 70))
+        generate(a, prompt, 1)
+        release = threading.Event()
+        leading = store.leading
+
+        def slow(keys: Sequence[BlockKey]) -> int:
+            release.wait(30)
+            return leading(keys)
+
+        store.leading = slow  # type: ignore[method-assign]
+        waiting = Request("waits", prompt, SamplingParams(max_tokens=1, temperature=0.0))
+        b.add_request(waiting)
+        short = [3, 4, 5]  # no full block: no lookup
+        b.add_request(Request("runs", short, SamplingParams(max_tokens=3, temperature=0.0)))
+        tokens: dict[str, list[int]] = {"runs": [], "waits": []}
+        cached = {}
+        finished: set[str] = set()
+        while "runs" not in finished:
+            for o in b.step():
+                tokens[o.request_id] += o.new_token_ids
+                cached.setdefault(o.request_id, o.num_cached_tokens)
+                if o.finished:
+                    finished.add(o.request_id)
+        assert tokens["runs"] == hf_greedy_steps(hf, short, 3)[0]
+        assert tokens["waits"] == [], "the looked-up request still waits"
+        release.set()
+        while b.has_unfinished_requests():
+            for o in b.step():
+                tokens[o.request_id] += o.new_token_ids
+                cached.setdefault(o.request_id, o.num_cached_tokens)
+        assert tokens["waits"] == hf_greedy_steps(hf, prompt, 1)[0]
+        assert cached["waits"] == 16
+    finally:
+        release.set()
+        a.shutdown()
+        b.shutdown()
