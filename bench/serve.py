@@ -350,6 +350,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--launch-engine-arg", action="append", default=[],
                    help="extra engine flag for --launch stacks, e.g. --launch-engine-arg="
                         "--max-num-batched-tokens=512")
+    p.add_argument("--launch-router-arg", action="append", default=[],
+                   help="extra flag for the launched router (repeatable), e.g. "
+                        "--launch-router-arg=--disagg-min-uncached-tokens=64")
     p.add_argument("--launch-disagg-cpus", type=int, default=1,
                    help="CPUs pinned to each of the prefill and decode engines (--launch disagg)")
     return p
@@ -464,6 +467,7 @@ def main(argv: list[str] | None = None) -> int:
             colocated = mode == "colocated"
             cfg = StackConfig(port=0, grpc_port=0, model=args.launch_model, colocated=colocated,
                               engine_args=list(args.launch_engine_arg),
+                              router_args=list(args.launch_router_arg),
                               cpus_per_engine=0 if colocated else args.launch_disagg_cpus)
             print(f"== launching {mode} stack ==", flush=True)
             with Stack(cfg) as stack:
