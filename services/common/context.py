@@ -34,6 +34,10 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def _ignore_save(result: SaveResult) -> None:
+    """The ``on_save`` of a role that counts no publishes."""
+
+
 class TransferEvents:
     """Thread-safe mailbox between the KV connector's threads and the RPC handlers
     (a ``TransferListener``).
@@ -47,7 +51,7 @@ class TransferEvents:
 
     def __init__(
         self, loop: asyncio.AbstractEventLoop, on_event: Callable[[], None] = lambda: None,
-        on_save: Callable[[SaveResult], None] = lambda result: None,
+        on_save: Callable[[SaveResult], None] = _ignore_save,
     ) -> None:
         self._loop = loop
         self._on_event = on_event
@@ -140,16 +144,16 @@ class ServiceContext:
         """Route the KV connector's transfer events to :attr:`transfers` (no-op without one)."""
         if self._connector is None:
             return
-        on_save = None
+        on_save: Callable[[SaveResult], None] = _ignore_save
         if self.role == Role.DECODE:
             metrics = self.metrics
 
-            def on_save(result: SaveResult) -> None:
+            def count_publish(result: SaveResult) -> None:
                 outcome = "ok" if result.ok else "failed"
                 metrics.labels(metrics.kv_output_publishes, outcome=outcome).inc()
 
-        self.transfers = TransferEvents(loop, self.engine_loop.wake,
-                                        on_save or (lambda result: None))
+            on_save = count_publish
+        self.transfers = TransferEvents(loop, self.engine_loop.wake, on_save)
         self._connector.set_listener(self.transfers)
 
     @property
