@@ -206,9 +206,11 @@ def turn_metrics(results: list[TurnResult], duration_s: float, percentiles: list
 def print_turns(m: dict[str, Any], percentiles: list[float]) -> None:
     """The per-turn table."""
     print("{s:{c}^60}".format(s=" Multi-turn chat: TTFT per turn ", c="="))
-    cols = ["turn", "completed", "mean_prompt_tokens", "mean_cached_tokens", "mean_ttft_ms"]
-    cols += ["median_ttft_ms" if p == 50 else f"p{p:g}_ttft_ms" for p in percentiles]
-    print("  ".join(f"{c:>12.12}" for c in cols))
+    cols = {"turn": "turn", "completed": "done", "mean_prompt_tokens": "prompt tok",
+            "mean_cached_tokens": "cached tok", "mean_ttft_ms": "TTFT mean ms"}
+    for p in percentiles:
+        cols["median_ttft_ms" if p == 50 else f"p{p:g}_ttft_ms"] = f"TTFT p{p:g} ms"
+    print("  ".join(f"{label:>12}" for label in cols.values()))
     for row in m["per_turn"]:
         print("  ".join(f"{row.get(c, float('nan')):>12.1f}" if isinstance(row.get(c), float)
                         else f"{row.get(c, '-')!s:>12}" for c in cols))
