@@ -218,6 +218,9 @@ class CacheView:
         return ctx.store_tokens[key]
 
     async def estimate(self, info: InstanceInfo, ctx: RouteContext) -> CacheEstimate:
+        """Both tiers for ``info``; a colocated (``both``) instance has no store."""
+        if info.role == Role.BOTH:
+            return CacheEstimate(self.local_tokens(info, ctx), 0)
         return CacheEstimate(self.local_tokens(info, ctx), await self.store_tokens(info, ctx))
 
     def record(self, info: InstanceInfo, ctx: RouteContext) -> None:

@@ -221,3 +221,15 @@ def test_kv_aware_weighs_local_and_store_tiers_with_one_lookup_per_request() -> 
     fresh = _infos(0)
     assert asyncio.run(view.store_tokens(fresh[0], RouteContext("prefill", shared))) == 0
     assert store.num_lookups == 3
+
+
+def test_colocated_instances_do_not_ask_the_store() -> None:
+    from tandem.services.router.routing import CacheView
+
+    store = _FakeStoreIndex()
+    router = KVAwareRouter(CacheView(store))
+    infos = _infos(0, 0, role="both")
+    for i in infos:
+        i.kv_layout_fingerprint = b"f" * 16
+    _choose(router, infos, list(range(64)), stage="both")
+    assert store.num_lookups == 0
