@@ -13,6 +13,8 @@ prefill compute, KV handoff = publish + pull, first decode step), ``--json`` to 
 result as JSON and ``--plot`` for a PNG of latency percentiles over request rate.
 
 Prompts are random token ids sent as ``prompt: [ids]`` so input lengths are exact.
+``--dataset-name multi-turn`` runs chat conversations instead (bench/multiturn.py: a
+shared system prompt, ``--multi-turn-turns`` turns each) and reports TTFT per turn.
 """
 
 from __future__ import annotations
@@ -299,7 +301,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="router base URL")
     p.add_argument("--endpoint", default="/v1/completions")
     p.add_argument("--model", default=None, help="model name (default: the router's first)")
-    p.add_argument("--dataset-name", default="random", choices=["random"])
+    p.add_argument("--dataset-name", default="random", choices=["random", "multi-turn"],
+                   help="random: token-id prompts; multi-turn: chat conversations whose "
+                        "turns resend the history (bench/multiturn.py)")
+    p.add_argument("--multi-turn-conversations", type=int, default=16,
+                   help="multi-turn: conversations (they start at --request-rate)")
+    p.add_argument("--multi-turn-turns", type=int, default=4, help="multi-turn: turns each")
+    p.add_argument("--multi-turn-system-len", type=int, default=1000,
+                   help="multi-turn: tokens of the system prompt all conversations share")
+    p.add_argument("--multi-turn-user-len", type=int, default=64,
+                   help="multi-turn: tokens of each user message")
+    p.add_argument("--multi-turn-answer-len", type=int, default=64,
+                   help="multi-turn: tokens of each answer (ignore_eos)")
     p.add_argument("--num-prompts", type=int, default=100)
     p.add_argument("--random-input-len", type=int, default=1024)
     p.add_argument("--random-output-len", type=int, default=128)
@@ -337,6 +350,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--launch-engine-arg", action="append", default=[],
                    help="extra engine flag for --launch stacks, e.g. --launch-engine-arg="
                         "--max-num-batched-tokens=512")
+    p.add_argument("--launch-router-arg", action="append", default=[],
+                   help="extra flag for the launched router (repeatable), e.g. "
+                        "--launch-router-arg=--disagg-min-uncached-tokens=64")
     p.add_argument("--launch-disagg-cpus", type=int, default=1,
                    help="CPUs pinned to each of the prefill and decode engines (--launch disagg)")
     return p
@@ -356,6 +372,8 @@ def _run_all(args: argparse.Namespace, url: str, percentiles: list[float],
         from tandem.engine.model_files import load_tokenizer
 
         vocab = len(load_tokenizer(args.tokenizer))
+    if args.dataset_name == "multi-turn":
+        return _run_multi_turn(args, base, model, percentiles, label)
     all_results = []
     failed = 0
     for i, rate in enumerate(args.request_rate):
@@ -379,6 +397,45 @@ def _run_all(args: argparse.Namespace, url: str, percentiles: list[float],
     return all_results, failed
 
 
+def _run_multi_turn(args: argparse.Namespace, base: str, model: str,
+                    percentiles: list[float], label: str | None
+                    ) -> tuple[list[dict[str, Any]], int]:
+    """The multi-turn workload at every ``--request-rate`` (conversations per second)."""
+    from tandem.bench.multiturn import (
+        MultiTurnShape,
+        build_conversations,
+        print_turns,
+        run_conversations,
+        turn_metrics,
+    )
+    from tandem.engine.model_files import load_tokenizer
+
+    shape = MultiTurnShape(args.multi_turn_conversations, args.multi_turn_turns,
+                           args.multi_turn_system_len, args.multi_turn_user_len,
+                           args.multi_turn_answer_len)
+    tokenizer = load_tokenizer(args.tokenizer)
+    all_results, failed = [], 0
+    for i, rate in enumerate(args.request_rate):
+        # NOTE: fresh conversations per rate (same system prompt text only within a rate)
+        system, users = build_conversations(shape, tokenizer, args.seed + i)
+        print(f"Conversation rate: {rate}\nMaximum request concurrency: "
+              f"{args.max_concurrency}", flush=True)
+        results, duration = asyncio.run(run_conversations(
+            base + "/v1/chat/completions", model, shape, system, users, rate,
+            args.burstiness, args.max_concurrency, args.seed))
+        m = turn_metrics(results, duration, percentiles)
+        m.update(date=datetime.now().strftime("%Y%m%d-%H%M%S"), backend="tandem",
+                 dataset_name="multi-turn", model_id=model, request_rate=rate,
+                 max_concurrency=args.max_concurrency, label=label,
+                 num_conversations=shape.num_conversations, num_turns=shape.num_turns,
+                 system_len=shape.system_len, user_len=shape.user_len,
+                 answer_len=shape.answer_len)
+        print_turns(m, percentiles)
+        failed += m["failed"]
+        all_results.append(m)
+    return all_results, failed
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `tandem bench serve`. Returns 0 when every request succeeded."""
     args = build_parser().parse_args(argv)
@@ -389,6 +446,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.input_len_mix:
             mix = [(int(a), float(b)) for a, b in
                    (x.split(":") for x in args.input_len_mix.split(","))]
+        if args.dataset_name == "multi-turn":
+            from tandem.bench.multiturn import MultiTurnShape
+
+            MultiTurnShape(args.multi_turn_conversations, args.multi_turn_turns,
+                           args.multi_turn_system_len, args.multi_turn_user_len,
+                           args.multi_turn_answer_len)
+            if args.plot:
+                raise ValueError("--plot: not for --dataset-name multi-turn")
     except ValueError as exc:
         print(f"tandem bench serve: error: {exc}", file=sys.stderr)
         return 2
@@ -402,6 +467,7 @@ def main(argv: list[str] | None = None) -> int:
             colocated = mode == "colocated"
             cfg = StackConfig(port=0, grpc_port=0, model=args.launch_model, colocated=colocated,
                               engine_args=list(args.launch_engine_arg),
+                              router_args=list(args.launch_router_arg),
                               cpus_per_engine=0 if colocated else args.launch_disagg_cpus)
             print(f"== launching {mode} stack ==", flush=True)
             with Stack(cfg) as stack:

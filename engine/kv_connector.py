@@ -111,18 +111,24 @@ class TransferListener(Protocol):
     def on_load_done(self, request_id: str, result: LoadResult) -> None:
         """A request's remote blocks are loaded (``result.num_tokens`` tokens of them)."""
 
+    def on_lookup_done(self, request_id: str) -> None:
+        """A waiting request's remote lookup answered (``get_num_new_matched_tokens``
+        returned ``None`` for it): the engine can try to admit it now."""
+
 
 class KVConnectorScheduler(ABC):
     """Scheduler side of a connector. Called only from the engine thread; never blocks
     on data transfer (a metadata lookup is acceptable)."""
 
     @abstractmethod
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
+                                   ) -> int | None:
         """Tokens of ``request`` available remotely beyond its local cache hit.
 
         Called when the scheduler tries to admit a request that holds no blocks;
         may be called again for the same request in later steps if admission
-        failed, so it must be free of side effects.
+        failed, so it must not change what a later call answers (starting a
+        lookup whose answer a later call returns is fine).
 
         Args:
             request: a waiting request (``request.all_token_ids`` is what is known).
@@ -131,7 +137,10 @@ class KVConnectorScheduler(ABC):
 
         Returns:
             Number of tokens starting at ``num_computed_tokens`` that can be
-            loaded; 0 on a miss (a miss is a value, never an exception). The
+            loaded; 0 on a miss (a miss is a value, never an exception); ``None``
+            while that is not known yet (a lookup is running: the request waits
+            and is asked again in a later step, after the listener's
+            ``on_lookup_done``; vLLM's connectors answer the same way). The
             scheduler clamps it so that at least one token is computed locally.
         """
 

@@ -48,7 +48,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from tandem.engine.config import CacheConfig, SchedulerConfig, SpeculativeConfig
-from tandem.engine.kv_cache_manager import KVCacheBlocks, KVCacheManager
+from tandem.engine.kv_cache_manager import KVCacheBlocks, KVCacheManager, PrefixCacheStats
 from tandem.engine.kv_connector import KVConnectorScheduler
 from tandem.engine.outputs import EngineCoreOutput
 from tandem.engine.request import Request, RequestStatus
@@ -74,7 +74,12 @@ class SchedulerStats:
         num_waiting_for_remote_kv: requests whose KV is being loaded.
         kv_cache_usage: fraction of KV blocks held by requests, in [0, 1].
         num_free_blocks / num_total_blocks: KV blocks (free includes cached-but-unused).
-        prefix_cache_queries / prefix_cache_hits: cumulative, in tokens.
+        prefix_cache_queries / prefix_cache_hits: cumulative, in tokens (the local
+            prefix cache: queries count each admitted request's tokens).
+        connector_prefix_cache_queries / connector_prefix_cache_hits: the same for the
+            connector's tier (the KV store): tokens of each request admitted while a
+            connector was asked, and tokens actually loaded from it (vLLM's
+            ``connector_prefix_cache_stats``; 0 without a connector).
         num_preemptions: cumulative preemptions.
         num_kv_load_failures: cumulative remote loads that returned fewer tokens
             than requested (the rest was recomputed).
@@ -95,6 +100,8 @@ class SchedulerStats:
     num_kv_load_failures: int
     num_pending_kv_sends: int
     spec_decode: SpecDecodeStats | None = None
+    connector_prefix_cache_queries: int = 0
+    connector_prefix_cache_hits: int = 0
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -186,6 +193,8 @@ class Scheduler:
         self.spec: SpecDecodePolicy | None = (
             SpecDecodePolicy(speculative, self.max_seq_len) if speculative is not None else None
         )
+        # Tokens asked of / loaded from the connector's tier (the local tier's are kvm's).
+        self.connector_prefix_cache_stats = PrefixCacheStats()
 
     # -- admission ---------------------------------------------------------------------
 
@@ -365,9 +374,12 @@ class Scheduler:
                 hits, num_hit = kvm.get_computed_blocks(req)
                 num_external = 0
                 if self.connector is not None:
-                    num_external = self.connector.get_num_new_matched_tokens(req, num_hit)
+                    matched = self.connector.get_num_new_matched_tokens(req, num_hit)
+                    if matched is None:
+                        skipped.append(self.waiting.pop())  # its lookup runs: ask again
+                        continue
                     # At least one token must be computed here to produce a sample.
-                    num_external = min(num_external, req.num_tokens - 1 - num_hit)
+                    num_external = min(matched, req.num_tokens - 1 - num_hit)
                 if num_external > 0:
                     # NOTE: blocks for every remaining token, not only the remote ones:
                     # a loaded request then never waits for one more block while
@@ -381,6 +393,7 @@ class Scheduler:
                         break
                     self.waiting.pop()
                     kvm.record_prefix_cache_lookup(req, num_hit)
+                    self._record_connector_lookup(req)
                     req.num_computed_tokens = num_hit
                     req.status = RequestStatus.WAITING_FOR_REMOTE_KV
                     self._remote_requested[rid] = num_external
@@ -410,6 +423,7 @@ class Scheduler:
             self.waiting.pop()
             if not has_blocks:
                 kvm.record_prefix_cache_lookup(req, num_hit)
+                self._record_connector_lookup(req)
             req.num_computed_tokens = num_computed
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_computed
@@ -425,6 +439,12 @@ class Scheduler:
         if skipped:
             self.waiting.prepend(skipped)
         return budget
+
+    def _record_connector_lookup(self, req: Request) -> None:
+        """Count an admitted request's tokens as queried of the connector's tier."""
+        if self.connector is not None:
+            self.connector_prefix_cache_stats.num_requests += 1
+            self.connector_prefix_cache_stats.queries += req.num_tokens
 
     def _prefill_cap(self, num_new: int) -> int:
         """``num_new`` tokens capped at ``long_prefill_token_threshold`` (if set)."""
@@ -457,6 +477,7 @@ class Scheduler:
             self.num_kv_load_failures += 1
             logger.info("%s: remote KV load got %d of %d tokens", rid, loaded, requested)
         req.num_computed_tokens += loaded
+        self.connector_prefix_cache_stats.hits += loaded
         self.kv_cache_manager.cache_blocks(req, req.num_computed_tokens)
         req.status = RequestStatus.WAITING
 
@@ -690,4 +711,6 @@ class Scheduler:
                 if self.spec is not None
                 else None
             ),
+            connector_prefix_cache_queries=self.connector_prefix_cache_stats.queries,
+            connector_prefix_cache_hits=self.connector_prefix_cache_stats.hits,
         )

@@ -9,7 +9,8 @@ shared-memory pool, ``shm``, pinned over the control socket ``shm_ctl``) and
 records), ``buffers`` (checks of keys and buffers), ``server`` (`tandem kvstore`:
 flags, HTTP, main) over ``node`` (request handlers), ``config`` (node, client and
 UCX settings, read once at the edge), ``pool`` (slots, LRU), ``index`` (Redis
-schema), ``protocol`` (wire messages), ``ucx`` (the seam to ucxx), ``metrics``.
+schema), ``lookup`` (index-only lookups for the connector and the router), ``protocol``
+(wire messages), ``ucx`` (the seam to ucxx), ``metrics``.
 Block keys and the KV layout are contracts (``tandem.contracts``). Nothing is imported
 here, so importing one module never loads UCX or Redis.
 """

@@ -171,6 +171,15 @@ class StoreConnectorConfig(KVConnectorConfig):
         kvstore_timeout_s: a store call that takes longer fails (a miss on load).
         num_transfer_threads: threads that run transfers off the engine's step loop.
         client_options: how the store client reads (shared memory, copy threads, UCX).
+        load_from_store: a request that comes without block hashes (a prefill, or a
+            decode instance's local prefill) looks up the blocks beyond its local
+            prefix-cache hit in the store index and loads those present.
+        publish_output: the consumer (decode) side publishes the full blocks of prompt
+            + output when a request finishes, so a later turn of the conversation finds
+            them (``--kv-publish-output``).
+        lookup_timeout_s: deadline of one index lookup made for ``load_from_store``
+            (a lookup that takes longer is a miss; the request waits for it, the engine
+            does not).
 
     Raises:
         ValueError: a field out of range (named in the message).
@@ -181,8 +190,13 @@ class StoreConnectorConfig(KVConnectorConfig):
     kvstore_timeout_s: float = 10.0
     num_transfer_threads: int = 2
     client_options: ClientOptions = ClientOptions()
+    load_from_store: bool = True
+    publish_output: bool = True
+    lookup_timeout_s: float = 2.0
 
     def __post_init__(self) -> None:
+        if self.lookup_timeout_s <= 0:
+            raise ValueError(f"lookup_timeout_s must be > 0, got {self.lookup_timeout_s}")
         if not self.redis_url:
             raise ValueError("redis_url must be a non-empty Redis URL (the KV store index)")
         if self.kvstore_address is not None and ":" not in self.kvstore_address:

@@ -16,6 +16,16 @@ the blocks); the thread asks the store which keys it lacks, uploads those, and
 reports the request in ``finished_sending`` (success or failure: the blocks are
 freed either way; a failed publish only makes the decode side recompute).
 
+Store lookups (both roles, ``load_from_store``): a request without block hashes (a
+prefill, or a decode instance's local prefill) looks up the full blocks of its prompt
+beyond the local prefix-cache hit in the store index (one batched lookup, metadata only:
+:class:`~tandem.kvstore.lookup.IndexProbe`) and loads the leading run present, exactly as
+a decode loads a prefill's blocks; the loaded blocks join the local prefix cache. The
+last prompt token is always computed (it yields the sample). The lookup runs on a thread
+of its own: until it answers, ``get_num_new_matched_tokens`` says "not known yet" and the
+request waits (other requests keep running), so a slow or unreachable index never stalls
+the engine's step loop; the listener's ``on_lookup_done`` wakes the engine.
+
 Consumer (decode, ``kv_consumer``): a request whose ``kv_transfer_params``
 (``contracts.block_key.KVTransferParams``) hold the prompt's block hashes under
 this engine's layout fingerprint reports the prompt tokens beyond its local
@@ -24,6 +34,11 @@ allocated blocks, the load runs on the transfer thread (other requests keep
 decoding); it fetches the blocks in order and stops at the first miss or bad
 checksum, reporting the tokens it did load; the scheduler recomputes the rest,
 and :attr:`StoreConnectorWorker.num_load_failures` counts such requests.
+With ``publish_output``, a finished request's full blocks of prompt + output (the hash
+chain continues through the generated tokens) are published on the transfer thread, so
+the next turn of a conversation finds them; its response stream is not held up (the
+last token is already out), only its blocks stay allocated until the put is done.
+Blocks this request itself loaded from the store are not sent again.
 
 Settings: ``kvstore.config.StoreConnectorConfig``, built once by the service's
 entry point.
@@ -49,7 +64,7 @@ from typing import Protocol
 
 import torch
 
-from tandem.contracts.block_hash import BlockHash, prompt_block_hashes
+from tandem.contracts.block_hash import BlockHash, hash_token_blocks, prompt_block_hashes
 from tandem.contracts.block_key import BlockKey
 from tandem.contracts.kv_layout import KVCacheLayout
 from tandem.engine.config import KVTransferConfig
@@ -86,9 +101,17 @@ class BlockStoreClient(Protocol):
         """Release connections."""
 
 
+#: ``keys -> number of leading keys the store holds`` (an index lookup, metadata only;
+#: 0 on any failure): :meth:`tandem.kvstore.lookup.IndexProbe.leading`.
+StoreProbe = Callable[[Sequence[BlockKey]], int]
+
+
 @dataclass
 class _Job:
-    """One request's transfer: parallel lists, one entry per block."""
+    """One request's transfer: parallel lists, one entry per block.
+
+    ``first_block`` is the block index (in the request's hash chain) of ``keys[0]``.
+    """
 
     request_id: str
     is_save: bool
@@ -96,6 +119,85 @@ class _Job:
     block_ids: list[int]
     num_tokens: list[int]
     cancelled: bool = False
+    first_block: int = 0
+
+
+class _Lookups:
+    """Store index lookups of waiting requests, on their own thread.
+
+    Thread-safety: ``get``/``pop`` come from the engine thread, the probe runs
+    on the lookup thread; ``_lock`` guards the two dicts.
+    """
+
+    def __init__(self, probe: StoreProbe, transfers: _Transfers) -> None:
+        self._probe = probe
+        self._transfers = transfers  # for its listener
+        self._queue: queue.Queue[tuple[str, int, int, list[BlockHash], bytes] | None] = (
+            queue.Queue())
+        self._lock = threading.Lock()
+        self._pending: dict[str, int] = {}  # request id -> start block of the lookup asked
+        self._done: dict[str, _Found] = {}
+        self._thread = threading.Thread(target=self._run, name="kv-index-lookup", daemon=True)
+        self._thread.start()
+
+    def get(self, request_id: str, start: int, stop: int, hashes: Callable[[], list[BlockHash]],
+            fingerprint: bytes) -> _Found | None:
+        """The lookup of blocks ``[start, stop)`` if it answered; else start it (once) and
+        return ``None``. ``hashes()`` gives the full-block hash chain (called only to
+        start a lookup)."""
+        with self._lock:
+            found = self._done.get(request_id)
+            if found is not None and found.start == start:
+                return found
+            if self._pending.get(request_id) == start:
+                return None
+            self._pending[request_id] = start
+            self._done.pop(request_id, None)
+        self._queue.put((request_id, start, stop, hashes(), fingerprint))
+        return None
+
+    def pop(self, request_id: str) -> _Found | None:
+        with self._lock:
+            self._pending.pop(request_id, None)
+            return self._done.pop(request_id, None)
+
+    def num_pending(self) -> int:
+        with self._lock:
+            return len(self._pending)
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=30)
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            rid, start, stop, hashes, fingerprint = item
+            try:
+                n = self._probe([BlockKey(h, fingerprint) for h in hashes[start:stop]])
+            except Exception as exc:  # noqa: BLE001 - a failed lookup is a miss
+                logger.warning("store lookup of %s failed: %s", rid, exc)
+                n = 0
+            with self._lock:
+                if self._pending.get(rid) != start:
+                    continue  # finished, or a newer lookup was asked meanwhile
+                del self._pending[rid]
+                self._done[rid] = _Found(start, max(0, min(n, stop - start)), hashes)
+            listener = self._transfers.listener
+            if listener is not None:
+                listener.on_lookup_done(rid)
+
+
+@dataclass(frozen=True)
+class _Found:
+    """A store lookup of a waiting request: ``num_blocks`` leading blocks present from
+    block ``start`` of ``hashes`` (the prompt's full-block hash chain)."""
+
+    start: int
+    num_blocks: int
+    hashes: list[BlockHash]
 
 
 @dataclass
@@ -126,8 +228,11 @@ class _Transfers:
         self._finished_sending: set[str] = set()
         self._finished_recving: dict[str, int] = {}
         self._in_flight: dict[str, _Job] = {}
+        # request id -> block indices it loaded whole from the store (not resent)
+        self._loaded_blocks: dict[str, range] = {}
         self.kv_cache: torch.Tensor | None = None
         self.listener: TransferListener | None = None
+        self.lookups: _Lookups | None = None  # set by the scheduler side, closed here
         self.num_load_failures = 0
         self._threads = [
             threading.Thread(target=self._run, name=f"kv-transfer-{i}", daemon=True)
@@ -150,6 +255,11 @@ class _Transfers:
             job.cancelled = True
             return True
 
+    def pop_loaded_blocks(self, request_id: str) -> range:
+        """Block indices the request's finished load brought whole from the store."""
+        with self._lock:
+            return self._loaded_blocks.pop(request_id, range(0))
+
     def num_pending(self) -> int:
         with self._lock:
             return len(self._in_flight) + len(self._finished_sending) + len(self._finished_recving)
@@ -161,6 +271,8 @@ class _Transfers:
         return sending, recving
 
     def close(self) -> None:
+        if self.lookups is not None:
+            self.lookups.close()
         for _ in self._threads:
             self._queue.put(None)
         for thread in self._threads:
@@ -203,8 +315,9 @@ class _Transfers:
         try:
             # NOTE: on CPU these are views of the cache, sent without a copy; the
             # scheduler keeps the blocks allocated until this save reports done.
-            blocks = [self._host_block(b) for b in job.block_ids]
-            stored = self._client_or_connect().put_blocks(job.keys, blocks)
+            if job.keys:
+                blocks = [self._host_block(b) for b in job.block_ids]
+                stored = self._client_or_connect().put_blocks(job.keys, blocks)
         except Exception as exc:  # noqa: BLE001 - a failed publish is a later miss, not a crash
             logger.warning("publishing KV of %s failed: %s", job.request_id, exc, exc_info=True)
             error = f"{type(exc).__name__}: {exc}"
@@ -237,7 +350,16 @@ class _Transfers:
                 logger.warning("loading KV of %s failed: %s", job.request_id, exc, exc_info=True)
         requested = sum(job.num_tokens)
         result = LoadResult(loaded, requested, time.monotonic_ns(), loaded_bytes)
+        bs = self.kv_cache.shape[3] if self.kv_cache is not None else 0
+        whole, left = 0, loaded
+        for n in job.num_tokens:
+            if n != bs or left < n:
+                break
+            whole, left = whole + 1, left - n
         with self._lock:
+            if whole and not job.cancelled:
+                self._loaded_blocks[job.request_id] = range(
+                    job.first_block, job.first_block + whole)
             if loaded < requested and not job.cancelled:
                 self.num_load_failures += 1
             self._in_flight.pop(job.request_id, None)
@@ -247,7 +369,13 @@ class _Transfers:
 
 
 class StoreConnectorScheduler(KVConnectorScheduler):
-    """Scheduler side: which tokens are remote, what to load, what to publish."""
+    """Scheduler side: which tokens are remote, what to load, what to publish.
+
+    Args:
+        probe: the store index lookup of ``load_from_store`` (``None``: requests without
+            block hashes load nothing).
+        publish_output: a consumer publishes prompt + output blocks of finished requests.
+    """
 
     def __init__(
         self,
@@ -255,13 +383,19 @@ class StoreConnectorScheduler(KVConnectorScheduler):
         kv_role: str,
         block_size: int,
         fingerprint: bytes,
+        probe: StoreProbe | None = None,
+        publish_output: bool = False,
     ) -> None:
         self._transfers = transfers
         self.is_producer = kv_role in ("kv_producer", "kv_both")
         self.is_consumer = kv_role in ("kv_consumer", "kv_both")
         self.block_size = block_size
         self.fingerprint = fingerprint
+        self.publish_output = publish_output and self.is_consumer
         self._loads: dict[str, _Job] = {}
+        # Waiting requests' store lookups (one per request and local hit).
+        self._lookups = _Lookups(probe, transfers) if probe is not None else None
+        transfers.lookups = self._lookups
 
     def _remote_hashes(self, request: Request) -> tuple[BlockHash, ...] | None:
         params = request.kv_transfer_params
@@ -271,7 +405,10 @@ class StoreConnectorScheduler(KVConnectorScheduler):
             return None  # another layout's blocks: recompute (the service rejects these)
         return params.block_hashes
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
+                                   ) -> int | None:
+        if request.kv_transfer_params is None:
+            return self._store_hit(request, num_computed_tokens)
         # NOTE: optimistic (no store lookup on the step loop): the producer published
         # the whole prompt; a block missing at load time is reported then and recomputed.
         hashes = self._remote_hashes(request)
@@ -280,11 +417,32 @@ class StoreConnectorScheduler(KVConnectorScheduler):
         covered = min(len(hashes) * self.block_size, request.num_prompt_tokens)
         return max(0, covered - num_computed_tokens)
 
+    def _store_hit(self, request: Request, num_computed_tokens: int) -> int | None:
+        """Tokens of the leading run of full blocks after the local hit that the store
+        index holds; ``None`` while its lookup (one per request and local hit) runs."""
+        if self._lookups is None:
+            return 0
+        bs = self.block_size
+        start = num_computed_tokens // bs
+        # full blocks only, and never the last token: the engine computes it
+        stop = (request.num_tokens - 1) // bs
+        if stop <= start:
+            return 0
+        tokens = request.all_token_ids
+        found = self._lookups.get(request.request_id, start, stop,
+                                  lambda: hash_token_blocks(tokens[: stop * bs], bs),
+                                  self.fingerprint)
+        return None if found is None else found.num_blocks * bs
+
     def update_state_after_alloc(
         self, request: Request, block_ids: list[int], num_external_tokens: int
     ) -> None:
-        hashes = self._remote_hashes(request)
-        assert hashes is not None, f"{request.request_id}: remote tokens without block hashes"
+        rid = request.request_id
+        found = self._lookups.pop(rid) if self._lookups is not None else None
+        hashes: Sequence[BlockHash] | None = self._remote_hashes(request)
+        if hashes is None and found is not None:
+            hashes = found.hashes
+        assert hashes is not None, f"{rid}: remote tokens without block hashes"
         bs = self.block_size
         start = request.num_computed_tokens
         stop = start + num_external_tokens
@@ -296,6 +454,7 @@ class StoreConnectorScheduler(KVConnectorScheduler):
             keys=[BlockKey(h, self.fingerprint) for h in hashes[first:last]],
             block_ids=list(block_ids[first:last]),
             num_tokens=[min((i + 1) * bs, stop) - max(i * bs, start) for i in range(first, last)],
+            first_block=first,
         )
 
     def build_connector_meta(self, sched_out: SchedulerOutput) -> StoreConnectorMetadata | None:
@@ -307,25 +466,41 @@ class StoreConnectorScheduler(KVConnectorScheduler):
 
     def request_finished(self, request: Request, block_ids: list[int]) -> bool:
         rid = request.request_id
+        if self._lookups is not None:
+            self._lookups.pop(rid)
         if self._loads.pop(rid, None) is not None:
             return False  # its load was never started: nothing writes into the blocks
         if self._transfers.cancel(rid):
             return True  # a load is writing into the blocks: keep them until it reports
-        if not self.is_producer or request.status == RequestStatus.FINISHED_ABORTED:
-            return False
+        loaded = self._transfers.pop_loaded_blocks(rid)
         tokens = request.all_token_ids[: request.num_computed_tokens]
-        hashes = prompt_block_hashes(tokens, self.block_size)
+        if self.is_producer:
+            if request.status == RequestStatus.FINISHED_ABORTED:
+                return False  # the prefill handler waits for no save of an abort
+            # The prompt: full blocks, then the partial tail (what a decode loads).
+            hashes = prompt_block_hashes(tokens, self.block_size)
+        elif self.publish_output:
+            # NOTE: an abort too (a stop string ends a stream that way): the KV of the
+            # computed tokens is right whatever ended the request.
+            hashes = hash_token_blocks(tokens, self.block_size)
+        else:
+            return False
         if not hashes:
             return False
         assert len(hashes) <= len(block_ids), f"{rid}: fewer blocks than computed KV"
         bs = self.block_size
+        # A producer always submits (its handler waits for the outcome), even when the
+        # store already holds every block.
+        send = [i for i in range(len(hashes)) if i not in loaded]
+        if not send and not self.is_producer:
+            return False
         self._transfers.submit(
             _Job(
                 request_id=rid,
                 is_save=True,
-                keys=[BlockKey(h, self.fingerprint) for h in hashes],
-                block_ids=list(block_ids[: len(hashes)]),
-                num_tokens=[min(bs, len(tokens) - i * bs) for i in range(len(hashes))],
+                keys=[BlockKey(hashes[i], self.fingerprint) for i in send],
+                block_ids=[block_ids[i] for i in send],
+                num_tokens=[min(bs, len(tokens) - i * bs) for i in send],
             )
         )
         return True
@@ -383,6 +558,9 @@ def build_store_connector(
     layout: KVCacheLayout,
     client_factory: Callable[[], BlockStoreClient],
     num_transfer_threads: int = 2,
+    *,
+    probe: StoreProbe | None = None,
+    publish_output: bool = False,
 ) -> tuple[StoreConnectorScheduler, StoreConnectorWorker]:
     """Both sides of a store connector over the client ``client_factory()`` returns.
 
@@ -390,12 +568,18 @@ def build_store_connector(
     failed connection is retried by the next transfer. Starts the transfer threads
     (stopped by the worker side's ``shutdown``).
 
+    Args:
+        probe: store index lookup for requests without block hashes (``None``: off);
+            called on a lookup thread of its own (metadata only: one round trip).
+        publish_output: a consumer publishes finished requests' prompt + output blocks.
+
     Raises:
         ValueError: ``num_transfer_threads < 1``.
     """
     transfers = _Transfers(client_factory, num_transfer_threads)
     return (
-        StoreConnectorScheduler(transfers, kv_role, layout.block_size, layout.fingerprint),
+        StoreConnectorScheduler(transfers, kv_role, layout.block_size, layout.fingerprint,
+                                probe, publish_output),
         StoreConnectorWorker(transfers, layout),
     )
 
@@ -425,6 +609,14 @@ def create_connector(
             timeout_s=config.kvstore_timeout_s, options=config.client_options,
         )
 
+    probe = None
+    if config.load_from_store:
+        from tandem.kvstore.lookup import IndexProbe
+
+        index = IndexProbe(config.redis_url, timeout_s=config.lookup_timeout_s)
+        threading.Thread(target=index.warm, name="kv-index-warm", daemon=True).start()
+        probe = index.leading
     return build_store_connector(
-        kv_transfer_config.kv_role, layout, connect, config.num_transfer_threads
+        kv_transfer_config.kv_role, layout, connect, config.num_transfer_threads,
+        probe=probe, publish_output=config.publish_output,
     )

@@ -34,23 +34,29 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def _ignore_save(result: SaveResult) -> None:
+    """The ``on_save`` of a role that counts no publishes."""
+
+
 class TransferEvents:
     """Thread-safe mailbox between the KV connector's threads and the RPC handlers
     (a ``TransferListener``).
 
     The connector calls :meth:`on_save_done` / :meth:`on_load_done` from its own
-    threads; handlers await :meth:`wait_save` or read :meth:`pop_load`. A result
-    that arrives before its handler asks is kept until asked for (or discarded
-    by :meth:`forget`).
+    threads; handlers await :meth:`expect_save` (before the request enters the engine)
+    or read :meth:`pop_load`. A load result that arrives before its handler asks is kept
+    until asked for (or discarded by :meth:`forget`); a save result nobody expects is
+    only passed to ``on_save``.
     """
 
     def __init__(
-        self, loop: asyncio.AbstractEventLoop, on_event: Callable[[], None] = lambda: None
+        self, loop: asyncio.AbstractEventLoop, on_event: Callable[[], None] = lambda: None,
+        on_save: Callable[[SaveResult], None] = _ignore_save,
     ) -> None:
         self._loop = loop
         self._on_event = on_event
+        self._on_save = on_save
         self._lock = threading.Lock()
-        self._saves: dict[str, SaveResult] = {}
         self._save_waiters: dict[str, asyncio.Future[SaveResult]] = {}
         self._loads: dict[str, LoadResult] = {}
 
@@ -58,12 +64,13 @@ class TransferEvents:
     def on_save_done(self, request_id: str, result: SaveResult) -> None:
         """A request's blocks are published (or failed to be: ``result.ok``)."""
         self._on_event()  # the engine collects it and frees the blocks
+        self._on_save(result)
         with self._lock:
             waiter = self._save_waiters.pop(request_id, None)
-            if waiter is None:
-                self._saves[request_id] = result
-                return
-        self._loop.call_soon_threadsafe(_resolve, waiter, result)
+        # NOTE: a save nobody awaits (a decode's output publish, or a handler already
+        # gone) is dropped: keeping it would grow without bound.
+        if waiter is not None:
+            self._loop.call_soon_threadsafe(_resolve, waiter, result)
 
     def on_load_done(self, request_id: str, result: LoadResult) -> None:
         """A request's remote blocks are loaded (``result.num_tokens`` of them)."""
@@ -71,15 +78,16 @@ class TransferEvents:
             self._loads[request_id] = result
         self._on_event()  # the engine schedules the request now
 
+    def on_lookup_done(self, request_id: str) -> None:
+        """A waiting request's store lookup answered: the engine can admit it now."""
+        self._on_event()
+
     # event loop ---------------------------------------------------------------------------
     def expect_save(self, request_id: str) -> asyncio.Future[SaveResult]:
         """A future resolved with the request's save result."""
         future: asyncio.Future[SaveResult] = self._loop.create_future()
         with self._lock:
-            if request_id in self._saves:
-                future.set_result(self._saves.pop(request_id))
-            else:
-                self._save_waiters[request_id] = future
+            self._save_waiters[request_id] = future
         return future
 
     def pop_load(self, request_id: str) -> LoadResult | None:
@@ -90,7 +98,6 @@ class TransferEvents:
     def forget(self, request_id: str) -> None:
         """Drop everything about a request (its handler is gone)."""
         with self._lock:
-            self._saves.pop(request_id, None)
             self._save_waiters.pop(request_id, None)
             self._loads.pop(request_id, None)
 
@@ -137,7 +144,16 @@ class ServiceContext:
         """Route the KV connector's transfer events to :attr:`transfers` (no-op without one)."""
         if self._connector is None:
             return
-        self.transfers = TransferEvents(loop, self.engine_loop.wake)
+        on_save: Callable[[SaveResult], None] = _ignore_save
+        if self.role == Role.DECODE:
+            metrics = self.metrics
+
+            def count_publish(result: SaveResult) -> None:
+                outcome = "ok" if result.ok else "failed"
+                metrics.labels(metrics.kv_output_publishes, outcome=outcome).inc()
+
+            on_save = count_publish
+        self.transfers = TransferEvents(loop, self.engine_loop.wake, on_save)
         self._connector.set_listener(self.transfers)
 
     @property

@@ -65,6 +65,19 @@ class ServiceMetrics:
             "tandem:spec_decode_num_accepted_tokens_per_pos",
             "Draft tokens accepted, by position in the draft (0-based).",
             [*labels, "position"], registry=r)
+        # Per cache tier: "local" (this engine's prefix cache), "store" (the KV store,
+        # through the connector); queries count each admitted request's tokens, so
+        # hits / queries is the tier's hit rate.
+        self.prefix_cache_queries = Counter(
+            "tandem:prefix_cache_queries", "Prompt tokens looked up, per cache tier.",
+            [*labels, "tier"], registry=r)
+        self.prefix_cache_hits = Counter(
+            "tandem:prefix_cache_hits", "Prompt tokens served from a cache tier (not computed).",
+            [*labels, "tier"], registry=r)
+        self.kv_output_publishes = Counter(
+            "tandem:kv_output_publishes",
+            "Finished requests whose prompt + output blocks were published (decode), by outcome.",
+            [*labels, "outcome"], registry=r)
         self._role = Role(role).value
         self._followed: dict[str, int] = {}
 
@@ -90,6 +103,13 @@ class ServiceMetrics:
                 self._follow(f"spec_decode_num_accepted_tokens_per_pos:{pos}",
                              self.spec_decode_num_accepted_tokens_per_pos, total,
                              position=str(pos))
+        tiers = {
+            "local": (stats.prefix_cache_queries, stats.prefix_cache_hits),
+            "store": (stats.connector_prefix_cache_queries, stats.connector_prefix_cache_hits),
+        }
+        for tier, (queries, hits) in tiers.items():
+            self._follow(f"queries:{tier}", self.prefix_cache_queries, queries, tier=tier)
+            self._follow(f"hits:{tier}", self.prefix_cache_hits, hits, tier=tier)
 
     def _follow(self, key: str, counter: Counter, total: int, **extra: str) -> None:
         """Advance ``counter`` (with ``extra`` labels) to ``total``: the engine (or

@@ -54,6 +54,24 @@ _KV_ROLE: dict[Role, Literal["kv_producer", "kv_consumer"]] = {
 _MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 
+_TRUE = ("true", "1", "yes", "on")
+_FALSE = ("false", "0", "no", "off")
+
+
+def parse_bool_flag(text: str) -> bool:
+    """``true|false`` (also ``1|0``, ``yes|no``, ``on|off``) of a boolean flag.
+
+    Raises:
+        argparse.ArgumentTypeError: anything else.
+    """
+    t = text.strip().lower()
+    if t in _TRUE:
+        return True
+    if t in _FALSE:
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
 def build_parser(prog: str, role: Role | None) -> argparse.ArgumentParser:
     """The binding flags of ``tandem prefill|decode|serve`` (``role=None`` adds ``--role``)."""
     p = argparse.ArgumentParser(prog=prog, description=f"tandem {role or 'engine'} gRPC service")
@@ -82,6 +100,12 @@ def build_parser(prog: str, role: Role | None) -> argparse.ArgumentParser:
                    help="force this many KV blocks (tests)")
     p.add_argument("--kvstore", default=None,
                    help="HOST:PORT of a KV store node (default: nodes found in Redis)")
+    p.add_argument("--kv-load-from-store", type=parse_bool_flag, default=True, metavar="BOOL",
+                   help="load a prompt's blocks beyond the local prefix-cache hit from the KV "
+                        "store when the store index holds them (default true)")
+    p.add_argument("--kv-publish-output", type=parse_bool_flag, default=True, metavar="BOOL",
+                   help="decode: publish the blocks of prompt + output of finished requests to "
+                        "the KV store, for the conversation's next turn (default true)")
     p.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics HTTP port")
     p.add_argument("--max-waiting", type=int, default=1024,
                    help="queued requests beyond which new ones get RESOURCE_EXHAUSTED")
@@ -111,7 +135,9 @@ def build_engine_config(ns: argparse.Namespace, role: Role | str) -> EngineConfi
     if role.uses_store:
         # the store client's environment (TANDEM_KV_SHM, ...), read once here at the edge
         store = StoreConnectorConfig(redis_url=ns.redis_url, kvstore_address=ns.kvstore or None,
-                                     client_options=ClientOptions.from_environ(os.environ))
+                                     client_options=ClientOptions.from_environ(os.environ),
+                                     load_from_store=ns.kv_load_from_store,
+                                     publish_output=ns.kv_publish_output)
         kv = KVTransferConfig(kv_connector="store", kv_role=_KV_ROLE[role], connector_config=store)
     return EngineConfig(
         model=ModelConfig(model=ns.model, dtype=ns.dtype, device=ns.device,

@@ -42,6 +42,12 @@ class RouterConfig:
             ``--tls-ca``: ``services/common/tls.py``), read from the files here.
         shutdown_grace_s: on SIGTERM, seconds open requests get to finish before they are
             ended with an error (``--shutdown-grace-s``; ``drain.Drain``).
+        kv_index_url: Redis of the KV store index the kv_aware policy and conditional
+            disaggregation read (``--kv-index-url``, default ``redis_url``; ``None``: the
+            store is not consulted).
+        disagg_min_uncached_tokens: a prompt with fewer uncached tokens than this on the
+            chosen decode instance skips the prefill hop (``--disagg-min-uncached-tokens``;
+            0: always disaggregate).
         log_level: Python logging level name.
 
     Raises:
@@ -68,6 +74,8 @@ class RouterConfig:
     max_request_body_bytes: int | None = None
     shutdown_grace_s: float = 8.0
     tls: TLSFiles = field(default_factory=TLSFiles)
+    kv_index_url: str | None = None
+    disagg_min_uncached_tokens: int = 0
     log_level: str = "info"
 
     def __post_init__(self) -> None:
@@ -78,6 +86,9 @@ class RouterConfig:
                             ("--max-attempts", self.max_attempts)):
             if value < 1:
                 raise ValueError(f"{flag} must be >= 1, got {value}")
+        if self.disagg_min_uncached_tokens < 0:
+            raise ValueError("--disagg-min-uncached-tokens must be >= 0, got "
+                             f"{self.disagg_min_uncached_tokens}")
         if self.max_queued_requests < 0:
             raise ValueError(f"--max-queued-requests must be >= 0, got "
                              f"{self.max_queued_requests}")
@@ -117,4 +128,6 @@ class RouterConfig:
                    tool_call_parser=getattr(ns, "tool_call_parser", "hermes"),
                    max_request_body_bytes=ns.max_request_body_bytes,
                    shutdown_grace_s=ns.shutdown_grace_s, tls=tls_from_args(ns),
+                   kv_index_url=getattr(ns, "kv_index_url", None) or ns.redis_url or None,
+                   disagg_min_uncached_tokens=getattr(ns, "disagg_min_uncached_tokens", 0),
                    log_level=ns.log_level)

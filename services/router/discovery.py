@@ -44,6 +44,8 @@ class InstanceInfo:
         num_free_blocks: free KV blocks (last report; -1 unknown).
         prefix_cache_hit_rate: 0..1, from GetLoad; ``None`` unknown.
         block_size: tokens per KV block (from GetLoad; 16 until known).
+        kv_layout_fingerprint: the engine's KV layout fingerprint (from GetLoad; empty
+            until known): the store keys of its blocks carry it.
         updated_at: wall-clock seconds of the last report.
         alive: the last GetLoad answered (``None``: not polled yet).
         inflight: requests this router has in flight on it (fresher than reports).
@@ -58,6 +60,7 @@ class InstanceInfo:
     num_free_blocks: int = -1
     prefix_cache_hit_rate: float | None = None
     block_size: int = 16
+    kv_layout_fingerprint: bytes = b""
     updated_at: float = 0.0
     alive: bool | None = None
     inflight: int = 0
@@ -192,6 +195,7 @@ class RedisDiscovery(Discovery):
                     info.alive = old.alive
                     info.prefix_cache_hit_rate = old.prefix_cache_hit_rate
                     info.block_size = old.block_size
+                    info.kv_layout_fingerprint = old.kv_layout_fingerprint
                 seen[info.address] = info
         # NOTE: replace the dict wholesale (not in place) so readers never see a half update.
         self._by_address = seen

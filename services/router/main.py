@@ -64,6 +64,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="on SIGTERM: seconds open requests get to finish; then streams end "
                         "with an error event and [DONE] (default 8, below tandem up's 10 s)")
     add_tls_flags(p, "the router's connections to the engines")
+    p.add_argument("--kv-index-url", default=None,
+                   help="Redis of the KV store index that routing reads (default: --redis-url; "
+                        "with static lists and no URL the store is not consulted)")
+    p.add_argument("--disagg-min-uncached-tokens", type=int, default=0,
+                   help="a prompt with fewer uncached tokens (after the decode instance's "
+                        "and the store's cache) is prefilled on the decode instance, "
+                        "skipping the prefill hop; 0: always disaggregate")
     p.add_argument("--log-level", default="info")
     return p
 
@@ -107,7 +114,7 @@ async def serve(cfg: RouterConfig) -> None:
     from tandem.services.router.grpc_server import start_grpc_server
     from tandem.services.router.metrics import RouterMetrics
     from tandem.services.router.pipeline import Pipeline
-    from tandem.services.router.routing import make_router
+    from tandem.services.router.routing import CacheView, make_router
 
     # NOTE: the tokenizer and facts come from the model's files without torch: the router
     # runs no model (tests/unit/test_model_files.py holds its start-up to that).
@@ -126,10 +133,19 @@ async def serve(cfg: RouterConfig) -> None:
                                     both=list(cfg.colocated))
     pool = InstancePool(discovery, cfg.tls.channel_credentials() if cfg.tls.enabled else None)
     metrics = RouterMetrics(served[0])
+    store_index = None
+    if cfg.kv_index_url:
+        from tandem.kvstore.lookup import AsyncIndexProbe
+
+        store_index = AsyncIndexProbe(cfg.kv_index_url)
+    lookup_seconds = metrics.labels(metrics.kv_store_lookup_seconds)
+    view = CacheView(store_index, on_lookup=lookup_seconds.observe)
     pipeline = Pipeline(tokenizer=tokenizer, discovery=discovery, pool=pool,
-                        router=make_router(cfg.routing_policy), metrics=metrics,
+                        router=make_router(cfg.routing_policy, view), metrics=metrics,
                         max_running=cfg.max_running_requests,
-                        max_waiting=cfg.max_queued_requests, max_attempts=cfg.max_attempts)
+                        max_waiting=cfg.max_queued_requests, max_attempts=cfg.max_attempts,
+                        cache_view=view,
+                        disagg_min_uncached_tokens=cfg.disagg_min_uncached_tokens)
     fe = Frontend(tokenizer=tokenizer, pipeline=pipeline, served_model_names=served,
                   max_model_len=cfg.max_model_len or facts.max_model_len, api_key=cfg.api_key,
                   chat_template=read_chat_template(cfg.chat_template) if cfg.chat_template
@@ -171,6 +187,8 @@ async def serve(cfg: RouterConfig) -> None:
             await grpc_server.stop(grace=2)
         await pool.close()
         await discovery.stop()
+        if store_index is not None:
+            await store_index.aclose()
 
 
 def main(argv: list[str] | None = None) -> int:

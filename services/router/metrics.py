@@ -79,6 +79,16 @@ class RouterMetrics:
         self.kv_handoff_seconds = Histogram("tandem:kv_handoff_seconds",
                                             "Time to move one request's KV blocks, s.", lbl,
                                             buckets=_HANDOFF_BUCKETS, registry=r)
+        self.disagg_decision = Counter(
+            "tandem:disagg_decision",
+            "Disaggregated-mode requests by path: remote_prefill (a prefill instance) or "
+            "local_prefill (the decode instance prefills a short uncached part itself).",
+            lbl + ["path"], registry=r)
+        self.kv_store_lookup_seconds = Histogram(
+            "tandem:kv_store_lookup_seconds",
+            "One request's batched lookup of the KV store index (routing), s.", lbl,
+            buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
+                     0.5), registry=r)
         inst = ["instance", "role"]
         self.inst_kv_usage = Gauge("tandem:kv_cache_usage_perc",
                                    "KV cache usage of an instance, 0..1.", inst, registry=r)

@@ -13,6 +13,12 @@ Flow of one completion (``n`` completions run as ``n`` such flows, concurrently)
    retried on another decode instance (the first token is fixed by prefill, so this is
    safe for any sampling); after that the stream ends with an error.
    Colocated: one ``Decode`` without first token on a ``both`` instance, same retry rule.
+   Conditional disaggregation: the decode instance is chosen first; when the prompt's
+   uncached part there (after its local prefix-cache hit, or the store's, whichever is
+   longer: ``CacheView``) is below ``disagg_min_uncached_tokens``, the Prefill hop is
+   skipped and that decode instance gets the colocated form (it prefills the rest itself,
+   loading the stored part). The choice and its reason go into ``timings``
+   (``disagg_decision``, ``disagg_reason``) and ``tandem:disagg_decision_total{path}``.
 3. Each token batch goes through ``engine.detokenizer.IncrementalDetokenizer``; when a stop
    string matches, the decode stream is cancelled (the engine aborts and frees its blocks).
 4. The consumer closing the iterator (client disconnect) cancels every RPC in flight.
@@ -43,7 +49,7 @@ from tandem.services.router.discovery import Discovery, InstanceInfo
 from tandem.services.router.errors import OpenAIError
 from tandem.services.router.merge import merge_streams
 from tandem.services.router.metrics import RouterMetrics
-from tandem.services.router.routing import RouteContext, Router
+from tandem.services.router.routing import CacheView, KVAwareRouter, RouteContext, Router
 from tandem.services.router.sequence import (
     EngineAbort,
     GenerationRequest,
@@ -103,11 +109,24 @@ class Pipeline:
         metrics: the router's Prometheus series.
         max_running / max_waiting: admission bounds (requests).
         max_attempts: tries per stage (first call included).
+        cache_view: where prompts' KV lies (the kv_aware router's view when ``router`` is
+            one, else this or a view without a store).
+        disagg_min_uncached_tokens: in disaggregated mode, a prompt with fewer uncached
+            tokens than this on the chosen decode instance skips the prefill hop (0: never).
     """
 
     def __init__(self, *, tokenizer: Any, discovery: Discovery, pool: InstancePool,
                  router: Router, metrics: RouterMetrics, max_running: int = 256,
-                 max_waiting: int = 1024, max_attempts: int = 3) -> None:
+                 max_waiting: int = 1024, max_attempts: int = 3,
+                 cache_view: CacheView | None = None,
+                 disagg_min_uncached_tokens: int = 0) -> None:
+        if disagg_min_uncached_tokens < 0:
+            raise ValueError("disagg_min_uncached_tokens must be >= 0, got "
+                             f"{disagg_min_uncached_tokens}")
+        if isinstance(router, KVAwareRouter):
+            cache_view = router.view
+        self.cache_view = cache_view if cache_view is not None else CacheView()
+        self.disagg_min_uncached_tokens = disagg_min_uncached_tokens
         self.tokenizer = tokenizer
         self.discovery = discovery
         self.pool = pool
@@ -159,13 +178,18 @@ class Pipeline:
         state = SeqState(self.tokenizer, self.metrics, index, req, sp, timings)
         psp = sampling_params_to_proto(sp)
         metadata = (("x-request-id", seq_id),)
+        route = RouteContext(Role.PREFILL, req.prompt_token_ids, seq_id)
+        decode_first: InstanceInfo | None = None
+        local_prefill = False
         if mode == "disagg":
-            ctx = RouteContext(Role.PREFILL, req.prompt_token_ids, seq_id)
+            decode_first, local_prefill = await self._disagg_decision(route, timings)
+        if mode == "disagg" and not local_prefill:
+            ctx = route
             presp = await self._prefill(ctx, prefill_pb2.PrefillRequest(
                 request_id=seq_id, prompt_token_ids=req.prompt_token_ids,
                 sampling_params=psp, priority=req.priority), metadata, timings,
                 req.param_of_field)
-            state.num_cached_tokens = presp.num_cached_tokens
+            state.num_cached_tokens = timings.cached_tokens = presp.num_cached_tokens
             lps = [presp.first_logprobs] if presp.HasField("first_logprobs") else None
             stop_tok = presp.stop_token_id if presp.HasField("stop_token_id") else None
             delta = state.add([presp.first_token_id], lps, presp.finish_reason, stop_tok)
@@ -182,25 +206,61 @@ class Pipeline:
                 dreq.generator_state = presp.generator_state
             stage = Role.DECODE
         else:
+            # colocated, or a decode instance's local prefill: no first token
             dreq = decode_pb2.DecodeRequest(
                 request_id=seq_id, prompt_token_ids=req.prompt_token_ids,
                 sampling_params=psp, priority=req.priority)
-            stage = Role.BOTH
-        ctx = RouteContext(stage, req.prompt_token_ids, seq_id)
-        async for delta in self._decode(ctx, dreq, metadata, state, req.param_of_field):
+            stage = Role.DECODE if local_prefill else Role.BOTH
+        ctx = route.for_stage(stage)
+        async for delta in self._decode(ctx, dreq, metadata, state, req.param_of_field,
+                                        decode_first):
             yield delta
 
-    async def _attempts(self, stage: Role, ctx: RouteContext) -> AsyncIterator[InstanceInfo]:
-        """The instances to try in turn: at most ``max_attempts``, each chosen by the
-        routing policy among the ``stage`` instances not tried yet for this request
-        (``Discovery.instances``: benched ones only when nothing else is left); ends early
-        when none is left. Holds nothing: a caller may stop iterating at any point."""
+    async def _disagg_decision(self, route: RouteContext, timings: Timings
+                               ) -> tuple[InstanceInfo | None, bool]:
+        """(the decode instance to try first, whether it prefills the prompt itself).
+
+        With ``disagg_min_uncached_tokens`` off, (``None``, False): the decode instance is
+        chosen after the prefill, as always."""
+        m = self.metrics
+        threshold = self.disagg_min_uncached_tokens
+        cands = self.discovery.instances(Role.DECODE) if threshold else []
+        if not cands:
+            timings.disagg_decision = "remote_prefill"
+            timings.disagg_reason = "conditional disaggregation off" if not threshold \
+                else "no decode instance to choose yet"
+            m.disagg_decision.labels(model_name=m.model_name, path="remote_prefill").inc()
+            return None, False
+        ctx = route.for_stage(Role.DECODE)
+        info = await self.router.choose(cands, ctx)
+        est = await self.cache_view.estimate(info, ctx)
+        uncached = len(route.prompt_token_ids) - est.reused_tokens
+        local = uncached < threshold
+        path = "local_prefill" if local else "remote_prefill"
+        timings.disagg_decision = path
+        timings.disagg_reason = (
+            f"{uncached} uncached tokens {'<' if local else '>='} {threshold} "
+            f"(decode instance cache {est.local_tokens}, store {est.store_tokens})")
+        m.disagg_decision.labels(model_name=m.model_name, path=path).inc()
+        return info, local
+
+    async def _attempts(self, stage: Role, ctx: RouteContext,
+                        first: InstanceInfo | None = None) -> AsyncIterator[InstanceInfo]:
+        """The instances to try in turn: at most ``max_attempts``, ``first`` (when given
+        and still a candidate) then each chosen by the routing policy among the ``stage``
+        instances not tried yet for this request (``Discovery.instances``: benched ones
+        only when nothing else is left); ends early when none is left. Holds nothing: a
+        caller may stop iterating at any point."""
         tried: set[str] = set()
         for _ in range(self.max_attempts):
             cands = self.discovery.instances(stage, exclude=tried)
             if not cands:
                 return
-            info = await self.router.choose(cands, ctx)
+            if first is not None and any(c.address == first.address for c in cands):
+                info = next(c for c in cands if c.address == first.address)
+            else:
+                info = await self.router.choose(cands, ctx)
+            first = None
             tried.add(info.address)
             yield info
 
@@ -230,11 +290,13 @@ class Pipeline:
 
     async def _decode(self, ctx: RouteContext, dreq: decode_pb2.DecodeRequest,
                       metadata: Sequence[tuple[str, str]], state: SeqState,
-                      param_of_field: Mapping[str, str]) -> AsyncIterator[SeqDelta]:
+                      param_of_field: Mapping[str, str], first: InstanceInfo | None = None
+                      ) -> AsyncIterator[SeqDelta]:
         last: grpc.aio.AioRpcError | None = None
-        async for info in self._attempts(ctx.stage, ctx):
+        colocated_form = not dreq.HasField("first_token_id")
+        async for info in self._attempts(ctx.stage, ctx, first):
             state.timings.decode_instance = info.address
-            if ctx.stage == Role.BOTH:
+            if colocated_form:
                 state.timings.prefill_instance = info.address
             self.discovery.acquire(info.address)
             call = self.pool.decode(info.address, dreq, tuple(metadata))
@@ -243,7 +305,8 @@ class Pipeline:
             try:
                 async for msg in call:
                     if num_emitted == 0:
-                        self._first_decode_message(msg, state, start_ns, info, ctx)
+                        self._first_decode_message(msg, state, start_ns, info, ctx,
+                                                   colocated_form)
                     if not msg.token_ids and not msg.finish_reason:
                         continue
                     stop_tok = msg.stop_token_id if msg.HasField("stop_token_id") else None
@@ -277,7 +340,8 @@ class Pipeline:
         raise _unavailable(ctx.stage, last, param_of_field)
 
     def _first_decode_message(self, msg: decode_pb2.DecodeResponse, state: SeqState,
-                              start_ns: int, info: InstanceInfo, ctx: RouteContext) -> None:
+                              start_ns: int, info: InstanceInfo, ctx: RouteContext,
+                              colocated_form: bool) -> None:
         self.discovery.mark_ok(info.address)
         self.router.on_routed(info, ctx)
         t = state.timings
@@ -286,15 +350,15 @@ class Pipeline:
             t.kv_pull_ns = msg.kv_pull_ns
         if msg.HasField("queue_ns"):
             t.decode_queue_ns = msg.queue_ns
-            if ctx.stage == Role.BOTH:
+            if colocated_form:
                 # Colocated: the first message carries the first token, so everything after
                 # the engine's queue up to it is prefill compute (RPC overhead included).
                 t.prefill_queue_ns = msg.queue_ns
                 t.prefill_compute_ns = max(0, t.first_decode_ns - msg.queue_ns)
-        if msg.HasField("num_cached_tokens") and ctx.stage == Role.BOTH:
-            state.num_cached_tokens = msg.num_cached_tokens
+        if msg.HasField("num_cached_tokens") and colocated_form:
+            state.num_cached_tokens = t.cached_tokens = msg.num_cached_tokens
         m = self.metrics
-        if ctx.stage == Role.DECODE and t.kv_pull_ns is not None:
+        if not colocated_form and t.kv_pull_ns is not None:
             handoff_s = ((t.kv_publish_ns or 0) + t.kv_pull_ns) / 1e9
             m.labels(m.kv_handoff_seconds).observe(handoff_s)
             if msg.HasField("kv_pull_bytes"):

@@ -3,30 +3,33 @@
 - ``round_robin``: rotate over the healthy instances of the role (one rotation per stage).
 - ``least_loaded``: fewest requests (running + waiting, or our own in-flight count if
   larger), then lowest KV usage, then round robin.
-- ``kv_aware`` (default): for prefill, the instance that most likely holds the longest
-  prefix of this prompt in its prefix cache; for decode (and colocated), least loaded.
-  The router cannot see an engine's cache, so it keeps, per prefill instance, the block
-  hashes (``contracts.block_hash.hash_token_blocks``) of the prompts it sent there recently,
-  bounded LRU -- the approach of SGLang's cache-aware router and vLLM production-stack's
-  prefix-aware routing. To avoid piling every request that shares a system prompt onto one
-  instance, a prefix match only wins while that instance's load is within
+- ``kv_aware`` (default): for prefill (and colocated), the instance where this prompt
+  costs the least to prefill, judged by two tiers of reuse (:class:`CacheView`): tokens
+  the instance most likely holds in its own prefix cache (no transfer) and tokens in the
+  KV store (a transfer, cheaper than compute; every instance loads them alike); for
+  decode, least loaded. The router cannot see an engine's cache, so it keeps, per
+  instance, the block hashes (``contracts.block_hash.hash_token_blocks``) of the prompts
+  it sent there recently, bounded LRU -- the approach of SGLang's cache-aware router and
+  vLLM production-stack's prefix-aware routing; the store's part is one batched lookup of
+  the store index in Redis per request (``tandem.kvstore.lookup``), so every router
+  replica sees the same store. To avoid piling every request that shares a system prompt
+  onto one instance, a cheaper instance only wins while its load is within
   ``balance_slack`` requests of the least loaded one.
-
-NOTE: the KV store's index is not consulted for the prefill choice: a prefill instance
-only publishes to the store (it never loads from it), so blocks in the store shorten no
-prefill; they shorten the decode side's load, which any decode instance does equally.
 """
 
 from __future__ import annotations
 
 import enum
 import itertools
+import time
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from tandem.contracts.block_hash import BlockHash, hash_token_blocks
+from tandem.contracts.block_key import BlockKey
 from tandem.contracts.role import Role
 from tandem.services.router.discovery import InstanceInfo
 
@@ -53,6 +56,13 @@ class RouteContext:
     prompt_token_ids: Sequence[int]
     request_id: str = ""
     _hashes: dict[int, list[BlockHash]] = field(default_factory=dict, repr=False)
+    #: (block size, layout fingerprint) -> prompt tokens in the store (one lookup each)
+    store_tokens: dict[tuple[int, bytes], int] = field(default_factory=dict, repr=False)
+
+    def for_stage(self, stage: Role) -> RouteContext:
+        """The same prompt for another stage (hashes and store lookups are shared)."""
+        return RouteContext(stage, self.prompt_token_ids, self.request_id, self._hashes,
+                            self.store_tokens)
 
     def block_hashes(self, block_size: int) -> list[BlockHash]:
         """Hash chain of the prompt's full blocks (computed once per block size)."""
@@ -140,50 +150,145 @@ class _PrefixHints:
             self._lru.popitem(last=False)
 
 
-class KVAwareRouter(Router):
-    """Longest cached prefix for prefill; least loaded otherwise.
+class StoreIndex(Protocol):
+    """The store index as the router reads it: ``tandem.kvstore.lookup.AsyncIndexProbe``."""
 
-    Args:
-        capacity_blocks: remembered blocks per instance (about its cache size).
-        balance_slack: a prefix match wins only if its instance has at most this many
-            requests more than the least loaded candidate.
+    async def leading(self, keys: Sequence[BlockKey]) -> int:
+        """Leading ``keys`` held by live store nodes (0 when the index is unreachable)."""
+
+
+@dataclass(frozen=True)
+class CacheEstimate:
+    """Where a prompt's KV already is, for one instance, in tokens (full blocks only).
+
+    Attributes:
+        local_tokens: believed in the instance's own prefix cache (no transfer).
+        store_tokens: in the KV store (loaded by any instance: a transfer).
     """
 
-    def __init__(self, capacity_blocks: int = 65536, balance_slack: int = 8) -> None:
-        self._hints: dict[str, _PrefixHints] = {}
+    local_tokens: int
+    store_tokens: int
+
+    @property
+    def reused_tokens(self) -> int:
+        """Tokens the instance does not compute: the larger of the two tiers (an engine
+        loads from the store only beyond its local hit)."""
+        return max(self.local_tokens, self.store_tokens)
+
+
+class CacheView:
+    """What the router knows of where prompts' KV lies: per-instance prefix hints
+    (what it sent where, bounded LRU per instance) and the KV store's index.
+
+    Args:
+        store: the store index, ``None`` without one (static discovery, no Redis).
+        capacity_blocks: remembered blocks per instance (about its cache size).
+        on_lookup: called with each store lookup's duration in seconds (a metric).
+
+    The store is asked at most once per request and layout (``RouteContext.store_tokens``).
+    """
+
+    def __init__(self, store: StoreIndex | None = None, capacity_blocks: int = 65536,
+                 on_lookup: Callable[[float], None] = lambda seconds: None) -> None:
+        self.store = store
         self._capacity_blocks = capacity_blocks
+        self._hints: dict[str, _PrefixHints] = {}
+        self._on_lookup = on_lookup
+
+    def local_tokens(self, info: InstanceInfo, ctx: RouteContext) -> int:
+        """Prompt tokens believed in ``info``'s prefix cache (full blocks)."""
+        hints = self._hints.get(info.address)
+        if hints is None:
+            return 0
+        return hints.matched_blocks(ctx.block_hashes(info.block_size)) * info.block_size
+
+    async def store_tokens(self, info: InstanceInfo, ctx: RouteContext) -> int:
+        """Prompt tokens whose blocks (of ``info``'s layout) the store holds; 0 without a
+        store or before the instance reported its layout."""
+        if self.store is None or not info.kv_layout_fingerprint:
+            return 0
+        key = (info.block_size, info.kv_layout_fingerprint)
+        if key not in ctx.store_tokens:
+            hashes = ctx.block_hashes(info.block_size)
+            start = time.perf_counter()
+            n = await self.store.leading([BlockKey(h, info.kv_layout_fingerprint)
+                                          for h in hashes])
+            self._on_lookup(time.perf_counter() - start)
+            ctx.store_tokens[key] = n * info.block_size
+        return ctx.store_tokens[key]
+
+    async def estimate(self, info: InstanceInfo, ctx: RouteContext) -> CacheEstimate:
+        """Both tiers for ``info``; a colocated (``both``) instance has no store."""
+        if info.role == Role.BOTH:
+            return CacheEstimate(self.local_tokens(info, ctx), 0)
+        return CacheEstimate(self.local_tokens(info, ctx), await self.store_tokens(info, ctx))
+
+    def record(self, info: InstanceInfo, ctx: RouteContext) -> None:
+        """``info`` now holds the prompt's full blocks in its prefix cache."""
+        hints = self._hints.setdefault(info.address, _PrefixHints(self._capacity_blocks))
+        hints.add(ctx.block_hashes(info.block_size))
+
+
+class KVAwareRouter(Router):
+    """Cheapest prefill for prefill and colocated; least loaded for decode.
+
+    The cost of a prompt on an instance, in compute-token units:
+    ``uncached + store_load_cost * loaded``, where ``loaded`` are the tokens it would load
+    from the store beyond its local hit and ``uncached`` the rest of the prompt (the local
+    hit is free). Lowest cost wins among the instances within ``balance_slack`` requests of
+    the least loaded one; on equal cost, the least loaded (rotating) one.
+
+    Args:
+        view: the cache view (shared with the pipeline's disaggregation decision); a
+            fresh one without a store when ``None``.
+        balance_slack: most extra requests a cheaper instance may have and still win.
+        store_load_cost: cost of loading a token relative to computing it (0..1).
+    """
+
+    def __init__(self, view: CacheView | None = None, balance_slack: int = 8,
+                 store_load_cost: float = 0.1) -> None:
+        if not 0 <= store_load_cost <= 1:
+            raise ValueError(f"store_load_cost must be in [0, 1], got {store_load_cost}")
+        self.view = view if view is not None else CacheView()
         self._balance_slack = balance_slack
+        self._store_load_cost = store_load_cost
         self._rotation = _Rotation()
+
+    async def _cost(self, info: InstanceInfo, ctx: RouteContext) -> float:
+        est = await self.view.estimate(info, ctx)
+        num_full = len(ctx.block_hashes(info.block_size)) * info.block_size
+        loaded = max(0, est.store_tokens - est.local_tokens)
+        return (num_full - est.reused_tokens) + self._store_load_cost * loaded
 
     async def choose(self, candidates: Sequence[InstanceInfo], ctx: RouteContext
                      ) -> InstanceInfo:
         fallback = least_loaded(candidates, self._rotation.next(ctx.stage))
         if ctx.stage == Role.DECODE:
             return fallback
-        best, best_blocks = fallback, 0
+        fallback_cost = await self._cost(fallback, ctx)
+        best, best_cost = fallback, fallback_cost
         for info in sorted(candidates, key=lambda i: i.address):
-            hints = self._hints.get(info.address)
-            if hints is None or info.load > fallback.load + self._balance_slack:
+            if info is fallback or info.load > fallback.load + self._balance_slack:
                 continue
-            n = hints.matched_blocks(ctx.block_hashes(info.block_size))
-            if n > best_blocks or (n == best_blocks and n > 0 and info.load < best.load):
-                best, best_blocks = info, n
+            cost = await self._cost(info, ctx)
+            # among equally cheap instances that beat the fallback, the less loaded one
+            if cost < best_cost or (cost == best_cost < fallback_cost and info.load < best.load):
+                best, best_cost = info, cost
         return best
 
     def on_routed(self, info: InstanceInfo, ctx: RouteContext) -> None:
-        if ctx.stage == Role.DECODE:
-            return
-        hints = self._hints.setdefault(info.address, _PrefixHints(self._capacity_blocks))
-        hints.add(ctx.block_hashes(info.block_size))
+        # A decode instance holds the prompt's blocks afterwards too (loaded or computed):
+        # what a local prefill there would reuse.
+        self.view.record(info, ctx)
 
     def matched_blocks(self, address: str, ctx: RouteContext, block_size: int = 16) -> int:
         """Blocks of ``ctx``'s prompt believed cached on ``address`` (for tests/metrics)."""
-        hints = self._hints.get(address)
-        return hints.matched_blocks(ctx.block_hashes(block_size)) if hints else 0
+        info = InstanceInfo(role=ctx.stage, address=address, block_size=block_size)
+        return self.view.local_tokens(info, ctx) // block_size
 
 
-def make_router(policy: RoutingPolicy | str) -> Router:
-    """Construct the strategy named ``policy``.
+def make_router(policy: RoutingPolicy | str, view: CacheView | None = None) -> Router:
+    """Construct the strategy named ``policy`` (``view``: the kv_aware policy's cache view).
 
     Raises:
         ValueError: unknown policy name.
@@ -193,8 +298,9 @@ def make_router(policy: RoutingPolicy | str) -> Router:
     except ValueError as exc:
         names = ", ".join(p.value for p in RoutingPolicy)
         raise ValueError(f"routing_policy must be one of {names}, got {policy!r}") from exc
+    if policy == RoutingPolicy.KV_AWARE:
+        return KVAwareRouter(view)
     return {
         RoutingPolicy.ROUND_ROBIN: RoundRobinRouter,
         RoutingPolicy.LEAST_LOADED: LeastLoadedRouter,
-        RoutingPolicy.KV_AWARE: KVAwareRouter,
     }[policy]()

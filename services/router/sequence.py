@@ -62,6 +62,12 @@ class Timings:
     e2e_ns: int | None = None
     prefill_instance: str | None = None
     decode_instance: str | None = None
+    #: disaggregated mode: "remote_prefill" (a prefill instance) or "local_prefill" (the
+    #: decode instance prefills itself), and why
+    disagg_decision: str | None = None
+    disagg_reason: str | None = None
+    #: prompt tokens the engine that prefilled did not compute (its prefix cache, the store)
+    cached_tokens: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}

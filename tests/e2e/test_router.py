@@ -35,6 +35,14 @@ def _chat(q: str) -> list[dict]:
     return [{"role": "user", "content": q}]
 
 
+FOLLOW_UP = "Now one about coffee, please."
+
+
+def _turn2(q: str, answer: str) -> list[dict]:
+    return [*_chat(q), {"role": "assistant", "content": answer},
+            {"role": "user", "content": FOLLOW_UP}]
+
+
 @pytest.fixture(scope="module")
 def oracle():
     """Greedy outputs of the offline LLM (float32), computed once; the model is freed after."""
@@ -46,9 +54,11 @@ def oracle():
         QUESTIONS, llm.chat([_chat(q) for q in QUESTIONS], greedy, use_tqdm=False), strict=True)}
     comp = {p: o.outputs[0] for p, o in zip(
         PROMPTS, llm.generate(PROMPTS, greedy, use_tqdm=False), strict=True)}
+    q = QUESTIONS[2]  # its answer spans blocks beyond the prompt's
+    turn2 = llm.chat([_turn2(q, chat[q].text)], greedy, use_tqdm=False)[0].outputs[0]
     tok = llm.get_tokenizer()
     del llm
-    return {"chat": chat, "completion": comp, "tokenizer": tok}
+    return {"chat": chat, "completion": comp, "tokenizer": tok, "turn2": turn2}
 
 
 @pytest.fixture(scope="module")
@@ -385,3 +395,38 @@ def test_metrics_exposed(stack) -> None:
     if not stack.config.colocated:
         assert "tandem:kv_handoff_seconds_count" in text
         assert "tandem:kv_handoff_bytes_total" in text
+
+
+def test_chat_turn_2_reuses_turn_1_prompt_and_answer(client, oracle, redis_url) -> None:
+    """Turn 2 of a chat (turn 1's messages, its answer, a new question): the prefill
+    computes neither turn 1's prompt (its prefix cache) nor the answer (the decode
+    published its blocks when turn 1 finished). The answer's text re-tokenises to the ids
+    the model generated, so the hash chains meet; the output equals the offline LLM's.
+    (With --kv-publish-output=false the wait for the answer's blocks times out.)"""
+    import redis
+
+    from tandem.contracts.block_hash import hash_token_blocks
+
+    q, tok = QUESTIONS[2], oracle["tokenizer"]
+    turn1 = oracle["chat"][q]
+    resp = client.chat.completions.create(model=MODEL, messages=_chat(q),
+                                          max_tokens=MAX_TOKENS, temperature=0)
+    assert resp.choices[0].message.content == turn1.text
+    prompt1 = tok.encode(tok.apply_chat_template(_chat(q), tokenize=False,
+                                                 add_generation_prompt=True),
+                         add_special_tokens=False)
+    # KV exists for every token but the last generated one; its full blocks are published.
+    computed = list(prompt1) + list(turn1.token_ids)[:-1]
+    last = hash_token_blocks(computed, 16)[-1]
+    r = redis.Redis.from_url(redis_url)
+    try:
+        wait_until(lambda: list(r.scan_iter(f"tandem:kv:blk:*:{last.hex()}")), 60,
+                   "the decode's publish of turn 1's answer")
+    finally:
+        r.close()
+    resp = client.chat.completions.create(model=MODEL, messages=_turn2(q, turn1.text),
+                                          max_tokens=MAX_TOKENS, temperature=0)
+    assert resp.choices[0].message.content == oracle["turn2"].text
+    cached = resp.model_extra["timings"]["cached_tokens"]
+    assert cached == len(computed) // 16 * 16
+    assert cached > len(prompt1) // 16 * 16, "the answer's blocks must count too"

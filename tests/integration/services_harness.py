@@ -242,3 +242,19 @@ def tiny_model_dir(base: Path) -> Path:
     if not (folder / "model.safetensors").exists():
         make_tiny_model(folder, base / "h5_smollm2_tokenizer")
     return folder
+
+
+def metric_value(metrics_port: int, name: str, **labels: str) -> float:
+    """The value of the Prometheus sample ``name`` whose labels include ``labels`` on
+    ``127.0.0.1:metrics_port/metrics`` (0.0 when there is none yet)."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and labels.items() <= sample.labels.items():
+                return sample.value
+    return 0.0

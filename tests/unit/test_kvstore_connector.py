@@ -94,6 +94,9 @@ class Recorder:
         with self.lock:
             self.loads[request_id] = result
 
+    def on_lookup_done(self, request_id: str) -> None:
+        pass
+
 
 @pytest.fixture
 def store() -> Iterator[DictBlockStore]:
@@ -260,3 +263,21 @@ def test_the_service_flags_build_the_typed_store_config_once() -> None:
     )
     ns = build_parser("tandem serve", None).parse_args(["--role", "both"])
     assert build_engine_config(ns, "both").kv_transfer == KVTransferConfig()
+
+
+def test_the_store_tier_flags() -> None:
+    from tandem.services.common.server import build_engine_config, build_parser
+
+    parser = build_parser("tandem decode", "decode")
+    ns = parser.parse_args(["--redis-url", "redis://h:6379", "--kv-publish-output=false",
+                            "--kv-load-from-store", "off"])
+    config = build_engine_config(ns, "decode").kv_transfer.connector_config
+    assert isinstance(config, StoreConnectorConfig)
+    assert (config.publish_output, config.load_from_store) == (False, False)
+    ns = parser.parse_args(["--redis-url", "redis://h:6379"])
+    config = build_engine_config(ns, "decode").kv_transfer.connector_config
+    assert (config.publish_output, config.load_from_store) == (True, True)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--kv-publish-output=maybe"])
+    with pytest.raises(ValueError, match="lookup_timeout_s"):
+        StoreConnectorConfig(redis_url="redis://x", lookup_timeout_s=0)

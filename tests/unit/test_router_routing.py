@@ -171,3 +171,66 @@ def test_validation_errors_name_the_request_field(body, param) -> None:
             {"messages": [{"role": "user", "content": "hi"}], **body})
     err = from_validation_error(info.value)
     assert err.status_code == 400 and err.param == param, err.param
+
+
+class _FakeStoreIndex:
+    """The store index: the leading keys whose hashes are in ``held``; counts lookups."""
+
+    def __init__(self, held=()) -> None:  # noqa: ANN001
+        self.held = set(held)
+        self.num_lookups = 0
+
+    async def leading(self, keys) -> int:  # noqa: ANN001
+        self.num_lookups += 1
+        n = 0
+        for k in keys:
+            if k.hash not in self.held:
+                break
+            n += 1
+        return n
+
+
+def test_kv_aware_weighs_local_and_store_tiers_with_one_lookup_per_request() -> None:
+    from tandem.contracts.block_hash import hash_token_blocks
+    from tandem.services.router.routing import CacheView
+
+    shared = list(range(100, 164))  # four full 16-token blocks
+    store = _FakeStoreIndex(hash_token_blocks(shared, 16)[:2])  # the store holds two
+    view = CacheView(store)
+    router = KVAwareRouter(view, balance_slack=2)
+    infos = _infos(0, 0, 0)
+    for i in infos:
+        i.kv_layout_fingerprint = b"f" * 16
+    ctx = RouteContext("prefill", shared + [1])
+    first = asyncio.run(router.choose(infos, ctx))
+    assert store.num_lookups == 1, "one lookup for all candidates"
+    router.on_routed(first, ctx)
+    # Another stage of the same request reuses the lookup.
+    decode_ctx = ctx.for_stage("decode")
+    est = asyncio.run(view.estimate(first, decode_ctx))
+    assert (est.local_tokens, est.store_tokens, est.reused_tokens) == (64, 32, 64)
+    assert store.num_lookups == 1
+    # The instance with all four blocks local is cheaper than a store load of two.
+    assert _choose(router, infos, shared + [2]) is first
+    # Without local hints, the store's blocks are the same for everyone: load decides.
+    others = [i for i in infos if i is not first]
+    others[0].running, others[1].running = 1, 0
+    picked = _choose(router, others, shared[:32] + [3])
+    assert picked is others[1]
+    assert store.num_lookups == 3
+    # Before an instance reports its layout, the store is not asked.
+    fresh = _infos(0)
+    assert asyncio.run(view.store_tokens(fresh[0], RouteContext("prefill", shared))) == 0
+    assert store.num_lookups == 3
+
+
+def test_colocated_instances_do_not_ask_the_store() -> None:
+    from tandem.services.router.routing import CacheView
+
+    store = _FakeStoreIndex()
+    router = KVAwareRouter(CacheView(store))
+    infos = _infos(0, 0, role="both")
+    for i in infos:
+        i.kv_layout_fingerprint = b"f" * 16
+    _choose(router, infos, list(range(64)), stage="both")
+    assert store.num_lookups == 0

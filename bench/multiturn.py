@@ -1,0 +1,218 @@
+"""The multi-turn chat workload of `tandem bench serve` (``--dataset-name multi-turn``).
+
+``N`` conversations share one system prompt of ``S`` tokens; each has ``T`` turns. Turn
+``t`` sends the system prompt, every earlier user message and answer, and a new user
+message of ``U`` tokens through ``/v1/chat/completions`` (streamed), and asks for an
+answer of ``A`` tokens (``ignore_eos``, so every answer has ``A`` tokens); the answer's
+text goes into the next turn's history. Conversations start at ``--request-rate`` (gamma
+arrivals, as the random dataset's requests) and run their turns back to back;
+``--max-concurrency`` bounds the requests in flight. The same shape as vLLM's multi-round
+QA benchmark and LMCache's long-document / multi-round QA (written anew).
+
+Reported per turn: TTFT percentiles, the prompt length and the cached prompt tokens the
+router reports (``usage.prompt_tokens_details.cached_tokens``, else ``timings.cached_tokens``). Turn 1 of every
+conversation shares only the system prompt; from turn 2 on the history is reusable if
+the serving side keeps (or, with the KV store as a shared tier, publishes) it.
+
+Text is built from random token ids decoded with the model's tokenizer, so lengths are
+close to, not exactly, the requested ones (the chat template and re-tokenisation add or
+merge a few tokens).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class MultiTurnShape:
+    """What each conversation looks like (token counts before templating).
+
+    Raises:
+        ValueError: a count below 1 (``system_len`` may be 0), naming the flag.
+    """
+
+    num_conversations: int
+    num_turns: int
+    system_len: int
+    user_len: int
+    answer_len: int
+
+    def __post_init__(self) -> None:
+        for flag, value in (("--multi-turn-conversations", self.num_conversations),
+                            ("--multi-turn-turns", self.num_turns),
+                            ("--multi-turn-user-len", self.user_len),
+                            ("--multi-turn-answer-len", self.answer_len)):
+            if value < 1:
+                raise ValueError(f"{flag} must be >= 1, got {value}")
+        if self.system_len < 0:
+            raise ValueError(f"--multi-turn-system-len must be >= 0, got {self.system_len}")
+
+
+@dataclass
+class TurnResult:
+    """One turn's measurements (seconds)."""
+
+    conversation: int
+    turn: int
+    success: bool = False
+    ttft: float = 0.0
+    latency: float = 0.0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    output_tokens: int = 0
+    text: str = ""
+    error: str = ""
+    timings: dict[str, Any] = field(default_factory=dict)
+
+
+def _text(rng: random.Random, tokenizer: Any, n: int) -> str:
+    """About ``n`` tokens of text (random ids from 1000 up, decoded)."""
+    vocab = len(tokenizer)
+    return tokenizer.decode([rng.randrange(1000, vocab) for _ in range(n)],
+                            skip_special_tokens=True)
+
+
+def build_conversations(shape: MultiTurnShape, tokenizer: Any, seed: int
+                        ) -> tuple[str, list[list[str]]]:
+    """(the shared system prompt, each conversation's user messages in turn order)."""
+    rng = random.Random(seed)
+    system = _text(rng, tokenizer, shape.system_len) if shape.system_len else ""
+    users = [[_text(rng, tokenizer, shape.user_len) for _ in range(shape.num_turns)]
+             for _ in range(shape.num_conversations)]
+    return system, users
+
+
+async def _turn(client: Any, url: str, model: str, messages: list[dict[str, str]],
+                answer_len: int, res: TurnResult) -> None:
+    body = {"model": model, "messages": messages, "max_tokens": answer_len,
+            "temperature": 0.0, "stream": True, "ignore_eos": True,
+            "stream_options": {"include_usage": True}}
+    start = time.perf_counter()
+    try:
+        async with client.stream("POST", url, json=body) as resp:
+            if resp.status_code != 200:
+                res.error = f"HTTP {resp.status_code}: {(await resp.aread())[:300]!r}"
+                return
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                data = json.loads(line[6:])
+                if "error" in data:
+                    res.error = str(data["error"].get("message"))
+                    return
+                usage = data.get("usage")
+                if usage:
+                    res.prompt_tokens = usage["prompt_tokens"]
+                    res.output_tokens = usage["completion_tokens"]
+                    details = usage.get("prompt_tokens_details") or {}
+                    res.cached_tokens = max(res.cached_tokens, details.get("cached_tokens") or 0)
+                if data.get("timings"):
+                    res.timings = data["timings"]
+                    res.cached_tokens = max(res.cached_tokens,
+                                            res.timings.get("cached_tokens") or 0)
+                for choice in data.get("choices") or ():
+                    piece = (choice.get("delta") or {}).get("content") or ""
+                    if not res.ttft and (piece or choice.get("finish_reason")):
+                        res.ttft = time.perf_counter() - start
+                    res.text += piece
+        res.latency = time.perf_counter() - start
+        res.success = res.ttft > 0
+    except Exception as exc:  # noqa: BLE001 - a failed turn is a measurement, not a crash
+        res.error = f"{type(exc).__name__}: {exc}"
+
+
+async def run_conversations(url: str, model: str, shape: MultiTurnShape, system: str,
+                            users: list[list[str]], request_rate: float, burstiness: float,
+                            max_concurrency: int | None, seed: int
+                            ) -> tuple[list[TurnResult], float]:
+    """Run every conversation (turns in order; a failed turn ends its conversation).
+
+    Returns (every turn's result, wall time in seconds).
+    """
+    import httpx
+
+    rng = np.random.default_rng(seed)
+    sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+    results: list[TurnResult] = []
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(3600.0), limits=limits) as client:
+
+        async def conversation(c: int) -> None:
+            messages = [{"role": "system", "content": system}] if system else []
+            for t, user in enumerate(users[c]):
+                messages.append({"role": "user", "content": user})
+                res = TurnResult(conversation=c, turn=t + 1)
+                results.append(res)
+                if sem is None:
+                    await _turn(client, url, model, messages, shape.answer_len, res)
+                else:
+                    async with sem:
+                        await _turn(client, url, model, messages, shape.answer_len, res)
+                if not res.success:
+                    return
+                messages.append({"role": "assistant", "content": res.text})
+
+        tasks = []
+        start = time.perf_counter()
+        for c in range(shape.num_conversations):
+            tasks.append(asyncio.create_task(conversation(c)))
+            if request_rate != float("inf"):
+                theta = 1.0 / (request_rate * burstiness)
+                await asyncio.sleep(float(rng.gamma(shape=burstiness, scale=theta)))
+        await asyncio.gather(*tasks)
+        return results, time.perf_counter() - start
+
+
+def turn_metrics(results: list[TurnResult], duration_s: float, percentiles: list[float]
+                 ) -> dict[str, Any]:
+    """Totals plus, per turn, TTFT percentiles (ms), mean prompt and cached tokens."""
+    ok = [r for r in results if r.success]
+    per_turn = []
+    for turn in sorted({r.turn for r in results}):
+        mine = [r for r in ok if r.turn == turn]
+        row: dict[str, Any] = {"turn": turn, "completed": len(mine),
+                               "failed": sum(1 for r in results if r.turn == turn
+                                             and not r.success)}
+        if mine:
+            ttfts = np.array([r.ttft for r in mine]) * 1000
+            row["mean_ttft_ms"] = float(ttfts.mean())
+            for p in percentiles:
+                key = "median_ttft_ms" if p == 50 else f"p{p:g}_ttft_ms"
+                row[key] = float(np.percentile(ttfts, p))
+            row["mean_prompt_tokens"] = float(np.mean([r.prompt_tokens for r in mine]))
+            row["mean_cached_tokens"] = float(np.mean([r.cached_tokens for r in mine]))
+            paths = [r.timings.get("disagg_decision") for r in mine]
+            row["local_prefill"] = sum(1 for p in paths if p == "local_prefill")
+        per_turn.append(row)
+    return {
+        "duration": duration_s,
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "total_input_tokens": sum(r.prompt_tokens for r in ok),
+        "total_output_tokens": sum(r.output_tokens for r in ok),
+        "per_turn": per_turn,
+        "errors": [r.error for r in results if r.error],
+    }
+
+
+def print_turns(m: dict[str, Any], percentiles: list[float]) -> None:
+    """The per-turn table."""
+    print("{s:{c}^60}".format(s=" Multi-turn chat: TTFT per turn ", c="="))
+    cols = {"turn": "turn", "completed": "done", "mean_prompt_tokens": "prompt tok",
+            "mean_cached_tokens": "cached tok", "mean_ttft_ms": "TTFT mean ms"}
+    for p in percentiles:
+        cols["median_ttft_ms" if p == 50 else f"p{p:g}_ttft_ms"] = f"TTFT p{p:g} ms"
+    print("  ".join(f"{label:>12}" for label in cols.values()))
+    for row in m["per_turn"]:
+        print("  ".join(f"{row.get(c, float('nan')):>12.1f}" if isinstance(row.get(c), float)
+                        else f"{row.get(c, '-')!s:>12}" for c in cols))
+    print(f"completed {m['completed']}, failed {m['failed']}, duration {m['duration']:.2f} s")
+    print("=" * 60)

@@ -1,0 +1,285 @@
+"""The KV store as a shared cache tier, at the engine level: the store connector
+(kvstore/connector.py, real transfer threads) over an in-process block store with an
+index probe, in engines running a tiny random Llama. Oracle: transformers' greedy output.
+
+- a prefill engine loads the stored blocks beyond its local prefix-cache hit, computes
+  only the rest, and the loaded blocks join its prefix cache;
+- a decode engine publishes prompt + output blocks of finished requests, so the next turn
+  loads them;
+- a block gone between the lookup and the load is a miss: recomputed, output unchanged.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Iterator, Sequence
+
+import pytest
+import transformers
+from engine_steps import run
+from tiny_models import as_loaded_model, hf_greedy_steps, tiny_config, tiny_hf_model
+
+from tandem.contracts.block_hash import hash_token_blocks
+from tandem.contracts.block_key import BlockKey
+from tandem.engine.config import (
+    CacheConfig,
+    EngineConfig,
+    KVTransferConfig,
+    ModelConfig,
+    SchedulerConfig,
+)
+from tandem.engine.engine_core import EngineCore
+from tandem.engine.executor import create_executor
+from tandem.engine.kv_connector import register_connector, unregister_connector
+from tandem.engine.model_loader import LoadedModel
+from tandem.engine.request import Request
+from tandem.engine.sampling_params import SamplingParams
+from tandem.kvstore.connector import build_store_connector
+from tandem.kvstore.lookup import IndexProbe
+
+VOCAB = 97
+MAX_LEN = 96
+BLOCK = 4
+_ids = itertools.count()
+
+
+class ProbedStore:
+    """A ``BlockStoreClient`` over a dict plus its index probe (``leading``); records
+    every put's keys and every probe call."""
+
+    def __init__(self) -> None:
+        self.blocks: dict[BlockKey, object] = {}
+        self.puts: list[list[BlockKey]] = []
+        self.num_probes = 0
+        self.lock = threading.Lock()
+
+    def connect(self) -> ProbedStore:
+        return self
+
+    def leading(self, keys: Sequence[BlockKey]) -> int:
+        self.num_probes += 1
+        n = 0
+        for k in keys:
+            if k not in self.blocks:
+                break
+            n += 1
+        return n
+
+    def put_blocks(self, keys, blocks) -> int:
+        with self.lock:
+            self.puts.append(list(keys))
+            for k, b in zip(keys, blocks, strict=True):
+                self.blocks.setdefault(k, b.clone())
+        return len(keys)
+
+    def get_blocks(self, keys, into) -> int:
+        for i, k in enumerate(keys):
+            block = self.blocks.get(k)
+            if block is None:
+                return i
+            into[i].copy_(block)
+        return len(keys)
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def tiny() -> tuple[LoadedModel, transformers.PreTrainedModel]:
+    config = tiny_config("LlamaForCausalLM", vocab=VOCAB, hidden=32, ffn=64, max_len=MAX_LEN,
+                         special_tokens=False)
+    hf = tiny_hf_model(config, std=0.3)
+    return as_loaded_model(hf, "tiny-llama", MAX_LEN), hf
+
+
+@pytest.fixture
+def store() -> Iterator[ProbedStore]:
+    s = ProbedStore()
+    register_connector(
+        "probed-store",
+        lambda cfg, layout: build_store_connector(
+            cfg.kv_role, layout, s.connect, 1, probe=lambda keys: s.leading(keys),
+            publish_output=cfg.kv_role == "kv_consumer"),
+    )
+    register_connector(
+        "probed-store-no-lookup",
+        lambda cfg, layout: build_store_connector(cfg.kv_role, layout, s.connect, 1),
+    )
+    yield s
+    unregister_connector("probed-store")
+    unregister_connector("probed-store-no-lookup")
+
+
+def make_core(loaded: LoadedModel, role: str, name: str = "probed-store") -> EngineCore:
+    config = EngineConfig(
+        model=ModelConfig(dtype="float32", max_model_len=MAX_LEN),
+        cache=CacheConfig(block_size=BLOCK, num_blocks_override=64),
+        scheduler=SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8),
+        kv_transfer=KVTransferConfig(kv_connector=name, kv_role=role),
+    )
+    return EngineCore(config, create_executor(config, loaded))
+
+
+def generate(core: EngineCore, prompt: list[int], n: int) -> tuple[list[int], int]:
+    """Greedy tokens of ``prompt`` on ``core`` and the first output's cached tokens."""
+    req = Request(f"r{next(_ids)}", prompt, SamplingParams(max_tokens=n, temperature=0.0))
+    outs = run(core, req)[req.request_id]
+    return [t for o in outs for t in o.new_token_ids], outs[0].num_cached_tokens
+
+
+def keys_of(core: EngineCore, tokens: list[int]) -> list[BlockKey]:
+    return core.layout.keys(hash_token_blocks(tokens, BLOCK))
+
+
+def test_a_prefill_loads_what_another_computed_and_computes_only_the_rest(tiny, store) -> None:
+    loaded, hf = tiny
+    a, b = make_core(loaded, "kv_producer"), make_core(loaded, "kv_producer")
+    try:
+        prompt = list(range(30, 52))  # 22 tokens: 5 full blocks, a partial one
+        want = hf_greedy_steps(hf, prompt, 1)[0]
+        assert generate(a, prompt, 1) == (want, 0)
+        assert a.get_stats().connector_prefix_cache_hits == 0
+
+        # B: its own cache is cold; the store holds all 5 full blocks (the last token is
+        # computed here whatever the store holds).
+        assert generate(b, prompt, 1) == (want, 20)
+        stats = b.get_stats()
+        assert (stats.prefix_cache_hits, stats.connector_prefix_cache_hits) == (0, 20)
+        assert stats.connector_prefix_cache_queries == len(prompt)
+        # Its publish resent none of the 5 blocks it loaded: only the partial tail.
+        assert len(store.puts[-1]) == 1
+
+        # A longer prompt sharing the prefix: the loaded blocks joined B's prefix cache.
+        longer = prompt[:20] + list(range(60, 75))
+        assert generate(b, longer, 1) == (hf_greedy_steps(hf, longer, 1)[0], 20)
+        stats = b.get_stats()
+        assert (stats.prefix_cache_hits, stats.connector_prefix_cache_hits) == (20, 20)
+    finally:
+        a.shutdown()
+        b.shutdown()
+
+
+def test_the_lookup_is_one_probe_per_admission_and_off_without_a_probe(tiny, store) -> None:
+    loaded, hf = tiny
+    a = make_core(loaded, "kv_producer")
+    c = make_core(loaded, "kv_producer", "probed-store-no-lookup")
+    try:
+        prompt = list(range(10, 30))
+        generate(a, prompt, 1)
+        assert store.num_probes == 1
+        assert generate(c, prompt, 1) == (hf_greedy_steps(hf, prompt, 1)[0], 0)
+        assert c.get_stats().connector_prefix_cache_hits == 0
+        assert store.num_probes == 1
+    finally:
+        a.shutdown()
+        c.shutdown()
+
+
+def test_a_decode_publishes_prompt_and_output_and_the_next_turn_loads_them(tiny, store
+                                                                           ) -> None:
+    loaded, hf = tiny
+    decode, prefill = make_core(loaded, "kv_consumer"), make_core(loaded, "kv_producer")
+    try:
+        turn1 = list(range(40, 50))
+        answer, _ = generate(decode, turn1, 10)
+        assert answer == hf_greedy_steps(hf, turn1, 10)[0]
+        # 19 tokens have KV (the last sampled one has none): 4 full blocks published.
+        computed = turn1 + answer[:-1]
+        assert set(keys_of(decode, computed)) <= set(store.blocks)
+        assert len(store.blocks) == 4
+
+        turn2 = turn1 + answer + list(range(80, 86))
+        got, cached = generate(prefill, turn2, 1)
+        assert got == hf_greedy_steps(hf, turn2, 1)[0]
+        assert cached == 16, "turn 1's prompt and answer blocks come from the store"
+        assert prefill.get_stats().connector_prefix_cache_hits == 16
+    finally:
+        decode.shutdown()
+        prefill.shutdown()
+
+
+def test_a_block_gone_between_lookup_and_load_is_recomputed(tiny, store) -> None:
+    loaded, hf = tiny
+    a, b = make_core(loaded, "kv_producer"), make_core(loaded, "kv_producer")
+    try:
+        prompt = list(range(5, 30))
+        generate(a, prompt, 1)
+        keys = keys_of(a, prompt)
+        leading = store.leading
+
+        def lookup_then_evict(ks: Sequence[BlockKey]) -> int:
+            n = leading(ks)
+            del store.blocks[keys[2]]  # evicted after the index said it was there
+            return n
+
+        store.leading = lookup_then_evict  # type: ignore[method-assign]
+        got, cached = generate(b, prompt, 1)
+        assert got == hf_greedy_steps(hf, prompt, 1)[0]
+        assert cached == 8, "blocks 0-1 loaded, the rest recomputed"
+        stats = b.get_stats()
+        assert stats.num_kv_load_failures == 1
+        assert stats.connector_prefix_cache_hits == 8
+    finally:
+        a.shutdown()
+        b.shutdown()
+
+
+def test_the_index_probe_treats_an_unreachable_index_as_a_miss_and_backs_off() -> None:
+    from ports import free_port
+
+    probe = IndexProbe(f"redis://127.0.0.1:{free_port()}/0", timeout_s=0.2, backoff_s=60)
+    key = BlockKey(b"h" * 32, b"f" * 16)
+    try:
+        assert probe.leading([key]) == 0
+        assert (probe.num_lookups, probe.num_failures) == (1, 1)
+        assert probe.leading([key]) == 0
+        assert probe.num_lookups == 1, "no lookup while backing off"
+    finally:
+        probe.close()
+    with pytest.raises(ValueError, match="timeout_s"):
+        IndexProbe("redis://x", timeout_s=0)
+
+
+def test_a_slow_lookup_holds_only_its_own_request(tiny, store) -> None:
+    """The lookup runs off the step loop: while it hangs, another request runs to the end;
+    once it answers, the waiting request loads and finishes with the oracle's tokens."""
+    loaded, hf = tiny
+    a, b = make_core(loaded, "kv_producer"), make_core(loaded, "kv_producer")
+    try:
+        prompt = list(range(50, 70))
+        generate(a, prompt, 1)
+        release = threading.Event()
+        leading = store.leading
+
+        def slow(keys: Sequence[BlockKey]) -> int:
+            release.wait(30)
+            return leading(keys)
+
+        store.leading = slow  # type: ignore[method-assign]
+        waiting = Request("waits", prompt, SamplingParams(max_tokens=1, temperature=0.0))
+        b.add_request(waiting)
+        short = [3, 4, 5]  # no full block: no lookup
+        b.add_request(Request("runs", short, SamplingParams(max_tokens=3, temperature=0.0)))
+        tokens: dict[str, list[int]] = {"runs": [], "waits": []}
+        cached = {}
+        finished: set[str] = set()
+        while "runs" not in finished:
+            for o in b.step():
+                tokens[o.request_id] += o.new_token_ids
+                cached.setdefault(o.request_id, o.num_cached_tokens)
+                if o.finished:
+                    finished.add(o.request_id)
+        assert tokens["runs"] == hf_greedy_steps(hf, short, 3)[0]
+        assert tokens["waits"] == [], "the looked-up request still waits"
+        release.set()
+        while b.has_unfinished_requests():
+            for o in b.step():
+                tokens[o.request_id] += o.new_token_ids
+                cached.setdefault(o.request_id, o.num_cached_tokens)
+        assert tokens["waits"] == hf_greedy_steps(hf, prompt, 1)[0]
+        assert cached["waits"] == 16
+    finally:
+        release.set()
+        a.shutdown()
+        b.shutdown()
