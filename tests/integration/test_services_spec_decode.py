@@ -19,6 +19,7 @@ from services_harness import (
     params,
     run_colocated,
     run_disaggregated,
+    wait_for,
 )
 
 from tandem.v1 import prefill_pb2
@@ -99,7 +100,9 @@ def test_draft_model_decode_builds_the_draft_kv_itself(tiny, prefill, redis_url,
             assert got == expected, f"prompt of {len(prompt)} tokens"
             multi += sum(len(m.token_ids) > 1 for m in msgs)
         assert multi > 0
-        load = svc.get_load()
-        assert load.num_free_blocks == load.num_total_blocks
+        # The decode engine publishes each finished request's blocks (the store tier)
+        # and frees them once the put is done.
+        wait_for(lambda: (load := svc.get_load()).num_free_blocks == load.num_total_blocks,
+                 30, "decode pool back to full")
     finally:
         assert svc.stop() == 0

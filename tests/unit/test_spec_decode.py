@@ -198,6 +198,8 @@ def test_metrics_follow_spec_decode_stats() -> None:
         num_running = num_waiting = 0
         kv_cache_usage = 0.0
         num_preemptions = 0
+        prefix_cache_queries = prefix_cache_hits = 0
+        connector_prefix_cache_queries = connector_prefix_cache_hits = 0
         spec_decode = SpecDecodeStats(2, num_drafts=3, num_draft_tokens=5, num_accepted_tokens=4,
                                       num_accepted_tokens_per_pos=[3, 1])
 
@@ -248,6 +250,8 @@ def test_latency_bench_reads_acceptance_from_metrics() -> None:
         num_running = num_waiting = 0
         kv_cache_usage = 0.0
         num_preemptions = 0
+        prefix_cache_queries = prefix_cache_hits = 0
+        connector_prefix_cache_queries = connector_prefix_cache_hits = 0
         spec_decode = SpecDecodeStats(2, num_drafts=4, num_draft_tokens=8, num_accepted_tokens=6,
                                       num_accepted_tokens_per_pos=[4, 2])
 
