@@ -117,6 +117,7 @@ class StructuredOutputManager:
             submitted while ``max_pending`` distinct compiles are queued or running.
             Defaults to ``compile_timeout_s``.
         max_pending: bound on distinct compiles queued or running.
+        clock: ``time.monotonic`` (tests pass their own to age a queued compile).
     """
 
     def __init__(
@@ -128,6 +129,7 @@ class StructuredOutputManager:
         compile_timeout_s: float = 10.0,
         max_queue_wait_s: float | None = None,
         max_pending: int = 64,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if max_cache_entries < 1:
             raise ValueError(f"max_cache_entries must be >= 1, got {max_cache_entries}")
@@ -142,6 +144,7 @@ class StructuredOutputManager:
         self.compile_timeout_s = compile_timeout_s
         self.max_queue_wait_s = compile_timeout_s if max_queue_wait_s is None else max_queue_wait_s
         self.max_pending = max_pending
+        self._clock = clock
         self._lock = threading.Lock()
         self._cache: collections.OrderedDict[CacheKey, CompiledGrammar] = collections.OrderedDict()
         self._inflight: dict[CacheKey, concurrent.futures.Future[CompiledGrammar]] = {}
@@ -182,7 +185,7 @@ class StructuredOutputManager:
                 busy: concurrent.futures.Future[CompiledGrammar] = concurrent.futures.Future()
                 busy.set_exception(_busy_error(params, f"{self.max_pending} compiles are queued"))
                 return busy
-            future = self._pool.submit(self._compile, backend, params, key, time.monotonic())
+            future = self._pool.submit(self._compile, backend, params, key, self._clock())
             self._inflight[key] = future
             return future
 
@@ -193,7 +196,7 @@ class StructuredOutputManager:
         key: CacheKey,
         submitted: float,
     ) -> CompiledGrammar:
-        start = time.monotonic()
+        start = self._clock()
         try:
             if start - submitted > self.max_queue_wait_s:
                 with self._lock:
@@ -203,7 +206,7 @@ class StructuredOutputManager:
         finally:
             with self._lock:
                 self._inflight.pop(key, None)
-        elapsed = time.monotonic() - start
+        elapsed = self._clock() - start
         with self._lock:
             self.stats.num_compiles += 1
             self.stats.compile_s.append(elapsed)

@@ -13,7 +13,6 @@ import json
 import os
 import re
 import threading
-import time
 
 import jsonschema
 import pytest
@@ -362,18 +361,16 @@ def test_a_compile_past_the_limit_is_killed_and_frees_its_worker() -> None:
 
 def test_a_full_compile_queue_is_a_busy_error_not_a_bad_request(tiny) -> None:
     gated = _GatedBackend.from_vocab(VOCAB, STOP)
+    now = [0.0]
     manager = StructuredOutputManager(
-        lambda: gated, max_workers=1, max_queue_wait_s=0.5, max_pending=2
+        lambda: gated, max_workers=1, max_queue_wait_s=0.5, max_pending=2, clock=lambda: now[0]
     )
     first = manager.compile_async(SO(regex="a+"))
     gated.started.wait()
     queued = manager.compile_async(SO(regex="b+"))  # waits for the one worker
     with pytest.raises(GrammarCompilerBusyError, match="2 compiles are queued"):
         manager.validate(SO(regex="c+"))
-    # The rule under test is about elapsed time: let the queued compile wait past it.
-    past = time.monotonic() + 0.6
-    while time.monotonic() < past:
-        time.sleep(0.05)
+    now[0] += 0.6  # the queued compile has now waited past the limit
     gated.gate.set()
     first.result()
     with pytest.raises(GrammarCompilerBusyError, match="waited .* for a worker") as info:

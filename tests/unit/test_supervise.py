@@ -17,12 +17,12 @@ from tandem.supervise import MAX_BACKOFF_S, STABLE_S, Supervisor
 
 # Writes its pid to argv[1] when "ready" (unless argv[2] says never), then idles.
 _CHILD = (
-    "import os, sys, time\n"
+    "import os, signal, sys\n"
     "print('started', os.getpid(), flush=True)\n"
     "if sys.argv[2] != 'never':\n"
     "    open(sys.argv[1] + '.tmp', 'w').write(str(os.getpid()))\n"
     "    os.replace(sys.argv[1] + '.tmp', sys.argv[1])\n"
-    "time.sleep(600)\n"
+    "signal.pause()\n"
 )
 
 
