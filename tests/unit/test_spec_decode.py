@@ -13,6 +13,7 @@ from tandem.engine.config import BACKOFF_PAUSE_STEPS, SpeculativeConfig
 from tandem.engine.request import Request
 from tandem.engine.sampler import Sampler
 from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.scheduler import SchedulerStats
 from tandem.engine.spec_decode.ngram import ngram_propose
 from tandem.engine.spec_decode.policy import SpecDecodePolicy, SpecDecodeStats
 from tandem.engine.spec_decode.rejection_sampler import greedy_accept, rejection_sample
@@ -191,20 +192,22 @@ def test_lookahead_respects_max_tokens_and_batch_size() -> None:
     assert policy.num_lookahead(req, 3, 3) == 0  # more running than disable_by_batch_size
 
 
+def _idle_stats(spec: SpecDecodeStats) -> SchedulerStats:
+    """The real stats type of an idle engine with ``spec`` (a hand-made stand-in drifted
+    from it once the store tier added fields)."""
+    return SchedulerStats(num_running=0, num_waiting=0, num_waiting_for_remote_kv=0,
+                          kv_cache_usage=0.0, num_free_blocks=8, num_total_blocks=8,
+                          prefix_cache_queries=0, prefix_cache_hits=0, num_preemptions=0,
+                          num_kv_load_failures=0, num_pending_kv_sends=0, spec_decode=spec)
+
+
 def test_metrics_follow_spec_decode_stats() -> None:
     m = ServiceMetrics(Role.DECODE)
 
-    class Stats:
-        num_running = num_waiting = 0
-        kv_cache_usage = 0.0
-        num_preemptions = 0
-        prefix_cache_queries = prefix_cache_hits = 0
-        connector_prefix_cache_queries = connector_prefix_cache_hits = 0
-        spec_decode = SpecDecodeStats(2, num_drafts=3, num_draft_tokens=5, num_accepted_tokens=4,
-                                      num_accepted_tokens_per_pos=[3, 1])
-
-    m.observe_stats(Stats(), 0)
-    m.observe_stats(Stats(), 0)  # counters follow totals: no double count
+    stats = _idle_stats(SpecDecodeStats(2, num_drafts=3, num_draft_tokens=5,
+                                        num_accepted_tokens=4, num_accepted_tokens_per_pos=[3, 1]))
+    m.observe_stats(stats, 0)
+    m.observe_stats(stats, 0)  # counters follow totals: no double count
     value = m.registry.get_sample_value
     assert value("tandem:spec_decode_num_drafts_total", {"role": "decode"}) == 3
     assert value("tandem:spec_decode_num_draft_tokens_total", {"role": "decode"}) == 5
@@ -246,16 +249,9 @@ def test_latency_bench_reads_acceptance_from_metrics() -> None:
 
     m = ServiceMetrics(Role.BOTH)
 
-    class Stats:
-        num_running = num_waiting = 0
-        kv_cache_usage = 0.0
-        num_preemptions = 0
-        prefix_cache_queries = prefix_cache_hits = 0
-        connector_prefix_cache_queries = connector_prefix_cache_hits = 0
-        spec_decode = SpecDecodeStats(2, num_drafts=4, num_draft_tokens=8, num_accepted_tokens=6,
-                                      num_accepted_tokens_per_pos=[4, 2])
-
-    m.observe_stats(Stats(), 0)
+    m.observe_stats(_idle_stats(SpecDecodeStats(2, num_drafts=4, num_draft_tokens=8,
+                                                num_accepted_tokens=6,
+                                                num_accepted_tokens_per_pos=[4, 2])), 0)
     c = spec_decode_counters(generate_latest(m.registry).decode())
     assert c["spec_decode_num_draft_tokens"] == 8 and c["spec_decode_num_accepted_tokens"] == 6
     assert c["acceptance_rate"] == 0.75 and c["mean_acceptance_length"] == 2.5
