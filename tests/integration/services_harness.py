@@ -258,3 +258,25 @@ def metric_value(metrics_port: int, name: str, **labels: str) -> float:
             if sample.name == name and labels.items() <= sample.labels.items():
                 return sample.value
     return 0.0
+
+
+class MeteredEngine:
+    """An :class:`EngineService` with a ``/metrics`` port, read by :meth:`metric`.
+
+    Args:
+        args: the engine's flags (``--metrics-port`` is added).
+    """
+
+    def __init__(self, role: str, model: str, tmp: Path, redis_url: str,
+                 args: list[str]) -> None:
+        self.metrics_port = free_port()
+        self.svc = EngineService(role, model, tmp, redis_url,
+                                 [*args, "--metrics-port", str(self.metrics_port)])
+
+    def metric(self, name: str, **labels: str) -> float:
+        return metric_value(self.metrics_port, name, **labels)
+
+    def wait_metric(self, name: str, value: float, **labels: str) -> None:
+        """Until the metric reads ``value`` (counters follow the engine about once a second)."""
+        wait_for(lambda: self.metric(name, **labels) == value, 30,
+                 f"{name}{labels} == {value} (is {self.metric(name, **labels)})")

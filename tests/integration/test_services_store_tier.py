@@ -14,42 +14,23 @@ import random
 import pytest
 from ports import free_port
 from services_harness import (
-    EngineService,
+    MeteredEngine,
     hf_greedy,
-    metric_value,
     params,
     run_disaggregated,
-    wait_for,
 )
 
 ENGINE_ARGS = ["--max-num-batched-tokens", "64", "--num-kv-blocks", "256", "--block-size", "16"]
 BS = 16
 
 
-class Instance:
-    """An EngineService with a /metrics port."""
-
-    def __init__(self, role: str, tiny: str, tmp, redis_url: str, *extra: str) -> None:
-        self.metrics_port = free_port()
-        self.svc = EngineService(role, tiny, tmp, redis_url,
-                                 [*ENGINE_ARGS, "--metrics-port", str(self.metrics_port), *extra])
-
-    def metric(self, name: str, **labels: str) -> float:
-        return metric_value(self.metrics_port, name, **labels)
-
-    def wait_metric(self, name: str, value: float, **labels: str) -> None:
-        """Until the metric reads ``value`` (counters follow the engine about once a second)."""
-        wait_for(lambda: self.metric(name, **labels) == value, 30,
-                 f"{name}{labels} == {value} (is {self.metric(name, **labels)})")
-
-
 @pytest.fixture(scope="module")
 def cluster(tiny, redis_url, store, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("tier")
-    started: list[Instance] = []
+    started: list[MeteredEngine] = []
     try:
         for role in ("prefill", "prefill", "decode"):
-            started.append(Instance(role, tiny, tmp, redis_url))
+            started.append(MeteredEngine(role, tiny, tmp, redis_url, ENGINE_ARGS))
         yield started
     finally:
         for inst in started:

@@ -15,10 +15,9 @@ from pathlib import Path
 
 import pytest
 from kvstore_harness import corrupt_block
-from ports import free_port
 from services_harness import (
-    EngineService,
     KVStoreNode,
+    MeteredEngine,
     hf_greedy,
     metric_value,
     params,
@@ -34,20 +33,6 @@ ENGINE_ARGS = ["--num-kv-blocks", "128", "--block-size", "16"]
 BS = 16
 #: Store capacity in blocks: enough for one test's prompts, too few for all of them.
 STORE_BLOCKS = 24
-
-
-class Instance:
-    def __init__(self, role: str, tiny: str, tmp, redis_url: str) -> None:
-        self.metrics_port = free_port()
-        self.svc = EngineService(role, tiny, tmp, redis_url,
-                                 [*ENGINE_ARGS, "--metrics-port", str(self.metrics_port)])
-
-    def metric(self, name: str, **labels: str) -> float:
-        return metric_value(self.metrics_port, name, **labels)
-
-    def wait_metric(self, name: str, value: float, **labels: str) -> None:
-        wait_for(lambda: self.metric(name, **labels) == value, 30,
-                 f"{name}{labels} == {value} (is {self.metric(name, **labels)})")
 
 
 def _block_bytes(tiny: str) -> int:
@@ -67,10 +52,10 @@ def store(tiny, redis_url, tmp_path_factory):
 @pytest.fixture(scope="module")
 def cluster(tiny, redis_url, store, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("tier-faults")
-    started: list[Instance] = []
+    started: list[MeteredEngine] = []
     try:
         for role in ("prefill", "prefill", "decode"):
-            started.append(Instance(role, tiny, tmp, redis_url))
+            started.append(MeteredEngine(role, tiny, tmp, redis_url, ENGINE_ARGS))
         yield started
     finally:
         for inst in started:
@@ -82,7 +67,7 @@ def _prompt(seed: int, n: int) -> list[int]:
     return [rng.randrange(3, 49152) for _ in range(n)]
 
 
-def _prefill(inst: Instance, prompt: list[int]) -> prefill_pb2.PrefillResponse:
+def _prefill(inst: MeteredEngine, prompt: list[int]) -> prefill_pb2.PrefillResponse:
     return inst.svc.prefill.Prefill(prefill_pb2.PrefillRequest(
         prompt_token_ids=prompt, sampling_params=params(1)), timeout=120)
 
