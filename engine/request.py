@@ -39,6 +39,29 @@ class RequestStatus(enum.IntEnum):
         return _FINISH_REASON.get(status)
 
 
+_MASK64 = (1 << 64) - 1
+
+
+def position_seed(seed: int, position: int) -> int:
+    """A 63-bit seed for output position ``position`` of a request seeded with ``seed``.
+
+    SplitMix64's finaliser (Steele, Lea and Flood, "Fast splittable pseudorandom number
+    generators", OOPSLA 2014) over ``seed`` and ``position``: nearby seeds and positions
+    give unrelated generator states.
+
+    Args:
+        seed: the request's ``SamplingParams.seed`` (any int; taken modulo 2**64).
+        position: output token index, >= 0.
+
+    Returns:
+        An int in ``[0, 2**63)`` for ``torch.Generator.manual_seed``.
+    """
+    z = (seed + (position + 1) * 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) >> 1
+
+
 _FINISH_REASON = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH_CAPPED: "length",
@@ -117,6 +140,21 @@ class Request:
         if self.sampling_params.seed is not None and self.generator is None:
             self.generator = torch.Generator(device="cpu")
             self.generator.manual_seed(self.sampling_params.seed)
+
+    def step_generator(self) -> torch.Generator | None:
+        """The request's generator, reseeded for the output position sampled next.
+
+        A seeded request's draws for output position ``i`` come from
+        ``position_seed(seed, i)``, not from a stream that every earlier draw advanced,
+        so an engine that resumes the request at position ``i`` (another instance after
+        a failure, a decode instance after the prefill's first token) samples what the
+        first one would have. ``None`` for an unseeded request.
+        """
+        seed = self.sampling_params.seed
+        if self.generator is None or seed is None:
+            return None
+        self.generator.manual_seed(position_seed(seed, self.num_output_tokens))
+        return self.generator
 
     @property
     def num_prompt_tokens(self) -> int:

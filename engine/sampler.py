@@ -17,8 +17,9 @@ Order of operations (vLLM v1's order, so results match what its users expect):
    truncation, then the exponential race: with ``q ~ Exp(1)`` i.i.d.,
    ``argmax(p / q)`` is a sample from ``p`` (it is the Gumbel-max trick in another
    form). ``q`` is drawn from the request's own ``torch.Generator`` when the
-   request is seeded, so its tokens do not depend on what else is in the batch;
-   unseeded rows share the sampler's global generator.
+   request is seeded, reseeded per output position (``Request.step_generator``), so
+   its tokens depend neither on what else is in the batch nor on which engine sampled
+   the earlier positions; unseeded rows share the sampler's global generator.
 
 Logprobs are vLLM's "processed" kind: ``log_softmax`` of the logits after steps 1-2
 and the temperature division (for temperature > 0), before top-k / top-p / min_p
@@ -194,7 +195,7 @@ class Sampler:
             q.exponential_(generator=self.generator)
         for i, r in enumerate(requests):
             if seeded[i]:
-                q[i].exponential_(generator=r.generator)
+                q[i].exponential_(generator=r.step_generator())
         # NOTE: Exp(1) may return 0.0 exactly; a zero would make p/q inf or nan.
         q.clamp_(min=1e-20)
         return probs.div_(q.to(probs.device)).argmax(dim=-1)

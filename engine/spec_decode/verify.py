@@ -148,7 +148,8 @@ def verify(
             [len(drafts[i]) for i in random_idx],
             target,
             None,
-            [requests[i].generator for i in random_idx],
+            # seeded rows: their draws for this step keyed by the position it starts at
+            [requests[i].step_generator() for i in random_idx],
             sampler.generator,
         )
         for i, toks in zip(random_idx, sampled, strict=True):

@@ -4,12 +4,14 @@ Disaggregated form (``first_token_id`` set): the request enters the engine with
 the prompt and the first token as output token 1; with ``block_hashes`` the
 store KV connector loads the prompt's blocks (the request waits in
 WAITING_FOR_REMOTE_KV, other requests keep decoding), recomputing whatever it
-could not load; then each step streams the new tokens. A seeded request's
-generator continues from ``generator_state`` (the prefill side's state after
-token 1), so sampling continues the same random stream.
+could not load; then each step streams the new tokens. A seeded request samples
+what the prefill side would have: its draws are keyed by output position
+(``Request.step_generator``).
 
 Colocated form (no ``first_token_id``): the engine computes the prompt and
-streams every token from the first.
+streams every token from the first. With ``output_token_ids`` (the router
+migrating a request whose instance failed) those tokens are output already:
+the engine computes prompt + them and streams the tokens after them.
 """
 
 from __future__ import annotations
@@ -17,7 +19,6 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 import grpc
-import torch
 
 from tandem.contracts.block_hash import BlockHash
 from tandem.contracts.block_key import KVTransferParams
@@ -25,7 +26,7 @@ from tandem.contracts.proto import finish_reason_to_proto, logprobs_to_proto
 from tandem.engine.outputs import EngineCoreOutput
 from tandem.engine.request import Request
 from tandem.engine.stop import check_stop
-from tandem.engine.validation import check_token_ids
+from tandem.engine.validation import check_context_length, check_token_ids
 from tandem.services.common.context import ServiceContext, cdiv, now_ns
 from tandem.services.common.errors import LayoutMismatchError
 from tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc
@@ -47,14 +48,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         req = ctx.new_request(
             request.request_id, request.prompt_token_ids, request.sampling_params, request.priority
         )
-        if request.HasField("generator_state"):
-            if req.generator is None:
-                raise ValueError("generator_state requires sampling_params.seed")
-            try:
-                state = torch.tensor(list(request.generator_state), dtype=torch.uint8)
-                req.generator.set_state(state)
-            except RuntimeError as exc:
-                raise ValueError(f"generator_state is not a torch CPU generator state: {exc}") from exc
+        if request.output_token_ids:
+            self._resume(req, list(request.output_token_ids), request)
+            return req
         if not request.HasField("first_token_id"):
             if request.block_hashes:
                 raise ValueError("block_hashes requires first_token_id (the disaggregated form)")
@@ -88,6 +84,34 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             req.kv_transfer_params = remote
         return req
 
+    def _resume(self, req: Request, output: list[int], request: decode_pb2.DecodeRequest
+                ) -> None:
+        """Append the output tokens another instance delivered before it failed.
+
+        Raises:
+            ValueError: naming ``output_token_ids``: sent with the disaggregated form,
+                ids outside the vocabulary, no room left in ``max_tokens`` or the context.
+        """
+        if request.HasField("first_token_id") or request.block_hashes:
+            raise ValueError(
+                "output_token_ids: resuming is the colocated form; send no first_token_id "
+                "or block_hashes with it"
+            )
+        ctx = self._ctx
+        check_token_ids(output, ctx.vocab_size, "output_token_ids")
+        max_tokens = req.sampling_params.max_tokens
+        if max_tokens is not None and len(output) >= max_tokens:
+            raise ValueError(
+                f"output_token_ids: {len(output)} tokens leave nothing to generate under "
+                f"max_tokens {max_tokens}"
+            )
+        check_context_length(
+            req.num_prompt_tokens + len(output), ctx.limits.max_model_len,
+            field="output_token_ids",
+        )
+        for token in output:
+            req.append_output_token(token)
+
     async def Decode(
         self, request: decode_pb2.DecodeRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[decode_pb2.DecodeResponse]:
@@ -98,8 +122,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         # (checked by the engine when it replays it), fails the request: never
         # unconstrained output.
         await ctx.check_structured_outputs(req)
-        disaggregated = request.HasField("first_token_id")
-        if disaggregated:
+        if req.output_token_ids:
+            # the last token given (first_token_id, or the last of output_token_ids) may
+            # already finish the request: then nothing is left to generate
             stop = check_stop(req, ctx.max_seq_len)
             if stop is not None:
                 yield decode_pb2.DecodeResponse(

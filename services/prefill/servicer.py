@@ -85,8 +85,6 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             )
         if stop is not None and stop.stop_reason is not None:
             resp.stop_token_id = stop.stop_reason
-        if req.generator is not None:
-            resp.generator_state = bytes(req.generator.get_state().tolist())
         m = ctx.metrics
         m.labels(m.time_to_first_token).observe((token_ns - arrival_ns) / 1e9)
         if result is not None:

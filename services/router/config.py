@@ -32,6 +32,9 @@ class RouterConfig:
         max_model_len: context length in tokens, ``None`` for the model's own.
         max_running_requests / max_queued_requests: admission limits (requests).
         max_attempts: tries per stage on different instances.
+        max_migrations: times one completion may move to another instance after the one
+            streaming it failed mid-stream (``--max-migrations``; 0: the stream ends with
+            an error event instead).
         chat_template: ``--chat-template`` as given (a path, a shipped template's name or
             the template), ``None`` for the model's.
         tool_call_parser: ``--tool-call-parser`` (``hermes``).
@@ -69,6 +72,7 @@ class RouterConfig:
     max_running_requests: int = 256
     max_queued_requests: int = 1024
     max_attempts: int = 3
+    max_migrations: int = 3
     chat_template: str | None = None
     tool_call_parser: str = "hermes"
     max_request_body_bytes: int | None = None
@@ -86,6 +90,8 @@ class RouterConfig:
                             ("--max-attempts", self.max_attempts)):
             if value < 1:
                 raise ValueError(f"{flag} must be >= 1, got {value}")
+        if self.max_migrations < 0:
+            raise ValueError(f"--max-migrations must be >= 0, got {self.max_migrations}")
         if self.disagg_min_uncached_tokens < 0:
             raise ValueError("--disagg-min-uncached-tokens must be >= 0, got "
                              f"{self.disagg_min_uncached_tokens}")
@@ -124,6 +130,7 @@ class RouterConfig:
                    max_model_len=ns.max_model_len,
                    max_running_requests=ns.max_running_requests,
                    max_queued_requests=ns.max_queued_requests, max_attempts=ns.max_attempts,
+                   max_migrations=ns.max_migrations,
                    chat_template=getattr(ns, "chat_template", None),
                    tool_call_parser=getattr(ns, "tool_call_parser", "hermes"),
                    max_request_body_bytes=ns.max_request_body_bytes,

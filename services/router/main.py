@@ -60,6 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="largest request accepted, in bytes: HTTP bodies (413 beyond) and "
                         "public gRPC messages (default: 8 MiB + 32 bytes per token of the "
                         "context length)")
+    p.add_argument("--max-migrations", type=int, default=3,
+                   help="times one completion may continue on another decode instance after "
+                        "the one streaming it failed mid-stream (0: end it with an error "
+                        "event)")
     p.add_argument("--shutdown-grace-s", type=float, default=8.0,
                    help="on SIGTERM: seconds open requests get to finish; then streams end "
                         "with an error event and [DONE] (default 8, below tandem up's 10 s)")
@@ -144,6 +148,7 @@ async def serve(cfg: RouterConfig) -> None:
                         router=make_router(cfg.routing_policy, view), metrics=metrics,
                         max_running=cfg.max_running_requests,
                         max_waiting=cfg.max_queued_requests, max_attempts=cfg.max_attempts,
+                        max_migrations=cfg.max_migrations,
                         cache_view=view,
                         disagg_min_uncached_tokens=cfg.disagg_min_uncached_tokens)
     fe = Frontend(tokenizer=tokenizer, pipeline=pipeline, served_model_names=served,

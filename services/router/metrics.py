@@ -73,6 +73,9 @@ class RouterMetrics:
         self.retries = Counter("tandem:request_retries",
                                "Prefill/decode calls retried on another instance.",
                                lbl + ["stage"], registry=r)
+        self.migrations = Counter("tandem:request_migrations",
+                                  "Completions continued on another instance after the one "
+                                  "streaming them failed mid-stream.", lbl, registry=r)
         self.kv_handoff_bytes = Counter("tandem:kv_handoff_bytes",
                                         "KV bytes moved from prefill to decode via the store.",
                                         lbl, registry=r)

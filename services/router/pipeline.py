@@ -11,8 +11,14 @@ Flow of one completion (``n`` completions run as ``n`` such flows, concurrently)
    first token is emitted at once (that is the TTFT), then ``Decode`` on a decode instance
    with the prefill's block hashes. A Decode that fails before it produced any token is
    retried on another decode instance (the first token is fixed by prefill, so this is
-   safe for any sampling); after that the stream ends with an error.
-   Colocated: one ``Decode`` without first token on a ``both`` instance, same retry rule.
+   safe for any sampling). One that fails after it streamed tokens is migrated (up to
+   ``max_migrations`` times, as Dynamo's request migration): another decode instance gets
+   the prompt plus every token passed on so far (``output_token_ids``), computes their KV
+   (loading what the store holds) and streams the tokens after them, so the client sees
+   one stream; a seeded request continues its random stream, since engines key seeded
+   draws by output position. Only when no instance is left does the stream end with an
+   ``instance_failed`` error.
+   Colocated: one ``Decode`` without first token on a ``both`` instance, same rules.
    Conditional disaggregation: the decode instance is chosen first; when the prompt's
    uncached part there (after its local prefix-cache hit, or the store's, whichever is
    longer: ``CacheView``) is below ``disagg_min_uncached_tokens``, the Prefill hop is
@@ -32,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
@@ -109,6 +116,7 @@ class Pipeline:
         metrics: the router's Prometheus series.
         max_running / max_waiting: admission bounds (requests).
         max_attempts: tries per stage (first call included).
+        max_migrations: times one completion may move to another instance mid-stream.
         cache_view: where prompts' KV lies (the kv_aware router's view when ``router`` is
             one, else this or a view without a store).
         disagg_min_uncached_tokens: in disaggregated mode, a prompt with fewer uncached
@@ -117,7 +125,7 @@ class Pipeline:
 
     def __init__(self, *, tokenizer: Any, discovery: Discovery, pool: InstancePool,
                  router: Router, metrics: RouterMetrics, max_running: int = 256,
-                 max_waiting: int = 1024, max_attempts: int = 3,
+                 max_waiting: int = 1024, max_attempts: int = 3, max_migrations: int = 3,
                  cache_view: CacheView | None = None,
                  disagg_min_uncached_tokens: int = 0) -> None:
         if disagg_min_uncached_tokens < 0:
@@ -134,6 +142,7 @@ class Pipeline:
         self.metrics = metrics
         self.admission = _Admission(max_running, max_waiting, metrics)
         self.max_attempts = max_attempts
+        self.max_migrations = max_migrations
 
     def mode(self) -> str:
         """"disagg" when prefill and decode instances exist, else "colocated".
@@ -202,8 +211,6 @@ class Pipeline:
                 first_token_id=presp.first_token_id, block_hashes=presp.block_hashes,
                 sampling_params=psp, kv_layout_fingerprint=presp.kv_layout_fingerprint,
                 hash_algorithm=presp.hash_algorithm, priority=req.priority)
-            if presp.HasField("generator_state"):
-                dreq.generator_state = presp.generator_state
             stage = Role.DECODE
         else:
             # colocated, or a decode instance's local prefill: no first token
@@ -245,13 +252,15 @@ class Pipeline:
         return info, local
 
     async def _attempts(self, stage: Role, ctx: RouteContext,
-                        first: InstanceInfo | None = None) -> AsyncIterator[InstanceInfo]:
+                        first: InstanceInfo | None = None,
+                        tried: set[str] | None = None) -> AsyncIterator[InstanceInfo]:
         """The instances to try in turn: at most ``max_attempts``, ``first`` (when given
         and still a candidate) then each chosen by the routing policy among the ``stage``
-        instances not tried yet for this request (``Discovery.instances``: benched ones
-        only when nothing else is left); ends early when none is left. Holds nothing: a
-        caller may stop iterating at any point."""
-        tried: set[str] = set()
+        instances not in ``tried`` (``Discovery.instances``: benched ones only when
+        nothing else is left); ends early when none is left. Each one yielded is added to
+        ``tried`` (a fresh set when not given). Holds nothing: a caller may stop
+        iterating at any point."""
+        tried = set() if tried is None else tried
         for _ in range(self.max_attempts):
             cands = self.discovery.instances(stage, exclude=tried)
             if not cands:
@@ -292,52 +301,105 @@ class Pipeline:
                       metadata: Sequence[tuple[str, str]], state: SeqState,
                       param_of_field: Mapping[str, str], first: InstanceInfo | None = None
                       ) -> AsyncIterator[SeqDelta]:
-        last: grpc.aio.AioRpcError | None = None
-        colocated_form = not dreq.HasField("first_token_id")
-        async for info in self._attempts(ctx.stage, ctx, first):
-            state.timings.decode_instance = info.address
-            if colocated_form:
-                state.timings.prefill_instance = info.address
-            self.discovery.acquire(info.address)
-            call = self.pool.decode(info.address, dreq, tuple(metadata))
-            start_ns = time.monotonic_ns()
-            num_emitted = 0
-            try:
-                async for msg in call:
-                    if num_emitted == 0:
-                        self._first_decode_message(msg, state, start_ns, info, ctx,
-                                                   colocated_form)
-                    if not msg.token_ids and not msg.finish_reason:
-                        continue
-                    stop_tok = msg.stop_token_id if msg.HasField("stop_token_id") else None
-                    delta = state.add(list(msg.token_ids), list(msg.logprobs) or None,
-                                      msg.finish_reason, stop_tok)
-                    num_emitted += len(msg.token_ids)
-                    if delta is not None:
-                        yield delta
-                    if state.finished:
-                        return
-                raise OpenAIError(f"decode stream from {info.address} ended unfinished",
-                                  status_code=503)
-            except grpc.aio.AioRpcError as exc:
-                _raise_if_caller_error(exc, param_of_field)
-                self._failed(info, ctx.stage, exc)
-                if num_emitted:
+        """Stream the completion from ``ctx.stage`` instances: a call that fails before it
+        produced a token is retried elsewhere with the same request; one that fails after
+        is migrated (at most ``max_migrations`` times): the colocated form with the tokens
+        passed on so far as ``output_token_ids``, to an instance not tried yet, which
+        streams the tokens after them.
+
+        Raises:
+            OpenAIError: 400 the engine rejected the request; 503 no instance could serve,
+                or one failed mid-stream with no migration left (``instance_failed``).
+        """
+        tried: set[str] = set()
+        migrations = 0
+        while True:
+            failure = None
+            async for info in self._attempts(ctx.stage, ctx, first, tried):
+                first = None
+                failure = None
+                # NOTE: closed explicitly: a client going away must cancel the call now.
+                async with contextlib.aclosing(self._decode_on(
+                        info, ctx, dreq, metadata, state, param_of_field, migrations > 0)
+                        ) as deltas:
+                    async for delta in deltas:
+                        if isinstance(delta, _MidStreamFailure):
+                            failure = delta
+                        else:
+                            yield delta
+                if failure is None:
+                    return
+                if failure.num_emitted:
+                    break
+            if failure is None or not failure.num_emitted:
+                last = failure.error if failure is not None else None
+                if migrations:
                     raise OpenAIError(
-                        f"decode instance {info.address} failed mid-stream: {exc.details()}",
-                        status_code=503, code="instance_failed") from exc
-                last = exc
-            except EngineAbort as exc:
-                self.discovery.mark_failed(info.address)
-                if num_emitted:
-                    raise OpenAIError(str(exc), status_code=503, code="instance_failed") from exc
-            finally:
-                # Stop string matched, client gone, or error: abort on the engine.
-                if not call.done():
-                    logger.debug("cancelling decode of %s on %s", dreq.request_id, info.address)
-                call.cancel()
-                self.discovery.release(info.address)
-        raise _unavailable(ctx.stage, last, param_of_field)
+                        f"no {ctx.stage} instance was left to continue the request after "
+                        f"{migrations} migration(s)", status_code=503, code="instance_failed")
+                raise _unavailable(ctx.stage, last, param_of_field)
+            if migrations >= self.max_migrations:
+                raise OpenAIError(f"{failure.message} (after {migrations} migration(s))",
+                                  status_code=503, code="instance_failed")
+            migrations += 1
+            state.timings.num_migrations = migrations
+            m = self.metrics
+            m.labels(m.migrations).inc()
+            logger.warning("migrating %s after %d tokens: %s", dreq.request_id,
+                           state.num_tokens, failure.message)
+            dreq = decode_pb2.DecodeRequest(
+                request_id=dreq.request_id, prompt_token_ids=dreq.prompt_token_ids,
+                output_token_ids=state.output_token_ids, sampling_params=dreq.sampling_params,
+                priority=dreq.priority)
+
+    async def _decode_on(self, info: InstanceInfo, ctx: RouteContext,
+                         dreq: decode_pb2.DecodeRequest, metadata: Sequence[tuple[str, str]],
+                         state: SeqState, param_of_field: Mapping[str, str], resumed: bool
+                         ) -> AsyncGenerator[SeqDelta | _MidStreamFailure, None]:
+        """One Decode call on ``info``: its deltas, then a ``_MidStreamFailure`` last if the
+        instance failed (a caller error raises instead)."""
+        colocated_form = not dreq.HasField("first_token_id")
+        state.timings.decode_instance = info.address
+        if colocated_form and not resumed:
+            state.timings.prefill_instance = info.address
+        self.discovery.acquire(info.address)
+        call = self.pool.decode(info.address, dreq, tuple(metadata))
+        start_ns = time.monotonic_ns()
+        num_emitted = 0
+        num_messages = 0
+        try:
+            async for msg in call:
+                if num_messages == 0:
+                    self._first_decode_message(msg, state, start_ns, info, ctx,
+                                               colocated_form and not resumed)
+                num_messages += 1
+                if not msg.token_ids and not msg.finish_reason:
+                    continue
+                stop_tok = msg.stop_token_id if msg.HasField("stop_token_id") else None
+                delta = state.add(list(msg.token_ids), list(msg.logprobs) or None,
+                                  msg.finish_reason, stop_tok)
+                num_emitted += len(msg.token_ids)
+                if delta is not None:
+                    yield delta
+                if state.finished:
+                    return
+            self.discovery.mark_failed(info.address)
+            yield _MidStreamFailure(num_emitted, f"decode stream from {info.address} ended "
+                                    "unfinished")
+        except grpc.aio.AioRpcError as exc:
+            _raise_if_caller_error(exc, param_of_field)
+            self._failed(info, ctx.stage, exc)
+            yield _MidStreamFailure(num_emitted, f"decode instance {info.address} failed "
+                                    f"mid-stream: {exc.details()}", exc)
+        except EngineAbort as exc:
+            self.discovery.mark_failed(info.address)
+            yield _MidStreamFailure(num_emitted, f"{info.address}: {exc}")
+        finally:
+            # Stop string matched, client gone, or error: abort on the engine.
+            if not call.done():
+                logger.debug("cancelling decode of %s on %s", dreq.request_id, info.address)
+            call.cancel()
+            self.discovery.release(info.address)
 
     def _first_decode_message(self, msg: decode_pb2.DecodeResponse, state: SeqState,
                               start_ns: int, info: InstanceInfo, ctx: RouteContext,
@@ -372,6 +434,15 @@ class Pipeline:
         if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
             self.discovery.mark_failed(info.address)
         self.metrics.retries.labels(model_name=self.metrics.model_name, stage=stage).inc()
+
+
+@dataclasses.dataclass(frozen=True)
+class _MidStreamFailure:
+    """An instance failed a Decode call after ``num_emitted`` of its tokens went out."""
+
+    num_emitted: int
+    message: str
+    error: grpc.aio.AioRpcError | None = None
 
 
 def _raise_if_caller_error(exc: grpc.aio.AioRpcError, param_of_field: Mapping[str, str]

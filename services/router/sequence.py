@@ -68,6 +68,9 @@ class Timings:
     disagg_reason: str | None = None
     #: prompt tokens the engine that prefilled did not compute (its prefix cache, the store)
     cached_tokens: int | None = None
+    #: times the completion moved to another instance mid-stream (``decode_instance`` is
+    #: the last one)
+    num_migrations: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
@@ -122,10 +125,16 @@ class SeqState:
         self.timings = timings
         self.detok = IncrementalDetokenizer(tokenizer, req.prompt_token_ids, sp)
         self.finished = False
-        self.num_tokens = 0
+        #: every token passed on so far (what a migrated request resumes from)
+        self.output_token_ids: list[int] = []
         self.num_cached_tokens = 0
         self._last_token_ns: int | None = None
         self._sent_first = False
+
+    @property
+    def num_tokens(self) -> int:
+        """Output tokens passed on so far."""
+        return len(self.output_token_ids)
 
     def add(self, token_ids: list[int], logprobs: list[common_pb2.TopLogprobs] | None,
             finish: int, stop_token_id: int | None) -> SeqDelta | None:
@@ -144,6 +153,7 @@ class SeqState:
             finish = common_pb2.FINISH_REASON_LENGTH
         now = time.monotonic_ns()
         self._observe_tokens(len(token_ids), now)
+        self.output_token_ids.extend(token_ids)
         reason = finish_reason_from_proto(finish)
         stop_reason: int | str | None = stop_token_id
         matched = self.detok.update(token_ids, stop_terminated=reason == "stop")
@@ -174,5 +184,4 @@ class SeqState:
         else:
             m.labels(m.itl).observe((now_ns - self._last_token_ns) / 1e9 / num)
         self._last_token_ns = now_ns
-        self.num_tokens += num
         m.labels(m.generation_tokens).inc(num)

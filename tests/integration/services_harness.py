@@ -185,8 +185,6 @@ def decode_request_from(prefill: prefill_pb2.PrefillResponse, prompt: list[int],
         kv_layout_fingerprint=prefill.kv_layout_fingerprint,
         hash_algorithm=prefill.hash_algorithm,
     )
-    if prefill.HasField("generator_state"):
-        req.generator_state = prefill.generator_state
     return req
 
 

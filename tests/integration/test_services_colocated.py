@@ -65,6 +65,10 @@ def test_stream_shape_and_usage_fields(svc):
         ({"sampling_params": common_pb2.SamplingParams(presence_penalty=3)}, "presence_penalty"),
         ({"block_hashes": [b"h" * 32]}, "block_hashes"),
         ({"prompt_token_ids": list(range(1, 1100))}, "prompt_token_ids"),  # > context (1024)
+        ({"output_token_ids": [4, 10**6]}, "output_token_ids"),
+        ({"output_token_ids": [4, 5]}, "output_token_ids"),  # max_tokens 2: nothing left
+        ({"output_token_ids": [4], "first_token_id": 5}, "output_token_ids"),
+        ({"output_token_ids": [4] * 1030, "sampling_params": params(2000)}, "output_token_ids"),
     ],
 )
 def test_bad_requests_are_invalid_argument(svc, request_kwargs, field):
@@ -73,6 +77,26 @@ def test_bad_requests_are_invalid_argument(svc, request_kwargs, field):
         list(svc.decode.Decode(decode_pb2.DecodeRequest(**kwargs), timeout=60))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert field in err.value.details()
+
+
+@pytest.mark.parametrize("sampling", [{}, {"temperature": 1.0, "top_k": 40, "seed": 77}],
+                         ids=["greedy", "seeded"])
+def test_output_token_ids_resume_a_request(svc, sampling):
+    """A request resumed from the tokens another instance delivered (request migration)
+    continues with exactly the tokens of an uninterrupted run: greedy, and seeded (its
+    draws are keyed by output position, so no generator state travels)."""
+    prompt = list(range(40, 60))
+    sp = params(24, ignore_eos=True, **sampling)
+    whole = run_colocated(svc, prompt, sp)
+    assert len(whole) == 24
+    resumed: list[int] = []
+    req = decode_pb2.DecodeRequest(prompt_token_ids=prompt, sampling_params=sp,
+                                   output_token_ids=whole[:10])
+    msgs = list(svc.decode.Decode(req, timeout=60))
+    for m in msgs:
+        resumed.extend(m.token_ids)
+    assert resumed == whole[10:]
+    assert msgs[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
 
 
 def test_prompt_that_never_fits_is_resource_exhausted(svc):

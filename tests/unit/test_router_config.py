@@ -34,6 +34,7 @@ def test_flags_and_environment_into_one_frozen_value() -> None:
     ((), "--redis-url: give it or --prefill"),
     (("--colocated", "h:1", "--port", "70000"), "--port must be in 0..65535"),
     (("--colocated", "h:1", "--max-attempts", "0"), "--max-attempts must be >= 1"),
+    (("--colocated", "h:1", "--max-migrations", "-1"), "--max-migrations must be >= 0"),
     (("--colocated", "h:1", "--max-model-len", "0"), "--max-model-len must be >= 1"),
     (("--colocated", "h:1", "--max-request-body-bytes", "0"),
      "--max-request-body-bytes must be >= 1"),

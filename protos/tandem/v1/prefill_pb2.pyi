@@ -20,7 +20,7 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("request_id", "first_token_id", "first_logprobs", "finish_reason", "block_hashes", "kv_layout_fingerprint", "hash_algorithm", "num_prompt_tokens", "num_cached_tokens", "generator_state", "queue_ns", "compute_ns", "publish_ns", "stop_token_id")
+    __slots__ = ("request_id", "first_token_id", "first_logprobs", "finish_reason", "block_hashes", "kv_layout_fingerprint", "hash_algorithm", "num_prompt_tokens", "num_cached_tokens", "queue_ns", "compute_ns", "publish_ns", "stop_token_id")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -30,7 +30,6 @@ class PrefillResponse(_message.Message):
     HASH_ALGORITHM_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    GENERATOR_STATE_FIELD_NUMBER: _ClassVar[int]
     QUEUE_NS_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_NS_FIELD_NUMBER: _ClassVar[int]
     PUBLISH_NS_FIELD_NUMBER: _ClassVar[int]
@@ -44,9 +43,8 @@ class PrefillResponse(_message.Message):
     hash_algorithm: str
     num_prompt_tokens: int
     num_cached_tokens: int
-    generator_state: bytes
     queue_ns: int
     compute_ns: int
     publish_ns: int
     stop_token_id: int
-    def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., first_logprobs: _Optional[_Union[_common_pb2.TopLogprobs, _Mapping]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., kv_layout_fingerprint: _Optional[bytes] = ..., hash_algorithm: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., generator_state: _Optional[bytes] = ..., queue_ns: _Optional[int] = ..., compute_ns: _Optional[int] = ..., publish_ns: _Optional[int] = ..., stop_token_id: _Optional[int] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., first_logprobs: _Optional[_Union[_common_pb2.TopLogprobs, _Mapping]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., kv_layout_fingerprint: _Optional[bytes] = ..., hash_algorithm: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., queue_ns: _Optional[int] = ..., compute_ns: _Optional[int] = ..., publish_ns: _Optional[int] = ..., stop_token_id: _Optional[int] = ...) -> None: ...
