@@ -47,13 +47,11 @@ QUESTIONS = [
 SEEDS = [None, 0, 1, 2]  # None: greedy
 # NOTE: any JSON object lets a 135M model ramble inside a string past any small max_tokens;
 # these prompts end their object within MAX_TOKENS for every seed above (seen once; the
-# outputs are deterministic: greedy, or seeded with the request's own generator).
+# outputs are deterministic: greedy, or seeded draws keyed by (seed, output position)).
 OBJECT_QUESTIONS = [
-    "Return a JSON object with the key ok set to true.",
-    "What is 2+2? Answer as a JSON object.",
-    "Give a JSON object with a name and an age.",
+    "Reply with a JSON object: is water wet?",
     "Give me a JSON object with the key city.",
-    "Answer in JSON: what is the capital of Spain?",
+    "Give me a JSON object with the key animal.",
 ]
 
 PERSON = {
