@@ -12,6 +12,11 @@ each request's TTFT broken down from the router's ``timings`` (router queue, pre
 prefill compute, KV handoff = publish + pull, first decode step), ``--json`` to print the
 result as JSON and ``--plot`` for a PNG of latency percentiles over request rate.
 
+``--fault PART@SECONDS`` (with ``--launch``; bench/faults.py) runs the load twice on each
+launched stack, without faults and then with the schedule (parts killed, restarted as
+`tandem up` does), and prints goodput, p99 TTFT / ITL, failed and migrated requests of
+both side by side. ``--launch-prefill`` / ``--launch-decode`` size a disaggregated stack.
+
 Prompts are random token ids sent as ``prompt: [ids]`` so input lengths are exact.
 ``--dataset-name multi-turn`` runs chat conversations instead (bench/multiturn.py: a
 shared system prompt, ``--multi-turn-turns`` turns each) and reports TTFT per turn.
@@ -192,6 +197,8 @@ def compute_metrics(results: list[RequestResult], duration_s: float, percentiles
         "request_goodput": good / duration_s if slo_ms else None,
         "output_throughput": total_out / duration_s,
         "total_token_throughput": (total_in + total_out) / duration_s,
+        # tandem: completions continued on another instance after one failed mid-stream
+        "num_migrations": sum(int(r.timings.get("num_migrations", 0)) for r in ok),
     }
     m.update(_pcts([r.ttft for r in ok], percentiles, "ttft"))
     m.update(_pcts(tpots, percentiles, "tpot"))
@@ -353,6 +360,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--launch-router-arg", action="append", default=[],
                    help="extra flag for the launched router (repeatable), e.g. "
                         "--launch-router-arg=--disagg-min-uncached-tokens=64")
+    p.add_argument("--launch-prefill", type=int, default=1,
+                   help="prefill instances of a --launch disagg stack")
+    p.add_argument("--launch-decode", type=int, default=1,
+                   help="decode instances of a --launch disagg stack")
+    p.add_argument("--fault", action="append", default=[], metavar="PART@SECONDS",
+                   help="with --launch: also run the load with PART (decode-0, prefill-1, "
+                        "kvstore, redis) killed SECONDS into it, restarted as tandem up "
+                        "does, and compare (repeatable)")
     p.add_argument("--launch-disagg-cpus", type=int, default=1,
                    help="CPUs pinned to each of the prefill and decode engines (--launch disagg)")
     return p
@@ -436,6 +451,37 @@ def _run_multi_turn(args: argparse.Namespace, base: str, model: str,
     return all_results, failed
 
 
+def _run_with_faults(args: argparse.Namespace, stack: Any, faults: list[Any],
+                     percentiles: list[float], slo: dict[str, float],
+                     mix: list[tuple[int, float]] | None, label: str) -> list[dict[str, Any]]:
+    """The same load on ``stack`` (fresh prompts: another seed) under the fault schedule;
+    failed requests here are the measurement, not a failed bench."""
+    from tandem.bench.faults import FaultInjector
+
+    print(f"== {label}: {', '.join(f'{f.part}@{f.at_s:g}s' for f in faults)} ==", flush=True)
+    shifted = argparse.Namespace(**{**vars(args), "seed": args.seed + 10_000})
+    with FaultInjector(stack.launcher, faults) as injector:
+        results, _ = _run_all(shifted, stack.http_url, percentiles, slo, mix, label=label)
+    for at_s, what in injector.events:
+        print(f"  {at_s:7.1f} s  {what}", flush=True)
+    for m in results:
+        m["fault_events"] = [{"t_s": t, "event": e} for t, e in injector.events]
+    return results
+
+
+def _print_fault_comparison(results: list[dict[str, Any]], percentiles: list[float]) -> None:
+    """One row per run: goodput (or throughput without an SLO), p99 TTFT / ITL, failures."""
+    p = max(percentiles)
+    print(f"{'run':<22} {'req/s':>8} {'goodput':>8} {'out tok/s':>10} "
+          f"{f'p{p:g} TTFT ms':>13} {f'p{p:g} ITL ms':>12} {'failed':>7} {'migrated':>9}")
+    for m in results:
+        good = m["request_goodput"]
+        print(f"{m['label']!s:<22} {m['request_throughput']:>8.2f} "
+              f"{'-' if good is None else f'{good:.2f}':>8} {m['output_throughput']:>10.1f} "
+              f"{m[f'p{p:g}_ttft_ms']:>13.1f} {m[f'p{p:g}_itl_ms']:>12.1f} "
+              f"{m['failed']:>7} {m['num_migrations']:>9}")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `tandem bench serve`. Returns 0 when every request succeeded."""
     args = build_parser().parse_args(argv)
@@ -454,6 +500,11 @@ def main(argv: list[str] | None = None) -> int:
                            args.multi_turn_answer_len)
             if args.plot:
                 raise ValueError("--plot: not for --dataset-name multi-turn")
+        from tandem.bench.faults import Fault
+
+        faults = [Fault.parse(f) for f in args.fault]
+        if faults and not args.launch:
+            raise ValueError("--fault: needs --launch (the bench must own the processes)")
     except ValueError as exc:
         print(f"tandem bench serve: error: {exc}", file=sys.stderr)
         return 2
@@ -466,6 +517,7 @@ def main(argv: list[str] | None = None) -> int:
         for mode in args.launch:
             colocated = mode == "colocated"
             cfg = StackConfig(port=0, grpc_port=0, model=args.launch_model, colocated=colocated,
+                              num_prefill=args.launch_prefill, num_decode=args.launch_decode,
                               engine_args=list(args.launch_engine_arg),
                               router_args=list(args.launch_router_arg),
                               cpus_per_engine=0 if colocated else args.launch_disagg_cpus)
@@ -473,6 +525,10 @@ def main(argv: list[str] | None = None) -> int:
             with Stack(cfg) as stack:
                 results, n_failed = _run_all(args, stack.http_url, percentiles, slo, mix,
                                              label=mode)
+                if faults:
+                    results += _run_with_faults(args, stack, faults, percentiles, slo, mix,
+                                                label=f"{mode}+faults")
+                    _print_fault_comparison(results, percentiles)
             all_results += results
             failed += n_failed
     else:
