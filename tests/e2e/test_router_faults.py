@@ -20,14 +20,17 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import httpx
 import openai
 import pytest
 from ports import free_port
+from prometheus_client.parser import text_string_to_metric_families
 from waiting import wait_until
 
 from tandem.launch import Launcher, Part, grpc_serving, http_ok, tandem_argv
 from tandem.up import Stack, StackConfig
+from tandem.v1 import common_pb2, prefill_pb2_grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
 
@@ -125,7 +128,7 @@ def test_decode_killed_mid_stream_migrates_its_streams(stack) -> None:
     or missing, usage counted once."""
     url, model = stack.http_url, _model(stack.http_url)
     victim = stack.part("decode-0")
-    bodies = [{"model": model, "prompt": [300 + i, 7], "max_tokens": 600, "ignore_eos": True,
+    bodies = [{"model": model, "prompt": [300 + i, 7], "max_tokens": 300, "ignore_eos": True,
                **({"temperature": 0} if i < 4 else {"temperature": 1.0, "seed": 40 + i})}
               for i in range(8)]
 
@@ -145,7 +148,7 @@ def test_decode_killed_mid_stream_migrates_its_streams(stack) -> None:
     events: list[list] = [[] for _ in bodies]
     outcomes = asyncio.run(run())
     assert outcomes == ["done"] * 8, [e[-1] for e in events]
-    assert [e[-1]["usage"]["completion_tokens"] for e in events] == [600] * 8
+    assert [e[-1]["usage"]["completion_tokens"] for e in events] == [300] * 8
     finals = [next(c for c in e if c["choices"] and c["choices"][0]["finish_reason"])
               for e in events]
     migrated = [f["timings"].get("num_migrations", 0) for f in finals]
@@ -162,22 +165,76 @@ def test_decode_killed_mid_stream_migrates_its_streams(stack) -> None:
         assert ref.model_extra["timings"]["decode_instance"] != victim.url
 
 
-def test_prefill_killed_requests_retry_on_survivor(stack) -> None:
-    url, model = stack.http_url, _model(stack.http_url)
-    victim = stack.part("prefill-0")
-    victim.proc.send_signal(signal.SIGKILL)
-    victim.proc.wait(timeout=30)
+def _num_unfinished(address: str) -> int:
+    """Requests running or waiting on the prefill instance at ``address`` (its GetLoad)."""
+    with grpc.insecure_channel(address) as ch:
+        load = prefill_pb2_grpc.PrefillServiceStub(ch).GetLoad(common_pb2.GetLoadRequest(),
+                                                                timeout=10)
+    return load.num_running_requests + load.num_waiting_requests
 
-    async def run() -> list:
+
+def _router_counter(url: str, name: str, **labels: str) -> float:
+    """A counter's value in the router's /metrics (0 when absent)."""
+    total = 0.0
+    for fam in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=30).text):
+        for sample in fam.samples:
+            if sample.name == name and all(sample.labels.get(k) == v
+                                           for k, v in labels.items()):
+                total += sample.value
+    return total
+
+
+def _kill_under_load(url: str, bodies: list[dict], victim, busy) -> list[httpx.Response]:
+    """Send ``bodies`` at once; SIGKILL ``victim`` as soon as ``busy()`` says it has work in
+    flight; return the responses."""
+    async def run() -> list[httpx.Response]:
         async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S) as http:
-            return await asyncio.gather(*(http.post(f"{url}/v1/completions", json={
-                "model": model, "prompt": [500 + i] * 40, "max_tokens": 4})
-                for i in range(8)))
+            tasks = [asyncio.create_task(http.post(f"{url}/v1/completions", json=b))
+                     for b in bodies]
+            await asyncio.to_thread(wait_until, busy, REQUEST_TIMEOUT_S, "work in flight", 0.002)
+            victim.proc.send_signal(signal.SIGKILL)
+            return list(await asyncio.gather(*tasks))
 
     resps = asyncio.run(asyncio.wait_for(run(), REQUEST_TIMEOUT_S))
-    assert [r.status_code for r in resps] == [200] * 8, [r.text for r in resps]
-    assert {r.json()["timings"]["prefill_instance"] for r in resps} == {
-        stack.part("prefill-1").url}
+    victim.proc.wait(timeout=30)
+    assert [r.status_code for r in resps] == [200] * len(bodies), [r.text for r in resps]
+    return resps
+
+
+def test_prefill_killed_under_load_requests_retry_on_survivor(stack) -> None:
+    """SIGKILL a prefill instance while it holds several of 8 long prompts: each of them is
+    retried on the other prefill instance and ends with the text it would have had."""
+    url, model = stack.http_url, _model(stack.http_url)
+    victim = stack.part("prefill-0")
+    retries = _router_counter(url, "tandem:request_retries_total", stage="prefill")
+    # distinct first tokens: nothing is prefix-cached, each prefill computes 900 tokens
+    bodies = [{"model": model, "prompt": [500 + i, *range(1000, 1900)], "max_tokens": 4,
+               "temperature": 0}
+              for i in range(8)]
+    resps = _kill_under_load(url, bodies, victim,
+                             lambda: _num_unfinished(victim.url) >= 2)
+    assert _router_counter(url, "tandem:request_retries_total", stage="prefill") > retries
+    survivor = stack.part("prefill-1").url
+    for body, resp in zip(bodies, resps, strict=True):
+        assert resp.json()["timings"]["prefill_instance"] == survivor
+        ref = httpx.post(f"{url}/v1/completions", json=body, timeout=REQUEST_TIMEOUT_S)
+        assert resp.json()["choices"][0]["text"] == ref.json()["choices"][0]["text"]
+
+
+def test_kvstore_killed_under_load_requests_keep_their_text(stack) -> None:
+    """SIGKILL the KV store node while prompts are being prefilled and handed over: blocks
+    that cannot be published or loaded are recomputed, so every request still ends with the
+    text it has without the store."""
+    url, model = stack.http_url, _model(stack.http_url)
+    prefill = stack.part("prefill-1")
+    bodies = [{"model": model, "prompt": [600 + i, *range(2000, 2400)], "max_tokens": 16,
+               "temperature": 0, "ignore_eos": True} for i in range(8)]
+    resps = _kill_under_load(url, bodies, stack.part("kvstore"),
+                             lambda: _num_unfinished(prefill.url) >= 2)
+    for body, resp in zip(bodies, resps, strict=True):
+        ref = httpx.post(f"{url}/v1/completions", json=body, timeout=REQUEST_TIMEOUT_S)
+        assert resp.json()["choices"][0]["text"] == ref.json()["choices"][0]["text"]
+        assert resp.json()["usage"]["completion_tokens"] == 16
 
 
 @pytest.fixture(scope="module")
