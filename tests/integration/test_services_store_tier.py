@@ -172,7 +172,7 @@ def routers(tiny, redis_url, cluster, tmp_path_factory):
             r.proc.stop()
 
 
-def test_conditional_disaggregation(cluster, routers):
+def test_conditional_disaggregation(tiny, redis_url, tmp_path, cluster, routers):
     always, conditional = routers
     _, _, decode = cluster
     rng = random.Random(22)
@@ -199,6 +199,17 @@ def test_conditional_disaggregation(cluster, routers):
     assert again["timings"]["disagg_decision"] == "local_prefill", again["timings"]
     assert "4 uncached tokens < 32" in again["timings"]["disagg_reason"]
     assert again["choices"][0]["text"] == got["choices"][0]["text"]
+
+    # A second router replica that never saw this prompt reads the same store index (in
+    # Redis), so it decides alike.
+    twin = Router(tiny, tmp_path, redis_url, cluster, 32)
+    try:
+        twin_again = twin.complete(long)
+    finally:
+        twin.proc.stop()
+    assert twin_again["timings"]["disagg_decision"] == "local_prefill", twin_again["timings"]
+    assert "4 uncached tokens < 32" in twin_again["timings"]["disagg_reason"]
+    assert twin_again["choices"][0]["text"] == got["choices"][0]["text"]
 
     assert conditional.metric("tandem:disagg_decision_total", path="local_prefill") == 2
     assert conditional.metric("tandem:disagg_decision_total", path="remote_prefill") == 1
