@@ -18,13 +18,20 @@ from tandem.launch import Part, redis_ok, start_part, wait_ready
 
 class RedisServer:
     """A ``redis-server`` subprocess without persistence; restartable on the same port;
-    with ``password``, clients must authenticate (``requirepass``; the URL carries it)."""
+    with ``password``, clients must authenticate (``requirepass``; the URL carries it);
+    with ``tls`` = (certificate, key, CA certificate) PEM files it serves TLS only on
+    ``port`` and the URL is ``rediss://`` naming the CA (redis-py's ``ssl_ca_certs``)."""
 
-    def __init__(self, port: int, password: str | None = None) -> None:
+    def __init__(self, port: int, password: str | None = None,
+                 tls: tuple[Path, Path, Path] | None = None) -> None:
         self.port = port
         self.password = password
+        self.tls = tls
         auth = f":{password}@" if password else ""
-        self.url = f"redis://{auth}127.0.0.1:{port}/0"
+        if tls is None:
+            self.url = f"redis://{auth}127.0.0.1:{port}/0"
+        else:
+            self.url = f"rediss://{auth}127.0.0.1:{port}/0?ssl_ca_certs={tls[2]}"
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self, timeout_s: float = 10.0) -> None:
@@ -34,7 +41,13 @@ class RedisServer:
         # Through tandem.launch (tandem.child): a pytest killed by a timeout runs no
         # teardown, and redis then dies with it instead of living on as an orphan (seen
         # after a killed CI run).
-        self.part = Part("redis", [exe, "--port", str(self.port), "--bind", "127.0.0.1",
+        listen = ["--port", str(self.port)]
+        if self.tls is not None:
+            crt, key, ca = self.tls
+            listen = ["--port", "0", "--tls-port", str(self.port), "--tls-cert-file", str(crt),
+                      "--tls-key-file", str(key), "--tls-ca-cert-file", str(ca),
+                      "--tls-auth-clients", "no"]
+        self.part = Part("redis", [exe, *listen, "--bind", "127.0.0.1",
                                    "--save", "", "--appendonly", "no",
                                    *(["--requirepass", self.password] if self.password else [])],
                          lambda: redis_ok(self.url, timeout_s=1))

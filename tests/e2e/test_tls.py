@@ -1,4 +1,5 @@
-"""Who may talk to whom: mutual TLS on the internal gRPC hop, and Redis with a password.
+"""Who may talk to whom: mutual TLS on the internal gRPC hop, and Redis with a password
+over TLS.
 
 A colocated engine (tiny random-weight Llama, float32) serves TLS with ``--tls-ca`` (client
 certificates required); certificates are made here with the ``openssl`` command line (a CA,
@@ -6,7 +7,8 @@ the engine's with an IP SAN for 127.0.0.1, the router's, and a stranger's signed
 CA). The engine refuses plaintext, a client without a certificate and one signed by the
 other CA; a router with the right certificate serves end to end, one without cannot reach
 it. The engine and the router find each other through a redis-server that requires a
-password (the URL carries it).
+password and serves TLS only (``rediss://:PASS@host:port/0?ssl_ca_certs=CA``: the URL
+carries both).
 """
 
 from __future__ import annotations
@@ -76,7 +78,9 @@ def _creds(certs, who: str | None) -> grpc.ChannelCredentials:
 @pytest.fixture(scope="module")
 def stack(certs, tmp_path_factory):
     tiny = str(tiny_model_dir(tmp_path_factory.getbasetemp()))
-    redis = RedisServer(free_port(), password="s3cret-pass")
+    # Redis with a password and TLS only (a rediss:// URL), its certificate from the test CA.
+    redis = RedisServer(free_port(), password="s3cret-pass",
+                        tls=(certs["engine"][1], certs["engine"][0], certs["ca"][1]))
     redis.start()
     launcher = Launcher(tmp_path_factory.mktemp("tls"))
     eng = f"127.0.0.1:{free_port()}"
