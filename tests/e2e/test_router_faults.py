@@ -28,7 +28,7 @@ from ports import free_port
 from prometheus_client.parser import text_string_to_metric_families
 from waiting import wait_until
 
-from tandem.launch import Launcher, Part, grpc_serving, http_ok, tandem_argv
+from tandem.launch import Launcher, Part, grpc_serving, http_ok, tandem_argv, wait_ready
 from tandem.up import Stack, StackConfig
 from tandem.v1 import common_pb2, prefill_pb2_grpc
 
@@ -36,7 +36,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
 
 from services_harness import tiny_model_dir  # noqa: E402
 
-ENGINE_ARGS = ["--dtype", "float32", "--num-kv-blocks", "512", "--max-model-len", "1024"]
+# A short drain: a SIGTERM'd engine aborts what it did not finish in 1 s (then migrated).
+ENGINE_ARGS = ["--dtype", "float32", "--num-kv-blocks", "512", "--max-model-len", "1024",
+               "--shutdown-grace-s", "1"]
 ROUTER_ARGS = ["--max-model-len", "1024"]
 #: Client-side bound on any one request: a hang fails the test instead of blocking it.
 REQUEST_TIMEOUT_S = 120.0
@@ -121,48 +123,78 @@ def test_concurrent_requests_spread_over_decode_instances(stack) -> None:
     assert len(asyncio.run(run())) == 2
 
 
-def test_decode_killed_mid_stream_migrates_its_streams(stack) -> None:
-    """SIGKILL a decode instance while 8 streams (4 greedy, 4 seeded sampled) run on both:
-    the router migrates the killed instance's streams to the survivor (request migration),
-    and every stream ends as an uninterrupted run would: the same text, no token repeated
-    or missing, usage counted once."""
-    url, model = stack.http_url, _model(stack.http_url)
-    victim = stack.part("decode-0")
-    bodies = [{"model": model, "prompt": [300 + i, 7], "max_tokens": 300, "ignore_eos": True,
-               **({"temperature": 0} if i < 4 else {"temperature": 1.0, "seed": 40 + i})}
-              for i in range(8)]
+def _streams_through_a_fault(url: str, bodies: list[dict], fault) -> list[list[dict]]:
+    """Stream ``bodies`` at once; call ``fault()`` once every stream produced tokens (all
+    are in flight on decode instances); return each stream's events. Every stream must
+    end with its finish_reason and usage (none with an error event)."""
+    events: list[list] = [[] for _ in bodies]
 
     async def run() -> list[str]:
         async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S) as http:
             tasks = [asyncio.create_task(_stream(
                 http, url, {**b, "stream_options": {"include_usage": True}}, events[i]))
                 for i, b in enumerate(bodies)]
-            # Kill once every stream has produced tokens (all are in flight on decode).
             deadline = time.monotonic() + REQUEST_TIMEOUT_S
             while not all(len(e) >= 2 for e in events):
                 assert time.monotonic() < deadline, "streams did not start"
                 await asyncio.sleep(0.05)
-            victim.proc.send_signal(signal.SIGKILL)
+            fault()
             return list(await asyncio.wait_for(asyncio.gather(*tasks), REQUEST_TIMEOUT_S))
 
-    events: list[list] = [[] for _ in bodies]
     outcomes = asyncio.run(run())
-    assert outcomes == ["done"] * 8, [e[-1] for e in events]
-    assert [e[-1]["usage"]["completion_tokens"] for e in events] == [300] * 8
-    finals = [next(c for c in e if c["choices"] and c["choices"][0]["finish_reason"])
-              for e in events]
-    migrated = [f["timings"].get("num_migrations", 0) for f in finals]
+    assert outcomes == ["done"] * len(bodies), [e[-1] for e in events]
+    want = [b["max_tokens"] for b in bodies]
+    assert [e[-1]["usage"]["completion_tokens"] for e in events] == want
+    return events
+
+
+def _final(events: list[dict]) -> dict:
+    return next(c for c in events if c["choices"] and c["choices"][0]["finish_reason"])
+
+
+def _text(events: list[dict]) -> str:
+    return "".join(c["choices"][0]["text"] for c in events if c.get("choices"))
+
+
+def test_decode_drained_or_killed_mid_stream_its_streams_complete(stack) -> None:
+    """8 streams (4 greedy, 4 seeded sampled) run on both decode instances while one is
+    stopped: first SIGTERM to decode-1 (it drains: stops admitting, finishes what it can
+    in its 1 s grace, aborts the rest, which the router migrates), then, with decode-1
+    back, SIGKILL to decode-0 (the router migrates its streams). Every stream ends as an
+    uninterrupted run on one instance does: the same text, no token repeated or missing,
+    usage counted once."""
+    url, model = stack.http_url, _model(stack.http_url)
+    bodies = [{"model": model, "prompt": [300 + i, 7], "max_tokens": 300, "ignore_eos": True,
+               **({"temperature": 0} if i < 4 else {"temperature": 1.0, "seed": 40 + i})}
+              for i in range(8)]
+
+    drained = stack.part("decode-1")
+    drain_events = _streams_through_a_fault(
+        url, bodies, lambda: drained.proc.send_signal(signal.SIGTERM))
+    assert drained.proc.wait(timeout=60) == 0, "a drained engine exits 0"
+    assert all(_final(e)["timings"]["decode_instance"] != drained.url for e in drain_events
+               if _final(e)["timings"].get("num_migrations"))
+    stack.launcher.restart(drained)
+    wait_ready([drained], 300)
+    wait_until(lambda: f'instance="{drained.url}"' in httpx.get(f"{url}/metrics").text, 60,
+               "the router sees decode-1 again")
+
+    victim = stack.part("decode-0")
+    kill_events = _streams_through_a_fault(
+        url, bodies, lambda: victim.proc.send_signal(signal.SIGKILL))
+    migrated = [_final(e)["timings"].get("num_migrations", 0) for e in kill_events]
     assert any(migrated), "no stream was in flight on the killed instance"
-    assert all(f["timings"]["decode_instance"] != victim.url for f in finals)
+    assert all(_final(e)["timings"]["decode_instance"] != victim.url for e in kill_events)
+
     # The reference: the same requests, uninterrupted, on the survivor.
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0,
                            timeout=REQUEST_TIMEOUT_S)
     for i, body in enumerate(bodies):
         ref = client.completions.create(**{k: v for k, v in body.items() if k != "ignore_eos"},
                                         extra_body={"ignore_eos": True})
-        text = "".join(c["choices"][0]["text"] for c in events[i] if c.get("choices"))
-        assert text == ref.choices[0].text, f"stream {i} (migrated {migrated[i]})"
-        assert ref.model_extra["timings"]["decode_instance"] != victim.url
+        assert ref.model_extra["timings"]["decode_instance"] == drained.url
+        assert _text(drain_events[i]) == ref.choices[0].text, f"drain: stream {i}"
+        assert _text(kill_events[i]) == ref.choices[0].text, f"kill: stream {i} ({migrated[i]})"
 
 
 def _num_unfinished(address: str) -> int:
