@@ -350,9 +350,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--result-filename", default=None)
     p.add_argument("--plot", default=None, help="PNG of latency percentiles over request rate")
     p.add_argument("--label", default=None, help="a name for this run (in the JSON)")
-    p.add_argument("--launch", action="append", default=[], choices=["disagg", "colocated"],
+    p.add_argument("--launch", action="append", default=[],
+                   choices=["disagg", "disagg-no-reuse", "colocated"],
                    help="start this stack (tandem up) for the run instead of using --url; "
-                        "repeat to compare: --launch disagg --launch colocated")
+                        "repeat to compare: --launch disagg --launch colocated; "
+                        "disagg-no-reuse: engines neither load prompts' stored prefixes nor "
+                        "publish finished outputs (the store only hands prompts from "
+                        "prefill to decode)")
     p.add_argument("--launch-model", default=None, help="model for --launch")
     p.add_argument("--launch-engine-arg", action="append", default=[],
                    help="extra engine flag for --launch stacks, e.g. --launch-engine-arg="
@@ -516,9 +520,12 @@ def main(argv: list[str] | None = None) -> int:
         all_results, failed = [], 0
         for mode in args.launch:
             colocated = mode == "colocated"
+            engine_args = list(args.launch_engine_arg)
+            if mode == "disagg-no-reuse":
+                engine_args += ["--kv-load-from-store=false", "--kv-publish-output=false"]
             cfg = StackConfig(port=0, grpc_port=0, model=args.launch_model, colocated=colocated,
                               num_prefill=args.launch_prefill, num_decode=args.launch_decode,
-                              engine_args=list(args.launch_engine_arg),
+                              engine_args=engine_args,
                               router_args=list(args.launch_router_arg),
                               cpus_per_engine=0 if colocated else args.launch_disagg_cpus)
             print(f"== launching {mode} stack ==", flush=True)
