@@ -651,10 +651,15 @@ def test_block_ttl_expiry(store_url: str, tmp_path) -> None:
         node.stop()
 
 
-def test_killed_node_fails_fast_then_misses(store_url: str, tmp_path, read_path: str) -> None:
+@pytest.mark.timeout(60)
+def test_killed_node_is_a_miss_at_once(store_url: str, tmp_path, read_path: str) -> None:
+    """Bug: after a node's SIGKILL every get of its blocks waited the client's whole
+    timeout until the node's heartbeat expired. Now its process being gone (its segment's
+    /proc path), or a refused or reset connection, marks it down: its blocks are misses
+    at once. The client's timeout is far beyond the test's, so a wait fails the test."""
     node = StoreNodeProcess(store_url, "doomed", 1 << 20, heartbeat_ttl_s=1.5,
                             log_dir=tmp_path)
-    c = KVStoreClient(store_url, local_node="doomed", timeout_s=2,
+    c = KVStoreClient(store_url, local_node="doomed", timeout_s=600,
                       options=ClientOptions(shm=read_path == "shm"))
     try:
         node.wait_ready(c)
@@ -665,11 +670,11 @@ def test_killed_node_fails_fast_then_misses(store_url: str, tmp_path, read_path:
         assert c.get_blocks(keys, into) == 3
         assert used_path(c, 0) == read_path
         node.kill()
-        t0 = time.monotonic()
-        with pytest.raises(KVStoreTimeoutError, match="doomed.*timed out"):
-            c.get_blocks(keys, into)
-        assert time.monotonic() - t0 < 2 + 3  # the client's timeout, not a hang
-        poll(lambda: c.lookup(keys) == 0)  # heartbeat expired: a miss
+        assert "doomed" in c.live_nodes(), "its heartbeat has not expired yet"
+        assert c.get_blocks(keys, into) == 0
+        assert c.get_blocks(keys, into) == 0  # down: not even tried again
+        assert c.lookup(keys) == 0
+        poll(lambda: "doomed" not in c.live_nodes())  # heartbeat expired
         assert c.get_blocks(keys, into) == 0
         r = redis.Redis.from_url(store_url)
         assert r.exists(*(k.redis_key for k in keys)) == 0  # the dead entries were removed
