@@ -684,6 +684,66 @@ def test_killed_node_is_a_miss_at_once(store_url: str, tmp_path, read_path: str)
         node.stop()
 
 
+#: a client in a process of its own (UCX's transports are fixed per process): puts and
+#: gets 3 blocks of a node over UCX, then, after each line read from stdin, gets them again
+_TCP_CLIENT = """
+import sys
+import numpy as np
+from tandem.contracts.block_key import BlockKey
+from tandem.kvstore.client import ClientOptions, KVStoreClient
+url, node = sys.argv[1:3]
+c = KVStoreClient(url, local_node=node, timeout_s=600, options=ClientOptions(shm=False))
+keys = [BlockKey(bytes([i]) * 32, b"f" * 16) for i in range(3)]
+blocks = [np.full(32768, i, dtype=np.uint8) for i in range(3)]
+into = [np.zeros(32768, dtype=np.uint8) for _ in range(3)]
+print("got", c.put_blocks(keys, blocks), c.get_blocks(keys, into), flush=True)
+for _ in sys.stdin:
+    print("got", c.get_blocks(keys, into), c.aio.down.num_marked, flush=True)
+"""
+
+
+def _answer(out) -> list[str]:  # noqa: ANN001 - a text stream
+    """The next answer of the _TCP_CLIENT process (UCX logs to its stdout too)."""
+    while not (line := out.readline()).startswith("got ") and line:
+        pass
+    return line.split()[1:]
+
+
+@pytest.mark.timeout(60)
+def test_killed_node_over_tcp_resets_the_connection_and_is_a_miss(
+        store_url: str, tmp_path, monkeypatch) -> None:
+    """A node elsewhere (here: one without a shared segment, over UCX's TCP transport)
+    is found gone by its connection: the reset marks it down and its blocks are misses
+    at once, not after the client's timeout (600 s, beyond the test's)."""
+    import subprocess
+    import sys
+
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    node = StoreNodeProcess(store_url, "tcp-doomed", 1 << 20, log_dir=tmp_path,
+                            extra_args=("--no-shm",))
+    proc = None
+    try:
+        with KVStoreClient(store_url) as c:
+            node.wait_ready(c)
+        proc = subprocess.Popen([sys.executable, "-c", _TCP_CLIENT, store_url, "tcp-doomed"],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert proc.stdin is not None and proc.stdout is not None
+        assert _answer(proc.stdout) == ["3", "3"]
+        node.kill()
+        proc.stdin.write("get\n")
+        proc.stdin.flush()
+        assert _answer(proc.stdout) == ["0", "1"], "a miss, the node marked down"
+        proc.stdin.write("get\n")
+        proc.stdin.flush()
+        assert _answer(proc.stdout) == ["0", "1"], "down: not tried again"
+        proc.stdin.close()
+        assert proc.wait(30) == 0
+    finally:
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+        node.stop()
+
+
 def test_redis_restart_nodes_reregister_and_clients_reconnect(tmp_path) -> None:
     from ports import free_port
     from redis_server import RedisServer
