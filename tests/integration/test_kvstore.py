@@ -151,6 +151,45 @@ def test_batched_get_across_nodes_and_lookup_agrees(store_url: str, nodes,
     c2.close()
 
 
+@pytest.mark.timeout(60)
+def test_one_get_over_two_nodes_and_a_killed_one(store_url: str, nodes, tmp_path,
+                                                 read_path: str) -> None:
+    """Blocks put on two nodes (each client's ``local_node``), interleaved, and a last
+    one on a third node that is then killed: ONE get returns every block of the two
+    live nodes intact and a miss for exactly the dead node's (the last key, so the run
+    of leading blocks before it is whole). The client's timeout (600 s) is beyond the
+    test's: waiting for the dead node fails the test."""
+    shm = ClientOptions(shm=read_path == "shm")
+    doomed = StoreNodeProcess(store_url, f"doomed-multi-{read_path}", 1 << 20,
+                              log_dir=tmp_path)
+    c1 = KVStoreClient(store_url, local_node=nodes["n1"].address, timeout_s=600, options=shm)
+    c2 = KVStoreClient(store_url, local_node=nodes["n2"].address, timeout_s=600, options=shm)
+    c3 = KVStoreClient(store_url, local_node=doomed.node_id, timeout_s=600, options=shm)
+    try:
+        doomed.wait_ready(c3)
+        keys = BF16.keys(hashes(f"spread-{read_path}", 9))
+        blocks = random_blocks(BF16, 9, 21)
+        assert c1.put_blocks(keys[0:8:2], blocks[0:8:2]) == 4
+        assert c2.put_blocks(keys[1:8:2], blocks[1:8:2]) == 4
+        assert c3.put_blocks(keys[8:], blocks[8:]) == 1
+        assert set(c1.stat("n1")["lru"]) >= {k.redis_key for k in keys[0:8:2]}
+        assert set(c1.stat("n2")["lru"]) >= {k.redis_key for k in keys[1:8:2]}
+        assert c1.stat(doomed.node_id)["lru"] == [keys[8].redis_key]
+        into = [torch.zeros_like(b) for b in blocks]
+        assert c1.get_blocks(keys, into) == 9  # one call, three nodes
+        assert all(same_bits(a, b) for a, b in zip(blocks, into, strict=True))
+        doomed.kill()
+        assert doomed.node_id in c1.live_nodes(), "its heartbeat has not expired yet"
+        into = [torch.zeros_like(b) for b in blocks]
+        assert c1.get_blocks(keys, into) == 8, "a miss for exactly the dead node's block"
+        assert all(same_bits(a, b) for a, b in zip(blocks[:8], into[:8], strict=True))
+        assert c1.contains(keys) == [True] * 8 + [False]
+    finally:
+        for c in (c1, c2, c3):
+            c.close()
+        doomed.stop()
+
+
 @pytest.mark.parametrize(("shm", "copy_threads"), [(True, 1), (True, 3), (False, 1)])
 def test_blocks_of_one_cache_tensor_move_in_runs(store_url: str, nodes, shm: bool,
                                                  copy_threads: int, monkeypatch) -> None:
