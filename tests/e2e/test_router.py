@@ -443,7 +443,7 @@ def test_usage_reports_cached_prompt_tokens(client) -> None:
     """``usage.prompt_tokens_details.cached_tokens`` (OpenAI's field) is the count of
     prompt tokens the prefilling engine did not compute, as ``timings.cached_tokens``
     reports it: the second request with a prompt finds its full blocks in the prefill's
-    prefix cache, through completions and chat, streamed or not."""
+    prefix cache, through completions and chat, streamed or not, and with n > 1."""
     def check_stream(chunks: list) -> None:
         last = [c for c in chunks if c.choices][-1]
         cached = last.model_extra["timings"]["cached_tokens"]
@@ -461,6 +461,11 @@ def test_usage_reports_cached_prompt_tokens(client) -> None:
     assert resp.usage.prompt_tokens_details.cached_tokens == \
         resp.model_extra["timings"]["cached_tokens"] >= 32
     check_stream(list(client.completions.create(prompt=LONG_PROMPT, **kw, **stream)))
+    # n > 1: the choices share the prompt, counted once (the first choice's)
+    two = client.completions.create(prompt=LONG_PROMPT, n=2, **kw)
+    assert two.usage.prompt_tokens == resp.usage.prompt_tokens
+    assert two.usage.prompt_tokens_details.cached_tokens == \
+        two.model_extra["timings"]["cached_tokens"] >= 32
 
     messages = _chat(LONG_PROMPT)
     client.chat.completions.create(messages=messages, **kw)
