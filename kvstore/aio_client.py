@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Sequence, Set
 
 import numpy as np
 import redis.asyncio as aioredis
@@ -32,10 +32,17 @@ from tandem.kvstore.index import (
     IndexEntry,
     node_key,
 )
+from tandem.kvstore.shm import host_id, segment_gone
 from tandem.kvstore.shm_read import ShmReader
-from tandem.kvstore.store import BlockStore, KVStoreError, KVStoreTimeoutError
+from tandem.kvstore.store import (
+    BlockStore,
+    KVStoreError,
+    KVStoreNodeDownError,
+    KVStoreTimeoutError,
+)
 from tandem.kvstore.transport import (
     Connections,
+    DownNodes,
     NodeInfo,
     checksum,
     next_request_id,
@@ -43,7 +50,7 @@ from tandem.kvstore.transport import (
     runs_of,
     span_of,
 )
-from tandem.kvstore.ucx import within
+from tandem.kvstore.ucx import peer_gone, within
 from tandem.kvstore.ucx_read import UcxReader, raise_if_error
 
 logger = logging.getLogger("tandem.kvstore.client")
@@ -62,7 +69,14 @@ class AsyncKVStoreClient(BlockStore):
         local_node: ``host:port`` (or node id) of the node on this host: puts go
             there while it is alive, else to the least full live node.
         timeout_s: deadline of each node request (connect, put, get), seconds.
-        options: shared-memory reads and their copy threads (kvstore/config.py).
+        options: shared-memory reads and their copy threads, the down-node back-off
+            (kvstore/config.py).
+
+    A node that is gone (it refused or reset the connection, or, on this host, its
+    process exited) is marked down at once (:attr:`down`): its blocks are misses and
+    puts go elsewhere until ``options.down_node_retry_s`` passes or the registry shows
+    it restarted, instead of each call waiting ``timeout_s`` for it until its heartbeat
+    expires. A node that stops answering (hung) still costs ``timeout_s``.
 
     Raises:
         ValueError: ``timeout_s`` <= 0.
@@ -91,6 +105,9 @@ class AsyncKVStoreClient(BlockStore):
         self.ucx = UcxReader(self.conns.get, self.conns.drop, timeout_s)
         #: blocks whose bytes failed their checksum (each a miss, its entry removed)
         self.num_checksum_failures = 0
+        #: nodes found gone, left alone for a while
+        self.down = DownNodes(options.down_node_retry_s)
+        self._host_id = host_id()
 
     # -- validation ---------------------------------------------------------------------------
 
@@ -142,6 +159,26 @@ class AsyncKVStoreClient(BlockStore):
             self._nodes_cache = (now, await self.live_nodes())
         return self._nodes_cache[1]
 
+    def node_gone(self, node: NodeInfo) -> bool:
+        """Whether ``node`` is down (:attr:`down`), or found gone now: a node of this
+        host whose process exited (its segment's ``/proc`` path, one ``stat``), which
+        is then marked down. Nodes elsewhere are found gone by their connections."""
+        if self.down.is_down(node):
+            return True
+        if node.shm_path and node.shm_id and node.host_id == self._host_id \
+                and segment_gone(node.shm_path, node.shm_id):
+            self.mark_down(node, f"its process on this host exited ({node.shm_path} is gone)")
+            return True
+        return False
+
+    def mark_down(self, node: NodeInfo, reason: object) -> None:
+        """Mark ``node`` down (:attr:`down`) and drop its connection, which cancels
+        what is posted on it and unmaps its segment."""
+        self.down.mark(node, reason)
+        self.conns.drop_node(node.node_id)
+        if self.shm is not None:
+            self.shm.forget(node.node_id)
+
     def _dropped(self, node_id: str) -> None:
         """A connection to ``node_id`` failed or its node is gone (see Connections)."""
         self._nodes_cache = None
@@ -149,6 +186,7 @@ class AsyncKVStoreClient(BlockStore):
             self.shm.forget(node_id)  # NOTE: map a restarted node's segment afresh
 
     def _choose_node(self, nodes: dict[str, NodeInfo], nbytes: int) -> NodeInfo:
+        nodes = {i: n for i, n in nodes.items() if not self.node_gone(n)}
         if not nodes:
             raise KVStoreError("no live KV store node (none registered with a fresh heartbeat)")
         if self.local_node:
@@ -180,7 +218,8 @@ class AsyncKVStoreClient(BlockStore):
         except ValueError as exc:
             raise KVStoreError(f"KV store index (Redis) answered a malformed lookup: {exc}") \
                 from exc
-        return await self._without_dead(keys, entries, nodes), nodes
+        return without_down(await self._without_dead(keys, entries, nodes), nodes, self.down), \
+            nodes
 
     async def _without_dead(self, keys: list[BlockKey], entries: list[IndexEntry | None],
                             nodes: dict[str, NodeInfo]) -> list[IndexEntry | None]:
@@ -244,7 +283,11 @@ class AsyncKVStoreClient(BlockStore):
                 raise ValueError(f"blocks[{i}] has {v.nbytes} bytes, other blocks of its "
                                  f"layout have {sizes_by_fp[k.layout_fingerprint]}")
         node = self._choose_node(await self._live_nodes_cached(), sum(v.nbytes for v in views))
-        conn = await self.conns.get(node)
+        try:
+            conn = await self.conns.get(node)
+        except KVStoreNodeDownError as exc:
+            self.mark_down(node, exc)
+            raise
         request_id = next_request_id()
         msg = {"op": "put", "keys": [k.redis_key for k in keys],
                "sizes": [v.nbytes for v in views],
@@ -271,6 +314,10 @@ class AsyncKVStoreClient(BlockStore):
             raise
         except Exception as exc:  # noqa: BLE001 - UCX failure: connection unusable
             self.conns.drop(conn)
+            if peer_gone(exc):
+                self.mark_down(node, exc)
+                raise KVStoreNodeDownError(
+                    f"put to store node {node.node_id} failed: {exc!r}") from exc
             raise KVStoreError(f"put to store node {node.node_id} failed: {exc!r}") from exc
         raise_if_error(final, node)
         return int(final["num_stored"])  # type: ignore[call-overload]
@@ -293,29 +340,38 @@ class AsyncKVStoreClient(BlockStore):
         """:meth:`get` once the index was read: ``keys`` and ``views`` checked
         (:meth:`check_keys`, :meth:`byte_views`), ``entries`` and ``nodes`` as a
         lookup answered them (entries of dead nodes allowed: misses, cleaned up).
-        Each node's blocks go through its reader, several nodes at once.
+        Each node's blocks go through its reader, several nodes at once; the blocks
+        of a node found gone (:meth:`node_gone`) are misses, their entries kept.
 
         Raises:
             as :meth:`get`.
         """
-        entries = await self._without_dead(keys, entries, nodes)
+        entries = without_down(await self._without_dead(keys, entries, nodes), nodes,
+                               self.down)
         n, by_node = leading_by_node(entries, views)
         work = [self._read(nodes[nid], idx, keys, views, entries) for nid, idx in by_node.items()]
         # NOTE: one node (the common case) is awaited in this task: gather would
         # wrap it in a task of its own, one more trip through the loop
         results = [await work[0]] if len(work) == 1 else await asyncio.gather(*work)
         loaded: dict[int, bool | None] = {}
-        for r in results:
-            loaded.update(r)
-        count, stale = self.tally(keys, views, entries, n, loaded)
+        unavailable: set[int] = set()
+        for idx, r in zip(by_node.values(), results, strict=True):
+            if r is None:
+                unavailable.update(idx)
+            else:
+                loaded.update(r)
+        count, stale = self.tally(keys, views, entries, n, loaded, unavailable)
         await self.forget(stale)
         return count
 
     async def _read(self, node: NodeInfo, idx: list[int], keys: list[BlockKey],
                     views: list[np.ndarray],
-                    entries: list[IndexEntry | None]) -> dict[int, bool | None]:
+                    entries: list[IndexEntry | None]) -> dict[int, bool | None] | None:
         """Blocks ``idx`` from one node: index -> checksum verdict (``None``: not
-        checked yet) for each that arrived."""
+        checked yet) for each that arrived; ``None`` when the node is gone (marked
+        down: all of them are misses)."""
+        if self.node_gone(node):
+            return None
         mine = [views[i] for i in idx]
         names = [keys[i].redis_key for i in idx]
         present = [e for e in (entries[i] for i in idx) if e is not None]
@@ -325,21 +381,31 @@ class AsyncKVStoreClient(BlockStore):
             sums = await asyncio.to_thread(self.shm.read, node, names, mine)
             if sums is not None:
                 return {idx[j]: ok for j, ok in checksum_verdicts(sums, present).items()}
-        got = await self.ucx.read(node, names, mine, present)
+        try:
+            got = await self.ucx.read(node, names, mine, present)
+        except KVStoreNodeDownError as exc:
+            self.mark_down(node, exc)
+            return None
         return {idx[j]: None for j in got}
 
     def tally(self, keys: list[BlockKey], views: list[np.ndarray],
               entries: list[IndexEntry | None], n: int,
-              loaded: dict[int, bool | None]) -> tuple[int, list[tuple[str, IndexEntry]]]:
+              loaded: dict[int, bool | None],
+              unavailable: Set[int] = frozenset()) -> tuple[int, list[tuple[str, IndexEntry]]]:
         """How many of the first ``n`` blocks arrived intact, and the index entries
         to remove (:meth:`forget`): blocks the node no longer had, and the first
         that failed its checksum. ``loaded``: block index -> checksum verdict
-        (``None``: not checked yet, checked here on ``views``)."""
+        (``None``: not checked yet, checked here on ``views``); ``unavailable``:
+        blocks of nodes found gone (misses whose entries stay: the node's heartbeat
+        decides)."""
         stale: list[tuple[str, IndexEntry]] = []
         count = n
         for i in range(n):
             e = entries[i]
             assert e is not None, "leading entries are present"
+            if i in unavailable:
+                count = min(count, i)
+                continue
             if i not in loaded:
                 stale.append((keys[i].redis_key, e))  # indexed, not on its node: a miss
                 count = min(count, i)
@@ -398,6 +464,16 @@ def checksum_verdicts(sums: dict[int, str],
         assert e is not None, "only present blocks are copied"
         out[i] = h == e.checksum
     return out
+
+
+def without_down(entries: list[IndexEntry | None], nodes: dict[str, NodeInfo],
+                 down: DownNodes) -> list[IndexEntry | None]:
+    """``entries`` with those of nodes that are down turned into misses (kept in the
+    index: the node may come back with them)."""
+    gone = {nid for nid, node in nodes.items() if down.is_down(node)}
+    if not gone:
+        return entries
+    return [None if e is None or e.node_id in gone else e for e in entries]
 
 
 def leading_by_node(entries: Sequence[IndexEntry | None],

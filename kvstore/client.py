@@ -144,8 +144,10 @@ class KVStoreClient:
     def get_blocks(self, keys: Sequence[BlockKey], into: Sequence[object]) -> int:
         """Load leading blocks straight into ``into[i]``; returns how many were loaded.
 
-        Stops at the first block that is missing, on a dead node, or fails its
-        checksum; ``into[j]`` for ``j >=`` the result hold unspecified bytes.
+        Stops at the first block that is missing, on a dead node (one whose heartbeat
+        expired, or that this client found gone: see
+        :class:`~tandem.kvstore.aio_client.AsyncKVStoreClient`), or fails its checksum;
+        ``into[j]`` for ``j >=`` the result hold unspecified bytes.
 
         Raises:
             ValueError: bad keys/buffers (read-only, not contiguous, wrong size,
@@ -165,8 +167,10 @@ class KVStoreClient:
         except (RedisError, OSError) as exc:
             logger.warning("get: index unreachable, reporting a miss: %s", exc)
             return 0
-        if any(e is not None and e.node_id not in nodes for e in entries):
-            # a dead node's entries: the core turns them into misses and removes them
+        if any(e is not None and e.node_id not in nodes for e in entries) \
+                or any(aio.down.is_down(node) for node in nodes.values()):
+            # a dead node's entries: the core turns them into misses (and removes those
+            # of expired nodes)
             return self.run(aio.get_indexed(checked, views, entries, nodes))
         n, by_node = leading_by_node(entries, views)
         if n == 0:

@@ -132,15 +132,21 @@ class ClientOptions:
             pool (kvstore/shm_read.py); off: every read goes over UCX.
         copy_threads: threads that copy and checksum one large shared-memory read.
         ucx: this process's UCX settings (the first client of a process fixes them).
+        down_node_retry_s: seconds a node found gone (connection refused or reset, or
+            its process on this host exited) is left alone, its blocks misses, before
+            it is tried again; a node the registry shows restarted is tried at once.
     """
 
     shm: bool = True
     copy_threads: int = 2
     ucx: UcxOptions = UcxOptions()
+    down_node_retry_s: float = 2.0
 
     def __post_init__(self) -> None:
         if self.copy_threads < 1:
             raise ValueError(f"copy_threads must be >= 1, got {self.copy_threads}")
+        if self.down_node_retry_s <= 0:
+            raise ValueError(f"down_node_retry_s must be > 0, got {self.down_node_retry_s}")
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str]) -> ClientOptions:

@@ -55,6 +55,24 @@ def host_id() -> str:
     return "/".join(parts)
 
 
+def segment_gone(path: str, ident: str) -> bool:
+    """Whether the node that advertised its segment as ``path`` (``/proc/<pid>/fd/<fd>``)
+    and ``ident`` (:attr:`Segment.ident`) has exited: the path no longer leads to that
+    file (the process is gone, or its pid now names another process).
+
+    Meaningful only for a node of this :func:`host_id` (same kernel, same pid namespace).
+    One ``stat``; ``False`` when it cannot tell (e.g. no permission, malformed ``ident``).
+    """
+    try:
+        dev, ino = (int(x) for x in ident.split(":")[:2])
+        st = os.stat(path)
+    except FileNotFoundError:
+        return True
+    except (OSError, ValueError):
+        return False
+    return (st.st_dev, st.st_ino) != (dev, ino)
+
+
 class Segment:
     """The node's pool memory: an anonymous shared-memory file mapped read-write.
 

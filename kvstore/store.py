@@ -29,6 +29,13 @@ class KVStoreNodeError(KVStoreError):
     """A store node refused a request; the message carries the node's reason."""
 
 
+class KVStoreNodeDownError(KVStoreError):
+    """A store node is gone: it refused or reset the connection, or its process on this
+    host has exited. The client treats it as down (its blocks are misses) until a short
+    back-off passes or the registry shows it again (:class:`~tandem.kvstore.transport.
+    DownNodes`)."""
+
+
 class BlockStore(abc.ABC):
     """Batched block store. All methods are coroutines run on the store's event loop.
 

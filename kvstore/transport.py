@@ -10,6 +10,8 @@ import asyncio
 import ctypes
 import itertools
 import logging
+import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -19,8 +21,8 @@ import xxhash
 
 from tandem.kvstore import protocol as proto
 from tandem.kvstore.index import IndexEntry, parse_lookup
-from tandem.kvstore.store import KVStoreTimeoutError
-from tandem.kvstore.ucx import Endpoint, endpoint_to, worker_address
+from tandem.kvstore.store import KVStoreNodeDownError, KVStoreTimeoutError
+from tandem.kvstore.ucx import Endpoint, endpoint_to, peer_gone, worker_address
 
 logger = logging.getLogger("tandem.kvstore.client")
 
@@ -117,6 +119,54 @@ def parse_index_reply(num_keys: int, reply: list[bytes | str]
     return entries, {r[0]: NodeInfo.from_lookup(r) for r in records}
 
 
+class DownNodes:
+    """The nodes a client found gone (:class:`~tandem.kvstore.store.KVStoreNodeDownError`),
+    each until ``retry_s`` passes or the registry shows it again with another UCX worker
+    address (it restarted); meanwhile its blocks are misses and puts avoid it.
+
+    Why: until a dead node's heartbeat expires the registry still lists it, and each
+    read of it would otherwise wait for the node again.
+
+    Args:
+        retry_s: seconds before a down node is tried again.
+        clock: monotonic seconds (tests pass their own).
+
+    Thread-safe (the blocking facade asks from the caller's thread).
+    """
+
+    def __init__(self, retry_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        if retry_s <= 0:
+            raise ValueError(f"retry_s must be > 0, got {retry_s}")
+        self.retry_s = retry_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._down: dict[str, tuple[bytes, float]] = {}  # id -> (worker address, until)
+        #: times a node was marked down
+        self.num_marked = 0
+
+    def mark(self, node: NodeInfo, reason: object) -> None:
+        """``node`` is gone (``reason``: why, for the log)."""
+        with self._lock:
+            known = node.node_id in self._down
+            self._down[node.node_id] = (node.ucx_address, self._clock() + self.retry_s)
+            self.num_marked += 1
+        if not known:
+            logger.warning("store node %s (%s) is down, its blocks are misses for %.1fs: %s",
+                           node.node_id, node.address, self.retry_s, reason)
+
+    def is_down(self, node: NodeInfo) -> bool:
+        """Whether ``node``, as the registry describes it now, is still down."""
+        with self._lock:
+            entry = self._down.get(node.node_id)
+            if entry is None:
+                return False
+            address, until = entry
+            if address != node.ucx_address or self._clock() >= until:
+                del self._down[node.node_id]
+                return False
+            return True
+
+
 class NodeConnection:
     """One connection to a node: our endpoint and the receive ids of each side."""
 
@@ -185,6 +235,7 @@ class Connections:
 
         Raises:
             KVStoreTimeoutError: no welcome within ``timeout_s``.
+            KVStoreNodeDownError: the node refused the connection or reset it.
         """
         lock = self._locks.setdefault(node.node_id, asyncio.Lock())
         async with lock:
@@ -193,7 +244,14 @@ class Connections:
                 return conn
             if conn is not None:
                 conn.abort()  # the node restarted (new address) or the connection failed
-            ep = await endpoint_to(node.ucx_address)
+            try:
+                ep = await endpoint_to(node.ucx_address)
+            except Exception as exc:
+                if peer_gone(exc):
+                    raise KVStoreNodeDownError(
+                        f"store node {node.node_id} ({node.address}): connection "
+                        f"failed: {exc!r}") from exc
+                raise
             my_id = next_conn_id()
             buf = proto.ctrl_buffer()
             welcome = asyncio.ensure_future(
@@ -209,6 +267,13 @@ class Connections:
                 raise KVStoreTimeoutError(
                     f"store node {node.node_id} ({node.address}) did not answer the "
                     f"connection handshake within {self.timeout_s}s") from exc
+            except Exception as exc:
+                ep.abort()
+                if peer_gone(exc):
+                    raise KVStoreNodeDownError(
+                        f"store node {node.node_id} ({node.address}): connection "
+                        f"handshake failed: {exc!r}") from exc
+                raise
             msg = proto.decode(buf)
             conn = NodeConnection(node.node_id, node.ucx_address, ep, my_id, int(msg["conn_id"]))
             self._conns[node.node_id] = conn

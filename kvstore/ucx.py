@@ -81,7 +81,10 @@ async def endpoint_to(address: bytes) -> Endpoint:
     """An endpoint to the worker at ``address``.
 
     NOTE: peer error handling is off: with it on, UCX excludes the shared-memory
-    transports. A dead peer is detected by our timeouts, not by UCX.
+    transports (and with it on only on the client's side, puts hung). A dead peer is
+    found by UCX's own errors where its transport reports them (a TCP connection
+    refused or reset: :func:`peer_gone`), by the node's process being gone for a node
+    on this host (kvstore/shm.py ``segment_gone``), else by our timeouts.
     """
     import ucxx
 
@@ -89,6 +92,25 @@ async def endpoint_to(address: bytes) -> Endpoint:
         ucxx.get_ucx_address_from_buffer(address), endpoint_error_handling=False
     )
     return ep
+
+
+#: ucxx's errors that mean the peer is gone (refused, reset, unreachable), not a bug
+#: of ours or a cancel
+_PEER_GONE = ("UCXConnectionResetError", "UCXUnreachableError", "UCXEndpointTimeoutError",
+              "UCXRejectedError", "UCXNotConnectedError")
+
+
+def peer_gone(exc: BaseException) -> bool:
+    """Whether ``exc`` (raised by a ucxx endpoint operation) says the peer is gone.
+
+    Seen on this host: a connection to a killed node over TCP fails with
+    ``UCXConnectionResetError`` and a new one with ``UCXUnreachableError``; over the
+    shared-memory transports a new one fails with ``UCXEndpointTimeoutError``.
+    """
+    import ucxx
+
+    gone = tuple(getattr(ucxx.exceptions, name) for name in _PEER_GONE)
+    return isinstance(exc, gone)
 
 
 async def worker_recv(buf: np.ndarray, tag: int) -> None:

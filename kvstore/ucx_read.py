@@ -20,9 +20,14 @@ import numpy as np
 
 from tandem.kvstore import protocol as proto
 from tandem.kvstore.index import IndexEntry
-from tandem.kvstore.store import KVStoreError, KVStoreNodeError, KVStoreTimeoutError
+from tandem.kvstore.store import (
+    KVStoreError,
+    KVStoreNodeDownError,
+    KVStoreNodeError,
+    KVStoreTimeoutError,
+)
 from tandem.kvstore.transport import NodeConnection, NodeInfo, next_request_id, runs_of, span_of
-from tandem.kvstore.ucx import within
+from tandem.kvstore.ucx import peer_gone, within
 
 
 class UcxReader:
@@ -58,7 +63,8 @@ class UcxReader:
         Raises:
             KVStoreTimeoutError: the node did not answer within ``timeout_s``.
             KVStoreNodeError: the node refused the request.
-            KVStoreError: the connection failed.
+            KVStoreNodeDownError: the node refused or reset the connection (it is gone).
+            KVStoreError: the connection failed otherwise.
         """
         runs = runs_of(views)
         request: dict[str, object] = {"op": "get", "keys": names, "runs": runs}
@@ -82,8 +88,8 @@ class UcxReader:
                 raise
             except Exception as exc:  # noqa: BLE001 - UCX failure: connection unusable
                 self._drop(conn)
-                raise KVStoreError(
-                    f"get from store node {node.node_id} failed: {exc!r}") from exc
+                kind = KVStoreNodeDownError if peer_gone(exc) else KVStoreError
+                raise kind(f"get from store node {node.node_id} failed: {exc!r}") from exc
             if present is not None:
                 self.num_fast_gets += expect is not None
                 return {i for i, hit in enumerate(present) if hit}

@@ -159,9 +159,10 @@ def create_app(fe: Frontend, lifespan: Any = None, *,
         return rid, arrival_ns, req
 
     def reply(body: P.CompletionResponse | P.ChatCompletionResponse, rid: str,
-              num_prompt_tokens: int, states: list[ChoiceState]) -> JSONResponse:
-        """The non-streamed answer ``body`` with the usage and timings of ``states``."""
-        body.usage = usage(num_prompt_tokens, sum(s.num_tokens for s in states))
+              num_prompt_tokens: int, states: list[ChoiceState], n: int) -> JSONResponse:
+        """The non-streamed answer ``body`` with the usage and timings of ``states``
+        (``n`` choices per prompt)."""
+        body.usage = usage(num_prompt_tokens, states, n)
         body.timings = _timings(states)
         return JSONResponse(body.model_dump(mode="json"), headers={"X-Request-Id": rid})
 
@@ -207,7 +208,7 @@ def create_app(fe: Frontend, lifespan: Any = None, *,
                                               stop_reason=st.stop_reason))
         body = P.CompletionResponse(id=resp_id, model=req.model or fe.model_name,
                                     choices=choices)
-        return reply(body, rid, num_prompt_tokens, states)
+        return reply(body, rid, num_prompt_tokens, states, n)
 
     @app.post("/v1/chat/completions", response_model=P.ChatCompletionResponse,
               openapi_extra=openapi.request_body(P.ChatCompletionRequest),
@@ -253,7 +254,7 @@ def create_app(fe: Frontend, lifespan: Any = None, *,
                 finish_reason=finish, stop_reason=st.stop_reason))
         body = P.ChatCompletionResponse(id=resp_id, model=req.model or fe.model_name,
                                         choices=choices)
-        return reply(body, rid, len(ids), states)
+        return reply(body, rid, len(ids), states, sp.n)
 
     return app
 
@@ -419,7 +420,7 @@ class _Streamer:
     """Builds the SSE chunks of one streamed request."""
 
     def __init__(self, fe: Frontend, req: P._SamplingRequest, resp_id: str, num_choices: int,
-                 num_prompt_tokens: int) -> None:
+                 num_prompt_tokens: int, n: int) -> None:
         self.fe = fe
         self.req = req
         self.resp_id = resp_id
@@ -427,6 +428,7 @@ class _Streamer:
         self.model = req.model or fe.model_name
         self.states = [ChoiceState(index=i) for i in range(num_choices)]
         self.num_prompt_tokens = num_prompt_tokens
+        self.n = n  # choices per prompt
 
     def chunks(self, idx: int, d: SeqDelta) -> list[str]:
         raise NotImplementedError
@@ -437,12 +439,12 @@ class _Streamer:
             chunk.timings = d.timings.to_dict()
         opts = self.req.stream_options
         if opts is not None and opts.include_usage and opts.continuous_usage_stats:
-            chunk.usage = usage(self.num_prompt_tokens, sum(s.num_tokens for s in self.states))
+            chunk.usage = usage(self.num_prompt_tokens, self.states, self.n)
 
     def final(self) -> list[str]:
         if not self.req.include_usage:
             return []
-        u = usage(self.num_prompt_tokens, sum(s.num_tokens for s in self.states))
+        u = usage(self.num_prompt_tokens, self.states, self.n)
         return [sse(self._usage_chunk(u))]
 
     def _usage_chunk(self, u: P.UsageInfo) -> P.BaseModel:
@@ -459,7 +461,7 @@ class _ChatStreamer(_Streamer):
 
     def __init__(self, fe: Frontend, req: P.ChatCompletionRequest, resp_id: str,
                  num_prompt_tokens: int, tool_choice: ToolChoice | None = None) -> None:
-        super().__init__(fe, req, resp_id, req.n, num_prompt_tokens)
+        super().__init__(fe, req, resp_id, req.n, num_prompt_tokens, req.n)
         self.parsers = ([ToolCallParser(tool_choice) for _ in range(req.n)]
                         if tool_choice is not None else None)
         self._num_calls_sent = [0] * req.n
@@ -537,8 +539,7 @@ class _CompletionStreamer(_Streamer):
 
     def __init__(self, fe: Frontend, req: P.CompletionRequest, resp_id: str, n: int,
                  echo_texts: list[str], num_prompt_tokens: int) -> None:
-        super().__init__(fe, req, resp_id, n * len(echo_texts), num_prompt_tokens)
-        self.n = n
+        super().__init__(fe, req, resp_id, n * len(echo_texts), num_prompt_tokens, n)
         self.echo_texts = echo_texts
 
     def chunks(self, idx: int, d: SeqDelta) -> list[str]:

@@ -327,11 +327,21 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+class PromptTokensDetails(BaseModel):
+    """``usage.prompt_tokens_details`` (OpenAI's shape; vLLM's with
+    ``--enable-prompt-tokens-details``, which tandem always has on)."""
+
+    #: prompt tokens the engine that prefilled did not compute: its prefix cache or the
+    #: KV store had their blocks. With n > 1, the first completion's count (all share the
+    #: prompt); with several prompts, the sum over them, like ``prompt_tokens``.
+    cached_tokens: int = 0
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
-    prompt_tokens_details: dict[str, int] | None = None
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 _ChoiceT = TypeVar("_ChoiceT", bound=BaseModel)

@@ -32,10 +32,14 @@ class ChoiceState:
     text_offset: int = 0
     sent_role: bool = False
     timings: Timings | None = None
+    #: prompt tokens the prefilling engine did not compute (sent on the first delta)
+    num_cached_tokens: int = 0
 
     def add(self, d: SeqDelta) -> None:
         self.text += d.text
         self.num_tokens += len(d.token_ids)
+        if d.num_cached_tokens:
+            self.num_cached_tokens = d.num_cached_tokens
         if d.logprobs:
             self.logprobs.extend(d.logprobs)
         if d.finish_reason is not None:
@@ -61,12 +65,20 @@ async def merged(frontend: Frontend, requests: Sequence[GenerationRequest]
             yield item
 
 
-def usage(num_prompt_tokens: int, num_completion_tokens: int, num_cached: int = 0
-          ) -> P.UsageInfo:
+def usage(num_prompt_tokens: int, states: Sequence[ChoiceState], n: int) -> P.UsageInfo:
+    """The ``usage`` of a request with ``num_prompt_tokens`` prompt tokens in all and the
+    choices ``states`` (``n`` per prompt, in OpenAI index order: prompt * n + i).
+
+    ``prompt_tokens_details.cached_tokens`` is always present (0 when nothing was
+    cached), as in OpenAI's answers: per prompt, the count of its first choice (the
+    ``n`` choices of one prompt share it), summed over the prompts.
+    """
+    num_completion_tokens = sum(s.num_tokens for s in states)
+    num_cached = sum(s.num_cached_tokens for s in states[::n])
     return P.UsageInfo(
         prompt_tokens=num_prompt_tokens, completion_tokens=num_completion_tokens,
         total_tokens=num_prompt_tokens + num_completion_tokens,
-        prompt_tokens_details={"cached_tokens": num_cached} if num_cached else None)
+        prompt_tokens_details=P.PromptTokensDetails(cached_tokens=num_cached))
 
 
 def completion_logprobs(fe: Frontend, lps: Sequence[common_pb2.TopLogprobs], start_offset: int

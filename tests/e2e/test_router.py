@@ -428,5 +428,48 @@ def test_chat_turn_2_reuses_turn_1_prompt_and_answer(client, oracle, redis_url) 
                                           max_tokens=MAX_TOKENS, temperature=0)
     assert resp.choices[0].message.content == oracle["turn2"].text
     cached = resp.model_extra["timings"]["cached_tokens"]
+    assert resp.usage.prompt_tokens_details.cached_tokens == cached
     assert cached == len(computed) // 16 * 16
     assert cached > len(prompt1) // 16 * 16, "the answer's blocks must count too"
+
+
+#: three full blocks and more, templated or not; asked about nowhere else in this module
+LONG_PROMPT = ("A lighthouse keeper kept a logbook of every ship that passed the rocky "
+               "point: the schooners in spring, the whalers in summer, the mail steamer "
+               "each Thursday, and in winter only the gulls. One morning the log read:")
+
+
+def test_usage_reports_cached_prompt_tokens(client) -> None:
+    """``usage.prompt_tokens_details.cached_tokens`` (OpenAI's field) is the count of
+    prompt tokens the prefilling engine did not compute, as ``timings.cached_tokens``
+    reports it: the second request with a prompt finds its full blocks in the prefill's
+    prefix cache, through completions and chat, streamed or not, and with n > 1."""
+    def check_stream(chunks: list) -> None:
+        last = [c for c in chunks if c.choices][-1]
+        cached = last.model_extra["timings"]["cached_tokens"]
+        assert cached >= 32
+        assert chunks[-1].choices == []
+        assert chunks[-1].usage.prompt_tokens_details.cached_tokens == cached
+
+    kw = {"model": MODEL, "max_tokens": 2, "temperature": 0}
+    stream = {"stream": True, "stream_options": {"include_usage": True}}
+    first = client.completions.create(prompt=LONG_PROMPT, **kw)
+    assert first.usage.prompt_tokens >= 48
+    assert first.usage.prompt_tokens_details.cached_tokens == \
+        first.model_extra["timings"]["cached_tokens"]
+    resp = client.completions.create(prompt=LONG_PROMPT, **kw)
+    assert resp.usage.prompt_tokens_details.cached_tokens == \
+        resp.model_extra["timings"]["cached_tokens"] >= 32
+    check_stream(list(client.completions.create(prompt=LONG_PROMPT, **kw, **stream)))
+    # n > 1: the choices share the prompt, counted once (the first choice's)
+    two = client.completions.create(prompt=LONG_PROMPT, n=2, **kw)
+    assert two.usage.prompt_tokens == resp.usage.prompt_tokens
+    assert two.usage.prompt_tokens_details.cached_tokens == \
+        two.model_extra["timings"]["cached_tokens"] >= 32
+
+    messages = _chat(LONG_PROMPT)
+    client.chat.completions.create(messages=messages, **kw)
+    resp = client.chat.completions.create(messages=messages, **kw)
+    assert resp.usage.prompt_tokens_details.cached_tokens == \
+        resp.model_extra["timings"]["cached_tokens"] >= 32
+    check_stream(list(client.chat.completions.create(messages=messages, **kw, **stream)))

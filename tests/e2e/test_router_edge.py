@@ -276,6 +276,9 @@ def test_openapi_documents_requests_responses_and_metrics(http) -> None:
     assert schemas["CompletionRequest"]["properties"]["stream"]["type"] == "boolean"
     assert schemas["ChatMessage"]["properties"]["role"]["enum"] == [
         "system", "developer", "user", "assistant", "tool"]
+    details = schemas["UsageInfo"]["properties"]["prompt_tokens_details"]
+    assert {"$ref": "#/components/schemas/PromptTokensDetails"} in details["anyOf"]
+    assert schemas["PromptTokensDetails"]["properties"]["cached_tokens"]["type"] == "integer"
     # Every reference resolves inside the document.
     refs = {m for m in _refs(doc)}
     assert refs <= {f"#/components/schemas/{n}" for n in schemas}, refs

@@ -5,6 +5,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 KVSTORE = Path(__file__).resolve().parents[2] / "kvstore"
 
 
@@ -58,3 +60,31 @@ def test_tally_counts_leading_intact_blocks_and_names_the_entries_to_remove() ->
     count, stale = core.tally(keys, views, bad, 4, {0: True, 1: None, 2: False, 3: True})
     assert (count, [k for k, _ in stale]) == (1, [keys[1].redis_key])
     assert core.num_checksum_failures == 1
+    # block 2's node is gone (down): a miss from there on, but its entry stays (the
+    # node's heartbeat decides), and block 3's absence is not even looked at
+    assert core.tally(keys, views, entries, 4, {0: True, 1: True}, {2, 3}) == (2, [])
+
+
+def test_a_down_node_stays_down_for_its_back_off_or_until_it_restarts() -> None:
+    from tandem.kvstore.aio_client import without_down
+    from tandem.kvstore.index import IndexEntry
+    from tandem.kvstore.transport import DownNodes, NodeInfo
+
+    now = [100.0]
+    down = DownNodes(2.0, clock=lambda: now[0])
+    n1 = NodeInfo("n1", "h:1", b"worker-1", 1 << 20, 0)
+    n2 = NodeInfo("n2", "h:2", b"worker-2", 1 << 20, 0)
+    down.mark(n1, "connection reset")
+    assert down.is_down(n1) and not down.is_down(n2)
+    entries = [IndexEntry("n2", 0, 8, "a"), IndexEntry("n1", 1, 8, "b"), None]
+    assert without_down(entries, {"n1": n1, "n2": n2}, down) == [entries[0], None, None]
+    now[0] += 1.9
+    assert down.is_down(n1)
+    now[0] += 0.1
+    assert not down.is_down(n1), "tried again after the back-off"
+    down.mark(n1, "refused")
+    restarted = NodeInfo("n1", "h:1", b"worker-1b", 1 << 20, 0)
+    assert not down.is_down(restarted), "the registry shows it with a new worker"
+    assert not down.is_down(n1), "forgotten once seen restarted"
+    with pytest.raises(ValueError, match="retry_s"):
+        DownNodes(0)

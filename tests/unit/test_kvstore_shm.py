@@ -9,7 +9,7 @@ import pytest
 
 from tandem.kvstore.config import ClientOptions, UcxOptions
 from tandem.kvstore.pool import SlotPool
-from tandem.kvstore.shm import Mapping, Segment, host_id
+from tandem.kvstore.shm import Mapping, Segment, host_id, segment_gone
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="Linux only")
 
@@ -29,8 +29,12 @@ def test_segment_is_mapped_read_only_by_its_path_and_identity() -> None:
         Mapping(seg.path, f"{dev}:{int(ino) + 1}:{size}")
     with pytest.raises(OSError, match="not the advertised segment"):
         Mapping(seg.path, f"{dev}:{ino}:{2 << 20}")  # larger than the file
+    assert not segment_gone(seg.path, seg.ident)
+    assert segment_gone(seg.path, f"{dev}:{int(ino) + 1}:{size}")  # another file there
+    assert not segment_gone(seg.path, "malformed")  # cannot tell: not gone
     seg.close()
     assert not os.path.exists(seg.path)
+    assert segment_gone(seg.path, seg.ident)
     with pytest.raises(OSError):
         Mapping(seg.path, seg.ident)
     # an existing mapping stays valid after the owner closed its file
@@ -44,6 +48,12 @@ def test_pool_rejects_a_short_buffer() -> None:
 
 def test_host_id() -> None:
     assert host_id() == host_id() and host_id().count("/") >= 2
+
+
+def test_client_options_down_node_retry_must_be_positive() -> None:
+    assert ClientOptions().down_node_retry_s > 0
+    with pytest.raises(ValueError, match="down_node_retry_s"):
+        ClientOptions(down_node_retry_s=0)
 
 
 def test_client_options_are_read_from_the_environment_given() -> None:
