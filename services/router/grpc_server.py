@@ -61,8 +61,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         try:
             gen = self._to_generation_request(request, context)
             num_tokens = 0
+            num_cached = None
             async for d in self.fe.pipeline.generate(gen):
                 num_tokens += len(d.token_ids)
+                if num_cached is None:
+                    # the first delta carries it (all completions share the prompt)
+                    num_cached = d.num_cached_tokens
                 out = generation_pb2.GenerateResponse(
                     request_id=gen.request_id, text=d.text, token_ids=d.token_ids,
                     logprobs=d.logprobs or [])
@@ -71,7 +75,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                     if d.stop_reason is not None:
                         out.stop_reason = str(d.stop_reason)
                     out.usage.CopyFrom(common_pb2.Usage(
-                        prompt_tokens=len(gen.prompt_token_ids), completion_tokens=num_tokens))
+                        prompt_tokens=len(gen.prompt_token_ids), completion_tokens=num_tokens,
+                        cached_tokens=num_cached or 0))
                     if d.timings is not None:
                         t = d.timings
                         out.timings.CopyFrom(common_pb2.RequestTimings(

@@ -292,6 +292,9 @@ def test_grpc_generate_matches_http(stack, oracle) -> None:
                 generation_pb2.ChatMessage(role="user", content=q)]),
             sampling_params=common_pb2.SamplingParams(temperature=0, max_tokens=MAX_TOKENS))
         msgs = list(stub.Generate(req, timeout=300))
+        again = list(stub.Generate(req, timeout=300))
+    # the second time, the prompt's full blocks (16 tokens each) are prefix-cached
+    assert again[-1].usage.cached_tokens >= 16
     assert "".join(m.text for m in msgs) == oracle["chat"][q].text
     assert [t for m in msgs for t in m.token_ids] == oracle["chat"][q].token_ids
     assert all(m.request_id == "grpc-1" for m in msgs)
