@@ -38,21 +38,24 @@ class InstancePool:
         discovery: where GetLoad results are written by :meth:`poll_loads`.
         credentials: TLS for every channel (``tls.TLSFiles.channel_credentials``), or
             ``None`` for plaintext.
+        options: extra channel options (``tls.TLSFiles.channel_options``).
     """
 
     def __init__(self, discovery: Discovery,
-                 credentials: grpc.ChannelCredentials | None = None) -> None:
+                 credentials: grpc.ChannelCredentials | None = None,
+                 options: list[tuple[str, str]] | None = None) -> None:
         self._discovery = discovery
         self._credentials = credentials
+        self._options = [*_CHANNEL_OPTIONS, *(options or [])]
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._task: asyncio.Task | None = None
 
     def channel(self, address: str) -> grpc.aio.Channel:
         ch = self._channels.get(address)
         if ch is None:
-            ch = (grpc.aio.secure_channel(address, self._credentials, options=_CHANNEL_OPTIONS)
+            ch = (grpc.aio.secure_channel(address, self._credentials, options=self._options)
                   if self._credentials is not None
-                  else grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS))
+                  else grpc.aio.insecure_channel(address, options=self._options))
             self._channels[address] = ch
         return ch
 

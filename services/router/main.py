@@ -67,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shutdown-grace-s", type=float, default=8.0,
                    help="on SIGTERM: seconds open requests get to finish; then streams end "
                         "with an error event and [DONE] (default 8, below tandem up's 10 s)")
-    add_tls_flags(p, "the router's connections to the engines")
+    add_tls_flags(p, "the router's connections to the engines", client=True)
     p.add_argument("--kv-index-url", default=None,
                    help="Redis of the KV store index that routing reads (default: --redis-url; "
                         "with static lists and no URL the store is not consulted)")
@@ -135,7 +135,8 @@ async def serve(cfg: RouterConfig) -> None:
     else:
         discovery = StaticDiscovery(prefill=list(cfg.prefill), decode=list(cfg.decode),
                                     both=list(cfg.colocated))
-    pool = InstancePool(discovery, cfg.tls.channel_credentials() if cfg.tls.enabled else None)
+    pool = InstancePool(discovery, cfg.tls.channel_credentials() if cfg.tls.enabled else None,
+                        cfg.tls.channel_options())
     metrics = RouterMetrics(served[0])
     store_index = None
     if cfg.kv_index_url:

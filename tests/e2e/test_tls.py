@@ -62,7 +62,7 @@ def certs(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
         pytest.skip("the openssl command is not installed")
     d = tmp_path_factory.mktemp("certs")
     ca, other = _ca(d, "ca"), _ca(d, "other-ca")
-    return {"ca": ca, "engine": _signed(d, "engine", ca, "IP:127.0.0.1"),
+    return {"ca": ca, "engine": _signed(d, "engine", ca, "IP:127.0.0.1,DNS:tandem-engine"),
             "router": _signed(d, "router", ca), "stranger": _signed(d, "stranger", other)}
 
 
@@ -130,6 +130,14 @@ def test_a_router_with_its_certificate_serves_end_to_end_and_one_without_cannot(
     plain = router()  # finds the engine in Redis, but cannot speak to it
     resp = httpx.post(f"{plain}/v1/completions", json=body, timeout=60)
     assert resp.status_code == 503, resp.text
+    # --tls-server-name: the engine's certificate is checked against that name, not the
+    # dialled address (one certificate for every engine pod)
+    tls = ["--tls-cert", str(crt), "--tls-key", str(key), "--tls-ca", str(certs["ca"][1])]
+    named = router(*tls, "--tls-server-name", "tandem-engine")
+    assert httpx.post(f"{named}/v1/completions", json=body, timeout=60).status_code == 200
+    misnamed = router(*tls, "--tls-server-name", "another-name")
+    resp = httpx.post(f"{misnamed}/v1/completions", json=body, timeout=60)
+    assert resp.status_code == 503, resp.text
 
 
 def test_tls_flags_are_checked_at_start(tmp_path, stack, certs) -> None:
@@ -137,9 +145,12 @@ def test_tls_flags_are_checked_at_start(tmp_path, stack, certs) -> None:
     for args, flag in ((["--tls-cert", "/no/such.pem", "--tls-key", "/no/such.key"],
                         "--tls-cert: cannot read /no/such.pem"),
                        (["--tls-cert", crt], "--tls-cert and --tls-key go together"),
-                       (["--tls-ca", str(tmp_path / "x")], "--tls-ca")):
+                       (["--tls-ca", str(tmp_path / "x")], "--tls-ca"),
+                       (["--tls-server-name", "x"], "--tls-server-name needs")):
         for cmd in (["router", "--colocated", "h:1", "--model", tiny],
                     ["serve", "--role", "both", "--model", tiny]):
+            if args[0] == "--tls-server-name" and cmd[0] == "serve":
+                continue  # a client-side flag: only the router has it
             out = subprocess.run(tandem_argv(*cmd, *args), capture_output=True, text=True,
                                  timeout=120)
             assert out.returncode == 2, (cmd, out.stderr)
