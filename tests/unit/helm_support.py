@@ -38,6 +38,7 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
     },
     "3-prefill-5-decode": {"prefill": {"replicas": 3}, "decode": {"replicas": 5}},
     "no-gpu": {"prefill": {"gpus": 0}, "decode": {"gpus": 0}},
+    "internal-tls": {"internalTLS": {"enabled": True, "secretName": "tandem-internal-tls"}},
     "ingress": {
         "router": {
             "ingress": {

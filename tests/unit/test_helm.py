@@ -129,6 +129,7 @@ def test_schema_rejects_missing_model_path(chart: Any) -> None:
         ({"decode": {"speculative": {"method": "eagle"}}}, "/decode/speculative/method"),
         ({"decode": {"speculative": {"method": "ngram", "numSpeculativeTokens": 17}}},
          "/decode/speculative/numSpeculativeTokens"),
+        ({"internalTLS": {"enabled": True}}, "/internalTLS/secretName"),
     ],
 )
 def test_schema_rejects_bad_values(chart: Any, values: dict[str, Any], where: str) -> None:

@@ -85,9 +85,11 @@ def test_probes_hit_health_endpoints_on_listening_ports(name: str) -> None:
             probe = c.get(kind)
             assert probe, f"{role} has no {kind}"
             if role in ENGINE_ROLES:
-                # grpc.health.v1 is served on the --listen port.
-                assert set(probe) & {"grpc", "httpGet", "tcpSocket", "exec"} == {"grpc"}
-                assert resolve_port(c, probe["grpc"]["port"]) == listens["grpc"]
+                # grpc.health.v1 is served on the --listen port; with internal TLS the
+                # kubelet (no TLS in its gRPC probe) only connects to it.
+                how = "tcpSocket" if "--tls-cert" in flag_values(c) else "grpc"
+                assert set(probe) & {"grpc", "httpGet", "tcpSocket", "exec"} == {how}
+                assert resolve_port(c, probe[how]["port"]) == listens["grpc"]
             else:
                 # The router is ready only once it can reach an engine (/ready answers 200
                 # then, 503 before), but alive as long as it answers at all (/health).
@@ -445,3 +447,32 @@ def test_helm_test_hook_calls_the_router(name: str) -> None:
     assert int(match.group(2)) == http["port"]
     has_key = any(e["name"] == "TANDEM_API_KEY" for e in c.get("env", []))
     assert has_key == (name == "production")
+
+
+def test_internal_tls_mounts_the_secret_and_passes_it_to_router_and_engines() -> None:
+    """internalTLS: the router and both engine roles mount the secret read-only and name
+    its files in --tls-cert/--tls-key/--tls-ca; the router checks the engines' certificate
+    against internalTLS.serverName; without it, no TLS flag and no such volume."""
+    tls_dir = "/etc/tandem/tls"
+    want = {"--tls-cert": f"{tls_dir}/tls.crt", "--tls-key": f"{tls_dir}/tls.key",
+            "--tls-ca": f"{tls_dir}/ca.crt"}
+    docs = manifests("internal-tls")
+    seen = set()
+    for role, c in tandem_containers(docs):
+        flags = flag_values(c)
+        if role == "kvstore":
+            assert "--tls-cert" not in flags
+            continue
+        seen.add(role)
+        assert {k: flags.get(k) for k in want} == want, role
+        mount = next(m for m in c["volumeMounts"] if m["name"] == "internal-tls")
+        assert mount == {"name": "internal-tls", "mountPath": tls_dir, "readOnly": True}
+        if role == "router":
+            assert flags["--tls-server-name"] == "tandem-engine"
+    assert seen == {"router", "prefill", "decode"}
+    for doc in docs:
+        if doc["kind"] == "Deployment":
+            vols = {v["name"]: v for v in doc["spec"]["template"]["spec"]["volumes"]}
+            assert vols["internal-tls"]["secret"]["secretName"] == "tandem-internal-tls"
+    for role, c in tandem_containers(manifests("default")):
+        assert not any(k.startswith("--tls") for k in flag_values(c)), role

@@ -42,8 +42,23 @@ Called with (dict "root" $ "role" "prefill"|"decode").
 {{- /* Drain (health NOT_SERVING, deregister, finish in-flight requests) within the
 pod's grace period, leaving 10 s to exit before the kubelet kills it. */}}
 - --shutdown-grace-s={{ max 1 (sub (int $v.terminationGracePeriodSeconds) 10) }}
+{{- with (include "tandem.tlsArgs" $root | trim) }}
+{{ . }}
+{{- end }}
 {{- with $v.extraArgs }}
 {{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{/* The engines' probe: grpc.health.v1, or a TCP connect when the port speaks only
+TLS. Called with the role's values plus "tls". */}}
+{{- define "tandem.engineProbe" -}}
+{{- if .tls }}
+tcpSocket:
+  port: {{ .port }}
+{{- else }}
+grpc:
+  port: {{ .port }}
 {{- end }}
 {{- end }}
 
@@ -114,22 +129,20 @@ spec:
             {{- include "tandem.envFrom" $root | nindent 12 }}
           env:
             {{- include "tandem.env" $root | nindent 12 }}
-          # grpc.health.v1 on the --listen port; the startup probe covers loading the weights
-          # and profiling the KV cache, then readiness gates traffic and liveness restarts a
+          # grpc.health.v1 on the --listen port (a TCP connect with internalTLS: the kubelet's
+          # gRPC probe speaks no TLS); the startup probe covers loading the weights and
+          # profiling the KV cache, then readiness gates traffic and liveness restarts a
           # wedged engine.
           startupProbe:
-            grpc:
-              port: {{ $v.port }}
+            {{- include "tandem.engineProbe" (dict "port" $v.port "tls" $root.Values.internalTLS.enabled) | nindent 12 }}
             periodSeconds: {{ $v.startupProbe.periodSeconds }}
             failureThreshold: {{ $v.startupProbe.failureThreshold }}
           readinessProbe:
-            grpc:
-              port: {{ $v.port }}
+            {{- include "tandem.engineProbe" (dict "port" $v.port "tls" $root.Values.internalTLS.enabled) | nindent 12 }}
             periodSeconds: 10
             failureThreshold: 3
           livenessProbe:
-            grpc:
-              port: {{ $v.port }}
+            {{- include "tandem.engineProbe" (dict "port" $v.port "tls" $root.Values.internalTLS.enabled) | nindent 12 }}
             periodSeconds: 20
             timeoutSeconds: 5
             failureThreshold: 3
@@ -140,9 +153,11 @@ spec:
           volumeMounts:
             {{- include "tandem.shmVolumeMount" $root | nindent 12 }}
             {{- with (include "tandem.modelVolumeMount" $root | trim) }}{{ . | nindent 12 }}{{ end }}
+            {{- with (include "tandem.tlsVolumeMount" $root | trim) }}{{ . | nindent 12 }}{{ end }}
       volumes:
         {{- include "tandem.shmVolume" $root | nindent 8 }}
         {{- with (include "tandem.modelVolume" $root | trim) }}{{ . | nindent 8 }}{{ end }}
+        {{- with (include "tandem.tlsVolume" $root | trim) }}{{ . | nindent 8 }}{{ end }}
 {{- end }}
 
 {{/* Headless Service: stable DNS for the pods and the metrics port for the ServiceMonitor.

@@ -158,6 +158,37 @@ checksum/config: {{ include (print .Template.BasePath "/configmap.yaml") . | sha
 {{- end }}
 {{- end }}
 
+{{/* Mutual TLS on the internal gRPC hop: the secret (tls.crt, tls.key, ca.crt, as
+cert-manager writes them) mounted read-only into the router and every engine. */}}
+{{- define "tandem.tlsDir" -}}/etc/tandem/tls{{- end }}
+
+{{- define "tandem.tlsVolume" -}}
+{{- if .Values.internalTLS.enabled }}
+- name: internal-tls
+  secret:
+    secretName: {{ required "internalTLS.secretName is required when internalTLS.enabled" .Values.internalTLS.secretName }}
+{{- end }}
+{{- end }}
+
+{{- define "tandem.tlsVolumeMount" -}}
+{{- if .Values.internalTLS.enabled }}
+- name: internal-tls
+  mountPath: {{ include "tandem.tlsDir" . }}
+  readOnly: true
+{{- end }}
+{{- end }}
+
+{{/* --tls-* flags of one side (both present the secret's certificate and require the
+peer's to chain to its CA). */}}
+{{- define "tandem.tlsArgs" -}}
+{{- if .Values.internalTLS.enabled }}
+{{- $d := include "tandem.tlsDir" . }}
+- --tls-cert={{ $d }}/tls.crt
+- --tls-key={{ $d }}/tls.key
+- --tls-ca={{ $d }}/ca.crt
+{{- end }}
+{{- end }}
+
 {{/* /dev/shm for UCX's shared-memory transport. */}}
 {{- define "tandem.shmVolume" -}}
 - name: dshm
