@@ -186,8 +186,8 @@ def test_bfloat16_cpu_fast_paths_match_reference_path(tiny, monkeypatch, linear_
     elif linear.fast_bf16_gemm():
         assert n_packed > 0
     monkeypatch.setattr(cpu_ext, "supports", lambda q, k: False)
-    monkeypatch.setattr(model_runner, "pack_linear_layers", lambda model: 0)
-    monkeypatch.setattr(LlamaForCausalLM, "pack_tied_lm_head", lambda self: False)
+    monkeypatch.setattr(model_runner, "pack_linear_layers", lambda model, inv=False: 0)
+    monkeypatch.setattr(LlamaForCausalLM, "pack_tied_lm_head", lambda self, inv=False: False)
     ref, n_packed_ref, _ = run()
     assert n_packed_ref == 0
     for a, b in zip(fast, ref, strict=True):
