@@ -14,9 +14,13 @@ import zlib
 import pytest
 import torch
 import transformers
+from memory_connector import MemoryKVStore, register_memory_connector
 from tiny_models import hf_greedy_steps, tiny_config, tiny_hf_model
 
 from tandem import LLM, SamplingParams
+from tandem.engine.config import CacheConfig, EngineConfig, KVTransferConfig, ModelConfig
+from tandem.engine.llm_engine import LLMEngine
+from tandem.engine.outputs import RequestOutput
 from tandem.kernels import cpu_ext
 
 ARCHS = ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"]
@@ -245,7 +249,8 @@ def greedy_paths(folder: str, deterministic: bool) -> dict[str, list[int]]:
     """The target's greedy tokens in bfloat16 alone (cold), prefix-cached (the same
     request again), 17th in a batch of 33, chunked (32-token steps) and last of four
     in a KV cache too small for them (preempted and recomputed), each on a fresh
-    engine but for the cached run."""
+    engine but for the cached run; and on a decode engine that took its prompt's KV
+    from a prefill engine (``disaggregated_tokens``)."""
     target, others = repro_prompts()
     params = SamplingParams(temperature=0.0, max_tokens=REPRO_NEW_TOKENS, ignore_eos=True)
 
@@ -271,7 +276,41 @@ def greedy_paths(folder: str, deterministic: bool) -> dict[str, list[int]]:
     small = llm(enable_prefix_caching=False, num_blocks=36, kv_cache_memory=None)
     out["preempted"] = tokens(small, [p[:150] for p in others[:3]] + [target], 3)
     assert small.llm_engine.engine_core.get_stats().num_preemptions > 0
+    out["disaggregated"] = disaggregated_tokens(folder, deterministic, target, others[:8])
     return out
+
+
+def disaggregated_tokens(
+    folder: str, deterministic: bool, target: list[int], others: list[list[int]]
+) -> list[int]:
+    """The target's greedy tokens on a decode engine that loads its prompt's KV from a
+    prefill engine (an in-memory KV connector, ``tests/memory_connector.py``) and
+    computes only its last token; the prefill engine prefilled it in a batch with
+    ``others``."""
+    store = MemoryKVStore()
+    name = register_memory_connector(store)
+
+    def engine(role: str) -> LLMEngine:
+        return LLMEngine(EngineConfig(
+            model=ModelConfig(model=folder, dtype="bfloat16", max_model_len=512,
+                              deterministic=deterministic),
+            cache=CacheConfig(kv_cache_memory_bytes=16 << 20),
+            kv_transfer=KVTransferConfig(kv_connector=name, kv_role=role),  # type: ignore[arg-type]
+        ))
+
+    def run(eng: LLMEngine, prompts: list[list[int]], max_tokens: int) -> list[RequestOutput]:
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        for i, p in enumerate(prompts):
+            eng.add_request(str(i), p, params)
+        done: dict[str, RequestOutput] = {}
+        while eng.has_unfinished_requests():
+            done.update((o.request_id, o) for o in eng.step() if o.finished)
+        return [done[str(i)] for i in range(len(prompts))]
+
+    run(engine("kv_producer"), others[:4] + [target] + others[4:], 1)
+    out = run(engine("kv_consumer"), [target], REPRO_NEW_TOKENS)[0]
+    assert out.num_cached_tokens == len(target) - 1  # loaded, the last token recomputed
+    return list(out.outputs[0].token_ids)
 
 
 def test_deterministic_greedy_bfloat16_does_not_depend_on_batch_cache_or_chunks(
