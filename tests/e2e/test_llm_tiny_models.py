@@ -248,8 +248,9 @@ def repro_prompts() -> tuple[list[int], list[list[int]]]:
 def greedy_paths(folder: str, deterministic: bool) -> dict[str, list[int]]:
     """The target's greedy tokens in bfloat16 alone (cold), prefix-cached (the same
     request again), 17th in a batch of 33, chunked (32-token steps) and last of four
-    in a KV cache too small for them (preempted and recomputed), each on a fresh
-    engine but for the cached run; and on a decode engine that took its prompt's KV
+    in a KV cache too small for them (preempted and recomputed), with n-gram
+    speculative decoding, each on a fresh engine but for the cached run; and on a
+    decode engine that took its prompt's KV
     from a prefill engine (``disaggregated_tokens``)."""
     target, others = repro_prompts()
     params = SamplingParams(temperature=0.0, max_tokens=REPRO_NEW_TOKENS, ignore_eos=True)
@@ -276,6 +277,12 @@ def greedy_paths(folder: str, deterministic: bool) -> dict[str, list[int]]:
     small = llm(enable_prefix_caching=False, num_blocks=36, kv_cache_memory=None)
     out["preempted"] = tokens(small, [p[:150] for p in others[:3]] + [target], 3)
     assert small.llm_engine.engine_core.get_stats().num_preemptions > 0
+    # Prompt lookup of 1-grams: the steps that verify drafts score several tokens of the
+    # request at once (a multi-token query), whether or not a draft is accepted.
+    spec = llm(speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                   "prompt_lookup_min": 1})
+    out["speculative"] = tokens(spec, [target])
+    assert spec.llm_engine.engine_core.get_stats().spec_decode.num_drafts > 0
     out["disaggregated"] = disaggregated_tokens(folder, deterministic, target, others[:8])
     return out
 
