@@ -51,7 +51,9 @@ class AttentionMetadata:
         positions: ``[num_tokens]`` int64 absolute positions.
         slot_mapping: ``[num_tokens]`` int64 cache slots (``block * block_size + off``).
         block_idx / block_offset: ``slot_mapping // block_size`` and ``% block_size``.
-        num_decodes: sequences in the decode group (one new token each).
+        num_decodes: rows of the decode group: the sequences with one new token
+            (every new token, each a row of its own, when built with
+            ``batch_invariant``).
         decode_token_idx: ``[num_decodes]`` int64 token indices of the decode
             group, or ``None`` when they are the first ``num_decodes`` tokens.
         decode_block_tables: ``[num_decodes, max_blocks]`` int64, padded with 0.
