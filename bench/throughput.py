@@ -23,6 +23,11 @@ ratio of two blocks of passes taken minutes apart measures the machine as much
 as the backends. The per-pass ratios are printed and written
 (``paired_ratios``) beside the ratio of the medians.
 
+``--deterministic`` adds a ``tandem+det`` run beside ``tandem``: the same prompts on an
+engine with ``deterministic=True`` (batch-invariant kernels, issue 20's reproducible
+greedy output), and reports its output tokens/s over tandem's, pass by pass, and whether
+the two runs' greedy tokens were the same.
+
 ``--structured json`` adds a ``tandem+json`` run beside ``tandem``: the same LLM and
 prompts, every request constrained by a JSON schema (an object holding an array of at
 least ``--output-len`` non-empty strings, so no request completes its JSON, and so stops,
@@ -98,6 +103,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         '\'{"method": "ngram", "num_speculative_tokens": 3}\'; prints its acceptance',
     )
     p.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="also run tandem with batch-invariant kernels (tandem+det, "
+        "LLM(deterministic=True)) and report the throughput ratio",
+    )
+    p.add_argument(
         "--prompt-pattern",
         choices=["random", "repeated"],
         default="random",
@@ -121,6 +132,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             args.backend.insert(0, "tandem")
     # Checked here rather than at load time: the other backends load first and
     # the run would fail only after them.
+    if args.deterministic and "tandem" not in args.backend:
+        args.backend.insert(0, "tandem")
     if "llama.cpp" in args.backend and importlib.util.find_spec("llama_cpp") is None:
         p.error(LLAMA_CPP_MISSING)
     return args
@@ -216,10 +229,15 @@ def _run_interleaved(
 
 
 def run_tandem(
-    args: argparse.Namespace, prompt_sets: list[list[list[int]]], speculative: Any = None
+    args: argparse.Namespace,
+    prompt_sets: list[list[list[int]]],
+    speculative: Any = None,
+    deterministic: bool = False,
 ) -> tuple[RunOne, dict[str, Any]]:
     """Load tandem and warm it up; returns the timed pass and the result's metadata
-    (with ``speculative``: the engine runs with that ``SpeculativeConfig``)."""
+    (with ``speculative``: the engine runs with that ``SpeculativeConfig``; with
+    ``deterministic``: with batch-invariant kernels). The metadata's ``outputs``
+    holds every pass's token ids (the deterministic comparison reads them)."""
     from tandem.engine.llm import LLM
     from tandem.engine.sampling_params import SamplingParams
 
@@ -231,18 +249,23 @@ def run_tandem(
         max_num_batched_tokens=args.max_num_batched_tokens,
         seed=args.seed,
         speculative_config=speculative,
+        deterministic=deterministic,
     )
     params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=args.output_len)
     warm = [prompt_sets[0][0][:16]]
     llm.generate(warm, SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
+    outputs: list[list[list[int]]] = []
 
     def run_one(prompts: list[list[int]]) -> int:
         outs = llm.generate(prompts, params, use_tqdm=False)
+        outputs.append([list(o.outputs[0].token_ids) for o in outs])
         return sum(len(o.outputs[0].token_ids) for o in outs)
 
     # Every repeat gets fresh prompts, so the prefix cache never serves one run
     # from an earlier one.
-    meta: dict[str, Any] = {"dtype": str(_dtype_of(llm))}
+    meta: dict[str, Any] = {"dtype": str(_dtype_of(llm)), "outputs": outputs}
+    if deterministic:
+        return run_one, meta
     if speculative is not None:
         meta["spec_stats_at_start"] = spec_stats(llm)
         meta["spec_llm"] = llm
@@ -251,6 +274,8 @@ def run_tandem(
         meta["structured_runner"] = run_tandem_structured(llm, args)
     if getattr(args, "speculative", None) is not None:
         meta["spec_runner"] = run_tandem(args, prompt_sets, args.speculative)
+    if getattr(args, "deterministic", False):
+        meta["det_runner"] = run_tandem(args, prompt_sets, deterministic=True)
     return run_one, meta
 
 
@@ -529,8 +554,11 @@ def main(argv: list[str] | None = None) -> int:
             runners[name], meta[name] = meta[backend].pop("structured_runner")
         if backend == "tandem" and "spec_runner" in meta[backend]:
             runners["tandem+spec"], meta["tandem+spec"] = meta[backend].pop("spec_runner")
+        if backend == "tandem" and "det_runner" in meta[backend]:
+            runners["tandem+det"], meta["tandem+det"] = meta[backend].pop("det_runner")
     timed = _run_interleaved(runners, prompt_sets)
     results: dict[str, dict[str, Any]] = {}
+    outputs = {name: m.pop("outputs", None) for name, m in meta.items()}
     for backend, r in timed.items():
         m = meta[backend]
         if "spec_llm" in m:
@@ -625,6 +653,31 @@ def main(argv: list[str] | None = None) -> int:
             f"in {acc['num_drafts']} drafts; accepted per position "
             f"{acc['num_accepted_tokens_per_pos']})"
         )
+    deterministic: dict[str, Any] = {}
+    if "tandem+det" in results and "tandem" in results:
+        t, d = results["tandem"], results["tandem+det"]
+        deterministic = {
+            "ratio": d["output_tokens_per_s"] / t["output_tokens_per_s"],
+            "paired_ratios": [
+                (d["num_output_tokens"] / ds) / (t["num_output_tokens"] / ts)
+                for ds, ts in zip(d["runs_s"], t["runs_s"], strict=True)
+            ],
+            # NOTE: tandem's own kernels differ from the batch-invariant ones in summation
+            # order, so a few requests may differ (a near-tie); counted, not asserted.
+            "requests_with_other_tokens": sum(
+                a != b for pa, pb in zip(outputs["tandem"], outputs["tandem+det"], strict=True)
+                for a, b in zip(pa, pb, strict=True)
+            ),
+        }
+        line = f"tandem+det / tandem: {deterministic['ratio']:.2f}x output tokens/s"
+        if len(deterministic["paired_ratios"]) > 1:
+            line += " (per pass: "
+            line += ", ".join(f"{x:.2f}x" for x in deterministic["paired_ratios"]) + ")"
+        print(line)
+        print(
+            f"deterministic: {deterministic['requests_with_other_tokens']} of "
+            f"{args.num_prompts * args.repeat} requests got other greedy tokens than tandem's"
+        )
     if args.json_path:
         doc = {
             "benchmark": "throughput",
@@ -636,6 +689,7 @@ def main(argv: list[str] | None = None) -> int:
             "paired_ratios": paired,
             "structured": structured,
             "speculative": speculative,
+            "deterministic": deterministic,
         }
         with open(args.json_path, "w") as f:
             json.dump(doc, f, indent=2)

@@ -28,6 +28,19 @@ class ModelConfig:
         max_model_len: context length in tokens (prompt + output); ``None``
             takes the model's ``max_position_embeddings``.
         seed: seed of the engine's global generator (unseeded requests).
+        deterministic: batch-invariant kernels (vLLM's ``VLLM_BATCH_INVARIANT``;
+            He and Thinking Machines Lab, "Defeating Nondeterminism in LLM
+            Inference", 2025): every token's reductions run in one fixed order
+            whatever else is in the step, so a greedy request gives the same tokens
+            alone or batched, cold or prefix-cached, chunked or not, recomputed or
+            handed from prefill to decode. On the CPU in bfloat16: the packed linear
+            kernel at every batch size and every query token through the per-query
+            decode attention kernel (docs/benchmarks.md has the throughput cost).
+            CPU only.
+
+    Raises:
+        ValueError: naming the field: an unknown ``dtype``, a bad ``device``,
+            ``max_model_len < 1``, ``deterministic`` on CUDA.
     """
 
     model: str | None = None
@@ -35,6 +48,7 @@ class ModelConfig:
     device: str = "cpu"
     max_model_len: int | None = None
     seed: int = 0
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -45,6 +59,13 @@ class ModelConfig:
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if not isinstance(self.deterministic, bool):
+            raise ValueError(f"deterministic must be a bool, got {self.deterministic!r}")
+        if self.deterministic and self.device != "cpu":
+            raise ValueError(
+                f"deterministic is only implemented on the CPU (device {self.device!r}): "
+                "no batch-invariant CUDA kernels yet"
+            )
 
 
 @dataclass(frozen=True)

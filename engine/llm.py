@@ -47,7 +47,12 @@ class LLM:
         long_prefill_token_threshold: most prompt tokens one request may take per
             step (0 = no cap); see ``SchedulerConfig``.
         seed: seed of the generator used by unseeded random sampling.
-        loaded: an already loaded model (``model_loader.load_model``) to reuse.
+        loaded: an already loaded model (``model_loader.load_model``) to reuse (not
+            with ``deterministic``: a loaded model's linears may already be packed
+            for the default, batch-dependent kernels).
+        deterministic: batch-invariant kernels, so a greedy request's tokens do not
+            depend on the batch, the prefix cache or chunking; see
+            ``ModelConfig.deterministic`` (CPU only, costs throughput).
 
     Raises:
         ValueError: naming the field, for a bad setting or an unknown model path.
@@ -71,6 +76,7 @@ class LLM:
         policy: str = "fcfs",
         loaded: Any | None = None,
         speculative_config: dict[str, Any] | SpeculativeConfig | None = None,
+        deterministic: bool = False,
     ) -> None:
         config = EngineConfig(
             model=ModelConfig(
@@ -79,6 +85,7 @@ class LLM:
                 device=device,
                 max_model_len=max_model_len,
                 seed=seed,
+                deterministic=deterministic,
             ),
             cache=CacheConfig(
                 block_size=block_size,

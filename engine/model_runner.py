@@ -36,7 +36,7 @@ from tandem.engine.spec_decode.rejection_sampler import greedy_accept
 from tandem.engine.spec_decode.verify import draft_positions, verify
 from tandem.kernels.attention import build_attention_metadata
 from tandem.kernels.cache import allocate_kv_cache, kv_cache_bytes_per_block
-from tandem.kernels.linear import pack_linear_layers
+from tandem.kernels.linear import batch_variant_layers, pack_linear_layers
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +66,28 @@ def tune_glibc_malloc() -> bool:
     ok = libc.mallopt(m_trim_threshold, 1 << 30) == 1 and bool(ok)
     libc.mallopt(m_top_pad, 64 << 20)
     return ok
+
+
+def warn_batch_variant(model: torch.nn.Module, dtype: torch.dtype) -> list[str]:
+    """Log (warning) what keeps ``ModelConfig.deterministic`` from holding for this
+    model here: a dtype other than bfloat16 (float32 linears stay on torch's GEMM),
+    or linear layers that our packed kernel does not serve (``batch_variant_layers``:
+    a shape it does not take, or no native kernels on this machine). Returns the
+    layer names."""
+    names = batch_variant_layers(model)
+    if dtype != torch.bfloat16:
+        logger.warning(
+            "deterministic: batch-invariant linears exist for bfloat16 only; in %s the "
+            "linears run torch's GEMM, whose result for a row may depend on the batch",
+            str(dtype).removeprefix("torch."),
+        )
+    elif names:
+        logger.warning(
+            "deterministic: %d linear layers have no packed kernel here (%s%s) and run "
+            "torch's GEMM, whose result for a row may depend on the batch",
+            len(names), ", ".join(names[:4]), ", ..." if len(names) > 4 else "",
+        )
+    return names
 
 
 def _available_memory_bytes() -> int:
@@ -99,10 +121,16 @@ class ModelRunner:
             tune_glibc_malloc()
         self.loaded = loaded if loaded is not None else load_model(config.model)
         self.model = self.loaded.model
+        # Batch-invariant kernels (ModelConfig.deterministic): the packed linears at
+        # every batch size and every query token through the decode attention kernel.
+        self.batch_invariant = config.model.deterministic
         if self.loaded.dtype == torch.bfloat16 and self.loaded.device.type == "cpu":
-            n = pack_linear_layers(self.model) + int(self.model.pack_tied_lm_head())
+            inv = self.batch_invariant
+            n = pack_linear_layers(self.model, inv) + int(self.model.pack_tied_lm_head(inv))
             if n:
                 logger.info("prepared %d bf16 linear layers for this CPU", n)
+        if self.batch_invariant:
+            warn_batch_variant(self.model, self.loaded.dtype)
         hf = self.loaded.hf_config
         self.vocab_size: int = int(hf.vocab_size)
         self.eos_token_id: int | None = self.loaded.eos_token_id
@@ -134,6 +162,7 @@ class ModelRunner:
                 dtype=self.dtype,
                 device=self.device,
                 block_size=self.block_size,
+                deterministic=self.batch_invariant,
             )
 
     @property
@@ -242,7 +271,8 @@ class ModelRunner:
             tables.append(list(range(next_block, next_block + nb)))
             next_block += nb
         kv, views = self._allocate_kv_cache(next_block)
-        meta = build_attention_metadata(lens, [0] * len(lens), tables, self.block_size, self.device)
+        meta = build_attention_metadata(lens, [0] * len(lens), tables, self.block_size,
+                                        self.device, self.batch_invariant)
         ids = torch.zeros(meta.num_tokens, dtype=torch.int64, device=self.device)
         hidden = self.model(ids, meta.positions, views, meta)
         rows = min(sched.max_num_seqs, meta.num_tokens)
@@ -340,7 +370,7 @@ class ModelRunner:
                     sample_rows.append(num_tokens - 1)
                     sample_reqs.append(req)
         meta = build_attention_metadata(
-            query_lens, num_computed, tables, self.block_size, self.device
+            query_lens, num_computed, tables, self.block_size, self.device, self.batch_invariant
         )
         ids = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
         hidden = self.model(ids, meta.positions, self.kv_caches, meta)

@@ -24,6 +24,11 @@ On CUDA (with Triton installed) the decode group runs a Triton kernel that
 reads K/V straight from the blocks (no gather), one program per (sequence, KV
 head) with an online softmax; prefills use SDPA (FlashAttention) as above.
 
+Batch-invariant mode (``ModelConfig.deterministic``): the metadata puts every query
+token in the decode group, one row each (``build_attention_metadata(...,
+batch_invariant=True)``), so each token's attention is computed by the same per-query
+kernel whether it came in a prompt, a chunk or a decode step; see docs/architecture.md.
+
 Optional sliding-window attention (Mistral): key ``k`` is visible from query
 ``q`` iff ``k <= q`` and ``q - k < window`` (transformers' convention).
 """

@@ -51,7 +51,9 @@ class AttentionMetadata:
         positions: ``[num_tokens]`` int64 absolute positions.
         slot_mapping: ``[num_tokens]`` int64 cache slots (``block * block_size + off``).
         block_idx / block_offset: ``slot_mapping // block_size`` and ``% block_size``.
-        num_decodes: sequences in the decode group (one new token each).
+        num_decodes: rows of the decode group: the sequences with one new token
+            (every new token, each a row of its own, when built with
+            ``batch_invariant``).
         decode_token_idx: ``[num_decodes]`` int64 token indices of the decode
             group, or ``None`` when they are the first ``num_decodes`` tokens.
         decode_block_tables: ``[num_decodes, max_blocks]`` int64, padded with 0.
@@ -128,12 +130,40 @@ class AttentionMetadata:
         return mask
 
 
+def _all_decode_rows(
+    start: int,
+    n: int,
+    c: int,
+    table: list[int],
+    num_blocks: int,
+    block_size: int,
+    positions: list[int],
+    slots: list[int],
+    decode_idx: list[int],
+    decode_tables: list[list[int]],
+    decode_lens: list[int],
+) -> None:
+    """Append one decode row per new token of a sequence (``n`` tokens from flat
+    index ``start``, ``c`` cached): positions ``c..c+n-1``, context lengths
+    ``c+1..c+n``. Every row shares the sequence's table (one list object: the
+    kernel reads only the blocks its length covers)."""
+    shared = table[:num_blocks]
+    for i in range(n):
+        pos = c + i
+        positions.append(pos)
+        slots.append(table[pos // block_size] * block_size + pos % block_size)
+        decode_idx.append(start + i)
+        decode_tables.append(shared)
+        decode_lens.append(pos + 1)
+
+
 def build_attention_metadata(
     query_lens: list[int],
     num_computed: list[int],
     block_tables: list[list[int]],
     block_size: int,
     device: torch.device | str = "cpu",
+    batch_invariant: bool = False,
 ) -> AttentionMetadata:
     """Build the per-step metadata for sequences laid out back to back.
 
@@ -144,6 +174,14 @@ def build_attention_metadata(
             ``num_computed + query_len`` tokens.
         block_size: tokens per block.
         device: where the tensors go.
+        batch_invariant: every query token in the decode group, as if it were the
+            one new token of its sequence: token ``i`` of a sequence with ``c``
+            cached tokens attends to the first ``c + i + 1`` positions of its block
+            table (the step's K/V are written to the cache before attention, so
+            they are there). Each token's attention is then computed by the
+            per-query decode kernel in the same order whether its sequence was
+            prefilled at once, in chunks, after a prefix-cache hit or decoded
+            token by token (``ModelConfig.deterministic``). No prefills then.
 
     Raises:
         ValueError: on length mismatches, empty queries or short block tables.
@@ -166,7 +204,10 @@ def build_attention_metadata(
             raise ValueError(
                 f"block table has {len(table)} blocks, {num_blocks} needed for {end_pos} tokens"
             )
-        if n == 1:
+        if batch_invariant and n > 1:
+            _all_decode_rows(start, n, c, table, num_blocks, block_size, positions, slots,
+                             decode_idx, decode_tables, decode_lens)
+        elif n == 1:
             positions.append(c)
             slots.append(table[c // block_size] * block_size + c % block_size)
             decode_idx.append(start)

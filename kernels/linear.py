@@ -19,6 +19,16 @@ float32 accumulation does; at every batch size it was at least as fast as torch'
 float32 GEMM on widened weights, with half the weight memory (docs/benchmarks.md).
 Layers whose shape the kernel does not take keep a float32 copy for ``F.linear``.
 
+Batch invariance (``ModelConfig.deterministic``): the packed kernels split a layer's
+output columns over the threads and reduce each output element over K in one fixed
+order (k blocks ascending, whatever M is; a partial 16-row chunk goes through a
+zero-padded copy), so a row's output does not depend on the other rows. oneDNN
+picks its blocking by M, so its output for the same row can change with the batch.
+``batch_invariant=True`` therefore keeps every batch on the packed kernel (slower than
+oneDNN on prefill-sized batches: 7-11% of a prefill step of the default model on an AMX
+CPU, docs/benchmarks.md, "Reproducible greedy"); a layer whose shape the kernel does not
+take stays on torch's GEMM, and ``batch_variant_layers`` names it.
+
 NOTE: PyTorch's oneDNN weight prepacking (``torch.ops.mkldnn._reorder_linear_weight``
 / ``_linear_pointwise``) is private API and is not used; docs/benchmarks.md has
 what that cost.
@@ -75,10 +85,14 @@ class PackedLinear(_AdoptsLinear):
             for the dense path (``F.linear``) and, where this machine's kernel path is
             ``KERNEL_PATH`` and the shape fits, packed once into ``vnni_weight``; its
             bias (``[out]`` or ``None``) kept.
+        batch_invariant: run every batch size on the packed kernel (where there is a
+            ``vnni_weight``), so a row's output never depends on the batch (see the
+            module docstring); ``False``: oneDNN from ``MAX_PACKED_ROWS`` rows on.
 
     Forward: ``x [..., in]`` bf16 -> ``[..., out]`` bf16. With fewer than
-    ``MAX_PACKED_ROWS`` rows and a ``vnni_weight``, our kernel runs (float32
-    accumulation, another summation order than oneDNN's); otherwise the dense path.
+    ``MAX_PACKED_ROWS`` rows (any number when ``batch_invariant``) and a
+    ``vnni_weight``, our kernel runs (float32 accumulation, another summation order
+    than oneDNN's); otherwise the dense path.
 
     Raises:
         ValueError: when the layer is not a bf16 CPU ``nn.Linear``.
@@ -94,8 +108,10 @@ class PackedLinear(_AdoptsLinear):
     vnni_weight: torch.Tensor | None
     bias: torch.Tensor | None
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear, batch_invariant: bool = False) -> None:
         super().__init__()
+        if batch_invariant:
+            self.MAX_PACKED_ROWS = None  # this instance only: the class keeps the crossover
         w = _adopt_bf16_cpu_linear(self, linear)
         vnni = (
             cpu_ext.bf16_pack_weight(w)
@@ -224,20 +240,36 @@ class Float32ComputeLinear(PackedLinear):
         return None
 
 
-def replace_cpu_bf16_linear(module: nn.Linear) -> nn.Module:
+def replace_cpu_bf16_linear(module: nn.Linear, batch_invariant: bool = False) -> PackedLinear:
     """A bf16 CPU ``nn.Linear`` made fast on this CPU: a ``PackedLinear`` where torch
-    has a native bf16 GEMM, else a ``Float32ComputeLinear`` (see the module docstring).
+    has a native bf16 GEMM, else a ``Float32ComputeLinear`` (see the module docstring);
+    ``batch_invariant``: see ``PackedLinear``.
 
     Raises:
         ValueError: when the layer is not a bf16 CPU ``nn.Linear``.
     """
     cls = PackedLinear if fast_bf16_gemm() else Float32ComputeLinear
-    return cls(module)
+    return cls(module, batch_invariant=batch_invariant)
 
 
-def pack_linear_layers(model: nn.Module) -> int:
+def batch_variant_layers(model: nn.Module) -> list[str]:
+    """Names of ``model``'s linear layers whose output for a row may depend on the
+    other rows of the batch: plain ``nn.Linear`` (torch's GEMM), and packed layers
+    without a ``vnni_weight`` (a shape the kernel does not take) or with a row limit
+    (``MAX_PACKED_ROWS``, oneDNN beyond it)."""
+    names = []
+    for name, m in model.named_modules():
+        if type(m) is nn.Linear:
+            names.append(name)
+        elif isinstance(m, PackedLinear) and (m.vnni_weight is None or m.MAX_PACKED_ROWS):
+            names.append(name)
+    return names
+
+
+def pack_linear_layers(model: nn.Module, batch_invariant: bool = False) -> int:
     """Replace every bf16 CPU ``nn.Linear`` of ``model`` by a ``PackedLinear`` (torch
-    has a native bf16 GEMM on this CPU) or else a ``Float32ComputeLinear``.
+    has a native bf16 GEMM on this CPU) or else a ``Float32ComputeLinear``;
+    ``batch_invariant``: see ``PackedLinear``.
 
     Idempotent (already replaced layers are skipped). Returns the number of layers
     replaced.
@@ -251,5 +283,5 @@ def pack_linear_layers(model: nn.Module) -> int:
         and child.weight.device.type == "cpu"
     ]
     for parent, name, child in targets:
-        setattr(parent, name, replace_cpu_bf16_linear(child))
+        setattr(parent, name, replace_cpu_bf16_linear(child, batch_invariant))
     return len(targets)

@@ -384,9 +384,10 @@ class LlamaForCausalLM(nn.Module):
         forward_argmax = getattr(self._head(), "forward_argmax", None)
         return forward_argmax(hidden) if forward_argmax is not None else None
 
-    def pack_tied_lm_head(self) -> bool:
+    def pack_tied_lm_head(self, batch_invariant: bool = False) -> bool:
         """Give a tied LM head its own ``PackedLinear`` or ``Float32ComputeLinear``
-        (bf16 CPU only; see ``tandem.kernels.linear``).
+        (bf16 CPU only; see ``tandem.kernels.linear``; ``batch_invariant``: see
+        ``PackedLinear``).
 
         The embedding is an ``nn.Embedding``, so ``pack_linear_layers`` never sees
         the head; the packed copies cost one more embedding matrix of memory per
@@ -404,7 +405,7 @@ class LlamaForCausalLM(nn.Module):
             return False
         head = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
         head.weight = weight
-        self.tied_lm_head = replace_cpu_bf16_linear(head)
+        self.tied_lm_head = replace_cpu_bf16_linear(head, batch_invariant)
         return True
 
     # HF name suffix -> (our fused parameter suffix, shard index)

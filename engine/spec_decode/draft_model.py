@@ -85,6 +85,9 @@ class DraftModelProposer(Proposer):
         dtype / device: the target's; the draft is loaded in them.
         block_size: the target's KV block size (the draft shares its block tables).
         loaded: an already loaded draft (tests), instead of loading ``config.model``.
+        deterministic: the target's ``ModelConfig.deterministic``: the draft runs the
+            batch-invariant kernels too, so its proposals (and so the steps' shapes)
+            do not depend on the batch either.
 
     Raises:
         ValueError: from the loader (naming ``model``) or ``check_draft_fits``.
@@ -101,6 +104,7 @@ class DraftModelProposer(Proposer):
         device: torch.device,
         block_size: int,
         loaded: LoadedModel | None = None,
+        deterministic: bool = False,
     ) -> None:
         if loaded is None:
             name = str(dtype).removeprefix("torch.")
@@ -115,8 +119,8 @@ class DraftModelProposer(Proposer):
         self.model = loaded.model
         if loaded.dtype == torch.bfloat16 and loaded.device.type == "cpu":
             # As the target's runner does: the packed CPU kernels, and the head's argmax.
-            pack_linear_layers(self.model)
-            self.model.pack_tied_lm_head()
+            pack_linear_layers(self.model, deterministic)
+            self.model.pack_tied_lm_head(deterministic)
         if self.model.rotary.max_position < max_model_len:
             self.model.extend_rotary(max_model_len)
         hf = loaded.hf_config
@@ -126,6 +130,7 @@ class DraftModelProposer(Proposer):
         self.dtype = loaded.dtype
         self.device = loaded.device
         self.block_size = block_size
+        self.batch_invariant = deterministic
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._kv: torch.Tensor | None = None
         # request id -> leading tokens whose draft K/V is in the draft cache.
@@ -196,7 +201,8 @@ class DraftModelProposer(Proposer):
     ) -> list[int]:
         """One draft forward over sequences laid out back to back; the argmax at
         ``rows`` (``None``: every row)."""
-        meta = build_attention_metadata(lens, num_computed, tables, self.block_size, self.device)
+        meta = build_attention_metadata(lens, num_computed, tables, self.block_size, self.device,
+                                        self.batch_invariant)
         x = torch.tensor(ids, dtype=torch.int64, device=self.device)
         hidden = self.model(x, meta.positions, self.kv_caches, meta)
         if rows is not None:

@@ -117,6 +117,10 @@ def build_parser(prog: str, role: Role | None) -> argparse.ArgumentParser:
                    help='speculative decoding, vLLM\'s JSON: {"method": "ngram"|"draft_model", '
                         '"num_speculative_tokens": k, "prompt_lookup_min": .., '
                         '"prompt_lookup_max": .., "model": PATH} (default: off)')
+    p.add_argument("--deterministic", action="store_true",
+                   help="batch-invariant kernels: a greedy request gives the same tokens "
+                        "whatever it is batched with, cached or chunked (vLLM's "
+                        "VLLM_BATCH_INVARIANT; CPU only, costs prefill throughput)")
     p.add_argument("--log-level", default="INFO")
     add_tls_flags(p, "this service's gRPC port")
     return p
@@ -141,7 +145,8 @@ def build_engine_config(ns: argparse.Namespace, role: Role | str) -> EngineConfi
         kv = KVTransferConfig(kv_connector="store", kv_role=_KV_ROLE[role], connector_config=store)
     return EngineConfig(
         model=ModelConfig(model=ns.model, dtype=ns.dtype, device=ns.device,
-                          max_model_len=ns.max_model_len, seed=ns.seed),
+                          max_model_len=ns.max_model_len, seed=ns.seed,
+                          deterministic=ns.deterministic),
         cache=CacheConfig(block_size=ns.block_size, kv_cache_memory_bytes=ns.kv_cache_memory,
                           num_blocks_override=ns.num_kv_blocks),
         scheduler=SchedulerConfig(max_num_batched_tokens=ns.max_num_batched_tokens,

@@ -171,3 +171,22 @@ def test_throughput_with_speculative_config(tmp_path, capsys) -> None:
         1 + sp["num_accepted_tokens"] / sp["num_drafts"])
     with pytest.raises(SystemExit):
         throughput.main(["--speculative-config", '{"method": "nope"}'])
+
+
+def test_throughput_with_deterministic(tmp_path, capsys) -> None:
+    """tandem and tandem+det (batch-invariant kernels) side by side, pass by pass."""
+    config = tiny_config("LlamaForCausalLM", vocab=128, hidden=32, ffn=64)
+    tiny_hf_model(config).save_pretrained(tmp_path / "tiny")
+    out_json = tmp_path / "r.json"
+    argv = ["--model", str(tmp_path / "tiny"), "--num-prompts", "3", "--input-len", "16",
+            "--output-len", "8", "--dtype", "bfloat16", "--repeat", "2", "--deterministic",
+            "--json", str(out_json)]
+    assert throughput.main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "tandem+det / tandem" in printed and "got other greedy tokens" in printed
+    doc = json.loads(out_json.read_text())
+    assert set(doc["results"]) == {"tandem", "tandem+det"}
+    assert doc["results"]["tandem+det"]["num_output_tokens"] == 24
+    det = doc["deterministic"]
+    assert len(det["paired_ratios"]) == 2 and det["ratio"] > 0
+    assert 0 <= det["requests_with_other_tokens"] <= 6

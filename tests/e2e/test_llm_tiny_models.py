@@ -14,9 +14,14 @@ import zlib
 import pytest
 import torch
 import transformers
+from memory_connector import MemoryKVStore, register_memory_connector
 from tiny_models import hf_greedy_steps, tiny_config, tiny_hf_model
 
 from tandem import LLM, SamplingParams
+from tandem.engine.config import CacheConfig, EngineConfig, KVTransferConfig, ModelConfig
+from tandem.engine.llm_engine import LLMEngine
+from tandem.engine.outputs import RequestOutput
+from tandem.kernels import cpu_ext
 
 ARCHS = ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"]
 VOCAB = 256
@@ -186,8 +191,8 @@ def test_bfloat16_cpu_fast_paths_match_reference_path(tiny, monkeypatch, linear_
     elif linear.fast_bf16_gemm():
         assert n_packed > 0
     monkeypatch.setattr(cpu_ext, "supports", lambda q, k: False)
-    monkeypatch.setattr(model_runner, "pack_linear_layers", lambda model: 0)
-    monkeypatch.setattr(LlamaForCausalLM, "pack_tied_lm_head", lambda self: False)
+    monkeypatch.setattr(model_runner, "pack_linear_layers", lambda model, inv=False: 0)
+    monkeypatch.setattr(LlamaForCausalLM, "pack_tied_lm_head", lambda self, inv=False: False)
     ref, n_packed_ref, _ = run()
     assert n_packed_ref == 0
     for a, b in zip(fast, ref, strict=True):
@@ -203,3 +208,127 @@ def test_bfloat16_cpu_fast_paths_match_reference_path(tiny, monkeypatch, linear_
                 assert x == second_id, f"position {i}: {x} is not the reference's runner-up"
                 assert gap <= 4 / 32, f"position {i}: {x} vs {y}, reference top-2 gap {gap}"
                 break
+
+
+# ---- Reproducible greedy output in bfloat16 (ModelConfig.deterministic) ----
+#
+# A wider tiny Llama than the one above: with 512-deep linears (the default model has
+# 576 and 1536) oneDNN's bf16 GEMM sums in another order than our packed kernel, and
+# the prefill attention kernel in another order than the decode one, so without the
+# deterministic mode the same greedy request's tokens here change with its batch,
+# its chunking and the prefix cache (on this repository's AMX test machines: see
+# docs/benchmarks.md, "Reproducible greedy"). Weights of std 0.05 keep the logits
+# close enough for a few ulps to flip a token.
+REPRO_VOCAB = 4096
+REPRO_NEW_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def repro_model(tmp_path_factory) -> str:
+    folder = str(tmp_path_factory.mktemp("repro-llama"))
+    config = tiny_config("LlamaForCausalLM", vocab=REPRO_VOCAB, hidden=512, ffn=1024,
+                         max_len=512, special_tokens=False, tie_word_embeddings=True)
+    tiny_hf_model(config, std=0.05, seed=1).save_pretrained(folder)
+    return folder
+
+
+def repro_prompts() -> tuple[list[int], list[list[int]]]:
+    """The request under test (150 tokens: more than one chunk, more than
+    ``PACKED_MAX_ROWS``) and 32 others of 20-200 tokens.
+
+    The target is the fifth 150-token draw of its seed: of 33 such draws, the one
+    whose greedy tokens changed with its batch without the deterministic mode here
+    (most draws never meet a near-tie in 24 tokens)."""
+    g = torch.Generator().manual_seed(3)
+    target = [torch.randint(0, REPRO_VOCAB, (150,), generator=g).tolist() for _ in range(5)][-1]
+    lens = torch.randint(20, 200, (32,), generator=g).tolist()
+    return target, [torch.randint(0, REPRO_VOCAB, (n,), generator=g).tolist() for n in lens]
+
+
+def greedy_paths(folder: str, deterministic: bool) -> dict[str, list[int]]:
+    """The target's greedy tokens in bfloat16 alone (cold), prefix-cached (the same
+    request again), 17th in a batch of 33, chunked (32-token steps) and last of four
+    in a KV cache too small for them (preempted and recomputed), with n-gram
+    speculative decoding, each on a fresh engine but for the cached run; and on a
+    decode engine that took its prompt's KV
+    from a prefill engine (``disaggregated_tokens``)."""
+    target, others = repro_prompts()
+    params = SamplingParams(temperature=0.0, max_tokens=REPRO_NEW_TOKENS, ignore_eos=True)
+
+    def llm(**kwargs) -> LLM:
+        kwargs.setdefault("kv_cache_memory", 16 << 20)
+        return LLM(model=folder, dtype="bfloat16", max_model_len=512,
+                   deterministic=deterministic, **kwargs)
+
+    def tokens(engine: LLM, prompts: list[list[int]], index: int = 0) -> list[int]:
+        return list(engine.generate(prompts, params, use_tqdm=False)[index].outputs[0].token_ids)
+
+    batch = others[:16] + [target] + others[16:]
+    out: dict[str, list[int]] = {}
+    engine = llm()
+    out["alone"] = tokens(engine, [target])
+    again = engine.generate([target], params, use_tqdm=False)[0]
+    assert again.num_cached_tokens >= 144
+    out["prefix-cached"] = list(again.outputs[0].token_ids)
+    out["batch-of-33"] = tokens(llm(enable_prefix_caching=False), batch, 16)
+    out["chunked"] = tokens(llm(max_num_batched_tokens=32, enable_prefix_caching=False), [target])
+    # The four prompts take 35 blocks of 36 and their outputs 4 more: the newest
+    # (FCFS), the target, is preempted and recomputed once the others are done.
+    small = llm(enable_prefix_caching=False, num_blocks=36, kv_cache_memory=None)
+    out["preempted"] = tokens(small, [p[:150] for p in others[:3]] + [target], 3)
+    assert small.llm_engine.engine_core.get_stats().num_preemptions > 0
+    # Prompt lookup of 1-grams: the steps that verify drafts score several tokens of the
+    # request at once (a multi-token query), whether or not a draft is accepted.
+    spec = llm(speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                   "prompt_lookup_min": 1})
+    out["speculative"] = tokens(spec, [target])
+    assert spec.llm_engine.engine_core.get_stats().spec_decode.num_drafts > 0
+    out["disaggregated"] = disaggregated_tokens(folder, deterministic, target, others[:8])
+    return out
+
+
+def disaggregated_tokens(
+    folder: str, deterministic: bool, target: list[int], others: list[list[int]]
+) -> list[int]:
+    """The target's greedy tokens on a decode engine that loads its prompt's KV from a
+    prefill engine (an in-memory KV connector, ``tests/memory_connector.py``) and
+    computes only its last token; the prefill engine prefilled it in a batch with
+    ``others``."""
+    store = MemoryKVStore()
+    name = register_memory_connector(store)
+
+    def engine(role: str) -> LLMEngine:
+        return LLMEngine(EngineConfig(
+            model=ModelConfig(model=folder, dtype="bfloat16", max_model_len=512,
+                              deterministic=deterministic),
+            cache=CacheConfig(kv_cache_memory_bytes=16 << 20),
+            kv_transfer=KVTransferConfig(kv_connector=name, kv_role=role),  # type: ignore[arg-type]
+        ))
+
+    def run(eng: LLMEngine, prompts: list[list[int]], max_tokens: int) -> list[RequestOutput]:
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        for i, p in enumerate(prompts):
+            eng.add_request(str(i), p, params)
+        done: dict[str, RequestOutput] = {}
+        while eng.has_unfinished_requests():
+            done.update((o.request_id, o) for o in eng.step() if o.finished)
+        return [done[str(i)] for i in range(len(prompts))]
+
+    run(engine("kv_producer"), others[:4] + [target] + others[4:], 1)
+    out = run(engine("kv_consumer"), [target], REPRO_NEW_TOKENS)[0]
+    assert out.num_cached_tokens == len(target) - 1  # loaded, the last token recomputed
+    return list(out.outputs[0].token_ids)
+
+
+def test_deterministic_greedy_bfloat16_does_not_depend_on_batch_cache_or_chunks(
+    repro_model,
+) -> None:
+    """Issue 20's reproducible greedy: with ``deterministic=True`` the request's tokens
+    are the same on every path. Without it they are not on this model (run
+    ``greedy_paths(folder, False)``: docs/benchmarks.md has what it gave)."""
+    if cpu_ext.bf16_linear_path() == cpu_ext.LINEAR_NONE:
+        pytest.skip("no native bf16 kernels here: the linears stay on torch's GEMM")
+    out = greedy_paths(repro_model, deterministic=True)
+    alone = out["alone"]
+    assert len(alone) == REPRO_NEW_TOKENS
+    assert {path: toks for path, toks in out.items() if toks != alone} == {}

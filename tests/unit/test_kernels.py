@@ -316,6 +316,121 @@ def test_native_decode_kernel_matches_reference(
     torch.testing.assert_close(out.float(), ref, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("window", [None, 6])
+def test_batch_invariant_metadata_makes_every_token_a_decode_row(window, cpu_attention_path):
+    """``batch_invariant=True`` (ModelConfig.deterministic): the mixed batch's tokens,
+    prompts and chunks included, all become decode rows at their own positions with
+    their sequence's table; the attention still matches the dense reference."""
+    torch.manual_seed(1)
+    bs, hd, num_heads, num_kv_heads = 4, 16, 6, 2
+    kv = allocate_kv_cache(64, 1, bs, num_kv_heads, hd, torch.float32)
+    layer = (kv[:, 0, 0], kv[:, 0, 1])
+    free = torch.randperm(64).tolist()
+    tables = [[free.pop() for _ in range(-(-(c + n) // bs))] for c, n in MIXED_BATCH]
+    full_k = [torch.randn(c + n, num_kv_heads, hd) for c, n in MIXED_BATCH]
+    full_v = [torch.randn(c + n, num_kv_heads, hd) for c, n in MIXED_BATCH]
+    lens, done = [n for _, n in MIXED_BATCH], [c for c, _ in MIXED_BATCH]
+    plain = build_attention_metadata(lens, done, tables, bs)
+    meta = build_attention_metadata(lens, done, tables, bs, batch_invariant=True)
+    assert meta.prefills == [] and meta.num_decodes == meta.num_tokens == plain.num_tokens
+    assert meta.decode_token_idx is None
+    assert meta.positions.tolist() == plain.positions.tolist()
+    assert meta.slot_mapping.tolist() == plain.slot_mapping.tolist()
+    assert meta.decode_seq_lens is not None and meta.decode_block_tables is not None
+    assert meta.decode_seq_lens.tolist() == [p + 1 for p in plain.positions.tolist()]
+    for i, (c, _) in enumerate(MIXED_BATCH):  # written as earlier steps would have
+        pos = torch.arange(c)
+        reshape_and_cache(full_k[i][:c], full_v[i][:c], layer,
+                          torch.tensor(tables[i])[pos // bs] * bs + pos % bs)
+    key = torch.cat([k[c:] for k, (c, _) in zip(full_k, MIXED_BATCH, strict=True)])
+    value = torch.cat([v[c:] for v, (c, _) in zip(full_v, MIXED_BATCH, strict=True)])
+    query = torch.randn(meta.num_tokens, num_heads, hd)
+    reshape_and_cache(key, value, layer, meta.slot_mapping)
+    out = paged_attention(query, key, value, layer, meta, hd**-0.5, window)
+    start = 0
+    for (c, n), k, v in zip(MIXED_BATCH, full_k, full_v, strict=True):
+        ref = _dense_attention(query[start : start + n], k, v, c, window)
+        torch.testing.assert_close(out[start : start + n].double(), ref, rtol=1e-5, atol=1e-5)
+        start += n
+
+
+@pytest.mark.usefixtures("native_variant")
+def test_batch_invariant_attention_rows_do_not_depend_on_chunks_or_batch():
+    """bf16 on the native decode kernel: one 37-token sequence's attention outputs are
+    bit-identical whether its tokens come in one step, in chunks (after a cached
+    prefix) or batched with other sequences."""
+    torch.manual_seed(5)
+    bs, hd, heads, kvh, n = 16, 64, 8, 2, 37
+    kv = allocate_kv_cache(16, 1, bs, kvh, hd, torch.bfloat16)
+    layer = (kv[:, 0, 0], kv[:, 0, 1])
+    table, other = [7, 2, 11], [3, 5, 9, 1]
+    k = torch.randn(n, kvh, hd, dtype=torch.bfloat16)
+    v = torch.randn(n, kvh, hd, dtype=torch.bfloat16)
+    q = torch.randn(n, heads, hd, dtype=torch.bfloat16)
+    pos = torch.arange(n)
+    reshape_and_cache(k, v, layer, torch.tensor(table)[pos // bs] * bs + pos % bs)
+    ok, ov = torch.randn(60, kvh, hd).bfloat16(), torch.randn(60, kvh, hd).bfloat16()
+    pos = torch.arange(60)
+    reshape_and_cache(ok, ov, layer, torch.tensor(other)[pos // bs] * bs + pos % bs)
+
+    def attend(steps):
+        """``steps``: per step, (sequence, first token, count); the other sequence is
+        the 60-token one. Returns the 37-token sequence's rows, in order."""
+        rows = []
+        for step in steps:
+            lens = [cnt for _, _, cnt in step]
+            done = [first for _, first, _ in step]
+            tabs = [table if name == "seq" else other for name, _, _ in step]
+            meta = build_attention_metadata(lens, done, tabs, bs, batch_invariant=True)
+            qs = torch.cat([q[f : f + c] if name == "seq" else torch.randn(c, heads, hd).bfloat16()
+                            for name, f, c in step])
+            ks = torch.cat([(k if name == "seq" else ok)[f : f + c] for name, f, c in step])
+            vs = torch.cat([(v if name == "seq" else ov)[f : f + c] for name, f, c in step])
+            out = paged_attention(qs, ks, vs, layer, meta, hd**-0.5)
+            start = 0
+            for name, _, cnt in step:
+                if name == "seq":
+                    rows.append(out[start : start + cnt])
+                start += cnt
+        return torch.cat(rows)
+
+    whole = attend([[("seq", 0, n)]])
+    chunked = attend([[("seq", 0, 16)], [("seq", 16, 5)], [("seq", 21, 16)]])
+    batched = attend([[("other", 59, 1), ("seq", 0, n), ("other", 10, 30)]])
+    one_by_one = attend([[("seq", i, 1)] for i in range(n)])
+    for got in (chunked, batched, one_by_one):
+        assert torch.equal(got, whole)
+
+
+@pytest.mark.parametrize("in_features,out_features", [(576, 1536), (1536, 576)])
+def test_batch_invariant_packed_linear_rows_do_not_depend_on_the_batch(in_features, out_features):
+    """``batch_invariant=True``: every batch size on the packed kernel (the default
+    hands 112 rows and more to oneDNN), so a row's outputs, its greedy argmax and its
+    SwiGLU are bit-identical at 1, 17, 111, 112 and 300 rows (shapes of the default
+    model, where oneDNN's result changes with the batch on AMX CPUs)."""
+    if cpu_ext.bf16_linear_path() == cpu_ext.LINEAR_NONE:
+        pytest.skip("no packed bf16 linear kernel on this machine")
+    torch.manual_seed(6)
+    lin = torch.nn.Linear(in_features, out_features).to(torch.bfloat16)
+    layer = linear_mod.replace_cpu_bf16_linear(lin, batch_invariant=True)
+    default = linear_mod.replace_cpu_bf16_linear(lin)
+    model = torch.nn.ModuleDict({"inv": layer, "default": default})
+    assert layer.vnni_weight is not None and layer.MAX_PACKED_ROWS is None
+    expected = ["default"] if default.MAX_PACKED_ROWS is not None else []
+    assert linear_mod.batch_variant_layers(model) == expected
+    x = torch.randn(300, in_features).bfloat16()
+    full, ids, act = layer(x), layer.forward_argmax(x), layer.forward_swiglu(x)
+    assert ids is not None
+    for m in (1, 17, 111, 112):
+        assert torch.equal(layer(x[:m]), full[:m])
+        assert torch.equal(layer(x[-m:]), full[-m:])
+        got = layer.forward_argmax(x[-m:])
+        assert got is not None and torch.equal(got, ids[-m:])
+        if act is not None:
+            small = layer.forward_swiglu(x[-m:])
+            assert small is not None and torch.equal(small, act[-m:])
+
+
 def test_native_kernel_declines_unsupported_shapes():
     q = torch.randn(2, 4, 8)  # head_dim 8: not a multiple of the vector width
     cache = torch.zeros(4, 16, 4, 8)

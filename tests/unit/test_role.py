@@ -50,3 +50,30 @@ def test_engine_config_rejects_an_unknown_role() -> None:
         build_engine_config(argparse.Namespace(**vars(ns)), "colocated")
     with pytest.raises(ValueError, match="--redis-url is required for role 'prefill'"):
         build_engine_config(ns, Role.PREFILL)
+
+
+def test_deterministic_flag_of_every_engine_role_reaches_the_model_config() -> None:
+    """``--deterministic`` (issue 20's reproducible greedy) on tandem serve, prefill and
+    decode, ``LLM(deterministic=...)`` and ``tandem up --engine-arg``; refused on CUDA
+    before anything loads, naming the field."""
+    from tandem import LLM
+    from tandem.engine.config import ModelConfig
+    from tandem.up import build_parser as up_parser
+    from tandem.up import config_from_args
+
+    redis = ["--redis-url", "redis://127.0.0.1:1/0"]
+    for role, argv in ((None, ["--role", "both"]), (Role.PREFILL, redis), (Role.DECODE, redis)):
+        parser = build_parser("tandem", role)
+        on = build_engine_config(parser.parse_args([*argv, "--deterministic"]), role or "both")
+        off = build_engine_config(parser.parse_args(argv), role or "both")
+        assert on.model.deterministic is True and off.model.deterministic is False
+    cuda = build_parser("tandem serve", None).parse_args(
+        ["--role", "both", "--deterministic", "--device", "cuda"])
+    with pytest.raises(ValueError, match="deterministic is only implemented on the CPU"):
+        build_engine_config(cuda, "both")
+    with pytest.raises(ValueError, match="deterministic is only implemented on the CPU"):
+        LLM(device="cuda:0", deterministic=True)
+    with pytest.raises(ValueError, match="deterministic must be a bool"):
+        ModelConfig(deterministic="yes")  # type: ignore[arg-type]
+    stack = config_from_args(up_parser().parse_args(["--engine-arg=--deterministic"]))
+    assert stack.engine_args == ["--deterministic"]
