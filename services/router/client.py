@@ -24,6 +24,12 @@ _CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", 64 * 1024 * 1024),
     ("grpc.keepalive_time_ms", 10_000),
     ("grpc.keepalive_timeout_ms", 5_000),
+    # An instance restarted on its address (tandem up's supervisor reuses the port) must
+    # be reachable as soon as it listens: with gRPC's default reconnect backoff (up to
+    # 120 s) the channel stays in TRANSIENT_FAILURE long after, failing every call fast.
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1_000),
 ]
 
 #: gRPC codes that mean "the request itself is bad": reported to the client, not retried.

@@ -176,8 +176,13 @@ def test_decode_drained_or_killed_mid_stream_its_streams_complete(stack) -> None
                if _final(e)["timings"].get("num_migrations"))
     stack.launcher.restart(drained)
     wait_ready([drained], 300)
-    wait_until(lambda: f'instance="{drained.url}"' in httpx.get(f"{url}/metrics").text, 60,
-               "the router sees decode-1 again")
+
+    def served_by_drained() -> bool:
+        r = httpx.post(f"{url}/v1/completions", timeout=REQUEST_TIMEOUT_S, json={
+            "model": model, "prompt": [9, 9], "max_tokens": 2, "ignore_eos": True})
+        return r.status_code == 200 and r.json()["timings"]["decode_instance"] == drained.url
+
+    wait_until(served_by_drained, 120, "a request served by decode-1 again")
 
     victim = stack.part("decode-0")
     kill_events = _streams_through_a_fault(
@@ -205,8 +210,9 @@ def _num_unfinished(address: str) -> int:
     return load.num_running_requests + load.num_waiting_requests
 
 
-def _router_counter(url: str, name: str, **labels: str) -> float:
-    """A counter's value in the router's /metrics (0 when absent)."""
+def _router_metric(url: str, name: str, **labels: str) -> float:
+    """A series' value in the router's /metrics, summed over the other labels (0 when
+    absent)."""
     total = 0.0
     for fam in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=30).text):
         for sample in fam.samples:
@@ -216,41 +222,67 @@ def _router_counter(url: str, name: str, **labels: str) -> float:
     return total
 
 
-def _kill_under_load(url: str, bodies: list[dict], victim, busy) -> list[httpx.Response]:
-    """Send ``bodies`` at once; SIGKILL ``victim`` as soon as ``busy()`` says it has work in
-    flight; return the responses."""
+def _router_busy(url: str, n: int) -> bool:
+    """At least ``n`` requests are past the router's admission and not finished."""
+    return _router_metric(url, "tandem:num_requests_running") >= n
+
+
+def _fault_under_load(url: str, bodies: list[dict], fault, busy) -> list[httpx.Response]:
+    """Send ``bodies`` at once; run ``fault()`` (on a thread) as soon as ``busy()`` says
+    there is work in flight; return the responses, which must all be 200s."""
     async def run() -> list[httpx.Response]:
         async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S) as http:
             tasks = [asyncio.create_task(http.post(f"{url}/v1/completions", json=b))
                      for b in bodies]
             await asyncio.to_thread(wait_until, busy, REQUEST_TIMEOUT_S, "work in flight", 0.002)
-            victim.proc.send_signal(signal.SIGKILL)
+            await asyncio.to_thread(fault)
             return list(await asyncio.gather(*tasks))
 
     resps = asyncio.run(asyncio.wait_for(run(), REQUEST_TIMEOUT_S))
-    victim.proc.wait(timeout=30)
     assert [r.status_code for r in resps] == [200] * len(bodies), [r.text for r in resps]
     return resps
 
 
+def _kill_under_load(url: str, bodies: list[dict], victim, busy) -> list[httpx.Response]:
+    """``_fault_under_load`` with SIGKILL of the part ``victim`` as the fault."""
+    def kill() -> None:
+        victim.proc.send_signal(signal.SIGKILL)
+        victim.proc.wait(timeout=30)
+
+    return _fault_under_load(url, bodies, kill, busy)
+
+
 def test_prefill_killed_under_load_requests_retry_on_survivor(stack) -> None:
-    """SIGKILL a prefill instance while it holds several of 8 long prompts: each of them is
-    retried on the other prefill instance and ends with the text it would have had."""
+    """SIGKILL a prefill instance while it holds several of 12 long prompts: they are
+    retried on the other prefill instance, and every request ends with the text it would
+    have had."""
     url, model = stack.http_url, _model(stack.http_url)
     victim = stack.part("prefill-0")
-    retries = _router_counter(url, "tandem:request_retries_total", stage="prefill")
+    retries = _router_metric(url, "tandem:request_retries_total", stage="prefill")
     # distinct first tokens: nothing is prefix-cached, each prefill computes 900 tokens
     bodies = [{"model": model, "prompt": [500 + i, *range(1000, 1900)], "max_tokens": 4,
-               "temperature": 0}
-              for i in range(8)]
+               "temperature": 0} for i in range(12)]
     resps = _kill_under_load(url, bodies, victim,
-                             lambda: _num_unfinished(victim.url) >= 2)
-    assert _router_counter(url, "tandem:request_retries_total", stage="prefill") > retries
-    survivor = stack.part("prefill-1").url
+                             lambda: _num_unfinished(victim.url) >= 3)
+    assert _router_metric(url, "tandem:request_retries_total", stage="prefill") > retries
     for body, resp in zip(bodies, resps, strict=True):
-        assert resp.json()["timings"]["prefill_instance"] == survivor
         ref = httpx.post(f"{url}/v1/completions", json=body, timeout=REQUEST_TIMEOUT_S)
         assert resp.json()["choices"][0]["text"] == ref.json()["choices"][0]["text"]
+
+
+def test_redis_killed_under_load_requests_keep_their_text(stack, redis_server) -> None:
+    """SIGKILL redis (the instance registry and the store's index) while prompts are being
+    prefilled and handed over, and start it again empty on its port: the router keeps its
+    last view of the instances, the engines register again, blocks whose index entries are
+    gone are recomputed, and every request ends with its reference text."""
+    url, model = stack.http_url, _model(stack.http_url)
+    bodies = [{"model": model, "prompt": [700 + i, *range(3000, 3400)], "max_tokens": 16,
+               "temperature": 0, "ignore_eos": True} for i in range(8)]
+    resps = _fault_under_load(url, bodies, redis_server.restart, lambda: _router_busy(url, 6))
+    for body, resp in zip(bodies, resps, strict=True):
+        ref = httpx.post(f"{url}/v1/completions", json=body, timeout=REQUEST_TIMEOUT_S)
+        assert resp.json()["choices"][0]["text"] == ref.json()["choices"][0]["text"]
+        assert resp.json()["usage"]["completion_tokens"] == 16
 
 
 def test_kvstore_killed_under_load_requests_keep_their_text(stack) -> None:
@@ -258,11 +290,9 @@ def test_kvstore_killed_under_load_requests_keep_their_text(stack) -> None:
     that cannot be published or loaded are recomputed, so every request still ends with the
     text it has without the store."""
     url, model = stack.http_url, _model(stack.http_url)
-    prefill = stack.part("prefill-1")
     bodies = [{"model": model, "prompt": [600 + i, *range(2000, 2400)], "max_tokens": 16,
                "temperature": 0, "ignore_eos": True} for i in range(8)]
-    resps = _kill_under_load(url, bodies, stack.part("kvstore"),
-                             lambda: _num_unfinished(prefill.url) >= 2)
+    resps = _kill_under_load(url, bodies, stack.part("kvstore"), lambda: _router_busy(url, 6))
     for body, resp in zip(bodies, resps, strict=True):
         ref = httpx.post(f"{url}/v1/completions", json=body, timeout=REQUEST_TIMEOUT_S)
         assert resp.json()["choices"][0]["text"] == ref.json()["choices"][0]["text"]
