@@ -294,3 +294,30 @@ def test_verify_samples_each_position_under_its_own_rules() -> None:
     assert _chi_square_p(second, p1) > 0.01
     # Without the draft counted as output, EOS would be banned there: it was emitted.
     assert p_after([], 1)[eos] == 0 and int((second == eos).sum()) > 0
+
+
+def test_verify_with_draft_probs_mixed_with_point_masses() -> None:
+    """``verify`` given a draft model's ``q`` for some requests and none (point masses)
+    for others in one batch: both groups emit p; drafts drawn from q = p are all
+    accepted, point masses on them only at rate p(d)."""
+    from tandem.engine.spec_decode.verify import verify
+
+    num = 6_000
+    g = torch.Generator().manual_seed(8)
+    logits = torch.randn(2, VOCAB, generator=g) * 1.5
+    params = SamplingParams(temperature=1.0, max_tokens=10)
+    reqs = [Request(f"r{i}", [0, 1], params) for i in range(num)]
+    p = _probs_from(logits[0], params)
+    far = torch.softmax(-logits[0], dim=-1)
+    # Even rows: drafts drawn from q (p itself for the first half, far from p after);
+    # odd rows: the same kind of draws verified as point masses.
+    qs = [(p if i < num // 2 else far) for i in range(num)]
+    drafts = [[int(torch.multinomial(q, 1, generator=g))] for q in qs]
+    draft_probs = [q.unsqueeze(0) if i % 2 == 0 else None for i, q in enumerate(qs)]
+    out = verify(Sampler(seed=0), logits.repeat(num, 1), reqs, drafts, None, draft_probs)
+    first = torch.tensor([toks[0] for toks, _ in out])
+    for rows in (slice(0, None, 2), slice(1, None, 2), slice(num // 2, None)):
+        assert _chi_square_p(first[rows], p) > 0.01
+    accepted = torch.tensor([len(toks) == 2 for toks, _ in out], dtype=torch.float64)
+    assert float(accepted[0 : num // 2 : 2].mean()) == 1.0  # q = p: min(1, p / q) = 1
+    assert float(accepted[1 : num // 2 : 2].mean()) < 0.9
