@@ -261,6 +261,35 @@ def test_latency_bench_reads_acceptance_from_metrics() -> None:
     assert len(p) == 10 and p[:3] == p[3:6]
 
 
+def test_serve_bench_runs_each_stack_without_and_with_speculation(capsys) -> None:
+    from tandem.bench.serve import launch_plan, main, side_by_side
+    from tandem.up import Stack, StackConfig
+
+    spec = '{"method": "ngram", "num_speculative_tokens": 3}'
+    assert launch_plan(["disagg", "colocated"], spec) == [
+        ("disagg", None, "disagg"), ("disagg", spec, "disagg+spec"),
+        ("colocated", None, "colocated"), ("colocated", spec, "colocated+spec")]
+    assert launch_plan(["disagg"], None) == [("disagg", None, "disagg")]
+    assert main(["--speculative-config", spec]) == 2  # no stack of its own to compare
+    assert "--speculative-config: needs --launch" in capsys.readouterr().err
+    assert main(["--launch", "disagg", "--speculative-config", '{"method": "x"}']) == 2
+    assert "--speculative-config: method" in capsys.readouterr().err
+    # Only the engines that decode get a /metrics port, for their spec_decode counters.
+    stack = Stack(StackConfig(speculative_config=spec, engine_metrics=True))
+    decode = stack._engine_part("decode-0", ["decode"])
+    prefill = stack._engine_part("prefill-0", ["prefill"])
+    assert "--metrics-port" in decode.argv and "--metrics-port" not in prefill.argv
+    assert list(stack.engine_metrics_urls) == ["decode-0"]
+    base = {"label": "disagg", "request_rate": 1.0, "output_throughput": 10.0,
+            "median_ttft_ms": 5.0, "median_tpot_ms": 2.0, "median_itl_ms": 2.0}
+    counters = {"spec_decode_num_drafts": 4.0, "spec_decode_num_draft_tokens": 8.0,
+                "spec_decode_num_accepted_tokens": 6.0}
+    table = side_by_side([base, {**base, "label": "disagg+spec",
+                                 "speculative": {"decode-0": counters}}])
+    assert table.splitlines()[2].endswith("|  |  |")
+    assert table.splitlines()[3].endswith("| 0.750 | 2.50 |")
+
+
 def test_verify_samples_each_position_under_its_own_rules() -> None:
     """Through ``verify``: position 0 follows p after the request's own tokens, position
     1 (after an accepted draft) p with that draft counted as output, here by a
