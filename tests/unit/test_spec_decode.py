@@ -70,6 +70,31 @@ def test_ngram_longest_suffix_and_latest_full_occurrence() -> None:
     assert ngram_propose([4], 1, 2, 3) == []
 
 
+def _ngram_by_windows(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
+    """The definition, spelled out: every suffix length, longest first, over all windows."""
+    num = len(tokens)
+    for n in range(min(max_n, num - 1), min_n - 1, -1):
+        ends = [i + n for i in range(num - n) if tokens[i : i + n] == tokens[num - n :]]
+        if ends:
+            full = [e for e in ends if e + k <= num]
+            end = full[-1] if full else ends[0]
+            return tokens[end : end + k]
+    return []
+
+
+def test_ngram_matches_the_window_definition() -> None:
+    """The lookup extends the shortest suffix's matches backwards; on random sequences
+    over small vocabularies (many matches of every length) it proposes what the window
+    by window definition does."""
+    g = torch.Generator().manual_seed(2)
+    for trial in range(400):
+        vocab = 2 + trial % 6
+        tokens = torch.randint(0, vocab, (1 + trial % 40,), generator=g).tolist()
+        for min_n, max_n, k in ((1, 1, 3), (2, 5, 3), (1, 4, 1), (3, 3, 5)):
+            assert ngram_propose(tokens, min_n, max_n, k) == _ngram_by_windows(
+                tokens, min_n, max_n, k), (tokens, min_n, max_n, k)
+
+
 # -- rejection sampler -------------------------------------------------------------------
 
 
