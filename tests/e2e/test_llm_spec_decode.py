@@ -145,15 +145,13 @@ def test_abort_mid_verification_frees_every_block(folder) -> None:
             for i, p in enumerate(ps)]
     for r in reqs:
         core.add_request(r)
-    victim = None
     for _ in range(200):
-        core.step()
-        victim = next((r for r in reqs if r.spec_token_ids and not r.is_finished()), None)
-        if victim is not None:
-            break
-    assert victim is not None, "no request got draft tokens"
-    sched = core.scheduler.schedule()  # the victim's drafts are scheduled for verification
-    assert victim.request_id in sched.scheduled_spec_token_ids
+        sched = core.scheduler.schedule()
+        if sched.scheduled_spec_token_ids:
+            break  # drafts scheduled for verification
+        core.scheduler.update_from_output(sched, core.executor.execute_model(sched))
+    assert sched.scheduled_spec_token_ids, "no step verified draft tokens"
+    victim = next(r for r in reqs if r.request_id in sched.scheduled_spec_token_ids)
     core.abort_requests([victim.request_id])
     out = core.executor.execute_model(sched)
     core.scheduler.update_from_output(sched, out)
