@@ -17,6 +17,11 @@ launched stack, without faults and then with the schedule (parts killed, restart
 `tandem up` does), and prints goodput, p99 TTFT / ITL, failed and migrated requests of
 both side by side. ``--launch-prefill`` / ``--launch-decode`` size a disaggregated stack.
 
+``--speculative-config JSON`` (with ``--launch``) runs each launched stack twice, without
+and then with speculative decoding on its decode (or colocated) engines (labels ``disagg``
+and ``disagg+spec``), adds the engines' acceptance rate and mean acceptance length (their
+``tandem:spec_decode_*`` counters) to the result and prints the runs side by side.
+
 Prompts are random token ids sent as ``prompt: [ids]`` so input lengths are exact.
 ``--dataset-name multi-turn`` runs chat conversations instead (bench/multiturn.py: a
 shared system prompt, ``--multi-turn-turns`` turns each) and reports TTFT per turn.
@@ -372,6 +377,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --launch: also run the load with PART (decode-0, prefill-1, "
                         "kvstore, redis) killed SECONDS into it, restarted as tandem up "
                         "does, and compare (repeatable)")
+    p.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help="with --launch: run each stack without and with this speculative "
+                        "decoding config on its decode engines, side by side")
     p.add_argument("--launch-disagg-cpus", type=int, default=1,
                    help="CPUs pinned to each of the prefill and decode engines (--launch disagg)")
     return p
@@ -486,6 +494,60 @@ def _print_fault_comparison(results: list[dict[str, Any]], percentiles: list[flo
               f"{m['failed']:>7} {m['num_migrations']:>9}")
 
 
+def launch_plan(modes: list[str], speculative_config: str | None
+                ) -> list[tuple[str, str | None, str]]:
+    """The stacks ``--launch`` starts, in order: ``(mode, speculative config or None,
+    label)``; each mode once, or without and then with speculation (label ``MODE+spec``)."""
+    plan: list[tuple[str, str | None, str]] = []
+    for mode in modes:
+        plan.append((mode, None, mode))
+        if speculative_config is not None:
+            plan.append((mode, speculative_config, f"{mode}+spec"))
+    return plan
+
+
+def _spec_counters(metrics_urls: dict[str, str]) -> dict[str, dict[str, float]]:
+    """Each engine's ``spec_decode_*`` totals, acceptance rate and mean acceptance length
+    (``tandem bench latency``'s reading of ``/metrics``), by engine name."""
+    import urllib.request
+
+    from tandem.bench.latency import spec_decode_counters
+
+    # NOTE: the engines refresh their /metrics counters once a second
+    # (services/common/server.py): two periods pass before the scrape.
+    time.sleep(2.0)
+    out = {}
+    for name, url in metrics_urls.items():
+        with urllib.request.urlopen(url, timeout=10) as resp:
+            out[name] = spec_decode_counters(resp.read().decode())
+    return out
+
+
+def side_by_side(results: list[dict[str, Any]]) -> str:
+    """A markdown table of the runs (one row per label and rate): throughput, median
+    TTFT / TPOT / ITL, and for speculative runs the acceptance rate and mean acceptance
+    length (summed over the engines)."""
+    lines = ["| run | rate (req/s) | output tok/s | median TTFT ms | median TPOT ms | "
+             "median ITL ms | acceptance rate | mean acceptance length |",
+             "|---|---|---|---|---|---|---|---|"]
+    for m in results:
+        rate, accept, length = "", "", ""
+        if "request_rate" in m:
+            rate = f"{m['request_rate']:g}"
+        spec = m.get("speculative")
+        if spec:
+            drafts = sum(c.get("spec_decode_num_drafts", 0.0) for c in spec.values())
+            tokens = sum(c.get("spec_decode_num_draft_tokens", 0.0) for c in spec.values())
+            acc = sum(c.get("spec_decode_num_accepted_tokens", 0.0) for c in spec.values())
+            accept = f"{acc / tokens:.3f}" if tokens else "0"
+            length = f"{1 + acc / drafts:.2f}" if drafts else "1"
+        cells = [f"{m[k]:.1f}" if k in m else "" for k in
+                 ("output_throughput", "median_ttft_ms", "median_tpot_ms", "median_itl_ms")]
+        lines.append(f"| {m.get('label')} | {rate} | " + " | ".join(cells)
+                     + f" | {accept} | {length} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `tandem bench serve`. Returns 0 when every request succeeded."""
     args = build_parser().parse_args(argv)
@@ -509,6 +571,16 @@ def main(argv: list[str] | None = None) -> int:
         faults = [Fault.parse(f) for f in args.fault]
         if faults and not args.launch:
             raise ValueError("--fault: needs --launch (the bench must own the processes)")
+        if args.speculative_config is not None:
+            if not args.launch:
+                raise ValueError("--speculative-config: needs --launch (the bench starts "
+                                 "the stacks it compares)")
+            from tandem.engine.config import SpeculativeConfig
+
+            try:
+                SpeculativeConfig.from_json(args.speculative_config)
+            except ValueError as exc:
+                raise ValueError(f"--speculative-config: {exc}") from exc
     except ValueError as exc:
         print(f"tandem bench serve: error: {exc}", file=sys.stderr)
         return 2
@@ -518,7 +590,7 @@ def main(argv: list[str] | None = None) -> int:
         raise_on_sigterm()
 
         all_results, failed = [], 0
-        for mode in args.launch:
+        for mode, spec, label in launch_plan(args.launch, args.speculative_config):
             colocated = mode == "colocated"
             engine_args = list(args.launch_engine_arg)
             if mode == "disagg-no-reuse":
@@ -527,17 +599,24 @@ def main(argv: list[str] | None = None) -> int:
                               num_prefill=args.launch_prefill, num_decode=args.launch_decode,
                               engine_args=engine_args,
                               router_args=list(args.launch_router_arg),
-                              cpus_per_engine=0 if colocated else args.launch_disagg_cpus)
-            print(f"== launching {mode} stack ==", flush=True)
+                              cpus_per_engine=0 if colocated else args.launch_disagg_cpus,
+                              speculative_config=spec, engine_metrics=spec is not None)
+            print(f"== launching {label} stack ==", flush=True)
             with Stack(cfg) as stack:
                 results, n_failed = _run_all(args, stack.http_url, percentiles, slo, mix,
-                                             label=mode)
+                                             label=label)
+                if spec is not None:
+                    counters = _spec_counters(stack.engine_metrics_urls)
+                    for m in results:
+                        m["speculative"] = counters
                 if faults:
                     results += _run_with_faults(args, stack, faults, percentiles, slo, mix,
-                                                label=f"{mode}+faults")
+                                                label=f"{label}+faults")
                     _print_fault_comparison(results, percentiles)
             all_results += results
             failed += n_failed
+        if len(all_results) > 1:
+            print(side_by_side(all_results))
     else:
         all_results, failed = _run_all(args, args.url, percentiles, slo, mix, args.label)
     out: Any = all_results[0] if len(all_results) == 1 else all_results

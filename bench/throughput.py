@@ -2,7 +2,8 @@
 
 Every backend gets the same prompts: ``--num-prompts`` lists of ``--input-len``
 random token ids (a fixed ``--seed``, special tokens excluded) and must produce
-exactly ``--output-len`` tokens each (EOS ignored), greedily. Timing covers
+exactly ``--output-len`` tokens each (EOS ignored), greedily (tandem: at
+``--temperature`` when given). Timing covers
 generation only (weights loaded and one short warm-up request done before).
 
 * ``tandem``: ``LLM.generate`` on all prompts at once (continuous batching).
@@ -115,12 +116,23 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="random: uniform token ids; repeated: a random quarter of --input-len "
         "repeated four times (text that prompt lookup can copy from)",
     )
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="tandem runs only: sample at this temperature (0: greedy); e.g. a workload "
+        "whose outputs prompt lookup cannot predict (the other backends decode greedily)",
+    )
     p.add_argument("--json", dest="json_path", default=None, help="write results to PATH")
     args = p.parse_args(argv)
     args.backend = args.backend or ["tandem"]
     for name in ("num_prompts", "input_len", "output_len", "hf_batch_size", "repeat"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.temperature < 0:
+        p.error("--temperature must be >= 0")
+    if args.temperature > 0 and set(args.backend) - {"tandem"}:
+        p.error("--temperature: tandem only (hf and llama.cpp decode greedily here)")
     if args.speculative_config is not None:
         from tandem.engine.config import SpeculativeConfig
 
@@ -251,7 +263,8 @@ def run_tandem(
         speculative_config=speculative,
         deterministic=deterministic,
     )
-    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=args.output_len)
+    params = SamplingParams(temperature=args.temperature, ignore_eos=True,
+                            max_tokens=args.output_len)
     warm = [prompt_sets[0][0][:16]]
     llm.generate(warm, SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
     outputs: list[list[list[int]]] = []

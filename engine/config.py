@@ -230,7 +230,7 @@ class SpeculativeConfig:
         method: "ngram" (prompt lookup: the longest suffix of the sequence, between
             ``prompt_lookup_min`` and ``prompt_lookup_max`` tokens, found earlier in it
             proposes what followed there) or "draft_model" (a small causal LM with the
-            target's tokenizer, ``model``, proposes greedily).
+            target's tokenizer, ``model``).
         num_speculative_tokens: draft tokens per request and step, in 1..16.
         prompt_lookup_min / prompt_lookup_max: n-gram lengths tried (ngram only);
             one alone sets both (as in vLLM); neither: 2 and 5 (a 1-token match proposes

@@ -163,6 +163,7 @@ class ModelRunner:
                 device=self.device,
                 block_size=self.block_size,
                 deterministic=self.batch_invariant,
+                seed=config.model.seed,
             )
 
     @property
@@ -441,7 +442,11 @@ class ModelRunner:
                     start += len(d) + 1
                 return
         logits = self.model.compute_logits(rows, upcast=False)
-        results = verify(self.sampler, logits, reqs, drafts, sched.grammar_bitmask)
+        draft_probs = None
+        if self.proposer is not None:
+            draft_probs = [self.proposer.draft_probs(r.request_id, d)
+                           for r, d in zip(reqs, drafts, strict=True)]
+        results = verify(self.sampler, logits, reqs, drafts, sched.grammar_bitmask, draft_probs)
         for req, (tokens, logprobs) in zip(reqs, results, strict=True):
             out.verified_token_ids[req.request_id] = tokens
             if logprobs is not None:

@@ -62,6 +62,23 @@ def position_seed(seed: int, position: int) -> int:
     return (z ^ (z >> 31)) >> 1
 
 
+#: Salt of the draft model's seeds: its draws at a position must be independent of the
+#: target's (rejection sampling is exact only for a proposal drawn independently of
+#: the verification's uniforms).
+_DRAFT_SALT = 0x6A09E667F3BCC909
+
+
+def draft_position_seed(seed: int, position: int) -> int:
+    """The seed of a draft model's draw for output position ``position`` of a request
+    seeded with ``seed``: :func:`position_seed` of a salted seed, so the draft's draws
+    for a position are unrelated to the target's for any position.
+
+    Returns:
+        An int in ``[0, 2**63)`` for ``torch.Generator.manual_seed``.
+    """
+    return position_seed(seed ^ _DRAFT_SALT, position)
+
+
 _FINISH_REASON = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH_CAPPED: "length",

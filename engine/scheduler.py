@@ -286,6 +286,16 @@ class Scheduler:
             if num_ahead:
                 lookahead[req.request_id] = num_ahead
 
+        if spec_tokens and self.spec is not None and not self.spec.worth_verifying(
+                sum(len(d) for d in spec_tokens.values()),
+                sum(1 for r in scheduled if r.num_tokens - r.num_computed_tokens == 1)):
+            # Too few drafts to pay for leaving the one-token decode path (policy.py):
+            # their slots stay allocated, for the tokens that come next anyway.
+            for rid, d in spec_tokens.items():
+                num_scheduled[rid] -= len(d)
+                budget += len(d)
+            spec_tokens = {}
+
         # 2. Waiting requests (not in a step that had to preempt: blocks are short).
         if not preempted:
             budget = self._schedule_waiting(budget, scheduled, num_scheduled, lookahead)

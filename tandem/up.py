@@ -76,6 +76,8 @@ class StackConfig:
         router_args: extra flags for the router.
         speculative_config: ``--speculative-config`` JSON for the engines that decode
             (decode and colocated; prefill samples one token, nothing to speculate on).
+        engine_metrics: give each decode and colocated engine a Prometheus ``/metrics``
+            port (``Stack.engine_metrics_urls``), e.g. for its ``spec_decode_*`` counters.
         kvstore_capacity_bytes: KV store node memory.
         cpus_per_engine: pin engine i to its own CPU set of this size (0: no pinning).
         startup_timeout_s: how long every part gets to become healthy.
@@ -96,6 +98,7 @@ class StackConfig:
     engine_args: list[str] = field(default_factory=list)
     router_args: list[str] = field(default_factory=list)
     speculative_config: str | None = None
+    engine_metrics: bool = False
     kvstore_capacity_bytes: int = 1 << 30
     cpus_per_engine: int = 0
     startup_timeout_s: float = 600.0
@@ -176,6 +179,8 @@ class Stack:
         self.http_url = ""
         self.grpc_address = ""
         self.kvstore_metrics_url = ""  # set when a KV store node is started
+        #: engine name -> its /metrics URL (``StackConfig.engine_metrics``).
+        self.engine_metrics_urls: dict[str, str] = {}
         self.log_dir: Path | None = None  # None: the children log to this terminal
         self._cpu_next = 0
 
@@ -260,6 +265,10 @@ class Stack:
                 "--instance-id", instance_id, *kv_cache_args(cfg), *cfg.engine_args]
         if kvstore:
             argv += ["--kvstore", kvstore]
+        if cfg.engine_metrics and not name.startswith("prefill"):
+            metrics_port = free_port()
+            self.engine_metrics_urls[name] = f"http://127.0.0.1:{metrics_port}/metrics"
+            argv += ["--metrics-port", str(metrics_port)]
         if cfg.model:
             argv += ["--model", cfg.model]
         cpus = None

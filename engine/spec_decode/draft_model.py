@@ -1,4 +1,4 @@
-"""Draft-model proposer: a small causal LM with the target's tokenizer proposes greedily.
+"""Draft-model proposer: a small causal LM with the target's tokenizer proposes tokens.
 
 The draft runs on the engine's own model code (``engine/models``) with its own paged KV
 cache, indexed by the target's block tables: block ``b`` of the draft cache holds the
@@ -11,25 +11,41 @@ Per request the proposer remembers how many leading tokens its cache holds (it o
 ever counts tokens the request really has): each call first feeds the tokens it has
 not seen (the whole prompt the first time, which is also how a disaggregated decode
 instance builds the draft's KV for a prompt whose target KV came from the store), then
-``k - 1`` single-token steps; the proposals are the argmax of each step (a point-mass
-``q`` for the rejection sampler). Preemption or finish drops the memory, and the next
+``k - 1`` single-token steps. A greedy request's proposals are the argmax of each step
+(verified as point masses); a random request's are drawn from the draft's own
+distribution ``q`` under the request's sampling rules, and ``q`` goes to the rejection
+sampler (Leviathan et al. 2023; Chen et al. 2023; vLLM's draft-model proposer), which
+accepts ``x`` with probability ``min(1, p(x) / q(x))``: a draft close to the target is
+then accepted almost always, where a point mass on its argmax is accepted only with
+probability ``p(argmax)``. Preemption or finish drops the memory, and the next
 call recomputes from token 0: prefix-cache hits are not trusted for the draft, whose
 blocks may never have been written by it (a remote load, a request that finished
 before the draft caught up).
+
+The sampling rules that define ``q`` are the target's, through the sampler's own code:
+``logit_bias``, ``min_tokens``, penalties, temperature, top-k, top-p and min-p, each
+position seeing the drafts before it as output tokens. A grammar mask is not applied
+(the grammar's state past the request's tokens is unknown here): ``q`` may then put
+mass where ``p`` has none, which costs acceptance, not exactness. A seeded request
+draws its drafts from ``draft_position_seed(seed, output position)``, independent of
+the target's draws and of the batch.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from tandem.engine.config import ModelConfig, SpeculativeConfig
 from tandem.engine.model_loader import LoadedModel, load_model
 from tandem.engine.models.llama import head_dim_of
+from tandem.engine.request import Request, draft_position_seed
+from tandem.engine.sampler import Sampler
 from tandem.engine.spec_decode.proposer import ProposeInput, Proposer
+from tandem.engine.spec_decode.verify import DraftPosition
 from tandem.kernels.attention import build_attention_metadata
 from tandem.kernels.cache import allocate_kv_cache, kv_cache_bytes_per_block
 from tandem.kernels.linear import pack_linear_layers
@@ -84,6 +100,7 @@ class DraftModelProposer(Proposer):
         vocab_size / max_model_len / tokenizer: the target's, checked against the draft.
         dtype / device: the target's; the draft is loaded in them.
         block_size: the target's KV block size (the draft shares its block tables).
+        seed: seed of the generator of unseeded random requests' draft draws.
         loaded: an already loaded draft (tests), instead of loading ``config.model``.
         deterministic: the target's ``ModelConfig.deterministic``: the draft runs the
             batch-invariant kernels too, so its proposals (and so the steps' shapes)
@@ -103,6 +120,7 @@ class DraftModelProposer(Proposer):
         dtype: torch.dtype,
         device: torch.device,
         block_size: int,
+        seed: int = 0,
         loaded: LoadedModel | None = None,
         deterministic: bool = False,
     ) -> None:
@@ -135,6 +153,13 @@ class DraftModelProposer(Proposer):
         self._kv: torch.Tensor | None = None
         # request id -> leading tokens whose draft K/V is in the draft cache.
         self._num_computed: dict[str, int] = {}
+        # request id -> (its last proposal, [len, vocab] float32 q of each draft): random
+        # requests only, taken by the verification.
+        self._probs: dict[str, tuple[list[int], torch.Tensor]] = {}
+        self.generator = torch.Generator(device="cpu")
+        self.generator.manual_seed(seed)
+        # Reseeded per seeded row and position (draft_position_seed).
+        self._row_generator = torch.Generator(device="cpu")
 
     @property
     def block_bytes(self) -> int:
@@ -155,6 +180,19 @@ class DraftModelProposer(Proposer):
     def free(self, request_ids: Iterable[str]) -> None:
         for rid in request_ids:
             self._num_computed.pop(rid, None)
+            self._probs.pop(rid, None)
+
+    def draft_probs(self, request_id: str, draft_token_ids: Sequence[int]) -> torch.Tensor | None:
+        """``q`` of a random request's verified drafts (and forgets it); ``None`` for a
+        greedy request or drafts that are not a prefix of its last proposal."""
+        entry = self._probs.pop(request_id, None)
+        if entry is None:
+            return None
+        proposal, probs = entry
+        n = len(draft_token_ids)
+        if proposal[:n] != list(draft_token_ids):
+            return None
+        return probs[:n]
 
     @torch.inference_mode()
     def propose(self, inputs: Sequence[ProposeInput]) -> list[list[int]]:
@@ -172,8 +210,10 @@ class DraftModelProposer(Proposer):
         lens = [len(t) - s for t, s in zip(tokens, starts, strict=True)]
         tables = [inp.block_table for inp in inputs]
         last_rows = torch.tensor(lens, device=self.device).cumsum(0) - 1
-        next_ids = self._forward(ids, lens, starts, tables, last_rows)
-        proposals = [[tok] for tok in next_ids]
+        proposals: list[list[int]] = [[] for _ in inputs]
+        probs: list[list[torch.Tensor]] = [[] for _ in inputs]
+        hidden = self._forward(ids, lens, starts, tables, last_rows)
+        self._pick(hidden, inputs, list(range(len(inputs))), proposals, probs)
         for inp, t in zip(inputs, tokens, strict=True):
             self._num_computed[inp.request.request_id] = len(t)
         # 2. One token at a time for the rest, for the requests that want more.
@@ -184,11 +224,16 @@ class DraftModelProposer(Proposer):
                 break
             step_ids = [proposals[i][-1] for i in live]
             positions = [len(tokens[i]) + step - 1 for i in live]
-            next_ids = self._forward(
+            hidden = self._forward(
                 step_ids, [1] * len(live), positions, [tables[i] for i in live], None
             )
-            for i, tok in zip(live, next_ids, strict=True):
-                proposals[i].append(tok)
+            self._pick(hidden, inputs, live, proposals, probs)
+        for inp, prop, q in zip(inputs, proposals, probs, strict=True):
+            rid = inp.request.request_id
+            if q:
+                self._probs[rid] = (prop, torch.stack(q))
+            else:
+                self._probs.pop(rid, None)
         return proposals
 
     def _forward(
@@ -198,16 +243,56 @@ class DraftModelProposer(Proposer):
         num_computed: list[int],
         tables: list[list[int]],
         rows: torch.Tensor | None,
-    ) -> list[int]:
-        """One draft forward over sequences laid out back to back; the argmax at
-        ``rows`` (``None``: every row)."""
+    ) -> torch.Tensor:
+        """One draft forward over sequences laid out back to back: the hidden states at
+        ``rows`` (``None``: every row), ``[len(rows), hidden]``."""
         meta = build_attention_metadata(lens, num_computed, tables, self.block_size, self.device,
                                         self.batch_invariant)
         x = torch.tensor(ids, dtype=torch.int64, device=self.device)
         hidden = self.model(x, meta.positions, self.kv_caches, meta)
-        if rows is not None:
-            hidden = hidden[rows]
-        greedy = self.model.compute_greedy(hidden)
-        if greedy is None:
-            greedy = self.model.compute_logits(hidden).argmax(dim=-1)
-        return [int(t) for t in greedy.tolist()]
+        return hidden if rows is None else hidden[rows]
+
+    def _pick(
+        self,
+        hidden: torch.Tensor,
+        inputs: Sequence[ProposeInput],
+        live: list[int],
+        proposals: list[list[int]],
+        probs: list[list[torch.Tensor]],
+    ) -> None:
+        """Append the next draft token of each request ``inputs[i]``, ``i`` in ``live``
+        (row ``b`` of ``hidden`` is ``live[b]``'s) to ``proposals[i]``: the argmax for a
+        greedy request; for a random one a draw from its ``q``, appended to ``probs[i]``
+        (``[vocab]`` float32)."""
+        rand = [b for b, i in enumerate(live) if not inputs[i].request.sampling_params.greedy]
+        picked: list[int] = [0] * len(live)
+        if len(rand) < len(live):
+            greedy = self.model.compute_greedy(hidden)
+            if greedy is None:
+                greedy = self.model.compute_logits(hidden).argmax(dim=-1)
+            picked = [int(t) for t in greedy.tolist()]
+        if rand:
+            index = torch.tensor(rand, dtype=torch.int64, device=self.device)
+            logits = self.model.compute_logits(hidden[index])
+            reqs = [inputs[live[b]] for b in rand]
+            # The sampler reads the drafts before this position as output tokens.
+            rows = [cast("Request", DraftPosition(inp.request, inp.new_token_ids + proposals[live[b]]))
+                    for b, inp in zip(rand, reqs, strict=True)]
+            q = Sampler.target_probs(Sampler.process_logits(logits, rows), rows)
+            noise = torch.empty(q.shape, dtype=torch.float32)
+            seeds = [inp.request.sampling_params.seed for inp in reqs]
+            if any(s is None for s in seeds):
+                noise.exponential_(generator=self.generator)
+            for r, (b, inp, seed) in enumerate(zip(rand, reqs, seeds, strict=True)):
+                if seed is not None:
+                    position = (inp.request.num_output_tokens + len(inp.new_token_ids)
+                                + len(proposals[live[b]]))
+                    self._row_generator.manual_seed(draft_position_seed(seed, position))
+                    noise[r].exponential_(generator=self._row_generator)
+            # The exponential race, as the sampler's: argmax(q / E), E ~ Exp(1), draws from q.
+            toks = q.div(noise.clamp_(min=1e-20).to(q.device)).argmax(dim=-1).tolist()
+            for r, b in enumerate(rand):
+                picked[b] = int(toks[r])
+                probs[live[b]].append(q[r])
+        for b, i in enumerate(live):
+            proposals[i].append(picked[b])

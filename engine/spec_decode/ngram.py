@@ -32,18 +32,30 @@ def ngram_propose(tokens: Sequence[int], min_n: int, max_n: int, k: int) -> list
     if num < min_n + 1:
         return []
     arr = np.asarray(tokens, dtype=np.int64)
-    for n in range(min(max_n, num - 1), min_n - 1, -1):
-        # Windows of arr[:-1] start where a match still has a token after it.
-        windows = np.lib.stride_tricks.sliding_window_view(arr[: num - 1], n)
-        hits = np.flatnonzero((windows == arr[num - n :]).all(axis=1))
-        if hits.size:
-            # The latest occurrence followed by k tokens; else the earliest (the most
-            # tokens follow it). The latest alone would, in a run like "a a a a",
-            # always be the one just before the suffix, with a single token after it.
-            full = hits[hits + n + k <= num]
-            start = int(full[-1] if full.size else hits[0]) + n
-            return arr[start : start + k].tolist()
-    return []
+    # Ends e (exclusive) of the earlier occurrences of the last min_n tokens that have a
+    # token after them (e <= num - 1): min_n vector compares, no [num, n] window array.
+    # A request whose text does not repeat pays only these (the common case in a batch
+    # of unrelated requests, every step).
+    m = num - min_n
+    hit = arr[:m] == arr[m]
+    for j in range(1, min_n):
+        hit &= arr[j : j + m] == arr[m + j]
+    match = np.flatnonzero(hit) + min_n
+    if not match.size:
+        return []
+    # Longer suffixes only extend these matches backwards, one token at a time.
+    for n in range(min_n + 1, min(max_n, num - 1) + 1):
+        longer = match[match >= n]
+        longer = longer[arr[longer - n] == arr[num - n]]
+        if not longer.size:
+            break
+        match = longer
+    # The latest occurrence followed by k tokens; else the earliest (the most tokens
+    # follow it). The latest alone would, in a run like "a a a a", always be the one
+    # just before the suffix, with a single token after it.
+    full = match[match + k <= num]
+    end = int(full[-1] if full.size else match[0])
+    return arr[end : end + k].tolist()
 
 
 class NgramProposer(Proposer):

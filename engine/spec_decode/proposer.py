@@ -66,6 +66,19 @@ class Proposer(ABC):
         none. Blocking (a draft model runs forward passes); mutates only the proposer's
         own state (and a draft model's KV cache)."""
 
+    def draft_probs(self, request_id: str, draft_token_ids: Sequence[int]) -> torch.Tensor | None:
+        """The distributions ``q`` the request's last proposal was drawn from, for its
+        verification: ``[len(draft_token_ids), vocab]`` float32 (row ``j``: the draft's
+        distribution at draft position ``j``), or ``None`` to verify the drafts as point
+        masses (a deterministic proposer; the default).
+
+        ``draft_token_ids`` are what the scheduler verifies: a prefix of the last
+        proposal. ``None`` is always exact (a draft drawn independently of the
+        verification's randomness may be verified as a point mass), only less likely
+        to be accepted than with its ``q``.
+        """
+        return None
+
     def free(self, request_ids: Iterable[str]) -> None:  # noqa: B027 (optional hook)
         """Forget per-request state of preempted or finished requests (no-op by default)."""
 

@@ -7,7 +7,7 @@ probability ``min(1, p_j(d_j) / q_j(d_j))``; at the first rejection the token is
 from the normalised ``max(0, p_j - q_j)`` and the rest of the draft is dropped; when
 every draft token was accepted one bonus token is drawn from ``p_k``. Each emitted
 token is then distributed as ``p`` given its prefix. A proposer that picks its tokens
-deterministically (n-gram lookup, a greedy draft model) has the point mass ``q_j =
+deterministically (n-gram lookup, a draft model's argmax) has the point mass ``q_j =
 onehot(d_j)``: ``d_j`` is accepted with probability ``p_j(d_j)``, and the residual is
 ``p_j`` without ``d_j``.
 

@@ -78,6 +78,7 @@ def verify(
     requests: Sequence[Request],
     drafts: Sequence[list[int]],
     grammar_bitmask: StepBitmask | None = None,
+    draft_probs: Sequence[torch.Tensor | None] | None = None,
 ) -> list[VerifyResult]:
     """The tokens each verified request emits this step.
 
@@ -88,6 +89,9 @@ def verify(
         requests / drafts: the verified requests and their draft tokens (>= 1 each).
         grammar_bitmask: the step's bitmask; ``spec_rows[request_id]`` gives a
             constrained request's row at each of its positions.
+        draft_probs: per request, the ``[len(drafts[i]), vocab]`` float32 distributions
+            its drafts were drawn from (a draft model's, for a random request), or
+            ``None`` (or no list at all) for point masses.
 
     Returns:
         Per request: the emitted tokens (accepted drafts, then the target's recovered
@@ -134,6 +138,13 @@ def verify(
             (len(random_idx), k_max + 1, vocab), dtype=torch.float32, device=processed.device
         )
         padded = torch.zeros((len(random_idx), k_max), dtype=torch.int64)
+        qs = [draft_probs[i] if draft_probs is not None else None for i in random_idx]
+        q_all = None
+        if any(q is not None for q in qs):
+            # Rows without a q get their point mass: one batch, one rule.
+            q_all = torch.zeros(
+                (len(random_idx), k_max, vocab), dtype=torch.float32, device=processed.device
+            )
         # One pass over every random row (per-call overhead dominates at these sizes).
         sel = [j for i in random_idx for j in range(starts[i], starts[i] + len(drafts[i]) + 1)]
         probs = sampler.target_probs(processed[sel], [rows[j] for j in sel])
@@ -143,11 +154,17 @@ def verify(
             target[b, :n] = probs[at : at + n]
             at += n
             padded[b, : n - 1] = torch.tensor(drafts[i], dtype=torch.int64)
+            if q_all is not None:
+                q = qs[b]
+                if q is None:
+                    q_all[b, torch.arange(n - 1), padded[b, : n - 1].to(q_all.device)] = 1.0
+                else:
+                    q_all[b, : n - 1] = q
         sampled = rejection_sample(
             padded,
             [len(drafts[i]) for i in random_idx],
             target,
-            None,
+            q_all,
             # seeded rows: their draws for this step keyed by the position it starts at
             [requests[i].step_generator() for i in random_idx],
             sampler.generator,

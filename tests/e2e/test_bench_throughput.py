@@ -171,6 +171,9 @@ def test_throughput_with_speculative_config(tmp_path, capsys) -> None:
         1 + sp["num_accepted_tokens"] / sp["num_drafts"])
     with pytest.raises(SystemExit):
         throughput.main(["--speculative-config", '{"method": "nope"}'])
+    assert throughput.parse_args(["--temperature", "0.7"]).temperature == 0.7
+    with pytest.raises(SystemExit):
+        throughput.main(["--temperature", "1", "--backend", "hf"])  # tandem only
 
 
 def test_throughput_with_deterministic(tmp_path, capsys) -> None:

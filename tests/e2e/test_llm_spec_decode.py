@@ -145,15 +145,13 @@ def test_abort_mid_verification_frees_every_block(folder) -> None:
             for i, p in enumerate(ps)]
     for r in reqs:
         core.add_request(r)
-    victim = None
     for _ in range(200):
-        core.step()
-        victim = next((r for r in reqs if r.spec_token_ids and not r.is_finished()), None)
-        if victim is not None:
-            break
-    assert victim is not None, "no request got draft tokens"
-    sched = core.scheduler.schedule()  # the victim's drafts are scheduled for verification
-    assert victim.request_id in sched.scheduled_spec_token_ids
+        sched = core.scheduler.schedule()
+        if sched.scheduled_spec_token_ids:
+            break  # drafts scheduled for verification
+        core.scheduler.update_from_output(sched, core.executor.execute_model(sched))
+    assert sched.scheduled_spec_token_ids, "no step verified draft tokens"
+    victim = next(r for r in reqs if r.request_id in sched.scheduled_spec_token_ids)
     core.abort_requests([victim.request_id])
     out = core.executor.execute_model(sched)
     core.scheduler.update_from_output(sched, out)
@@ -257,3 +255,44 @@ def test_a_proposer_can_take_the_target_hidden_states(folder) -> None:
     assert token_ids(llm, prompts(4), GREEDY) == want
     assert seen and all(shape == (n, 64) for n, shape in seen)
     assert any(n > 1 for n, _ in seen)  # accepted runs give several states
+
+
+# -- draft model, random requests: drafts drawn from the draft's q ---------------------
+
+
+def acceptance_rate(llm: LLM) -> float:
+    st = llm.llm_engine.engine_core.get_stats().spec_decode
+    assert st.num_draft_tokens > 0
+    return st.num_accepted_tokens / st.num_draft_tokens
+
+
+def test_draft_model_samples_from_q_and_is_accepted_by_ratio(folder, monkeypatch) -> None:
+    """The target as its own draft at temperature 1: drafts drawn from q = p are accepted
+    with probability min(1, p / q) = 1; point masses on the draft's argmax (what a greedy
+    draft proposes) only with probability p(argmax)."""
+    import tandem.engine.spec_decode.draft_model as draft_model
+    from tandem.engine.sampler import Sampler
+
+    ps = prompts(8)
+    params = SamplingParams(temperature=1.0, max_tokens=24, seed=5, ignore_eos=True)
+    spec = {"method": "draft_model", "model": folder, "num_speculative_tokens": 3,
+            "acceptance_backoff": False}
+    llm = make_llm(folder, spec)
+    first = token_ids(llm, ps, params)
+    with_q = acceptance_rate(llm)
+    assert with_q > 0.99  # only float rounding between the two forwards can reject
+    # Seeded: the draft's draws too are keyed by (seed, position), not by the batch.
+    assert token_ids(llm, ps[::-1], params) == first[::-1]
+    assert_clean(llm)
+
+    class PointMass(Sampler):  # the draft's q only: onehot(argmax), a greedy draft
+        @staticmethod
+        def target_probs(processed, requests):
+            out = torch.zeros_like(processed)
+            return out.scatter_(1, processed.argmax(dim=1, keepdim=True), 1.0)
+
+    monkeypatch.setattr(draft_model, "Sampler", PointMass)
+    argmax_llm = make_llm(folder, spec)
+    argmax_llm.generate(ps, params, use_tqdm=False)
+    assert acceptance_rate(argmax_llm) < 0.8 * with_q
+

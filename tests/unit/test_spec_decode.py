@@ -70,6 +70,31 @@ def test_ngram_longest_suffix_and_latest_full_occurrence() -> None:
     assert ngram_propose([4], 1, 2, 3) == []
 
 
+def _ngram_by_windows(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
+    """The definition, spelled out: every suffix length, longest first, over all windows."""
+    num = len(tokens)
+    for n in range(min(max_n, num - 1), min_n - 1, -1):
+        ends = [i + n for i in range(num - n) if tokens[i : i + n] == tokens[num - n :]]
+        if ends:
+            full = [e for e in ends if e + k <= num]
+            end = full[-1] if full else ends[0]
+            return tokens[end : end + k]
+    return []
+
+
+def test_ngram_matches_the_window_definition() -> None:
+    """The lookup extends the shortest suffix's matches backwards; on random sequences
+    over small vocabularies (many matches of every length) it proposes what the window
+    by window definition does."""
+    g = torch.Generator().manual_seed(2)
+    for trial in range(400):
+        vocab = 2 + trial % 6
+        tokens = torch.randint(0, vocab, (1 + trial % 40,), generator=g).tolist()
+        for min_n, max_n, k in ((1, 1, 3), (2, 5, 3), (1, 4, 1), (3, 3, 5)):
+            assert ngram_propose(tokens, min_n, max_n, k) == _ngram_by_windows(
+                tokens, min_n, max_n, k), (tokens, min_n, max_n, k)
+
+
 # -- rejection sampler -------------------------------------------------------------------
 
 
@@ -261,6 +286,35 @@ def test_latency_bench_reads_acceptance_from_metrics() -> None:
     assert len(p) == 10 and p[:3] == p[3:6]
 
 
+def test_serve_bench_runs_each_stack_without_and_with_speculation(capsys) -> None:
+    from tandem.bench.serve import launch_plan, main, side_by_side
+    from tandem.up import Stack, StackConfig
+
+    spec = '{"method": "ngram", "num_speculative_tokens": 3}'
+    assert launch_plan(["disagg", "colocated"], spec) == [
+        ("disagg", None, "disagg"), ("disagg", spec, "disagg+spec"),
+        ("colocated", None, "colocated"), ("colocated", spec, "colocated+spec")]
+    assert launch_plan(["disagg"], None) == [("disagg", None, "disagg")]
+    assert main(["--speculative-config", spec]) == 2  # no stack of its own to compare
+    assert "--speculative-config: needs --launch" in capsys.readouterr().err
+    assert main(["--launch", "disagg", "--speculative-config", '{"method": "x"}']) == 2
+    assert "--speculative-config: method" in capsys.readouterr().err
+    # Only the engines that decode get a /metrics port, for their spec_decode counters.
+    stack = Stack(StackConfig(speculative_config=spec, engine_metrics=True))
+    decode = stack._engine_part("decode-0", ["decode"])
+    prefill = stack._engine_part("prefill-0", ["prefill"])
+    assert "--metrics-port" in decode.argv and "--metrics-port" not in prefill.argv
+    assert list(stack.engine_metrics_urls) == ["decode-0"]
+    base = {"label": "disagg", "request_rate": 1.0, "output_throughput": 10.0,
+            "median_ttft_ms": 5.0, "median_tpot_ms": 2.0, "median_itl_ms": 2.0}
+    counters = {"spec_decode_num_drafts": 4.0, "spec_decode_num_draft_tokens": 8.0,
+                "spec_decode_num_accepted_tokens": 6.0}
+    table = side_by_side([base, {**base, "label": "disagg+spec",
+                                 "speculative": {"decode-0": counters}}])
+    assert table.splitlines()[2].endswith("|  |  |")
+    assert table.splitlines()[3].endswith("| 0.750 | 2.50 |")
+
+
 def test_verify_samples_each_position_under_its_own_rules() -> None:
     """Through ``verify``: position 0 follows p after the request's own tokens, position
     1 (after an accepted draft) p with that draft counted as output, here by a
@@ -294,3 +348,30 @@ def test_verify_samples_each_position_under_its_own_rules() -> None:
     assert _chi_square_p(second, p1) > 0.01
     # Without the draft counted as output, EOS would be banned there: it was emitted.
     assert p_after([], 1)[eos] == 0 and int((second == eos).sum()) > 0
+
+
+def test_verify_with_draft_probs_mixed_with_point_masses() -> None:
+    """``verify`` given a draft model's ``q`` for some requests and none (point masses)
+    for others in one batch: both groups emit p; drafts drawn from q = p are all
+    accepted, point masses on them only at rate p(d)."""
+    from tandem.engine.spec_decode.verify import verify
+
+    num = 6_000
+    g = torch.Generator().manual_seed(8)
+    logits = torch.randn(2, VOCAB, generator=g) * 1.5
+    params = SamplingParams(temperature=1.0, max_tokens=10)
+    reqs = [Request(f"r{i}", [0, 1], params) for i in range(num)]
+    p = _probs_from(logits[0], params)
+    far = torch.softmax(-logits[0], dim=-1)
+    # Even rows: drafts drawn from q (p itself for the first half, far from p after);
+    # odd rows: the same kind of draws verified as point masses.
+    qs = [(p if i < num // 2 else far) for i in range(num)]
+    drafts = [[int(torch.multinomial(q, 1, generator=g))] for q in qs]
+    draft_probs = [q.unsqueeze(0) if i % 2 == 0 else None for i, q in enumerate(qs)]
+    out = verify(Sampler(seed=0), logits.repeat(num, 1), reqs, drafts, None, draft_probs)
+    first = torch.tensor([toks[0] for toks, _ in out])
+    for rows in (slice(0, None, 2), slice(1, None, 2), slice(num // 2, None)):
+        assert _chi_square_p(first[rows], p) > 0.01
+    accepted = torch.tensor([len(toks) == 2 for toks, _ in out], dtype=torch.float64)
+    assert float(accepted[0 : num // 2 : 2].mean()) == 1.0  # q = p: min(1, p / q) = 1
+    assert float(accepted[1 : num // 2 : 2].mean()) < 0.9

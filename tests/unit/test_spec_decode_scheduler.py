@@ -135,3 +135,41 @@ def test_max_tokens_inside_an_accepted_run() -> None:
     for max_tokens in (1, 2, 3, 5, 8):
         _, reqs = run_all(64, [[4, 4, 4, 4]], max_tokens, seed=3)
         assert reqs[0].output_token_ids == chain([4, 4, 4, 4], max_tokens)
+
+
+def test_a_lone_draft_in_a_batch_of_decodes_is_not_verified() -> None:
+    """The batch rule (spec_decode/policy.py): drafts are verified only when they number
+    at least one per decoding request of the step; else every request decodes one token."""
+    spec = SpeculativeConfig(num_speculative_tokens=4, acceptance_backoff=False)
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8),
+                      CacheConfig(block_size=BS), num_blocks=64, max_model_len=256,
+                      speculative=spec)
+    runner = SpecRunner(64, seed=0, lookahead_slots=False)
+    reqs = [Request(f"r{i}", [i, 1, 2, 3], SamplingParams(temperature=0.0, max_tokens=20))
+            for i in range(6)]
+    for r in reqs:
+        sched.add_request(r)
+    so = sched.schedule()  # the prompts; each proposes 4 drafts after its first token
+    sched.update_from_output(so, runner(so))
+    assert all(len(r.spec_token_ids) == 4 for r in reqs)
+    for r in reqs[1:]:
+        r.spec_token_ids = []
+    reqs[1].spec_token_ids = reqs[0].spec_token_ids[:1]  # 5 drafts for 6 decodes
+    so = sched.schedule()
+    assert not so.scheduled_spec_token_ids
+    assert all(so.num_scheduled_tokens[r.request_id] == 1 for r in reqs)
+    sched.update_from_output(so, runner(so))
+    assert all(len(r.spec_token_ids) == 4 for r in reqs)
+    reqs[1].spec_token_ids = reqs[1].spec_token_ids[:2]
+    for r in reqs[2:]:
+        r.spec_token_ids = []
+    so = sched.schedule()  # 6 drafts for 6 decodes: verified
+    assert {rid: len(d) for rid, d in so.scheduled_spec_token_ids.items()} == {"r0": 4, "r1": 2}
+    sched.update_from_output(so, runner(so))
+    for _ in range(200):
+        if not sched.has_unfinished_requests():
+            break
+        so = sched.schedule()
+        sched.update_from_output(so, runner(so))
+    for r in reqs:
+        assert r.output_token_ids == chain(r.prompt_token_ids, 20)
