@@ -49,6 +49,10 @@ class Fault:
 class FaultInjector:
     """Runs a fault schedule on a thread while the load runs (a context manager).
 
+    A part it restarts is a child of that thread, so it gets SIGTERM when the thread ends
+    (tandem.child's ``PR_SET_PDEATHSIG`` follows the creating thread): the stack serves the
+    faulted run and is closed after it, never reused.
+
     Args:
         launcher: the launched stack's parts (``Stack.launcher``).
         faults: what to kill and when.

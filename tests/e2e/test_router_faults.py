@@ -28,7 +28,15 @@ from ports import free_port
 from prometheus_client.parser import text_string_to_metric_families
 from waiting import wait_until
 
-from tandem.launch import Launcher, Part, grpc_serving, http_ok, tandem_argv, wait_ready
+from tandem.launch import (
+    Launcher,
+    Part,
+    grpc_serving,
+    http_ok,
+    redis_ok,
+    tandem_argv,
+    wait_ready,
+)
 from tandem.up import Stack, StackConfig
 from tandem.v1 import common_pb2, prefill_pb2_grpc
 
@@ -228,14 +236,19 @@ def _router_busy(url: str, n: int) -> bool:
 
 
 def _fault_under_load(url: str, bodies: list[dict], fault, busy) -> list[httpx.Response]:
-    """Send ``bodies`` at once; run ``fault()`` (on a thread) as soon as ``busy()`` says
-    there is work in flight; return the responses, which must all be 200s."""
+    """Send ``bodies`` at once; run ``fault()`` as soon as ``busy()`` says there is work in
+    flight; return the responses, which must all be 200s.
+
+    NOTE: ``fault`` runs on this (the main) thread, though it blocks the client's event
+    loop for its duration: a process it starts (redis restarted) would otherwise be a
+    child of a worker thread, and tandem.child's parent-death signal (PR_SET_PDEATHSIG)
+    fires when that thread ends, killing it after the test."""
     async def run() -> list[httpx.Response]:
         async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S) as http:
             tasks = [asyncio.create_task(http.post(f"{url}/v1/completions", json=b))
                      for b in bodies]
             await asyncio.to_thread(wait_until, busy, REQUEST_TIMEOUT_S, "work in flight", 0.002)
-            await asyncio.to_thread(fault)
+            fault()
             return list(await asyncio.gather(*tasks))
 
     resps = asyncio.run(asyncio.wait_for(run(), REQUEST_TIMEOUT_S))
@@ -283,6 +296,10 @@ def test_redis_killed_under_load_requests_keep_their_text(stack, redis_server) -
         ref = httpx.post(f"{url}/v1/completions", json=body, timeout=REQUEST_TIMEOUT_S)
         assert resp.json()["choices"][0]["text"] == ref.json()["choices"][0]["text"]
         assert resp.json()["usage"]["completion_tokens"] == 16
+    # The session's redis, which later modules use, is the one restarted here: it must
+    # outlive this test (it once died with the thread that had started it).
+    assert redis_server.proc is not None and redis_server.proc.poll() is None
+    assert redis_ok(redis_server.url)
 
 
 def test_kvstore_killed_under_load_requests_keep_their_text(stack) -> None:
