@@ -153,6 +153,23 @@ def test_reshape_and_cache_rejects_bad_slot_mapping():
         )
 
 
+def _attend_and_compare(seqs, full_k, full_v, layer, meta, num_heads: int, hd: int,
+                        window) -> None:
+    """Write the step's new K/V (``seqs``: (cached, new) per sequence) into ``layer``, run
+    ``paged_attention`` on random queries and compare each sequence's rows with dense
+    attention over its whole K/V."""
+    key = torch.cat([k[c:] for k, (c, _) in zip(full_k, seqs, strict=True)])
+    value = torch.cat([v[c:] for v, (c, _) in zip(full_v, seqs, strict=True)])
+    query = torch.randn(meta.num_tokens, num_heads, hd)
+    reshape_and_cache(key, value, layer, meta.slot_mapping)
+    out = paged_attention(query, key, value, layer, meta, hd**-0.5, window)
+    start = 0
+    for (c, n), k, v in zip(seqs, full_k, full_v, strict=True):
+        ref = _dense_attention(query[start : start + n], k, v, c, window)
+        torch.testing.assert_close(out[start : start + n].double(), ref, rtol=1e-5, atol=1e-5)
+        start += n
+
+
 def _dense_attention(q, k, v, num_computed, window=None):
     """float64 reference: q [n, H, D] at positions num_computed.., k/v [L, KVH, D]."""
     n, num_heads, hd = q.shape
@@ -223,16 +240,7 @@ def test_paged_attention_matches_dense(
             slots = torch.tensor(tables[-1])[pos // bs] * bs + pos % bs
             reshape_and_cache(full_k[-1][:c], full_v[-1][:c], layer, slots)
     meta = build_attention_metadata([n for _, n in seqs], [c for c, _ in seqs], tables, bs)
-    key = torch.cat([k[c:] for k, (c, _) in zip(full_k, seqs, strict=True)])
-    value = torch.cat([v[c:] for v, (c, _) in zip(full_v, seqs, strict=True)])
-    query = torch.randn(meta.num_tokens, num_heads, hd)
-    reshape_and_cache(key, value, layer, meta.slot_mapping)
-    out = paged_attention(query, key, value, layer, meta, hd**-0.5, window)
-    start = 0
-    for (c, n), k, v in zip(seqs, full_k, full_v, strict=True):
-        ref = _dense_attention(query[start : start + n], k, v, c, window)
-        torch.testing.assert_close(out[start : start + n].double(), ref, rtol=1e-5, atol=1e-5)
-        start += n
+    _attend_and_compare(seqs, full_k, full_v, layer, meta, num_heads, hd, window)
     expected_positions = [p for c, n in seqs for p in range(c, c + n)]
     assert meta.positions.tolist() == expected_positions
     assert meta.num_decodes == sum(1 for _, n in seqs if n == 1)
@@ -342,16 +350,7 @@ def test_batch_invariant_metadata_makes_every_token_a_decode_row(window, cpu_att
         pos = torch.arange(c)
         reshape_and_cache(full_k[i][:c], full_v[i][:c], layer,
                           torch.tensor(tables[i])[pos // bs] * bs + pos % bs)
-    key = torch.cat([k[c:] for k, (c, _) in zip(full_k, MIXED_BATCH, strict=True)])
-    value = torch.cat([v[c:] for v, (c, _) in zip(full_v, MIXED_BATCH, strict=True)])
-    query = torch.randn(meta.num_tokens, num_heads, hd)
-    reshape_and_cache(key, value, layer, meta.slot_mapping)
-    out = paged_attention(query, key, value, layer, meta, hd**-0.5, window)
-    start = 0
-    for (c, n), k, v in zip(MIXED_BATCH, full_k, full_v, strict=True):
-        ref = _dense_attention(query[start : start + n], k, v, c, window)
-        torch.testing.assert_close(out[start : start + n].double(), ref, rtol=1e-5, atol=1e-5)
-        start += n
+    _attend_and_compare(MIXED_BATCH, full_k, full_v, layer, meta, num_heads, hd, window)
 
 
 @pytest.mark.usefixtures("native_variant")
