@@ -72,12 +72,20 @@ class FaultInjector:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def __enter__(self) -> FaultInjector:
+    def check(self) -> None:
+        """Every fault names a part of the stack.
+
+        Raises:
+            ValueError: naming ``--fault`` and the stack's parts.
+        """
         names = {p.name for p in self.launcher.parts}
         for f in self.faults:
             if f.part not in names:
                 raise ValueError(f"--fault: no part {f.part!r} in the stack "
                                  f"(parts: {', '.join(sorted(names))})")
+
+    def __enter__(self) -> FaultInjector:
+        self.check()
         self._thread = threading.Thread(target=self._run, name="fault-injector", daemon=True)
         self._thread.start()
         return self

@@ -603,6 +603,14 @@ def main(argv: list[str] | None = None) -> int:
                               speculative_config=spec, engine_metrics=spec is not None)
             print(f"== launching {label} stack ==", flush=True)
             with Stack(cfg) as stack:
+                if faults:
+                    from tandem.bench.faults import FaultInjector
+
+                    try:  # before the baseline run: a misnamed part wastes no run
+                        FaultInjector(stack.launcher, faults).check()
+                    except ValueError as exc:
+                        print(f"tandem bench serve: error: {exc}", file=sys.stderr)
+                        return 2
                 results, n_failed = _run_all(args, stack.http_url, percentiles, slo, mix,
                                              label=label)
                 if spec is not None:
