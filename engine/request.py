@@ -155,8 +155,8 @@ class Request:
     def __post_init__(self) -> None:
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
         if self.sampling_params.seed is not None and self.generator is None:
+            # no seeding here: step_generator seeds it for each output position it draws
             self.generator = torch.Generator(device="cpu")
-            self.generator.manual_seed(self.sampling_params.seed)
 
     def step_generator(self) -> torch.Generator | None:
         """The request's generator, reseeded for the output position sampled next.

@@ -150,19 +150,24 @@ def test_backends_run_pass_by_pass() -> None:
     assert [len(r["runs_s"]) for r in timed.values()] == [3, 3]
 
 
-def test_throughput_with_speculative_config(tmp_path, capsys) -> None:
-    """tandem and tandem+spec side by side on repeated prompts, with the acceptance."""
+def _side_by_side(tmp_path, capsys, args: list[str]) -> tuple[str, dict]:
+    """``tandem bench throughput ARGS`` on a tiny random Llama (it must exit 0): what it
+    printed and its ``--json`` document."""
     config = tiny_config("LlamaForCausalLM", vocab=128, hidden=32, ffn=64)
     tiny_hf_model(config).save_pretrained(tmp_path / "tiny")
     out_json = tmp_path / "r.json"
+    assert throughput.main(["--model", str(tmp_path / "tiny"), *args, "--json",
+                            str(out_json)]) == 0
+    return capsys.readouterr().out, json.loads(out_json.read_text())
+
+
+def test_throughput_with_speculative_config(tmp_path, capsys) -> None:
+    """tandem and tandem+spec side by side on repeated prompts, with the acceptance."""
     spec = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}'
-    argv = ["--model", str(tmp_path / "tiny"), "--num-prompts", "2", "--input-len", "16",
-            "--output-len", "12", "--dtype", "float32", "--prompt-pattern", "repeated",
-            "--speculative-config", spec, "--json", str(out_json)]
-    assert throughput.main(argv) == 0
-    printed = capsys.readouterr().out
+    printed, doc = _side_by_side(tmp_path, capsys, [
+        "--num-prompts", "2", "--input-len", "16", "--output-len", "12", "--dtype", "float32",
+        "--prompt-pattern", "repeated", "--speculative-config", spec])
     assert "tandem+spec / tandem" in printed and "acceptance rate" in printed
-    doc = json.loads(out_json.read_text())
     assert set(doc["results"]) == {"tandem", "tandem+spec"}
     assert doc["results"]["tandem+spec"]["num_output_tokens"] == 24
     sp = doc["speculative"]
@@ -178,16 +183,10 @@ def test_throughput_with_speculative_config(tmp_path, capsys) -> None:
 
 def test_throughput_with_deterministic(tmp_path, capsys) -> None:
     """tandem and tandem+det (batch-invariant kernels) side by side, pass by pass."""
-    config = tiny_config("LlamaForCausalLM", vocab=128, hidden=32, ffn=64)
-    tiny_hf_model(config).save_pretrained(tmp_path / "tiny")
-    out_json = tmp_path / "r.json"
-    argv = ["--model", str(tmp_path / "tiny"), "--num-prompts", "3", "--input-len", "16",
-            "--output-len", "8", "--dtype", "bfloat16", "--repeat", "2", "--deterministic",
-            "--json", str(out_json)]
-    assert throughput.main(argv) == 0
-    printed = capsys.readouterr().out
+    printed, doc = _side_by_side(tmp_path, capsys, [
+        "--num-prompts", "3", "--input-len", "16", "--output-len", "8", "--dtype", "bfloat16",
+        "--repeat", "2", "--deterministic"])
     assert "tandem+det / tandem" in printed and "got other greedy tokens" in printed
-    doc = json.loads(out_json.read_text())
     assert set(doc["results"]) == {"tandem", "tandem+det"}
     assert doc["results"]["tandem+det"]["num_output_tokens"] == 24
     det = doc["deterministic"]
