@@ -24,8 +24,8 @@ import grpc
 import httpx
 import openai
 import pytest
+import redis
 from ports import free_port
-from prometheus_client.parser import text_string_to_metric_families
 from waiting import wait_until
 
 from tandem.launch import (
@@ -37,12 +37,13 @@ from tandem.launch import (
     tandem_argv,
     wait_ready,
 )
+from tandem.services.common.registry import KEY_PREFIX
 from tandem.up import Stack, StackConfig
 from tandem.v1 import common_pb2, prefill_pb2_grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
 
-from services_harness import tiny_model_dir  # noqa: E402
+from services_harness import metric_value, tiny_model_dir  # noqa: E402
 
 # A short drain: a SIGTERM'd engine aborts what it did not finish in 1 s (then migrated).
 ENGINE_ARGS = ["--dtype", "float32", "--num-kv-blocks", "512", "--max-model-len", "1024",
@@ -218,21 +219,14 @@ def _num_unfinished(address: str) -> int:
     return load.num_running_requests + load.num_waiting_requests
 
 
-def _router_metric(url: str, name: str, **labels: str) -> float:
-    """A series' value in the router's /metrics, summed over the other labels (0 when
-    absent)."""
-    total = 0.0
-    for fam in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=30).text):
-        for sample in fam.samples:
-            if sample.name == name and all(sample.labels.get(k) == v
-                                           for k, v in labels.items()):
-                total += sample.value
-    return total
+def _port(url: str) -> int:
+    """The port of ``http://127.0.0.1:PORT`` (the router serves /metrics there)."""
+    return int(url.rsplit(":", 1)[1])
 
 
 def _router_busy(url: str, n: int) -> bool:
     """At least ``n`` requests are past the router's admission and not finished."""
-    return _router_metric(url, "tandem:num_requests_running") >= n
+    return metric_value(_port(url), "tandem:num_requests_running") >= n
 
 
 def _fault_under_load(url: str, bodies: list[dict], fault, busy) -> list[httpx.Response]:
@@ -271,13 +265,13 @@ def test_prefill_killed_under_load_requests_retry_on_survivor(stack) -> None:
     have had."""
     url, model = stack.http_url, _model(stack.http_url)
     victim = stack.part("prefill-0")
-    retries = _router_metric(url, "tandem:request_retries_total", stage="prefill")
+    retries = metric_value(_port(url), "tandem:request_retries_total", stage="prefill")
     # distinct first tokens: nothing is prefix-cached, each prefill computes 900 tokens
     bodies = [{"model": model, "prompt": [500 + i, *range(1000, 1900)], "max_tokens": 4,
                "temperature": 0} for i in range(12)]
     resps = _kill_under_load(url, bodies, victim,
                              lambda: _num_unfinished(victim.url) >= 3)
-    assert _router_metric(url, "tandem:request_retries_total", stage="prefill") > retries
+    assert metric_value(_port(url), "tandem:request_retries_total", stage="prefill") > retries
     for body, resp in zip(bodies, resps, strict=True):
         ref = httpx.post(f"{url}/v1/completions", json=body, timeout=REQUEST_TIMEOUT_S)
         assert resp.json()["choices"][0]["text"] == ref.json()["choices"][0]["text"]
@@ -285,15 +279,31 @@ def test_prefill_killed_under_load_requests_retry_on_survivor(stack) -> None:
 
 def test_redis_killed_under_load_requests_keep_their_text(stack, redis_server) -> None:
     """SIGKILL redis (the instance registry and the store's index) while prompts are being
-    prefilled and handed over, and start it again empty on its port: the router keeps its
-    last view of the instances, the engines register again, blocks whose index entries are
-    gone are recomputed, and every request ends with its reference text."""
+    prefilled and handed over, and start it again empty on its port: the requests in flight
+    complete, the engines register again and the stack serves again within 30 s, and
+    every request ends with its reference text (blocks whose index entries are gone are
+    recomputed)."""
     url, model = stack.http_url, _model(stack.http_url)
     bodies = [{"model": model, "prompt": [700 + i, *range(3000, 3400)], "max_tokens": 16,
                "temperature": 0, "ignore_eos": True} for i in range(8)]
     resps = _fault_under_load(url, bodies, redis_server.restart, lambda: _router_busy(url, 6))
+    # The registry came back empty: each live engine's next heartbeat registers it again,
+    # and until the router has read that, it knows no instance (503). The stack must
+    # serve again within 30 s.
+    engines = [p for p in stack.parts if p.name.startswith(("prefill-", "decode-"))
+               and p.alive()]
+    registry = redis.Redis.from_url(redis_server.url)
+    wait_until(lambda: len(list(registry.scan_iter(match=f"{KEY_PREFIX}:*"))) == len(engines),
+               30, "the live engines registered again")
+
+    def serves() -> bool:
+        return httpx.post(f"{url}/v1/completions", timeout=REQUEST_TIMEOUT_S, json={
+            "model": model, "prompt": [9, 9], "max_tokens": 2}).status_code == 200
+
+    wait_until(serves, 30, "the stack serving again")
     for body, resp in zip(bodies, resps, strict=True):
         ref = httpx.post(f"{url}/v1/completions", json=body, timeout=REQUEST_TIMEOUT_S)
+        assert ref.status_code == 200, ref.text
         assert resp.json()["choices"][0]["text"] == ref.json()["choices"][0]["text"]
         assert resp.json()["usage"]["completion_tokens"] == 16
     # The session's redis, which later modules use, is the one restarted here: it must
@@ -312,6 +322,7 @@ def test_kvstore_killed_under_load_requests_keep_their_text(stack) -> None:
     resps = _kill_under_load(url, bodies, stack.part("kvstore"), lambda: _router_busy(url, 6))
     for body, resp in zip(bodies, resps, strict=True):
         ref = httpx.post(f"{url}/v1/completions", json=body, timeout=REQUEST_TIMEOUT_S)
+        assert ref.status_code == 200, ref.text
         assert resp.json()["choices"][0]["text"] == ref.json()["choices"][0]["text"]
         assert resp.json()["usage"]["completion_tokens"] == 16
 
