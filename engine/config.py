@@ -136,36 +136,58 @@ class SchedulerConfig:
             )
 
 
-ExecutorBackend = Literal["uni"]
-EXECUTOR_BACKENDS: tuple[str, ...] = ("uni",)
+ExecutorBackend = Literal["uni", "mp"]
+EXECUTOR_BACKENDS: tuple[str, ...] = ("uni", "mp")
 
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """How the model is spread over workers (only one worker is implemented today).
+    """How the model is spread over workers (vLLM's names).
 
     Attributes:
-        tensor_parallel_size: workers that split each layer (1 today).
-        pipeline_parallel_size: workers that split the layer stack (1 today).
-        distributed_executor_backend: the executor that runs the workers (vLLM's name):
-            "uni", one worker in the engine's own process.
+        tensor_parallel_size: workers that split each layer (attention heads, MLP
+            columns, vocabulary) and all-reduce its output; >= 1.
+        pipeline_parallel_size: workers that split the layer stack into contiguous
+            stages, passing hidden states stage to stage; >= 1.
+        distributed_executor_backend: the executor that runs the workers: "uni", one
+            worker in the engine's own process (only for 1 x 1); "mp", one worker process
+            per rank (``tensor_parallel_size * pipeline_parallel_size`` of them). ``None``
+            picks "uni" for one worker and "mp" otherwise.
+
+    Raises:
+        ValueError: a size < 1, an unknown backend, or "uni" with more than one worker
+            (each naming the field).
     """
 
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
-    distributed_executor_backend: ExecutorBackend = "uni"
+    distributed_executor_backend: ExecutorBackend | None = None
 
     def __post_init__(self) -> None:
-        if self.tensor_parallel_size != 1 or self.pipeline_parallel_size != 1:
-            raise ValueError(
-                "tensor_parallel_size and pipeline_parallel_size must be 1 "
-                "(multi-worker execution is not implemented yet)"
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        backend = self.distributed_executor_backend
+        if backend is None:
+            object.__setattr__(
+                self, "distributed_executor_backend", "uni" if self.world_size == 1 else "mp"
             )
-        if self.distributed_executor_backend not in EXECUTOR_BACKENDS:
+        elif backend not in EXECUTOR_BACKENDS:
             raise ValueError(
                 "distributed_executor_backend must be one of "
-                f"{', '.join(EXECUTOR_BACKENDS)}, got {self.distributed_executor_backend!r}"
+                f"{', '.join(EXECUTOR_BACKENDS)}, got {backend!r}"
             )
+        elif backend == "uni" and self.world_size > 1:
+            raise ValueError(
+                "distributed_executor_backend 'uni' runs one worker; tensor_parallel_size x "
+                f"pipeline_parallel_size is {self.world_size} (use 'mp')"
+            )
+
+    @property
+    def world_size(self) -> int:
+        """Workers of one engine: ``tensor_parallel_size * pipeline_parallel_size``."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
 @dataclass(frozen=True)
@@ -361,3 +383,18 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
     speculative: SpeculativeConfig | None = None
+
+    def __post_init__(self) -> None:
+        if self.speculative is not None and self.parallel.world_size > 1:
+            # NOTE: the proposers keep per-request state in the model runner and a
+            # draft model of their own; neither is sharded across ranks yet.
+            raise ValueError(
+                "speculative_config: speculative decoding is not supported with "
+                "tensor_parallel_size x pipeline_parallel_size > 1"
+            )
+        if self.parallel.world_size > 1 and self.model.deterministic:
+            raise ValueError(
+                "deterministic: batch-invariant kernels are not available with "
+                "tensor_parallel_size x pipeline_parallel_size > 1 (the all-reduce order "
+                "is fixed, but the sharded GEMMs are not the packed batch-invariant ones)"
+            )

@@ -18,6 +18,7 @@ from tandem.engine.config import (
     CacheConfig,
     EngineConfig,
     ModelConfig,
+    ParallelConfig,
     SchedulerConfig,
     SpeculativeConfig,
 )
@@ -53,6 +54,11 @@ class LLM:
         deterministic: batch-invariant kernels, so a greedy request's tokens do not
             depend on the batch, the prefix cache or chunking; see
             ``ModelConfig.deterministic`` (CPU only, costs throughput).
+        tensor_parallel_size: worker processes that split each layer (vLLM's name).
+        pipeline_parallel_size: worker processes that split the layer stack.
+        distributed_executor_backend: "uni" or "mp"; ``None`` picks "mp" for more than
+            one worker (see ``ParallelConfig``). Call ``shutdown()`` (or use the ``LLM``
+            as a context manager) to stop worker processes before the interpreter exits.
 
     Raises:
         ValueError: naming the field, for a bad setting or an unknown model path.
@@ -77,6 +83,9 @@ class LLM:
         loaded: Any | None = None,
         speculative_config: dict[str, Any] | SpeculativeConfig | None = None,
         deterministic: bool = False,
+        tensor_parallel_size: int = 1,
+        pipeline_parallel_size: int = 1,
+        distributed_executor_backend: str | None = None,
     ) -> None:
         config = EngineConfig(
             model=ModelConfig(
@@ -100,12 +109,31 @@ class LLM:
                 enable_chunked_prefill=enable_chunked_prefill,
                 long_prefill_token_threshold=long_prefill_token_threshold,
             ),
+            parallel=ParallelConfig(
+                tensor_parallel_size=tensor_parallel_size,
+                pipeline_parallel_size=pipeline_parallel_size,
+                distributed_executor_backend=distributed_executor_backend,  # type: ignore[arg-type]
+            ),
             speculative=(
                 None if speculative_config is None
                 else SpeculativeConfig.from_dict(speculative_config)
             ),
         )
         self.llm_engine = LLMEngine(config, loaded=loaded)
+        self._shut_down = False
+
+    def shutdown(self) -> None:
+        """Stop the engine: abort what is left and release the workers (worker
+        processes exit; their KV caches and weights are freed). Idempotent."""
+        if not self._shut_down:
+            self._shut_down = True
+            self.llm_engine.engine_core.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
 
     def get_tokenizer(self) -> Any:
         """The model's Hugging Face tokenizer."""

@@ -280,18 +280,19 @@ class ModelRunner:
         self.model.compute_logits(hidden[:rows])
         del kv, views, hidden
 
-    def initialize_kv_cache(self, num_blocks: int) -> None:
+    def initialize_kv_cache(self, num_blocks: int, shared_file: str | None = None) -> None:
         """Allocate the zeroed KV cache (zeros: padded attention reads stay finite)
-        and the per-layer ``(k, v)`` views the model writes into."""
+        and the per-layer ``(k, v)`` views the model writes into; ``shared_file``: map
+        this zero-filled file as the cache (see ``kernels.cache.allocate_kv_cache``)."""
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
-        self.kv_cache, self.kv_caches = self._allocate_kv_cache(num_blocks)
+        self.kv_cache, self.kv_caches = self._allocate_kv_cache(num_blocks, shared_file)
         self.num_blocks = num_blocks
         if self.proposer is not None:
             self.proposer.initialize_kv_cache(num_blocks)
 
     def _allocate_kv_cache(
-        self, num_blocks: int
+        self, num_blocks: int, shared_file: str | None = None
     ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
         """A zeroed KV cache of ``num_blocks`` blocks in this model's layout (see
         ``allocate_kv_cache``) and its per-layer ``(key, value)`` views, each
@@ -304,6 +305,7 @@ class ModelRunner:
             self.head_dim,
             self.dtype,
             self.device,
+            shared_file,
         )
         return kv, [(kv[:, i, 0], kv[:, i, 1]) for i in range(self.num_layers)]
 

@@ -12,7 +12,7 @@ Lifecycle, in order: ``load_model`` -> ``determine_num_blocks`` ->
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -91,6 +91,27 @@ class Worker:
         )
 
     @property
+    def is_driver(self) -> bool:
+        """Whether this rank returns the step's output (last pipeline stage, first
+        tensor-parallel rank: the one that samples)."""
+        par = self.config.parallel
+        return self.rank == (par.pipeline_parallel_size - 1) * par.tensor_parallel_size
+
+    def shard_info(self) -> dict[str, Any]:
+        """What the executor needs to know of this rank, after ``load_model``: the full
+        model's ``facts``, ``has_tokenizer``, which part of the full KV cache this rank's
+        cache holds (``layer_range``, ``kv_head_range``: ranges into the full model's
+        layers and KV heads) and its ``block_bytes`` (one block of its own cache)."""
+        r = self.model_runner
+        return {
+            "facts": self.model_facts(),
+            "has_tokenizer": r.loaded.tokenizer is not None,
+            "layer_range": r.kv_layer_range,
+            "kv_head_range": r.kv_head_range,
+            "block_bytes": r.block_bytes,
+        }
+
+    @property
     def tokenizer(self) -> PreTrainedTokenizerBase | None:
         """The Hugging Face tokenizer loaded with the weights (``None`` when the model
         folder has none)."""
@@ -107,13 +128,15 @@ class Worker:
         """
         return self.model_runner.determine_num_blocks()
 
-    def initialize_kv_cache(self, num_blocks: int) -> None:
-        """Allocate the zeroed KV cache of ``num_blocks`` blocks (replacing any earlier one).
+    def initialize_kv_cache(self, num_blocks: int, shared_file: str | None = None) -> None:
+        """Allocate the zeroed KV cache of ``num_blocks`` blocks (replacing any earlier one);
+        ``shared_file``: CPU only, map this zero-filled file as the cache so that another
+        process can map it too (``kernels.cache.allocate_kv_cache``).
 
         Raises:
-            ValueError: ``num_blocks`` < 1.
+            ValueError: ``num_blocks`` < 1, or ``shared_file`` off the CPU.
         """
-        self.model_runner.initialize_kv_cache(num_blocks)
+        self.model_runner.initialize_kv_cache(num_blocks, shared_file)
 
     @property
     def kv_cache(self) -> torch.Tensor:

@@ -32,13 +32,29 @@ def allocate_kv_cache(
     head_dim: int,
     dtype: torch.dtype,
     device: torch.device | str = "cpu",
+    shared_file: str | None = None,
 ) -> torch.Tensor:
     """Zeroed ``[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]`` cache.
 
     On the CPU it lives in transparent huge pages where the OS offers them
     (``kernels/host_memory.py``): decode attention reads it in scattered blocks.
+
+    Args:
+        shared_file: CPU only: map this file (``MAP_SHARED``) as the cache instead, so
+            another process mapping it sees the same bytes (a worker process's cache,
+            read by the engine core's KV connector). The file must hold exactly the
+            cache's bytes and be zero-filled (a fresh ``memfd``, see
+            ``engine/executor/multiproc.py``).
+
+    Raises:
+        ValueError: ``shared_file`` with a non-CPU device.
     """
     shape = (num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim)
+    if shared_file is not None:
+        if torch.device(device).type != "cpu":
+            raise ValueError(f"shared_file: a shared KV cache is host memory, got {device}")
+        numel = num_blocks * num_layers * 2 * block_size * num_kv_heads * head_dim
+        return torch.from_file(shared_file, shared=True, size=numel, dtype=dtype).view(shape)
     if torch.device(device).type == "cpu":
         return empty_huge_page_tensor(shape, dtype)
     return torch.zeros(shape, dtype=dtype, device=device)

@@ -2,11 +2,12 @@
 
 ``Executor`` is the interface, ``create_executor`` the one factory (it picks the
 backend ``ParallelConfig.distributed_executor_backend`` names); backends live in their
-own modules and are imported only when built (``uniproc``: one in-process worker).
+own modules and are imported only when built (``uniproc``: one in-process worker;
+``multiproc``: one worker process per rank).
 """
 
 from __future__ import annotations
 
-from tandem.engine.executor.abstract import Executor, create_executor
+from tandem.engine.executor.abstract import EngineDeadError, Executor, create_executor
 
-__all__ = ["Executor", "create_executor"]
+__all__ = ["EngineDeadError", "Executor", "create_executor"]

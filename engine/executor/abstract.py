@@ -6,8 +6,8 @@ weights or the KV cache goes through an ``Executor``: load the model on every wo
 size the KV cache from the memory budget, allocate it, run one step, hand the cache to
 the connector's worker side, shut down. An executor backend decides where the workers
 live (``ParallelConfig.distributed_executor_backend``): "uni" runs one ``Worker`` in
-this process; a multi-process backend (one worker per rank, steps broadcast to all)
-plugs in here without touching the scheduler.
+this process; "mp" runs one worker process per tensor/pipeline-parallel rank and
+broadcasts each step to all of them, without touching the scheduler.
 
 This module imports no torch: the factory imports a backend only when it builds one.
 """
@@ -26,6 +26,12 @@ if TYPE_CHECKING:
 
     from tandem.engine.kv_connector import KVConnectorWorker
     from tandem.engine.model_loader import LoadedModel
+
+
+class EngineDeadError(RuntimeError):
+    """The executor lost a worker (it died, or failed inside a step that every rank
+    takes part in): no later step can run. The engine's callers fail every in-flight
+    request with it and the service exits (its health turns NOT_SERVING first)."""
 
 
 class Executor(ABC):
@@ -117,6 +123,10 @@ def create_executor(config: EngineConfig, loaded: LoadedModel | None = None) -> 
         ValueError: from the loader (unknown model path, unsupported architecture).
     """
     backend = config.parallel.distributed_executor_backend
+    if backend == "mp":
+        from tandem.engine.executor.multiproc import MultiProcExecutor
+
+        return MultiProcExecutor(config, loaded)
     # NOTE: ParallelConfig already rejects any other name; the assert guards a
     # backend added to the config without a branch here.
     assert backend == "uni", f"no executor for distributed_executor_backend {backend!r}"

@@ -26,6 +26,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
+from tandem.engine.executor.abstract import EngineDeadError
 from tandem.engine.outputs import EngineCoreOutput
 from tandem.engine.request import Request
 from tandem.services.common.errors import ShuttingDownError
@@ -54,6 +55,9 @@ class EngineLoop:
         has_pending_transfers: True while KV transfers are in flight; the thread
             keeps stepping then (so finished transfers free their blocks) even
             when the scheduler has no unfinished request.
+        on_engine_dead: called on the event loop, once, when a step raised
+            ``EngineDeadError`` (a worker process died); the service then shuts down.
+            In-flight requests get the error; new ones get it too.
 
     Thread-safety: every public method is called from the event loop thread.
     """
@@ -63,8 +67,12 @@ class EngineLoop:
         engine: Any,
         loop: asyncio.AbstractEventLoop,
         has_pending_transfers: Callable[[], bool] | None = None,
+        on_engine_dead: Callable[[], None] | None = None,
     ) -> None:
         self.engine = engine
+        self._on_engine_dead = on_engine_dead
+        #: The ``EngineDeadError`` that stopped the engine, else ``None``.
+        self.dead: EngineDeadError | None = None
         self._has_pending_transfers = has_pending_transfers or (lambda: False)
         self._loop = loop
         self._commands: collections.deque[Callable[[], None]] = collections.deque()
@@ -231,6 +239,16 @@ class EngineLoop:
             steps_before = self.engine.num_steps
             try:
                 outputs = self.engine.step()
+            except EngineDeadError as exc:
+                logger.error("engine is dead (%s); failing all in-flight requests", exc)
+                self.dead = exc
+                self._accepting = False
+                queues = list(self._queues.values())
+                self._queues.clear()
+                self._deliver([(q, exc) for q in queues])
+                if self._on_engine_dead is not None:
+                    self._loop.call_soon_threadsafe(self._on_engine_dead)
+                return
             except Exception as exc:  # noqa: BLE001 - handed to every waiting handler
                 logger.exception("engine step failed; failing all in-flight requests")
                 queues = list(self._queues.values())

@@ -14,6 +14,8 @@ exception                          gRPC status
 ``CapacityError``                  RESOURCE_EXHAUSTED
 ``LayoutMismatchError``            FAILED_PRECONDITION
 ``ShuttingDownError``              UNAVAILABLE
+``EngineDeadError``                UNAVAILABLE (a worker process died: the service exits;
+                                   the router retries or migrates the request)
 ``asyncio.CancelledError``         re-raised: the client went away; the servicer's
                                    request stream aborts the request and frees its
                                    blocks (see ``engine_loop.RequestStream``)
@@ -35,6 +37,7 @@ from typing import Any
 
 import grpc
 
+from tandem.engine.executor.abstract import EngineDeadError
 from tandem.engine.validation import GrammarCompilerBusyError, KVCapacityError, RequestError
 
 logger = logging.getLogger(__name__)
@@ -69,6 +72,7 @@ _CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (CapacityError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (LayoutMismatchError, grpc.StatusCode.FAILED_PRECONDITION),
     (ShuttingDownError, grpc.StatusCode.UNAVAILABLE),
+    (EngineDeadError, grpc.StatusCode.UNAVAILABLE),
 )
 
 

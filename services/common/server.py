@@ -35,6 +35,7 @@ from tandem.engine.config import (
     EngineConfig,
     KVTransferConfig,
     ModelConfig,
+    ParallelConfig,
     SchedulerConfig,
     SpeculativeConfig,
 )
@@ -121,6 +122,14 @@ def build_parser(prog: str, role: Role | None) -> argparse.ArgumentParser:
                    help="batch-invariant kernels: a greedy request gives the same tokens "
                         "whatever it is batched with, cached or chunked (vLLM's "
                         "VLLM_BATCH_INVARIANT; CPU only, costs prefill throughput)")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="worker processes that split each layer (heads, MLP columns, "
+                        "vocabulary) and all-reduce (gloo on CPU, NCCL on CUDA)")
+    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
+                   help="worker processes that split the layer stack into stages")
+    p.add_argument("--distributed-executor-backend", choices=["uni", "mp"], default=None,
+                   help="'uni': one in-process worker; 'mp': one process per rank "
+                        "(default: 'mp' when tensor x pipeline parallel size > 1)")
     p.add_argument("--log-level", default="INFO")
     add_tls_flags(p, "this service's gRPC port")
     return p
@@ -152,6 +161,9 @@ def build_engine_config(ns: argparse.Namespace, role: Role | str) -> EngineConfi
         scheduler=SchedulerConfig(max_num_batched_tokens=ns.max_num_batched_tokens,
                                   max_num_seqs=ns.max_num_seqs,
                                   long_prefill_token_threshold=ns.long_prefill_token_threshold),
+        parallel=ParallelConfig(tensor_parallel_size=ns.tensor_parallel_size,
+                                pipeline_parallel_size=ns.pipeline_parallel_size,
+                                distributed_executor_backend=ns.distributed_executor_backend),
         kv_transfer=kv,
         speculative=(
             None if ns.speculative_config is None
@@ -201,14 +213,15 @@ def run(
     if role not in servicers:
         print(f"{prog}: error: role {role!r} is not served by this entry point", file=sys.stderr)
         return 2
-    asyncio.run(_serve(ns, role, config, servicers[role], tls))
-    return 0
+    return asyncio.run(_serve(ns, role, config, servicers[role], tls))
 
 
 async def _serve(
     ns: argparse.Namespace, role: Role, config: EngineConfig, add_servicers: AddServicers,
     tls: TLSFiles,
-) -> None:
+) -> int:
+    """Serve until SIGTERM/SIGINT or the engine's death; the exit code (1: the engine
+    died, e.g. a worker process was killed)."""
     # Imported here: `tandem serve --help` should not pay for torch.
     from tandem.engine.engine_core import EngineCore
 
@@ -219,7 +232,8 @@ async def _serve(
 
     engine = await asyncio.to_thread(EngineCore, config)
     connector = engine.connector_worker
-    engine_loop = EngineLoop(engine, loop, connector.has_pending if connector else None)
+    engine_loop = EngineLoop(engine, loop, connector.has_pending if connector else None,
+                             on_engine_dead=stop.set)
     ctx = ServiceContext(role=role, engine_loop=engine_loop, config=config,
                          max_waiting=ns.max_waiting)
     ctx.attach_connector_events(loop)
@@ -275,6 +289,11 @@ async def _serve(
     await stop_periodic(gauges_task)  # its ticks ask the engine loop for stats
     await engine_loop.shutdown()
     ctx.close()
+    await asyncio.to_thread(engine.executor.shutdown)  # worker processes exit
     if metrics_server is not None:
         metrics_server.shutdown()
+    if engine_loop.dead is not None:
+        logger.error("stopped: the engine died (%s)", engine_loop.dead)
+        return 1
     logger.info("stopped")
+    return 0

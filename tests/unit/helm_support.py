@@ -38,6 +38,10 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
     },
     "3-prefill-5-decode": {"prefill": {"replicas": 3}, "decode": {"replicas": 5}},
     "no-gpu": {"prefill": {"gpus": 0}, "decode": {"gpus": 0}},
+    "tensor-pipeline-parallel": {
+        "prefill": {"gpus": 4, "tensorParallelSize": 2, "pipelineParallelSize": 2},
+        "decode": {"gpus": 2, "tensorParallelSize": 2},
+    },
     "internal-tls": {"internalTLS": {"enabled": True, "secretName": "tandem-internal-tls"}},
     "ingress": {
         "router": {

@@ -165,10 +165,25 @@ def test_the_executor_budget_below_one_block_is_the_executors_error() -> None:
         EngineCore(make_config(), NoMemory(make_facts(), 1, {}))
 
 
-def test_distributed_executor_backend_other_than_uni_rejected() -> None:
+def test_parallel_config_picks_and_checks_the_backend() -> None:
     assert ParallelConfig().distributed_executor_backend == "uni"
-    with pytest.raises(ValueError, match="distributed_executor_backend must be one of uni"):
-        ParallelConfig(distributed_executor_backend="mp")  # type: ignore[arg-type]
+    assert ParallelConfig(tensor_parallel_size=2).distributed_executor_backend == "mp"
+    assert ParallelConfig(pipeline_parallel_size=2).world_size == 2
+    with pytest.raises(ValueError, match="distributed_executor_backend must be one of uni, mp"):
+        ParallelConfig(distributed_executor_backend="ray")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="'uni' runs one worker"):
+        ParallelConfig(tensor_parallel_size=2, distributed_executor_backend="uni")
+    for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+        with pytest.raises(ValueError, match=f"{name} must be an integer >= 1"):
+            ParallelConfig(**{name: 0})
+
+
+def test_speculative_decoding_with_several_workers_is_refused() -> None:
+    from tandem.engine.config import EngineConfig, SpeculativeConfig
+
+    spec = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="speculative_config"):
+        EngineConfig(parallel=ParallelConfig(tensor_parallel_size=2), speculative=spec)
 
 
 def test_model_facts_reject_counts_below_one() -> None:

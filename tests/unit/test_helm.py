@@ -117,7 +117,9 @@ def test_schema_rejects_missing_model_path(chart: Any) -> None:
         ({"model": {"source": "pvc"}}, "/model/pvc/claimName"),
         ({"model": {"source": "hostPath"}}, "/model/hostPath/path"),
         ({"prefill": {"gpus": -1}}, "/prefill/gpus"),
-        ({"decode": {"gpus": 2}}, "/decode/gpus"),
+        ({"decode": {"gpus": -2}}, "/decode/gpus"),
+        ({"decode": {"tensorParallelSize": 0}}, "/decode/tensorParallelSize"),
+        ({"prefill": {"pipelineParallelSize": 0}}, "/prefill/pipelineParallelSize"),
         ({"decode": {"replica": 2}}, "'replica' not allowed"),
         ({"router": {"routingPolicy": "random"}}, "/router/routingPolicy"),
         ({"cache": {"blockSize": 24}}, "/cache/blockSize"),
@@ -136,6 +138,15 @@ def test_schema_rejects_bad_values(chart: Any, values: dict[str, Any], where: st
     with pytest.raises(helm.HelmValuesError) as info:
         chart.render(values, name=RELEASE)
     assert where in str(info.value)
+
+
+def test_gpus_must_match_the_engine_workers(chart: Any) -> None:
+    # One GPU per worker process: a pod with fewer would leave a rank without a device,
+    # more would idle.
+    with pytest.raises(Exception, match=r"decode.gpus \(2\) must be decode.tensorParallelSize"):
+        chart.render({"decode": {"gpus": 2}}, name=RELEASE)
+    values = {"decode": {"gpus": 0, "tensorParallelSize": 2}}
+    assert chart.render(values, name=RELEASE)  # CPU: the workers share the pod's CPUs
 
 
 def test_values_yaml_documents_every_schema_key(chart: Any) -> None:

@@ -167,6 +167,10 @@ def test_gpu_only_on_prefill_and_decode(chart: Any, name: str) -> None:
                 want = values[role]["gpus"]
                 assert gpu == {"requests": want, "limits": want}, (role, gpu)
                 assert flags["--device"] == "cuda"
+                tp, pp = int(flags["--tensor-parallel-size"]), int(flags["--pipeline-parallel-size"])
+                assert (tp, pp) == (values[role]["tensorParallelSize"],
+                                    values[role]["pipelineParallelSize"])
+                assert tp * pp == want, (role, tp, pp, want)
             else:
                 assert gpu == {"requests": None, "limits": None}, (role, gpu)
                 if role in ENGINE_ROLES:

@@ -15,6 +15,12 @@ Called with (dict "root" $ "role" "prefill"|"decode").
 - --kvstore={{ include "tandem.kvstoreAddress" $root }}
 - --metrics-port={{ $v.metricsPort }}
 - --device={{ include "tandem.device" $v }}
+{{- $workers := mul (int $v.tensorParallelSize) (int $v.pipelineParallelSize) }}
+{{- if and (gt (int $v.gpus) 0) (ne (int $v.gpus) (int $workers)) }}
+{{- fail (printf "%s.gpus (%d) must be %s.tensorParallelSize x pipelineParallelSize (%d): one GPU per engine worker process, or 0 for CPU" .role (int $v.gpus) .role (int $workers)) }}
+{{- end }}
+- --tensor-parallel-size={{ $v.tensorParallelSize | int64 }}
+- --pipeline-parallel-size={{ $v.pipelineParallelSize | int64 }}
 - --dtype={{ $root.Values.model.dtype }}
 - --block-size={{ $root.Values.cache.blockSize | int64 }}
 {{- with $root.Values.model.maxModelLen }}

@@ -1,0 +1,152 @@
+"""One worker process of the multi-process executor: its entry point and command loop.
+
+The executor starts ``worker_main`` once per rank (``multiprocessing`` "spawn": a fresh
+interpreter, no fork of the engine's threads). The process pins itself to its CPUs,
+joins the ``torch.distributed`` group, loads its shard of the model and reports
+ready (or the error that stopped it) through its start-up pipe. Then it serves the
+executor's commands, which arrive in order on the shared-memory broadcast queue, and
+answers each on its own reply queue:
+
+    ("determine_num_blocks",)             -> int, this rank's budget
+    ("initialize_kv_cache", n, files)     -> None (``files[rank]``: the shared cache to map,
+                                             or ``files`` None: a private cache)
+    ("execute_model", StepMessage)        -> ModelRunnerOutput on the driver rank, else None
+    ("shutdown",)                         -> None, then the process exits
+
+A reply is ``("ok", value)`` or ``("error", type_name, message, traceback)``. The
+process exits by itself when its parent dies (it checks while waiting).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import traceback
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+from tandem.engine.config import EngineConfig
+from tandem.engine.executor.shm_broadcast import Handle, MessageQueue
+from tandem.engine.executor.step_message import RequestMirror
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What one worker process is started with (pickled to the new process).
+
+    Attributes:
+        config: the engine's frozen configuration.
+        rank: global rank, ``pp_rank * tensor_parallel_size + tp_rank``.
+        dist_init_method: ``torch.distributed`` rendezvous URL, the same for all ranks.
+        dist_backend: "gloo" (CPU) or "nccl" (CUDA).
+        cpus: CPUs to pin to (``None``: keep the inherited affinity).
+        broadcast: handle of the executor's command queue.
+        reply: handle of this worker's reply queue (the executor created it; the worker
+            writes it).
+        parent_pid: the engine process; the worker exits when it is gone.
+        log_level: the engine's logging level.
+    """
+
+    config: EngineConfig
+    rank: int
+    dist_init_method: str
+    dist_backend: str
+    cpus: tuple[int, ...] | None
+    broadcast: Handle
+    reply: Handle
+    parent_pid: int
+    log_level: int = logging.INFO
+
+
+def _config_for_rank(config: EngineConfig, rank: int) -> EngineConfig:
+    """The config a rank's worker runs: on CUDA, its own device (``cuda:<tp rank + pp
+    offset>`` of the node's GPUs, one per rank)."""
+    if not config.model.device.startswith("cuda"):
+        return config
+    model = dataclasses.replace(config.model, device=f"cuda:{rank}")
+    return dataclasses.replace(config, model=model)
+
+
+def _error(exc: BaseException) -> tuple[str, str, str, str]:
+    return ("error", type(exc).__name__, str(exc), traceback.format_exc())
+
+
+def worker_main(spec: WorkerSpec, startup: Connection) -> None:
+    """Entry point of a worker process (see the module docstring).
+
+    Errors before "ready" go to ``startup`` as an error reply and end the process;
+    errors of a command go back as its error reply, and the process keeps serving
+    (the executor decides whether the engine can go on).
+    """
+    logging.basicConfig(level=spec.log_level,
+                        format=f"%(asctime)s worker-{spec.rank} %(levelname)s %(name)s: %(message)s")
+    import torch
+
+    if spec.cpus is not None:
+        os.sched_setaffinity(0, spec.cpus)
+        torch.set_num_threads(len(spec.cpus))
+    from tandem.engine import distributed
+    from tandem.engine.worker import Worker
+
+    par = spec.config.parallel
+    try:
+        reply = MessageQueue.attach(spec.reply, reader_rank=-1)
+        commands = MessageQueue.attach(spec.broadcast, reader_rank=spec.rank)
+        distributed.init_distributed(spec.rank, par.tensor_parallel_size,
+                                     par.pipeline_parallel_size, spec.dist_init_method,
+                                     spec.dist_backend)
+        worker = Worker(_config_for_rank(spec.config, spec.rank), rank=spec.rank)
+        worker.load_model()
+        info = worker.shard_info()
+    except BaseException as exc:  # noqa: BLE001 - reported to the executor, which raises it
+        startup.send(_error(exc))
+        startup.close()
+        distributed.destroy_distributed()
+        return
+    startup.send(("ready", info))
+    startup.close()
+
+    def parent_alive() -> bool:
+        return os.getppid() == spec.parent_pid
+
+    mirror = RequestMirror()
+    try:
+        while True:
+            try:
+                command = commands.dequeue(is_alive=parent_alive)
+            except RuntimeError:
+                logger.warning("the engine process is gone: worker %d exits", spec.rank)
+                return
+            name = command[0]
+            try:
+                result: Any = None
+                if name == "determine_num_blocks":
+                    result = worker.determine_num_blocks()
+                elif name == "initialize_kv_cache":
+                    files = command[2]
+                    worker.initialize_kv_cache(
+                        command[1], None if files is None else files[spec.rank])
+                elif name == "execute_model":
+                    out = worker.execute_model(mirror.decode(command[1]))
+                    result = out if worker.is_driver else None
+                elif name == "shutdown":
+                    worker.shutdown()
+                else:
+                    raise ValueError(f"unknown worker command {name!r}")
+                reply.enqueue(("ok", result), is_alive=parent_alive)
+            except RuntimeError as exc:
+                if not parent_alive():
+                    return
+                reply.enqueue(_error(exc), is_alive=parent_alive)
+            except Exception as exc:  # noqa: BLE001 - the executor raises it in the engine
+                reply.enqueue(_error(exc), is_alive=parent_alive)
+            if name == "shutdown":
+                return
+    finally:
+        commands.close()
+        reply.close()
+        distributed.destroy_distributed()
