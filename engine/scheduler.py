@@ -310,7 +310,12 @@ class Scheduler:
             scheduled_spec_token_ids=spec_tokens,
             num_lookahead_tokens=lookahead,
         )
-        self.finished_req_ids = set()
+        if out.total_num_scheduled_tokens:
+            # NOTE: an empty step never reaches the executor, so its finished ids wait
+            # for the next step that does (the workers drop per-request state by them).
+            self.finished_req_ids = set()
+        else:
+            out.finished_req_ids = set(self.finished_req_ids)
         if self.connector is not None:
             out.kv_connector_metadata = self.connector.build_connector_meta(out)
         if self.structured_output is not None:

@@ -118,9 +118,11 @@ class StepEncoder:
             scheduled_spec_token_ids=sched.scheduled_spec_token_ids,
             num_lookahead_tokens=sched.num_lookahead_tokens,
         )
-        for rid in sched.finished_req_ids:
-            if self._known.pop(rid, None) is not None:
-                msg.forget_req_ids.add(rid)
+        # NOTE: by status, not only sched.finished_req_ids: the scheduler hands those
+        # out once, also in steps that run nothing and so never reach the workers.
+        for rid in [rid for rid, (req, _) in self._known.items() if req.is_finished()]:
+            del self._known[rid]
+            msg.forget_req_ids.add(rid)
         for req in sched.scheduled_requests:
             rid = req.request_id
             known = self._known.get(rid)

@@ -905,3 +905,18 @@ def test_first_token_stop_matches_what_services_decide(params, first_token, max_
     assert outs[0].new_token_ids == [first_token]
     assert outs[0].finish_reason == (None if expected is None else expected.finish_reason)
     assert outs[0].stop_reason == (None if expected is None else expected.stop_reason)
+
+
+def test_finished_ids_wait_for_a_step_that_runs() -> None:
+    """A step with nothing scheduled never reaches the executor, so the ids finished
+    before it must come with the next step that runs (the workers and the proposer drop
+    per-request state by them); they were lost before."""
+    sched = make_scheduler()
+    sched.add_request(make_request("a", 4, max_tokens=1))
+    so = sched.schedule()
+    sched.update_from_output(so, ModelRunnerOutput(sampled_token_ids={"a": 1}))
+    empty = sched.schedule()
+    assert empty.is_empty and empty.finished_req_ids == {"a"}
+    sched.add_request(make_request("b", 4))
+    assert sched.schedule().finished_req_ids == {"a"}
+    assert sched.schedule().finished_req_ids == set()
