@@ -313,6 +313,11 @@ class MultiProcExecutor(Executor):
         return out
 
     @property
+    def worker_pids(self) -> list[int]:
+        """Process ids of the workers, in rank order."""
+        return [int(p.pid or 0) for p in self._procs]
+
+    @property
     def driver_rank(self) -> int:
         """The rank that samples: last pipeline stage, tensor-parallel rank 0."""
         par = self.config.parallel

@@ -1,0 +1,108 @@
+"""Tensor and pipeline parallel engines (the "mp" executor: one worker process per rank,
+gloo on the CPU) against transformers' greedy ``generate`` in float32, token for token,
+through the offline ``LLM``: a mixed batch with chunked prefill, prefix-cache hits and
+preemption; and a worker killed mid-batch fails the engine fast, leaving no process or
+shared-memory segment behind.
+
+This box has 2 cores, so an engine gets at most 2 workers (one core each): TP=2 and PP=2
+are tested here, TP=2 x PP=2 at the model-runner level (test_tensor_parallel.py).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import torch
+from test_llm_tiny_models import assert_matches_hf
+from tiny_models import hf_greedy_steps, tiny_config, tiny_hf_model
+
+from tandem import LLM, SamplingParams
+from tandem.engine.executor import EngineDeadError
+
+VOCAB = 256
+MAX_LEN = 256
+NEW_TOKENS = 10
+
+pytestmark = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A Llama whose 4 query heads share 1 KV head: at TP=2 each rank holds a replica."""
+    config = tiny_config("LlamaForCausalLM", vocab=VOCAB, hidden=64, ffn=128, heads=4,
+                         kv_heads=1, layers=4, max_len=MAX_LEN, special_tokens=False)
+    hf = tiny_hf_model(config, std=0.2, seed=11)
+    folder = str(tmp_path_factory.mktemp("tiny-tp"))
+    hf.save_pretrained(folder)
+    return folder, hf
+
+
+def prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(3)
+    shared = torch.randint(0, VOCAB, (40,), generator=g).tolist()
+    # Two prompts share 40 tokens (prefix-cache hits on the second), lengths across
+    # block and chunk edges.
+    lens = [1, 17, 45, 90]
+    rest = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in lens]
+    return rest + [shared + [1, 2, 3], shared + [4, 5, 6, 7, 8]]
+
+
+def _shm_names() -> set[str]:
+    try:
+        return set(os.listdir("/dev/shm"))
+    except FileNotFoundError:
+        return set()
+
+
+@pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2)], ids=["tp2", "pp2"])
+def test_parallel_greedy_equals_transformers(tiny, tp: int, pp: int) -> None:
+    folder, hf = tiny
+    before = _shm_names()
+    # 20 blocks of 16 tokens for 6 requests growing to 1-7 blocks: preemption; a
+    # 32-token step budget: the long prompts are chunked.
+    with LLM(model=folder, dtype="float32", max_model_len=MAX_LEN, num_blocks=20,
+             max_num_batched_tokens=32, tensor_parallel_size=tp,
+             pipeline_parallel_size=pp) as llm:
+        core = llm.llm_engine.engine_core
+        pids = core.executor.worker_pids
+        assert len(pids) == 2
+        params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+        outs = llm.generate(prompts(), params, use_tqdm=False)
+        for prompt, out in zip(prompts(), outs, strict=True):
+            want, logits = hf_greedy_steps(hf, prompt, NEW_TOKENS)
+            assert_matches_hf(list(out.outputs[0].token_ids), want, logits)
+        stats = core.get_stats()
+        assert stats.prefix_cache_hits > 0
+        assert stats.num_preemptions > 0, "the test must preempt"
+        # Alone, the same tokens as in the batch.
+        alone = llm.generate([prompts()[3]], params, use_tqdm=False)[0]
+        assert alone.outputs[0].token_ids == outs[3].outputs[0].token_ids
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    assert _shm_names() <= before
+
+
+def test_killed_worker_fails_the_engine_fast(tiny) -> None:
+    folder, _ = tiny
+    before = _shm_names()
+    llm = LLM(model=folder, dtype="float32", max_model_len=MAX_LEN, kv_cache_memory=4 << 20,
+              tensor_parallel_size=2)
+    pids = llm.llm_engine.engine_core.executor.worker_pids
+    params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    engine = llm.llm_engine
+    engine.add_request("a", prompts()[2], params)
+    engine.step()
+    os.kill(pids[1], signal.SIGKILL)
+    with pytest.raises(EngineDeadError, match="worker process 1 .* died"):
+        while engine.has_unfinished_requests():
+            engine.step()
+    with pytest.raises(EngineDeadError):
+        engine.step()  # dead stays dead
+    llm.shutdown()
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    assert _shm_names() <= before

@@ -1,0 +1,97 @@
+"""Disaggregation between engines of different tensor-parallel sizes, over real services,
+a real KV store and Redis: a prefill at TP=2 publishes blocks that a decode at TP=1 loads,
+and the reverse; the greedy output equals transformers' (float32). The store holds every
+block in the full model's head layout, so both sides share keys.
+
+And a decode service whose worker process is killed mid-stream fails the stream with
+UNAVAILABLE (the router's signal to retry or migrate elsewhere) and exits, instead of
+hanging in a collective.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+
+import grpc
+import psutil
+import pytest
+from services_harness import (
+    EngineService,
+    decode_request_from,
+    hf_greedy,
+    params,
+    run_disaggregated,
+)
+
+from tandem.v1 import prefill_pb2
+
+#: Flags of the module's TP=1 prefill and decode services (conftest's fixtures read it).
+ENGINE_ARGS = ["--max-num-batched-tokens", "64", "--num-kv-blocks", "128", "--block-size", "16"]
+TP2 = [*ENGINE_ARGS, "--tensor-parallel-size", "2"]
+
+pytestmark = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs")
+
+
+def _prompt(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(3, 49152) for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def prefill_tp2(tiny, redis_url, store, tmp_path_factory):
+    svc = EngineService("prefill", tiny, tmp_path_factory.mktemp("prefill-tp2"), redis_url, TP2)
+    yield svc
+    assert svc.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def decode_tp2(tiny, redis_url, store, tmp_path_factory):
+    svc = EngineService("decode", tiny, tmp_path_factory.mktemp("decode-tp2"), redis_url, TP2)
+    yield svc
+    if svc.proc.alive():
+        svc.stop()
+
+
+def _workers(svc: EngineService) -> list[psutil.Process]:
+    """The service's worker processes (multiprocessing "spawn" children)."""
+    kids = psutil.Process(svc.proc.popen.pid).children()
+    return [k for k in kids if "spawn_main" in " ".join(k.cmdline())]
+
+
+def test_prefill_and_decode_at_different_tensor_parallel_sizes(
+    tiny, prefill, decode, prefill_tp2, decode_tp2
+):
+    assert len(_workers(prefill_tp2)) == 2 and len(_workers(decode_tp2)) == 2
+    rng = random.Random(5)
+    prompts = [_prompt(rng, n) for n in (16, 37, 100)]
+    expected = hf_greedy(tiny, prompts, max_new_tokens=8)
+    for prompt, want in zip(prompts, expected, strict=True):
+        for pre, dec, what in ((prefill_tp2, decode, "TP2 -> TP1"),
+                               (prefill, decode_tp2, "TP1 -> TP2")):
+            got, presp = run_disaggregated(pre, dec, prompt, params(8))
+            assert got == want, f"{what}, prompt of {len(prompt)} tokens"
+    # The same layout fingerprint on both sides: one set of keys in the store.
+    a = prefill_tp2.prefill.Prefill(prefill_pb2.PrefillRequest(
+        prompt_token_ids=prompts[0], sampling_params=params(1)), timeout=60)
+    b = prefill.prefill.Prefill(prefill_pb2.PrefillRequest(
+        prompt_token_ids=prompts[0], sampling_params=params(1)), timeout=60)
+    assert a.kv_layout_fingerprint == b.kv_layout_fingerprint
+
+
+def test_killed_worker_fails_the_stream_and_the_service_exits(prefill, decode_tp2):
+    rng = random.Random(6)
+    prompt = _prompt(rng, 20)
+    pre = prefill.prefill.Prefill(prefill_pb2.PrefillRequest(
+        prompt_token_ids=prompt, sampling_params=params(400)), timeout=60)
+    stream = decode_tp2.decode.Decode(decode_request_from(pre, prompt, params(400)), timeout=120)
+    next(stream)  # the request is running on the workers
+    workers = _workers(decode_tp2)
+    workers[1].send_signal(signal.SIGKILL)
+    with pytest.raises(grpc.RpcError) as err:
+        for _ in stream:
+            pass
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert decode_tp2.proc.popen.wait(60) == 1, "the service exits when its engine dies"
+    _, alive = psutil.wait_procs(workers, timeout=30)
+    assert alive == [], "no worker process outlives the service"
