@@ -110,6 +110,20 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "LLM(deterministic=True)) and report the throughput ratio",
     )
     p.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="also run tandem with this many tensor-parallel worker processes (tandem+par, "
+        "beside tandem's one in-process worker) and report the ratio and the all-reduce time",
+    )
+    p.add_argument(
+        "--pipeline-parallel-size",
+        type=int,
+        default=1,
+        help="also run tandem with this many pipeline stages (tandem+par; with "
+        "--tensor-parallel-size: both)",
+    )
+    p.add_argument(
         "--prompt-pattern",
         choices=["random", "repeated"],
         default="random",
@@ -144,7 +158,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             args.backend.insert(0, "tandem")
     # Checked here rather than at load time: the other backends load first and
     # the run would fail only after them.
-    if args.deterministic and "tandem" not in args.backend:
+    if args.tensor_parallel_size < 1 or args.pipeline_parallel_size < 1:
+        p.error("--tensor-parallel-size and --pipeline-parallel-size must be >= 1")
+    args.parallel = args.tensor_parallel_size * args.pipeline_parallel_size > 1
+    if (args.deterministic or args.parallel) and "tandem" not in args.backend:
         args.backend.insert(0, "tandem")
     if "llama.cpp" in args.backend and importlib.util.find_spec("llama_cpp") is None:
         p.error(LLAMA_CPP_MISSING)
@@ -245,6 +262,7 @@ def run_tandem(
     prompt_sets: list[list[list[int]]],
     speculative: Any = None,
     deterministic: bool = False,
+    parallel: tuple[int, int] = (1, 1),
 ) -> tuple[RunOne, dict[str, Any]]:
     """Load tandem and warm it up; returns the timed pass and the result's metadata
     (with ``speculative``: the engine runs with that ``SpeculativeConfig``; with
@@ -262,6 +280,8 @@ def run_tandem(
         seed=args.seed,
         speculative_config=speculative,
         deterministic=deterministic,
+        tensor_parallel_size=parallel[0],
+        pipeline_parallel_size=parallel[1],
     )
     params = SamplingParams(temperature=args.temperature, ignore_eos=True,
                             max_tokens=args.output_len)
@@ -279,6 +299,9 @@ def run_tandem(
     meta: dict[str, Any] = {"dtype": str(_dtype_of(llm)), "outputs": outputs}
     if deterministic:
         return run_one, meta
+    if parallel != (1, 1):
+        meta["parallel_llm"] = llm
+        return run_one, meta
     if speculative is not None:
         meta["spec_stats_at_start"] = spec_stats(llm)
         meta["spec_llm"] = llm
@@ -289,6 +312,9 @@ def run_tandem(
         meta["spec_runner"] = run_tandem(args, prompt_sets, args.speculative)
     if getattr(args, "deterministic", False):
         meta["det_runner"] = run_tandem(args, prompt_sets, deterministic=True)
+    if getattr(args, "parallel", False):
+        sizes = (args.tensor_parallel_size, args.pipeline_parallel_size)
+        meta["par_runner"] = run_tandem(args, prompt_sets, parallel=sizes)
     return run_one, meta
 
 
@@ -517,6 +543,33 @@ RUNNERS: dict[
 _ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_tile")
 
 
+def parallel_report(par: dict[str, Any], one: dict[str, Any],
+                    args: argparse.Namespace) -> dict[str, Any]:
+    """Print and return tandem+par against tandem: the throughput ratio (overall and per
+    pass) and what the workers' collectives cost (``collectives``: per rank, seconds and
+    calls of all-reduce / gather / send / recv over the whole run, warm-up included)."""
+    report = {
+        "tensor_parallel_size": args.tensor_parallel_size,
+        "pipeline_parallel_size": args.pipeline_parallel_size,
+        "ratio": par["output_tokens_per_s"] / one["output_tokens_per_s"],
+        "paired_ratios": [
+            (par["num_output_tokens"] / ps) / (one["num_output_tokens"] / ts)
+            for ps, ts in zip(par["runs_s"], one["runs_s"], strict=True)
+        ],
+        "collectives": par.get("collectives", []),
+    }
+    sizes = f"TP={args.tensor_parallel_size} PP={args.pipeline_parallel_size}"
+    line = f"tandem+par ({sizes}) / tandem: {report['ratio']:.2f}x output tokens/s"
+    if len(report["paired_ratios"]) > 1:
+        line += " (per pass: " + ", ".join(f"{x:.2f}x" for x in report["paired_ratios"]) + ")"
+    print(line)
+    for rank, stats in enumerate(report["collectives"]):
+        parts = [f"{op} {v['calls']} calls {v['seconds'] * 1e3:.0f} ms"
+                 for op, v in sorted(stats.items()) if v["calls"]]
+        print(f"  rank {rank}: " + (", ".join(parts) or "no collectives"))
+    return report
+
+
 def machine_info() -> dict[str, Any]:
     """CPU model and count, platform, torch version: recorded beside the numbers."""
     import torch
@@ -569,6 +622,8 @@ def main(argv: list[str] | None = None) -> int:
             runners["tandem+spec"], meta["tandem+spec"] = meta[backend].pop("spec_runner")
         if backend == "tandem" and "det_runner" in meta[backend]:
             runners["tandem+det"], meta["tandem+det"] = meta[backend].pop("det_runner")
+        if backend == "tandem" and "par_runner" in meta[backend]:
+            runners["tandem+par"], meta["tandem+par"] = meta[backend].pop("par_runner")
     timed = _run_interleaved(runners, prompt_sets)
     results: dict[str, dict[str, Any]] = {}
     outputs = {name: m.pop("outputs", None) for name, m in meta.items()}
@@ -577,6 +632,10 @@ def main(argv: list[str] | None = None) -> int:
         if "spec_llm" in m:
             m["spec_decode"] = acceptance(m.pop("spec_stats_at_start"),
                                           spec_stats(m.pop("spec_llm")))
+        if "parallel_llm" in m:
+            par_llm = m.pop("parallel_llm")
+            m["collectives"] = par_llm.llm_engine.engine_core.executor.collective_stats()
+            par_llm.shutdown()
         r.update(m)
         elapsed = r["elapsed_s"]
         num_in = args.num_prompts * args.input_len
@@ -691,6 +750,9 @@ def main(argv: list[str] | None = None) -> int:
             f"deterministic: {deterministic['requests_with_other_tokens']} of "
             f"{args.num_prompts * args.repeat} requests got other greedy tokens than tandem's"
         )
+    parallel: dict[str, Any] = {}
+    if "tandem+par" in results and "tandem" in results:
+        parallel = parallel_report(results["tandem+par"], results["tandem"], args)
     if args.json_path:
         doc = {
             "benchmark": "throughput",
@@ -703,6 +765,7 @@ def main(argv: list[str] | None = None) -> int:
             "structured": structured,
             "speculative": speculative,
             "deterministic": deterministic,
+            "parallel": parallel,
         }
         with open(args.json_path, "w") as f:
             json.dump(doc, f, indent=2)

@@ -312,6 +312,12 @@ class MultiProcExecutor(Executor):
         assert isinstance(out, ModelRunnerOutput), "the driver rank returns the step's output"
         return out
 
+    def collective_stats(self) -> list[dict[str, dict[str, float]]]:
+        """Per rank, what its ``torch.distributed`` calls cost since start-up: op name
+        ("all_reduce", "gather", "send", "recv") -> ``{"calls": n, "seconds": s}``
+        (wall time in the call, waiting for peers included)."""
+        return list(self._collective("collective_stats"))
+
     @property
     def worker_pids(self) -> list[int]:
         """Process ids of the workers, in rank order."""

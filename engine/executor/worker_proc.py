@@ -11,6 +11,7 @@ answers each on its own reply queue:
     ("initialize_kv_cache", n, files)     -> None (``files[rank]``: the shared cache to map,
                                              or ``files`` None: a private cache)
     ("execute_model", StepMessage)        -> ModelRunnerOutput on the driver rank, else None
+    ("collective_stats",)                 -> this rank's ``distributed.collective_stats()``
     ("shutdown",)                         -> None, then the process exits
 
 A reply is ``("ok", value)`` or ``("error", type_name, message, traceback)``. The
@@ -133,6 +134,8 @@ def worker_main(spec: WorkerSpec, startup: Connection) -> None:
                 elif name == "execute_model":
                     out = worker.execute_model(mirror.decode(command[1]))
                     result = out if worker.is_driver else None
+                elif name == "collective_stats":
+                    result = distributed.collective_stats()
                 elif name == "shutdown":
                     worker.shutdown()
                 else:
