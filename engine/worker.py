@@ -94,8 +94,7 @@ class Worker:
     def is_driver(self) -> bool:
         """Whether this rank returns the step's output (last pipeline stage, first
         tensor-parallel rank: the one that samples)."""
-        par = self.config.parallel
-        return self.rank == (par.pipeline_parallel_size - 1) * par.tensor_parallel_size
+        return self.model_runner.is_driver
 
     def shard_info(self) -> dict[str, Any]:
         """What the executor needs to know of this rank, after ``load_model``: the full
@@ -106,7 +105,7 @@ class Worker:
         return {
             "facts": self.model_facts(),
             "has_tokenizer": r.loaded.tokenizer is not None,
-            "layer_range": r.kv_layer_range,
+            "layer_range": r.layer_range,
             "kv_head_range": r.kv_head_range,
             "block_bytes": r.block_bytes,
         }

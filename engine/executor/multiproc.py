@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from tandem.engine.config import EngineConfig
 from tandem.engine.executor.abstract import EngineDeadError, Executor
-from tandem.engine.executor.shm_broadcast import MessageQueue
+from tandem.engine.executor.shm_broadcast import Handle, MessageQueue
 from tandem.engine.executor.step_message import StepEncoder
 from tandem.engine.executor.worker_proc import WorkerSpec, worker_main
 from tandem.engine.model_facts import ModelFacts
@@ -109,6 +109,7 @@ class MultiProcExecutor(Executor):
         self.world_size = par.world_size
         self._procs: list[BaseProcess] = []
         self._replies: list[MessageQueue] = []
+        self._reply_handles: list[Handle] = []
         self._broadcast: MessageQueue | None = None
         self._encoder = StepEncoder()
         self._dead: str | None = None
@@ -147,17 +148,16 @@ class MultiProcExecutor(Executor):
     def _start_workers(self, cpu_sets: list[tuple[int, ...] | None], backend: str) -> None:
         ctx = multiprocessing.get_context("spawn")
         self._broadcast = MessageQueue.create(self.world_size, BROADCAST_CHUNK_BYTES,
-                                              BROADCAST_CHUNKS)
+                                              BROADCAST_CHUNKS, is_alive=self._all_alive)
         init_method = f"file://{os.path.join(self._rdv_dir, 'rendezvous')}"
         pipes = []
         for rank in range(self.world_size):
-            reply = MessageQueue.create(1, REPLY_CHUNK_BYTES, REPLY_CHUNKS)
-            self._replies.append(reply)
             spec = WorkerSpec(
                 config=self.config, rank=rank, dist_init_method=init_method,
                 dist_backend=backend, cpus=cpu_sets[rank],
-                broadcast=self._broadcast.handle(), reply=reply.handle(),
+                broadcast=self._broadcast.handle(),
                 parent_pid=os.getpid(), log_level=logging.getLogger().getEffectiveLevel(),
+                reply_chunk_bytes=REPLY_CHUNK_BYTES, reply_chunks=REPLY_CHUNKS,
             )
             ours, theirs = ctx.Pipe(duplex=False)
             proc = ctx.Process(target=worker_main, args=(spec, theirs), daemon=True,
@@ -166,7 +166,17 @@ class MultiProcExecutor(Executor):
             theirs.close()
             self._procs.append(proc)
             pipes.append(ours)
-        infos = [self._wait_ready(rank, conn) for rank, conn in enumerate(pipes)]
+        infos = []
+        for rank, conn in enumerate(pipes):
+            info = self._wait_ready(rank, conn)
+            self._reply_handles.append(info["reply"])
+            try:
+                self._replies.append(MessageQueue.attach(info["reply"], 0,
+                                                         is_alive=self._all_alive))
+            except FileNotFoundError:
+                self._check_alive(starting=True)
+                raise
+            infos.append(info)
         self.shard_infos = infos
         self._facts: ModelFacts = infos[0]["facts"]
         self._has_tokenizer = bool(infos[0]["has_tokenizer"])
@@ -231,8 +241,8 @@ class MultiProcExecutor(Executor):
             raise RuntimeError("the executor is shut down")
         assert self._broadcast is not None
         try:
-            self._broadcast.enqueue(command, is_alive=self._all_alive)
-            replies = [q.dequeue(is_alive=self._all_alive) for q in self._replies]
+            self._broadcast.enqueue(command)
+            replies = [q.dequeue() for q in self._replies]
         except RuntimeError:
             self._check_alive()
             raise
@@ -343,8 +353,7 @@ class MultiProcExecutor(Executor):
         self._closed = True
         if self._broadcast is not None and self._dead is None and self._all_alive():
             try:
-                self._broadcast.enqueue(("shutdown",), timeout=WORKER_EXIT_TIMEOUT_S,
-                                        is_alive=self._all_alive)
+                self._broadcast.enqueue(("shutdown",), timeout=WORKER_EXIT_TIMEOUT_S)
             except (RuntimeError, TimeoutError):
                 pass  # terminated below
         for proc in self._procs:
@@ -354,6 +363,9 @@ class MultiProcExecutor(Executor):
                 proc.join(WORKER_EXIT_TIMEOUT_S)
         for q in self._replies:
             q.close()
+        for handle in self._reply_handles:
+            # A worker that died (or was killed above) never unlinked its reply queue.
+            MessageQueue.remove_segment(handle)
         if self._broadcast is not None:
             self._broadcast.close()
         self._close_memfds()

@@ -46,10 +46,9 @@ class WorkerSpec:
         dist_backend: "gloo" (CPU) or "nccl" (CUDA).
         cpus: CPUs to pin to (``None``: keep the inherited affinity).
         broadcast: handle of the executor's command queue.
-        reply: handle of this worker's reply queue (the executor created it; the worker
-            writes it).
         parent_pid: the engine process; the worker exits when it is gone.
         log_level: the engine's logging level.
+        reply_chunk_bytes / reply_chunks: the ring of the worker's reply queue.
     """
 
     config: EngineConfig
@@ -58,9 +57,10 @@ class WorkerSpec:
     dist_backend: str
     cpus: tuple[int, ...] | None
     broadcast: Handle
-    reply: Handle
     parent_pid: int
     log_level: int = logging.INFO
+    reply_chunk_bytes: int = 1 << 20
+    reply_chunks: int = 2
 
 
 def _config_for_rank(config: EngineConfig, rank: int) -> EngineConfig:
@@ -94,15 +94,24 @@ def worker_main(spec: WorkerSpec, startup: Connection) -> None:
     from tandem.engine.worker import Worker
 
     par = spec.config.parallel
+
+    def parent_alive() -> bool:
+        return os.getppid() == spec.parent_pid
+
     try:
-        reply = MessageQueue.attach(spec.reply, reader_rank=-1)
-        commands = MessageQueue.attach(spec.broadcast, reader_rank=spec.rank)
+        commands = MessageQueue.attach(spec.broadcast, reader_rank=spec.rank,
+                                       is_alive=parent_alive)
         distributed.init_distributed(spec.rank, par.tensor_parallel_size,
                                      par.pipeline_parallel_size, spec.dist_init_method,
                                      spec.dist_backend)
         worker = Worker(_config_for_rank(spec.config, spec.rank), rank=spec.rank)
         worker.load_model()
         info = worker.shard_info()
+        # This worker writes its replies; the executor removes the segment if the
+        # worker dies without closing it.
+        reply = MessageQueue.create(1, spec.reply_chunk_bytes, spec.reply_chunks,
+                                    is_alive=parent_alive)
+        info["reply"] = reply.handle()
     except BaseException as exc:  # noqa: BLE001 - reported to the executor, which raises it
         startup.send(_error(exc))
         startup.close()
@@ -111,14 +120,11 @@ def worker_main(spec: WorkerSpec, startup: Connection) -> None:
     startup.send(("ready", info))
     startup.close()
 
-    def parent_alive() -> bool:
-        return os.getppid() == spec.parent_pid
-
     mirror = RequestMirror()
     try:
         while True:
             try:
-                command = commands.dequeue(is_alive=parent_alive)
+                command = commands.dequeue()
             except RuntimeError:
                 logger.warning("the engine process is gone: worker %d exits", spec.rank)
                 return
@@ -140,13 +146,11 @@ def worker_main(spec: WorkerSpec, startup: Connection) -> None:
                     worker.shutdown()
                 else:
                     raise ValueError(f"unknown worker command {name!r}")
-                reply.enqueue(("ok", result), is_alive=parent_alive)
-            except RuntimeError as exc:
+                reply.enqueue(("ok", result))
+            except Exception as exc:  # noqa: BLE001 - the executor raises it in the engine
                 if not parent_alive():
                     return
-                reply.enqueue(_error(exc), is_alive=parent_alive)
-            except Exception as exc:  # noqa: BLE001 - the executor raises it in the engine
-                reply.enqueue(_error(exc), is_alive=parent_alive)
+                reply.enqueue(_error(exc))
             if name == "shutdown":
                 return
     finally:
