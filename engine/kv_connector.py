@@ -21,7 +21,10 @@ Flow per engine step (``EngineCore.step``)::
     scheduler.update_from_output(sched_out, out, recving, sending)
 
 KV layout: ``kv_cache`` is ``[num_blocks, num_layers, 2, block_size, num_kv_heads,
-head_dim]`` (model dtype); block ``b``'s bytes for all layers are ``kv_cache[b]``.
+head_dim]`` (model dtype); block ``b``'s bytes for all layers are ``kv_cache[b]``. A
+tensor/pipeline-parallel engine's cache is split over its ranks instead: a
+:class:`~tandem.engine.kv_shards.ShardedKVCache` that reads and writes such full blocks
+(connectors store blocks in that full-head layout, so engines at any TP/PP share them).
 
 Besides the step loop, the services watch the worker side: a
 :class:`TransferListener` receives each transfer's outcome (``set_listener``),
@@ -48,6 +51,7 @@ import torch
 
 from tandem.contracts.kv_layout import KVCacheLayout
 from tandem.engine.config import KVTransferConfig
+from tandem.engine.kv_shards import ShardedKVCache
 from tandem.engine.request import Request
 
 if TYPE_CHECKING:
@@ -189,12 +193,17 @@ class KVConnectorWorker(ABC):
     """Worker side of a connector: moves bytes between the KV cache and the store."""
 
     @abstractmethod
-    def register_kv_caches(self, kv_cache: torch.Tensor) -> None:
-        """Remember the engine's KV cache tensor
-        ``[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]``.
+    def register_kv_caches(self, kv_cache: torch.Tensor | ShardedKVCache) -> None:
+        """Remember the engine's KV cache: one tensor
+        ``[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]``, or a
+        :class:`~tandem.engine.kv_shards.ShardedKVCache` of the ranks' shards (tensor or
+        pipeline parallelism) whose ``read_blocks``/``write_blocks`` move full blocks of
+        that shape. Every implementation accepts both (``ShardedKVCache.from_tensor``
+        makes the one-shard case of a tensor).
 
-        Called once before the first step. Raises ValueError when the tensor does
-        not match the layout the connector was built for.
+        Called once before the first step. Raises ValueError when the cache does not
+        match the layout the connector was built for (full block shape ``layout.
+        block_shape``).
         """
 
     @abstractmethod

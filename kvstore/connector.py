@@ -10,6 +10,14 @@ so blocks of another model or layout are never read. A block's value is the
 bytes of ``kv_cache[block_id]`` (all layers, K and V, the whole block even when
 only its first tokens are valid).
 
+The engine's cache is either one CPU tensor, whose blocks the store reads and writes
+in place (no copy), or a :class:`~tandem.engine.kv_shards.ShardedKVCache` (tensor/
+pipeline-parallel ranks' shards, or a cache on a GPU): its blocks move through host
+staging buffers in the canonical full-head layout (the full model's, the one the
+layout fingerprint names), so engines at any TP/PP share blocks; a save assembles
+full blocks from the shards, a load scatters them into every shard (replicas
+included).
+
 Producer (prefill, ``kv_producer``): when a request finishes, ``request_finished``
 hands its blocks to the transfer thread and returns True (the scheduler keeps
 the blocks); the thread asks the store which keys it lacks, uploads those, and
@@ -75,11 +83,16 @@ from tandem.engine.kv_connector import (
     SaveResult,
     TransferListener,
 )
+from tandem.engine.kv_shards import ShardedKVCache
 from tandem.engine.request import Request, RequestStatus
 from tandem.engine.sched_output import SchedulerOutput
 from tandem.kvstore.config import StoreConnectorConfig
 
 logger = logging.getLogger(__name__)
+
+#: Host staging per transfer thread for a sharded (or GPU) cache, in bytes: a transfer
+#: moves in chunks of at most this size (one block at least), reusing one buffer.
+STAGING_BYTES = 64 << 20
 
 
 class BlockStoreClient(Protocol):
@@ -230,7 +243,12 @@ class _Transfers:
         self._in_flight: dict[str, _Job] = {}
         # request id -> block indices it loaded whole from the store (not resent)
         self._loaded_blocks: dict[str, range] = {}
+        # exactly one of the two is set by register_kv_caches: a CPU cache read and
+        # written in place, or a sharded one moved through staging buffers
         self.kv_cache: torch.Tensor | None = None
+        self.sharded: ShardedKVCache | None = None
+        self.block_size = 0
+        self._staging = threading.local()
         self.listener: TransferListener | None = None
         self.lookups: _Lookups | None = None  # set by the scheduler side, closed here
         self.num_load_failures = 0
@@ -304,20 +322,81 @@ class _Transfers:
             else:
                 self._load(job)
 
-    def _host_block(self, block_id: int) -> torch.Tensor:
-        """Block ``block_id`` as a contiguous CPU tensor (a view on CPU, a copy on GPU)."""
-        assert self.kv_cache is not None, "register_kv_caches was not called"
-        block = self.kv_cache[block_id]
-        return block if block.device.type == "cpu" else block.cpu()
+    def attach(self, kv_cache: torch.Tensor | ShardedKVCache) -> None:
+        """Serve ``kv_cache``: a contiguous CPU tensor in place, anything else staged."""
+        if isinstance(kv_cache, ShardedKVCache):
+            whole = kv_cache.shards[0].tensor
+            if kv_cache.is_single and whole.device.type == "cpu" and whole.is_contiguous():
+                kv_cache = whole
+        if isinstance(kv_cache, torch.Tensor) and kv_cache.device.type == "cpu":
+            self.kv_cache, self.sharded = kv_cache, None
+            self.block_size = int(kv_cache.shape[3])
+        else:
+            sharded = (kv_cache if isinstance(kv_cache, ShardedKVCache)
+                       else ShardedKVCache.from_tensor(kv_cache))
+            self.kv_cache, self.sharded = None, sharded
+            self.block_size = sharded.block_shape[2]
+
+    def _staging_buffer(self, cache: ShardedKVCache, num_blocks: int) -> torch.Tensor:
+        """This thread's host staging buffer ``[num_blocks, *block_shape]``: one
+        contiguous tensor, so consecutive blocks move as one message or copy."""
+        numel = num_blocks * cache.block_bytes // cache.dtype.itemsize
+        buf: torch.Tensor | None = getattr(self._staging, "buf", None)
+        if buf is None or buf.numel() < numel or buf.dtype != cache.dtype:
+            # pinned host memory: faster copies to and from a GPU shard
+            pin = any(s.tensor.device.type == "cuda" for s in cache.shards)
+            buf = torch.empty(numel, dtype=cache.dtype, pin_memory=pin)
+            self._staging.buf = buf
+        return buf[:numel].view(num_blocks, *cache.block_shape)
+
+    def _chunks(self, cache: ShardedKVCache, n: int) -> list[tuple[int, int]]:
+        step = max(1, STAGING_BYTES // cache.block_bytes)
+        return [(lo, min(lo + step, n)) for lo in range(0, n, step)]
+
+    def _put(self, job: _Job) -> int:
+        """Store the job's blocks; returns how many the store holds. Raises on failure."""
+        client = self._client_or_connect()
+        if self.kv_cache is not None:
+            # NOTE: views of the cache, sent without a copy; the scheduler keeps the
+            # blocks allocated until this save reports done.
+            return client.put_blocks(job.keys, [self.kv_cache[b] for b in job.block_ids])
+        cache = self.sharded
+        assert cache is not None, "register_kv_caches was not called"
+        stored = 0
+        for lo, hi in self._chunks(cache, len(job.keys)):
+            buf = self._staging_buffer(cache, hi - lo)
+            cache.read_blocks(job.block_ids[lo:hi], buf)
+            stored += client.put_blocks(job.keys[lo:hi], list(buf))
+        return stored
+
+    def _get(self, job: _Job) -> int:
+        """Load the job's leading present blocks into the cache; returns how many."""
+        client = self._client_or_connect()
+        if self.kv_cache is not None:
+            # the store writes straight into the cache blocks
+            return client.get_blocks(job.keys, [self.kv_cache[b] for b in job.block_ids])
+        cache = self.sharded
+        assert cache is not None, "register_kv_caches was not called"
+        loaded = 0
+        for lo, hi in self._chunks(cache, len(job.keys)):
+            buf = self._staging_buffer(cache, hi - lo)
+            n = client.get_blocks(job.keys[lo:hi], list(buf))
+            cache.write_blocks(job.block_ids[lo:lo + n], buf[:n])
+            loaded += n
+            if n < hi - lo:
+                break
+        return loaded
+
+    def _block_bytes(self) -> int:
+        if self.kv_cache is not None:
+            return self.kv_cache[0].numel() * self.kv_cache.element_size()
+        return self.sharded.block_bytes if self.sharded is not None else 0
 
     def _save(self, job: _Job) -> None:
         stored, error = 0, None
         try:
-            # NOTE: on CPU these are views of the cache, sent without a copy; the
-            # scheduler keeps the blocks allocated until this save reports done.
             if job.keys:
-                blocks = [self._host_block(b) for b in job.block_ids]
-                stored = self._client_or_connect().put_blocks(job.keys, blocks)
+                stored = self._put(job)
         except Exception as exc:  # noqa: BLE001 - a failed publish is a later miss, not a crash
             logger.warning("publishing KV of %s failed: %s", job.request_id, exc, exc_info=True)
             error = f"{type(exc).__name__}: {exc}"
@@ -332,25 +411,14 @@ class _Transfers:
         loaded = loaded_bytes = 0
         if not job.cancelled:
             try:
-                assert self.kv_cache is not None, "register_kv_caches was not called"
-                on_cpu = self.kv_cache.device.type == "cpu"
-                # On CPU the store writes straight into the cache blocks; on GPU
-                # through host staging buffers.
-                into = [
-                    self.kv_cache[b] if on_cpu else torch.empty_like(self.kv_cache[b], device="cpu")
-                    for b in job.block_ids
-                ]
-                num_blocks = self._client_or_connect().get_blocks(job.keys, into)
-                if not on_cpu:
-                    for b, buf in zip(job.block_ids[:num_blocks], into, strict=False):
-                        self.kv_cache[b].copy_(buf)
+                num_blocks = self._get(job)
                 loaded = sum(job.num_tokens[:num_blocks])
-                loaded_bytes = sum(buf.numel() * buf.element_size() for buf in into[:num_blocks])
+                loaded_bytes = num_blocks * self._block_bytes()
             except Exception as exc:  # noqa: BLE001 - a failed load is a miss: recompute
                 logger.warning("loading KV of %s failed: %s", job.request_id, exc, exc_info=True)
         requested = sum(job.num_tokens)
         result = LoadResult(loaded, requested, time.monotonic_ns(), loaded_bytes)
-        bs = self.kv_cache.shape[3] if self.kv_cache is not None else 0
+        bs = self.block_size
         whole, left = 0, loaded
         for n in job.num_tokens:
             if n != bs or left < n:
@@ -513,16 +581,36 @@ class StoreConnectorWorker(KVConnectorWorker):
         self._transfers = transfers
         self._layout = layout
 
-    def register_kv_caches(self, kv_cache: torch.Tensor) -> None:
+    def register_kv_caches(self, kv_cache: torch.Tensor | ShardedKVCache) -> None:
+        """Serve ``kv_cache``: a tensor ``[num_blocks, *layout.block_shape]`` (contiguous;
+        on CPU the store reads and writes its blocks in place) or a
+        :class:`~tandem.engine.kv_shards.ShardedKVCache` whose full block is the
+        layout's (moved through host staging buffers).
+
+        Raises:
+            ValueError: another block shape or dtype than the layout's, or a tensor that
+                is not contiguous.
+        """
         expected = self._layout.block_shape
-        if kv_cache.dim() != 6 or tuple(kv_cache.shape[1:]) != expected:
-            raise ValueError(
-                f"kv_cache must be [num_blocks, {', '.join(map(str, expected))}], "
-                f"got shape {tuple(kv_cache.shape)}"
-            )
-        if not kv_cache.is_contiguous():
-            raise ValueError("kv_cache must be contiguous (block b = kv_cache[b])")
-        self._transfers.kv_cache = kv_cache
+        dtype = getattr(torch, self._layout.dtype)
+        if isinstance(kv_cache, ShardedKVCache):
+            if kv_cache.block_shape != expected:
+                raise ValueError(
+                    f"kv_cache's full block must be {expected} (the layout's), got "
+                    f"{kv_cache.block_shape}")
+            got = kv_cache.dtype
+        else:
+            if kv_cache.dim() != 6 or tuple(kv_cache.shape[1:]) != expected:
+                raise ValueError(
+                    f"kv_cache must be [num_blocks, {', '.join(map(str, expected))}], "
+                    f"got shape {tuple(kv_cache.shape)}"
+                )
+            if not kv_cache.is_contiguous():
+                raise ValueError("kv_cache must be contiguous (block b = kv_cache[b])")
+            got = kv_cache.dtype
+        if got != dtype:
+            raise ValueError(f"kv_cache must have dtype {dtype} (the layout's), got {got}")
+        self._transfers.attach(kv_cache)
 
     def start_load_kv(self, meta: object) -> None:
         if isinstance(meta, StoreConnectorMetadata):

@@ -27,6 +27,7 @@ from tandem.engine.kv_connector import (
     TransferListener,
     register_connector,
 )
+from tandem.engine.kv_shards import ShardedKVCache
 from tandem.engine.request import Request, RequestStatus
 from tandem.engine.sched_output import SchedulerOutput
 
@@ -159,18 +160,21 @@ class MemoryConnectorWorker(KVConnectorWorker):
 
     def __init__(self, store: MemoryKVStore) -> None:
         self.store = store
-        self.kv_cache: torch.Tensor | None = None
+        self.kv_cache: ShardedKVCache | None = None
         self._listener: TransferListener | None = None
         self._num_load_failures = 0
         self._finished_sending: set[str] = set()
         self._finished_recving: dict[str, int] = {}
 
-    def register_kv_caches(self, kv_cache: torch.Tensor) -> None:
-        if kv_cache.dim() != 6 or kv_cache.shape[2] != 2:
-            raise ValueError(
-                "kv_cache must be [num_blocks, num_layers, 2, block_size, num_kv_heads, "
-                f"head_dim], got shape {tuple(kv_cache.shape)}"
-            )
+    def register_kv_caches(self, kv_cache: torch.Tensor | ShardedKVCache) -> None:
+        """Blocks are stored whole (full-head), so a sharded cache's too."""
+        if isinstance(kv_cache, torch.Tensor):
+            if kv_cache.dim() != 6 or kv_cache.shape[2] != 2:
+                raise ValueError(
+                    "kv_cache must be [num_blocks, num_layers, 2, block_size, num_kv_heads, "
+                    f"head_dim], got shape {tuple(kv_cache.shape)}"
+                )
+            kv_cache = ShardedKVCache.from_tensor(kv_cache)
         self.kv_cache = kv_cache
 
     def start_load_kv(self, meta: object) -> None:
@@ -185,7 +189,7 @@ class MemoryConnectorWorker(KVConnectorWorker):
                 block = self.store.get(block_hash)
                 if block is None:
                     break  # a miss ends the usable prefix; the rest is recomputed
-                self.kv_cache[block_id].copy_(block)
+                self.kv_cache.write_block(block_id, block)
                 loaded += n
             requested = sum(load.num_tokens)
             self._num_load_failures += loaded < requested
@@ -201,7 +205,9 @@ class MemoryConnectorWorker(KVConnectorWorker):
         assert self.kv_cache is not None, "register_kv_caches was not called"
         for req_id, save in meta.saves.items():
             for block_hash, block_id in zip(save.block_hashes, save.block_ids, strict=True):
-                self.store.put(block_hash, self.kv_cache[block_id])
+                block = torch.empty(self.kv_cache.block_shape, dtype=self.kv_cache.dtype)
+                self.kv_cache.read_block(block_id, block)
+                self.store.put(block_hash, block)
             self._finished_sending.add(req_id)
             if self._listener is not None:
                 n = len(save.block_hashes)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from kv_shard_cases import assert_shards_hold, split
 from waiting import wait_until
 
 from tandem.contracts.block_hash import prompt_block_hashes
@@ -32,6 +33,7 @@ from tandem.engine.kv_connector import (
 from tandem.engine.request import Request, RequestStatus
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.sched_output import SchedulerOutput
+from tandem.kvstore import connector
 from tandem.kvstore.connector import (
     StoreConnectorConfig,
     build_store_connector,
@@ -281,3 +283,63 @@ def test_the_store_tier_flags() -> None:
         parser.parse_args(["--kv-publish-output=maybe"])
     with pytest.raises(ValueError, match="lookup_timeout_s"):
         StoreConnectorConfig(redis_url="redis://x", lookup_timeout_s=0)
+
+
+def test_a_sharded_cache_moves_in_chunks_and_a_miss_stops_the_load(
+    store: DictBlockStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The staged path (a TP=2 cache of LAYOUT's one KV head: replicated): a transfer
+    larger than the staging buffer moves in chunks, and a miss in a later chunk loads
+    the leading blocks only."""
+    monkeypatch.setattr(connector, "STAGING_BYTES", 2 * LAYOUT.block_bytes)
+    events = Recorder()
+    ref = torch.randn(8, *LAYOUT.block_shape)
+    prompt = list(range(5 * BS))  # 5 full blocks: chunks of 2, 2, 1
+    pair = create_connector(KVTransferConfig(kv_connector="dict-store", kv_role="kv_producer"),
+                            LAYOUT)
+    assert pair is not None
+    producer, p_worker = pair
+    p_worker.register_kv_caches(split(ref, 2, 1))
+    p_worker.set_listener(events)
+    req = Request("p", prompt, SamplingParams(max_tokens=1))
+    req.num_computed_tokens, req.status = len(prompt), RequestStatus.FINISHED_LENGTH_CAPPED
+    try:
+        assert producer.request_finished(req, [7, 0, 1, 2, 5])
+        wait_until(lambda: "p" in events.saves, 30, "the save")
+        assert events.saves["p"].num_stored == 5
+    finally:
+        p_worker.shutdown()
+    keys = LAYOUT.keys(prompt_block_hashes(prompt, BS))
+    assert all(torch.equal(store.blocks[k], ref[b])
+               for k, b in zip(keys, [7, 0, 1, 2, 5], strict=True))
+
+    del store.blocks[keys[3]]
+    consumer, c_worker, _ = make_sides("kv_consumer")
+    c_worker.register_kv_caches(dst := split(torch.zeros_like(ref), 2, 1))
+    c_worker.set_listener(events)
+    try:
+        d = Request("d", prompt, SamplingParams(max_tokens=4))
+        d.kv_transfer_params = KVTransferParams(tuple(prompt_block_hashes(prompt, BS)),
+                                                LAYOUT.fingerprint)
+        assert consumer.get_num_new_matched_tokens(d, 0) == len(prompt)
+        consumer.update_state_after_alloc(d, [3, 4, 5, 6, 7], len(prompt))
+        c_worker.start_load_kv(consumer.build_connector_meta(SchedulerOutput()))
+        wait_until(lambda: "d" in events.loads, 30, "the load")
+        assert events.loads["d"].num_tokens == 3 * BS
+        assert events.loads["d"].num_bytes == 3 * LAYOUT.block_bytes
+    finally:
+        c_worker.shutdown()
+    expect = torch.zeros_like(ref)
+    expect[[3, 4, 5]] = ref[[7, 0, 1]]
+    assert_shards_hold(dst, expect)
+
+
+def test_a_cache_of_another_layout_is_rejected(store: DictBlockStore) -> None:
+    _, worker, _ = make_sides("kv_consumer")
+    try:
+        with pytest.raises(ValueError, match="dtype torch.float32"):
+            worker.register_kv_caches(torch.zeros(8, *LAYOUT.block_shape, dtype=torch.float64))
+        with pytest.raises(ValueError, match=r"full block must be \(2, 2, 4, 1, 2\)"):
+            worker.register_kv_caches(split(torch.zeros(8, 4, 2, BS, 1, 2), 1, 2))
+    finally:
+        worker.shutdown()
