@@ -312,7 +312,8 @@ class MultiProcExecutor(Executor):
         shards = [KVShard(cache, info["layer_range"], info["kv_head_range"])
                   for cache, info in zip(self.kv_caches, self.shard_infos, strict=True)]
         connector_worker.register_kv_caches(
-            ShardedKVCache(shards, self._facts.num_layers, self._facts.num_kv_heads)
+            ShardedKVCache(shards, num_layers=self._facts.num_layers,
+                           num_kv_heads=self._facts.num_kv_heads)
         )
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
