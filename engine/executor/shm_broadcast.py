@@ -42,12 +42,15 @@ nothing between them; within a process an end of the queue belongs to one thread
 class is not thread-safe).
 
 Waiting. A waiting side polls its flag: it yields the CPU in a tight loop for
-``_SPIN_S``, then sleeps, doubling the sleep from ``_MIN_SLEEP_S`` up to
-``_MAX_SLEEP_S``. The cap bounds the latency an idle reader adds to a step (steps come
-every ~10-30 ms, so at most a few percent) while an idle worker costs ~2,000 wake-ups a
-second instead of a spinning core. While it waits, a side calls its ``is_alive`` check
-at most every ``_LIVENESS_INTERVAL_S`` and raises ``RuntimeError`` when the check says
-the peer died, instead of hanging.
+``_SPIN_S`` (a reply that comes back within it costs no sleep), then sleeps an eighth
+of the time waited so far, at least ``_MIN_SLEEP_S`` and at most ``_ACTIVE_MAX_SLEEP_S``;
+after ``_IDLE_AFTER_S`` without a message (no requests) it sleeps ``_IDLE_SLEEP_S``.
+So a wait overshoots by at most ~1/8 of its length plus the kernel's timer slack
+(~50 us), and by at most ~0.25 ms while steps flow (a step every ~10-30 ms: about 1-2%);
+a waiting process wakes at most ~5,000 times a second instead of spinning a core, 500
+when idle, and the first step after an idle second pays up to ~2 ms. While it waits, a
+side calls its ``is_alive`` check at most every ``_LIVENESS_INTERVAL_S`` and raises
+``RuntimeError`` when the check says the peer died, instead of hanging.
 
 Resource tracker (Python 3.11). ``SharedMemory(name=...)`` registers the segment with
 the attaching process's resource tracker as if it had created it; that tracker unlinks
@@ -79,9 +82,12 @@ from typing import Any
 # Header of every chunk: the whole message's pickled length and this piece's offset in
 # it, both in bytes.
 _HEADER = struct.Struct("<QQ")
+# Waiting (module docstring), in seconds.
 _SPIN_S = 1e-4
 _MIN_SLEEP_S = 2e-5
-_MAX_SLEEP_S = 5e-4
+_ACTIVE_MAX_SLEEP_S = 2e-4
+_IDLE_AFTER_S = 1.0
+_IDLE_SLEEP_S = 2e-3
 _LIVENESS_INTERVAL_S = 0.05
 
 _fence_lock = threading.Lock()
@@ -100,7 +106,9 @@ def _tracker_pipe_id() -> tuple[int, int] | None:
     if os.name != "posix":
         return None
     # NOTE: getfd starts the tracker if needed; SharedMemory would start it anyway.
-    st = os.fstat(resource_tracker.getfd())
+    fd = resource_tracker.getfd()
+    assert fd is not None, "resource tracker did not start"
+    st = os.fstat(fd)
     return (st.st_dev, st.st_ino)
 
 
@@ -147,7 +155,8 @@ class MessageQueue:
     ) -> None:
         """Private: use ``create`` or ``attach``."""
         self._shm = shm
-        self._buf = shm.buf
+        assert shm.buf is not None, "shared memory segment is closed"
+        self._buf: memoryview = shm.buf
         self._handle = handle
         self._reader_rank = reader_rank
         self.is_alive = is_alive
@@ -203,11 +212,11 @@ class MessageQueue:
             raise ValueError(f"max_chunks must be >= 1, got {max_chunks}")
         size = cls._segment_bytes(n_readers, max_chunk_bytes, max_chunks)
         shm = shared_memory.SharedMemory(create=True, size=size)
-        meta_offset = max_chunks * max_chunk_bytes
-        # A new segment is zero-filled already; the explicit clear states the start state.
-        shm.buf[meta_offset:size] = bytes(size - meta_offset)
         handle = Handle(shm.name, n_readers, max_chunk_bytes, max_chunks, _tracker_pipe_id())
-        return cls(shm, handle, None, is_alive)
+        queue = cls(shm, handle, None, is_alive)
+        # A new segment is zero-filled already; the explicit clear states the start state.
+        queue._buf[queue._meta_offset : size] = bytes(size - queue._meta_offset)
+        return queue
 
     @classmethod
     def attach(
@@ -294,7 +303,6 @@ class MessageQueue:
             return
         start = time.monotonic()
         next_liveness_check = start
-        sleep_s = _MIN_SLEEP_S
         while True:
             now = time.monotonic()
             if deadline is not None and now >= deadline:
@@ -303,11 +311,13 @@ class MessageQueue:
                 if not self.is_alive():
                     raise RuntimeError(f"peer process died while {what}")
                 next_liveness_check = now + _LIVENESS_INTERVAL_S
-            if now - start < _SPIN_S:
+            waited_s = now - start
+            if waited_s < _SPIN_S:
                 os.sched_yield()
+            elif waited_s < _IDLE_AFTER_S:
+                time.sleep(min(max(waited_s / 8, _MIN_SLEEP_S), _ACTIVE_MAX_SLEEP_S))
             else:
-                time.sleep(sleep_s)
-                sleep_s = min(2 * sleep_s, _MAX_SLEEP_S)
+                time.sleep(_IDLE_SLEEP_S)
             if ready():
                 return
 
