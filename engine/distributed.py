@@ -18,6 +18,8 @@ model code calls them unconditionally and pays one integer comparison.
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import torch
 import torch.distributed as dist
 
@@ -152,7 +154,12 @@ def _check_sizes(tp_size: int, pp_size: int) -> None:
 
 
 def init_distributed(
-    rank: int, tp_size: int, pp_size: int, init_method: str, backend: str
+    rank: int,
+    tp_size: int,
+    pp_size: int,
+    init_method: str,
+    backend: str,
+    timeout: timedelta | None = None,
 ) -> None:
     """Join the engine's process group and build this rank's TP and PP groups.
 
@@ -167,6 +174,8 @@ def init_distributed(
         init_method: a ``torch.distributed`` rendezvous URL (``tcp://host:port`` or
             ``file:///path``).
         backend: ``"gloo"`` (CPU) or ``"nccl"`` (CUDA).
+        timeout: how long a collective (and the rendezvous) waits for the other
+            ranks before it raises; ``None``: ``torch.distributed``'s default.
 
     Raises:
         ValueError: a size below 1, ``rank`` outside the world, an unknown backend.
@@ -183,14 +192,17 @@ def init_distributed(
         raise RuntimeError("init_distributed() called twice in one process")
     if backend == "nccl":
         torch.cuda.set_device(rank % torch.cuda.device_count())
-    dist.init_process_group(backend, init_method=init_method, world_size=world, rank=rank)
+    kwargs = {"timeout": timeout} if timeout is not None else {}
+    dist.init_process_group(
+        backend, init_method=init_method, world_size=world, rank=rank, **kwargs
+    )
     tp_rank, pp_rank = rank % tp_size, rank // tp_size
     # new_group is collective: every rank creates every group, in the same order.
     # Groups of one need no process group (their collectives never reach the backend).
     tp_ranks = [[p * tp_size + t for t in range(tp_size)] for p in range(pp_size)]
     pp_ranks = [[p * tp_size + t for p in range(pp_size)] for t in range(tp_size)]
-    tp_groups = [dist.new_group(r) if tp_size > 1 else None for r in tp_ranks]
-    pp_groups = [dist.new_group(r) if pp_size > 1 else None for r in pp_ranks]
+    tp_groups = [dist.new_group(r, **kwargs) if tp_size > 1 else None for r in tp_ranks]
+    pp_groups = [dist.new_group(r, **kwargs) if pp_size > 1 else None for r in pp_ranks]
     _WORLD = GroupCoordinator(list(range(world)), rank, dist.group.WORLD)
     _TP = GroupCoordinator(tp_ranks[pp_rank], rank, tp_groups[pp_rank])
     _PP = GroupCoordinator(pp_ranks[tp_rank], rank, pp_groups[tp_rank])
