@@ -33,6 +33,15 @@ from tandem.engine.worker import Worker
 # How long a rank waits in a collective for a peer (one that crashed ends the test
 # with an error instead of a hang), and how long the test waits for a command.
 COLLECTIVE_TIMEOUT = timedelta(seconds=60)
+# What every rank imports, once in the forkserver (the transformers configs: to unpickle
+# the tiny models' configs).
+PRELOAD = [
+    "tandem.engine.model_runner",
+    "tandem.engine.worker",
+    "tandem.engine.models.registry",
+    "tandem.engine.executor.abstract",
+    *(f"transformers.models.{m}.configuration_{m}" for m in ("llama", "mistral", "qwen2", "qwen3")),
+]
 REPLY_TIMEOUT_S = 120.0
 
 
@@ -161,7 +170,9 @@ class RankPool:
 
     def __init__(self, size: int) -> None:
         ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(["tp_ranks"])
+        # Modules of the installed package only: Python 3.11's forkserver imports its
+        # preloads before it applies the parent's sys.path (tests/ is not on it yet).
+        ctx.set_forkserver_preload(PRELOAD)
         self.replies: mp.Queue = ctx.Queue()
         self.commands: list[mp.Queue] = [ctx.Queue() for _ in range(size)]
         self.procs = [
