@@ -192,17 +192,16 @@ def init_distributed(
         raise RuntimeError("init_distributed() called twice in one process")
     if backend == "nccl":
         torch.cuda.set_device(rank % torch.cuda.device_count())
-    kwargs = {"timeout": timeout} if timeout is not None else {}
     dist.init_process_group(
-        backend, init_method=init_method, world_size=world, rank=rank, **kwargs
+        backend, init_method=init_method, world_size=world, rank=rank, timeout=timeout
     )
     tp_rank, pp_rank = rank % tp_size, rank // tp_size
     # new_group is collective: every rank creates every group, in the same order.
     # Groups of one need no process group (their collectives never reach the backend).
     tp_ranks = [[p * tp_size + t for t in range(tp_size)] for p in range(pp_size)]
     pp_ranks = [[p * tp_size + t for p in range(pp_size)] for t in range(tp_size)]
-    tp_groups = [dist.new_group(r, **kwargs) if tp_size > 1 else None for r in tp_ranks]
-    pp_groups = [dist.new_group(r, **kwargs) if pp_size > 1 else None for r in pp_ranks]
+    tp_groups = [dist.new_group(r, timeout=timeout) if tp_size > 1 else None for r in tp_ranks]
+    pp_groups = [dist.new_group(r, timeout=timeout) if pp_size > 1 else None for r in pp_ranks]
     _WORLD = GroupCoordinator(list(range(world)), rank, dist.group.WORLD)
     _TP = GroupCoordinator(tp_ranks[pp_rank], rank, tp_groups[pp_rank])
     _PP = GroupCoordinator(pp_ranks[tp_rank], rank, pp_groups[tp_rank])

@@ -327,7 +327,7 @@ class ModelRunner:
             zeros = torch.zeros(shape, dtype=self.dtype, device=self.device)
             intermediate = IntermediateTensors(zeros, zeros.clone())
         hidden = self._forward(ids, meta, views, intermediate)
-        if self.pp_group.is_last_rank:
+        if isinstance(hidden, torch.Tensor):  # the last pipeline stage
             rows = min(sched.max_num_seqs, meta.num_tokens)
             self.model.compute_logits(hidden[:rows])
         del kv, views, hidden
