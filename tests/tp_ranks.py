@@ -45,11 +45,16 @@ PRELOAD = [
 REPLY_TIMEOUT_S = 120.0
 
 
-def _loaded(hf_config: Any, state_dict: dict[str, torch.Tensor], max_len: int) -> LoadedModel:
-    """This rank's part of the float32 CPU model of ``hf_config`` with these weights."""
-    model = build_model(hf_config, state_dict, torch.float32, "cpu", max_len)
+def _loaded(
+    hf_config: Any,
+    state_dict: dict[str, torch.Tensor],
+    max_len: int,
+    dtype: torch.dtype = torch.float32,
+) -> LoadedModel:
+    """This rank's part of the CPU model of ``hf_config`` with these weights."""
+    model = build_model(hf_config, state_dict, dtype, "cpu", max_len)
     return LoadedModel(model=model, hf_config=hf_config, tokenizer=None, model_id="tiny",
-                       dtype=torch.float32, device=torch.device("cpu"), eos_token_id=None,
+                       dtype=dtype, device=torch.device("cpu"), eos_token_id=None,
                        max_position=max_len)
 
 
@@ -63,10 +68,16 @@ def _destroy(state: dict, rank: int) -> None:
 
 
 def _load(
-    state: dict, rank: int, config: EngineConfig, hf_config: Any, weights: dict, max_len: int
+    state: dict,
+    rank: int,
+    config: EngineConfig,
+    hf_config: Any,
+    weights: dict,
+    max_len: int,
+    dtype: torch.dtype,
 ) -> dict[str, Any]:
     """Build this rank's model and runner; its logits (driver only) are recorded."""
-    runner = ModelRunner(config, _loaded(hf_config, weights, max_len))
+    runner = ModelRunner(config, _loaded(hf_config, weights, max_len, dtype))
     state["runner"], state["logits"] = runner, []
     compute_logits = runner.model.compute_logits
 
@@ -238,10 +249,11 @@ class RankExecutor(Executor):
         hf_config: Any,
         weights: dict[str, torch.Tensor],
         max_len: int,
+        dtype: torch.dtype = torch.float32,
     ) -> None:
         self.pool, self.ranks = pool, range(tp * pp)
         self.driver = distributed.driver_rank(tp, pp)
-        self.infos = pool.call(self.ranks, "load", config, hf_config, weights, max_len)
+        self.infos = pool.call(self.ranks, "load", config, hf_config, weights, max_len, dtype)
         self._facts = pool.call([0], "facts", config, hf_config, weights, max_len)[0]
         self.kv_shapes: dict[int, tuple[int, ...]] = {}
 
