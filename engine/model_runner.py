@@ -11,6 +11,14 @@ The runner owns the KV cache tensor (binding layout)::
     kv_cache: [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
 
 so ``kv_cache[b]`` is block ``b`` of every layer (what the KV connector moves).
+
+Under tensor / pipeline parallelism (``engine/distributed.py``) one runner runs per
+rank, each given the same ``SchedulerOutput``: its cache holds only its pipeline
+stage's layers (``layer_range``) and its KV heads (``kv_head_range``) of the full
+model's cache, with the same block ids on every rank. A later stage receives the
+previous stage's hidden states and residual, an earlier one sends them on; the last
+stage's TP ranks compute the logits together and its first TP rank (the driver)
+samples and returns the step's output, the others an empty one.
 A ``Worker`` (engine/worker.py) owns the runner and an executor drives the worker;
 KV connector calls (load before, save after the forward) belong to the engine
 core, to which ``Executor.register_kv_caches`` hands this tensor.
@@ -25,16 +33,17 @@ import sys
 import psutil
 import torch
 
+from tandem.engine import distributed
 from tandem.engine.config import EngineConfig
 from tandem.engine.model_loader import LoadedModel, load_model
-from tandem.engine.models.llama import head_dim_of
+from tandem.engine.models.llama import IntermediateTensors, head_dim_of
 from tandem.engine.request import Request
 from tandem.engine.sampler import Sampler, is_plain_greedy
 from tandem.engine.sched_output import ModelRunnerOutput, SchedulerOutput
 from tandem.engine.spec_decode.proposer import ProposeInput, Proposer, create_proposer
 from tandem.engine.spec_decode.rejection_sampler import greedy_accept
 from tandem.engine.spec_decode.verify import draft_positions, verify
-from tandem.kernels.attention import build_attention_metadata
+from tandem.kernels.attention import AttentionMetadata, build_attention_metadata
 from tandem.kernels.cache import allocate_kv_cache, kv_cache_bytes_per_block
 from tandem.kernels.linear import batch_variant_layers, pack_linear_layers
 
@@ -101,22 +110,40 @@ class ModelRunner:
     Args:
         config: the engine configuration.
         loaded: a model from ``model_loader.load_model``; ``None`` loads
-            ``config.model`` (tests reuse one loaded model across runners).
+            ``config.model`` (tests reuse one loaded model across runners). Under
+            several ranks it must have been built for this rank (after
+            ``distributed.init_distributed``).
 
     Attributes:
         loaded: the ``LoadedModel``.
         vocab_size / eos_token_id / max_model_len: model facts for the engine.
         num_layers / num_kv_heads / head_dim / dtype / device / block_size:
-            the KV cache layout.
+            the layout of this rank's KV cache (its layers and KV heads).
+        layer_range / kv_head_range: which layers and KV heads of the full model's
+            cache this rank's holds (the whole ranges with one rank).
+        total_num_layers / total_num_kv_heads: those of the full model.
+        is_driver: whether this rank returns the step's output (last pipeline
+            stage, TP rank 0; the only rank with one rank).
         kv_cache: the cache tensor once ``initialize_kv_cache`` ran, else ``None``.
 
     Raises:
-        ValueError: from the loader (unknown path, unsupported architecture), or
-            when ``max_model_len`` exceeds the loaded model's rotary table.
+        ValueError: from the loader (unknown path, unsupported architecture, a
+            parallel layout the model does not split into), when ``max_model_len``
+            exceeds the loaded model's rotary table, naming ``speculative_config``
+            with more than one rank (not supported yet), or naming ``loaded`` when
+            it was built for another rank.
     """
 
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         self.config = config
+        self.tp_group = distributed.get_tp_group()
+        self.pp_group = distributed.get_pp_group()
+        world = distributed.get_world_group().world_size
+        if config.speculative is not None and world > 1:
+            raise ValueError(
+                "speculative_config: speculative decoding is not supported with "
+                f"tensor_parallel_size * pipeline_parallel_size > 1 (got {world} ranks)"
+            )
         if config.model.device == "cpu" and sys.platform.startswith("linux"):
             tune_glibc_malloc()
         self.loaded = loaded if loaded is not None else load_model(config.model)
@@ -143,8 +170,23 @@ class ModelRunner:
         if self.max_model_len > self.model.rotary.max_position:
             # The model was loaded for a shorter context (a shared LoadedModel).
             self.model.extend_rotary(self.max_model_len)
-        self.num_layers: int = int(hf.num_hidden_layers)
-        self.num_kv_heads: int = int(hf.num_key_value_heads)
+        shard = self.model.shard
+        tp, pp = self.tp_group, self.pp_group
+        if (shard.tp_rank, shard.tp_size, shard.pp_rank, shard.pp_size) != (
+            tp.rank_in_group, tp.world_size, pp.rank_in_group, pp.world_size
+        ):
+            raise ValueError(
+                f"loaded: the model was built for TP rank {shard.tp_rank}/{shard.tp_size}, "
+                f"PP rank {shard.pp_rank}/{shard.pp_size}, not for this process's "
+                f"{tp.rank_in_group}/{tp.world_size}, {pp.rank_in_group}/{pp.world_size}"
+            )
+        self.layer_range: range = shard.layers
+        self.kv_head_range: range = shard.kv_heads
+        self.total_num_layers: int = int(hf.num_hidden_layers)
+        self.total_num_kv_heads: int = int(hf.num_key_value_heads)
+        self.num_layers: int = len(self.layer_range)
+        self.num_kv_heads: int = len(self.kv_head_range)
+        self.is_driver: bool = tp.is_first_rank and pp.is_last_rank
         self.head_dim: int = int(head_dim_of(hf))
         self.dtype: torch.dtype = self.loaded.dtype
         self.device: torch.device = self.loaded.device
@@ -176,7 +218,8 @@ class ModelRunner:
         return own + (self.proposer.block_bytes if self.proposer is not None else 0)
 
     def determine_num_blocks(self) -> int:
-        """Number of KV blocks the cache gets.
+        """Number of KV blocks this rank's cache gets (its layers and heads: with
+        several ranks each finds its own count and the executor takes the minimum).
 
         Order: ``cache.num_blocks_override``; else ``cache.kv_cache_memory_bytes //
         block_bytes``; else ``memory_utilization`` of the memory left after the
@@ -243,15 +286,16 @@ class ModelRunner:
         """Upper estimate of one step's live activations at the maximum batch, in bytes.
 
         Per token: the residual stream and norm output, the fused QKV output, the
-        attention output and the fused gate/up plus SiLU product, doubled for
-        temporaries; plus float32 logits of ``max_num_seqs`` rows (twice, for
-        the sampler's copies).
+        attention output and the fused gate/up plus SiLU product (this rank's heads
+        and MLP slice), doubled for temporaries; plus float32 logits of
+        ``max_num_seqs`` rows (twice, for the sampler's copies).
         """
         hf = self.loaded.hf_config
+        shard = self.model.shard
         sched = self.config.scheduler
         elem = torch.empty((), dtype=self.dtype).element_size()
-        qkv = (hf.num_attention_heads + 2 * hf.num_key_value_heads) * self.head_dim
-        per_token = (4 * hf.hidden_size + qkv + 3 * hf.intermediate_size) * elem * 2
+        qkv = (shard.num_heads + 2 * self.num_kv_heads) * self.head_dim
+        per_token = (4 * hf.hidden_size + qkv + 3 * shard.intermediate_size) * elem * 2
         logits = sched.max_num_seqs * self.vocab_size * 4 * 2
         return sched.max_num_batched_tokens * per_token + logits
 
@@ -259,7 +303,9 @@ class ModelRunner:
     def profile_run(self) -> None:
         """One dummy forward at the maximum batch (``max_num_batched_tokens`` tokens
         in sequences of at most ``max_model_len``) plus logits for ``max_num_seqs``
-        rows, with a temporary KV cache; also warms up the kernels."""
+        rows, with a temporary KV cache; also warms up the kernels. With several ranks
+        every rank of the engine runs it at once (the TP collectives); pipeline stages
+        exchange no data: a later stage starts from zeros."""
         sched = self.config.scheduler
         total = min(sched.max_num_batched_tokens, self.max_model_len * sched.max_num_seqs)
         lens = []
@@ -275,10 +321,29 @@ class ModelRunner:
         meta = build_attention_metadata(lens, [0] * len(lens), tables, self.block_size,
                                         self.device, self.batch_invariant)
         ids = torch.zeros(meta.num_tokens, dtype=torch.int64, device=self.device)
-        hidden = self.model(ids, meta.positions, views, meta)
-        rows = min(sched.max_num_seqs, meta.num_tokens)
-        self.model.compute_logits(hidden[:rows])
+        intermediate = None
+        if not self.pp_group.is_first_rank:
+            shape = (meta.num_tokens, int(self.loaded.hf_config.hidden_size))
+            zeros = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            intermediate = IntermediateTensors(zeros, zeros.clone())
+        hidden = self._forward(ids, meta, views, intermediate)
+        if isinstance(hidden, torch.Tensor):  # the last pipeline stage
+            rows = min(sched.max_num_seqs, meta.num_tokens)
+            self.model.compute_logits(hidden[:rows])
         del kv, views, hidden
+
+    def _forward(
+        self,
+        ids: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        intermediate: IntermediateTensors | None,
+    ) -> torch.Tensor | IntermediateTensors:
+        """The model over ``ids`` (``[num_tokens]``): hidden states on the last
+        pipeline stage, the next stage's input on the others."""
+        if intermediate is None:
+            return self.model(ids, meta.positions, kv_caches, meta)
+        return self.model(ids, meta.positions, kv_caches, meta, intermediate)
 
     def initialize_kv_cache(self, num_blocks: int, shared_file: str | None = None) -> None:
         """Allocate the zeroed KV cache (zeros: padded attention reads stay finite)
@@ -376,7 +441,15 @@ class ModelRunner:
             query_lens, num_computed, tables, self.block_size, self.device, self.batch_invariant
         )
         ids = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
-        hidden = self.model(ids, meta.positions, self.kv_caches, meta)
+        intermediate = None
+        if not self.pp_group.is_first_rank:
+            shape = (num_tokens, int(self.loaded.hf_config.hidden_size))
+            got = self.pp_group.recv({"hidden": shape, "residual": shape}, self.dtype, self.device)
+            intermediate = IntermediateTensors(got["hidden"], got["residual"])
+        hidden = self._forward(ids, meta, self.kv_caches, intermediate)
+        if isinstance(hidden, IntermediateTensors):
+            self.pp_group.send({"hidden": hidden.hidden, "residual": hidden.residual})
+            return out
         if sample_reqs:
             if len(sample_rows) == num_tokens:
                 last = hidden
@@ -397,7 +470,7 @@ class ModelRunner:
                     rows_of[req.request_id] = spec_rows[start : start + n]
                     start += n
             self._propose(sched, out, hidden, rows_of)
-        return out
+        return out if self.is_driver else ModelRunnerOutput()
 
     def _sample(
         self,
@@ -415,6 +488,8 @@ class ModelRunner:
                     out.sampled_token_ids[req.request_id] = token_id
                 return
         logits = self.model.compute_logits(last, upcast=False)
+        if logits is None:
+            return  # another TP rank holds the gathered logits and samples
         results = self.sampler(logits, reqs, sched.grammar_bitmask)
         for req, (token_id, logprobs) in zip(reqs, results, strict=True):
             out.sampled_token_ids[req.request_id] = token_id
@@ -444,6 +519,7 @@ class ModelRunner:
                     start += len(d) + 1
                 return
         logits = self.model.compute_logits(rows, upcast=False)
+        assert logits is not None, "speculative decoding runs on one rank only"
         draft_probs = None
         if self.proposer is not None:
             draft_probs = [self.proposer.draft_probs(r.request_id, d)

@@ -76,15 +76,17 @@ class Worker:
         self._loaded = None  # the runner holds it now
 
     def model_facts(self) -> ModelFacts:
-        """The loaded model's facts (vocabulary, context length, EOS id, KV geometry)."""
+        """The loaded model's facts (vocabulary, context length, EOS id, KV geometry):
+        the full model's layers and KV heads on every rank, whatever part of them this
+        rank holds (they define the KV layout fingerprint)."""
         r = self.model_runner
         return ModelFacts(
             model_id=str(r.loaded.model_id),
             vocab_size=r.vocab_size,
             max_model_len=r.max_model_len,
             eos_token_id=r.eos_token_id,
-            num_layers=r.num_layers,
-            num_kv_heads=r.num_kv_heads,
+            num_layers=r.total_num_layers,
+            num_kv_heads=r.total_num_kv_heads,
             head_dim=r.head_dim,
             dtype=str(r.dtype).removeprefix("torch."),
             device=str(r.device),
@@ -141,7 +143,8 @@ class Worker:
     def kv_cache(self) -> torch.Tensor:
         """The KV cache tensor
         ``[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]`` (dtype of the
-        model), what a KV connector's worker side reads and writes.
+        model), what a KV connector's worker side reads and writes: this rank's layers
+        and KV heads (``ModelRunner.layer_range`` / ``kv_head_range``).
 
         Raises:
             RuntimeError: before ``initialize_kv_cache``.

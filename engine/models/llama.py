@@ -9,17 +9,26 @@ dict is mapped onto the fused weights by ``load_weights``.
 
 Subclasses switch on the variations: ``qkv_bias`` (Qwen2), ``qk_norm`` (Qwen3),
 sliding-window attention (Mistral, or per ``config.layer_types``).
+
+Under tensor / pipeline parallelism (``engine/distributed.py``) the model is built for
+this process's rank: its heads, MLP slice and vocabulary shard, its stage's layers
+(``engine/models/sharding.py``); the row-parallel projections and the embedding end
+in a TP all-reduce, the LM head's logits are gathered on TP rank 0. With one rank
+(the default) every shard is the whole model and no collective runs.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tandem.engine import distributed
+from tandem.engine.models.sharding import ModelShard, PPMissingLayer, VocabParallelEmbedding
 from tandem.kernels import backend, cpu_ext
 from tandem.kernels.attention import AttentionMetadata, paged_attention
 from tandem.kernels.backend import KernelBackend
@@ -29,6 +38,15 @@ from tandem.kernels.layernorm import rms_norm
 from tandem.kernels.rotary import RotaryEmbedding, rotary_embedding
 
 KVCacheViews = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass
+class IntermediateTensors:
+    """What a pipeline stage hands the next one: the last layer's output and the
+    residual stream, each ``[num_tokens, hidden_size]`` in the model dtype."""
+
+    hidden: torch.Tensor
+    residual: torch.Tensor
 
 
 def rope_params(config: Any) -> tuple[float, dict[str, Any] | None]:
@@ -72,18 +90,22 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    """GQA self-attention over the paged KV cache."""
+    """GQA self-attention over the paged KV cache, over this TP rank's heads
+    (``shard.num_heads`` query heads, ``shard.kv_heads``); the output projection is
+    row-parallel (a partial sum per rank, then the TP all-reduce)."""
 
     def __init__(
         self,
         config: Any,
+        shard: ModelShard,
         qkv_bias: bool,
         qk_norm: bool,
         sliding_window: int | None,
     ) -> None:
         super().__init__()
-        self.num_heads: int = config.num_attention_heads
-        self.num_kv_heads: int = config.num_key_value_heads
+        self.num_heads: int = shard.num_heads
+        self.num_kv_heads: int = len(shard.kv_heads)
+        self.tp_size = shard.tp_size
         self.head_dim = head_dim_of(config)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
@@ -117,22 +139,29 @@ class Attention(nn.Module):
         q, k = rotary_embedding(q, k, cos, sin)
         reshape_and_cache(k, v, kv_cache, meta.slot_mapping, (meta.block_idx, meta.block_offset))
         o = paged_attention(q, k, v, kv_cache, meta, self.scale, self.sliding_window)
-        return self.o_proj(o.view(num_tokens, self.q_size))
+        out = self.o_proj(o.view(num_tokens, self.q_size))
+        return distributed.get_tp_group().all_reduce(out) if self.tp_size > 1 else out
 
 
 class MLP(nn.Module):
-    """SwiGLU feed-forward (Shazeer 2020): ``down(silu(gate(x)) * up(x))``."""
+    """SwiGLU feed-forward (Shazeer 2020): ``down(silu(gate(x)) * up(x))`` over this TP
+    rank's ``shard.intermediate_size`` slice (row-parallel ``down``, then the all-reduce)."""
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, shard: ModelShard) -> None:
         super().__init__()
         bias = bool(getattr(config, "mlp_bias", False))
         if getattr(config, "hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (only silu)")
-        self.intermediate_size: int = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.intermediate_size: int = shard.intermediate_size
+        self.tp_size = shard.tp_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(self.intermediate_size, config.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self._down(x)
+        return distributed.get_tp_group().all_reduce(out) if self.tp_size > 1 else out
+
+    def _down(self, x: torch.Tensor) -> torch.Tensor:
         fused = getattr(self.gate_up_proj, "forward_swiglu", None)
         act = fused(x) if fused is not None else None
         if act is not None:  # packed kernel: projection and SwiGLU in one pass (decode)
@@ -148,11 +177,16 @@ class MLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     def __init__(
-        self, config: Any, qkv_bias: bool, qk_norm: bool, sliding_window: int | None
+        self,
+        config: Any,
+        shard: ModelShard,
+        qkv_bias: bool,
+        qk_norm: bool,
+        sliding_window: int | None,
     ) -> None:
         super().__init__()
-        self.self_attn = Attention(config, qkv_bias, qk_norm, sliding_window)
-        self.mlp = MLP(config)
+        self.self_attn = Attention(config, shard, qkv_bias, qk_norm, sliding_window)
+        self.mlp = MLP(config, shard)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -175,23 +209,38 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    """Embedding, decoder layers and the final norm (HF's ``model.*`` prefix)."""
+    """Embedding, decoder layers and the final norm (HF's ``model.*`` prefix), of this
+    rank's shard: the embedding on the first pipeline stage only, the norm on the
+    last; ``layers`` has an entry per layer of the full model, a ``PPMissingLayer``
+    for those another stage runs."""
 
-    def __init__(self, config: Any, qkv_bias: bool, qk_norm: bool, windows: list[int | None]):
+    def __init__(
+        self,
+        config: Any,
+        shard: ModelShard,
+        qkv_bias: bool,
+        qk_norm: bool,
+        windows: list[int | None],
+    ):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = (
+            VocabParallelEmbedding(shard, config.hidden_size) if shard.is_first_stage else None
+        )
         self.layers = nn.ModuleList(
-            DecoderLayer(config, qkv_bias, qk_norm, windows[i])
+            DecoderLayer(config, shard, qkv_bias, qk_norm, windows[i])
+            if i in shard.layers
+            else PPMissingLayer()
             for i in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if shard.is_last_stage else None
+        self._local = shard.layers
 
     @property
     def decoder_layers(self) -> list[DecoderLayer]:
-        """``layers`` as a typed list (in order). ``nn.ModuleList`` is not generic:
-        it types its items as ``nn.Module``, while every item is the ``DecoderLayer``
-        built in ``__init__``; hence the cast."""
-        return cast("list[DecoderLayer]", list(self.layers))
+        """This stage's layers as a typed list (in order). ``nn.ModuleList`` is not
+        generic: it types its items as ``nn.Module``, while every item in the stage's
+        range is the ``DecoderLayer`` built in ``__init__``; hence the cast."""
+        return cast("list[DecoderLayer]", [self.layers[i] for i in self._local])
 
 
 class LlamaForCausalLM(nn.Module):
@@ -200,10 +249,20 @@ class LlamaForCausalLM(nn.Module):
     Construct with ``build_model`` (``engine/models/registry.py``), which skips
     random initialisation and loads HF weights.
 
+    Built for this process's rank (``ModelShard.current``: the whole model unless
+    ``engine/distributed.py`` was initialised with more than one rank).
+
     Args:
         config: a transformers config (``LlamaConfig`` or compatible).
         max_position: length of the rotary table in tokens (``max_model_len``).
         dtype / device: of the rotary tables (weights follow the module's own).
+
+    Attributes:
+        shard: the ``ModelShard`` this instance holds.
+
+    Raises:
+        ValueError: a parallel layout the config does not split into (naming
+            ``tensor_parallel_size`` or ``pipeline_parallel_size``; see ``ModelShard.of``).
     """
 
     qkv_bias = False
@@ -218,17 +277,24 @@ class LlamaForCausalLM(nn.Module):
     ) -> None:
         super().__init__()
         self.config = config
-        self.model = DecoderModel(config, self.qkv_bias, self.qk_norm, self.sliding_windows(config))
+        self.shard = shard = ModelShard.current(config)
+        self.model = DecoderModel(
+            config, shard, self.qkv_bias, self.qk_norm, self.sliding_windows(config)
+        )
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        # A tied head reads the embedding, unless the embedding lives on another
+        # pipeline stage: then the last stage holds its own copy of the matrix.
+        own_head = shard.is_last_stage and not (self.tie_word_embeddings and shard.is_first_stage)
         self.lm_head = (
-            None
-            if self.tie_word_embeddings
-            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            nn.Linear(config.hidden_size, shard.vocab_per_rank, bias=False) if own_head else None
         )
         self.tied_lm_head: nn.Module | None = None
         # Decode-only steps through one native call where the CPU and layers allow
-        # (kernels/fused_decode.py); built on first use per KV cache.
-        self.fused_decode_enabled = True
+        # (kernels/fused_decode.py); built on first use per KV cache. Not with several
+        # ranks: under TP each layer needs two all-reduces between the kernel's ops,
+        # and a later pipeline stage enters with a residual stream the kernel does not
+        # take (it starts from the embeddings).
+        self.fused_decode_enabled = shard.tp_size == 1 and shard.pp_size == 1
         self._fused: tuple[list[KVCacheViews], FusedDecode] | None = None
         self._fused_refused: int | None = None
         theta, scaling = rope_params(config)
@@ -259,33 +325,45 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[KVCacheViews],
         attn_metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        """Run the decoder over the step's flattened tokens.
+        intermediate: IntermediateTensors | None = None,
+    ) -> torch.Tensor | IntermediateTensors:
+        """Run this stage's decoder layers over the step's flattened tokens.
 
         Args:
-            input_ids: ``[num_tokens]`` int64.
+            input_ids: ``[num_tokens]`` int64 (read by the first pipeline stage only).
             positions: ``[num_tokens]`` int64 absolute positions.
-            kv_caches: per layer ``(k_cache, v_cache)`` views, each
-                ``[num_blocks, block_size, num_kv_heads, head_dim]``; the new
-                tokens' K/V are written into them.
+            kv_caches: per layer of this stage ``(k_cache, v_cache)`` views, each
+                ``[num_blocks, block_size, num_kv_heads, head_dim]`` (this rank's KV
+                heads); the new tokens' K/V are written into them.
             attn_metadata: the step's ``AttentionMetadata``.
+            intermediate: what the previous stage returned (every stage but the first).
 
         Returns:
-            ``[num_tokens, hidden_size]`` final-norm hidden states (model dtype).
+            On the last stage ``[num_tokens, hidden_size]`` final-norm hidden states
+            (model dtype); on the others the ``IntermediateTensors`` for the next stage.
+
+        Raises:
+            ValueError: a later stage called without ``intermediate``.
         """
-        hidden = self.model.embed_tokens(input_ids)
         cos_sin = self.rotary.cos_sin(positions)
+        residual: torch.Tensor | None = None
+        if self.model.embed_tokens is not None:
+            hidden = self.model.embed_tokens(input_ids)
+        elif intermediate is None:
+            raise ValueError("intermediate: a later pipeline stage needs the previous one's output")
+        else:
+            hidden, residual = intermediate.hidden, intermediate.residual
         fused = None
         if self.fused_decode_enabled and FusedDecode.serves(attn_metadata):
             fused = self._fused_decode(kv_caches, hidden)
-        residual: torch.Tensor | None
         if fused is not None:
             hidden, residual = fused(hidden, *cos_sin, attn_metadata)
-            hidden, _ = self.model.norm(hidden, residual)
-            return hidden
-        residual = None
-        for layer, kv_cache in zip(self.model.decoder_layers, kv_caches, strict=True):
-            hidden, residual = layer(hidden, residual, cos_sin, kv_cache, attn_metadata)
+        else:
+            for layer, kv_cache in zip(self.model.decoder_layers, kv_caches, strict=True):
+                hidden, residual = layer(hidden, residual, cos_sin, kv_cache, attn_metadata)
+        assert residual is not None, "every stage runs at least one layer"
+        if self.model.norm is None:
+            return IntermediateTensors(hidden, residual)
         hidden, _ = self.model.norm(hidden, residual)
         return hidden
 
@@ -359,20 +437,32 @@ class LlamaForCausalLM(nn.Module):
         (the embedding matrix serves through ``F.linear``)."""
         return self.lm_head if self.lm_head is not None else self.tied_lm_head
 
-    def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor | None:
         """``[num_seqs, hidden]`` -> ``[num_seqs, vocab_size]`` logits: float32, or
         the head's own dtype with ``upcast=False`` (the sampler widens them only
-        where a processor or logprobs need float32).
+        where a processor or logprobs need float32). Last pipeline stage only.
 
         The head is ``lm_head`` (which ``pack_linear_layers`` may have replaced by
         a ``PackedLinear``), else ``tied_lm_head`` (a packed view of the
         embedding, see ``pack_tied_lm_head``), else the embedding matrix itself.
+        Under TP each rank computes its vocabulary shard's logits and TP rank 0
+        gathers them (a collective: every TP rank calls this); the other ranks get
+        ``None``. With one TP rank never ``None``.
         """
         head = self._head()
         if head is not None:
             logits = head(hidden)
         else:
-            logits = F.linear(hidden, self.model.embed_tokens.weight)
+            embed = self.model.embed_tokens
+            assert embed is not None, "a tied head without its own copy sits on the first stage"
+            logits = F.linear(hidden, embed.weight)
+        if self.shard.tp_size > 1:
+            gathered = distributed.get_tp_group().gather(logits, dim=-1)
+            if gathered is None:
+                return None
+            logits = gathered[..., : self.shard.vocab_size]
+            if self.shard.vocab_per_rank * self.shard.tp_size != self.shard.vocab_size:
+                logits = logits.contiguous()  # the padding columns cut off
         return logits.float() if upcast else logits
 
     def compute_greedy(self, hidden: torch.Tensor) -> torch.Tensor | None:
@@ -380,7 +470,10 @@ class LlamaForCausalLM(nn.Module):
         ``[num_seqs]`` int64, the argmax of ``compute_logits(hidden, upcast=False)``
         (first maximal index), computed by the packed head without writing the
         logits; ``None`` where the head has no such path (the caller then computes
-        logits and samples)."""
+        logits and samples), and always under TP (a rank holds a vocabulary shard
+        only: the gathered logits serve)."""
+        if self.shard.tp_size > 1:
+            return None
         forward_argmax = getattr(self._head(), "forward_argmax", None)
         return forward_argmax(hidden) if forward_argmax is not None else None
 
@@ -395,6 +488,8 @@ class LlamaForCausalLM(nn.Module):
         """
         from tandem.kernels.linear import replace_cpu_bf16_linear
 
+        if self.model.embed_tokens is None:
+            return False
         weight = self.model.embed_tokens.weight
         if (
             self.lm_head is not None
@@ -418,17 +513,53 @@ class LlamaForCausalLM(nn.Module):
     }
 
     def _shard_offsets(self, fused: str) -> list[int]:
-        cfg = self.config
+        """Row offsets of the stacked parts of a fused projection held here."""
+        shard = self.shard
         if fused == "qkv_proj":
-            d = head_dim_of(cfg)
-            q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
+            d = shard.head_dim
+            q, kv = shard.num_heads * d, len(shard.kv_heads) * d
             return [0, q, q + kv, q + 2 * kv]
-        i = cfg.intermediate_size
+        i = shard.intermediate_size
         return [0, i, 2 * i]
+
+    def _load_one(
+        self,
+        name: str,
+        tensor: torch.Tensor,
+        params: dict[str, nn.Parameter],
+        loaded: set[str],
+    ) -> None:
+        """Copy this rank's part of HF tensor ``name`` into its (fused) parameter and
+        record it in ``loaded`` (``param#shard`` for a part of a fused one).
+
+        Raises:
+            ValueError: an unexpected name, or a shape mismatch.
+        """
+        parts = name.split(".")
+        target, shard = name, None
+        if len(parts) >= 2 and parts[-2] in self._stacked:
+            fused, shard = self._stacked[parts[-2]]
+            target = ".".join(parts[:-2] + [fused, parts[-1]])
+        param = params.get(target)
+        if param is None or len(parts) < 2:
+            raise ValueError(f"unexpected weight {name!r} for {type(self).__name__}")
+        dst: torch.Tensor = param
+        if shard is not None:
+            offsets = self._shard_offsets(target.split(".")[-2])
+            dst = param[offsets[shard] : offsets[shard + 1]]
+        full = tuple(tensor.shape)
+        tensor = self.shard.shard_hf_tensor(parts[-2], parts[-1], tensor)
+        if dst.shape != tensor.shape:
+            raise ValueError(f"weight {name!r} has shape {full}, expected {tuple(dst.shape)}"
+                             + (f" on this rank (of {self.shard})" if full != tensor.shape else ""))
+        dst.copy_(tensor)
+        loaded.add(target if shard is None else f"{target}#{shard}")
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy a Hugging Face state dict into our (fused) parameters.
+        """Copy a Hugging Face state dict into our (fused) parameters: this rank's
+        part of each tensor (``ModelShard.shard_hf_tensor``); weights of layers another
+        pipeline stage holds are skipped.
 
         Args:
             weights: ``(hf_name, tensor)`` pairs, e.g. ``model.layers.0.self_attn.q_proj.weight``.
@@ -440,29 +571,17 @@ class LlamaForCausalLM(nn.Module):
         """
         params = dict(self.named_parameters())
         loaded: set[str] = set()
+        # A tied head on a later pipeline stage than the embedding: its own copy.
+        own_tied_head = self.tie_word_embeddings and self.lm_head is not None
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name:
                 continue
-            if name == "lm_head.weight" and self.lm_head is None:
-                continue  # tied: the embedding is the head
-            parts = name.split(".")
-            target, shard = name, None
-            if len(parts) >= 2 and parts[-2] in self._stacked:
-                fused, shard = self._stacked[parts[-2]]
-                target = ".".join(parts[:-2] + [fused, parts[-1]])
-            param = params.get(target)
-            if param is None:
-                raise ValueError(f"unexpected weight {name!r} for {type(self).__name__}")
-            dst: torch.Tensor = param
-            if shard is not None:
-                offsets = self._shard_offsets(target.split(".")[-2])
-                dst = param[offsets[shard] : offsets[shard + 1]]
-            if dst.shape != tensor.shape:
-                raise ValueError(
-                    f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}"
-                )
-            dst.copy_(tensor)
-            loaded.add(target if shard is None else f"{target}#{shard}")
+            if name == "lm_head.weight" and (self.lm_head is None or own_tied_head):
+                continue  # tied: the embedding is the head (or its copy, below)
+            if own_tied_head and name == "model.embed_tokens.weight":
+                self._load_one("lm_head.weight", tensor, params, loaded)
+            if self.shard.holds_hf_weight(name):
+                self._load_one(name, tensor, params, loaded)
         missing = []
         for pname in params:
             fused = pname.split(".")[-2] if "." in pname else ""
