@@ -28,36 +28,6 @@ from dataclasses import dataclass
 import torch
 
 
-def kv_head_range(num_kv_heads: int, tp_rank: int, tp_size: int) -> range:
-    """The full model's KV heads that tensor-parallel rank ``tp_rank`` caches.
-
-    ``num_kv_heads >= tp_size``: ``num_kv_heads // tp_size`` consecutive heads per rank.
-    ``num_kv_heads < tp_size``: one head per rank, each head on ``tp_size //
-    num_kv_heads`` consecutive ranks (vLLM's KV head replication).
-
-    Raises:
-        ValueError: ``tp_size`` < 1, ``tp_rank`` outside ``[0, tp_size)``, or one of
-            ``num_kv_heads``/``tp_size`` not dividing the other (named in the message).
-    """
-    if tp_size < 1:
-        raise ValueError(f"tp_size must be >= 1, got {tp_size}")
-    if not 0 <= tp_rank < tp_size:
-        raise ValueError(f"tp_rank must be in [0, tp_size={tp_size}), got {tp_rank}")
-    if num_kv_heads < 1:
-        raise ValueError(f"num_kv_heads must be >= 1, got {num_kv_heads}")
-    if num_kv_heads >= tp_size:
-        if num_kv_heads % tp_size:
-            raise ValueError(
-                f"tp_size={tp_size} must divide num_kv_heads={num_kv_heads}")
-        n = num_kv_heads // tp_size
-        return range(tp_rank * n, (tp_rank + 1) * n)
-    if tp_size % num_kv_heads:
-        raise ValueError(
-            f"num_kv_heads={num_kv_heads} must divide tp_size={tp_size} (KV head replication)")
-    head = tp_rank // (tp_size // num_kv_heads)
-    return range(head, head + 1)
-
-
 @dataclass(frozen=True)
 class KVShard:
     """One rank's part of the KV cache.

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from tandem.engine.kv_shards import KVShard, ShardedKVCache, kv_head_range
+from tandem.engine.distributed import kv_head_range
+from tandem.engine.kv_shards import KVShard, ShardedKVCache
 
 
 def split(full: torch.Tensor, tp: int, pp: int) -> ShardedKVCache:
@@ -19,7 +20,7 @@ def split(full: torch.Tensor, tp: int, pp: int) -> ShardedKVCache:
     for stage in range(pp):
         layers = range(stage * per_stage, (stage + 1) * per_stage)
         for rank in range(tp):
-            heads = kv_head_range(n_heads, rank, tp)
+            heads = kv_head_range(rank, tp, n_heads)
             part = full[:, layers.start:layers.stop, :, :, heads.start:heads.stop]
             shards.append(KVShard(part.clone(), layers, heads))
     return ShardedKVCache(shards)

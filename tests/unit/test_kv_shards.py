@@ -7,7 +7,7 @@ import pytest
 import torch
 from kv_shard_cases import assert_shards_hold, split
 
-from tandem.engine.kv_shards import KVShard, ShardedKVCache, kv_head_range
+from tandem.engine.kv_shards import KVShard, ShardedKVCache
 
 NUM_BLOCKS, BS, HD = 6, 4, 3
 
@@ -65,19 +65,6 @@ def test_one_tensor_is_the_single_shard_case() -> None:
     assert cache.is_single and cache.block_bytes == full[0].numel() * 4
     cache.write_block(2, torch.ones(cache.block_shape))
     assert torch.equal(full[2], torch.ones(cache.block_shape))  # in place, no copy kept
-
-
-def test_kv_head_range_splits_and_replicates_like_vllm() -> None:
-    assert [kv_head_range(8, r, 4) for r in range(4)] == [range(0, 2), range(2, 4),
-                                                         range(4, 6), range(6, 8)]
-    assert [kv_head_range(2, r, 4) for r in range(4)] == [range(0, 1), range(0, 1),
-                                                         range(1, 2), range(1, 2)]
-    with pytest.raises(ValueError, match="tp_size=3 must divide num_kv_heads=4"):
-        kv_head_range(4, 0, 3)
-    with pytest.raises(ValueError, match="num_kv_heads=2 must divide tp_size=3"):
-        kv_head_range(2, 0, 3)
-    with pytest.raises(ValueError, match="tp_rank"):
-        kv_head_range(2, 2, 2)
 
 
 def test_bad_shards_are_rejected_naming_what_is_wrong() -> None:
