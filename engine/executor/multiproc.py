@@ -330,6 +330,13 @@ class MultiProcExecutor(Executor):
         return list(self._collective("collective_stats"))
 
     @property
+    def shm_segments(self) -> list[str]:
+        """Names of the shared-memory segments of its queues (under ``/dev/shm``): the
+        step broadcast and each worker's replies. ``shutdown`` removes them all."""
+        queues = [self._broadcast.handle()] if self._broadcast is not None else []
+        return [h.name for h in queues + self._reply_handles]
+
+    @property
     def worker_pids(self) -> list[int]:
         """Process ids of the workers, in rank order."""
         return [int(p.pid or 0) for p in self._procs]

@@ -49,25 +49,23 @@ def prompts() -> list[list[int]]:
     return rest + [shared + [1, 2, 3], shared + [4, 5, 6, 7, 8]]
 
 
-def _shm_names() -> set[str]:
-    try:
-        return set(os.listdir("/dev/shm"))
-    except FileNotFoundError:
-        return set()
+def _left(segments: list[str]) -> list[str]:
+    """The shared-memory segments among ``segments`` that still exist."""
+    return [name for name in segments if os.path.exists(f"/dev/shm/{name.lstrip('/')}")]
 
 
 @pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2)], ids=["tp2", "pp2"])
 def test_parallel_greedy_equals_transformers(tiny, tp: int, pp: int) -> None:
     folder, hf = tiny
-    before = _shm_names()
-    # 20 blocks of 16 tokens for 6 requests growing to 1-7 blocks: preemption; a
+    # 10 blocks of 16 tokens for 6 requests growing to 1-7 blocks: preemption; a
     # 32-token step budget: the long prompts are chunked.
-    with LLM(model=folder, dtype="float32", max_model_len=MAX_LEN, num_blocks=20,
+    with LLM(model=folder, dtype="float32", max_model_len=MAX_LEN, num_blocks=10,
              max_num_batched_tokens=32, tensor_parallel_size=tp,
              pipeline_parallel_size=pp) as llm:
         core = llm.llm_engine.engine_core
         pids = core.executor.worker_pids
-        assert len(pids) == 2
+        segments = core.executor.shm_segments
+        assert len(pids) == 2 and len(segments) == 3 and _left(segments) == segments
         params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
         outs = llm.generate(prompts(), params, use_tqdm=False)
         for prompt, out in zip(prompts(), outs, strict=True):
@@ -82,15 +80,15 @@ def test_parallel_greedy_equals_transformers(tiny, tp: int, pp: int) -> None:
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
-    assert _shm_names() <= before
+    assert _left(segments) == []
 
 
 def test_killed_worker_fails_the_engine_fast(tiny) -> None:
     folder, _ = tiny
-    before = _shm_names()
     llm = LLM(model=folder, dtype="float32", max_model_len=MAX_LEN, kv_cache_memory=4 << 20,
               tensor_parallel_size=2)
     pids = llm.llm_engine.engine_core.executor.worker_pids
+    segments = llm.llm_engine.engine_core.executor.shm_segments
     params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
     engine = llm.llm_engine
     engine.add_request("a", prompts()[2], params)
@@ -105,4 +103,4 @@ def test_killed_worker_fails_the_engine_fast(tiny) -> None:
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
-    assert _shm_names() <= before
+    assert _left(segments) == [], "the killed worker's reply queue is removed too"
