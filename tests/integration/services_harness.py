@@ -153,10 +153,17 @@ class EngineService:
             args += ["--redis-url", redis_url]
         self.proc = Proc(args, tmp / f"{role}-{self.port}.log",
                          ready=lambda: grpc_serving(self.address))
-        self.proc.wait_ready(startup_timeout_s)
+        if startup_timeout_s > 0:
+            self.wait_ready(startup_timeout_s)
+
+    def wait_ready(self, timeout_s: float = 180.0) -> EngineService:
+        """Until the service serves (a service made with ``startup_timeout_s=0`` started
+        without waiting, so that several start at once); returns it."""
+        self.proc.wait_ready(timeout_s)
         self.channel = grpc.insecure_channel(self.address)
         self.prefill = prefill_pb2_grpc.PrefillServiceStub(self.channel)
         self.decode = decode_pb2_grpc.DecodeServiceStub(self.channel)
+        return self
 
     def get_load(self) -> common_pb2.GetLoadResponse:
         stub = self.prefill if self.role == "prefill" else self.decode

@@ -27,7 +27,6 @@ from services_harness import (
 
 from tandem.v1 import prefill_pb2
 
-#: Flags of the module's TP=1 prefill and decode services (conftest's fixtures read it).
 ENGINE_ARGS = ["--max-num-batched-tokens", "64", "--num-kv-blocks", "128", "--block-size", "16"]
 TP2 = [*ENGINE_ARGS, "--tensor-parallel-size", "2"]
 
@@ -39,18 +38,21 @@ def _prompt(rng: random.Random, n: int) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def prefill_tp2(tiny, redis_url, store, tmp_path_factory):
-    svc = EngineService("prefill", tiny, tmp_path_factory.mktemp("prefill-tp2"), redis_url, TP2)
-    yield svc
-    assert svc.stop() == 0
-
-
-@pytest.fixture(scope="module")
-def decode_tp2(tiny, redis_url, store, tmp_path_factory):
-    svc = EngineService("decode", tiny, tmp_path_factory.mktemp("decode-tp2"), redis_url, TP2)
-    yield svc
-    if svc.proc.alive():
-        svc.stop()
+def services(tiny, redis_url, store, tmp_path_factory):
+    """Prefill and decode at TP=1 and at TP=2, started at once (each waits for its
+    model load; four in a row would wait four times)."""
+    tmp = tmp_path_factory.mktemp("parallel")
+    made = {(role, tp): EngineService(role, tiny, tmp, redis_url, TP2 if tp == 2 else ENGINE_ARGS,
+                                      startup_timeout_s=0)
+            for role in ("prefill", "decode") for tp in (1, 2)}
+    try:
+        for svc in made.values():
+            svc.wait_ready(240)
+        yield made
+    finally:
+        for svc in made.values():
+            if svc.proc.alive():
+                svc.proc.stop()
 
 
 def _workers(svc: EngineService) -> list[psutil.Process]:
@@ -59,9 +61,9 @@ def _workers(svc: EngineService) -> list[psutil.Process]:
     return [k for k in kids if "spawn_main" in " ".join(k.cmdline())]
 
 
-def test_prefill_and_decode_at_different_tensor_parallel_sizes(
-    tiny, prefill, decode, prefill_tp2, decode_tp2
-):
+def test_prefill_and_decode_at_different_tensor_parallel_sizes(tiny, services):
+    prefill, decode = services["prefill", 1], services["decode", 1]
+    prefill_tp2, decode_tp2 = services["prefill", 2], services["decode", 2]
     assert len(_workers(prefill_tp2)) == 2 and len(_workers(decode_tp2)) == 2
     rng = random.Random(5)
     prompts = [_prompt(rng, n) for n in (16, 37, 100)]
@@ -79,7 +81,8 @@ def test_prefill_and_decode_at_different_tensor_parallel_sizes(
     assert a.kv_layout_fingerprint == b.kv_layout_fingerprint
 
 
-def test_killed_worker_fails_the_stream_and_the_service_exits(prefill, decode_tp2):
+def test_killed_worker_fails_the_stream_and_the_service_exits(services):
+    prefill, decode_tp2 = services["prefill", 1], services["decode", 2]
     rng = random.Random(6)
     prompt = _prompt(rng, 20)
     pre = prefill.prefill.Prefill(prefill_pb2.PrefillRequest(
