@@ -178,6 +178,9 @@ class RankError(RuntimeError):
 class RankPool:
     """``size`` rank processes, forked from a forkserver that imported the engine.
 
+    ``close`` stops and joins the ranks; the forkserver itself is the standard
+    library's one per process and ends when the test process does.
+
     Raises:
         RankError: from ``call``, when a rank fails a command or does not answer in
             ``REPLY_TIMEOUT_S``; the pool is then ``broken`` (close it).
