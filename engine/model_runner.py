@@ -11,6 +11,9 @@ The runner owns the KV cache tensor (binding layout)::
     kv_cache: [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
 
 so ``kv_cache[b]`` is block ``b`` of every layer (what the KV connector moves).
+A ``Worker`` (engine/worker.py) owns the runner and an executor drives the worker;
+KV connector calls (load before, save after the forward) belong to the engine
+core, to which ``Executor.register_kv_caches`` hands this tensor.
 
 Under tensor / pipeline parallelism (``engine/distributed.py``) one runner runs per
 rank, each given the same ``SchedulerOutput``: its cache holds only its pipeline
@@ -19,9 +22,6 @@ model's cache, with the same block ids on every rank. A later stage receives the
 previous stage's hidden states and residual, an earlier one sends them on; the last
 stage's TP ranks compute the logits together and its first TP rank (the driver)
 samples and returns the step's output, the others an empty one.
-A ``Worker`` (engine/worker.py) owns the runner and an executor drives the worker;
-KV connector calls (load before, save after the forward) belong to the engine
-core, to which ``Executor.register_kv_caches`` hands this tensor.
 """
 
 from __future__ import annotations

@@ -76,8 +76,10 @@ def _load(
     max_len: int,
     dtype: torch.dtype,
 ) -> dict[str, Any]:
-    """Build this rank's model and runner; its logits (driver only) are recorded."""
-    runner = ModelRunner(config, _loaded(hf_config, weights, max_len, dtype))
+    """Build this rank's model and runner (``hf_config`` ``None``: the runner loads
+    ``config.model`` itself, as a worker does); its logits (driver only) are recorded."""
+    loaded = _loaded(hf_config, weights, max_len, dtype) if hf_config is not None else None
+    runner = ModelRunner(config, loaded)
     state["runner"], state["logits"] = runner, []
     compute_logits = runner.model.compute_logits
 
@@ -95,6 +97,7 @@ def _load(
         "num_kv_heads": runner.num_kv_heads,
         "is_driver": runner.is_driver,
         "num_blocks": runner.determine_num_blocks(),
+        "block_bytes": runner.block_bytes,
     }
 
 
@@ -102,7 +105,8 @@ def _facts(
     state: dict, rank: int, config: EngineConfig, hf_config: Any, weights: dict, max_len: int
 ) -> ModelFacts:
     """What a ``Worker`` on this rank reports (rank 0: the config is 1 x 1 here)."""
-    worker = Worker(config, rank=0, loaded=_loaded(hf_config, weights, max_len))
+    loaded = _loaded(hf_config, weights, max_len) if hf_config is not None else None
+    worker = Worker(config, rank=0, loaded=loaded)
     worker.load_model()
     return worker.model_facts()
 
@@ -173,6 +177,9 @@ class RankError(RuntimeError):
 
 class RankPool:
     """``size`` rank processes, forked from a forkserver that imported the engine.
+
+    ``close`` stops and joins the ranks; the forkserver itself is the standard
+    library's one per process and ends when the test process does.
 
     Raises:
         RankError: from ``call``, when a rank fails a command or does not answer in

@@ -513,7 +513,8 @@ class LlamaForCausalLM(nn.Module):
     }
 
     def _shard_offsets(self, fused: str) -> list[int]:
-        """Row offsets of the stacked parts of a fused projection held here."""
+        """Row offsets of the stacked parts (q, k, v or gate, up) of a fused projection
+        held here."""
         shard = self.shard
         if fused == "qkv_proj":
             d = shard.head_dim
@@ -536,24 +537,24 @@ class LlamaForCausalLM(nn.Module):
             ValueError: an unexpected name, or a shape mismatch.
         """
         parts = name.split(".")
-        target, shard = name, None
+        target, part = name, None
         if len(parts) >= 2 and parts[-2] in self._stacked:
-            fused, shard = self._stacked[parts[-2]]
+            fused, part = self._stacked[parts[-2]]
             target = ".".join(parts[:-2] + [fused, parts[-1]])
         param = params.get(target)
         if param is None or len(parts) < 2:
             raise ValueError(f"unexpected weight {name!r} for {type(self).__name__}")
         dst: torch.Tensor = param
-        if shard is not None:
+        if part is not None:
             offsets = self._shard_offsets(target.split(".")[-2])
-            dst = param[offsets[shard] : offsets[shard + 1]]
+            dst = param[offsets[part] : offsets[part + 1]]
         full = tuple(tensor.shape)
         tensor = self.shard.shard_hf_tensor(parts[-2], parts[-1], tensor)
         if dst.shape != tensor.shape:
             raise ValueError(f"weight {name!r} has shape {full}, expected {tuple(dst.shape)}"
                              + (f" on this rank (of {self.shard})" if full != tensor.shape else ""))
         dst.copy_(tensor)
-        loaded.add(target if shard is None else f"{target}#{shard}")
+        loaded.add(target if part is None else f"{target}#{part}")
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -203,6 +203,8 @@ def _check_shards(executor: RankExecutor, config: Any, tp: int, pp: int) -> None
         assert shape == (NUM_BLOCKS, len(info["layer_range"]), 2, BLOCK, len(heads),
                          facts.head_dim)
         assert (info["num_layers"], info["num_kv_heads"]) == (shape[1], shape[4])
+        # the cache budget per rank is in this rank's blocks: its layers and heads only
+        assert info["block_bytes"] == 4 * shape[1] * 2 * BLOCK * shape[4] * facts.head_dim
         if pp > 1:
             assert len(info["layer_range"]) < layers, "a stage holds only its layers"
     for tp_rank, covered in stages.items():
