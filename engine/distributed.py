@@ -18,10 +18,35 @@ model code calls them unconditionally and pays one integer comparison.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+#: op -> [calls, seconds] of this process's collectives (``collective_stats``).
+_STATS: dict[str, list[float]] = {}
+
+
+@contextmanager
+def _timed(op: str) -> Iterator[None]:
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        entry = _STATS.setdefault(op, [0, 0.0])
+        entry[0] += 1
+        entry[1] += time.perf_counter() - start
+
+
+def collective_stats() -> dict[str, dict[str, float]]:
+    """What this process's collectives cost since it started: op name ("all_reduce",
+    "gather", "send", "recv") -> ``{"calls": n, "seconds": s}``, wall time inside the
+    ``torch.distributed`` call (waiting for the peers included); groups of one call
+    nothing and count nothing. Read by ``tandem bench throughput --tensor-parallel-size``."""
+    return {op: {"calls": int(c), "seconds": float(t)} for op, (c, t) in _STATS.items()}
 
 
 class GroupCoordinator:
@@ -61,7 +86,8 @@ class GroupCoordinator:
         rank of the group contributed. A group of one returns ``t`` untouched."""
         if self.world_size == 1:
             return t
-        dist.all_reduce(t, group=self.group)
+        with _timed("all_reduce"):
+            dist.all_reduce(t, group=self.group)
         return t
 
     def gather(self, t: torch.Tensor, dim: int = -1) -> torch.Tensor | None:
@@ -73,9 +99,11 @@ class GroupCoordinator:
         t = t.contiguous()
         if self.rank_in_group == 0:
             parts = [torch.empty_like(t) for _ in range(self.world_size)]
-            dist.gather(t, gather_list=parts, dst=self.ranks[0], group=self.group)
+            with _timed("gather"):
+                dist.gather(t, gather_list=parts, dst=self.ranks[0], group=self.group)
             return torch.cat(parts, dim=dim)
-        dist.gather(t, gather_list=None, dst=self.ranks[0], group=self.group)
+        with _timed("gather"):
+            dist.gather(t, gather_list=None, dst=self.ranks[0], group=self.group)
         return None
 
     def send(self, tensors: dict[str, torch.Tensor]) -> None:
@@ -89,8 +117,9 @@ class GroupCoordinator:
         if self.is_last_rank:
             raise RuntimeError("send() on the last rank of the group: there is no next stage")
         dst = self.ranks[self.rank_in_group + 1]
-        for name in sorted(tensors):
-            dist.send(tensors[name].contiguous(), dst=dst, group=self.group)
+        with _timed("send"):
+            for name in sorted(tensors):
+                dist.send(tensors[name].contiguous(), dst=dst, group=self.group)
 
     def recv(
         self,
@@ -111,7 +140,8 @@ class GroupCoordinator:
         out: dict[str, torch.Tensor] = {}
         for name in sorted(shapes):
             t = torch.empty(shapes[name], dtype=dtype, device=device)
-            dist.recv(t, src=src, group=self.group)
+            with _timed("recv"):
+                dist.recv(t, src=src, group=self.group)
             out[name] = t
         return out
 
