@@ -199,6 +199,7 @@ def run(
         servicers: role -> what adds its servicers; the chosen role must be in it.
     """
     ns = build_parser(prog, role).parse_args(argv)
+    ns.prog = prog
     role = role or Role.parse(ns.role)
     logging.basicConfig(level=ns.log_level.upper(),
                         format=f"%(asctime)s {role} %(levelname)s %(name)s: %(message)s")
@@ -230,7 +231,13 @@ async def _serve(
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
 
-    engine = await asyncio.to_thread(EngineCore, config)
+    try:
+        engine = await asyncio.to_thread(EngineCore, config)
+    except ValueError as exc:
+        # A setting the model or this machine cannot take (a tensor-parallel size that
+        # does not divide the heads, more workers than CPUs...): a usage error.
+        print(f"{ns.prog}: error: {exc}", file=sys.stderr)
+        return 2
     connector = engine.connector_worker
     engine_loop = EngineLoop(engine, loop, connector.has_pending if connector else None,
                              on_engine_dead=stop.set)

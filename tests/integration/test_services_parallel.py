@@ -98,3 +98,17 @@ def test_killed_worker_fails_the_stream_and_the_service_exits(services):
     assert decode_tp2.proc.popen.wait(60) == 1, "the service exits when its engine dies"
     _, alive = psutil.wait_procs(workers, timeout=30)
     assert alive == [], "no worker process outlives the service"
+
+
+def test_more_workers_than_cpus_is_a_usage_error(tiny):
+    import subprocess
+    import sys
+
+    n = len(os.sched_getaffinity(0)) + 1
+    done = subprocess.run(
+        [sys.executable, "-m", "tandem.cli", "serve", "--role", "both", "--listen",
+         "127.0.0.1:0", "--model", tiny, "--tensor-parallel-size", str(n)],
+        capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert f"tensor_parallel_size x pipeline_parallel_size = {n} workers exceed" in done.stderr
+    assert "Traceback" not in done.stderr
