@@ -8,6 +8,7 @@ engine's block pool is back to full: nothing leaks, aborts included.
 
 from __future__ import annotations
 
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -159,6 +160,20 @@ def test_greedy_matches_transformers(real, llm) -> None:
         if ours == ref:
             expected = "stop" if ref[-1] == real.tok.eos_token_id else "length"
             assert out.outputs[0].finish_reason == expected
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs")
+def test_pipeline_parallel_matches_transformers(real) -> None:
+    """The real model split into 2 pipeline stages (worker processes over gloo; its 9
+    attention heads do not split at TP=2) gives transformers' greedy tokens."""
+    prompts = prompts_mixed(real.tok)
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)
+    with LLM(dtype="float32", kv_cache_memory=96 << 20, max_model_len=2048,
+             pipeline_parallel_size=2) as llm:
+        outs = llm.generate(prompts, params, False)
+    for prompt, out in zip(prompts, outs, strict=True):
+        ref, logits = hf_greedy(real, prompt, NEW_TOKENS)
+        assert_same_or_tie(out.outputs[0].token_ids, ref, None, logits)
 
 
 def test_logprobs_match_transformers(real, llm) -> None:
