@@ -71,7 +71,9 @@ class _Cluster:
             str(metrics_port)), lambda: http_ok(f"http://127.0.0.1:{metrics_port}/health"))],
             120)
         engine = ["--dtype", ns.dtype, "--device", ns.device, "--kv-cache-memory",
-                  str(ns.kv_cache_memory), "--max-model-len", str(ns.max_model_len)]
+                  str(ns.kv_cache_memory), "--max-model-len", str(ns.max_model_len),
+                  "--tensor-parallel-size", str(ns.tensor_parallel_size),
+                  "--pipeline-parallel-size", str(ns.pipeline_parallel_size)]
         if ns.model:
             engine += ["--model", ns.model]
         engines = []
@@ -253,7 +255,13 @@ def main(argv: list[str] | None = None) -> int:
                    help="speculative decoding on the decode and colocated engines")
     p.add_argument("--prompt-pattern", choices=("random", "repeated"), default="random",
                    help="repeated: a random quarter of the prompt repeated four times")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="every engine with this many tensor-parallel worker processes")
+    p.add_argument("--pipeline-parallel-size", type=int, default=1,
+                   help="every engine with this many pipeline stages")
     ns = p.parse_args(argv)
+    if ns.tensor_parallel_size < 1 or ns.pipeline_parallel_size < 1:
+        p.error("--tensor-parallel-size and --pipeline-parallel-size must be >= 1")
     if ns.output_len < 2:
         p.error("--output-len must be >= 2")
     if ns.speculative_config is not None:
