@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from tandem.engine.config import EngineConfig
 from tandem.engine.executor.abstract import EngineDeadError, Executor
-from tandem.engine.executor.shm_broadcast import Handle, MessageQueue
+from tandem.engine.executor.shm_broadcast import Handle, MessageQueue, dequeue_any
 from tandem.engine.executor.step_message import StepEncoder
 from tandem.engine.executor.worker_proc import WorkerSpec, worker_main
 from tandem.engine.model_facts import ModelFacts
@@ -240,20 +240,29 @@ class MultiProcExecutor(Executor):
         if self._closed:
             raise RuntimeError("the executor is shut down")
         assert self._broadcast is not None
+        replies: list[Any] = [None] * self.world_size
         try:
             self._broadcast.enqueue(command)
-            replies = [q.dequeue() for q in self._replies]
+            pending = list(range(self.world_size))
+            while pending:
+                # NOTE: whichever answers first: a rank that failed inside a step
+                # answers at once while its peers wait in a collective for it forever.
+                i, reply = dequeue_any([self._replies[r] for r in pending], self._all_alive)
+                replies[pending.pop(i)] = reply
+                if reply[0] == "error":
+                    break
         except RuntimeError:
             self._check_alive()
             raise
-        errors = [r for r in replies if r[0] == "error"]
+        errors = [r for r in replies if r is not None and r[0] == "error"]
         if errors:
             _, type_name, message, tb = errors[0]
             logger.error("worker error in %s:\n%s", command[0], tb)
+            # NOTE: the ranks may now disagree (one raised inside a collective, its
+            # peers still wait in it) and replies still owed would answer the next
+            # command: nothing later can be trusted.
+            self._dead = f"a worker failed {command[0]}: {type_name}: {message}"
             if command[0] == "execute_model":
-                # NOTE: the ranks may now disagree on the step (one raised inside a
-                # collective); no later step can be trusted.
-                self._dead = f"a worker failed a step: {type_name}: {message}"
                 raise EngineDeadError(self._dead)
             raise (ValueError if type_name == "ValueError" else RuntimeError)(message)
         return [r[1] for r in replies]

@@ -73,7 +73,7 @@ import pickle
 import struct
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from multiprocessing import resource_tracker, shared_memory
 from types import TracebackType
@@ -110,6 +110,70 @@ def _tracker_pipe_id() -> tuple[int, int] | None:
     assert fd is not None, "resource tracker did not start"
     st = os.fstat(fd)
     return (st.st_dev, st.st_ino)
+
+
+def wait_until(
+    ready: Callable[[], bool],
+    deadline: float | None,
+    is_alive: Callable[[], bool] | None,
+    what: str,
+) -> None:
+    """Return once ``ready()`` holds: spin, then back off (module docstring), checking
+    ``is_alive`` every ``_LIVENESS_INTERVAL_S`` while waiting.
+
+    Raises:
+        TimeoutError: past ``deadline`` (``time.monotonic`` seconds; None: no limit).
+        RuntimeError: ``is_alive`` said the peer died.
+    """
+    if ready():
+        return
+    start = time.monotonic()
+    next_liveness_check = start
+    while True:
+        now = time.monotonic()
+        if deadline is not None and now >= deadline:
+            raise TimeoutError(f"timed out {what}")
+        if is_alive is not None and now >= next_liveness_check:
+            if not is_alive():
+                raise RuntimeError(f"peer process died while {what}")
+            next_liveness_check = now + _LIVENESS_INTERVAL_S
+        waited_s = now - start
+        if waited_s < _SPIN_S:
+            os.sched_yield()
+        elif waited_s < _IDLE_AFTER_S:
+            time.sleep(min(max(waited_s / 8, _MIN_SLEEP_S), _ACTIVE_MAX_SLEEP_S))
+        else:
+            time.sleep(_IDLE_SLEEP_S)
+        if ready():
+            return
+
+
+def dequeue_any(
+    queues: Sequence[MessageQueue], is_alive: Callable[[], bool] | None = None
+) -> tuple[int, Any]:
+    """The next message of whichever of ``queues`` (readers' ends) has one first:
+    ``(index in queues, message)``; a caller waiting on several writers (the executor
+    on its workers' replies) sees the first answer, an error included, without
+    blocking behind a writer that will never answer.
+
+    Raises:
+        RuntimeError: ``is_alive`` said a peer died.
+        ValueError: ``queues`` is empty.
+    """
+    if not queues:
+        raise ValueError("queues must not be empty")
+    found: list[int] = []
+
+    def ready() -> bool:
+        for i, q in enumerate(queues):
+            if q.poll():
+                found.append(i)
+                return True
+        return False
+
+    wait_until(ready, None, is_alive, "waiting for any of several writers")
+    i = found[-1]
+    return i, queues[i].dequeue()
 
 
 @dataclass(frozen=True)
@@ -293,33 +357,19 @@ class MessageQueue:
         return time.monotonic() + timeout
 
     def _wait(self, ready: Callable[[], bool], deadline: float | None, what: str) -> None:
-        """Return once ``ready()`` holds; spin, then back off (module docstring).
+        wait_until(ready, deadline, self.is_alive, what)
+
+    def poll(self) -> bool:
+        """Reader's end: whether a message (its first piece) is there to ``dequeue``
+        now; never waits.
 
         Raises:
-            TimeoutError: past ``deadline``.
-            RuntimeError: ``is_alive`` said the peer died.
+            RuntimeError: on the writer's end or after ``close``.
         """
-        if ready():
-            return
-        start = time.monotonic()
-        next_liveness_check = start
-        while True:
-            now = time.monotonic()
-            if deadline is not None and now >= deadline:
-                raise TimeoutError(f"timed out {what}")
-            if self.is_alive is not None and now >= next_liveness_check:
-                if not self.is_alive():
-                    raise RuntimeError(f"peer process died while {what}")
-                next_liveness_check = now + _LIVENESS_INTERVAL_S
-            waited_s = now - start
-            if waited_s < _SPIN_S:
-                os.sched_yield()
-            elif waited_s < _IDLE_AFTER_S:
-                time.sleep(min(max(waited_s / 8, _MIN_SLEEP_S), _ACTIVE_MAX_SLEEP_S))
-            else:
-                time.sleep(_IDLE_SLEEP_S)
-            if ready():
-                return
+        self._check_usable(False, None)
+        assert self._reader_rank is not None
+        row = self._meta_offset + self._idx * self._meta_row_bytes
+        return self._buf[row] == 1 and self._buf[row + 1 + self._reader_rank] == 0
 
     def enqueue(self, obj: Any, timeout: float | None = None) -> None:
         """Pickle ``obj`` and publish it to every reader; blocks while the ring is full

@@ -190,6 +190,24 @@ def test_timeouts_and_misuse_in_one_process() -> None:
             MessageQueue.create(**kwargs)
 
 
+def test_dequeue_any_takes_the_first_writer_that_answers() -> None:
+    """The executor waits on every worker's replies at once: a silent writer (a worker
+    stuck in a collective) must not hide another's answer; a dead peer still raises."""
+    with MessageQueue.create(1) as silent, MessageQueue.create(1) as talker:
+        with MessageQueue.attach(silent.handle(), 0) as r0, \
+                MessageQueue.attach(talker.handle(), 0) as r1:
+            assert not r0.poll() and not r1.poll()
+            talker.enqueue(("error", "boom"))
+            assert r1.poll() and not r0.poll()
+            assert shm_broadcast.dequeue_any([r0, r1]) == (1, ("error", "boom"))
+            silent.enqueue("late")
+            assert shm_broadcast.dequeue_any([r0, r1]) == (0, "late")
+            with pytest.raises(RuntimeError, match="died"):
+                shm_broadcast.dequeue_any([r0, r1], is_alive=lambda: False)
+    with pytest.raises(ValueError, match="queues"):
+        shm_broadcast.dequeue_any([])
+
+
 def test_dead_peer_raises_runtime_error_instead_of_hanging() -> None:
     """A writer waiting for a chunk a dead reader holds, and a reader waiting for a dead
     writer, raise RuntimeError from the liveness check (not the far hang guard); a
