@@ -50,6 +50,8 @@ logger = logging.getLogger(__name__)
 
 #: Seconds a worker gets to load its shard and report ready.
 WORKER_STARTUP_TIMEOUT_S = 600.0
+#: Seconds to wait for a worker's death to show after a peer's collective failed.
+WORKER_DEATH_GRACE_S = 0.2
 #: Seconds a worker gets to exit after "shutdown" before it is terminated.
 WORKER_EXIT_TIMEOUT_S = 10.0
 #: Ring buffer of the step broadcast: chunk bytes and chunks. A step of 256 requests
@@ -262,6 +264,11 @@ class MultiProcExecutor(Executor):
             # peers still wait in it) and replies still owed would answer the next
             # command: nothing later can be trusted.
             self._dead = f"a worker failed {command[0]}: {type_name}: {message}"
+            # A peer's death usually shows first as a collective's error on the
+            # survivors ("connection reset"): name the dead worker when there is one.
+            for proc in self._procs:
+                proc.join(WORKER_DEATH_GRACE_S)
+            self._check_alive()
             if command[0] == "execute_model":
                 raise EngineDeadError(self._dead)
             raise (ValueError if type_name == "ValueError" else RuntimeError)(message)
