@@ -188,7 +188,8 @@ def _measure(cluster: _Cluster, length: int, repeats: int, vocab: int, rng: rand
         req = decode_pb2.DecodeRequest(
             request_id=pre.request_id, prompt_token_ids=prompt, first_token_id=pre.first_token_id,
             block_hashes=pre.block_hashes, sampling_params=sp,
-            kv_layout_fingerprint=pre.kv_layout_fingerprint, hash_algorithm=pre.hash_algorithm)
+            kv_layout_fingerprint=pre.kv_layout_fingerprint, hash_algorithm=pre.hash_algorithm,
+            kv_publish_pending=pre.kv_publish_pending)
         dmsgs = dstub.Decode(req, timeout=600)
         dfirst = next(dmsgs)
         t2 = time.perf_counter()

@@ -83,12 +83,18 @@ class LoadResult:
         num_requested_tokens: tokens the load covered.
         done_ns: ``time.monotonic_ns()`` at completion.
         num_bytes: bytes of the blocks loaded (all layers, K and V).
+        wait_outcome: when the load waited for blocks the producer was still
+            publishing, how the wait ended (the connector's word, e.g. ``arrived``,
+            ``deadline``); ``None`` when it did not wait.
+        wait_ns: how long it waited, ns (0 when it did not).
     """
 
     num_tokens: int
     num_requested_tokens: int
     done_ns: int
     num_bytes: int = 0
+    wait_outcome: str | None = None
+    wait_ns: int = 0
 
     @property
     def complete(self) -> bool:

@@ -45,6 +45,16 @@ class ServiceMetrics:
         self.kv_pull_seconds = Histogram(
             "tandem:kv_pull_seconds", "Arrival -> remote KV loaded (decode), s.",
             labels, buckets=_LATENCY_BUCKETS_S, registry=r)
+        self.kv_load_waits = Counter(
+            "tandem:kv_load_waits",
+            "Remote KV loads (decode) that waited for blocks the prefill was still "
+            "publishing, by how the wait ended (arrived, published, publish_failed, "
+            "deadline, index_error, cancelled, closed).",
+            [*labels, "outcome"], registry=r)
+        self.kv_load_wait_seconds = Histogram(
+            "tandem:kv_load_wait_seconds",
+            "Time a remote KV load (decode) waited for blocks still being published, s.",
+            labels, buckets=_LATENCY_BUCKETS_S, registry=r)
         self.kv_load_failures = Counter(
             "tandem:kv_load_failures",
             "Requests whose remote KV was missing or corrupt and got recomputed.",

@@ -184,6 +184,7 @@ def decode_request_from(prefill: prefill_pb2.PrefillResponse, prompt: list[int],
         sampling_params=sp,
         kv_layout_fingerprint=prefill.kv_layout_fingerprint,
         hash_algorithm=prefill.hash_algorithm,
+        kv_publish_pending=prefill.kv_publish_pending,
     )
     return req
 
