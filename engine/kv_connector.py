@@ -26,7 +26,7 @@ head_dim]`` (model dtype); block ``b``'s bytes for all layers are ``kv_cache[b]`
 Besides the step loop, the services watch the worker side: a
 :class:`TransferListener` receives each transfer's outcome (``set_listener``),
 ``has_pending`` keeps the engine thread stepping while transfers are in flight,
-and ``num_load_failures`` feeds the load metrics. They use only this interface,
+and ``num_load_failures`` / ``num_loads_waiting`` feed the load metrics. They use only this interface,
 never a concrete connector.
 
 Implementations are picked by name through ``create_connector`` and imported
@@ -247,6 +247,13 @@ class KVConnectorWorker(ABC):
         """Loads since start that delivered fewer tokens than requested (a miss, a bad
         checksum or a store error; the scheduler recomputed the rest). A load cancelled
         by an abort is not counted. Never blocks."""
+
+    @property
+    def num_loads_waiting(self) -> int:
+        """Loads parked now until blocks the producer is still publishing arrive (see
+        ``KVTransferParams.publish_pending``). Default 0: a connector that never waits.
+        Never blocks."""
+        return 0
 
     def shutdown(self) -> None:  # noqa: B027 - optional hook with a no-op default
         """Release transfer resources (connections, threads). Default: nothing."""

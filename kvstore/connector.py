@@ -615,6 +615,12 @@ class StoreConnectorWorker(KVConnectorWorker):
         """Requests whose remote KV was partly missing or corrupt (recomputed), since start."""
         return self._transfers.num_load_failures
 
+    @property
+    def num_loads_waiting(self) -> int:
+        """Loads parked until blocks a prefill is still publishing arrive."""
+        waiter = self._transfers.waiter
+        return 0 if waiter is None else waiter.num_parked()
+
     def shutdown(self) -> None:
         """Finish queued transfers, stop the transfer thread, close the store client."""
         self._transfers.close()

@@ -248,7 +248,9 @@ class ServiceContext:
     async def registry_load(self) -> dict[str, float | int]:
         """Load fields of the Redis registry entry (also refreshes the Prometheus gauges)."""
         s = await self.stats()
-        self.metrics.observe_stats(s, self.num_kv_load_failures)
+        self.metrics.observe_stats(s, self.num_kv_load_failures,
+                                   0 if self._connector is None
+                                   else self._connector.num_loads_waiting)
         return {
             "running": s.num_running,
             "waiting": s.num_waiting,
