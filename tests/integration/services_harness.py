@@ -189,6 +189,23 @@ def decode_request_from(prefill: prefill_pb2.PrefillResponse, prompt: list[int],
     return req
 
 
+def wait_published(redis_url: str, pre: prefill_pb2.PrefillResponse, timeout_s: float = 30.0
+                   ) -> None:
+    """Until the store index holds every block of ``pre``: the prefill answers before its
+    publish ends (``kv_publish_pending``), so a test that then touches the stored blocks
+    waits for them first."""
+    from tandem.contracts.block_key import BlockKey
+    from tandem.kvstore.lookup import IndexProbe
+
+    keys = [BlockKey(h, pre.kv_layout_fingerprint) for h in pre.block_hashes]
+    probe = IndexProbe(redis_url, backoff_s=0)
+    try:
+        wait_for(lambda: probe.leading(keys) == len(keys), timeout_s,
+                 f"the {len(keys)} blocks of {pre.request_id} in the store index")
+    finally:
+        probe.close()
+
+
 def run_disaggregated(prefill: EngineService, decode: EngineService, prompt: list[int],
                       sp: common_pb2.SamplingParams, request_id: str = "") -> tuple[list[int], object]:
     """Prefill then Decode, like the router; returns (all generated ids, prefill response)."""
