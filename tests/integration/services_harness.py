@@ -290,9 +290,13 @@ class MeteredEngine:
                                  [*args, "--metrics-port", str(self.metrics_port)])
 
     def metric(self, name: str, **labels: str) -> float:
+        """The metric now: a GetLoad first brings ``/metrics`` up to the engine's counts
+        (otherwise they follow at the 2 s heartbeat, and a baseline read before a test's
+        requests could miss an earlier test's)."""
+        self.svc.get_load()
         return metric_value(self.metrics_port, name, **labels)
 
     def wait_metric(self, name: str, value: float, **labels: str) -> None:
-        """Until the metric reads ``value`` (counters follow the engine about once a second)."""
+        """Until the metric reads ``value`` (within 30 s)."""
         wait_for(lambda: self.metric(name, **labels) == value, 30,
                  f"{name}{labels} == {value} (is {self.metric(name, **labels)})")
