@@ -281,3 +281,17 @@ def test_the_store_tier_flags() -> None:
         parser.parse_args(["--kv-publish-output=maybe"])
     with pytest.raises(ValueError, match="lookup_timeout_s"):
         StoreConnectorConfig(redis_url="redis://x", lookup_timeout_s=0)
+
+
+def test_the_load_wait_flag() -> None:
+    from tandem.services.common.server import build_engine_config, build_parser
+
+    parser = build_parser("tandem decode", "decode")
+    ns = parser.parse_args(["--redis-url", "redis://h:6379", "--kv-load-wait-s", "0.5"])
+    config = build_engine_config(ns, "decode").kv_transfer.connector_config
+    assert isinstance(config, StoreConnectorConfig) and config.kv_load_wait_s == 0.5
+    ns = parser.parse_args(["--redis-url", "redis://h:6379"])
+    config = build_engine_config(ns, "decode").kv_transfer.connector_config
+    assert isinstance(config, StoreConnectorConfig) and config.kv_load_wait_s == 5.0
+    with pytest.raises(ValueError, match="kv_load_wait_s"):
+        StoreConnectorConfig(redis_url="redis://x", kv_load_wait_s=-1)
