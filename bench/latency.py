@@ -5,15 +5,18 @@ one prefill, one decode and one colocated (``--role both``) engine service, then
 for each prompt length sends the same kind of request both ways, one at a time:
 
 * disaggregated: ``Prefill`` (TTFT = its round trip: the prefill answers with the
-  first token once the blocks are published), then ``Decode`` (its first message
-  carries ``kv_pull_ns``; the time to it is the time to the second token);
+  first token as soon as it is sampled, while its publish of the blocks runs on),
+  then ``Decode`` (its first message carries ``kv_pull_ns``, which includes any wait
+  for blocks still being published; the time to it is the time to the second token);
 * colocated: ``Decode`` without a first token (TTFT = time to its first message).
 
 Reported per length (medians over ``--repeats`` fresh random prompts, so no
 prefix-cache hits): TTFT both ways, publish and pull times, the handoff
 (publish + pull) as a share of the disaggregated TTFT, and the time to the
 second token. The handoff is what disaggregation adds on top of the prefill
-compute: publish delays the first token, pull delays the second.
+compute; since the prefill answers before its publish ends, ``publish`` is 0 unless
+the publish ended first (``PrefillResponse.kv_publish_pending`` false), and the
+publish delays the second token (through the pull's wait), not the first.
 
 With ``--output-len N`` (> 2) each request generates N tokens and the decode rate
 (tokens after the first per second of streaming, batch 1) is reported both ways;
@@ -190,7 +193,8 @@ def _measure(cluster: _Cluster, length: int, repeats: int, vocab: int, rng: rand
         req = decode_pb2.DecodeRequest(
             request_id=pre.request_id, prompt_token_ids=prompt, first_token_id=pre.first_token_id,
             block_hashes=pre.block_hashes, sampling_params=sp,
-            kv_layout_fingerprint=pre.kv_layout_fingerprint, hash_algorithm=pre.hash_algorithm)
+            kv_layout_fingerprint=pre.kv_layout_fingerprint, hash_algorithm=pre.hash_algorithm,
+            kv_publish_pending=pre.kv_publish_pending)
         dmsgs = dstub.Decode(req, timeout=600)
         dfirst = next(dmsgs)
         t2 = time.perf_counter()

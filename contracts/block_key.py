@@ -90,6 +90,9 @@ class KVTransferParams:
         block_hashes: the prompt's block hashes in order (``prompt_block_hashes``: full
             blocks, then the partial tail), ``BLOCK_HASH_BYTES`` each.
         layout_fingerprint: the producer's ``KVCacheLayout.fingerprint``.
+        publish_pending: the producer answered before its publish of these blocks ended
+            (``DecodeRequest.kv_publish_pending``): a block missing at load time may
+            still arrive, so the consumer waits for it (bounded) before recomputing.
 
     Raises:
         ValueError: a hash of the wrong length (``block_hashes[i]``) or an empty
@@ -98,6 +101,7 @@ class KVTransferParams:
 
     block_hashes: tuple[BlockHash, ...]
     layout_fingerprint: bytes
+    publish_pending: bool = False
 
     def __post_init__(self) -> None:
         for i, h in enumerate(self.block_hashes):

@@ -29,7 +29,7 @@ tensor/pipeline-parallel engine's cache is split over its ranks instead: a
 Besides the step loop, the services watch the worker side: a
 :class:`TransferListener` receives each transfer's outcome (``set_listener``),
 ``has_pending`` keeps the engine thread stepping while transfers are in flight,
-and ``num_load_failures`` feeds the load metrics. They use only this interface,
+and ``num_load_failures`` / ``num_loads_waiting`` feed the load metrics. They use only this interface,
 never a concrete connector.
 
 Implementations are picked by name through ``create_connector`` and imported
@@ -87,12 +87,18 @@ class LoadResult:
         num_requested_tokens: tokens the load covered.
         done_ns: ``time.monotonic_ns()`` at completion.
         num_bytes: bytes of the blocks loaded (all layers, K and V).
+        wait_outcome: when the load waited for blocks the producer was still
+            publishing, how the wait ended (the connector's word, e.g. ``arrived``,
+            ``deadline``); ``None`` when it did not wait.
+        wait_ns: how long it waited, ns (0 when it did not).
     """
 
     num_tokens: int
     num_requested_tokens: int
     done_ns: int
     num_bytes: int = 0
+    wait_outcome: str | None = None
+    wait_ns: int = 0
 
     @property
     def complete(self) -> bool:
@@ -250,6 +256,13 @@ class KVConnectorWorker(ABC):
         """Loads since start that delivered fewer tokens than requested (a miss, a bad
         checksum or a store error; the scheduler recomputed the rest). A load cancelled
         by an abort is not counted. Never blocks."""
+
+    @property
+    def num_loads_waiting(self) -> int:
+        """Loads parked now until blocks the producer is still publishing arrive (see
+        ``KVTransferParams.publish_pending``). Default 0: a connector that never waits.
+        Never blocks."""
+        return 0
 
     def shutdown(self) -> None:  # noqa: B027 - optional hook with a no-op default
         """Release transfer resources (connections, threads). Default: nothing."""

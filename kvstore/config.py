@@ -185,7 +185,12 @@ class StoreConnectorConfig(KVConnectorConfig):
             them (``--kv-publish-output``).
         lookup_timeout_s: deadline of one index lookup made for ``load_from_store``
             (a lookup that takes longer is a miss; the request waits for it, the engine
-            does not).
+            does not), and of one poll of a load waiting for blocks (below).
+        kv_load_wait_s: the prefill answers before its publish ends, so a decode's load
+            may miss blocks still in flight; it then waits (in ``WAITING_FOR_REMOTE_KV``,
+            other requests keep running) up to this many seconds for them to reach the
+            store index, or until the prefill marks its publish ended, and recomputes
+            what did not come (``--kv-load-wait-s``; 0: never wait, recompute at once).
 
     Raises:
         ValueError: a field out of range (named in the message).
@@ -199,8 +204,11 @@ class StoreConnectorConfig(KVConnectorConfig):
     load_from_store: bool = True
     publish_output: bool = True
     lookup_timeout_s: float = 2.0
+    kv_load_wait_s: float = 5.0
 
     def __post_init__(self) -> None:
+        if self.kv_load_wait_s < 0:
+            raise ValueError(f"kv_load_wait_s must be >= 0, got {self.kv_load_wait_s}")
         if self.lookup_timeout_s <= 0:
             raise ValueError(f"lookup_timeout_s must be > 0, got {self.lookup_timeout_s}")
         if not self.redis_url:

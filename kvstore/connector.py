@@ -22,7 +22,10 @@ Producer (prefill, ``kv_producer``): when a request finishes, ``request_finished
 hands its blocks to the transfer thread and returns True (the scheduler keeps
 the blocks); the thread asks the store which keys it lacks, uploads those, and
 reports the request in ``finished_sending`` (success or failure: the blocks are
-freed either way; a failed publish only makes the decode side recompute).
+freed either way; a failed publish only makes the decode side recompute). The prefill
+answers before that (services/prefill/servicer.py); when the put ends, the thread writes
+the request's publish marker (ok or failed, kvstore/arrival.py) for a decode waiting on
+those blocks.
 
 Store lookups (both roles, ``load_from_store``): a request without block hashes (a
 prefill, or a decode instance's local prefill) looks up the full blocks of its prompt
@@ -41,7 +44,11 @@ prefix-cache hit as remote. After the scheduler
 allocated blocks, the load runs on the transfer thread (other requests keep
 decoding); it fetches the blocks in order and stops at the first miss or bad
 checksum, reporting the tokens it did load; the scheduler recomputes the rest,
-and :attr:`StoreConnectorWorker.num_load_failures` counts such requests.
+and :attr:`StoreConnectorWorker.num_load_failures` counts such requests. When the
+prefill answered before its publish ended (``KVTransferParams.publish_pending``), a
+clean miss first parks the load in an :class:`~tandem.kvstore.arrival.ArrivalWaiter`
+(up to ``kv_load_wait_s``; no transfer thread is held) and the load goes on with what
+arrived.
 With ``publish_output``, a finished request's full blocks of prompt + output (the hash
 chain continues through the generated tokens) are published on the transfer thread, so
 the next turn of a conversation finds them; its response stream is not held up (the
@@ -86,7 +93,9 @@ from tandem.engine.kv_connector import (
 from tandem.engine.kv_shards import ShardedKVCache
 from tandem.engine.request import Request, RequestStatus
 from tandem.engine.sched_output import SchedulerOutput
+from tandem.kvstore.arrival import ArrivalSignal, ArrivalWaiter
 from tandem.kvstore.config import StoreConnectorConfig
+from tandem.kvstore.index import publish_marker_key
 
 logger = logging.getLogger(__name__)
 
@@ -124,6 +133,11 @@ class _Job:
     """One request's transfer: parallel lists, one entry per block.
 
     ``first_block`` is the block index (in the request's hash chain) of ``keys[0]``.
+    ``marker_key``: a producer's publish marker to set when the save ends, or the one a
+    load waits for. ``wait``: a load may park on a miss (once). ``num_done`` /
+    ``num_bytes``: leading blocks a load brought so far, and their bytes.
+    ``wait_outcome`` / ``wait_ns``: how its wait ended and how long it took (ns);
+    ``parked_ns``: ``time.monotonic_ns()`` when it was parked.
     """
 
     request_id: str
@@ -133,6 +147,13 @@ class _Job:
     num_tokens: list[int]
     cancelled: bool = False
     first_block: int = 0
+    marker_key: str = ""
+    wait: bool = False
+    num_done: int = 0
+    num_bytes: int = 0
+    wait_outcome: str | None = None
+    wait_ns: int = 0
+    parked_ns: int = 0
 
 
 class _Lookups:
@@ -229,11 +250,19 @@ class _Transfers:
     """
 
     def __init__(
-        self, client_factory: Callable[[], BlockStoreClient], num_threads: int = 2
+        self, client_factory: Callable[[], BlockStoreClient], num_threads: int = 2,
+        signal: ArrivalSignal | None = None, load_wait_s: float = 0.0,
     ) -> None:
         if num_threads < 1:
             raise ValueError(f"num_transfer_threads must be >= 1, got {num_threads}")
+        if load_wait_s < 0:
+            raise ValueError(f"kv_load_wait_s must be >= 0, got {load_wait_s}")
         self._client_factory = client_factory
+        self.signal = signal
+        # Loads missing blocks a prefill still publishes wait here, off the transfer threads.
+        self.waiter: ArrivalWaiter[_Job] | None = (
+            ArrivalWaiter(signal, load_wait_s, self._waited, lambda job: job.cancelled)
+            if signal is not None and load_wait_s > 0 else None)
         self._client: BlockStoreClient | None = None
         self._client_lock = threading.Lock()
         self._queue: queue.Queue[_Job | None] = queue.Queue()
@@ -271,7 +300,9 @@ class _Transfers:
             if job is None:
                 return False
             job.cancelled = True
-            return True
+        if self.waiter is not None:
+            self.waiter.wake()  # a parked load goes back at once
+        return True
 
     def pop_loaded_blocks(self, request_id: str) -> range:
         """Block indices the request's finished load brought whole from the store."""
@@ -291,12 +322,16 @@ class _Transfers:
     def close(self) -> None:
         if self.lookups is not None:
             self.lookups.close()
+        if self.waiter is not None:
+            self.waiter.close()  # parked loads are queued before the threads' ends
         for _ in self._threads:
             self._queue.put(None)
         for thread in self._threads:
             thread.join(timeout=30)
         if self._client is not None:
             self._client.close()
+        if self.signal is not None:
+            self.signal.close()
 
     # -- transfer thread ---------------------------------------------------------------------
 
@@ -369,23 +404,27 @@ class _Transfers:
             stored += client.put_blocks(job.keys[lo:hi], list(buf))
         return stored
 
-    def _get(self, job: _Job) -> int:
-        """Load the job's leading present blocks into the cache; returns how many."""
+    def _load_more(self, job: _Job) -> None:
+        """Load the job's blocks from ``num_done`` on, up to the first miss; advances
+        ``num_done`` and ``num_bytes``. Raises what the store client raises."""
         client = self._client_or_connect()
+        keys, ids = job.keys[job.num_done:], job.block_ids[job.num_done:]
         if self.kv_cache is not None:
             # the store writes straight into the cache blocks
-            return client.get_blocks(job.keys, [self.kv_cache[b] for b in job.block_ids])
-        cache = self.sharded
-        assert cache is not None, "register_kv_caches was not called"
-        loaded = 0
-        for lo, hi in self._chunks(cache, len(job.keys)):
-            buf = self._staging_buffer(cache, hi - lo)
-            n = client.get_blocks(job.keys[lo:hi], list(buf))
-            cache.write_blocks(job.block_ids[lo:lo + n], buf[:n])
-            loaded += n
-            if n < hi - lo:
-                break
-        return loaded
+            n = client.get_blocks(keys, [self.kv_cache[b] for b in ids])
+        else:
+            cache = self.sharded
+            assert cache is not None, "register_kv_caches was not called"
+            n = 0
+            for lo, hi in self._chunks(cache, len(keys)):
+                buf = self._staging_buffer(cache, hi - lo)
+                got = client.get_blocks(keys[lo:hi], list(buf))
+                cache.write_blocks(ids[lo:lo + got], buf[:got])
+                n += got
+                if got < hi - lo:
+                    break
+        job.num_done += n
+        job.num_bytes += n * self._block_bytes()
 
     def _block_bytes(self) -> int:
         if self.kv_cache is not None:
@@ -401,23 +440,38 @@ class _Transfers:
             logger.warning("publishing KV of %s failed: %s", job.request_id, exc, exc_info=True)
             error = f"{type(exc).__name__}: {exc}"
         result = SaveResult(error is None, len(job.keys), stored, time.monotonic_ns(), error)
+        if job.marker_key and self.signal is not None:
+            self.signal.mark_published(job.marker_key, error is None)
         with self._lock:
             self._in_flight.pop(job.request_id, None)
             self._finished_sending.add(job.request_id)
         if self.listener is not None:
             self.listener.on_save_done(job.request_id, result)
 
+    def _waited(self, job: _Job, outcome: str) -> None:
+        """The waiter hands a parked load back: it loads what arrived (transfer thread)."""
+        job.wait_outcome = outcome
+        job.wait_ns = time.monotonic_ns() - job.parked_ns
+        self._queue.put(job)
+
     def _load(self, job: _Job) -> None:
-        loaded = loaded_bytes = 0
         if not job.cancelled:
+            missed = False
             try:
-                num_blocks = self._get(job)
-                loaded = sum(job.num_tokens[:num_blocks])
-                loaded_bytes = num_blocks * self._block_bytes()
+                self._load_more(job)
+                missed = job.num_done < len(job.keys)
             except Exception as exc:  # noqa: BLE001 - a failed load is a miss: recompute
                 logger.warning("loading KV of %s failed: %s", job.request_id, exc, exc_info=True)
+            if missed and job.wait and self.waiter is not None:
+                # The prefill may still be publishing the rest: wait for it (once).
+                job.wait = False
+                job.parked_ns = time.monotonic_ns()
+                self.waiter.park(job, job.keys[job.num_done:], job.marker_key)
+                return
+        loaded = sum(job.num_tokens[:job.num_done])
         requested = sum(job.num_tokens)
-        result = LoadResult(loaded, requested, time.monotonic_ns(), loaded_bytes)
+        result = LoadResult(loaded, requested, time.monotonic_ns(), job.num_bytes,
+                            job.wait_outcome, job.wait_ns)
         bs = self.block_size
         whole, left = 0, loaded
         for n in job.num_tokens:
@@ -508,6 +562,9 @@ class StoreConnectorScheduler(KVConnectorScheduler):
         rid = request.request_id
         found = self._lookups.pop(rid) if self._lookups is not None else None
         hashes: Sequence[BlockHash] | None = self._remote_hashes(request)
+        params = request.kv_transfer_params
+        # a prefill still publishing these blocks: a miss waits for them (kvstore/arrival.py)
+        wait = hashes is not None and params is not None and params.publish_pending
         if hashes is None and found is not None:
             hashes = found.hashes
         assert hashes is not None, f"{rid}: remote tokens without block hashes"
@@ -523,6 +580,9 @@ class StoreConnectorScheduler(KVConnectorScheduler):
             block_ids=list(block_ids[first:last]),
             num_tokens=[min((i + 1) * bs, stop) - max(i * bs, start) for i in range(first, last)],
             first_block=first,
+            wait=wait,
+            marker_key=publish_marker_key(BlockKey(hashes[-1], self.fingerprint), rid)
+            if wait else "",
         )
 
     def build_connector_meta(self, sched_out: SchedulerOutput) -> StoreConnectorMetadata | None:
@@ -542,11 +602,15 @@ class StoreConnectorScheduler(KVConnectorScheduler):
             return True  # a load is writing into the blocks: keep them until it reports
         loaded = self._transfers.pop_loaded_blocks(rid)
         tokens = request.all_token_ids[: request.num_computed_tokens]
+        marker = ""
         if self.is_producer:
             if request.status == RequestStatus.FINISHED_ABORTED:
                 return False  # the prefill handler waits for no save of an abort
             # The prompt: full blocks, then the partial tail (what a decode loads).
             hashes = prompt_block_hashes(tokens, self.block_size)
+            if hashes:
+                # what a decode that waits for these blocks polls (kvstore/arrival.py)
+                marker = publish_marker_key(BlockKey(hashes[-1], self.fingerprint), rid)
         elif self.publish_output:
             # NOTE: an abort too (a stop string ends a stream that way): the KV of the
             # computed tokens is right whatever ended the request.
@@ -569,6 +633,7 @@ class StoreConnectorScheduler(KVConnectorScheduler):
                 keys=[BlockKey(hashes[i], self.fingerprint) for i in send],
                 block_ids=[block_ids[i] for i in send],
                 num_tokens=[min(bs, len(tokens) - i * bs) for i in send],
+                marker_key=marker,
             )
         )
         return True
@@ -636,6 +701,12 @@ class StoreConnectorWorker(KVConnectorWorker):
         """Requests whose remote KV was partly missing or corrupt (recomputed), since start."""
         return self._transfers.num_load_failures
 
+    @property
+    def num_loads_waiting(self) -> int:
+        """Loads parked until blocks a prefill is still publishing arrive."""
+        waiter = self._transfers.waiter
+        return 0 if waiter is None else waiter.num_parked()
+
     def shutdown(self) -> None:
         """Finish queued transfers, stop the transfer thread, close the store client."""
         self._transfers.close()
@@ -649,6 +720,8 @@ def build_store_connector(
     *,
     probe: StoreProbe | None = None,
     publish_output: bool = False,
+    signal: ArrivalSignal | None = None,
+    load_wait_s: float = 0.0,
 ) -> tuple[StoreConnectorScheduler, StoreConnectorWorker]:
     """Both sides of a store connector over the client ``client_factory()`` returns.
 
@@ -660,11 +733,16 @@ def build_store_connector(
         probe: store index lookup for requests without block hashes (``None``: off);
             called on a lookup thread of its own (metadata only: one round trip).
         publish_output: a consumer publishes finished requests' prompt + output blocks.
+        signal: the index as kvstore/arrival.py reads and writes it: a producer marks its
+            publishes ended there, a consumer waits there for blocks a prefill still
+            publishes (``None``: no markers, no waiting); closed by ``shutdown``.
+        load_wait_s: how long a consumer's load waits for such blocks, seconds (0: not
+            at all; a miss is recomputed at once).
 
     Raises:
-        ValueError: ``num_transfer_threads < 1``.
+        ValueError: ``num_transfer_threads < 1`` or ``load_wait_s < 0``.
     """
-    transfers = _Transfers(client_factory, num_transfer_threads)
+    transfers = _Transfers(client_factory, num_transfer_threads, signal, load_wait_s)
     return (
         StoreConnectorScheduler(transfers, kv_role, layout.block_size, layout.fingerprint,
                                 probe, publish_output),
@@ -704,7 +782,14 @@ def create_connector(
         index = IndexProbe(config.redis_url, timeout_s=config.lookup_timeout_s)
         threading.Thread(target=index.warm, name="kv-index-warm", daemon=True).start()
         probe = index.leading
+    signal = None
+    role = kv_transfer_config.kv_role
+    if role in ("kv_producer", "kv_both") or config.kv_load_wait_s > 0:
+        from tandem.kvstore.arrival import RedisArrivalSignal
+
+        signal = RedisArrivalSignal(config.redis_url, timeout_s=config.lookup_timeout_s)
     return build_store_connector(
-        kv_transfer_config.kv_role, layout, connect, config.num_transfer_threads,
+        role, layout, connect, config.num_transfer_threads,
         probe=probe, publish_output=config.publish_output,
+        signal=signal, load_wait_s=config.kv_load_wait_s,
     )

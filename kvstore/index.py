@@ -12,6 +12,10 @@ Schema (all keys under ``tandem:``):
   pool), ``pid``, ``updated_at``) with a heartbeat TTL: a node whose key expired is dead
   and its blocks are misses.
 - ``tandem:kvnodes`` -> set of node ids ever registered (dead ones are pruned by readers).
+- ``tandem:kv:pubdone:<fingerprint hex>:<last block hash hex>:<request id>`` -> ``"ok"``
+  or ``"failed"``: a prefill's publish of a prompt (named by its last block's key) for
+  one request ended, written by the prefill after the put (kvstore/arrival.py), with a
+  short TTL; a decode waiting for those blocks stops waiting when it sees it.
 
 A batch's index update (new entries plus removal of the blocks evicted to make
 room) is one Lua script, so it is atomic.
@@ -20,6 +24,8 @@ room) is one Lua script, so it is atomic.
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from tandem.contracts.block_key import BlockKey
 
 NODE_PREFIX = "tandem:kvnode:"
 NODES_SET = "tandem:kvnodes"
@@ -83,6 +89,15 @@ for i = 1, #vals do
 end
 return {table.concat(vals, '\\n'), table.concat(nodes, '\\n')}
 """
+
+
+PUBLISH_MARKER_PREFIX = "tandem:kv:pubdone:"
+
+
+def publish_marker_key(last_block: BlockKey, request_id: str) -> str:
+    """Redis key of the marker saying that ``request_id``'s publish of the prompt whose
+    last block is ``last_block`` ended."""
+    return f"{PUBLISH_MARKER_PREFIX}{last_block}:{request_id}"
 
 
 def node_key(node_id: str) -> str:

@@ -223,8 +223,10 @@ class ServiceContext:
         return await self.engine_loop.stats()
 
     async def load_response(self) -> common_pb2.GetLoadResponse:
-        """``GetLoadResponse`` of this instance."""
+        """``GetLoadResponse`` of this instance (also refreshes the Prometheus gauges and
+        counters, so that ``/metrics`` read after a ``GetLoad`` is current)."""
         s = await self.stats()
+        self._observe(s)
         queries = getattr(s, "prefix_cache_queries", 0)
         hits = getattr(s, "prefix_cache_hits", 0)
         return common_pb2.GetLoadResponse(
@@ -241,6 +243,10 @@ class ServiceContext:
             num_kv_load_failures=self.num_kv_load_failures,
         )
 
+    def _observe(self, stats: Any) -> None:
+        waiting = 0 if self._connector is None else self._connector.num_loads_waiting
+        self.metrics.observe_stats(stats, self.num_kv_load_failures, waiting)
+
     @property
     def num_kv_load_failures(self) -> int:
         return 0 if self._connector is None else self._connector.num_load_failures
@@ -248,7 +254,7 @@ class ServiceContext:
     async def registry_load(self) -> dict[str, float | int]:
         """Load fields of the Redis registry entry (also refreshes the Prometheus gauges)."""
         s = await self.stats()
-        self.metrics.observe_stats(s, self.num_kv_load_failures)
+        self._observe(s)
         return {
             "running": s.num_running,
             "waiting": s.num_waiting,

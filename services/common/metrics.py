@@ -45,6 +45,20 @@ class ServiceMetrics:
         self.kv_pull_seconds = Histogram(
             "tandem:kv_pull_seconds", "Arrival -> remote KV loaded (decode), s.",
             labels, buckets=_LATENCY_BUCKETS_S, registry=r)
+        self.num_kv_loads_waiting = Gauge(
+            "tandem:num_kv_loads_waiting",
+            "Remote KV loads (decode) parked until blocks a prefill is still publishing "
+            "arrive.", labels, registry=r)
+        self.kv_load_waits = Counter(
+            "tandem:kv_load_waits",
+            "Remote KV loads (decode) that waited for blocks the prefill was still "
+            "publishing, by how the wait ended (arrived, published, publish_failed, "
+            "deadline, index_error, cancelled, closed).",
+            [*labels, "outcome"], registry=r)
+        self.kv_load_wait_seconds = Histogram(
+            "tandem:kv_load_wait_seconds",
+            "Time a remote KV load (decode) waited for blocks still being published, s.",
+            labels, buckets=_LATENCY_BUCKETS_S, registry=r)
         self.kv_load_failures = Counter(
             "tandem:kv_load_failures",
             "Requests whose remote KV was missing or corrupt and got recomputed.",
@@ -85,9 +99,11 @@ class ServiceMetrics:
         """``metric`` with this instance's role label (and ``extra`` labels)."""
         return metric.labels(role=self._role, **extra)
 
-    def observe_stats(self, stats: Any, num_kv_load_failures: int) -> None:
-        """Refresh the gauges from the scheduler's stats."""
+    def observe_stats(self, stats: Any, num_kv_load_failures: int,
+                      num_kv_loads_waiting: int = 0) -> None:
+        """Refresh the gauges from the scheduler's stats (and the connector's counts)."""
         self.labels(self.num_requests_running).set(stats.num_running)
+        self.labels(self.num_kv_loads_waiting).set(num_kv_loads_waiting)
         self.labels(self.num_requests_waiting).set(stats.num_waiting)
         self.labels(self.kv_cache_usage_perc).set(stats.kv_cache_usage)
         self._follow("kv_load_failures", self.kv_load_failures, num_kv_load_failures)

@@ -107,6 +107,10 @@ def build_parser(prog: str, role: Role | None) -> argparse.ArgumentParser:
     p.add_argument("--kv-publish-output", type=parse_bool_flag, default=True, metavar="BOOL",
                    help="decode: publish the blocks of prompt + output of finished requests to "
                         "the KV store, for the conversation's next turn (default true)")
+    p.add_argument("--kv-load-wait-s", type=float, default=5.0, metavar="S",
+                   help="decode: how long a load waits for blocks the prefill is still "
+                        "publishing (it answers before its publish ends) before it "
+                        "recomputes them (default 5; 0: recompute at once)")
     p.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics HTTP port")
     p.add_argument("--max-waiting", type=int, default=1024,
                    help="queued requests beyond which new ones get RESOURCE_EXHAUSTED")
@@ -150,7 +154,8 @@ def build_engine_config(ns: argparse.Namespace, role: Role | str) -> EngineConfi
         store = StoreConnectorConfig(redis_url=ns.redis_url, kvstore_address=ns.kvstore or None,
                                      client_options=ClientOptions.from_environ(os.environ),
                                      load_from_store=ns.kv_load_from_store,
-                                     publish_output=ns.kv_publish_output)
+                                     publish_output=ns.kv_publish_output,
+                                     kv_load_wait_s=ns.kv_load_wait_s)
         kv = KVTransferConfig(kv_connector="store", kv_role=_KV_ROLE[role], connector_config=store)
     return EngineConfig(
         model=ModelConfig(model=ns.model, dtype=ns.dtype, device=ns.device,

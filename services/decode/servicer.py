@@ -4,7 +4,9 @@ Disaggregated form (``first_token_id`` set): the request enters the engine with
 the prompt and the first token as output token 1; with ``block_hashes`` the
 store KV connector loads the prompt's blocks (the request waits in
 WAITING_FOR_REMOTE_KV, other requests keep decoding), recomputing whatever it
-could not load; then each step streams the new tokens. A seeded request samples
+could not load; with ``kv_publish_pending`` (the prefill answered before its
+publish ended) it first waits for blocks not in the store yet, up to
+``--kv-load-wait-s``; then each step streams the new tokens. A seeded request samples
 what the prefill side would have: its draws are keyed by output position
 (``Request.step_generator``).
 
@@ -74,7 +76,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                 )
             # Checks each hash's length (ValueError naming block_hashes[i]).
             hashes = tuple(BlockHash(h) for h in request.block_hashes)
-            remote = KVTransferParams(hashes, request.kv_layout_fingerprint)
+            remote = KVTransferParams(hashes, request.kv_layout_fingerprint,
+                                      publish_pending=request.kv_publish_pending)
             expected = cdiv(req.num_prompt_tokens, ctx.block_size)
             if len(remote.block_hashes) != expected:
                 raise ValueError(
@@ -175,6 +178,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             resp.kv_pull_ns = max(load.done_ns - arrival_ns, 0)
             resp.kv_pull_bytes = load.num_bytes
             m.labels(m.kv_pull_seconds).observe(resp.kv_pull_ns / 1e9)
+            if load.wait_outcome is not None:
+                m.labels(m.kv_load_waits, outcome=load.wait_outcome).inc()
+                m.labels(m.kv_load_wait_seconds).observe(load.wait_ns / 1e9)
         m.labels(m.time_to_first_token).observe((now_ns() - arrival_ns) / 1e9)
 
     async def GetLoad(

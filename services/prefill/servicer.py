@@ -3,19 +3,25 @@
 The engine request is the caller's with ``max_tokens = 1``: the scheduler
 batches it with other prompts (chunked, prefix cached); when it finishes, the
 KV connector publishes its blocks (full + partial last, only those the
-store lacks) from a background thread and frees them once published; this
-handler answers when the publish finished. The prefill engine keeps nothing
-for the request beyond its prefix cache.
+store lacks) from a background thread and frees them once published (the
+scheduler keeps them until the connector reports the save). This handler answers
+as soon as the first token is out, without waiting for the publish
+(``kv_publish_pending``: the decode side waits for blocks still in flight,
+kvstore/arrival.py), so the publish is not part of the time to first token; the
+publish's time goes to ``tandem:kv_publish_seconds`` when it ends. The prefill
+engine keeps nothing for the request beyond its prefix cache.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 
 import grpc
 
 from tandem.contracts.block_hash import prompt_block_hashes
 from tandem.contracts.proto import finish_reason_to_proto, logprobs_to_proto
+from tandem.engine.kv_connector import SaveResult
 from tandem.engine.stop import check_stop
 from tandem.services.common.context import ServiceContext, now_ns
 from tandem.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
@@ -51,12 +57,18 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             assert first is not None, "prefill finished without a token"
             token_ns = stream.first_output_ns or now_ns()
             aborted = first.finish_reason == "abort"
-            # An aborted request publishes nothing: don't wait for it.
-            result = await saved if saved is not None and not aborted else None
-        finally:
+        except BaseException:
             if ctx.transfers is not None:
                 ctx.transfers.forget(req.request_id)
-        done_ns = now_ns()
+            raise
+        # An aborted request publishes nothing; otherwise the publish ends on its own.
+        pending = False
+        if saved is not None and ctx.transfers is not None:
+            if aborted:
+                ctx.transfers.forget(req.request_id)
+            else:
+                pending = not saved.done()
+                saved.add_done_callback(lambda f: self._published(f, token_ns))
         req.sampling_params = full_params
         token_id = first.new_token_ids[0]
         reason: str | None = "abort"
@@ -77,7 +89,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             num_cached_tokens=max(first.num_cached_tokens, 0),
             queue_ns=max(scheduled_ns - arrival_ns, 0),
             compute_ns=max(token_ns - scheduled_ns, 0),
-            publish_ns=max(done_ns - token_ns, 0) if result is not None else 0,
+            publish_ns=_publish_ns(saved, token_ns) if not pending else 0,
+            kv_publish_pending=pending,
         )
         if first.new_logprobs and full_params.logprobs is not None:
             resp.first_logprobs.CopyFrom(
@@ -87,14 +100,26 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             resp.stop_token_id = stop.stop_reason
         m = ctx.metrics
         m.labels(m.time_to_first_token).observe((token_ns - arrival_ns) / 1e9)
-        if result is not None:
-            m.labels(m.kv_publish_seconds).observe((done_ns - token_ns) / 1e9)
         return resp
+
+    def _published(self, saved: asyncio.Future[SaveResult], token_ns: int) -> None:
+        """A request's publish ended (on the event loop): its time goes to the metric."""
+        if saved.cancelled():
+            return
+        m = self._ctx.metrics
+        m.labels(m.kv_publish_seconds).observe(_publish_ns(saved, token_ns) / 1e9)
 
     async def GetLoad(
         self, request: common_pb2.GetLoadRequest, context: grpc.aio.ServicerContext
     ) -> common_pb2.GetLoadResponse:
         return await self._ctx.load_response()
+
+
+def _publish_ns(saved: asyncio.Future[SaveResult] | None, token_ns: int) -> int:
+    """First token -> the publish ended, ns (0 when nothing was published or not yet)."""
+    if saved is None or not saved.done() or saved.cancelled():
+        return 0
+    return max(saved.result().done_ns - token_ns, 0)
 
 
 def _mono_ns(monotonic_s: float | None, default_ns: int) -> int:

@@ -8,8 +8,10 @@ Flow of one completion (``n`` completions run as ``n`` such flows, concurrently)
    memory under overload).
 2. Disaggregated: ``Prefill`` on a prefill instance chosen by the routing policy; a
    failure (instance down, internal error) is retried on another prefill instance. The
-   first token is emitted at once (that is the TTFT), then ``Decode`` on a decode instance
-   with the prefill's block hashes. A Decode that fails before it produced any token is
+   prefill answers as soon as its first token is sampled (its KV publish may still run:
+   ``kv_publish_pending``, passed on to the decode side, which waits for those blocks).
+   The first token is emitted at once (that is the TTFT), then ``Decode`` on a decode
+   instance with the prefill's block hashes. A Decode that fails before it produced any token is
    retried on another decode instance (the first token is fixed by prefill, so this is
    safe for any sampling). One that fails after it streamed tokens is migrated (up to
    ``max_migrations`` times, as Dynamo's request migration): another decode instance gets
@@ -210,7 +212,8 @@ class Pipeline:
                 request_id=seq_id, prompt_token_ids=req.prompt_token_ids,
                 first_token_id=presp.first_token_id, block_hashes=presp.block_hashes,
                 sampling_params=psp, kv_layout_fingerprint=presp.kv_layout_fingerprint,
-                hash_algorithm=presp.hash_algorithm, priority=req.priority)
+                hash_algorithm=presp.hash_algorithm, priority=req.priority,
+                kv_publish_pending=presp.kv_publish_pending)
             stage = Role.DECODE
         else:
             # colocated, or a decode instance's local prefill: no first token

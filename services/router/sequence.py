@@ -46,8 +46,10 @@ class GenerationRequest:
 class Timings:
     """Where one completion's time went, in ns (``None``: not on this path).
 
-    ``ttft_ns`` = router_queue + prefill (queue + compute + publish) + RPC overhead in the
-    disaggregated path: the first token comes from prefill. ``kv_pull_ns`` and
+    ``ttft_ns`` = router_queue + prefill (queue + compute) + RPC overhead in the
+    disaggregated path: the first token comes from prefill, which answers before its KV
+    publish ends (``kv_publish_ns`` is then 0; it counts only a publish that ended before
+    the answer). ``kv_pull_ns`` (any wait for blocks still being published included) and
     ``first_decode_ns`` (Decode call to its first token, KV pull included) follow it.
     """
 

@@ -191,8 +191,26 @@ def decode_request_from(prefill: prefill_pb2.PrefillResponse, prompt: list[int],
         sampling_params=sp,
         kv_layout_fingerprint=prefill.kv_layout_fingerprint,
         hash_algorithm=prefill.hash_algorithm,
+        kv_publish_pending=prefill.kv_publish_pending,
     )
     return req
+
+
+def wait_published(redis_url: str, pre: prefill_pb2.PrefillResponse, timeout_s: float = 30.0
+                   ) -> None:
+    """Until the store index holds every block of ``pre``: the prefill answers before its
+    publish ends (``kv_publish_pending``), so a test that then touches the stored blocks
+    waits for them first."""
+    from tandem.contracts.block_key import BlockKey
+    from tandem.kvstore.lookup import IndexProbe
+
+    keys = [BlockKey(h, pre.kv_layout_fingerprint) for h in pre.block_hashes]
+    probe = IndexProbe(redis_url, backoff_s=0)
+    try:
+        wait_for(lambda: probe.leading(keys) == len(keys), timeout_s,
+                 f"the {len(keys)} blocks of {pre.request_id} in the store index")
+    finally:
+        probe.close()
 
 
 def run_disaggregated(prefill: EngineService, decode: EngineService, prompt: list[int],
@@ -279,9 +297,13 @@ class MeteredEngine:
                                  [*args, "--metrics-port", str(self.metrics_port)])
 
     def metric(self, name: str, **labels: str) -> float:
+        """The metric now: a GetLoad first brings ``/metrics`` up to the engine's counts
+        (otherwise they follow at the 2 s heartbeat, and a baseline read before a test's
+        requests could miss an earlier test's)."""
+        self.svc.get_load()
         return metric_value(self.metrics_port, name, **labels)
 
     def wait_metric(self, name: str, value: float, **labels: str) -> None:
-        """Until the metric reads ``value`` (counters follow the engine about once a second)."""
+        """Until the metric reads ``value`` (within 30 s)."""
         wait_for(lambda: self.metric(name, **labels) == value, 30,
                  f"{name}{labels} == {value} (is {self.metric(name, **labels)})")

@@ -16,6 +16,7 @@ from services_harness import (
     decode_request_from,
     hf_greedy,
     params,
+    wait_published,
 )
 
 from tandem.v1 import decode_pb2, prefill_pb2
@@ -45,6 +46,7 @@ def test_corrupt_block_is_a_miss_and_the_rest_is_recomputed(tiny, redis_url, sto
     sp = params(8)
     pre = prefill.prefill.Prefill(
         prefill_pb2.PrefillRequest(prompt_token_ids=prompt, sampling_params=sp), timeout=60)
+    wait_published(redis_url, pre)
     with KVStoreClient(redis_url) as client:
         (node_id,) = [n for n, info in client.live_nodes().items()
                       if info.address == store.address]
@@ -56,12 +58,13 @@ def test_corrupt_block_is_a_miss_and_the_rest_is_recomputed(tiny, redis_url, sto
     assert cached == 32, "blocks 0-1 loaded, block 2 on recomputed"
 
 
-def test_store_node_killed_before_pull_decode_recomputes(tiny, store, prefill, decode):
+def test_store_node_killed_before_pull_decode_recomputes(tiny, redis_url, store, prefill,
+                                                         decode):
     prompt = list(range(700, 790))
     sp = params(8)
     pre = prefill.prefill.Prefill(
         prefill_pb2.PrefillRequest(prompt_token_ids=prompt, sampling_params=sp), timeout=60)
-    assert pre.publish_ns > 0
+    wait_published(redis_url, pre)
     store.proc.kill()  # the only node holding the blocks is gone
     failures_before = decode.get_load().num_kv_load_failures
     cached = _decode_after_one_failed_load(tiny, decode, pre, prompt, sp, failures_before,

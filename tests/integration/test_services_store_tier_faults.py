@@ -23,6 +23,7 @@ from services_harness import (
     params,
     run_disaggregated,
     wait_for,
+    wait_published,
 )
 
 from tandem.contracts.block_hash import prompt_block_hashes
@@ -67,9 +68,13 @@ def _prompt(seed: int, n: int) -> list[int]:
     return [rng.randrange(3, 49152) for _ in range(n)]
 
 
-def _prefill(inst: MeteredEngine, prompt: list[int]) -> prefill_pb2.PrefillResponse:
-    return inst.svc.prefill.Prefill(prefill_pb2.PrefillRequest(
+def _prefill(inst: MeteredEngine, prompt: list[int], redis_url: str
+             ) -> prefill_pb2.PrefillResponse:
+    """Prefill ``prompt`` on ``inst`` and wait until its blocks are in the store."""
+    pre = inst.svc.prefill.Prefill(prefill_pb2.PrefillRequest(
         prompt_token_ids=prompt, sampling_params=params(1)), timeout=120)
+    wait_published(redis_url, pre)
+    return pre
 
 
 def _store_metric(store: KVStoreNode, name: str) -> float:
@@ -82,7 +87,7 @@ def test_a_corrupt_block_ends_the_load_and_the_rest_is_computed(tiny, redis_url,
 
     a, b, decode = cluster
     prompt = _prompt(1, 80)  # 5 full blocks; B may load 4 (the last token is computed)
-    pre = _prefill(a, prompt)
+    pre = _prefill(a, prompt, redis_url)
     with KVStoreClient(redis_url) as client:
         corrupt_block(client, redis_url, BlockKey(pre.block_hashes[2], pre.kv_layout_fingerprint))
     got, pre_b = run_disaggregated(b.svc, decode.svc, prompt, params(8))
@@ -99,7 +104,7 @@ def test_an_index_entry_of_a_gone_node_is_a_miss(tiny, redis_url, cluster):
 
     a, b, decode = cluster
     prompt = _prompt(2, 60)
-    pre = _prefill(a, prompt)
+    pre = _prefill(a, prompt, redis_url)
     key = BlockKey(pre.block_hashes[0], pre.kv_layout_fingerprint)
     r = redis.Redis.from_url(redis_url)
     try:
@@ -121,13 +126,14 @@ def test_an_index_entry_of_a_gone_node_is_a_miss(tiny, redis_url, cluster):
     assert b.metric("tandem:kv_load_failures_total") == failures, "no load was tried"
 
 
-def test_a_full_store_evicts_and_an_evicted_prefix_is_computed(tiny, store, cluster):
+def test_a_full_store_evicts_and_an_evicted_prefix_is_computed(tiny, redis_url, store,
+                                                                cluster):
     a, b, decode = cluster
     evictions = _store_metric(store, "tandem:kvstore_evictions_total")
     first = _prompt(3, 160)  # 10 blocks
-    _prefill(a, first)
+    _prefill(a, first, redis_url)
     for seed in (4, 5, 6):  # 30 more blocks than the store holds: all of first's go
-        _prefill(a, _prompt(seed, 160))
+        _prefill(a, _prompt(seed, 160), redis_url)
     wait_for(lambda: _store_metric(store, "tandem:kvstore_evictions_total") >= evictions + 10,
              30, "the store evicted blocks")
     queries, hits = (b.metric("tandem:prefix_cache_queries_total", tier="store"),
@@ -146,10 +152,10 @@ def test_a_full_store_evicts_and_an_evicted_prefix_is_computed(tiny, store, clus
     assert len(pre_huge.block_hashes) == len(prompt_block_hashes(huge, BS))
 
 
-def test_the_store_node_killed_loads_miss_and_nothing_hangs(tiny, store, cluster):
+def test_the_store_node_killed_loads_miss_and_nothing_hangs(tiny, redis_url, store, cluster):
     a, b, decode = cluster
     prompt = _prompt(8, 70)
-    _prefill(a, prompt)
+    _prefill(a, prompt, redis_url)
     store.proc.kill()
     failures = b.metric("tandem:kv_load_failures_total")
     got, pre_b = run_disaggregated(b.svc, decode.svc, prompt, params(8))

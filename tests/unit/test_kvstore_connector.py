@@ -343,3 +343,17 @@ def test_a_cache_of_another_layout_is_rejected(store: DictBlockStore) -> None:
             worker.register_kv_caches(split(torch.zeros(8, 4, 2, BS, 1, 2), 1, 2))
     finally:
         worker.shutdown()
+
+
+def test_the_load_wait_flag() -> None:
+    from tandem.services.common.server import build_engine_config, build_parser
+
+    parser = build_parser("tandem decode", "decode")
+    ns = parser.parse_args(["--redis-url", "redis://h:6379", "--kv-load-wait-s", "0.5"])
+    config = build_engine_config(ns, "decode").kv_transfer.connector_config
+    assert isinstance(config, StoreConnectorConfig) and config.kv_load_wait_s == 0.5
+    ns = parser.parse_args(["--redis-url", "redis://h:6379"])
+    config = build_engine_config(ns, "decode").kv_transfer.connector_config
+    assert isinstance(config, StoreConnectorConfig) and config.kv_load_wait_s == 5.0
+    with pytest.raises(ValueError, match="kv_load_wait_s"):
+        StoreConnectorConfig(redis_url="redis://x", kv_load_wait_s=-1)

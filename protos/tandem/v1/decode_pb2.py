@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from tandem.v1 import common_pb2 as tandem_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/decode.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\"\xb1\x02\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x1b\n\x0e\x66irst_token_id\x18\x03 \x01(\x05H\x00\x88\x01\x01\x12\x14\n\x0c\x62lock_hashes\x18\x04 \x03(\x0c\x12\x32\n\x0fsampling_params\x18\x05 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x1d\n\x15kv_layout_fingerprint\x18\x06 \x01(\x0c\x12\x16\n\x0ehash_algorithm\x18\x07 \x01(\t\x12\x10\n\x08priority\x18\t \x01(\x05\x12\x18\n\x10output_token_ids\x18\n \x03(\x05\x42\x11\n\x0f_first_token_idJ\x04\x08\x08\x10\tR\x0fgenerator_state\"\xdb\x02\n\x0e\x44\x65\x63odeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12(\n\x08logprobs\x18\x02 \x03(\x0b\x32\x16.tandem.v1.TopLogprobs\x12.\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x1a\n\rstop_token_id\x18\x04 \x01(\x05H\x00\x88\x01\x01\x12\x17\n\nkv_pull_ns\x18\x05 \x01(\x03H\x01\x88\x01\x01\x12\x1e\n\x11num_cached_tokens\x18\x06 \x01(\rH\x02\x88\x01\x01\x12\x15\n\x08queue_ns\x18\x07 \x01(\x03H\x03\x88\x01\x01\x12\x1a\n\rkv_pull_bytes\x18\x08 \x01(\x04H\x04\x88\x01\x01\x42\x10\n\x0e_stop_token_idB\r\n\x0b_kv_pull_nsB\x14\n\x12_num_cached_tokensB\x0b\n\t_queue_nsB\x10\n\x0e_kv_pull_bytes2\x92\x01\n\rDecodeService\x12?\n\x06\x44\x65\x63ode\x12\x18.tandem.v1.DecodeRequest\x1a\x19.tandem.v1.DecodeResponse0\x01\x12@\n\x07GetLoad\x12\x19.tandem.v1.GetLoadRequest\x1a\x1a.tandem.v1.GetLoadResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/decode.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\"\xcd\x02\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x1b\n\x0e\x66irst_token_id\x18\x03 \x01(\x05H\x00\x88\x01\x01\x12\x14\n\x0c\x62lock_hashes\x18\x04 \x03(\x0c\x12\x32\n\x0fsampling_params\x18\x05 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x1d\n\x15kv_layout_fingerprint\x18\x06 \x01(\x0c\x12\x16\n\x0ehash_algorithm\x18\x07 \x01(\t\x12\x10\n\x08priority\x18\t \x01(\x05\x12\x18\n\x10output_token_ids\x18\n \x03(\x05\x12\x1a\n\x12kv_publish_pending\x18\x0b \x01(\x08\x42\x11\n\x0f_first_token_idJ\x04\x08\x08\x10\tR\x0fgenerator_state\"\xdb\x02\n\x0e\x44\x65\x63odeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12(\n\x08logprobs\x18\x02 \x03(\x0b\x32\x16.tandem.v1.TopLogprobs\x12.\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x1a\n\rstop_token_id\x18\x04 \x01(\x05H\x00\x88\x01\x01\x12\x17\n\nkv_pull_ns\x18\x05 \x01(\x03H\x01\x88\x01\x01\x12\x1e\n\x11num_cached_tokens\x18\x06 \x01(\rH\x02\x88\x01\x01\x12\x15\n\x08queue_ns\x18\x07 \x01(\x03H\x03\x88\x01\x01\x12\x1a\n\rkv_pull_bytes\x18\x08 \x01(\x04H\x04\x88\x01\x01\x42\x10\n\x0e_stop_token_idB\r\n\x0b_kv_pull_nsB\x14\n\x12_num_cached_tokensB\x0b\n\t_queue_nsB\x10\n\x0e_kv_pull_bytes2\x92\x01\n\rDecodeService\x12?\n\x06\x44\x65\x63ode\x12\x18.tandem.v1.DecodeRequest\x1a\x19.tandem.v1.DecodeResponse0\x01\x12@\n\x07GetLoad\x12\x19.tandem.v1.GetLoadRequest\x1a\x1a.tandem.v1.GetLoadResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,9 +33,9 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tandem.v1.decode_pb2', _glo
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_DECODEREQUEST']._serialized_start=62
-  _globals['_DECODEREQUEST']._serialized_end=367
-  _globals['_DECODERESPONSE']._serialized_start=370
-  _globals['_DECODERESPONSE']._serialized_end=717
-  _globals['_DECODESERVICE']._serialized_start=720
-  _globals['_DECODESERVICE']._serialized_end=866
+  _globals['_DECODEREQUEST']._serialized_end=395
+  _globals['_DECODERESPONSE']._serialized_start=398
+  _globals['_DECODERESPONSE']._serialized_end=745
+  _globals['_DECODESERVICE']._serialized_start=748
+  _globals['_DECODESERVICE']._serialized_end=894
 # @@protoc_insertion_point(module_scope)

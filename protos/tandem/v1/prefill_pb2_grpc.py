@@ -51,7 +51,7 @@ class PrefillServiceServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Prefill(self, request, context):
-        """Compute the prompt, sample the first token, publish the KV blocks.
+        """Compute the prompt, sample the first token, start publishing the KV blocks.
         Errors: INVALID_ARGUMENT (bad field, named in the message),
         RESOURCE_EXHAUSTED (prompt can never fit in the KV cache / queue full),
         UNAVAILABLE (shutting down), CANCELLED (client cancelled: blocks freed).
