@@ -18,20 +18,17 @@ from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING
 
 from tandem.engine.config import EngineConfig
+from tandem.engine.errors import EngineDeadError
 from tandem.engine.model_facts import ModelFacts
 from tandem.engine.sched_output import ModelRunnerOutput, SchedulerOutput
+
+__all__ = ["EngineDeadError", "Executor", "create_executor"]
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from tandem.engine.kv_connector import KVConnectorWorker
     from tandem.engine.model_loader import LoadedModel
-
-
-class EngineDeadError(RuntimeError):
-    """The executor lost a worker (it died, or failed inside a step that every rank
-    takes part in): no later step can run. The engine's callers fail every in-flight
-    request with it and the service exits (its health turns NOT_SERVING first)."""
 
 
 class Executor(ABC):

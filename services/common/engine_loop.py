@@ -26,7 +26,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
-from tandem.engine.executor.abstract import EngineDeadError
+from tandem.engine.errors import EngineDeadError
 from tandem.engine.outputs import EngineCoreOutput
 from tandem.engine.request import Request
 from tandem.services.common.errors import ShuttingDownError

@@ -37,7 +37,7 @@ from typing import Any
 
 import grpc
 
-from tandem.engine.executor.abstract import EngineDeadError
+from tandem.engine.errors import EngineDeadError
 from tandem.engine.validation import GrammarCompilerBusyError, KVCapacityError, RequestError
 
 logger = logging.getLogger(__name__)
