@@ -8,7 +8,6 @@ connectors are the real ones (transfer threads, KVStoreClient), in this process.
 
 from __future__ import annotations
 
-import threading
 import zlib
 from collections.abc import Iterator
 
@@ -16,12 +15,13 @@ import pytest
 import torch
 from kv_shard_cases import assert_shards_hold, split
 from kvstore_harness import StoreNodeProcess
+from transfer_recorder import Recorder
 from waiting import wait_until
 
 from tandem.contracts.block_hash import prompt_block_hashes
 from tandem.contracts.block_key import KVTransferParams
 from tandem.contracts.kv_layout import KVCacheLayout
-from tandem.engine.kv_connector import LoadResult, SaveResult
+from tandem.engine.kv_connector import LoadResult
 from tandem.engine.kv_shards import ShardedKVCache
 from tandem.engine.request import Request, RequestStatus
 from tandem.engine.sampling_params import SamplingParams
@@ -34,26 +34,6 @@ pytest.importorskip("ucxx")
 BS, NUM_BLOCKS = 4, 8
 SRC_BLOCKS = [2, 3, 6]  # a run and a lone block: both staging paths
 DST_BLOCKS = [5, 1, 0]
-
-
-class Outcomes:
-    """A ``TransferListener`` keeping every outcome."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.saves: dict[str, SaveResult] = {}
-        self.loads: dict[str, LoadResult] = {}
-
-    def on_save_done(self, request_id: str, result: SaveResult) -> None:
-        with self.lock:
-            self.saves[request_id] = result
-
-    def on_load_done(self, request_id: str, result: LoadResult) -> None:
-        with self.lock:
-            self.loads[request_id] = result
-
-    def on_lookup_done(self, request_id: str) -> None:
-        pass
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +60,7 @@ def transfer(store_url: str, node: StoreNodeProcess, layout: KVCacheLayout,
              prompt: list[int]) -> LoadResult:
     """Publish ``prompt``'s blocks ``SRC_BLOCKS`` of ``src`` as a prefill does, then load
     them into ``DST_BLOCKS`` of ``dst`` as a decode does; the load's outcome."""
-    events = Outcomes()
+    events = Recorder()
 
     def connect() -> KVStoreClient:
         return KVStoreClient(store_url, layout=layout, local_node=node.address, timeout_s=10)

@@ -13,6 +13,7 @@ from collections.abc import Iterator, Sequence
 
 import pytest
 import torch
+from test_kvstore_connector import DictBlockStore
 from waiting import wait_until
 
 from tandem.contracts.block_hash import prompt_block_hashes
@@ -32,33 +33,17 @@ PROMPT = list(range(10))  # 2 full blocks and a partial one
 HASHES = tuple(prompt_block_hashes(PROMPT, BS))
 
 
-class HeldStore:
-    """A ``BlockStoreClient`` over a dict whose puts wait for :attr:`release` (a publish
-    in flight); ``fail_puts`` makes a released put raise."""
+class HeldStore(DictBlockStore):
+    """A ``DictBlockStore`` whose puts wait for :attr:`release` (a publish in flight);
+    ``fail_puts`` makes a released put raise."""
 
     def __init__(self) -> None:
-        self.blocks: dict[BlockKey, torch.Tensor] = {}
+        super().__init__()
         self.release = threading.Event()
-        self.fail_puts = False
 
     def put_blocks(self, keys: Sequence[BlockKey], blocks: Sequence[torch.Tensor]) -> int:
         assert self.release.wait(30), "the test never released the put"
-        if self.fail_puts:
-            raise ConnectionError("store node gone")
-        for k, b in zip(keys, blocks, strict=True):
-            self.blocks.setdefault(k, b.clone())
-        return len(keys)
-
-    def get_blocks(self, keys: Sequence[BlockKey], into: Sequence[torch.Tensor]) -> int:
-        for i, k in enumerate(keys):
-            block = self.blocks.get(k)
-            if block is None:
-                return i
-            into[i].copy_(block)
-        return len(keys)
-
-    def close(self) -> None:
-        pass
+        return super().put_blocks(keys, blocks)
 
 
 class DictSignal:

@@ -8,13 +8,13 @@ registry. The transfer threads are the real ones.
 from __future__ import annotations
 
 import ast
-import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
 import torch
 from kv_shard_cases import assert_shards_hold, split
+from transfer_recorder import Recorder
 from waiting import wait_until
 
 from tandem.contracts.block_hash import prompt_block_hashes
@@ -24,8 +24,6 @@ from tandem.engine.config import KVConnectorConfig, KVTransferConfig
 from tandem.engine.kv_connector import (
     KVConnectorScheduler,
     KVConnectorWorker,
-    LoadResult,
-    SaveResult,
     create_connector,
     register_connector,
     unregister_connector,
@@ -78,26 +76,6 @@ class DictBlockStore:
 
     def close(self) -> None:
         self.closed = True
-
-
-class Recorder:
-    """A ``TransferListener`` that keeps every outcome."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.saves: dict[str, SaveResult] = {}
-        self.loads: dict[str, LoadResult] = {}
-
-    def on_save_done(self, request_id: str, result: SaveResult) -> None:
-        with self.lock:
-            self.saves[request_id] = result
-
-    def on_load_done(self, request_id: str, result: LoadResult) -> None:
-        with self.lock:
-            self.loads[request_id] = result
-
-    def on_lookup_done(self, request_id: str) -> None:
-        pass
 
 
 @pytest.fixture
