@@ -33,10 +33,12 @@ def test_injector_kills_on_schedule_and_the_part_comes_back(tmp_path) -> None:
         with FaultInjector(launcher, [Fault("a", 0.0)], startup_timeout_s=60) as inj:
             wait_until(lambda: any("a is back" in e for _, e in inj.events), 60,
                        "part a restarted and ready")
+            # NOTE: checked before the injector's thread ends: a part it restarted is
+            # tied to that thread (PR_SET_PDEATHSIG) and gets SIGTERM when it does.
+            assert a.proc.pid != pid_a and a.alive()
+            assert b.proc.pid == pid_b and b.alive(), "only the scheduled part is killed"
         events = [e for _, e in inj.events]
         assert events[0] == "killed a", events
-        assert a.proc.pid != pid_a and a.alive()
-        assert b.proc.pid == pid_b and b.alive(), "only the scheduled part is killed"
     finally:
         launcher.close(timeout_s=10)
 
