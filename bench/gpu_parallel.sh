@@ -20,8 +20,6 @@ import json, subprocess, sys, time
 import torch
 from tandem import LLM, SamplingParams
 
-out, n = sys.argv[1], int(sys.argv[2])
-assert torch.cuda.device_count() >= n, f"needs {n} CUDA devices"
 NUM, IN, NEW = 64, 256, 64
 # 4 GiB of KV cache each: both engines must fit beside each other's leftovers on cuda:0.
 KV = 4 << 30
@@ -48,25 +46,33 @@ def run(model, tp, pp):
     return toks, {"output_tokens_per_s": NUM * NEW / elapsed, "elapsed_s": elapsed,
                   "num_steps": steps, "collectives": stats}
 
-cases = [("default", None, 1, n), ("tp-model", f"{out}/tp-model", n, 1)]
-report = {"gpus": [torch.cuda.get_device_name(i) for i in range(n)],
-          "torch": torch.__version__, "num_prompts": NUM, "input_len": IN,
-          "output_len": NEW, "cases": {}}
-ok = True
-for name, model, tp, pp in cases:
-    ref, one = run(model, 1, 1)
-    got, par = run(model, tp, pp)
-    diff = sum(a != b for a, b in zip(ref, got, strict=True))
-    ok &= diff <= NUM // 10
-    report["cases"][name] = {
-        "tensor_parallel_size": tp, "pipeline_parallel_size": pp, "tp1": one, "par": par,
-        "ratio": par["output_tokens_per_s"] / one["output_tokens_per_s"],
-        "requests_with_other_tokens": diff}
-    print(f"{name}: TP={tp} PP={pp} {report['cases'][name]['ratio']:.2f}x of TP=1, "
-          f"{diff}/{NUM} requests with other tokens", flush=True)
-report["nvidia_smi"] = subprocess.run(["nvidia-smi", "-L"], capture_output=True,
-                                      text=True).stdout
-with open(f"{out}/gpu_parallel.json", "w") as f:
-    json.dump(report, f, indent=2)
-sys.exit(0 if ok else 1)
+def main():
+    out, n = sys.argv[1], int(sys.argv[2])
+    assert torch.cuda.device_count() >= n, f"needs {n} CUDA devices"
+    cases = [("default", None, 1, n), ("tp-model", f"{out}/tp-model", n, 1)]
+    report = {"gpus": [torch.cuda.get_device_name(i) for i in range(n)],
+              "torch": torch.__version__, "num_prompts": NUM, "input_len": IN,
+              "output_len": NEW, "cases": {}}
+    ok = True
+    for name, model, tp, pp in cases:
+        ref, one = run(model, 1, 1)
+        got, par = run(model, tp, pp)
+        diff = sum(a != b for a, b in zip(ref, got, strict=True))
+        ok &= diff <= NUM // 10
+        report["cases"][name] = {
+            "tensor_parallel_size": tp, "pipeline_parallel_size": pp, "tp1": one, "par": par,
+            "ratio": par["output_tokens_per_s"] / one["output_tokens_per_s"],
+            "requests_with_other_tokens": diff}
+        print(f"{name}: TP={tp} PP={pp} {report['cases'][name]['ratio']:.2f}x of TP=1, "
+              f"{diff}/{NUM} requests with other tokens", flush=True)
+    report["nvidia_smi"] = subprocess.run(["nvidia-smi", "-L"], capture_output=True,
+                                          text=True).stdout
+    with open(f"{out}/gpu_parallel.json", "w") as f:
+        json.dump(report, f, indent=2)
+    sys.exit(0 if ok else 1)
+
+
+# the guard: spawned workers import __main__ when it is a file
+if __name__ == "__main__":
+    main()
 EOF
