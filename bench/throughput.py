@@ -543,12 +543,18 @@ RUNNERS: dict[
 _ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_tile")
 
 
-def parallel_report(par: dict[str, Any], one: dict[str, Any],
-                    args: argparse.Namespace) -> dict[str, Any]:
+def parallel_report(par: dict[str, Any], one: dict[str, Any], args: argparse.Namespace,
+                    outputs: dict[str, Any] | None = None) -> dict[str, Any]:
     """Print and return tandem+par against tandem: the throughput ratio (overall and per
     pass) and what the workers' collectives cost (``collectives``: per rank, seconds and
-    calls of all-reduce / gather / send / recv over the whole run, warm-up included)."""
-    report = {
+    calls of all-reduce / gather / send / recv over the whole run, warm-up included;
+    ``num_steps``: the engine steps that ran a batch over the same span, and
+    ``ms_per_step``: per rank and op, milliseconds of collectives per such step).
+    With ``outputs`` (runner name -> per pass, per request token ids): how many
+    requests got other tokens at TP/PP than in one process (``requests_with_other_tokens``;
+    counted, not asserted: the sharded sums reduce in another order)."""
+    steps = int(par.get("num_steps", 0))
+    report: dict[str, Any] = {
         "tensor_parallel_size": args.tensor_parallel_size,
         "pipeline_parallel_size": args.pipeline_parallel_size,
         "ratio": par["output_tokens_per_s"] / one["output_tokens_per_s"],
@@ -557,7 +563,17 @@ def parallel_report(par: dict[str, Any], one: dict[str, Any],
             for ps, ts in zip(par["runs_s"], one["runs_s"], strict=True)
         ],
         "collectives": par.get("collectives", []),
+        "num_steps": steps,
+        "ms_per_step": [
+            {op: v["seconds"] * 1e3 / steps for op, v in stats.items() if v["calls"]}
+            for stats in par.get("collectives", [])
+        ] if steps else [],
     }
+    if outputs and outputs.get("tandem") and outputs.get("tandem+par"):
+        report["requests_with_other_tokens"] = sum(
+            a != b for pa, pb in zip(outputs["tandem"], outputs["tandem+par"], strict=True)
+            for a, b in zip(pa, pb, strict=True)
+        )
     sizes = f"TP={args.tensor_parallel_size} PP={args.pipeline_parallel_size}"
     line = f"tandem+par ({sizes}) / tandem: {report['ratio']:.2f}x output tokens/s"
     if len(report["paired_ratios"]) > 1:
@@ -565,8 +581,14 @@ def parallel_report(par: dict[str, Any], one: dict[str, Any],
     print(line)
     for rank, stats in enumerate(report["collectives"]):
         parts = [f"{op} {v['calls']} calls {v['seconds'] * 1e3:.0f} ms"
+                 + (f" ({v['seconds'] * 1e3 / steps:.2f} ms/step)" if steps else "")
                  for op, v in sorted(stats.items()) if v["calls"]]
         print(f"  rank {rank}: " + (", ".join(parts) or "no collectives"))
+    if steps:
+        print(f"  {steps} engine steps (warm-up included, as the collectives)")
+    if "requests_with_other_tokens" in report:
+        print(f"  {report['requests_with_other_tokens']} of {args.num_prompts * args.repeat} "
+              "requests got other tokens than tandem's")
     return report
 
 
@@ -634,7 +656,9 @@ def main(argv: list[str] | None = None) -> int:
                                           spec_stats(m.pop("spec_llm")))
         if "parallel_llm" in m:
             par_llm = m.pop("parallel_llm")
-            m["collectives"] = par_llm.llm_engine.engine_core.executor.collective_stats()
+            core = par_llm.llm_engine.engine_core
+            m["collectives"] = core.executor.collective_stats()
+            m["num_steps"] = core.num_steps
             par_llm.shutdown()
         r.update(m)
         elapsed = r["elapsed_s"]
@@ -752,7 +776,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     parallel: dict[str, Any] = {}
     if "tandem+par" in results and "tandem" in results:
-        parallel = parallel_report(results["tandem+par"], results["tandem"], args)
+        parallel = parallel_report(results["tandem+par"], results["tandem"], args, outputs)
     if args.json_path:
         doc = {
             "benchmark": "throughput",

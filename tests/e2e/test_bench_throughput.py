@@ -192,3 +192,30 @@ def test_throughput_with_deterministic(tmp_path, capsys) -> None:
     det = doc["deterministic"]
     assert len(det["paired_ratios"]) == 2 and det["ratio"] > 0
     assert 0 <= det["requests_with_other_tokens"] <= 6
+
+
+def test_parallel_report_per_step_cost_and_token_check(capsys) -> None:
+    args = throughput.parse_args(["--tensor-parallel-size", "2", "--num-prompts", "2"])
+    one = {"output_tokens_per_s": 100.0, "num_output_tokens": 200, "runs_s": [2.0, 2.5]}
+    par = {"output_tokens_per_s": 50.0, "num_output_tokens": 200, "runs_s": [4.0, 4.0],
+           "num_steps": 40,
+           "collectives": [{"all_reduce": {"calls": 2400, "seconds": 2.0},
+                            "gather": {"calls": 0, "seconds": 0.0}}] * 2}
+    outputs = {"tandem": [[[1, 2], [3, 4]]], "tandem+par": [[[1, 2], [3, 5]]]}
+    report = throughput.parallel_report(par, one, args, outputs)
+    assert report["ratio"] == 0.5
+    assert report["paired_ratios"] == [0.5, 0.625]
+    assert report["ms_per_step"] == [{"all_reduce": 50.0}] * 2
+    assert report["requests_with_other_tokens"] == 1
+    assert "all_reduce 2400 calls 2000 ms (50.00 ms/step)" in capsys.readouterr().out
+
+
+def test_make_tp_model_config_splits_at_tp_2_and_4() -> None:
+    from tandem.bench import make_tp_model
+
+    config = make_tp_model.make_config()
+    assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (12, 4, 48)
+    # the same K/V width per layer as SmolLM2-135M's 3 KV heads x 64
+    assert config.num_key_value_heads * config.head_dim == 3 * 64
+    with pytest.raises(ValueError, match="kv_heads"):
+        make_tp_model.make_config(heads=12, kv_heads=5)
