@@ -5,26 +5,35 @@ block in the full model's head layout, so both sides share keys.
 
 And a decode service whose worker process is killed mid-stream fails the stream with
 UNAVAILABLE (the router's signal to retry or migrate elsewhere) and exits, instead of
-hanging in a collective.
+hanging in a collective; behind a router, its streams continue on another instance.
 """
 
 from __future__ import annotations
 
+import asyncio
+import json
 import os
 import random
 import signal
+import subprocess
+import sys
 
 import grpc
+import httpx
 import psutil
 import pytest
 from services_harness import (
     EngineService,
+    Proc,
     decode_request_from,
     hf_greedy,
+    metric_value,
     params,
     run_disaggregated,
 )
+from waiting import wait_until
 
+from tandem.launch import free_port, http_ok
 from tandem.v1 import prefill_pb2
 
 ENGINE_ARGS = ["--max-num-batched-tokens", "64", "--num-kv-blocks", "128", "--block-size", "16"]
@@ -45,6 +54,9 @@ def services(tiny, redis_url, store, tmp_path_factory):
     made = {(role, tp): EngineService(role, tiny, tmp, redis_url, TP2 if tp == 2 else ENGINE_ARGS,
                                       startup_timeout_s=0)
             for role in ("prefill", "decode") for tp in (1, 2)}
+    # A second TP=2 decode for the router test (the kill test uses the first one up).
+    made["decode", "2b"] = EngineService("decode", tiny, tmp, redis_url, TP2,
+                                         startup_timeout_s=0)
     try:
         for svc in made.values():
             svc.wait_ready(240)
@@ -100,10 +112,67 @@ def test_killed_worker_fails_the_stream_and_the_service_exits(services):
     assert alive == [], "no worker process outlives the service"
 
 
-def test_more_workers_than_cpus_is_a_usage_error(tiny):
-    import subprocess
-    import sys
+def test_router_moves_streams_off_a_decode_whose_worker_died(tiny, services, tmp_path):
+    """Two greedy streams through a router (round robin over a TP=2 and a TP=1 decode);
+    a worker of the TP=2 engine is killed mid-stream: its stream continues on the TP=1
+    instance (request migration) and both end with the uninterrupted text."""
+    decode_tp2, decode = services["decode", "2b"], services["decode", 1]
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    router = Proc(["router", "--port", str(port), "--grpc-port", "0", "--model", tiny,
+                   "--prefill", services["prefill", 1].address,
+                   "--decode", f"{decode_tp2.address},{decode.address}",
+                   "--routing-policy", "round_robin", "--max-model-len", "1024"],
+                  tmp_path / "router.log", ready=lambda: http_ok(f"{url}/ready"))
+    try:
+        router.wait_ready(120)
+        body = {"model": httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"],
+                "prompt": "one two three four", "max_tokens": 300, "temperature": 0.0,
+                "ignore_eos": True}
+        want = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()
+        want_text = want["choices"][0]["text"]
+        workers = _workers(decode_tp2)
 
+        async def stream(http: httpx.AsyncClient, first: asyncio.Event) -> tuple[str, dict]:
+            text, final = [], {}
+            async with http.stream("POST", f"{url}/v1/completions",
+                                   json={**body, "stream": True}) as resp:
+                assert resp.status_code == 200
+                async for line in resp.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    event = json.loads(line[6:])
+                    assert "error" not in event, event
+                    text.append(event["choices"][0]["text"])
+                    if event["choices"][0]["finish_reason"]:
+                        final = event
+                    if len(text) >= 10:  # the decode instance is streaming, not the prefill
+                        first.set()
+            return "".join(text), final
+
+        async def run() -> list[tuple[str, dict]]:
+            async with httpx.AsyncClient(timeout=120) as http:
+                firsts = [asyncio.Event(), asyncio.Event()]
+                tasks = [asyncio.create_task(stream(http, f)) for f in firsts]
+                for f in firsts:
+                    await asyncio.wait_for(f.wait(), 60)
+                workers[1].send_signal(signal.SIGKILL)
+                return list(await asyncio.gather(*tasks))
+
+        results = asyncio.run(run())
+        assert [text for text, _ in results] == [want_text, want_text]
+        timings = [final["timings"] for _, final in results]
+        # Round robin put one stream on each instance; the TP=2 one moved to TP=1.
+        assert sorted(t.get("num_migrations", 0) for t in timings) == [0, 1], timings
+        assert {t["decode_instance"] for t in timings} == {decode.address}, timings
+        assert metric_value(port, "tandem:request_migrations_total") == 1
+        assert decode_tp2.proc.popen.wait(60) == 1
+        wait_until(lambda: not any(w.is_running() for w in workers), 30, "workers gone")
+    finally:
+        router.stop()
+
+
+def test_more_workers_than_cpus_is_a_usage_error(tiny):
     n = len(os.sched_getaffinity(0)) + 1
     done = subprocess.run(
         [sys.executable, "-m", "tandem.cli", "serve", "--role", "both", "--listen",
