@@ -166,7 +166,7 @@ def test_greedy_matches_transformers(real, llm) -> None:
 def test_pipeline_parallel_matches_transformers(real) -> None:
     """The real model split into 2 pipeline stages (worker processes over gloo; its 9
     attention heads do not split at TP=2) gives transformers' greedy tokens."""
-    prompts = prompts_mixed(real.tok)
+    prompts = prompts_mixed(real.tok)[:6]  # the two longest left out: one core per stage
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)
     with LLM(dtype="float32", kv_cache_memory=96 << 20, max_model_len=2048,
              pipeline_parallel_size=2) as llm:

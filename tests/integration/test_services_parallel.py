@@ -3,9 +3,9 @@ a real KV store and Redis: a prefill at TP=2 publishes blocks that a decode at T
 and the reverse; the greedy output equals transformers' (float32). The store holds every
 block in the full model's head layout, so both sides share keys.
 
-And a decode service whose worker process is killed mid-stream fails the stream with
-UNAVAILABLE (the router's signal to retry or migrate elsewhere) and exits, instead of
-hanging in a collective; behind a router, its streams continue on another instance.
+And a decode service whose worker process is killed mid-stream fails its streams with
+UNAVAILABLE instead of hanging in a collective, and exits: behind a router, they continue
+on another instance.
 """
 
 from __future__ import annotations
@@ -18,14 +18,12 @@ import signal
 import subprocess
 import sys
 
-import grpc
 import httpx
 import psutil
 import pytest
 from services_harness import (
     EngineService,
     Proc,
-    decode_request_from,
     hf_greedy,
     metric_value,
     params,
@@ -54,9 +52,6 @@ def services(tiny, redis_url, store, tmp_path_factory):
     made = {(role, tp): EngineService(role, tiny, tmp, redis_url, TP2 if tp == 2 else ENGINE_ARGS,
                                       startup_timeout_s=0)
             for role in ("prefill", "decode") for tp in (1, 2)}
-    # A second TP=2 decode for the router test (the kill test uses the first one up).
-    made["decode", "2b"] = EngineService("decode", tiny, tmp, redis_url, TP2,
-                                         startup_timeout_s=0)
     try:
         for svc in made.values():
             svc.wait_ready(240)
@@ -93,30 +88,11 @@ def test_prefill_and_decode_at_different_tensor_parallel_sizes(tiny, services):
     assert a.kv_layout_fingerprint == b.kv_layout_fingerprint
 
 
-def test_killed_worker_fails_the_stream_and_the_service_exits(services):
-    prefill, decode_tp2 = services["prefill", 1], services["decode", 2]
-    rng = random.Random(6)
-    prompt = _prompt(rng, 20)
-    pre = prefill.prefill.Prefill(prefill_pb2.PrefillRequest(
-        prompt_token_ids=prompt, sampling_params=params(400)), timeout=60)
-    stream = decode_tp2.decode.Decode(decode_request_from(pre, prompt, params(400)), timeout=120)
-    next(stream)  # the request is running on the workers
-    workers = _workers(decode_tp2)
-    workers[1].send_signal(signal.SIGKILL)
-    with pytest.raises(grpc.RpcError) as err:
-        for _ in stream:
-            pass
-    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-    assert decode_tp2.proc.popen.wait(60) == 1, "the service exits when its engine dies"
-    _, alive = psutil.wait_procs(workers, timeout=30)
-    assert alive == [], "no worker process outlives the service"
-
-
 def test_router_moves_streams_off_a_decode_whose_worker_died(tiny, services, tmp_path):
     """Two greedy streams through a router (round robin over a TP=2 and a TP=1 decode);
     a worker of the TP=2 engine is killed mid-stream: its stream continues on the TP=1
     instance (request migration) and both end with the uninterrupted text."""
-    decode_tp2, decode = services["decode", "2b"], services["decode", 1]
+    decode_tp2, decode = services["decode", 2], services["decode", 1]
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     router = Proc(["router", "--port", str(port), "--grpc-port", "0", "--model", tiny,

@@ -113,6 +113,10 @@ def test_router_and_services_map_the_same_errors() -> None:
     assert status_for(RequestError("top_p", "x")) == grpc.StatusCode.INVALID_ARGUMENT
     assert status_for(KVCapacityError("prompt_token_ids", "x")) == (
         grpc.StatusCode.RESOURCE_EXHAUSTED)
+    # A dead worker process: the router retries or migrates the request elsewhere.
+    from tandem.engine.errors import EngineDeadError
+
+    assert status_for(EngineDeadError("worker process 1 died")) == grpc.StatusCode.UNAVAILABLE
 
 
 def test_validator_imports_no_torch() -> None:
