@@ -124,6 +124,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--tensor-parallel-size: both)",
     )
     p.add_argument(
+        "--max-concurrent-batches",
+        type=int,
+        default=None,
+        help="tandem+par: batches in flight at once (default: the pipeline's stages, "
+        "vLLM's batch queue; 1: one batch at a time, the A/B without it)",
+    )
+    p.add_argument(
         "--prompt-pattern",
         choices=["random", "repeated"],
         default="random",
@@ -161,6 +168,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if args.tensor_parallel_size < 1 or args.pipeline_parallel_size < 1:
         p.error("--tensor-parallel-size and --pipeline-parallel-size must be >= 1")
     args.parallel = args.tensor_parallel_size * args.pipeline_parallel_size > 1
+    mcb = args.max_concurrent_batches
+    if mcb is not None and not 1 <= mcb <= args.pipeline_parallel_size:
+        p.error("--max-concurrent-batches must be in [1, --pipeline-parallel-size]")
     if (args.deterministic or args.parallel) and "tandem" not in args.backend:
         args.backend.insert(0, "tandem")
     if "llama.cpp" in args.backend and importlib.util.find_spec("llama_cpp") is None:
@@ -300,6 +310,10 @@ def run_tandem(
     if deterministic:
         return run_one, meta
     if parallel != (1, 1):
+        core = llm.llm_engine.engine_core
+        if getattr(args, "max_concurrent_batches", None) is not None:
+            core.max_concurrent_batches = args.max_concurrent_batches
+        meta["max_concurrent_batches"] = core.max_concurrent_batches
         meta["parallel_llm"] = llm
         return run_one, meta
     if speculative is not None:
@@ -568,13 +582,16 @@ def parallel_report(par: dict[str, Any], one: dict[str, Any], args: argparse.Nam
             {op: v["seconds"] * 1e3 / steps for op, v in stats.items() if v["calls"]}
             for stats in par.get("collectives", [])
         ] if steps else [],
+        "max_concurrent_batches": par.get("max_concurrent_batches"),
+        "max_num_batches_in_flight": par.get("max_num_batches_in_flight"),
     }
     if outputs and outputs.get("tandem") and outputs.get("tandem+par"):
         report["requests_with_other_tokens"] = sum(
             a != b for pa, pb in zip(outputs["tandem"], outputs["tandem+par"], strict=True)
             for a, b in zip(pa, pb, strict=True)
         )
-    sizes = f"TP={args.tensor_parallel_size} PP={args.pipeline_parallel_size}"
+    sizes = (f"TP={args.tensor_parallel_size} PP={args.pipeline_parallel_size} "
+             f"batches in flight<={report['max_concurrent_batches']}")
     line = f"tandem+par ({sizes}) / tandem: {report['ratio']:.2f}x output tokens/s"
     if len(report["paired_ratios"]) > 1:
         line += " (per pass: " + ", ".join(f"{x:.2f}x" for x in report["paired_ratios"]) + ")"
@@ -659,6 +676,7 @@ def main(argv: list[str] | None = None) -> int:
             core = par_llm.llm_engine.engine_core
             m["collectives"] = core.executor.collective_stats()
             m["num_steps"] = core.num_steps
+            m["max_num_batches_in_flight"] = core.max_num_batches_in_flight
             par_llm.shutdown()
         r.update(m)
         elapsed = r["elapsed_s"]

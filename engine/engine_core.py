@@ -10,6 +10,14 @@ batching (vLLM v1's ``EngineCore.step``):
     nothing is scheduled) -> connector.save_kv -> connector.get_finished ->
     update_from_output
 
+With more than one batch in flight (``Executor.max_concurrent_batches`` > 1: pipeline
+parallelism) ``step()`` is vLLM v1's ``step_with_batch_queue``: while fewer batches than
+that are in flight and the scheduler has something to run, it schedules and submits
+one (returning no outputs); otherwise it waits for the oldest batch, then runs the
+connector's ``save_kv``/``get_finished`` and ``update_from_output`` for it. Batches are
+applied in submission order and a request is in at most one of them (the scheduler's
+batch queue rules), so each request's outputs stay in order.
+
 The engine is single-threaded: callers serialize ``add_request`` / ``abort_requests``
 / ``step`` (the services run it in one dedicated thread).
 """
@@ -18,7 +26,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections import deque
 from collections.abc import Iterable
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 from tandem.contracts.kv_layout import KVCacheLayout
@@ -28,7 +38,7 @@ from tandem.engine.model_facts import ModelFacts
 from tandem.engine.outputs import EngineCoreOutput
 from tandem.engine.request import Request
 from tandem.engine.sampling_params import StructuredOutputsParams
-from tandem.engine.sched_output import ModelRunnerOutput
+from tandem.engine.sched_output import ModelRunnerOutput, SchedulerOutput
 from tandem.engine.structured_output.manager import StructuredOutputManager
 from tandem.engine.validation import RequestError, RequestLimits, validate_request
 
@@ -57,6 +67,8 @@ class EngineCore:
         model_facts: the loaded model's facts (vocabulary, context length, EOS id,
             KV geometry), as the executor reported them.
         num_blocks: KV blocks of the cache (what the executor's budget held).
+        num_steps: batches submitted to the executor (steps that ran the model).
+        max_num_batches_in_flight: the most batches that were in flight at once.
 
     Raises:
         ValueError: unknown model path or unsupported architecture (from the loader),
@@ -103,7 +115,11 @@ class EngineCore:
             connector=self.connector_scheduler,
             structured_output=self.structured_output,
             speculative=config.speculative,
+            max_concurrent_batches=self.executor.max_concurrent_batches,
         )
+        # Batches submitted and not yet applied, oldest first (the batch queue).
+        self._batch_queue: deque[tuple[Future[ModelRunnerOutput], SchedulerOutput]] = deque()
+        self.max_num_batches_in_flight = 0
         #: What a request must fit here (the router and services check the same rules).
         self.limits: RequestLimits = dataclasses.replace(
             self.scheduler.limits, vocab_size=self.vocab_size
@@ -202,11 +218,34 @@ class EngineCore:
         self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
-        """Abort requests in any state; their blocks are freed at once. Unknown ids are ignored."""
+        """Abort requests in any state; their blocks are freed at once, or, for a request
+        in a batch in flight, once that batch is applied. Unknown ids are ignored."""
         self.scheduler.abort_requests(list(request_ids))
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or bool(self._batch_queue)
+
+    @property
+    def max_concurrent_batches(self) -> int:
+        """Batches ``step`` keeps in flight: the executor's ``max_concurrent_batches``
+        unless lowered (1: one batch at a time)."""
+        return self.scheduler.max_concurrent_batches
+
+    @max_concurrent_batches.setter
+    def max_concurrent_batches(self, value: int) -> None:
+        """Raises: ValueError naming ``max_concurrent_batches`` outside
+        ``[1, executor.max_concurrent_batches]``; RuntimeError with batches in flight."""
+        limit = self.executor.max_concurrent_batches
+        if not 1 <= value <= limit:
+            raise ValueError(f"max_concurrent_batches must be in [1, {limit}], got {value}")
+        if self._batch_queue:
+            raise RuntimeError("max_concurrent_batches: batches are in flight")
+        self.scheduler.max_concurrent_batches = value
+
+    @property
+    def num_batches_in_flight(self) -> int:
+        """Batches submitted to the executor and not yet applied."""
+        return len(self._batch_queue)
 
     # -- the loop ------------------------------------------------------------------------------
 
@@ -215,8 +254,11 @@ class EngineCore:
 
         Returns:
             One ``EngineCoreOutput`` per request that produced a token or finished
-            this step (possibly empty, e.g. while waiting for remote KV).
+            this step (possibly empty, e.g. while waiting for remote KV, or when it
+            only submitted a batch).
         """
+        if self._batch_queue or self.scheduler.max_concurrent_batches > 1:
+            return self._step_with_batch_queue()
         sched_out = self.scheduler.schedule()
         worker = self.connector_worker
         meta = sched_out.kv_connector_metadata
@@ -237,6 +279,47 @@ class EngineCore:
             sched_out, runner_out, finished_recving, finished_sending
         )
 
+    def _step_with_batch_queue(self) -> list[EngineCoreOutput]:
+        """``step`` with batches in flight (the module docstring; vLLM v1's
+        ``step_with_batch_queue``)."""
+        queue = self._batch_queue
+        worker = self.connector_worker
+        if len(queue) < self.scheduler.max_concurrent_batches:
+            sched_out = self.scheduler.schedule()
+            meta = sched_out.kv_connector_metadata
+            if worker is not None and meta is not None:
+                # Loads target free blocks, which no batch in flight holds (the scheduler
+                # frees a request's blocks only after its batch was applied).
+                worker.start_load_kv(meta)
+            if not sched_out.is_empty:
+                queue.append((self.executor.submit_step(sched_out), sched_out))
+                self.num_steps += 1
+                self.max_num_batches_in_flight = max(self.max_num_batches_in_flight, len(queue))
+                return []
+            if not queue:
+                return self._apply(sched_out, ModelRunnerOutput())
+            if worker is not None and meta is not None:
+                # Saves of requests finished before: their batches were applied.
+                worker.save_kv(meta)
+        future, sched_out = queue.popleft()
+        return self._apply(sched_out, future.result())
+
+    def _apply(self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput
+               ) -> list[EngineCoreOutput]:
+        """The end of a step whose batch completed: the connector's saves and finished
+        transfers, then the scheduler's ``update_from_output``."""
+        worker = self.connector_worker
+        finished_sending: Any = set()
+        finished_recving: Any = {}
+        if worker is not None:
+            meta = sched_out.kv_connector_metadata
+            if meta is not None:
+                worker.save_kv(meta)
+            finished_sending, finished_recving = worker.get_finished()
+        return self.scheduler.update_from_output(
+            sched_out, runner_out, finished_recving, finished_sending
+        )
+
     def get_stats(self) -> Any:
         """The scheduler's ``SchedulerStats`` (queues, KV usage, prefix-cache counters)."""
         return self.scheduler.get_stats()
@@ -245,6 +328,13 @@ class EngineCore:
         """Abort every request (freeing its blocks), stop the connector's worker side, then
         shut the executor down (its workers release the KV cache). Call it once, last."""
         self.abort_requests(list(self.scheduler.requests))
+        while self._batch_queue:
+            future, sched_out = self._batch_queue.popleft()
+            try:
+                self._apply(sched_out, future.result())  # frees the aborted requests' blocks
+            except Exception:  # noqa: BLE001 - a dead executor: nothing left to free
+                logger.exception("a batch in flight failed at shutdown")
+                self._batch_queue.clear()
         if self.connector_worker is not None:
             self.connector_worker.shutdown()
         self.structured_output.shutdown()

@@ -35,6 +35,17 @@ appends what the rejection sampler emitted and rolls ``num_computed_tokens`` bac
 the rejected drafts (their KV slots are simply overwritten later; prefix-cache hashes
 only ever cover ``all_token_ids``, which never hold an unverified token). How many
 drafts each request gets is ``spec_decode.policy``'s rule.
+
+Batch queue (``max_concurrent_batches`` > 1, pipeline parallelism; vLLM v1's
+``step_with_batch_queue``): the engine core schedules the next batch before the previous
+one's results came back, so pipeline stages work on different batches at once. A request
+whose tokens are in a batch in flight is not scheduled again, nor chosen for preemption,
+until ``update_from_output`` applied that batch; each batch takes at most
+``ceil(running / max_concurrent_batches)`` running requests, so decodes split over the
+batches instead of all landing in the first one. A request finished from outside while
+in flight (an abort) keeps its blocks until its batch was applied: the workers may still
+write them, and neither the connector nor another request may have them before. With
+one batch at a time none of this runs and ``schedule`` is unchanged.
 """
 
 from __future__ import annotations
@@ -126,10 +137,16 @@ class Scheduler:
             request's matcher. ``None``: such requests are rejected.
         speculative: speculative decoding's config (``None``: off); decodes then verify
             the draft tokens the runner proposed for them.
+        max_concurrent_batches: batches the engine core keeps in flight (the batch queue,
+            module docstring); 1: each ``schedule`` is applied before the next.
 
     Single-threaded: every method is called from the engine thread.
-    ``schedule`` and ``update_from_output`` alternate; ``add_request``,
+    ``schedule`` and ``update_from_output`` alternate (with ``max_concurrent_batches``
+    > 1: up to that many ``schedule`` calls ahead, applied in order); ``add_request``,
     ``abort_requests`` and ``finish_requests`` come between steps.
+
+    Raises:
+        ValueError: ``max_model_len`` or ``max_concurrent_batches`` < 1.
     """
 
     def __init__(
@@ -141,9 +158,19 @@ class Scheduler:
         connector: KVConnectorScheduler | None = None,
         structured_output: StructuredOutputManager | None = None,
         speculative: SpeculativeConfig | None = None,
+        max_concurrent_batches: int = 1,
     ) -> None:
         if max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
+        if max_concurrent_batches < 1:
+            raise ValueError(
+                f"max_concurrent_batches must be >= 1, got {max_concurrent_batches}"
+            )
+        self.max_concurrent_batches = max_concurrent_batches
+        # Batch queue: ids of requests in a scheduled batch not yet applied, and the
+        # finished ones among them whose blocks wait for that batch.
+        self._in_flight: set[str] = set()
+        self._free_after_batch: dict[str, Request] = {}
         self.config = scheduler_config
         self.block_size = cache_config.block_size
         self.max_model_len = max_model_len
@@ -230,7 +257,8 @@ class Scheduler:
     def check_request_id(self, request_id: str) -> None:
         """Raises: ValueError naming ``request_id`` when it is in use (unfinished, or
         finished with its blocks still held for the connector)."""
-        if request_id in self.requests or request_id in self._pending_free:
+        if (request_id in self.requests or request_id in self._pending_free
+                or request_id in self._free_after_batch):
             raise ValueError(f"request_id {request_id!r} is already in the engine")
 
     # -- scheduling --------------------------------------------------------------------
@@ -249,9 +277,17 @@ class Scheduler:
         preempted: list[Request] = []
 
         # 1. Running requests, decodes first.
-        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens <= 1]
-        prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
-        for req in decodes + prefills:
+        running = victims = self.running
+        if self._in_flight:
+            running = victims = [r for r in self.running if r.request_id not in self._in_flight]
+        decodes = [r for r in running if r.num_tokens - r.num_computed_tokens <= 1]
+        prefills = [r for r in running if r.num_tokens - r.num_computed_tokens > 1]
+        candidates = decodes + prefills
+        if self.max_concurrent_batches > 1:
+            # A share of the running requests per batch, so the next batch gets some too.
+            share = -(-len(self.running) // self.max_concurrent_batches)
+            candidates = candidates[:share]
+        for req in candidates:
             if budget == 0:
                 break
             if req.status != RequestStatus.RUNNING:
@@ -266,7 +302,9 @@ class Scheduler:
             num_ahead = self._num_lookahead(req, req.num_computed_tokens, num_new, num_known)
             num_slots = num_new + len(drafts) + self._lookahead_slots(num_ahead)
             while kvm.allocate_slots(req, num_slots) is None:
-                victim = max(self.running, key=self._victim_key)
+                victim = max(victims, key=self._victim_key)
+                if victims is not self.running:
+                    victims.remove(victim)
                 if victim.request_id in num_scheduled:
                     budget += num_scheduled.pop(victim.request_id)
                     scheduled.remove(victim)
@@ -310,6 +348,8 @@ class Scheduler:
             scheduled_spec_token_ids=spec_tokens,
             num_lookahead_tokens=lookahead,
         )
+        if self.max_concurrent_batches > 1:
+            self._in_flight.update(num_scheduled)
         if out.total_num_scheduled_tokens:
             # NOTE: an empty step never reaches the executor, so its finished ids wait
             # for the next step that does (the workers drop per-request state by them).
@@ -524,6 +564,8 @@ class Scheduler:
             One ``EngineCoreOutput`` per request that got a token this step.
         """
         outputs, self._pending_outputs = self._pending_outputs, []
+        if self._in_flight:
+            self._land_batch(sched)
         stopped: set[str] = set()
         for req in sched.scheduled_requests:
             rid = req.request_id
@@ -575,6 +617,16 @@ class Scheduler:
                 self._finish_request(self.requests[rid])
         self._update_transfers(finished_recving, finished_sending)
         return outputs
+
+    def _land_batch(self, sched: SchedulerOutput) -> None:
+        """The batch queue's side of ``update_from_output``: ``sched``'s requests are no
+        longer in flight; free the blocks of those finished meanwhile."""
+        for req in sched.scheduled_requests:
+            rid = req.request_id
+            self._in_flight.discard(rid)
+            finished = self._free_after_batch.pop(rid, None)
+            if finished is not None:
+                self._free_blocks(finished)
 
     def _append_tokens(
         self, req: Request, tokens: list[int], logprobs: list | None
@@ -683,6 +735,16 @@ class Scheduler:
         if self.structured_output is not None:
             self.structured_output.free(req)
         self.finished_req_ids.add(rid)
+        if rid in self._in_flight:
+            # A batch in flight still writes its blocks: they are freed (or handed to
+            # the connector) once that batch is applied (_land_batch).
+            self._free_after_batch[rid] = req
+            return
+        self._free_blocks(req)
+
+    def _free_blocks(self, req: Request) -> None:
+        """Free a finished request's blocks, or keep them for the connector's save."""
+        rid = req.request_id
         kvm = self.kv_cache_manager
         if self.connector is not None and self.connector.request_finished(
             req, kvm.get_block_ids(rid)
@@ -695,8 +757,10 @@ class Scheduler:
 
     def has_unfinished_requests(self) -> bool:
         """True while requests wait or run, or finished ones still hold blocks for a save
-        (the engine must keep stepping so the connector's results are collected)."""
-        return bool(self.requests or self._pending_free or self._pending_outputs)
+        (the engine must keep stepping so the connector's results are collected) or for
+        a batch in flight."""
+        return bool(self.requests or self._pending_free or self._pending_outputs
+                    or self._free_after_batch)
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)

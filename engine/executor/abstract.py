@@ -15,6 +15,7 @@ This module imports no torch: the factory imports a backend only when it builds 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
 from tandem.engine.config import EngineConfig
@@ -37,9 +38,31 @@ class Executor(ABC):
     Construction loads the model on every worker (blocking; seconds) and leaves the KV
     cache unallocated. The engine core then calls, in order: ``determine_num_blocks``,
     ``initialize_kv_cache``, ``register_kv_caches`` (with a connector only), then
-    ``execute_model`` once per non-empty step, and ``shutdown`` last. Every method is
-    called from the engine core's one thread.
+    ``execute_model`` (or ``submit_step``, up to ``max_concurrent_batches`` steps ahead)
+    once per non-empty step, and ``shutdown`` last. Every method is called from the
+    engine core's one thread.
     """
+
+    @property
+    def max_concurrent_batches(self) -> int:
+        """Steps the engine core may have submitted and not yet collected (vLLM's name):
+        more than 1 only where the workers can overlap steps (pipeline stages)."""
+        return 1
+
+    def submit_step(self, scheduler_output: SchedulerOutput) -> Future[ModelRunnerOutput]:
+        """Start one step and return at once with its future (vLLM's
+        ``execute_model(non_block=True)``); ``result()`` is ``execute_model``'s return
+        value or raises its error. Steps run in submission order; the engine core
+        collects their futures in that order.
+
+        This default runs the step now: the future is already done.
+        """
+        future: Future[ModelRunnerOutput] = Future()
+        try:
+            future.set_result(self.execute_model(scheduler_output))
+        except Exception as exc:  # noqa: BLE001 - handed to the caller through result()
+            future.set_exception(exc)
+        return future
 
     @property
     @abstractmethod

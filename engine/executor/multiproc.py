@@ -10,6 +10,12 @@ answers on its own reply queue; the driver rank (last pipeline stage, first
 tensor-parallel rank) answers with the sampled tokens, the others with an empty reply,
 so an error on any rank reaches the engine.
 
+Steps can be submitted ahead (``submit_step``, up to ``max_concurrent_batches`` =
+``pipeline_parallel_size``): the broadcast queue hands every rank the steps in
+submission order and each rank answers them in that order, so the oldest step's
+replies are always the next ones on every reply queue. While stage 1 runs one step,
+stage 0 already runs the next (vLLM v1's batch queue).
+
 A worker that dies makes the executor fail fast: the wait for its reply checks that
 every worker is alive and raises ``EngineDeadError``; the engine's callers then fail
 their requests and the service exits, instead of hanging in a collective.
@@ -28,6 +34,8 @@ import multiprocessing
 import os
 import shutil
 import tempfile
+from collections import deque
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 from tandem.engine.config import EngineConfig
@@ -39,6 +47,7 @@ from tandem.engine.model_facts import ModelFacts
 from tandem.engine.sched_output import ModelRunnerOutput, SchedulerOutput
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
     from multiprocessing.process import BaseProcess
 
     from transformers import PreTrainedTokenizerBase
@@ -84,6 +93,20 @@ def split_cpus(cpus: list[int], world_size: int) -> list[tuple[int, ...]]:
     return sets
 
 
+class _StepFuture(Future[ModelRunnerOutput]):
+    """A submitted step's future: ``result()`` first reads the replies of every older
+    step still uncollected, then its own (replies come back in submission order)."""
+
+    def __init__(self, collect_oldest: Callable[[], None]) -> None:
+        super().__init__()
+        self._collect_oldest = collect_oldest
+
+    def result(self, timeout: float | None = None) -> ModelRunnerOutput:
+        while not self.done():
+            self._collect_oldest()
+        return super().result(timeout)
+
+
 class MultiProcExecutor(Executor):
     """One worker process per rank; steps broadcast through shared memory.
 
@@ -114,6 +137,8 @@ class MultiProcExecutor(Executor):
         self._reply_handles: list[Handle] = []
         self._broadcast: MessageQueue | None = None
         self._encoder = StepEncoder()
+        # Submitted steps whose replies are not read yet, oldest first.
+        self._in_flight: deque[_StepFuture] = deque()
         self._dead: str | None = None
         self._closed = False
         self._memfds: list[int] = []
@@ -149,8 +174,12 @@ class MultiProcExecutor(Executor):
 
     def _start_workers(self, cpu_sets: list[tuple[int, ...] | None], backend: str) -> None:
         ctx = multiprocessing.get_context("spawn")
+        # NOTE: room for every step in flight plus one command, so submitting never
+        # waits for a busy worker to read (nor a worker for the engine to collect).
+        depth = self.max_concurrent_batches + 1
         self._broadcast = MessageQueue.create(self.world_size, BROADCAST_CHUNK_BYTES,
-                                              BROADCAST_CHUNKS, is_alive=self._all_alive)
+                                              max(BROADCAST_CHUNKS, depth),
+                                              is_alive=self._all_alive)
         init_method = f"file://{os.path.join(self._rdv_dir, 'rendezvous')}"
         pipes = []
         for rank in range(self.world_size):
@@ -159,7 +188,7 @@ class MultiProcExecutor(Executor):
                 dist_backend=backend, cpus=cpu_sets[rank],
                 broadcast=self._broadcast.handle(),
                 parent_pid=os.getpid(), log_level=logging.getLogger().getEffectiveLevel(),
-                reply_chunk_bytes=REPLY_CHUNK_BYTES, reply_chunks=REPLY_CHUNKS,
+                reply_chunk_bytes=REPLY_CHUNK_BYTES, reply_chunks=max(REPLY_CHUNKS, depth),
             )
             ours, theirs = ctx.Pipe(duplex=False)
             proc = ctx.Process(target=worker_main, args=(spec, theirs), daemon=True,
@@ -231,20 +260,43 @@ class MultiProcExecutor(Executor):
     # -- commands -------------------------------------------------------------------------
 
     def _collective(self, *command: Any) -> list[Any]:
-        """Send ``command`` to every worker and return each one's result, in rank order.
+        """Send ``command`` to every worker and return each one's result, in rank order
+        (after collecting every step still in flight).
 
         Raises:
             EngineDeadError: a worker died (now or before); the engine cannot go on.
             ValueError / RuntimeError: a worker's error for this command.
+        """
+        while self._in_flight:
+            self._collect_oldest()
+        self._send(command)
+        return self._receive(command[0])
+
+    def _send(self, command: tuple[Any, ...]) -> None:
+        """Broadcast ``command`` to every worker.
+
+        Raises:
+            EngineDeadError: a worker died (now or before).
+            RuntimeError: after ``shutdown``.
         """
         if self._dead is not None:
             raise EngineDeadError(self._dead)
         if self._closed:
             raise RuntimeError("the executor is shut down")
         assert self._broadcast is not None
-        replies: list[Any] = [None] * self.world_size
         try:
             self._broadcast.enqueue(command)
+        except RuntimeError:
+            self._check_alive()
+            raise
+
+    def _receive(self, name: str) -> list[Any]:
+        """Every worker's reply to the oldest command not answered yet (``name``), in
+        rank order; raises as ``_collective``."""
+        if self._dead is not None:
+            raise EngineDeadError(self._dead)
+        replies: list[Any] = [None] * self.world_size
+        try:
             pending = list(range(self.world_size))
             while pending:
                 # NOTE: whichever answers first: a rank that failed inside a step
@@ -259,17 +311,17 @@ class MultiProcExecutor(Executor):
         errors = [r for r in replies if r is not None and r[0] == "error"]
         if errors:
             _, type_name, message, tb = errors[0]
-            logger.error("worker error in %s:\n%s", command[0], tb)
+            logger.error("worker error in %s:\n%s", name, tb)
             # NOTE: the ranks may now disagree (one raised inside a collective, its
             # peers still wait in it) and replies still owed would answer the next
             # command: nothing later can be trusted.
-            self._dead = f"a worker failed {command[0]}: {type_name}: {message}"
+            self._dead = f"a worker failed {name}: {type_name}: {message}"
             # A peer's death usually shows first as a collective's error on the
             # survivors ("connection reset"): name the dead worker when there is one.
             for proc in self._procs:
                 proc.join(WORKER_DEATH_GRACE_S)
             self._check_alive()
-            if command[0] == "execute_model":
+            if name == "execute_model":
                 raise EngineDeadError(self._dead)
             raise (ValueError if type_name == "ValueError" else RuntimeError)(message)
         return [r[1] for r in replies]
@@ -332,12 +384,45 @@ class MultiProcExecutor(Executor):
                            num_kv_heads=self._facts.num_kv_heads)
         )
 
+    @property
+    def max_concurrent_batches(self) -> int:
+        """``pipeline_parallel_size``: one step per stage in flight."""
+        return self.config.parallel.pipeline_parallel_size
+
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.submit_step(scheduler_output).result()
+
+    def submit_step(self, scheduler_output: SchedulerOutput) -> Future[ModelRunnerOutput]:
+        """Broadcast one step and return its future without waiting for the workers.
+
+        Raises:
+            EngineDeadError: a worker died (now or before).
+            RuntimeError: after ``shutdown``, or with ``max_concurrent_batches`` steps
+                already in flight (the engine core collects before submitting more).
+        """
+        if len(self._in_flight) >= self.max_concurrent_batches:
+            raise RuntimeError(f"{len(self._in_flight)} steps in flight already "
+                               f"(max_concurrent_batches {self.max_concurrent_batches})")
         msg = self._encoder.encode(scheduler_output)
-        results = self._collective("execute_model", msg)
-        out = results[self.driver_rank]
+        self._send(("execute_model", msg))
+        future = _StepFuture(self._collect_oldest)
+        self._in_flight.append(future)
+        return future
+
+    def _collect_oldest(self) -> None:
+        """Read the oldest in-flight step's replies into its future. An error fails it
+        and every younger step (the engine is dead then)."""
+        future = self._in_flight.popleft()
+        try:
+            out = self._receive("execute_model")[self.driver_rank]
+        except Exception as exc:
+            future.set_exception(exc)
+            why = self._dead or "an earlier step failed"
+            while self._in_flight:
+                self._in_flight.popleft().set_exception(EngineDeadError(why))
+            return
         assert isinstance(out, ModelRunnerOutput), "the driver rank returns the step's output"
-        return out
+        future.set_result(out)
 
     def collective_stats(self) -> list[dict[str, dict[str, float]]]:
         """Per rank, what its ``torch.distributed`` calls cost since start-up: op name
@@ -375,6 +460,10 @@ class MultiProcExecutor(Executor):
         if self._closed:
             return
         self._closed = True
+        # NOTE: steps in flight are answered into the reply rings (they have room for
+        # them and the shutdown reply), so no worker waits for them to be read.
+        while self._in_flight:
+            self._in_flight.popleft().set_exception(RuntimeError("the executor is shut down"))
         if self._broadcast is not None and self._dead is None and self._all_alive():
             try:
                 self._broadcast.enqueue(("shutdown",), timeout=WORKER_EXIT_TIMEOUT_S)

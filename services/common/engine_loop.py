@@ -236,7 +236,8 @@ class EngineLoop:
             if not self.engine.has_unfinished_requests() and not self._has_pending_transfers():
                 self._wake.wait()
                 continue
-            steps_before = self.engine.num_steps
+            # A step with batches in flight submits one or waits for one: never idle.
+            progress_before = (self.engine.num_steps, self.engine.num_batches_in_flight)
             try:
                 outputs = self.engine.step()
             except EngineDeadError as exc:
@@ -270,7 +271,7 @@ class EngineLoop:
                 if out.finished:
                     del self._queues[out.request_id]
             self._deliver(items)
-            if self.engine.num_steps == steps_before:
+            if (self.engine.num_steps, self.engine.num_batches_in_flight) == progress_before:
                 # No forward ran (only waiting for KV transfers): don't spin.
                 self._wake.wait(_IDLE_POLL_S)
 

@@ -2,7 +2,9 @@
 gloo on the CPU) against transformers' greedy ``generate`` in float32, token for token,
 through the offline ``LLM``: a mixed batch with chunked prefill, prefix-cache hits and
 preemption; and a worker killed mid-batch fails the engine fast, leaving no process or
-shared-memory segment behind.
+shared-memory segment behind. At PP=2 the engine keeps two batches in flight (the batch
+queue), and a request aborted while its batch is in flight keeps its blocks until the
+batch is applied.
 
 This box has 2 cores, so an engine gets at most 2 workers (one core each): TP=2 and PP=2
 are tested here, TP=2 x PP=2 at the model-runner level (test_tensor_parallel.py).
@@ -77,10 +79,42 @@ def test_parallel_greedy_equals_transformers(tiny, tp: int, pp: int) -> None:
         # Alone, the same tokens as in the batch.
         alone = llm.generate([prompts()[3]], params, use_tqdm=False)[0]
         assert alone.outputs[0].token_ids == outs[3].outputs[0].token_ids
+        if pp > 1:
+            assert core.max_concurrent_batches == pp
+            assert core.max_num_batches_in_flight == pp, "the stages never overlapped"
+            _abort_in_flight(llm, hf, params)
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
     assert _left(segments) == []
+
+
+def _abort_in_flight(llm: LLM, hf, params: SamplingParams) -> None:
+    """Abort a request of the oldest of two batches in flight: its blocks stay held
+    until that batch is applied, the others still equal transformers, and every block
+    is free at the end."""
+    engine = llm.llm_engine
+    core = engine.engine_core
+    kvm = core.scheduler.kv_cache_manager
+    for i, prompt in enumerate(prompts()[:4]):
+        engine.add_request(f"abort-{i}", prompt, params)
+    engine.step()
+    assert core.num_batches_in_flight == 1
+    held = kvm.get_block_ids("abort-0")
+    assert held, "the first batch admits the first request"
+    engine.step()
+    assert core.num_batches_in_flight == 2, "the second batch went out before the first came back"
+    engine.abort_request("abort-0")
+    assert kvm.get_block_ids("abort-0") == held, "freed under the batch in flight"
+    last = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            last[out.request_id] = out
+    assert kvm.get_block_ids("abort-0") == []
+    for i, prompt in enumerate(prompts()[1:4], start=1):
+        want, logits = hf_greedy_steps(hf, prompt, NEW_TOKENS)
+        assert_matches_hf(list(last[f"abort-{i}"].outputs[0].token_ids), want, logits)
+    assert kvm.num_free_blocks == kvm.num_total_blocks
 
 
 def test_killed_worker_fails_the_engine_fast(tiny) -> None:

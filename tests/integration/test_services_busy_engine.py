@@ -29,6 +29,7 @@ class _StuckStepEngine:
         self.in_step = threading.Event()
         self.release = threading.Event()
         self.num_steps = 0
+        self.num_batches_in_flight = 0
         self._pending: list[str] = []
 
     def add_request(self, request: SimpleNamespace) -> None:
