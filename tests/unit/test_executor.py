@@ -198,3 +198,13 @@ def test_create_executor_bad_model_path_is_a_value_error(tmp_path) -> None:
     config = EngineConfig(model=ModelConfig(model=str(tmp_path / "missing"), dtype="float32"))
     with pytest.raises(ValueError):
         create_executor(config)
+
+
+def test_workers_get_disjoint_cpu_sets() -> None:
+    from tandem.engine.executor.multiproc import split_cpus
+
+    assert split_cpus([0, 1], 2) == [(0,), (1,)]
+    assert split_cpus([4, 5, 6, 7, 8], 2) == [(4, 5, 6), (7, 8)]
+    assert split_cpus([3], 1) == [(3,)]
+    with pytest.raises(ValueError, match="= 3 workers exceed the 2 CPUs"):
+        split_cpus([0, 1], 3)
