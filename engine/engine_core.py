@@ -269,15 +269,7 @@ class EngineCore:
         else:
             runner_out = self.executor.execute_model(sched_out)
             self.num_steps += 1
-        finished_sending: Any = set()
-        finished_recving: Any = {}
-        if worker is not None:
-            if meta is not None:
-                worker.save_kv(meta)
-            finished_sending, finished_recving = worker.get_finished()
-        return self.scheduler.update_from_output(
-            sched_out, runner_out, finished_recving, finished_sending
-        )
+        return self._apply(sched_out, runner_out)
 
     def _step_with_batch_queue(self) -> list[EngineCoreOutput]:
         """``step`` with batches in flight (the module docstring; vLLM v1's

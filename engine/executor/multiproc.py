@@ -38,6 +38,7 @@ from collections import deque
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
+from tandem.engine import distributed
 from tandem.engine.config import EngineConfig
 from tandem.engine.executor.abstract import EngineDeadError, Executor
 from tandem.engine.executor.shm_broadcast import Handle, MessageQueue, dequeue_any
@@ -446,7 +447,7 @@ class MultiProcExecutor(Executor):
     def driver_rank(self) -> int:
         """The rank that samples: last pipeline stage, tensor-parallel rank 0."""
         par = self.config.parallel
-        return (par.pipeline_parallel_size - 1) * par.tensor_parallel_size
+        return distributed.driver_rank(par.tensor_parallel_size, par.pipeline_parallel_size)
 
     # -- shutdown -------------------------------------------------------------------------
 

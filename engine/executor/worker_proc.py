@@ -63,12 +63,15 @@ class WorkerSpec:
     reply_chunks: int = 2
 
 
-def _config_for_rank(config: EngineConfig, rank: int) -> EngineConfig:
-    """The config a rank's worker runs: on CUDA, its own device (``cuda:<tp rank + pp
-    offset>`` of the node's GPUs, one per rank)."""
+def _config_for_rank(config: EngineConfig) -> EngineConfig:
+    """The config a rank's worker runs: on CUDA, the device ``init_distributed`` made
+    this process's current one (its rule maps ranks to GPUs), whatever index the
+    engine's ``--device`` named. Call after ``init_distributed``."""
     if not config.model.device.startswith("cuda"):
         return config
-    model = dataclasses.replace(config.model, device=f"cuda:{rank}")
+    import torch
+
+    model = dataclasses.replace(config.model, device=f"cuda:{torch.cuda.current_device()}")
     return dataclasses.replace(config, model=model)
 
 
@@ -104,7 +107,7 @@ def worker_main(spec: WorkerSpec, startup: Connection) -> None:
         distributed.init_distributed(spec.rank, par.tensor_parallel_size,
                                      par.pipeline_parallel_size, spec.dist_init_method,
                                      spec.dist_backend)
-        worker = Worker(_config_for_rank(spec.config, spec.rank), rank=spec.rank)
+        worker = Worker(_config_for_rank(spec.config), rank=spec.rank)
         worker.load_model()
         info = worker.shard_info()
         # This worker writes its replies; the executor removes the segment if the
