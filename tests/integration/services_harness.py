@@ -8,6 +8,7 @@ then SIGKILL) by its owner's fixture teardown. Readiness is polled with a deadli
 from __future__ import annotations
 
 import os
+import random
 from collections.abc import Callable
 from pathlib import Path
 
@@ -64,6 +65,14 @@ def make_tiny_model(folder: Path, tokenizer_dir: Path | None = None) -> Path:
         if tokenizer_dir is not None:
             tok.save_pretrained(tokenizer_dir)
     return folder
+
+
+def random_prompt(rng: random.Random | int, n: int) -> list[int]:
+    """``n`` token ids drawn from ``rng`` (or a ``random.Random`` seeded with it) among
+    the tiny model's ids 3..49151 (below 3: its BOS/EOS/pad)."""
+    if isinstance(rng, int):
+        rng = random.Random(rng)
+    return [rng.randrange(3, 49152) for _ in range(n)]
 
 
 def hf_greedy(model_dir: str | None, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:

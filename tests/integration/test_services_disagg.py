@@ -18,6 +18,7 @@ from services_harness import (
     decode_request_from,
     hf_greedy,
     params,
+    random_prompt,
     run_colocated,
     run_disaggregated,
     wait_for,
@@ -27,10 +28,6 @@ from tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, pref
 
 #: Flags of the module's prefill and decode services (conftest's fixtures read it).
 ENGINE_ARGS = ["--max-num-batched-tokens", "64", "--num-kv-blocks", "256", "--block-size", "16"]
-
-
-def _prompt(rng: random.Random, n: int) -> list[int]:
-    return [rng.randrange(3, 49152) for _ in range(n)]
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +40,7 @@ def colocated(decode):
 def test_greedy_disaggregated_and_colocated_match_transformers(tiny, prefill, decode, colocated):
     rng = random.Random(0)
     # Lengths: below one block, exactly one block, partial last block, chunked (> 64).
-    prompts = [_prompt(rng, n) for n in (5, 16, 37, 100, 150)]
+    prompts = [random_prompt(rng, n) for n in (5, 16, 37, 100, 150)]
     expected = hf_greedy(tiny, prompts, max_new_tokens=12)
     for prompt, want in zip(prompts, expected, strict=True):
         got, pre = run_disaggregated(prefill, decode, prompt, params(12))
@@ -55,9 +52,9 @@ def test_greedy_disaggregated_and_colocated_match_transformers(tiny, prefill, de
 
 def test_prefix_already_in_store_and_cached_locally(tiny, prefill, decode):
     rng = random.Random(1)
-    base = _prompt(rng, 80)
-    first = base + _prompt(rng, 7)
-    second = base[:64] + _prompt(rng, 30)  # shares 4 full blocks with `first`
+    base = random_prompt(rng, 80)
+    first = base + random_prompt(rng, 7)
+    second = base[:64] + random_prompt(rng, 30)  # shares 4 full blocks with `first`
     want = hf_greedy(tiny, [first, second], max_new_tokens=10)
     got1, _ = run_disaggregated(prefill, decode, first, params(10))
     got2, pre2 = run_disaggregated(prefill, decode, second, params(10))
@@ -93,7 +90,7 @@ def test_logprobs_from_prefill_and_decode(tiny, prefill, decode):
 
 def test_32_concurrent_requests_of_mixed_lengths(tiny, prefill, decode):
     rng = random.Random(2)
-    prompts = [_prompt(rng, rng.randrange(1, 200)) for _ in range(32)]
+    prompts = [random_prompt(rng, rng.randrange(1, 200)) for _ in range(32)]
     max_tokens = [rng.randrange(1, 12) for _ in range(32)]
     oracle = hf_greedy(tiny, prompts, max_new_tokens=12)
 

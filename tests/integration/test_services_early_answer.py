@@ -14,7 +14,6 @@ NOTE: the tests run in file order on purpose: the last one kills the module's st
 from __future__ import annotations
 
 import os
-import random
 import signal
 from collections.abc import Iterator
 
@@ -25,6 +24,7 @@ from services_harness import (
     decode_request_from,
     hf_greedy,
     params,
+    random_prompt,
     run_colocated,
     run_disaggregated,
 )
@@ -60,11 +60,6 @@ def cluster(tiny, redis_url, store, tmp_path_factory) -> Iterator[list[MeteredEn
             inst.svc.stop()
 
 
-def _prompt(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 49152) for _ in range(n)]
-
-
 def _stopped(store: KVStoreNode) -> None:
     os.kill(store.proc.popen.pid, signal.SIGSTOP)
 
@@ -75,7 +70,7 @@ def _resumed(store: KVStoreNode) -> None:
 
 def test_greedy_output_is_unchanged(tiny, cluster):
     prefill, decode = cluster
-    prompts = [_prompt(1, 37), _prompt(2, 100)]
+    prompts = [random_prompt(1, 37), random_prompt(2, 100)]
     for prompt, want in zip(prompts, hf_greedy(tiny, prompts, 8), strict=True):
         got, _ = run_disaggregated(prefill.svc, decode.svc, prompt, params(8))
         assert got == want, f"disaggregated, prompt of {len(prompt)} tokens"
@@ -95,7 +90,7 @@ def _prefill_while_stopped(prefill: MeteredEngine, store: KVStoreNode, prompt: l
 
 def test_the_prefill_answers_while_the_store_is_stopped(tiny, store, cluster):
     prefill, decode = cluster
-    prompt = _prompt(3, 80)  # 5 blocks
+    prompt = random_prompt(3, 80)  # 5 blocks
     arrived = decode.metric("tandem:kv_load_waits_total", outcome="arrived")
     failures = decode.svc.get_load().num_kv_load_failures
     try:
@@ -116,7 +111,7 @@ def test_the_prefill_answers_while_the_store_is_stopped(tiny, store, cluster):
 
 def test_a_failed_publish_ends_the_wait_and_decode_recomputes(tiny, store, cluster):
     prefill, decode = cluster
-    prompt = _prompt(4, 70)
+    prompt = random_prompt(4, 70)
     failed = decode.metric("tandem:kv_load_waits_total", outcome="publish_failed")
     try:
         pre = _prefill_while_stopped(prefill, store, prompt)

@@ -27,6 +27,7 @@ from services_harness import (
     hf_greedy,
     metric_value,
     params,
+    random_prompt,
     run_disaggregated,
 )
 from waiting import wait_until
@@ -38,10 +39,6 @@ ENGINE_ARGS = ["--max-num-batched-tokens", "64", "--num-kv-blocks", "128", "--bl
 TP2 = [*ENGINE_ARGS, "--tensor-parallel-size", "2"]
 
 pytestmark = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs")
-
-
-def _prompt(rng: random.Random, n: int) -> list[int]:
-    return [rng.randrange(3, 49152) for _ in range(n)]
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +70,7 @@ def test_prefill_and_decode_at_different_tensor_parallel_sizes(tiny, services):
     prefill_tp2, decode_tp2 = services["prefill", 2], services["decode", 2]
     assert len(_workers(prefill_tp2)) == 2 and len(_workers(decode_tp2)) == 2
     rng = random.Random(5)
-    prompts = [_prompt(rng, n) for n in (16, 37, 100)]
+    prompts = [random_prompt(rng, n) for n in (16, 37, 100)]
     expected = hf_greedy(tiny, prompts, max_new_tokens=8)
     for prompt, want in zip(prompts, expected, strict=True):
         for pre, dec, what in ((prefill_tp2, decode, "TP2 -> TP1"),

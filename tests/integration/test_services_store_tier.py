@@ -17,6 +17,7 @@ from services_harness import (
     MeteredEngine,
     hf_greedy,
     params,
+    random_prompt,
     run_disaggregated,
 )
 
@@ -37,15 +38,11 @@ def cluster(tiny, redis_url, store, tmp_path_factory):
             inst.svc.stop()
 
 
-def _prompt(rng: random.Random, n: int) -> list[int]:
-    return [rng.randrange(3, 49152) for _ in range(n)]
-
-
 def test_prefill_b_loads_what_prefill_a_computed(tiny, cluster):
     a, b, decode = cluster
     rng = random.Random(19)
-    prompt = _prompt(rng, 100)  # 6 full blocks and a partial one
-    longer = prompt + _prompt(rng, 45)
+    prompt = random_prompt(rng, 100)  # 6 full blocks and a partial one
+    longer = prompt + random_prompt(rng, 45)
     want, want_longer = hf_greedy(tiny, [prompt, longer], max_new_tokens=8)
 
     got, pre = run_disaggregated(a.svc, decode.svc, prompt, params(8))
@@ -71,7 +68,7 @@ def test_prefill_b_loads_what_prefill_a_computed(tiny, cluster):
 def test_turn_2_on_another_prefill_loads_turn_1_prompt_and_answer(tiny, cluster):
     a, b, decode = cluster
     rng = random.Random(20)
-    turn1 = _prompt(rng, 40)
+    turn1 = random_prompt(rng, 40)
     want1 = hf_greedy(tiny, [turn1], max_new_tokens=30)[0]
     published = decode.metric("tandem:kv_output_publishes_total", outcome="ok")
     got1, _ = run_disaggregated(a.svc, decode.svc, turn1, params(30))
@@ -79,7 +76,7 @@ def test_turn_2_on_another_prefill_loads_turn_1_prompt_and_answer(tiny, cluster)
     # The decode publishes after its stream ended: wait for it, not for a time.
     decode.wait_metric("tandem:kv_output_publishes_total", published + 1, outcome="ok")
 
-    turn2 = turn1 + got1 + _prompt(rng, 20)
+    turn2 = turn1 + got1 + random_prompt(rng, 20)
     want2 = hf_greedy(tiny, [turn2], max_new_tokens=8)[0]
     store_before = b.metric("tandem:prefix_cache_hits_total", tier="store")
     got2, pre = run_disaggregated(b.svc, decode.svc, turn2, params(8))
@@ -97,11 +94,11 @@ def test_a_decode_instance_prefilling_itself_loads_from_the_store(tiny, redis_ur
 
     a, _, decode = cluster
     rng = random.Random(21)
-    prompt = _prompt(rng, 70)  # 4 full blocks
+    prompt = random_prompt(rng, 70)  # 4 full blocks
     pre = a.svc.prefill.Prefill(prefill_pb2.PrefillRequest(
         prompt_token_ids=prompt, sampling_params=params(1)), timeout=60)
     wait_published(redis_url, pre)  # the prefill answers before its publish ends
-    longer = prompt + _prompt(rng, 10)
+    longer = prompt + random_prompt(rng, 10)
     before = decode.metric("tandem:prefix_cache_hits_total", tier="store")
     assert run_colocated(decode.svc, longer, params(6)) == hf_greedy(tiny, [longer], 6)[0]
     decode.wait_metric("tandem:prefix_cache_hits_total", before + 64, tier="store")
@@ -165,7 +162,7 @@ def test_conditional_disaggregation(tiny, redis_url, tmp_path, cluster, routers)
     always, conditional = routers
     _, _, decode = cluster
     rng = random.Random(22)
-    short, long = _prompt(rng, 10), _prompt(rng, 100)
+    short, long = random_prompt(rng, 10), random_prompt(rng, 100)
 
     # Short: straight to the decode instance, which prefills it; same text as through
     # the prefill hop.

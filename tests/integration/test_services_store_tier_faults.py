@@ -10,7 +10,6 @@ NOTE: the tests run in file order on purpose: the last one kills the module's st
 from __future__ import annotations
 
 import json
-import random
 from pathlib import Path
 
 import pytest
@@ -21,6 +20,7 @@ from services_harness import (
     hf_greedy,
     metric_value,
     params,
+    random_prompt,
     run_disaggregated,
     wait_for,
     wait_published,
@@ -63,11 +63,6 @@ def cluster(tiny, redis_url, store, tmp_path_factory):
             inst.svc.stop()
 
 
-def _prompt(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 49152) for _ in range(n)]
-
-
 def _prefill(inst: MeteredEngine, prompt: list[int], redis_url: str
              ) -> prefill_pb2.PrefillResponse:
     """Prefill ``prompt`` on ``inst`` and wait until its blocks are in the store."""
@@ -86,7 +81,7 @@ def test_a_corrupt_block_ends_the_load_and_the_rest_is_computed(tiny, redis_url,
     from tandem.kvstore.client import KVStoreClient
 
     a, b, decode = cluster
-    prompt = _prompt(1, 80)  # 5 full blocks; B may load 4 (the last token is computed)
+    prompt = random_prompt(1, 80)  # 5 full blocks; B may load 4 (the last token is computed)
     pre = _prefill(a, prompt, redis_url)
     with KVStoreClient(redis_url) as client:
         corrupt_block(client, redis_url, BlockKey(pre.block_hashes[2], pre.kv_layout_fingerprint))
@@ -103,7 +98,7 @@ def test_an_index_entry_of_a_gone_node_is_a_miss(tiny, redis_url, cluster):
     from tandem.kvstore.index import IndexEntry
 
     a, b, decode = cluster
-    prompt = _prompt(2, 60)
+    prompt = random_prompt(2, 60)
     pre = _prefill(a, prompt, redis_url)
     key = BlockKey(pre.block_hashes[0], pre.kv_layout_fingerprint)
     r = redis.Redis.from_url(redis_url)
@@ -130,10 +125,10 @@ def test_a_full_store_evicts_and_an_evicted_prefix_is_computed(tiny, redis_url, 
                                                                 cluster):
     a, b, decode = cluster
     evictions = _store_metric(store, "tandem:kvstore_evictions_total")
-    first = _prompt(3, 160)  # 10 blocks
+    first = random_prompt(3, 160)  # 10 blocks
     _prefill(a, first, redis_url)
     for seed in (4, 5, 6):  # 30 more blocks than the store holds: all of first's go
-        _prefill(a, _prompt(seed, 160), redis_url)
+        _prefill(a, random_prompt(seed, 160), redis_url)
     wait_for(lambda: _store_metric(store, "tandem:kvstore_evictions_total") >= evictions + 10,
              30, "the store evicted blocks")
     queries, hits = (b.metric("tandem:prefix_cache_queries_total", tier="store"),
@@ -146,7 +141,7 @@ def test_a_full_store_evicts_and_an_evicted_prefix_is_computed(tiny, redis_url, 
 
     # A prompt larger than the whole store cannot be published: the prefill still answers
     # (the publish failed), the decode recomputes, the output is unchanged.
-    huge = _prompt(7, (STORE_BLOCKS + 4) * BS)
+    huge = random_prompt(7, (STORE_BLOCKS + 4) * BS)
     got, pre_huge = run_disaggregated(a.svc, decode.svc, huge, params(4))
     assert got == hf_greedy(tiny, [huge], 4)[0]
     assert len(pre_huge.block_hashes) == len(prompt_block_hashes(huge, BS))
@@ -154,7 +149,7 @@ def test_a_full_store_evicts_and_an_evicted_prefix_is_computed(tiny, redis_url, 
 
 def test_the_store_node_killed_loads_miss_and_nothing_hangs(tiny, redis_url, store, cluster):
     a, b, decode = cluster
-    prompt = _prompt(8, 70)
+    prompt = random_prompt(8, 70)
     _prefill(a, prompt, redis_url)
     store.proc.kill()
     failures = b.metric("tandem:kv_load_failures_total")
