@@ -238,14 +238,16 @@ static inline void tile_block(const uint16_t *x, int64_t sx, const uint16_t *wp,
 }
 #endif
 
-/* Eight rows from x (stride sx) x column blocks b0 (and b1 unless SINGLE) with
- * VDPBF16PS: c0[i] / c1[i] accumulate row i's 16 columns of each block. */
-static inline __attribute__((always_inline)) void dp_rows8(const uint16_t *x, int64_t sx,
-                                                           const uint16_t *b0, const uint16_t *b1,
-                                                           int64_t KB, const int SINGLE, int pf,
-                                                           __m512 *c0, __m512 *c1) {
+/* R (1, 2, 4 or 8) rows from x (stride sx) x column blocks b0 (and b1 unless
+ * SINGLE) with VDPBF16PS: c0[i] / c1[i] accumulate row i's 16 columns of each
+ * block. Each row's sum runs over k in the same order whatever R is, so a row's
+ * result does not depend on how many rows share its call (batch invariance). */
+static inline __attribute__((always_inline)) void dp_rows(const uint16_t *x, int64_t sx,
+                                                          const uint16_t *b0, const uint16_t *b1,
+                                                          int64_t KB, const int R, const int SINGLE,
+                                                          int pf, __m512 *c0, __m512 *c1) {
 #pragma GCC unroll 8
-    for (int i = 0; i < 8; ++i) c0[i] = c1[i] = _mm512_setzero_ps();
+    for (int i = 0; i < R; ++i) c0[i] = c1[i] = _mm512_setzero_ps();
     for (int64_t kb = 0; kb < KB; ++kb) {
         if (pf) prefetch_tiles(b0 + (kb + PF_TILES) * 512, b1 + (kb + PF_TILES) * 512);
         const uint16_t *w0 = b0 + kb * 512, *w1 = b1 + kb * 512;
@@ -255,7 +257,7 @@ static inline __attribute__((always_inline)) void dp_rows8(const uint16_t *x, in
             const __m512bh v0 = (__m512bh)_mm512_loadu_si512(w0 + kp * 32);
             const __m512bh v1 = SINGLE ? v0 : (__m512bh)_mm512_loadu_si512(w1 + kp * 32);
 #pragma GCC unroll 8
-            for (int i = 0; i < 8; ++i) {
+            for (int i = 0; i < R; ++i) {
                 int32_t pair;
                 memcpy(&pair, xk + i * sx + 2 * kp, 4);
                 const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
@@ -268,37 +270,50 @@ static inline __attribute__((always_inline)) void dp_rows8(const uint16_t *x, in
 
 /* The VDPBF16PS counterpart of tile_block: the same C blocks in cbuf (C00 at 0,
  * C10 at 256, C01 at 512, C11 at 768), eight rows at a time; the weight panels
- * come from L1 after the first eight rows. */
+ * come from L1 after the first eight rows. Only the first `valid` rows are
+ * computed (the rest of cbuf is left as it was): a decode batch of one row used
+ * to pay for the sixteen of a padded chunk. */
+#define DP_ROWS(R)                                                                          \
+    dp_rows(x + r0 * sx, sx, b0, b1, KB, R, SINGLE, pf && r0 == 0, c0, c1)
 static inline __attribute__((always_inline)) void dp_block_impl(
     const uint16_t *x, int64_t sx, const uint16_t *wp, int64_t KB, int64_t nb0, int64_t nb1,
-    int one, const int SINGLE, float *cbuf, int pf) {
+    int64_t valid, const int SINGLE, float *cbuf, int pf) {
     const uint16_t *b0 = wp + nb0 * KB * 512;
     const uint16_t *b1 = wp + (SINGLE ? nb0 + 1 : nb1) * KB * 512; /* prefetch only if single */
-    const int rows = one ? 16 : 32;
-    for (int r0 = 0; r0 < rows; r0 += 8) {
+    for (int r0 = 0; r0 < valid; r0 += 8) {
         __m512 c0[8], c1[8];
-        dp_rows8(x + r0 * sx, sx, b0, b1, KB, SINGLE, pf && r0 == 0, c0, c1);
+        const int64_t left = valid - r0;
+        const int n = left >= 8 ? 8 : left > 4 ? 8 : left > 2 ? 4 : left;
+        if (n == 8)
+            DP_ROWS(8);
+        else if (n == 4)
+            DP_ROWS(4);
+        else if (n == 2)
+            DP_ROWS(2);
+        else
+            DP_ROWS(1);
         float *t = cbuf + (r0 / 16) * 256 + (r0 % 16) * 16;
-#pragma GCC unroll 8
-        for (int i = 0; i < 8; ++i) {
+        for (int i = 0; i < n; ++i) {
             _mm512_store_ps(t + i * 16, c0[i]);
             if (!SINGLE) _mm512_store_ps(t + 512 + i * 16, c1[i]);
         }
     }
 }
+#undef DP_ROWS
 
 static void dp_block(const uint16_t *x, int64_t sx, const uint16_t *wp, int64_t KB, int64_t nb0,
-                     int64_t nb1, int one, int single, float *cbuf, int pf) {
+                     int64_t nb1, int64_t valid, int single, float *cbuf, int pf) {
     if (single)
-        dp_block_impl(x, sx, wp, KB, nb0, nb1, one, 1, cbuf, pf);
+        dp_block_impl(x, sx, wp, KB, nb0, nb1, valid, 1, cbuf, pf);
     else
-        dp_block_impl(x, sx, wp, KB, nb0, nb1, one, 0, cbuf, pf);
+        dp_block_impl(x, sx, wp, KB, nb0, nb1, valid, 0, cbuf, pf);
 }
 
-/* One C block on tiles or with VDPBF16PS. */
+/* One C block on tiles or with VDPBF16PS; `valid`: the rows of the block that
+ * are read back (the tiles compute all of them). */
 static inline void c_block(int tiles, const uint16_t *x, int64_t sx, const uint16_t *wp,
-                           int64_t KB, int64_t nb0, int64_t nb1, int one, int single, float *cbuf,
-                           int pf) {
+                           int64_t KB, int64_t nb0, int64_t nb1, int one, int64_t valid,
+                           int single, float *cbuf, int pf) {
 #ifdef HAVE_AMX_LINEAR
     if (tiles) {
         tile_block(x, sx, wp, KB, nb0, nb1, one, single, cbuf, pf);
@@ -307,7 +322,8 @@ static inline void c_block(int tiles, const uint16_t *x, int64_t sx, const uint1
 #else
     (void)tiles;
 #endif
-    dp_block(x, sx, wp, KB, nb0, nb1, one, single, cbuf, pf);
+    (void)one;
+    dp_block(x, sx, wp, KB, nb0, nb1, valid, single, cbuf, pf);
 }
 
 /* Rows of x per outer block: its slice (M_BLOCK x K bf16) stays in L2 while
@@ -436,14 +452,16 @@ static void matmul_body(int tiles, const uint16_t *x, int64_t sx, const uint16_t
                 const int tail0 = rows0 < 16, tail1 = !one && rows1 < 16;
                 if (tail1) {
                     /* rows m0..m0+15 full, the next chunk partial: two passes */
-                    c_block(tiles, x + m0 * sx, sx, wp, KB, nb0, nb1, 1, single, cbuf, m0 == mb);
+                    c_block(tiles, x + m0 * sx, sx, wp, KB, nb0, nb1, 1, 16, single, cbuf,
+                            m0 == mb);
                     emit(e, cbuf, single ? NULL : cbuf + 512, nb0, nb1, m0, 16);
-                    c_block(tiles, pad, K, wp, KB, nb0, nb1, 1, single, cbuf, 0);
+                    c_block(tiles, pad, K, wp, KB, nb0, nb1, 1, rows1, single, cbuf, 0);
                     emit(e, cbuf, single ? NULL : cbuf + 512, nb0, nb1, m0 + 16, rows1);
                     continue;
                 }
                 const uint16_t *xa = tail0 ? pad : x + m0 * sx;
-                c_block(tiles, xa, tail0 ? K : sx, wp, KB, nb0, nb1, one, single, cbuf, m0 == mb);
+                c_block(tiles, xa, tail0 ? K : sx, wp, KB, nb0, nb1, one,
+                        one ? rows0 : 16 + rows1, single, cbuf, m0 == mb);
                 emit(e, cbuf, single ? NULL : cbuf + 512, nb0, nb1, m0, rows0);
                 if (!one)
                     emit(e, cbuf + 256, single ? NULL : cbuf + 768, nb0, nb1, m0 + 16, rows1);
