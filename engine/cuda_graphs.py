@@ -247,7 +247,7 @@ class CudaGraphRunner:
         device: the model's CUDA device.
 
     Raises:
-        ValueError: no sizes, or a device that is not CUDA.
+        ValueError: no sizes.
     """
 
     def __init__(
@@ -256,8 +256,6 @@ class CudaGraphRunner:
     ) -> None:
         if not sizes:
             raise ValueError("sizes: no batch size to capture")
-        if device.type != "cuda":
-            raise ValueError(f"CUDA graphs need a CUDA device, got {device}")
         self.model = model
         self.sizes = tuple(sizes)
         self.device = device
@@ -272,7 +270,13 @@ class CudaGraphRunner:
         """Capture one graph per size over ``kv_caches`` (largest first, sharing one
         memory pool, as vLLM does). The graphs hold the caches' addresses: capture
         again after a new cache is allocated. Inputs are all padding, so the capture
-        writes nothing into the cache."""
+        writes nothing into the cache.
+
+        Raises:
+            ValueError: the device is not CUDA.
+        """
+        if self.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device, got {self.device}")
         self.graphs.clear()
         self.outputs.clear()
         pool = torch.cuda.graph_pool_handle()

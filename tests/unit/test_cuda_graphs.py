@@ -129,9 +129,11 @@ def test_decode_inputs_fill_rejects(args, match):
         inputs.fill(*args)
 
 
-def test_graph_runner_refuses_the_cpu():
+def test_graph_runner_refuses_to_capture_on_the_cpu():
+    runner = CudaGraphRunner(lambda *a: torch.empty(0), (1, 2), 4, 16, torch.device("cpu"))
     with pytest.raises(ValueError, match="CUDA device"):
-        CudaGraphRunner(lambda *a: torch.empty(0), (1, 2), 4, 16, torch.device("cpu"))
+        runner.capture([])
+    assert runner.run([1], [0], [[0]]) is None  # nothing captured: the caller runs eagerly
     with pytest.raises(ValueError, match="no batch size"):
         CudaGraphRunner(lambda *a: torch.empty(0), (), 4, 16, torch.device("cpu"))
 

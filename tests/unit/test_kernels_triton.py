@@ -196,3 +196,86 @@ def test_padded_decode_batch_writes_no_padding_slot_and_matches_unpadded():
     ref = paged_attention_ref(query[:2], key[:2], value[:2], *layer, unpadded, hd**-0.5)
     torch.testing.assert_close(out[:2], ref, rtol=1e-5, atol=1e-5)
     assert torch.isfinite(out[2:]).all()
+
+
+class _EagerGraph:
+    """Stands in for a captured ``torch.cuda.CUDAGraph`` on the CPU: each replay runs
+    the model over the runner's static buffers, the work a capture records."""
+
+    def __init__(self, runner, size: int, kv_caches) -> None:
+        from tandem.kernels.attention_backend import AttentionBackend
+
+        self.runner, self.size, self.kv_caches = runner, size, kv_caches
+        self.meta = runner.inputs.metadata(size, AttentionBackend.TRITON_PAGED)
+
+    def replay(self) -> None:
+        r = self.runner
+        ids = r.inputs.input_ids(self.size)
+        r.outputs[self.size] = r.model(ids, self.meta.positions, self.kv_caches, self.meta)
+
+
+@in_process
+@pytest.mark.skipif(NATIVE, reason="CPU stand-in for the graphs; on a GPU make gpu-check "
+                    "runs the real ones")
+def test_runner_replaying_padded_decode_steps_matches_eager(monkeypatch):
+    """The model runner's graph branch (engine/cuda_graphs.py) with a CPU stand-in for
+    the captured graphs, on the Triton kernels a graph replays: decode steps of 3, 2 and
+    1 requests (after an eager prefill step) padded to sizes 4, 2 and 1 give the eager runner's tokens, and the
+    padding rows leave every KV block the eager run did not write untouched."""
+    from tiny_models import as_loaded_model, tiny_config, tiny_hf_model
+
+    from tandem.engine.config import CacheConfig, EngineConfig, ModelConfig
+    from tandem.engine.cuda_graphs import CudaGraphRunner
+    from tandem.engine.model_runner import ModelRunner
+    from tandem.engine.request import Request
+    from tandem.engine.sampling_params import SamplingParams
+    from tandem.engine.sched_output import SchedulerOutput
+    from tandem.kernels import backend
+
+    class TritonEverywhere(backend.KernelBackends):
+        def for_tensor(self, t: torch.Tensor) -> backend.KernelBackend:
+            return backend.KernelBackend.TRITON
+
+    base = backend.current()
+    monkeypatch.setattr(backend, "_current", TritonEverywhere(base.config, base.platform))
+    hf = tiny_hf_model(tiny_config("LlamaForCausalLM", vocab=64, hidden=32, ffn=48, layers=1,
+                                   head_dim=16, max_len=64, special_tokens=False), std=0.2)
+    loaded = as_loaded_model(hf, "tiny", 64)
+    config = EngineConfig(model=ModelConfig(dtype="float32", max_model_len=64),
+                          cache=CacheConfig(block_size=4, num_blocks_override=24))
+
+    def run(with_graphs: bool):
+        runner = ModelRunner(config, loaded)
+        runner.initialize_kv_cache(24)
+        torch.manual_seed(0)
+        runner.kv_cache.normal_()  # the same stale bytes in both runs: a stray write shows
+        before = runner.kv_cache.clone()
+        if with_graphs:
+            graphs = CudaGraphRunner(runner.model, (1, 2, 4), 16, 4, torch.device("cpu"))
+            graphs.graphs = {s: _EagerGraph(graphs, s, runner.kv_caches) for s in (1, 2, 4)}
+            runner.cuda_graphs = graphs
+        reqs = [Request(f"r{i}", list(range(3 + i, 9 + 2 * i)),
+                        SamplingParams(temperature=0.0, max_tokens=2 + i)) for i in range(3)]
+        tables = {r.request_id: [23 - 6 * i - j for j in range(5)] for i, r in enumerate(reqs)}
+        while running := [r for r in reqs if r.num_output_tokens < r.sampling_params.max_tokens]:
+            sched = SchedulerOutput()
+            for r in running:
+                n = r.num_tokens - r.num_computed_tokens
+                sched.scheduled_requests.append(r)
+                sched.num_scheduled_tokens[r.request_id] = n
+                sched.block_tables[r.request_id] = tables[r.request_id]
+                sched.total_num_scheduled_tokens += n
+            out = runner.execute_model(sched)
+            for r in running:
+                r.num_computed_tokens += sched.num_scheduled_tokens[r.request_id]
+                r.append_output_token(out.sampled_token_ids[r.request_id])
+        replays = runner.cuda_graphs.num_replays if with_graphs else {}
+        return [r.output_token_ids for r in reqs], runner.kv_cache, before, replays
+
+    eager_tokens, eager_kv, before, _ = run(False)
+    graph_tokens, graph_kv, _, replays = run(True)
+    assert graph_tokens == eager_tokens
+    assert replays == {4: 1, 2: 1, 1: 1}
+    written = (eager_kv != before).any(dim=(1, 2, 3, 4, 5))  # the blocks the requests used
+    torch.testing.assert_close(graph_kv[~written], before[~written], rtol=0, atol=0)
+    torch.testing.assert_close(graph_kv[written], eager_kv[written], rtol=1e-5, atol=1e-5)
