@@ -19,11 +19,12 @@ Runs, each on its own (a failing check is recorded and the next one still runs):
 Writes one JSON report (``--out``) and exits 0 when every check passed, 1 when one
 failed, 2 (writing nothing) on a machine without CUDA.
 
-Pass rules: kernel tests pass; float32 greedy equals transformers for every prompt;
-bfloat16 agrees on every prompt's first token and on at least 3/4 of the prompts in
-full (another kernel order rounds bf16 differently, so later near-ties may flip);
-graphs vs eager in float32 differ in at most 1/10 of the prompts (padded batches
-change GEMM shapes, hence reduction orders); the staged blocks come back bit-equal.
+Pass rules: kernel tests pass; greedy tokens agree with transformers on every
+prompt's first token and in full on at least 9/10 of the prompts in float32, 3/4 in
+bfloat16 (another kernel order rounds differently, so a later near-tie may flip; bf16
+rounds far more), with at least one graph replay; graphs vs eager in float32 differ in
+at most 1/10 of the prompts (padded batches change GEMM shapes, hence reduction
+orders); the staged blocks come back bit-equal.
 """
 
 from __future__ import annotations
@@ -162,9 +163,8 @@ def check_greedy(out_dir: Path) -> dict[str, Any]:
         agree["graph_replays_by_size"] = replays
         if dtype == "float32":
             fp32_graphs = got
-            ok = agree["num_equal"] == len(prompts)
-        else:
-            ok = agree["first_token_equal"] and 4 * agree["num_equal"] >= 3 * len(prompts)
+        num, den = (9, 10) if dtype == "float32" else (3, 4)
+        ok = agree["first_token_equal"] and den * agree["num_equal"] >= num * len(prompts)
         agree["passed"] = ok and bool(replays)
         passed &= agree["passed"]
         result[dtype] = agree
