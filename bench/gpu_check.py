@@ -179,21 +179,29 @@ def check_greedy(out_dir: Path) -> dict[str, Any]:
 
 def check_kv_staging(out_dir: Path) -> dict[str, Any]:
     """A CUDA cache's blocks through pinned host staging and back into another cache."""
+    return staging_round_trip("cuda")
+
+
+def staging_round_trip(device: str) -> dict[str, Any]:
+    """Blocks of a cache on ``device`` through the KV store's host staging (planned as
+    for a sharded cache, so a CPU cache stages too) into another cache; ``passed``:
+    they arrive bit-equal and nothing else is written."""
     import torch
 
     from tandem.engine.kv_shards import ShardedKVCache
     from tandem.kvstore.transfer_path import plan_kv_transfer
 
-    src = torch.randn(64, 4, 2, 16, 2, 64, device="cuda", dtype=torch.bfloat16)
+    src = torch.randn(64, 4, 2, 16, 2, 64, device=device, dtype=torch.bfloat16)
     dst = torch.zeros_like(src)
-    plan = plan_kv_transfer({"cuda"}, True)
+    plan = plan_kv_transfer({torch.device(device).type}, False)
     ids = [3, 4, 5, 9, 40, 63]
     a, b = ShardedKVCache.from_tensor(src), ShardedKVCache.from_tensor(dst)
     buf = torch.empty((len(ids), *a.block_shape), dtype=src.dtype, pin_memory=plan.pinned)
     start = time.perf_counter()
     a.read_blocks(ids, buf)
     b.write_blocks(ids, buf)
-    torch.cuda.synchronize()
+    if src.is_cuda:
+        torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
     ok = bool(torch.equal(dst[ids], src[ids])) and int(dst.count_nonzero()) == int(
         src[ids].count_nonzero())
