@@ -19,12 +19,13 @@ Runs, each on its own (a failing check is recorded and the next one still runs):
 Writes one JSON report (``--out``) and exits 0 when every check passed, 1 when one
 failed, 2 (writing nothing) on a machine without CUDA.
 
-Pass rules: kernel tests pass; greedy tokens agree with transformers on every
-prompt's first token and in full on at least 9/10 of the prompts in float32, 3/4 in
-bfloat16 (another kernel order rounds differently, so a later near-tie may flip; bf16
-rounds far more), with at least one graph replay; graphs vs eager in float32 differ in
-at most 1/10 of the prompts (padded batches change GEMM shapes, hence reduction
-orders); the staged blocks come back bit-equal.
+Pass rules: kernel tests pass; greedy tokens equal transformers' for every prompt, or
+leave them only at a near-tie: where they first differ, transformers' top-2 logit gap
+(teacher-forced on the common prefix) is under ``TIE_GAP`` for the dtype and tandem
+took transformers' second choice (another kernel order rounds differently; bf16 rounds
+far more); at least one CUDA graph replayed; graphs vs eager in float32 differ in at
+most 1/10 of the prompts (padded batches change GEMM shapes, hence reduction orders);
+the staged blocks come back bit-equal.
 """
 
 from __future__ import annotations
@@ -48,7 +49,11 @@ KERNEL_TESTS = [
     "tests/unit/test_attention_backend.py",
     "tests/unit/test_kv_transfer_path.py",
 ]
+#: where the model checks run (a dry run of the script's own logic may point it elsewhere)
+DEVICE = "cuda"
 NUM_PROMPTS = 20
+#: logit gap under which two top candidates count as a near-tie, per dtype
+TIE_GAP = {"float32": 1e-3, "bfloat16": 0.5}
 #: a new request's output length: 8, 9, ... tokens, so the decode batch shrinks by one
 #: request per step at the end and several captured sizes (16, 8, 4, 2, 1) replay
 MIN_NEW_TOKENS = 8
@@ -116,7 +121,7 @@ def _tandem_greedy(dtype: str, prompts: list[list[int]], lens: list[int],
                    enforce_eager: bool) -> tuple[list[list[int]], dict[int, int]]:
     from tandem import LLM, SamplingParams
 
-    with LLM(device="cuda", dtype=dtype, max_model_len=1024, max_num_seqs=32,
+    with LLM(device=DEVICE, dtype=dtype, max_model_len=1024, max_num_seqs=32,
              enforce_eager=enforce_eager) as llm:
         params = [SamplingParams(temperature=0.0, max_tokens=n) for n in lens]
         outs = llm.generate(prompts, params, use_tqdm=False)
@@ -137,6 +142,28 @@ def _agreement(a: list[list[int]], b: list[list[int]]) -> dict[str, Any]:
             "common_prefix_tokens": [prefix(x, y) for x, y in zip(a, b, strict=True)]}
 
 
+def _divergences(hf: Any, prompts: list[list[int]], ref: list[list[int]],
+                 got: list[list[int]]) -> list[dict[str, Any]]:
+    """Where tandem's greedy tokens leave transformers', per prompt that differs: the
+    index, transformers' top-2 logit gap there (teacher-forced on the common prefix)
+    and whether tandem's token is transformers' second choice."""
+    import torch
+
+    found = []
+    for k, (prompt, a, b) in enumerate(zip(prompts, ref, got, strict=True)):
+        i = next((j for j, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
+        if i is None:
+            continue
+        ids = torch.tensor([prompt + a[:i]], device=hf.device)
+        with torch.inference_mode():
+            logits = hf(input_ids=ids).logits[0, -1].float()
+        top = logits.topk(2)
+        found.append({"prompt": k, "index": i,
+                      "top2_gap": float(top.values[0] - top.values[1]),
+                      "ours_is_second": int(top.indices[1]) == b[i]})
+    return found
+
+
 def check_greedy(out_dir: Path) -> dict[str, Any]:
     """tandem vs transformers greedy on the GPU in float32 and bfloat16; graphs vs eager."""
     import torch
@@ -148,24 +175,27 @@ def check_greedy(out_dir: Path) -> dict[str, Any]:
     prompts = _prompts(tok)
     lens = [MIN_NEW_TOKENS + i for i in range(len(prompts))]
     path = default_model_path()
-    result: dict[str, Any] = {"output_lens": lens, "prompt_lens": [len(p) for p in prompts]}
+    result: dict[str, Any] = {"output_lens": lens, "prompt_lens": [len(p) for p in prompts],
+                              "tie_gap": TIE_GAP}
     passed = True
     fp32_graphs: list[list[int]] = []
     for dtype in ("float32", "bfloat16"):
         hf = AutoModelForCausalLM.from_pretrained(
             os.path.dirname(path), gguf_file=os.path.basename(path),
-            dtype=getattr(torch, dtype)).eval().to("cuda")
+            dtype=getattr(torch, dtype)).eval().to(DEVICE)
         ref = [_hf_greedy(hf, p, n, tok.eos_token_id) for p, n in zip(prompts, lens, strict=True)]
-        del hf
-        torch.cuda.empty_cache()
         got, replays = _tandem_greedy(dtype, prompts, lens, enforce_eager=False)
         agree = _agreement(got, ref)
         agree["graph_replays_by_size"] = replays
+        agree["divergences"] = _divergences(hf, prompts, ref, got)
+        del hf
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()
         if dtype == "float32":
             fp32_graphs = got
-        num, den = (9, 10) if dtype == "float32" else (3, 4)
-        ok = agree["first_token_equal"] and den * agree["num_equal"] >= num * len(prompts)
-        agree["passed"] = ok and bool(replays)
+        near_ties = all(d["top2_gap"] < TIE_GAP[dtype] and d["ours_is_second"]
+                        for d in agree["divergences"])
+        agree["passed"] = near_ties and bool(replays)
         passed &= agree["passed"]
         result[dtype] = agree
     eager, _ = _tandem_greedy("float32", prompts, lens, enforce_eager=True)
@@ -179,7 +209,7 @@ def check_greedy(out_dir: Path) -> dict[str, Any]:
 
 def check_kv_staging(out_dir: Path) -> dict[str, Any]:
     """A CUDA cache's blocks through pinned host staging and back into another cache."""
-    return staging_round_trip("cuda")
+    return staging_round_trip(DEVICE)
 
 
 def staging_round_trip(device: str) -> dict[str, Any]:
@@ -216,7 +246,7 @@ def check_throughput(out_dir: Path) -> dict[str, Any]:
     script = Path(sys.executable).with_name("tandem")
     entry = [str(script)] if script.exists() else [sys.executable, "-m", "tandem.bench.main"]
     cmd = [*entry, *(["bench"] if script.exists() else []), "throughput", "--backend", "tandem",
-           "--backend", "hf", "--device", "cuda", "--dtype", "bfloat16",
+           "--backend", "hf", "--device", DEVICE, "--dtype", "bfloat16",
            "--hf-batch-size", "64", "--json", str(path)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800,
                           check=False)

@@ -30,3 +30,24 @@ def test_staging_round_trip_on_the_cpu():
     assert got["passed"]
     assert got["plan"]["path"] == "host_staging" and not got["plan"]["pinned"]
     assert got["num_blocks"] == 6
+
+
+def test_divergences_name_the_index_gap_and_second_choice():
+    """The greedy check's near-tie test (transformers teacher-forced on the common
+    prefix) on a tiny random model: a token stream that leaves transformers' at index 2
+    for its second choice is reported as such, with its top-2 gap."""
+    from tiny_models import tiny_config, tiny_hf_model
+
+    hf = tiny_hf_model(tiny_config("LlamaForCausalLM", vocab=50, hidden=32, ffn=48,
+                                   special_tokens=False), std=0.3)
+    prompt = [3, 14, 15, 9]
+    ref = gpu_check._hf_greedy(hf, prompt, 5, None)
+    with torch.inference_mode():
+        logits = hf(input_ids=torch.tensor([prompt + ref[:2]])).logits[0, -1]
+    second = int(logits.topk(2).indices[1])
+    got = ref[:2] + [second] + ref[3:]
+    assert gpu_check._divergences(hf, [prompt, prompt], [ref, ref], [ref, got]) == [
+        {"prompt": 1, "index": 2, "top2_gap": pytest.approx(float(logits.topk(2).values[0]
+                                                                    - logits.topk(2).values[1])),
+         "ours_is_second": True}
+    ]
