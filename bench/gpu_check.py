@@ -254,8 +254,11 @@ def check_throughput(out_dir: Path) -> dict[str, Any]:
     result: dict[str, Any] = {"passed": proc.returncode == 0, "command": " ".join(cmd)}
     if path.exists():
         doc = json.loads(path.read_text())
-        result["results"] = {k: {f: v[f] for f in ("elapsed_s", "num_output_tokens")
-                                 if f in v} for k, v in doc.get("results", {}).items()}
+        result["results"] = {
+            k: {"elapsed_s": v["elapsed_s"], "num_output_tokens": v["num_output_tokens"],
+                "output_tokens_per_s": v["num_output_tokens"] / v["elapsed_s"]}
+            for k, v in doc.get("results", {}).items()
+            if "elapsed_s" in v and "num_output_tokens" in v}
         result["ratios"] = doc.get("ratios")
     return result
 

@@ -209,9 +209,10 @@ class DecodeInputs:
             tables[n:padded_size, 0] = 0
 
     def upload(self, size: int) -> None:
-        """Copy the first ``size`` rows of the host copy to the device copy (blocking:
-        the next ``fill`` must not overwrite what is still in flight)."""
-        self.device_rows[:, :size].copy_(self.host[:, :size])
+        """Copy the host copy to the device copy: the per-row values whole (a few KiB,
+        one contiguous copy rather than six strided ones) and the first ``size`` block
+        table rows. Blocking: the next ``fill`` must not overwrite what is in flight."""
+        self.device_rows.copy_(self.host)
         self.device_tables[:size].copy_(self.host_tables[:size])
 
     def metadata(self, size: int, backend: AttentionBackend) -> AttentionMetadata:
