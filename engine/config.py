@@ -37,6 +37,10 @@ class ModelConfig:
             kernel at every batch size and every query token through the per-query
             decode attention kernel (docs/benchmarks.md has the throughput cost).
             CPU only.
+        enforce_eager: never replay CUDA graphs (vLLM's ``enforce_eager``): every step
+            runs eagerly. Without it, a CUDA engine captures graphs of decode-only
+            steps at start-up (``CompilationConfig``, ``engine/cuda_graphs.py``); the
+            CPU never captures, so there it changes nothing.
 
     Raises:
         ValueError: naming the field: an unknown ``dtype``, a bad ``device``,
@@ -49,6 +53,7 @@ class ModelConfig:
     max_model_len: int | None = None
     seed: int = 0
     deterministic: bool = False
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -59,8 +64,9 @@ class ModelConfig:
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
-        if not isinstance(self.deterministic, bool):
-            raise ValueError(f"deterministic must be a bool, got {self.deterministic!r}")
+        for name in ("deterministic", "enforce_eager"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.deterministic and self.device != "cpu":
             raise ValueError(
                 f"deterministic is only implemented on the CPU (device {self.device!r}): "
@@ -134,6 +140,80 @@ class SchedulerConfig:
                 "long_prefill_token_threshold must be >= 0 (0 = no cap), "
                 f"got {self.long_prefill_token_threshold}"
             )
+
+
+@dataclass(frozen=True)
+class CompilationConfig:
+    """Which decode batch sizes a CUDA engine captures as CUDA graphs (vLLM's
+    ``compilation_config`` fields of the same names; ``engine/cuda_graphs.py``).
+
+    Attributes:
+        cudagraph_capture_sizes: the batch sizes (requests of a decode-only step) to
+            capture, any order (kept sorted, without repeats); ``None``: vLLM's default
+            list (1, 2, 4, then multiples of 8 to 256, then of 16) up to
+            ``max_cudagraph_capture_size``. Sizes above ``max_num_seqs`` are dropped
+            at capture time (no decode step is that large).
+        max_cudagraph_capture_size: the largest size of the default list; ``None``:
+            ``min(2 * max_num_seqs, 512)`` as in vLLM. With explicit sizes it must be
+            at least their largest.
+
+    Raises:
+        ValueError: naming the field: a size that is not an integer >= 1, or
+            ``max_cudagraph_capture_size`` below 1 or below the largest explicit size.
+    """
+
+    cudagraph_capture_sizes: tuple[int, ...] | None = None
+    max_cudagraph_capture_size: int | None = None
+
+    def __post_init__(self) -> None:
+        sizes = self.cudagraph_capture_sizes
+        if sizes is not None:
+            for size in sizes:
+                if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+                    raise ValueError(
+                        f"cudagraph_capture_sizes must hold integers >= 1, got {size!r}"
+                    )
+            object.__setattr__(self, "cudagraph_capture_sizes", tuple(sorted(set(sizes))))
+        top = self.max_cudagraph_capture_size
+        if top is not None:
+            if isinstance(top, bool) or not isinstance(top, int) or top < 1:
+                raise ValueError(f"max_cudagraph_capture_size must be an integer >= 1, got {top!r}")
+            if sizes and top < max(sizes):
+                raise ValueError(
+                    f"max_cudagraph_capture_size {top} is below the largest of "
+                    f"cudagraph_capture_sizes ({max(sizes)})"
+                )
+
+    @classmethod
+    def from_dict(cls, value: object) -> CompilationConfig:
+        """Build from a mapping (``LLM(compilation_config={...})``); a
+        ``CompilationConfig`` passes through.
+
+        Raises:
+            ValueError: naming the field: not a mapping, an unknown key, or a bad value.
+        """
+        if isinstance(value, CompilationConfig):
+            return value
+        if not isinstance(value, dict):
+            raise ValueError(
+                f"compilation_config must be a mapping, got {type(value).__name__}"
+            )
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(
+                f"compilation_config: unknown field {unknown[0]!r} "
+                f"(known: {', '.join(sorted(known))})"
+            )
+        sizes = value.get("cudagraph_capture_sizes")
+        if sizes is not None and not isinstance(sizes, (list, tuple)):
+            raise ValueError(
+                f"cudagraph_capture_sizes must be a list of integers, got {sizes!r}"
+            )
+        return cls(
+            cudagraph_capture_sizes=None if sizes is None else tuple(sizes),
+            max_cudagraph_capture_size=value.get("max_cudagraph_capture_size"),
+        )
 
 
 ExecutorBackend = Literal["uni", "mp"]
@@ -383,6 +463,7 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
     speculative: SpeculativeConfig | None = None
+    compilation: CompilationConfig = field(default_factory=CompilationConfig)
 
     def __post_init__(self) -> None:
         if self.speculative is not None and self.parallel.world_size > 1:

@@ -16,6 +16,7 @@ from typing import Any, cast
 
 from tandem.engine.config import (
     CacheConfig,
+    CompilationConfig,
     EngineConfig,
     ModelConfig,
     ParallelConfig,
@@ -59,6 +60,10 @@ class LLM:
         distributed_executor_backend: "uni" or "mp"; ``None`` picks "mp" for more than
             one worker (see ``ParallelConfig``). Call ``shutdown()`` (or use the ``LLM``
             as a context manager) to stop worker processes before the interpreter exits.
+        enforce_eager: never replay CUDA graphs (``ModelConfig.enforce_eager``).
+        compilation_config: the CUDA graph capture sizes, a ``CompilationConfig`` or
+            its fields as a mapping (vLLM's ``cudagraph_capture_sizes``,
+            ``max_cudagraph_capture_size``); ``None``: the defaults. CUDA only.
 
     Raises:
         ValueError: naming the field, for a bad setting or an unknown model path.
@@ -86,6 +91,8 @@ class LLM:
         tensor_parallel_size: int = 1,
         pipeline_parallel_size: int = 1,
         distributed_executor_backend: str | None = None,
+        enforce_eager: bool = False,
+        compilation_config: dict[str, Any] | CompilationConfig | None = None,
     ) -> None:
         config = EngineConfig(
             model=ModelConfig(
@@ -95,6 +102,7 @@ class LLM:
                 max_model_len=max_model_len,
                 seed=seed,
                 deterministic=deterministic,
+                enforce_eager=enforce_eager,
             ),
             cache=CacheConfig(
                 block_size=block_size,
@@ -117,6 +125,10 @@ class LLM:
             speculative=(
                 None if speculative_config is None
                 else SpeculativeConfig.from_dict(speculative_config)
+            ),
+            compilation=(
+                CompilationConfig() if compilation_config is None
+                else CompilationConfig.from_dict(compilation_config)
             ),
         )
         self.llm_engine = LLMEngine(config, loaded=loaded)

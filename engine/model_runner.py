@@ -35,6 +35,7 @@ import torch
 
 from tandem.engine import distributed
 from tandem.engine.config import EngineConfig
+from tandem.engine.cuda_graphs import CudaGraphRunner, capture_sizes, graphs_unsupported_reason
 from tandem.engine.model_loader import LoadedModel, load_model
 from tandem.engine.models.llama import IntermediateTensors, head_dim_of
 from tandem.engine.request import Request
@@ -44,6 +45,11 @@ from tandem.engine.spec_decode.proposer import ProposeInput, Proposer, create_pr
 from tandem.engine.spec_decode.rejection_sampler import greedy_accept
 from tandem.engine.spec_decode.verify import draft_positions, verify
 from tandem.kernels.attention import AttentionMetadata, build_attention_metadata
+from tandem.kernels.attention_backend import (
+    AttentionBackend,
+    choose_attention_backend,
+    detect_attention_facts,
+)
 from tandem.kernels.cache import allocate_kv_cache, kv_cache_bytes_per_block
 from tandem.kernels.linear import batch_variant_layers, pack_linear_layers
 
@@ -194,6 +200,19 @@ class ModelRunner:
         self.sampler = Sampler(seed=config.model.seed)
         self.kv_cache: torch.Tensor | None = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.attention = choose_attention_backend(
+            self.device.type, self.dtype, self.head_dim, detect_attention_facts()
+        )
+        # NOTE: the CPU keeps its per-call choice (kernels/backend.py: native, else the
+        # torch reference); elsewhere every step's metadata names the chosen backend.
+        self._attention_backend: AttentionBackend | None = (
+            None if self.device.type == "cpu" else self.attention.backend
+        )
+        if self.device.type != "cpu":
+            logger.info("attention backend %s (%s; FlashAttention prefill: %s)",
+                        self.attention.backend.value, self.attention.reason,
+                        self.attention.prefill_flash)
+        self.cuda_graphs: CudaGraphRunner | None = None
         self.proposer: Proposer | None = None
         if config.speculative is not None:
             self.proposer = create_proposer(
@@ -320,6 +339,7 @@ class ModelRunner:
         kv, views = self._allocate_kv_cache(next_block)
         meta = build_attention_metadata(lens, [0] * len(lens), tables, self.block_size,
                                         self.device, self.batch_invariant)
+        meta.attention_backend = self._attention_backend
         ids = torch.zeros(meta.num_tokens, dtype=torch.int64, device=self.device)
         intermediate = None
         if not self.pp_group.is_first_rank:
@@ -351,10 +371,32 @@ class ModelRunner:
         this zero-filled file as the cache (see ``kernels.cache.allocate_kv_cache``)."""
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        self.cuda_graphs = None  # graphs hold the old cache's addresses
         self.kv_cache, self.kv_caches = self._allocate_kv_cache(num_blocks, shared_file)
         self.num_blocks = num_blocks
         if self.proposer is not None:
             self.proposer.initialize_kv_cache(num_blocks)
+        if self.device.type == "cuda":
+            self._capture_cuda_graphs()
+
+    def _capture_cuda_graphs(self) -> None:
+        """Capture the decode steps' CUDA graphs over the current cache (after the memory
+        profile, as vLLM does), unless the engine cannot use them (logged)."""
+        cfg = self.config
+        reason = graphs_unsupported_reason(
+            self.device.type, cfg.model.enforce_eager, self.attention.backend,
+            cfg.parallel.world_size, cfg.speculative is not None,
+        )
+        sizes = capture_sizes(cfg.compilation, cfg.scheduler.max_num_seqs)
+        if reason is None and not sizes:
+            reason = "no capture size at or below max_num_seqs"
+        if reason is not None:
+            logger.info("CUDA graphs off: %s", reason)
+            return
+        max_blocks = -(-self.max_model_len // self.block_size)
+        runner = CudaGraphRunner(self.model, sizes, max_blocks, self.block_size, self.device)
+        runner.capture(self.kv_caches)
+        self.cuda_graphs = runner
 
     def _allocate_kv_cache(
         self, num_blocks: int, shared_file: str | None = None
@@ -437,16 +479,24 @@ class ModelRunner:
                 else:
                     sample_rows.append(num_tokens - 1)
                     sample_reqs.append(req)
-        meta = build_attention_metadata(
-            query_lens, num_computed, tables, self.block_size, self.device, self.batch_invariant
-        )
-        ids = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
-        intermediate = None
-        if not self.pp_group.is_first_rank:
-            shape = (num_tokens, int(self.loaded.hf_config.hidden_size))
-            got = self.pp_group.recv({"hidden": shape, "residual": shape}, self.dtype, self.device)
-            intermediate = IntermediateTensors(got["hidden"], got["residual"])
-        hidden = self._forward(ids, meta, self.kv_caches, intermediate)
+        hidden: torch.Tensor | IntermediateTensors | None = None
+        if self.cuda_graphs is not None and num_tokens == len(reqs):
+            # decode-only (one token per request): a captured graph, if one holds it
+            hidden = self.cuda_graphs.run(input_ids, num_computed, tables)
+        if hidden is None:
+            meta = build_attention_metadata(
+                query_lens, num_computed, tables, self.block_size, self.device,
+                self.batch_invariant,
+            )
+            meta.attention_backend = self._attention_backend
+            ids = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
+            intermediate = None
+            if not self.pp_group.is_first_rank:
+                shape = (num_tokens, int(self.loaded.hf_config.hidden_size))
+                got = self.pp_group.recv({"hidden": shape, "residual": shape}, self.dtype,
+                                         self.device)
+                intermediate = IntermediateTensors(got["hidden"], got["residual"])
+            hidden = self._forward(ids, meta, self.kv_caches, intermediate)
         if isinstance(hidden, IntermediateTensors):
             self.pp_group.send({"hidden": hidden.hidden, "residual": hidden.residual})
             return out

@@ -43,6 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from tandem.kernels import backend, cpu_ext
+from tandem.kernels.attention_backend import AttentionBackend
 from tandem.kernels.attention_metadata import (
     AttentionMetadata,
     PrefillSeq,
@@ -430,6 +431,13 @@ paged_attention_triton = _paged_attention_with(
 )
 
 
+_IMPLEMENTATIONS: dict[AttentionBackend, Callable[..., torch.Tensor]] = {
+    AttentionBackend.CPU_NATIVE: paged_attention_cpu,
+    AttentionBackend.TRITON_PAGED: paged_attention_triton,
+    AttentionBackend.TORCH_SDPA: paged_attention_ref,
+}
+
+
 def paged_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -439,7 +447,9 @@ def paged_attention(
     scale: float,
     sliding_window: int | None = None,
 ) -> torch.Tensor:
-    """Checked paged attention (Triton on CUDA, the native kernel or the torch reference on CPU).
+    """Checked paged attention: ``meta.attention_backend``'s implementation when the
+    runner chose one, else by the tensors' kernel backend (Triton on CUDA, the native
+    kernel or the torch reference on CPU).
 
     Args:
         query: ``[num_tokens, num_heads, head_dim]``.
@@ -470,7 +480,10 @@ def paged_attention(
         raise ValueError(f"cache view {tuple(k_cache.shape)} does not fit key {tuple(key.shape)}")
     if not (query.dtype == key.dtype == k_cache.dtype == v_cache.dtype):
         raise ValueError("query, key and the cache must share a dtype")
-    if backend.current().for_tensor(query) is KernelBackend.TRITON:
+    chosen = meta.attention_backend
+    if chosen is not None:
+        impl = _IMPLEMENTATIONS[chosen]
+    elif backend.current().for_tensor(query) is KernelBackend.TRITON:
         impl = paged_attention_triton
     elif query.device.type == "cpu":
         # the torch backend on the CPU too: its decode groups fall back to SDPA

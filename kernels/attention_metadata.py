@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tandem.kernels.attention_backend import AttentionBackend
+
 
 @dataclass
 class PrefillSeq:
@@ -59,6 +61,9 @@ class AttentionMetadata:
         decode_block_tables: ``[num_decodes, max_blocks]`` int64, padded with 0.
         decode_seq_lens: ``[num_decodes]`` int64 context lengths (incl. the new token).
         prefills: the multi-token sequences.
+        attention_backend: the implementation the model runner chose for this model
+            (``kernels/attention_backend.py``); ``None``: each call picks by its
+            tensors' kernel backend (``kernels/backend.py``), as on the CPU.
     """
 
     num_tokens: int
@@ -72,6 +77,7 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor | None = None
     decode_seq_lens: torch.Tensor | None = None
     prefills: list[PrefillSeq] = field(default_factory=list)
+    attention_backend: AttentionBackend | None = None
     _masks: dict[tuple, torch.Tensor | None] = field(default_factory=dict, repr=False)
     _prefill_desc: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
 

@@ -23,6 +23,10 @@ from tandem.kernels import backend, cpu_ext
 from tandem.kernels.backend import KernelBackend
 from tandem.kernels.host_memory import empty_huge_page_tensor
 
+#: The slot of a padding row (a CUDA-graph batch padded to a captured size): its K/V
+#: are not written (vLLM's ``PAD_SLOT_ID``).
+PAD_SLOT_ID = -1
+
 
 def allocate_kv_cache(
     num_blocks: int,
@@ -105,10 +109,13 @@ def _cache_kernel() -> Any:
     ):
         t = tl.program_id(0)
         slot = tl.load(slot_ptr + t)
+        # A negative slot is a padding row of a CUDA-graph batch: nothing to write.
+        n_valid = tl.where(slot >= 0, N, 0)
+        slot = tl.maximum(slot, 0)
         b = slot // block_size
         o = slot % block_size
         offs = tl.arange(0, BLOCK)
-        mask = offs < N
+        mask = offs < n_valid
         k = tl.load(key_ptr + t * stride_kt + offs, mask=mask)
         v = tl.load(value_ptr + t * stride_vt + offs, mask=mask)
         tl.store(k_cache_ptr + b * stride_kb + o * stride_ko + offs, k, mask=mask)
@@ -129,7 +136,9 @@ def reshape_and_cache_triton(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Triton version of ``reshape_and_cache_ref`` (takes the slots directly)."""
+    """Triton version of ``reshape_and_cache_ref`` (takes the slots directly); a
+    negative slot (``PAD_SLOT_ID``, a CUDA-graph batch's padding row) writes nothing,
+    as vLLM's kernel does."""
     import triton
 
     if not _heads_contiguous(key):
@@ -170,7 +179,9 @@ def reshape_and_cache(
         key, value: new tokens' K/V, the cache's dtype.
         kv_cache_layer_views: ``(k_cache, v_cache)`` of one layer, each
             ``[num_blocks, block_size, num_kv_heads, head_dim]``.
-        slot_mapping: ``[num_tokens]`` int64, ``block_id * block_size + offset``.
+        slot_mapping: ``[num_tokens]`` int64, ``block_id * block_size + offset``;
+            ``PAD_SLOT_ID`` (-1) rows are skipped by the Triton kernel only (padding
+            exists only in CUDA-graph batches, which run it).
         block_idx_offset: optional precomputed ``(slot // block_size,
             slot % block_size)`` (the model runner computes it once per step
             instead of once per layer).

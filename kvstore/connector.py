@@ -96,6 +96,7 @@ from tandem.engine.sched_output import SchedulerOutput
 from tandem.kvstore.arrival import ArrivalSignal, ArrivalWaiter
 from tandem.kvstore.config import StoreConnectorConfig
 from tandem.kvstore.index import publish_marker_key
+from tandem.kvstore.transfer_path import KVTransferPath, KVTransferPlan, plan_kv_transfer
 
 logger = logging.getLogger(__name__)
 
@@ -277,6 +278,7 @@ class _Transfers:
         self.kv_cache: torch.Tensor | None = None
         self.sharded: ShardedKVCache | None = None
         self.block_size = 0
+        self.plan = KVTransferPlan(KVTransferPath.IN_PLACE, False, "no cache attached yet")
         self._staging = threading.local()
         self.listener: TransferListener | None = None
         self.lookups: _Lookups | None = None  # set by the scheduler side, closed here
@@ -358,17 +360,18 @@ class _Transfers:
                 self._load(job)
 
     def attach(self, kv_cache: torch.Tensor | ShardedKVCache) -> None:
-        """Serve ``kv_cache``: a contiguous CPU tensor in place, anything else staged."""
-        if isinstance(kv_cache, ShardedKVCache):
-            whole = kv_cache.shards[0].tensor
-            if kv_cache.is_single and whole.device.type == "cpu" and whole.is_contiguous():
-                kv_cache = whole
-        if isinstance(kv_cache, torch.Tensor) and kv_cache.device.type == "cpu":
-            self.kv_cache, self.sharded = kv_cache, None
-            self.block_size = int(kv_cache.shape[3])
+        """Serve ``kv_cache`` as ``plan_kv_transfer`` says: a contiguous CPU tensor in
+        place, anything else (a GPU cache, several ranks' shards) staged."""
+        sharded = (kv_cache if isinstance(kv_cache, ShardedKVCache)
+                   else ShardedKVCache.from_tensor(kv_cache))
+        whole = sharded.shards[0].tensor
+        self.plan = plan_kv_transfer({s.tensor.device.type for s in sharded.shards},
+                                     sharded.is_single and whole.is_contiguous())
+        if self.plan.path is KVTransferPath.IN_PLACE:
+            self.kv_cache, self.sharded = whole, None
+            self.block_size = int(whole.shape[3])
         else:
-            sharded = (kv_cache if isinstance(kv_cache, ShardedKVCache)
-                       else ShardedKVCache.from_tensor(kv_cache))
+            logger.info("KV store transfers through host staging: %s", self.plan.reason)
             self.kv_cache, self.sharded = None, sharded
             self.block_size = sharded.block_shape[2]
 
@@ -378,9 +381,7 @@ class _Transfers:
         numel = num_blocks * cache.block_bytes // cache.dtype.itemsize
         buf: torch.Tensor | None = getattr(self._staging, "buf", None)
         if buf is None or buf.numel() < numel or buf.dtype != cache.dtype:
-            # pinned host memory: faster copies to and from a GPU shard
-            pin = any(s.tensor.device.type == "cuda" for s in cache.shards)
-            buf = torch.empty(numel, dtype=cache.dtype, pin_memory=pin)
+            buf = torch.empty(numel, dtype=cache.dtype, pin_memory=self.plan.pinned)
             self._staging.buf = buf
         return buf[:numel].view(num_blocks, *cache.block_shape)
 

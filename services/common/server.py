@@ -32,6 +32,7 @@ from grpc_reflection.v1alpha import reflection
 from tandem.contracts.role import ROLES, Role
 from tandem.engine.config import (
     CacheConfig,
+    CompilationConfig,
     EngineConfig,
     KVTransferConfig,
     ModelConfig,
@@ -126,6 +127,14 @@ def build_parser(prog: str, role: Role | None) -> argparse.ArgumentParser:
                    help="batch-invariant kernels: a greedy request gives the same tokens "
                         "whatever it is batched with, cached or chunked (vLLM's "
                         "VLLM_BATCH_INVARIANT; CPU only, costs prefill throughput)")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="CUDA: never replay CUDA graphs, run every step eagerly (vLLM's flag)")
+    p.add_argument("--cuda-graph-sizes", type=int, nargs="+", default=None, metavar="N",
+                   help="CUDA: decode batch sizes to capture as CUDA graphs (default: "
+                        "1, 2, 4, 8, 16, 24, ... up to --max-cudagraph-capture-size)")
+    p.add_argument("--max-cudagraph-capture-size", type=int, default=None, metavar="N",
+                   help="CUDA: largest default capture size (default: min(2 x "
+                        "--max-num-seqs, 512))")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="worker processes that split each layer (heads, MLP columns, "
                         "vocabulary) and all-reduce (gloo on CPU, NCCL on CUDA)")
@@ -160,7 +169,7 @@ def build_engine_config(ns: argparse.Namespace, role: Role | str) -> EngineConfi
     return EngineConfig(
         model=ModelConfig(model=ns.model, dtype=ns.dtype, device=ns.device,
                           max_model_len=ns.max_model_len, seed=ns.seed,
-                          deterministic=ns.deterministic),
+                          deterministic=ns.deterministic, enforce_eager=ns.enforce_eager),
         cache=CacheConfig(block_size=ns.block_size, kv_cache_memory_bytes=ns.kv_cache_memory,
                           num_blocks_override=ns.num_kv_blocks),
         scheduler=SchedulerConfig(max_num_batched_tokens=ns.max_num_batched_tokens,
@@ -173,6 +182,11 @@ def build_engine_config(ns: argparse.Namespace, role: Role | str) -> EngineConfi
         speculative=(
             None if ns.speculative_config is None
             else SpeculativeConfig.from_json(ns.speculative_config)
+        ),
+        compilation=CompilationConfig(
+            cudagraph_capture_sizes=(None if ns.cuda_graph_sizes is None
+                                     else tuple(ns.cuda_graph_sizes)),
+            max_cudagraph_capture_size=ns.max_cudagraph_capture_size,
         ),
     )
 

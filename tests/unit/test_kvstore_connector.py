@@ -335,3 +335,21 @@ def test_the_load_wait_flag() -> None:
     assert isinstance(config, StoreConnectorConfig) and config.kv_load_wait_s == 5.0
     with pytest.raises(ValueError, match="kv_load_wait_s"):
         StoreConnectorConfig(redis_url="redis://x", kv_load_wait_s=-1)
+
+
+def test_the_cache_kind_picks_the_transfer_path(store: DictBlockStore) -> None:
+    """One CPU tensor moves in place, TP shards through (pageable) host staging: the
+    plan of kvstore/transfer_path.py is what the transfer threads follow."""
+    from tandem.kvstore.transfer_path import KVTransferPath
+
+    _, worker, kv = make_sides("kv_consumer")
+    transfers = worker._transfers  # type: ignore[attr-defined]
+    try:
+        assert transfers.plan.path is KVTransferPath.IN_PLACE
+        assert transfers.kv_cache is kv and transfers.sharded is None
+        worker.register_kv_caches(split(torch.zeros_like(kv), 2, 1))
+        assert (transfers.plan.path, transfers.plan.pinned) == (KVTransferPath.HOST_STAGING,
+                                                                False)
+        assert transfers.kv_cache is None and transfers.sharded is not None
+    finally:
+        worker.shutdown()
