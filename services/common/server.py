@@ -112,6 +112,10 @@ def build_parser(prog: str, role: Role | None) -> argparse.ArgumentParser:
                    help="decode: how long a load waits for blocks the prefill is still "
                         "publishing (it answers before its publish ends) before it "
                         "recomputes them (default 5; 0: recompute at once)")
+    p.add_argument("--kvstore-timeout-s", type=float, default=10.0, metavar="S",
+                   help="deadline of one KV store node request (put or get); a node that "
+                        "stops answering costs this long before the blocks count as a miss "
+                        "(default 10)")
     p.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics HTTP port")
     p.add_argument("--max-waiting", type=int, default=1024,
                    help="queued requests beyond which new ones get RESOURCE_EXHAUSTED")
@@ -164,7 +168,8 @@ def build_engine_config(ns: argparse.Namespace, role: Role | str) -> EngineConfi
                                      client_options=ClientOptions.from_environ(os.environ),
                                      load_from_store=ns.kv_load_from_store,
                                      publish_output=ns.kv_publish_output,
-                                     kv_load_wait_s=ns.kv_load_wait_s)
+                                     kv_load_wait_s=ns.kv_load_wait_s,
+                                     kvstore_timeout_s=ns.kvstore_timeout_s)
         kv = KVTransferConfig(kv_connector="store", kv_role=_KV_ROLE[role], connector_config=store)
     return EngineConfig(
         model=ModelConfig(model=ns.model, dtype=ns.dtype, device=ns.device,

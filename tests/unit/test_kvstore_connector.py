@@ -323,16 +323,22 @@ def test_a_cache_of_another_layout_is_rejected(store: DictBlockStore) -> None:
         worker.shutdown()
 
 
-def test_the_load_wait_flag() -> None:
+def test_the_load_wait_and_store_timeout_flags() -> None:
     from tandem.services.common.server import build_engine_config, build_parser
 
     parser = build_parser("tandem decode", "decode")
-    ns = parser.parse_args(["--redis-url", "redis://h:6379", "--kv-load-wait-s", "0.5"])
+    ns = parser.parse_args(["--redis-url", "redis://h:6379", "--kv-load-wait-s", "0.5",
+                            "--kvstore-timeout-s", "1.5"])
     config = build_engine_config(ns, "decode").kv_transfer.connector_config
     assert isinstance(config, StoreConnectorConfig) and config.kv_load_wait_s == 0.5
+    assert config.kvstore_timeout_s == 1.5
     ns = parser.parse_args(["--redis-url", "redis://h:6379"])
     config = build_engine_config(ns, "decode").kv_transfer.connector_config
     assert isinstance(config, StoreConnectorConfig) and config.kv_load_wait_s == 5.0
+    assert config.kvstore_timeout_s == 10.0
+    with pytest.raises(ValueError, match="kvstore_timeout_s"):
+        build_engine_config(parser.parse_args(["--redis-url", "redis://h:6379",
+                                               "--kvstore-timeout-s", "0"]), "decode")
     with pytest.raises(ValueError, match="kv_load_wait_s"):
         StoreConnectorConfig(redis_url="redis://x", kv_load_wait_s=-1)
 
