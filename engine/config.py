@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field, fields
-from typing import Literal
+from typing import Any, Literal
 
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 
@@ -142,6 +142,25 @@ class SchedulerConfig:
             )
 
 
+
+def _known_fields(cls: type, name: str, value: object, kind: str) -> dict[str, Any]:
+    """``value`` as a dict whose keys are all fields of the dataclass ``cls``.
+
+    Raises:
+        ValueError: naming ``name``: ``value`` is not a dict (``kind`` says what it
+            must be), or has a key that is not a field (the known ones listed).
+    """
+    if not isinstance(value, dict):
+        raise ValueError(f"{name} must be {kind}, got {type(value).__name__}")
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(value) - known)
+    if unknown:
+        raise ValueError(
+            f"{name}: unknown field {unknown[0]!r} (known: {', '.join(sorted(known))})"
+        )
+    return value
+
+
 @dataclass(frozen=True)
 class CompilationConfig:
     """Which decode batch sizes a CUDA engine captures as CUDA graphs (vLLM's
@@ -194,17 +213,7 @@ class CompilationConfig:
         """
         if isinstance(value, CompilationConfig):
             return value
-        if not isinstance(value, dict):
-            raise ValueError(
-                f"compilation_config must be a mapping, got {type(value).__name__}"
-            )
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ValueError(
-                f"compilation_config: unknown field {unknown[0]!r} "
-                f"(known: {', '.join(sorted(known))})"
-            )
+        value = _known_fields(cls, "compilation_config", value, "a mapping")
         sizes = value.get("cudagraph_capture_sizes")
         if sizes is not None and not isinstance(sizes, (list, tuple)):
             raise ValueError(
@@ -418,18 +427,7 @@ class SpeculativeConfig:
         """
         if isinstance(value, SpeculativeConfig):
             return value
-        if not isinstance(value, dict):
-            raise ValueError(
-                f"speculative_config must be a JSON object, got {type(value).__name__}"
-            )
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ValueError(
-                f"speculative_config: unknown field {unknown[0]!r} "
-                f"(known: {', '.join(sorted(known))})"
-            )
-        return cls(**value)
+        return cls(**_known_fields(cls, "speculative_config", value, "a JSON object"))
 
     @classmethod
     def from_json(cls, text: str) -> SpeculativeConfig:
