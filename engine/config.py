@@ -142,7 +142,6 @@ class SchedulerConfig:
             )
 
 
-
 def _known_fields(cls: type, name: str, value: object, kind: str) -> dict[str, Any]:
     """``value`` as a dict whose keys are all fields of the dataclass ``cls``.
 
