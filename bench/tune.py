@@ -142,6 +142,27 @@ def point_from_metrics(rate: float, m: dict[str, Any], slo: Slo) -> RatePoint:
                      failed=m["failed"], duration_s=m["duration"])
 
 
+def sample(w: Workload, n: int, vocab_size: int, seed: int) -> list[tuple[list[int], int]]:
+    """``n`` prompts of the workload (``tandem bench serve``'s ``sample_prompts``)."""
+    from tandem.bench.serve import sample_prompts
+
+    mix = list(w.input_len_mix) if w.input_len_mix else None
+    return sample_prompts(n, w.input_len, w.output_len, w.range_ratio, vocab_size, seed, mix)
+
+
+def run_prompts(w: Workload, vocab_size: int, rate: float) -> list[tuple[list[int], int]]:
+    """The prompts of a run at ``rate``: the same input and output lengths at every rate
+    (so runs differ only in their arrivals), other token ids at each rate (so no run hits
+    the prefix cache of an earlier one on the same stack)."""
+    from tandem.bench.serve import sample_prompts
+
+    shape = sample(w, w.num_prompts, vocab_size, w.seed)
+    longest = max(len(ids) for ids, _ in shape)
+    ids = sample_prompts(len(shape), longest, 1, 0.0, vocab_size,
+                         w.seed + 1 + round(rate * 1000))
+    return [(fresh[:len(p)], out) for (p, out), (fresh, _) in zip(shape, ids, strict=True)]
+
+
 class StackEvaluator:
     """Measures candidates on real stacks: ``open(candidate)`` starts it as `tandem up`
     would (``up_args``), yields a function that runs the workload at a rate with
@@ -156,14 +177,6 @@ class StackEvaluator:
         self.log_dir = log_dir
         self.vocab_size = len(load_tokenizer(model))
         self._count = 0
-
-    def _sample(self, n: int, seed: int) -> list[tuple[list[int], int]]:
-        from tandem.bench.serve import sample_prompts
-
-        w = self.workload
-        mix = list(w.input_len_mix) if w.input_len_mix else None
-        return sample_prompts(n, w.input_len, w.output_len, w.range_ratio, self.vocab_size,
-                              seed, mix)
 
     @contextmanager
     def open(self, c: Candidate) -> Iterator[Measure]:
@@ -182,13 +195,12 @@ class StackEvaluator:
             served = httpx.get(f"{base}/v1/models", timeout=30).json()["data"][0]["id"]
             url = f"{base}/v1/completions"
             # A few requests first: the first steps of a fresh engine are not its pace.
-            asyncio.run(run_rate(url, served, self._sample(4, w.seed - 1), float("inf"),
+            asyncio.run(run_rate(url, served, sample(w, 4, self.vocab_size, w.seed - 1), float("inf"),
                                  1.0, None, True, w.seed))
 
             def measure(rate: float) -> RatePoint:
-                # NOTE: prompts are seeded by the rate: the same rate gets the same prompts
-                # on every candidate, and a stack never sees a prompt twice (no cache hit).
-                prompts = self._sample(w.num_prompts, w.seed + round(rate * 1000))
+                # NOTE: same arrival seed at every rate: the gaps only scale with the rate.
+                prompts = run_prompts(w, self.vocab_size, rate)
                 results, duration = asyncio.run(run_rate(
                     url, served, prompts, rate, w.burstiness, None, True, w.seed))
                 m = compute_metrics(results, duration, [50.0, slo.percentile],

@@ -208,6 +208,15 @@ def test_input_len_mix_errors_name_the_flag(text: str) -> None:
         tune.parse_input_len_mix(text)
 
 
+def test_runs_at_two_rates_differ_in_ids_not_lengths() -> None:
+    w = tune.Workload(num_prompts=16, input_len=8, output_len=4,
+                      input_len_mix=((32, 0.5), (256, 0.5)))
+    a, b = tune.run_prompts(w, 5000, 1.0), tune.run_prompts(w, 5000, 2.0)
+    assert [(len(p), o) for p, o in a] == [(len(p), o) for p, o in b]
+    assert {len(p) for p, _ in a} == {32, 256}
+    assert all(pa[:16] != pb[:16] for (pa, _), (pb, _) in zip(a, b, strict=True))
+
+
 def test_engine_arg_may_not_set_a_searched_knob() -> None:
     with pytest.raises(ValueError, match="--engine-arg --max-num-seqs=4"):
         tune.check_engine_args(["--dtype=bfloat16", "--max-num-seqs=4"])
