@@ -235,6 +235,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--start-rate", type=float, default=1.0,
                    help="first request rate tried (req/s); later candidates start at the "
                         "best rate found")
+    p.add_argument("--min-rate", type=float, default=0.25,
+                   help="lowest request rate tried (req/s): a run takes about "
+                        "--num-prompts / rate seconds")
     p.add_argument("--rate-factor", type=float, default=2.0,
                    help="rate step while the SLO holds (or breaks)")
     p.add_argument("--bisect-steps", type=int, default=2,
@@ -257,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
                             parse_input_len_mix(args.input_len_mix) if args.input_len_mix
                             else None, args.burstiness, args.seed)
         policy = RatePolicy(start=args.start_rate, factor=args.rate_factor,
-                            bisect_steps=args.bisect_steps)
+                            bisect_steps=args.bisect_steps, min_rate=args.min_rate)
         if not 1 <= args.cpus <= (os.cpu_count() or 1):
             raise ValueError(f"--cpus must be in [1, {os.cpu_count()}], got {args.cpus}")
         check_engine_args(args.engine_arg)

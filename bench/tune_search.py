@@ -367,7 +367,7 @@ class RatePolicy:
 
     def __post_init__(self) -> None:
         if not 0 < self.min_rate <= self.start <= self.max_rate:
-            raise ValueError("--start-rate must be within [min_rate, max_rate] "
+            raise ValueError("--start-rate must be within [--min-rate, max_rate] "
                              f"([{self.min_rate:g}, {self.max_rate:g}]), got {self.start:g}")
         if not self.factor > 1:
             raise ValueError(f"--rate-factor must be > 1, got {self.factor:g}")
