@@ -183,6 +183,7 @@ def plot(result: SearchResult, path: str) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import ScalarFormatter
 
     slo = result.slo
     fig, axes = plt.subplots(1, 3, figsize=(18, 5))
@@ -211,6 +212,8 @@ def plot(result: SearchResult, path: str) -> None:
     axes[0].set_title("goodput (req/s meeting the SLO)")
     for ax in axes:
         ax.set_xscale("log")
+        ax.xaxis.set_major_formatter(ScalarFormatter())
+        ax.xaxis.set_minor_formatter(ScalarFormatter())
         ax.set_xlabel("request rate (req/s)")
         ax.grid(True, alpha=0.3)
     axes[0].legend(fontsize=7)
