@@ -208,6 +208,22 @@ def test_input_len_mix_errors_name_the_flag(text: str) -> None:
         tune.parse_input_len_mix(text)
 
 
+def test_point_from_serve_metrics_counts_failed_requests_as_not_good() -> None:
+    from tandem.bench.serve import RequestResult, compute_metrics
+
+    def req(ttft_s: float, ok: bool = True) -> RequestResult:
+        return RequestResult(prompt_len=8, success=ok, output_tokens=11, ttft=ttft_s,
+                             latency=ttft_s + 0.5)  # TPOT 50 ms
+
+    results = [req(0.2), req(0.4), req(1.5), req(0.0, ok=False)]
+    m = compute_metrics(results, 2.0, [50.0, SLO.percentile], SLO.bounds_ms())
+    p = tune.point_from_metrics(1.5, m, SLO)
+    assert p.goodput == pytest.approx(1.0)  # 2 good requests in 2 s
+    assert p.attainment == pytest.approx(0.5)  # of the 4 sent
+    assert p.failed == 1 and not p.meets(SLO)
+    assert p.tpot_ms == pytest.approx(50.0)
+
+
 def test_runs_at_two_rates_differ_in_ids_not_lengths() -> None:
     w = tune.Workload(num_prompts=16, input_len=8, output_len=4,
                       input_len_mix=((32, 0.5), (256, 0.5)))
