@@ -382,8 +382,8 @@ OpenCandidate = Callable[[Candidate], AbstractContextManager[Measure]]
 
 
 def rate_search(measure: Measure, slo: Slo, policy: RatePolicy, start: float,
-                charge: Callable[[], None], points: list[RatePoint], floor: float = 0.0
-                ) -> None:
+                charge: Callable[[], None], points: list[RatePoint], floor: float = 0.0,
+                target: float = 0.0) -> None:
     """Find the highest rate meeting ``slo``: step by ``policy.factor`` from ``start``
     until the SLO flips, then bisect. Appends each run to ``points``.
 
@@ -391,6 +391,8 @@ def rate_search(measure: Measure, slo: Slo, policy: RatePolicy, start: float,
     less than ``policy.plateau_gain`` above the last one (the stack is saturated; a higher
     offered rate only queues more). Stepping down stops below ``floor`` (req/s): a
     candidate that cannot meet the SLO there cannot win, so its exact rate is not needed.
+    Nor is the bisection when the SLO broke at a rate at or below ``target`` (the best
+    goodput so far, req/s): a run's goodput is about its offered rate at most.
     ``charge()`` runs before each run (it raises :class:`OutOfBudget` to stop).
     """
     def run(rate: float) -> RatePoint:
@@ -423,7 +425,7 @@ def rate_search(measure: Measure, slo: Slo, policy: RatePolicy, start: float,
                 lo = rate
             else:
                 hi = rate
-    if lo is None or hi is None:
+    if lo is None or hi is None or hi <= target:
         return
     for _ in range(policy.bisect_steps):
         mid = math.sqrt(lo * hi)
@@ -471,7 +473,8 @@ def search(space: Space, open_candidate: OpenCandidate, slo: Slo, policy: RatePo
     score beats the current one by more than ``min_gain`` (a fraction). A candidate is
     started only when the mean wall time of those before fits in the budget; the rate
     search stops when its runs' mean no longer fits; a candidate's rates go no lower
-    than the best score so far over ``policy.factor`` squared. Measured candidates are
+    than the best score so far over ``policy.factor`` squared, and it is bisected only
+    where it could beat that score (``rate_search``'s ``target``). Measured candidates are
     never measured again. Ctrl-C (KeyboardInterrupt) ends the search like the budget.
     """
     results: dict[Candidate, CandidateResult] = {}
@@ -511,10 +514,10 @@ def search(space: Space, open_candidate: OpenCandidate, slo: Slo, policy: RatePo
             return run
 
         try:
-            floor = max((r.score(slo) for r in order), default=0.0) / policy.factor ** 2
+            target = max((r.score(slo) for r in order), default=0.0)
             with open_candidate(c) as measure:
                 rate_search(timed(measure), slo, policy, best_rate[0], charge_run, points,
-                            floor)
+                            target / policy.factor ** 2, target)
         except OutOfBudget:
             res.complete = False
             raise

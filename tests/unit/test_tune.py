@@ -75,7 +75,7 @@ def _run_rates(capacity: float, start: float, floor: float = 0.0,
                policy: RatePolicy | None = None) -> list[RatePoint]:
     points: list[RatePoint] = []
     rate_search(lambda r: model_point(r, capacity), SLO, policy or RatePolicy(), start,
-                lambda: None, points, floor)
+                lambda: None, points, floor, target=0.0)
     return points
 
 
@@ -100,6 +100,13 @@ def test_rate_search_goes_no_lower_than_the_floor() -> None:
     points = _run_rates(capacity=0.3, start=4.0, floor=1.0)
     assert [p.rate for p in points] == [4.0, 2.0, 1.0]
     assert CandidateResult(default_candidate(), points).score(SLO) == 0.0
+
+
+def test_rate_search_bisects_only_where_it_could_beat_the_target() -> None:
+    points: list[RatePoint] = []
+    rate_search(lambda r: model_point(r, 0.6), SLO, RatePolicy(), 2.0, lambda: None, points,
+                floor=0.3, target=1.5)
+    assert [p.rate for p in points] == [2.0, 1.0, 0.5]  # broke at 1.0 <= 1.5: no bisection
 
 
 def test_rate_search_stops_climbing_at_a_plateau() -> None:
