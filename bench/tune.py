@@ -1,7 +1,8 @@
 """`tandem tune`: find the configuration with the highest goodput that meets an SLO.
 
 Given a model, a workload (``tandem bench serve``'s random prompts: ``--random-input-len``
-or ``--input-len-mix``, ``--random-output-len``), an SLO (``--slo ttft=MS,tpot=MS``,
+or ``--input-len-mix``, ``--random-output-len``; or the lengths of a recorded run,
+``--trace``), an SLO (``--slo ttft=MS,tpot=MS``,
 ``--slo-percentile``) and the CPUs (``--cpus``), it starts a stack (`tandem up`) per
 candidate configuration -- a split of the CPUs between colocated replicas or prefill and
 decode engines, ``max_num_batched_tokens``, ``max_num_seqs`` and the chunked-prefill size
@@ -63,6 +64,8 @@ class Workload:
             drawn per request instead of ``input_len``).
         range_ratio: lengths uniform in ``[len * (1 - r), len * (1 + r)]``.
         burstiness: gamma shape of the arrivals (1: Poisson).
+        trace: recorded (input length, output length) pairs, replayed in order (cycled
+            up to ``num_prompts``) instead of the random lengths.
     """
 
     num_prompts: int
@@ -72,6 +75,7 @@ class Workload:
     input_len_mix: tuple[tuple[int, float], ...] | None = None
     burstiness: float = 1.0
     seed: int = 0
+    trace: tuple[tuple[int, int], ...] | None = None
 
     def __post_init__(self) -> None:
         if self.num_prompts < 1:
@@ -82,6 +86,8 @@ class Workload:
             raise ValueError(f"--random-range-ratio must be in [0, 1), got {self.range_ratio}")
         if not self.burstiness > 0:
             raise ValueError(f"--burstiness must be > 0, got {self.burstiness}")
+        if self.trace is not None and self.input_len_mix is not None:
+            raise ValueError("--trace: the trace gives the lengths; drop --input-len-mix")
 
 
 def parse_slo(text: str, percentile: float) -> Slo:
@@ -120,6 +126,40 @@ def parse_input_len_mix(text: str) -> tuple[tuple[int, float], ...]:
     return tuple(out)
 
 
+def load_trace(path: str) -> tuple[tuple[int, int], ...]:
+    """(input length, output length) of each completed request of a recorded run:
+    ``tandem bench serve --json`` output (one result or a list of them, their
+    ``input_lens`` / ``output_lens``), or JSON lines with ``input_len`` / ``output_len``.
+
+    Raises:
+        ValueError: naming ``--trace`` when the file is missing, malformed or empty.
+    """
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise ValueError(f"--trace {path}: {exc.strerror}") from exc
+    pairs: list[tuple[int, int]] = []
+    try:
+        try:
+            data = json.loads(text)
+            runs = data if isinstance(data, list) else [data]
+            for run in runs:
+                pairs += zip(run["input_lens"], run["output_lens"], strict=True)
+        except json.JSONDecodeError:
+            for line in text.splitlines():
+                if line.strip():
+                    row = json.loads(line)
+                    pairs.append((row["input_len"], row["output_len"]))
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"--trace {path}: not a `tandem bench serve --json` result nor "
+                         f"JSON lines of input_len/output_len ({exc!r})") from exc
+    # NOTE: a failed request recorded no output; it says nothing about the load.
+    out = tuple((int(i), int(o)) for i, o in pairs if int(i) >= 1 and int(o) >= 1)
+    if not out:
+        raise ValueError(f"--trace {path}: no request with input and output lengths >= 1")
+    return out
+
+
 def check_engine_args(engine_args: list[str]) -> None:
     """Raises ValueError when an ``--engine-arg`` sets a knob the tuner searches."""
     for a in engine_args:
@@ -146,6 +186,10 @@ def sample(w: Workload, n: int, vocab_size: int, seed: int) -> list[tuple[list[i
     """``n`` prompts of the workload (``tandem bench serve``'s ``sample_prompts``)."""
     from tandem.bench.serve import sample_prompts
 
+    if w.trace is not None:
+        lengths = [w.trace[i % len(w.trace)] for i in range(n)]
+        ids = sample_prompts(n, max(i for i, _ in lengths), 1, 0.0, vocab_size, seed)
+        return [(p[:i], o) for (i, o), (p, _) in zip(lengths, ids, strict=True)]
     mix = list(w.input_len_mix) if w.input_len_mix else None
     return sample_prompts(n, w.input_len, w.output_len, w.range_ratio, vocab_size, seed, mix)
 
@@ -230,6 +274,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--random-range-ratio", type=float, default=0.0)
     p.add_argument("--input-len-mix", default=None,
                    help="LEN:WEIGHT,... draw each input length from these (e.g. 64:0.8,1024:0.2)")
+    p.add_argument("--trace", default=None,
+                   help="replay the input/output lengths of a recorded run: `tandem bench "
+                        "serve --json` output or JSON lines of input_len/output_len")
     p.add_argument("--burstiness", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--start-rate", type=float, default=1.0,
@@ -258,7 +305,8 @@ def main(argv: list[str] | None = None) -> int:
         workload = Workload(args.num_prompts, args.random_input_len, args.random_output_len,
                             args.random_range_ratio,
                             parse_input_len_mix(args.input_len_mix) if args.input_len_mix
-                            else None, args.burstiness, args.seed)
+                            else None, args.burstiness, args.seed,
+                            load_trace(args.trace) if args.trace else None)
         policy = RatePolicy(start=args.start_rate, factor=args.rate_factor,
                             bisect_steps=args.bisect_steps, min_rate=args.min_rate)
         if not 1 <= args.cpus <= (os.cpu_count() or 1):

@@ -5,9 +5,11 @@ parsed by the real `tandem up` parser and the Helm values rendered by the real c
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 
@@ -238,6 +240,26 @@ def test_runs_at_two_rates_differ_in_ids_not_lengths() -> None:
     assert [(len(p), o) for p, o in a] == [(len(p), o) for p, o in b]
     assert {len(p) for p, _ in a} == {32, 256}
     assert all(pa[:16] != pb[:16] for (pa, _), (pb, _) in zip(a, b, strict=True))
+
+
+def test_trace_replays_the_recorded_lengths(tmp_path: Path) -> None:
+    recorded = tmp_path / "serve.json"  # `tandem bench serve --json`: a failed request has 0
+    recorded.write_text(json.dumps([{"input_lens": [64, 1024, 9], "output_lens": [32, 16, 0]}]))
+    trace = tune.load_trace(str(recorded))
+    assert trace == ((64, 32), (1024, 16))
+    w = tune.Workload(num_prompts=3, input_len=1, output_len=1, trace=trace)
+    assert [(len(p), o) for p, o in tune.run_prompts(w, 5000, 1.0)] == [(64, 32), (1024, 16),
+                                                                        (64, 32)]
+
+
+@pytest.mark.parametrize("text", ["", "{\"input_lens\": [1]}", "not json"])
+def test_trace_errors_name_the_flag(tmp_path: Path, text: str) -> None:
+    bad = tmp_path / "t.json"
+    bad.write_text(text)
+    with pytest.raises(ValueError, match="^--trace"):
+        tune.load_trace(str(bad))
+    with pytest.raises(ValueError, match="^--trace"):
+        tune.load_trace(str(tmp_path / "missing.json"))
 
 
 def test_engine_arg_may_not_set_a_searched_knob() -> None:
