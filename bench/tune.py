@@ -291,6 +291,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="bisections between the last rate that held and the first that broke")
     p.add_argument("--refine-topologies", type=int, default=2,
                    help="how many of the best CPU splits get their knobs refined")
+    p.add_argument("--confirm-share", type=float, default=0.15,
+                   help="share of the budget kept to re-measure the default and the best "
+                        "one after the other at the end (0: off)")
     p.add_argument("--output-dir", type=Path, default=Path("tandem-tune"),
                    help="tune.json, frontier.png, values.yaml and the stacks' logs")
     return p
@@ -312,6 +315,8 @@ def main(argv: list[str] | None = None) -> int:
         if not 1 <= args.cpus <= (os.cpu_count() or 1):
             raise ValueError(f"--cpus must be in [1, {os.cpu_count()}], got {args.cpus}")
         check_engine_args(args.engine_arg)
+        if not 0 <= args.confirm_share < 1:
+            raise ValueError(f"--confirm-share must be in [0, 1), got {args.confirm_share}")
         budget = Budget(args.budget * 60.0)
         space = Space(default=default_candidate(), topologies=cpu_topologies(args.cpus))
     except ValueError as exc:
@@ -327,6 +332,7 @@ def main(argv: list[str] | None = None) -> int:
           f"budget {args.budget:g} min", flush=True)
     result = search(space, evaluator.open, slo, policy, budget,
                     refine_topologies=args.refine_topologies,
+                    confirm_share=args.confirm_share,
                     log=lambda line: print(line, flush=True))
     settings = {"model": args.model, "engine_args": args.engine_arg, "cpus": args.cpus,
                 "budget_min": args.budget, "workload": asdict(workload),

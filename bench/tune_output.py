@@ -11,7 +11,7 @@ import json
 import shlex
 from typing import Any
 
-from tandem.bench.tune_search import Candidate, SearchResult, summary
+from tandem.bench.tune_search import Candidate, RatePoint, SearchResult, summary
 
 
 def up_args(c: Candidate, model: str | None, engine_args: list[str]) -> list[str]:
@@ -144,8 +144,13 @@ def frontier_table(result: SearchResult) -> str:
     return "\n".join(lines)
 
 
+def _said(p: RatePoint, slo: Any) -> str:
+    return f"{p.goodput:.3f} req/s ({'SLO met' if p.meets(slo) else 'SLO broken'})"
+
+
 def verdict(result: SearchResult) -> str:
-    """One line: the best candidate's goodput against the default's, measured in this run."""
+    """The best candidate's goodput against the default's, as measured in the search,
+    and, when the search re-measured both at the end, a second line with those runs."""
     slo = result.slo
     best, default = result.best(), result.result(result.default)
     if best is None:
@@ -153,7 +158,13 @@ def verdict(result: SearchResult) -> str:
     base = default.score(slo) if default is not None else 0.0
     gain = (f"{best.score(slo) / base:.2f}x the default's {base:.3f} req/s" if base > 0
             else "the default met the SLO at no rate tried")
-    return f"best: {best.candidate.label}: goodput {best.score(slo):.3f} req/s, {gain}"
+    line = f"best: {best.candidate.label}: goodput {best.score(slo):.3f} req/s, {gain}"
+    again = [r.points[0] for r in result.confirmation if r.points]
+    if len(again) == 2:
+        d, b = again
+        line += (f"\nre-measured one after the other at {b.rate:.3g} req/s: default "
+                 f"{_said(d, slo)}, best {_said(b, slo)}")
+    return line
 
 
 def report(result: SearchResult, model: str | None, engine_args: list[str],
@@ -173,6 +184,7 @@ def report(result: SearchResult, model: str | None, engine_args: list[str],
         "up_command": None if best is None else up_command(best.candidate, model, engine_args),
         "helm_values": helm_snippet(result, engine_args),
         "candidates": [summary(r, slo) for r in result.results],
+        "confirmation": [summary(r, slo) for r in result.confirmation],
     }
 
 

@@ -441,6 +441,8 @@ class SearchResult:
 
     Attributes:
         stopped: ``"done"`` (nothing left to try), ``"budget"`` or ``"interrupted"``.
+        confirmation: the default and the best re-measured at the end, one after the
+            other at the best's rate (one run each; empty when not done).
     """
 
     slo: Slo
@@ -448,6 +450,7 @@ class SearchResult:
     results: list[CandidateResult]
     stopped: str
     elapsed_s: float
+    confirmation: list[CandidateResult] = field(default_factory=list)
 
     def result(self, c: Candidate) -> CandidateResult | None:
         return next((r for r in self.results if r.candidate == c), None)
@@ -464,7 +467,7 @@ class SearchResult:
 
 def search(space: Space, open_candidate: OpenCandidate, slo: Slo, policy: RatePolicy,
            budget: Budget, refine_topologies: int = 2, min_gain: float = 0.0,
-           log: Callable[[str], None] = print) -> SearchResult:
+           confirm_share: float = 0.0, log: Callable[[str], None] = print) -> SearchResult:
     """Coarse-to-fine search for the candidate with the highest goodput meeting ``slo``.
 
     Order: ``space.default``; every topology at default knobs; then for the
@@ -476,18 +479,24 @@ def search(space: Space, open_candidate: OpenCandidate, slo: Slo, policy: RatePo
     than the best score so far over ``policy.factor`` squared, and it is bisected only
     where it could beat that score (``rate_search``'s ``target``). Measured candidates are
     never measured again. Ctrl-C (KeyboardInterrupt) ends the search like the budget.
+
+    With ``confirm_share`` > 0 that share of the budget is kept for the end: the default
+    and the best candidate are started again, one after the other, and run once each at
+    the best's rate, so the two are compared close in time (a shared host's speed drifts
+    over a search).
     """
     results: dict[Candidate, CandidateResult] = {}
     order: list[CandidateResult] = []
     run_times: list[float] = []
     best_rate = [policy.start]
+    reserve = [budget.total_s * confirm_share]
 
     def charge_candidate() -> None:
         walls = [r.wall_s for r in order if r.points]
-        budget.charge(sum(walls) / len(walls) if walls else 0.0)
+        budget.charge((sum(walls) / len(walls) if walls else 0.0) + reserve[0])
 
     def charge_run() -> None:
-        budget.charge(sum(run_times) / len(run_times) if run_times else 0.0)
+        budget.charge((sum(run_times) / len(run_times) if run_times else 0.0) + reserve[0])
 
     def evaluate(c: Candidate) -> CandidateResult:
         if c in results:
@@ -553,7 +562,27 @@ def search(space: Space, open_candidate: OpenCandidate, slo: Slo, policy: RatePo
     except KeyboardInterrupt:
         stopped = "interrupted"
         log(f"[tune {budget.elapsed() / 60:5.1f} min] interrupted: stopping")
-    return SearchResult(slo, space.default, order, stopped, budget.elapsed())
+    result = SearchResult(slo, space.default, order, stopped, budget.elapsed())
+    best = result.best()
+    if confirm_share > 0 and stopped != "interrupted" and best is not None \
+            and best.candidate != space.default:
+        rate = best.best(slo).rate  # type: ignore[union-attr]  # best() has a best run
+        log(f"[tune {budget.elapsed() / 60:5.1f} min] confirming at {rate:.3f} req/s: "
+            "the default, then the best")
+        try:
+            for c in (space.default, best.candidate):
+                budget.charge(0.0)
+                res = CandidateResult(c)
+                try:
+                    with open_candidate(c) as measure:
+                        res.points.append(measure(rate))
+                except Exception as exc:  # noqa: BLE001 - reported, as in the search
+                    res.error = f"{type(exc).__name__}: {exc}"
+                result.confirmation.append(res)
+        except (OutOfBudget, KeyboardInterrupt):
+            log(f"[tune {budget.elapsed() / 60:5.1f} min] confirmation cut short")
+        result.elapsed_s = budget.elapsed()
+    return result
 
 
 def _coordinate_walk(space: Space, start: Candidate, step: int,

@@ -161,6 +161,20 @@ def test_budget_stops_the_search_between_runs() -> None:
     assert clock.now <= 200.0  # every step charged before it ran fit
 
 
+def test_confirmation_remeasures_default_then_best_within_the_budget() -> None:
+    clock = ModelClock()
+    space = Space(default=default_candidate(), topologies=cpu_topologies(2))
+    result = search(space, model_stacks(_landscape, clock), SLO, RatePolicy(),
+                    Budget(600.0, clock), confirm_share=0.2, log=lambda _: None)
+    best = result.best()
+    assert best is not None and best.candidate != default_candidate()
+    assert [r.candidate for r in result.confirmation] == [default_candidate(), best.candidate]
+    rate = best.best(SLO).rate  # type: ignore[union-attr]
+    assert [r.points[0].rate for r in result.confirmation] == [rate, rate]
+    assert clock.now <= 600.0  # the reserve (120 s) covers the two re-runs (60 s)
+    assert "re-measured one after the other" in tune_output.verdict(result)
+
+
 def test_a_candidate_that_fails_to_start_is_a_result() -> None:
     clock = ModelClock()
     broken = Topology(colocated=True, replicas=2, cpus_per_engine=1)
