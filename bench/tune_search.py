@@ -471,7 +471,7 @@ def search(space: Space, open_candidate: OpenCandidate, slo: Slo, policy: RatePo
     """Coarse-to-fine search for the candidate with the highest goodput meeting ``slo``.
 
     Order: ``space.default``; every topology at default knobs; then for the
-    ``refine_topologies`` best topologies, coordinate steps on the knob ladders (two
+    ``refine_topologies`` best topologies (the default's among them), coordinate steps on the knob ladders (two
     rungs, then one) from that topology's best candidate, moving to a neighbour whose
     score beats the current one by more than ``min_gain`` (a fraction). A candidate is
     started only when the mean wall time of those before fits in the budget; the rate
@@ -546,7 +546,9 @@ def search(space: Space, open_candidate: OpenCandidate, slo: Slo, policy: RatePo
         default_knobs = Candidate(space.default.topology).knobs
         for t in space.topologies:
             evaluate(Candidate(t, default_knobs))
-        by_topology = sorted(space.topologies,
+        # NOTE: the default's split competes too (it may be none of the pinned ones).
+        splits = list(dict.fromkeys([space.default.topology, *space.topologies]))
+        by_topology = sorted(splits,
                              key=lambda t: -results[Candidate(t, default_knobs)].score(slo))
         for t in by_topology[:refine_topologies]:
             current = max((r for r in order if r.candidate.topology == t),

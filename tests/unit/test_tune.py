@@ -149,6 +149,22 @@ def test_search_finds_the_peak_without_the_full_grid() -> None:
     assert len(opened) < grid / 4
 
 
+def test_the_default_split_is_refined_when_it_scores_best() -> None:
+    clock = ModelClock()
+    opened: list[Candidate] = []
+    default_split = default_candidate().topology
+
+    def capacity(c: Candidate) -> float:  # the unpinned default split is the best one
+        return 2.0 * _landscape(c) if c.topology == default_split else _landscape(c) / 4
+
+    space = Space(default=default_candidate(), topologies=cpu_topologies(2))
+    result = search(space, model_stacks(capacity, clock, opened=opened), SLO, RatePolicy(),
+                    Budget(10**6, clock), refine_topologies=1, log=lambda _: None)
+    best = result.best()
+    assert best is not None and best.candidate.topology == default_split
+    assert best.candidate.knobs != default_candidate().knobs
+
+
 def test_budget_stops_the_search_between_runs() -> None:
     clock = ModelClock()
     space = Space(default=default_candidate(), topologies=cpu_topologies(2))
