@@ -21,6 +21,7 @@ _COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("tandem.services.serve", "gRPC engine service: --role prefill|decode|both"),
     "kvstore": ("tandem.kvstore.server", "KV block store node (UCX data plane)"),
     "bench": ("tandem.bench.main", "benchmarks: throughput | latency | serve | kvstore"),
+    "tune": ("tandem.bench.tune", "find the configuration with the highest goodput meeting an SLO"),
 }
 
 
