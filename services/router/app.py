@@ -187,8 +187,8 @@ def create_app(fe: Frontend, lifespan: Any = None, *,
             echo_texts = [req.prompt]
         elif isinstance(req.prompt[0], str):
             echo_texts = list(req.prompt)
-        else:
-            echo_texts = [fe.tokenizer.decode(ids) for ids in prompts]
+        else:  # (only the count matters without echo: no detokenizing for nothing)
+            echo_texts = [fe.tokenizer.decode(ids) if req.echo else "" for ids in prompts]
         n = gens[0].sampling_params.n
         resp_id = f"cmpl-{rid}"
         num_prompt_tokens = sum(len(ids) for ids in prompts)
@@ -375,8 +375,7 @@ async def _stream(request: Request, rid: str,
                      "cancelled", rid)
         return Response(status_code=_CLIENT_GONE)
 
-    # (chunk, the delta it shows or None); None: the end
-    chunks: asyncio.Queue[tuple[_Chunk, SeqDelta | None] | None] = asyncio.Queue()
+    chunks: asyncio.Queue[_Queued | None] = asyncio.Queue()  # None: the end
 
     def put(d: SeqDelta | None, items: list[_Chunk]) -> None:
         for chunk in items:
@@ -405,12 +404,17 @@ async def _stream(request: Request, rid: str,
 
         unregister = drain.on_expire(end_now)
         try:
-            while (item := await chunks.get()) is not None:
-                chunk, d = item
+            item: _Queued | None | object = await chunks.get()
+            while item is not None:
+                text, shown, item = _take_ready(item, chunks)  # type: ignore[arg-type]
                 # NOTE: the server asks for the next chunk once this one is written.
-                yield chunk if isinstance(chunk, str) else chunk()
-                if d is not None and d.seq_timings is not None:
-                    d.seq_timings.add_sse(time.monotonic_ns() - d.ready_ns, len(d.token_ids))
+                yield text
+                now = time.monotonic_ns()
+                for d in shown:
+                    assert d.seq_timings is not None
+                    d.seq_timings.add_sse(now - d.ready_ns, len(d.token_ids))
+                if item is _TAKE:
+                    item = await chunks.get()
         finally:
             unregister()
             if not producer.done():
@@ -425,6 +429,42 @@ async def _stream(request: Request, rid: str,
 #: An SSE chunk, or a function that makes it when it is written (a choice's last chunk:
 #: its ``timings`` then include the SSE writes of the chunks before it).
 _Chunk = str | Callable[[], str]
+
+
+#: A chunk queued for the SSE writer and the delta it shows (``None``: no delta's).
+_Queued = tuple[_Chunk, SeqDelta | None]
+#: ``_take_ready``'s "nothing taken yet": the caller waits for the queue's next item.
+_TAKE = object()
+
+
+def _take_ready(item: _Queued, queue: asyncio.Queue[_Queued | None]
+                ) -> tuple[str, list[SeqDelta], _Queued | None | object]:
+    """``item`` and every chunk queued behind it, as one write: (text, the Decode
+    deltas it shows, what comes next: an item already taken, ``None`` for the end, or
+    ``_TAKE``). A client slower than the engine catches up in one write. A choice's last
+    chunk (a function: its timings count the SSE writes before it) starts a new write
+    unless it comes first."""
+    parts: list[str] = []
+    shown: list[SeqDelta] = []
+    nxt: _Queued | None | object = _TAKE
+    while True:
+        chunk, d = item
+        if not isinstance(chunk, str):
+            if parts:
+                nxt = item
+                break
+            chunk = chunk()
+        parts.append(chunk)
+        if d is not None and d.seq_timings is not None:
+            shown.append(d)
+        if queue.empty():
+            break
+        got = queue.get_nowait()
+        if got is None:
+            nxt = None
+            break
+        item = got
+    return "".join(parts), shown, nxt
 
 
 class _Streamer:
