@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
@@ -377,7 +377,7 @@ async def _stream(request: Request, rid: str,
 
     chunks: asyncio.Queue[_Queued | None] = asyncio.Queue()  # None: the end
 
-    def put(d: SeqDelta | None, items: list[_Chunk]) -> None:
+    def put(d: SeqDelta | None, items: Sequence[_Chunk]) -> None:
         for chunk in items:
             chunks.put_nowait((chunk, d))
 
