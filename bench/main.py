@@ -18,6 +18,8 @@ _BENCHMARKS: dict[str, tuple[str, str]] = {
                 "prefill -> store -> decode vs colocated: TTFT and inter-token latency"),
     "serve": ("tandem.bench.serve", "HTTP serving load test against a running router"),
     "kvstore": ("tandem.bench.kvstore", "KV store put/get bandwidth and latency"),
+    "router-ceiling": ("tandem.bench.router_ceiling",
+                       "the router's own cost per streamed token, against a decode stub"),
 }
 
 

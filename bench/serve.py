@@ -31,10 +31,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import random
+import shutil
+import signal
+import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -48,6 +53,16 @@ _BREAKDOWN = {  # label -> timings keys summed (ns)
     "prefill_compute": ("prefill_compute_ns",),
     "kv_handoff": ("kv_publish_ns", "kv_pull_ns"),
     "first_decode_step": ("first_decode_ns",),
+}
+
+# The decode stream's per-token attribution, in a token's order: label -> (timings key
+# summed over the request's tokens, the timings key counting what it is divided by).
+_DECODE_STAGES = {
+    "engine_step": ("decode_engine_ns", "decode_engine_outputs"),
+    "engine_output": ("decode_output_ns", "decode_tokens"),
+    "grpc": ("decode_grpc_ns", "decode_tokens"),
+    "detokenize": ("decode_detokenize_ns", "decode_tokens"),
+    "sse_write": ("decode_sse_ns", "decode_tokens"),
 }
 
 
@@ -216,6 +231,7 @@ def compute_metrics(results: list[RequestResult], duration_s: float, percentiles
         if vals:
             breakdown.update(_pcts(vals, percentiles, label))
     m["ttft_breakdown"] = breakdown
+    m["decode_breakdown"] = decode_breakdown(ok, percentiles)
     m["input_lens"] = [r.prompt_len for r in results]
     m["output_lens"] = [r.output_tokens for r in results]
     m["ttfts"] = [r.ttft for r in results]
@@ -223,6 +239,62 @@ def compute_metrics(results: list[RequestResult], duration_s: float, percentiles
     m["generated_texts"] = [r.generated_text for r in results]
     m["errors"] = [r.error for r in results]
     return m
+
+
+def decode_breakdown(results: list[RequestResult], percentiles: list[float]
+                     ) -> dict[str, float]:
+    """Per-token decode attribution from the router's ``timings``: for each stage of
+    ``_DECODE_STAGES``, the per-request mean per token (ms), as mean / median /
+    percentiles over the requests (keys ``mean_<stage>_ms`` ...).
+
+    ``engine_step`` is the engine's time per step (first to last output's step end over
+    the steps between); the other stages are latencies a token spends on its way from
+    the engine step that made it to the client's socket. ``sse_write`` excludes each
+    request's last chunk (it carries the timings), hence its divisor is one token less.
+    """
+    out: dict[str, float] = {}
+    for label, (key, count_key) in _DECODE_STAGES.items():
+        vals = []
+        for r in results:
+            total, count = r.timings.get(key), r.timings.get(count_key)
+            if total is None or not count:
+                continue
+            # n outputs span n - 1 steps; the last chunk's SSE write is not counted
+            count -= 1 if label in ("engine_step", "sse_write") else 0
+            if count > 0:
+                vals.append(total / count / 1e9)
+        if vals:
+            out.update(_pcts(vals, percentiles, label))
+    return out
+
+
+def print_decode_breakdown(m: dict[str, Any]) -> None:
+    """The per-token attribution (``--profile``): each stage's mean / median / p99 per
+    token in ms, and the path's share of the client's mean inter-token latency."""
+    b = m.get("decode_breakdown") or {}
+    w = 50
+    print("{s:{c}^{n}}".format(s="Per-token decode attribution (tandem)", n=w, c="-"))
+    if not b:
+        print("(no decode timings in the responses)")
+        return
+    path = 0.0
+    for label in _DECODE_STAGES:
+        if f"mean_{label}_ms" not in b:
+            continue
+        if label != "engine_step":
+            path += b[f"mean_{label}_ms"]
+        print(f"{label + ' (ms/token) mean/median/p99:':<40} {b[f'mean_{label}_ms']:.3f} / "
+              f"{b[f'median_{label}_ms']:.3f} / {b.get(f'p99_{label}_ms', float('nan')):.3f}")
+    print(f"{'engine step -> SSE written (ms/token):':<40} {path:.3f}")
+    if "mean_engine_step_ms" in b and m.get("mean_itl_ms"):
+        print(f"{'client mean ITL / engine step:':<40} "
+              f"{m['mean_itl_ms']:.2f} / {b['mean_engine_step_ms']:.2f} ms")
+    cpu = m.get("cpu_seconds")
+    if cpu:
+        for name, sec in cpu.items():
+            print(f"{'CPU s, ' + name + ':':<40} {sec:.2f}")
+        if m.get("router_tokens_per_cpu_s"):
+            print(f"{'router output tok per CPU s:':<40} {m['router_tokens_per_cpu_s']:.0f}")
 
 
 def print_result(m: dict[str, Any], percentiles: list[float], request_rate: float) -> None:
@@ -380,15 +452,41 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--speculative-config", default=None, metavar="JSON",
                    help="with --launch: run each stack without and with this speculative "
                         "decoding config on its decode engines, side by side")
+    p.add_argument("--profile", action="store_true",
+                   help="print the per-token decode attribution (engine step, engine "
+                        "output, gRPC, detokenize, SSE write; from the router's timings); "
+                        "with --launch also each part's CPU seconds and, when py-spy is "
+                        "installed, a py-spy flame graph of the router and engines")
+    p.add_argument("--profile-dir", default=".",
+                   help="where --profile --launch writes the py-spy flame graphs")
     p.add_argument("--launch-disagg-cpus", type=int, default=1,
                    help="CPUs pinned to each of the prefill and decode engines (--launch disagg)")
     return p
 
 
+def _cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
+    """User + system CPU seconds each process (by name) has used so far (0: gone)."""
+    import psutil
+
+    out = {}
+    for name, pid in pids.items():
+        try:
+            t = psutil.Process(pid).cpu_times()
+            out[name] = t.user + t.system
+        except psutil.Error:
+            out[name] = 0.0
+    return out
+
+
 def _run_all(args: argparse.Namespace, url: str, percentiles: list[float],
              slo: dict[str, float], mix: list[tuple[int, float]] | None,
-             label: str | None) -> tuple[list[dict[str, Any]], int]:
-    """Every ``--request-rate`` against ``url``; returns (results, number of failed)."""
+             label: str | None, pids: dict[str, int] | None = None
+             ) -> tuple[list[dict[str, Any]], int]:
+    """Every ``--request-rate`` against ``url``; returns (results, number of failed).
+
+    With ``pids`` (part name -> process id) each result gets ``cpu_seconds`` per part
+    during its run and ``router_tokens_per_cpu_s`` (output tokens per router CPU second,
+    when a part is called "router")."""
     import httpx
 
     base = url.rstrip("/")
@@ -410,18 +508,56 @@ def _run_all(args: argparse.Namespace, url: str, percentiles: list[float],
                                  args.seed + i, mix)
         print(f"Traffic request rate: {rate}\nBurstiness factor: {args.burstiness}"
               f"\nMaximum request concurrency: {args.max_concurrency}", flush=True)
+        cpu_before = _cpu_seconds(pids) if pids else {}
         results, duration = asyncio.run(run_rate(
             base + args.endpoint, model, prompts, rate, args.burstiness, args.max_concurrency,
             args.ignore_eos, args.seed, args.structured))
         m = compute_metrics(results, duration, percentiles, slo)
+        if pids:
+            cpu = {k: v - cpu_before[k] for k, v in _cpu_seconds(pids).items()}
+            m["cpu_seconds"] = cpu
+            if cpu.get("router"):
+                m["router_tokens_per_cpu_s"] = m["total_output_tokens"] / cpu["router"]
         m.update(date=datetime.now().strftime("%Y%m%d-%H%M%S"), backend="tandem",
                  model_id=model, tokenizer_id=model, num_prompts=args.num_prompts,
                  request_rate=rate, burstiness=args.burstiness,
                  max_concurrency=args.max_concurrency, label=label, structured=args.structured)
         print_result(m, percentiles, rate)
+        if args.profile:
+            print_decode_breakdown(m)
         failed += m["failed"]
         all_results.append(m)
     return all_results, failed
+
+
+@contextlib.contextmanager
+def _py_spy(pids: dict[str, int], out_dir: str, label: str) -> Iterator[list[str]]:
+    """Record each process with py-spy (when installed) while the block runs; yields the
+    flame graph paths (``<out_dir>/<label>-<name>.svg``), written when it ends."""
+    exe = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+    if not Path(exe).exists():
+        print("--profile: py-spy not found (pip install py-spy): no flame graphs",
+              flush=True)
+        yield []
+        return
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    procs, paths = [], []
+    for name, pid in pids.items():
+        path = str(Path(out_dir) / f"{label}-{name}.svg")
+        procs.append(subprocess.Popen([exe, "record", "--pid", str(pid), "--output", path,
+                                       "--rate", "200", "--nonblocking"],
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        paths.append(path)
+    try:
+        yield paths
+    finally:
+        for proc in procs:
+            proc.send_signal(signal.SIGINT)  # py-spy writes its output on SIGINT
+        for proc in procs:
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
 
 
 def _run_multi_turn(args: argparse.Namespace, base: str, model: str,
@@ -611,8 +747,16 @@ def main(argv: list[str] | None = None) -> int:
                     except ValueError as exc:
                         print(f"tandem bench serve: error: {exc}", file=sys.stderr)
                         return 2
-                results, n_failed = _run_all(args, stack.http_url, percentiles, slo, mix,
-                                             label=label)
+                pids = None
+                if args.profile:
+                    pids = {p.name: p.proc.pid for p in stack.parts
+                            if p.proc is not None and p.name != "redis"}
+                with (_py_spy(pids, args.profile_dir, label) if pids
+                      else contextlib.nullcontext([])) as graphs:
+                    results, n_failed = _run_all(args, stack.http_url, percentiles, slo,
+                                                 mix, label=label, pids=pids)
+                for path in graphs:
+                    print(f"py-spy flame graph: {path}", flush=True)
                 if spec is not None:
                     counters = _spec_counters(stack.engine_metrics_urls)
                     for m in results:

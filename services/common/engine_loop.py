@@ -8,7 +8,10 @@ thread-safe), so every call into it happens in the engine thread:
   ``concurrent.futures.Future`` awaited with ``asyncio.wrap_future``.
 * The thread steps the engine while it has unfinished requests and hands each
   step's outputs to the per-request ``asyncio.Queue`` of the handler that owns
-  the request, with one ``loop.call_soon_threadsafe`` per step.
+  the request, with one ``loop.call_soon_threadsafe`` per step. Each output
+  travels with the monotonic time its step ended (``StampedOutput``), so a
+  handler can tell how long the hand-off took; a handler slower than the engine
+  reads every output that is ready at once (:meth:`RequestStream.batches`).
 
 Cancellation: a :class:`RequestStream` that is closed before its request
 finished (client cancelled, deadline passed, handler error) aborts the request
@@ -34,6 +37,9 @@ from tandem.services.common.errors import ShuttingDownError
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+#: One engine output and the ``time.monotonic_ns()`` at which its step ended.
+StampedOutput = tuple[EngineCoreOutput, int]
 
 #: How long the thread waits when a step ran no forward pass (the engine only
 #: waits for remote KV loads or saves), in seconds. Finished transfers wake the
@@ -77,8 +83,8 @@ class EngineLoop:
         self._loop = loop
         self._commands: collections.deque[Callable[[], None]] = collections.deque()
         self._wake = threading.Event()
-        # request_id -> queue of EngineCoreOutput | BaseException; engine thread only.
-        self._queues: dict[str, asyncio.Queue[EngineCoreOutput | BaseException]] = {}
+        # request_id -> queue of StampedOutput | BaseException; engine thread only.
+        self._queues: dict[str, asyncio.Queue[StampedOutput | BaseException]] = {}
         self._accepting = True
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
@@ -171,7 +177,7 @@ class EngineLoop:
         """
         if not self._accepting:
             raise ShuttingDownError("server is shutting down")
-        queue: asyncio.Queue[EngineCoreOutput | BaseException] = asyncio.Queue()
+        queue: asyncio.Queue[StampedOutput | BaseException] = asyncio.Queue()
         try:
             await self.call(self._add, request, queue)
         except asyncio.CancelledError:
@@ -260,6 +266,7 @@ class EngineLoop:
                     self._queues.clear()
                 self._deliver([(q, exc) for q in queues])
                 continue
+            step_end_ns = time.monotonic_ns()
             items = []
             for out in outputs:
                 queue = self._queues.get(out.request_id)
@@ -267,7 +274,8 @@ class EngineLoop:
                     continue  # aborted by its handler meanwhile
                 # The engine failed the request (its grammar did not compile, ...):
                 # the handler sees the RequestError, which names the field.
-                items.append((queue, out.error if out.error is not None else out))
+                items.append((queue, out.error if out.error is not None
+                              else (out, step_end_ns)))
                 if out.finished:
                     del self._queues[out.request_id]
             self._deliver(items)
@@ -288,6 +296,7 @@ class RequestStream:
         self._engine_loop = engine_loop
         self._queue = queue
         self.finished = False
+        self._error: BaseException | None = None
         #: ``time.monotonic_ns()`` when the first output arrived.
         self.first_output_ns: int | None = None
 
@@ -302,13 +311,39 @@ class RequestStream:
         return self._iter()
 
     async def _iter(self) -> AsyncIterator[EngineCoreOutput]:
+        async for batch in self.batches():
+            for out, _ in batch:
+                yield out
+
+    async def batches(self) -> AsyncIterator[list[StampedOutput]]:
+        """The outputs, in order, grouped as they are ready: each list holds every output
+        queued when the consumer came back for more (one while it keeps up with the
+        engine, several when it fell behind), each with its step's end
+        (``time.monotonic_ns()``). Ends after the finished output.
+
+        Raises:
+            BaseException: what the engine failed the request with (after the outputs
+                queued before it).
+        """
+        queue = self._queue
         while not self.finished:
-            item = await self._queue.get()
-            if isinstance(item, BaseException):
+            if self._error is not None:
                 self.finished = True  # the engine already dropped the request
-                raise item
-            if self.first_output_ns is None:
-                self.first_output_ns = time.monotonic_ns()
-            if item.finished:
-                self.finished = True
-            yield item
+                raise self._error
+            item = await queue.get()
+            batch: list[StampedOutput] = []
+            while True:
+                if isinstance(item, BaseException):
+                    self._error = item
+                    break
+                batch.append(item)
+                if item[0].finished:
+                    self.finished = True
+                    break
+                if queue.empty():
+                    break
+                item = queue.get_nowait()
+            if batch:
+                if self.first_output_ns is None:
+                    self.first_output_ns = time.monotonic_ns()
+                yield batch

@@ -18,6 +18,7 @@ the engine computes prompt + them and streams the tokens after them.
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator
 
 import grpc
@@ -30,6 +31,7 @@ from tandem.engine.request import Request
 from tandem.engine.stop import check_stop
 from tandem.engine.validation import check_context_length, check_token_ids
 from tandem.services.common.context import ServiceContext, cdiv, now_ns
+from tandem.services.common.engine_loop import StampedOutput
 from tandem.services.common.errors import LayoutMismatchError
 from tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 
@@ -136,24 +138,32 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                 return
         num_top = req.sampling_params.logprobs
         first = True
+        clock = _StreamClock()
         try:
             async with await ctx.engine_loop.add_request(req) as stream:
-                async for out in stream:
-                    resp = decode_pb2.DecodeResponse(
-                        token_ids=out.new_token_ids,
-                        finish_reason=finish_reason_to_proto(out.finish_reason),
-                    )
-                    if isinstance(out.stop_reason, int):
-                        resp.stop_token_id = out.stop_reason
-                    if out.new_logprobs and num_top is not None:
-                        for tok, pos in zip(out.new_token_ids, out.new_logprobs, strict=True):
-                            resp.logprobs.append(logprobs_to_proto(tok, pos, num_top))
+                # Outputs that are ready together go out as one message: a stream that
+                # fell behind the engine catches up in one write, not one per step.
+                async for batch in stream.batches():
+                    resp = decode_pb2.DecodeResponse()
+                    for out, _ in batch:
+                        resp.token_ids.extend(out.new_token_ids)
+                        if out.new_logprobs and num_top is not None:
+                            for tok, pos in zip(out.new_token_ids, out.new_logprobs,
+                                                strict=True):
+                                resp.logprobs.append(logprobs_to_proto(tok, pos, num_top))
+                    last = batch[-1][0]
+                    if last.finish_reason is not None:
+                        resp.finish_reason = finish_reason_to_proto(last.finish_reason)
+                    if isinstance(last.stop_reason, int):
+                        resp.stop_token_id = last.stop_reason
                     if first:
                         first = False
-                        self._first_message_fields(req, resp, out, arrival_ns)
-                    if out.finish_reason is not None:
+                        self._first_message_fields(req, resp, batch[0][0], arrival_ns)
+                    clock.stamp(resp, batch)
+                    if last.finish_reason is not None:
+                        clock.totals(resp)
                         ctx.metrics.labels(
-                            ctx.metrics.request_success, finished_reason=out.finish_reason
+                            ctx.metrics.request_success, finished_reason=last.finish_reason
                         ).inc()
                     yield resp
         finally:
@@ -187,3 +197,34 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         self, request: common_pb2.GetLoadRequest, context: grpc.aio.ServicerContext
     ) -> common_pb2.GetLoadResponse:
         return await self._ctx.load_response()
+
+
+class _StreamClock:
+    """Where one Decode stream's time goes on the engine side, for the router's timings:
+    each message's send time (wall clock) and, on the last message, the engine's decode
+    time and the per-token hand-off latency (``DecodeResponse`` fields 9-12)."""
+
+    __slots__ = ("first_step_ns", "last_step_ns", "output_ns", "num_outputs")
+
+    def __init__(self) -> None:
+        self.first_step_ns: int | None = None
+        self.last_step_ns = 0
+        self.output_ns = 0
+        self.num_outputs = 0
+
+    def stamp(self, resp: decode_pb2.DecodeResponse, batch: list[StampedOutput]) -> None:
+        """Stamp ``resp`` as sent now and add its outputs' hand-off latency."""
+        now = time.monotonic_ns()
+        for out, step_end_ns in batch:
+            self.output_ns += (now - step_end_ns) * len(out.new_token_ids)
+        if self.first_step_ns is None:
+            self.first_step_ns = batch[0][1]
+        self.last_step_ns = batch[-1][1]
+        self.num_outputs += len(batch)
+        resp.sent_unix_ns = time.time_ns()
+
+    def totals(self, resp: decode_pb2.DecodeResponse) -> None:
+        """Put the stream's totals on its last message."""
+        resp.engine_decode_ns = self.last_step_ns - (self.first_step_ns or self.last_step_ns)
+        resp.output_latency_ns = self.output_ns
+        resp.num_engine_outputs = self.num_outputs

@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
@@ -187,8 +187,8 @@ def create_app(fe: Frontend, lifespan: Any = None, *,
             echo_texts = [req.prompt]
         elif isinstance(req.prompt[0], str):
             echo_texts = list(req.prompt)
-        else:
-            echo_texts = [fe.tokenizer.decode(ids) for ids in prompts]
+        else:  # (only the count matters without echo: no detokenizing for nothing)
+            echo_texts = [fe.tokenizer.decode(ids) if req.echo else "" for ids in prompts]
         n = gens[0].sampling_params.n
         resp_id = f"cmpl-{rid}"
         num_prompt_tokens = sum(len(ids) for ids in prompts)
@@ -375,20 +375,21 @@ async def _stream(request: Request, rid: str,
                      "cancelled", rid)
         return Response(status_code=_CLIENT_GONE)
 
-    chunks: asyncio.Queue[str | None] = asyncio.Queue()  # None: the end
+    chunks: asyncio.Queue[_Queued | None] = asyncio.Queue()  # None: the end
+
+    def put(d: SeqDelta | None, items: Sequence[_Chunk]) -> None:
+        for chunk in items:
+            chunks.put_nowait((chunk, d))
 
     async def produce() -> None:
         try:
             if first is not None:
-                for chunk in streamer.chunks(*first):
-                    chunks.put_nowait(chunk)
+                put(first[1], streamer.chunks(*first))
                 async for idx, d in deltas:
-                    for chunk in streamer.chunks(idx, d):
-                        chunks.put_nowait(chunk)
-            for chunk in streamer.final():
-                chunks.put_nowait(chunk)
+                    put(d, streamer.chunks(idx, d))
+            put(None, streamer.final())
         except Exception as exc:  # noqa: BLE001 - reported to the client as an error event
-            chunks.put_nowait(sse({"error": to_openai_error(exc).to_dict()}))
+            put(None, [sse({"error": to_openai_error(exc).to_dict()})])
         finally:
             await deltas.aclose()
             chunks.put_nowait(None)
@@ -398,13 +399,22 @@ async def _stream(request: Request, rid: str,
 
         def end_now() -> None:
             producer.cancel()
-            chunks.put_nowait(sse({"error": shutting_down_error().to_dict()}))
+            chunks.put_nowait((sse({"error": shutting_down_error().to_dict()}), None))
             chunks.put_nowait(None)
 
         unregister = drain.on_expire(end_now)
         try:
-            while (chunk := await chunks.get()) is not None:
-                yield chunk
+            item: _Queued | None | object = await chunks.get()
+            while item is not None:
+                text, shown, item = _take_ready(item, chunks)  # type: ignore[arg-type]
+                # NOTE: the server asks for the next chunk once this one is written.
+                yield text
+                now = time.monotonic_ns()
+                for d in shown:
+                    assert d.seq_timings is not None
+                    d.seq_timings.add_sse(now - d.ready_ns, len(d.token_ids))
+                if item is _TAKE:
+                    item = await chunks.get()
         finally:
             unregister()
             if not producer.done():
@@ -414,6 +424,47 @@ async def _stream(request: Request, rid: str,
 
     headers = {"X-Request-Id": rid, "Cache-Control": "no-cache"}
     return StreamingResponse(body(), media_type="text/event-stream", headers=headers)
+
+
+#: An SSE chunk, or a function that makes it when it is written (a choice's last chunk:
+#: its ``timings`` then include the SSE writes of the chunks before it).
+_Chunk = str | Callable[[], str]
+
+
+#: A chunk queued for the SSE writer and the delta it shows (``None``: no delta's).
+_Queued = tuple[_Chunk, SeqDelta | None]
+#: ``_take_ready``'s "nothing taken yet": the caller waits for the queue's next item.
+_TAKE = object()
+
+
+def _take_ready(item: _Queued, queue: asyncio.Queue[_Queued | None]
+                ) -> tuple[str, list[SeqDelta], _Queued | None | object]:
+    """``item`` and every chunk queued behind it, as one write: (text, the Decode
+    deltas it shows, what comes next: an item already taken, ``None`` for the end, or
+    ``_TAKE``). A client slower than the engine catches up in one write. A choice's last
+    chunk (a function: its timings count the SSE writes before it) starts a new write
+    unless it comes first."""
+    parts: list[str] = []
+    shown: list[SeqDelta] = []
+    nxt: _Queued | None | object = _TAKE
+    while True:
+        chunk, d = item
+        if not isinstance(chunk, str):
+            if parts:
+                nxt = item
+                break
+            chunk = chunk()
+        parts.append(chunk)
+        if d is not None and d.seq_timings is not None:
+            shown.append(d)
+        if queue.empty():
+            break
+        got = queue.get_nowait()
+        if got is None:
+            nxt = None
+            break
+        item = got
+    return "".join(parts), shown, nxt
 
 
 class _Streamer:
@@ -430,16 +481,25 @@ class _Streamer:
         self.num_prompt_tokens = num_prompt_tokens
         self.n = n  # choices per prompt
 
-    def chunks(self, idx: int, d: SeqDelta) -> list[str]:
+    def chunks(self, idx: int, d: SeqDelta) -> list[_Chunk]:
         raise NotImplementedError
 
-    def _finish(self, chunk: P.ChatCompletionChunk | P.CompletionChunk, d: SeqDelta) -> None:
-        """Timings on a choice's last chunk; running usage with ``continuous_usage_stats``."""
-        if d.finish_reason is not None and d.timings is not None:
-            chunk.timings = d.timings.to_dict()
+    def _finish(self, chunk: P.ChatCompletionChunk | P.CompletionChunk, d: SeqDelta
+                ) -> _Chunk:
+        """The chunk's SSE text, with running usage (``continuous_usage_stats``); a
+        choice's last chunk gets its timings when it is written."""
         opts = self.req.stream_options
         if opts is not None and opts.include_usage and opts.continuous_usage_stats:
             chunk.usage = usage(self.num_prompt_tokens, self.states, self.n)
+        timings = d.timings if d.finish_reason is not None else None
+        if timings is None:
+            return sse(chunk)
+
+        def with_timings() -> str:
+            chunk.timings = timings.to_dict()
+            return sse(chunk)
+
+        return with_timings
 
     def final(self) -> list[str]:
         if not self.req.include_usage:
@@ -506,7 +566,7 @@ class _ChatStreamer(_Streamer):
         finish = finish_reason_with_calls(d.finish_reason, bool(parser.calls))
         return content or None, entries or None, finish
 
-    def chunks(self, idx: int, d: SeqDelta) -> list[str]:
+    def chunks(self, idx: int, d: SeqDelta) -> list[_Chunk]:
         st = self.states[idx]
         st.add(d)
         first = not st.sent_role
@@ -526,8 +586,7 @@ class _ChatStreamer(_Streamer):
             finish_reason=finish, stop_reason=d.stop_reason)
         chunk = P.ChatCompletionChunk(id=self.resp_id, created=self.created, model=self.model,
                                       choices=[choice])
-        self._finish(chunk, d)
-        return [sse(chunk)]
+        return [self._finish(chunk, d)]
 
     def _usage_chunk(self, u: P.UsageInfo) -> P.BaseModel:
         return P.ChatCompletionChunk(id=self.resp_id, created=self.created, model=self.model,
@@ -542,7 +601,7 @@ class _CompletionStreamer(_Streamer):
         super().__init__(fe, req, resp_id, n * len(echo_texts), num_prompt_tokens, n)
         self.echo_texts = echo_texts
 
-    def chunks(self, idx: int, d: SeqDelta) -> list[str]:
+    def chunks(self, idx: int, d: SeqDelta) -> list[_Chunk]:
         st = self.states[idx]
         first = not st.sent_role
         st.sent_role = True
@@ -561,8 +620,7 @@ class _CompletionStreamer(_Streamer):
                                       index=idx, text=text, logprobs=lps,
                                       finish_reason=d.finish_reason,
                                       stop_reason=d.stop_reason)])
-        self._finish(chunk, d)
-        return [sse(chunk)]
+        return [self._finish(chunk, d)]
 
     def _usage_chunk(self, u: P.UsageInfo) -> P.BaseModel:
         return P.CompletionChunk(id=self.resp_id, created=self.created, model=self.model,

@@ -52,6 +52,10 @@ class RouterConfig:
             chosen decode instance skips the prefill hop (``--disagg-min-uncached-tokens``;
             0: always disaggregate).
         log_level: Python logging level name.
+        loop: the event loop (``--loop``, uvicorn's name): ``uvloop`` when installed for
+            ``auto``, else ``asyncio``.
+        http: the HTTP/1.1 implementation (``--http``, uvicorn's name): ``httptools``
+            when installed for ``auto``, else ``h11``.
 
     Raises:
         ValueError: naming the flag, for a port outside 0..65535, a count below 1, both or neither instance sources.
@@ -81,8 +85,14 @@ class RouterConfig:
     kv_index_url: str | None = None
     disagg_min_uncached_tokens: int = 0
     log_level: str = "info"
+    loop: str = "auto"
+    http: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.loop not in ("auto", "asyncio", "uvloop"):
+            raise ValueError(f"--loop must be auto, asyncio or uvloop, got {self.loop!r}")
+        if self.http not in ("auto", "h11", "httptools"):
+            raise ValueError(f"--http must be auto, h11 or httptools, got {self.http!r}")
         for flag, port in (("--port", self.port), ("--grpc-port", self.grpc_port)):
             if not 0 <= port <= 65535:
                 raise ValueError(f"{flag} must be in 0..65535, got {port}")
@@ -137,4 +147,5 @@ class RouterConfig:
                    shutdown_grace_s=ns.shutdown_grace_s, tls=tls_from_args(ns),
                    kv_index_url=getattr(ns, "kv_index_url", None) or ns.redis_url or None,
                    disagg_min_uncached_tokens=getattr(ns, "disagg_min_uncached_tokens", 0),
-                   log_level=ns.log_level)
+                   log_level=ns.log_level, loop=getattr(ns, "loop", "auto"),
+                   http=getattr(ns, "http", "auto"))

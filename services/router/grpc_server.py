@@ -83,7 +83,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                             ttft_ns=t.ttft_ns, prefill_queue_ns=t.prefill_queue_ns,
                             prefill_compute_ns=t.prefill_compute_ns,
                             kv_publish_ns=t.kv_publish_ns, kv_pull_ns=t.kv_pull_ns,
-                            e2e_ns=t.e2e_ns))
+                            e2e_ns=t.e2e_ns, decode_tokens=t.decode_tokens,
+                            decode_engine_ns=t.decode_engine_ns,
+                            decode_output_ns=t.decode_output_ns,
+                            decode_grpc_ns=t.decode_grpc_ns,
+                            decode_detokenize_ns=t.decode_detokenize_ns))
                 yield out
         except OpenAIError as err:
             await context.abort(_grpc_code(err), err.message)

@@ -14,7 +14,7 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from typing import Any
 
 from tandem.services.common.tls import add_tls_flags
@@ -76,6 +76,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "and the store's cache) is prefilled on the decode instance, "
                         "skipping the prefill hop; 0: always disaggregate")
     p.add_argument("--log-level", default="info")
+    p.add_argument("--loop", default="auto", choices=["auto", "asyncio", "uvloop"],
+                   help="event loop (auto: uvloop when installed)")
+    p.add_argument("--http", default="auto", choices=["auto", "h11", "httptools"],
+                   help="HTTP/1.1 implementation (auto: httptools when installed)")
     return p
 
 
@@ -168,7 +172,7 @@ async def serve(cfg: RouterConfig) -> None:
         config = uvicorn.Config(create_app(fe, max_request_body_bytes=max_body, drain=drain),
                                 host=cfg.host, port=cfg.port,
                                 log_level=cfg.log_level.lower(), timeout_graceful_shutdown=3,
-                                access_log=False)
+                                access_log=False, http=cfg.http)
         logger.info("router: http://%s:%d (OpenAI API), grpc %s:%d, model %s", cfg.host,
                     cfg.port, cfg.host, cfg.grpc_port, served[0])
         server = _Server(config)
@@ -208,10 +212,32 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=cfg.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        asyncio.run(serve(cfg))
+        event_loop_runner(cfg.loop)(serve(cfg))
     except KeyboardInterrupt:
         pass
     return 0
+
+
+def event_loop_runner(name: str) -> Callable[[Coroutine[Any, Any, None]], None]:
+    """What runs the router's main coroutine for ``--loop NAME``: ``asyncio.run`` or
+    ``uvloop.run``.
+
+    ``auto`` is uvloop when it is installed: much of the router's work per streamed token
+    is the loop's own (socket writes, task switches, polling; docs/benchmarks.md,
+    "Serving").
+
+    Raises:
+        ImportError: ``uvloop`` asked for and not installed.
+    """
+    if name == "asyncio":
+        return asyncio.run
+    try:
+        import uvloop
+    except ImportError:
+        if name == "uvloop":
+            raise
+        return asyncio.run
+    return uvloop.run
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ Names follow vLLM v1 (``vllm:time_to_first_token_seconds``, ``vllm:inter_token_l
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -47,6 +48,7 @@ class RouterMetrics:
     def __init__(self, model_name: str) -> None:
         self.registry = CollectorRegistry()
         self.model_name = model_name
+        self._children: dict[int, Any] = {}  # id(metric) -> its series for model_name
         r = self.registry
         lbl = ["model_name"]
         self.ttft = Histogram("tandem:time_to_first_token_seconds",
@@ -104,7 +106,12 @@ class RouterMetrics:
                                    inst, registry=r)
 
     def labels(self, metric):  # noqa: ANN001, ANN201 - prometheus child types are untyped
-        return metric.labels(model_name=self.model_name)
+        """``metric``'s series for this router's model (looked up once: several calls
+        per streamed token)."""
+        child = self._children.get(id(metric))
+        if child is None:
+            child = self._children[id(metric)] = metric.labels(model_name=self.model_name)
+        return child
 
     def set_instances(self, instances: Iterable) -> None:  # noqa: ANN001
         """Replace the per-instance gauges with the given ``InstanceInfo`` values."""

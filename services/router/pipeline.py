@@ -368,6 +368,7 @@ class Pipeline:
         self.discovery.acquire(info.address)
         call = self.pool.decode(info.address, dreq, tuple(metadata))
         start_ns = time.monotonic_ns()
+        timings = state.timings
         num_emitted = 0
         num_messages = 0
         try:
@@ -378,11 +379,20 @@ class Pipeline:
                 num_messages += 1
                 if not msg.token_ids and not msg.finish_reason:
                     continue
+                recv_ns = time.monotonic_ns()
+                grpc_ns = time.time_ns() - msg.sent_unix_ns if msg.sent_unix_ns else 0
+                if msg.HasField("engine_decode_ns"):
+                    timings.add_engine_totals(msg.engine_decode_ns, msg.output_latency_ns,
+                                              msg.num_engine_outputs)
                 stop_tok = msg.stop_token_id if msg.HasField("stop_token_id") else None
-                delta = state.add(list(msg.token_ids), list(msg.logprobs) or None,
+                token_ids = list(msg.token_ids)
+                delta = state.add(token_ids, list(msg.logprobs) or None,
                                   msg.finish_reason, stop_tok)
-                num_emitted += len(msg.token_ids)
+                num_emitted += len(token_ids)
+                ready_ns = time.monotonic_ns()
+                timings.add_decode_message(len(token_ids), grpc_ns, ready_ns - recv_ns)
                 if delta is not None:
+                    delta.seq_timings, delta.ready_ns = timings, ready_ns
                     yield delta
                 if state.finished:
                     return

@@ -73,6 +73,52 @@ class Timings:
     #: times the completion moved to another instance mid-stream (``decode_instance`` is
     #: the last one)
     num_migrations: int | None = None
+    #: Per-token attribution of the decode stream. ``decode_tokens`` counts the tokens
+    #: Decode streams delivered (colocated: the first one too); each ``decode_*_ns``
+    #: below except ``decode_ns`` and ``decode_engine_ns`` is a latency summed over
+    #: those tokens (a message's latency counted once per token it carries), so divided
+    #: by ``decode_tokens`` it is the mean per token. Stages in a token's order:
+    #: engine step end -> handed to gRPC (``decode_output_ns``) -> received by the
+    #: router (``decode_grpc_ns``: wall clocks of two processes, exact on one host) ->
+    #: text delta ready (``decode_detokenize_ns``: detokenization, stop strings,
+    #: metrics) -> SSE chunk written (``decode_sse_ns``: streamed HTTP only, and not
+    #: the last chunk, which carries these timings).
+    decode_tokens: int | None = None
+    #: first token -> last token at the router (vLLM's request decode time)
+    decode_ns: int | None = None
+    #: the engines' own decode time: first to last output's step end, summed over the
+    #: Decode streams (migrations); divided by ``decode_engine_outputs - 1``: time per
+    #: engine step
+    decode_engine_ns: int | None = None
+    decode_engine_outputs: int | None = None
+    decode_output_ns: int | None = None
+    decode_grpc_ns: int | None = None
+    decode_detokenize_ns: int | None = None
+    decode_sse_ns: int | None = None
+    #: Decode stream messages received (fewer than the engine outputs when the stream
+    #: fell behind and the engine batched them)
+    decode_messages: int | None = None
+
+    def add_decode_message(self, num_tokens: int, grpc_ns: int, detokenize_ns: int) -> None:
+        """Count one Decode message of ``num_tokens`` tokens: its hop (send -> receive)
+        and router processing latencies, in ns, each counted once per token."""
+        self.decode_tokens = (self.decode_tokens or 0) + num_tokens
+        self.decode_messages = (self.decode_messages or 0) + 1
+        self.decode_grpc_ns = (self.decode_grpc_ns or 0) + grpc_ns * num_tokens
+        self.decode_detokenize_ns = (self.decode_detokenize_ns or 0) + \
+            detokenize_ns * num_tokens
+
+    def add_engine_totals(self, engine_decode_ns: int, output_latency_ns: int,
+                          num_outputs: int) -> None:
+        """Add a Decode stream's engine-side totals (its last message's fields)."""
+        self.decode_engine_ns = (self.decode_engine_ns or 0) + engine_decode_ns
+        self.decode_output_ns = (self.decode_output_ns or 0) + output_latency_ns
+        self.decode_engine_outputs = (self.decode_engine_outputs or 0) + num_outputs
+
+    def add_sse(self, latency_ns: int, num_tokens: int) -> None:
+        """Count the SSE write of a delta of ``num_tokens`` tokens ``latency_ns`` after
+        it was ready."""
+        self.decode_sse_ns = (self.decode_sse_ns or 0) + latency_ns * num_tokens
 
     def to_dict(self) -> dict[str, Any]:
         return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
@@ -90,6 +136,10 @@ class SeqDelta:
         stop_reason: matched stop string or stop token id.
         num_cached_tokens: prompt tokens served from a cache (first delta).
         timings: on the last delta.
+        seq_timings: the completion's ``Timings`` while it is filled in, on every delta
+            of a Decode stream (the HTTP layer adds its SSE write latency), else ``None``.
+        ready_ns: ``time.monotonic_ns()`` when the delta was made (Decode stream deltas;
+            0 otherwise).
     """
 
     index: int
@@ -100,6 +150,8 @@ class SeqDelta:
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     timings: Timings | None = None
+    seq_timings: Timings | None = None
+    ready_ns: int = 0
 
 
 class EngineAbort(Exception):
@@ -170,6 +222,8 @@ class SeqState:
             self.finished = True
             delta.finish_reason, delta.stop_reason = reason, stop_reason
             self.timings.e2e_ns = now - self.req.arrival_ns
+            if self.timings.ttft_ns is not None:
+                self.timings.decode_ns = self.timings.e2e_ns - self.timings.ttft_ns
             delta.timings = self.timings
             m = self._metrics
             m.labels(m.e2e).observe(self.timings.e2e_ns / 1e9)

@@ -280,6 +280,12 @@ def test_request_id_propagated_and_echoed(stack) -> None:
     timings = resp.json()["timings"]
     if not stack.config.colocated:
         assert timings["prefill_instance"] != timings["decode_instance"]
+    # every token the Decode stream carried is accounted for (colocated: the first too)
+    from_decode = resp.json()["usage"]["completion_tokens"] - (0 if stack.config.colocated
+                                                              else 1)
+    assert timings.get("decode_tokens", 0) == from_decode
+    if from_decode:
+        assert timings["decode_grpc_ns"] >= 0 and timings["decode_engine_outputs"] >= 1
 
 
 def test_grpc_generate_matches_http(stack, oracle) -> None:

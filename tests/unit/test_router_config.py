@@ -47,3 +47,13 @@ def test_bad_flags_are_value_errors_naming_the_flag(flags: tuple[str, ...], mess
 def test_main_rejects_bad_flags_before_loading_anything(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--redis-url", "redis://h:1", "--decode", "a:1"]) == 2
     assert "tandem router: error: --redis-url" in capsys.readouterr().err
+
+
+def test_event_loop_and_http_implementation_are_checked() -> None:
+    cfg = _cfg("--colocated", "h:1", "--loop", "asyncio", "--http", "h11")
+    assert (cfg.loop, cfg.http) == ("asyncio", "h11")
+    assert (_cfg("--colocated", "h:1").loop, _cfg("--colocated", "h:1").http) == ("auto", "auto")
+    with pytest.raises(ValueError, match="--loop must be"):
+        RouterConfig(colocated=("h:1",), loop="trio")
+    with pytest.raises(ValueError, match="--http must be"):
+        RouterConfig(colocated=("h:1",), http="h2")

@@ -1,0 +1,153 @@
+"""The streamed request path's accounting and batching: engine outputs grouped as they are
+ready (``RequestStream.batches``), the per-token decode timings (``Timings``), SSE chunks
+queued together written at once (``app._take_ready``), the bench's per-token attribution
+(``serve.decode_breakdown``), the router's event loop choice, and the decode stub of
+``tandem bench router-ceiling`` over real gRPC."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from tandem.bench.router_ceiling import StubDecodeServicer
+from tandem.bench.serve import RequestResult, decode_breakdown
+from tandem.engine.outputs import EngineCoreOutput
+from tandem.launch import free_port
+from tandem.services.common.engine_loop import RequestStream
+from tandem.services.router.app import _TAKE, _take_ready
+from tandem.services.router.main import event_loop_runner
+from tandem.services.router.sequence import SeqDelta, Timings
+from tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc
+
+
+class _NoLoop:
+    """Stands in for the EngineLoop: records aborts."""
+
+    def __init__(self) -> None:
+        self.aborted: list[str] = []
+
+    def abort_nowait(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+
+
+def _out(tok: int, finish: str | None = None) -> EngineCoreOutput:
+    return EngineCoreOutput("r", [tok], finish_reason=finish)
+
+
+def test_outputs_queued_together_come_as_one_batch_with_their_step_ends() -> None:
+    async def run() -> list[list[tuple[list[int], int]]]:
+        queue: asyncio.Queue = asyncio.Queue()
+        stream = RequestStream(_NoLoop(), "r", queue)  # type: ignore[arg-type]
+        queue.put_nowait((_out(1), 10))
+        got = []
+        async for batch in stream.batches():
+            got.append([(o.new_token_ids, t) for o, t in batch])
+            if len(got) == 1:  # the consumer fell behind: three steps meanwhile
+                for tok, t in ((2, 20), (3, 30), (4, 40)):
+                    queue.put_nowait((_out(tok, "length" if tok == 4 else None), t))
+        assert stream.finished
+        return got
+
+    assert asyncio.run(run()) == [[([1], 10)], [([2], 20), ([3], 30), ([4], 40)]]
+
+
+def test_an_engine_error_comes_after_the_outputs_queued_before_it() -> None:
+    async def run() -> tuple[list[int], bool]:
+        queue: asyncio.Queue = asyncio.Queue()
+        loop = _NoLoop()
+        stream = RequestStream(loop, "r", queue)  # type: ignore[arg-type]
+        for item in ((_out(1), 1), (_out(2), 2), ValueError("grammar")):
+            queue.put_nowait(item)
+        seen: list[int] = []
+        with pytest.raises(ValueError, match="grammar"):
+            async with stream:
+                async for out in stream:
+                    seen.extend(out.new_token_ids)
+        return seen, bool(loop.aborted)
+
+    # the engine dropped the request itself: no abort is sent for it
+    assert asyncio.run(run()) == ([1, 2], False)
+
+
+def test_timings_sum_each_stage_once_per_token() -> None:
+    t = Timings(ttft_ns=5)
+    t.add_decode_message(1, grpc_ns=100, detokenize_ns=10)
+    t.add_decode_message(3, grpc_ns=200, detokenize_ns=20)
+    t.add_engine_totals(engine_decode_ns=9000, output_latency_ns=400, num_outputs=4)
+    t.add_sse(50, 3)
+    d = t.to_dict()
+    assert (d["decode_tokens"], d["decode_messages"], d["decode_engine_outputs"]) == (4, 2, 4)
+    assert (d["decode_grpc_ns"], d["decode_detokenize_ns"]) == (100 + 600, 10 + 60)
+    assert (d["decode_engine_ns"], d["decode_output_ns"], d["decode_sse_ns"]) == (9000, 400,
+                                                                                    150)
+    assert "decode_ns" not in d  # set when the completion finishes
+
+
+def _delta(tokens: int) -> SeqDelta:
+    return SeqDelta(0, "x", [7] * tokens, seq_timings=Timings(), ready_ns=1)
+
+
+def test_sse_chunks_queued_together_are_one_write_and_the_last_chunk_its_own() -> None:
+    queue: asyncio.Queue = asyncio.Queue()
+    d1, d2, d3 = _delta(1), _delta(2), _delta(1)
+    for item in (("b", d2), (lambda: "LAST", d3), ("usage", None), None):
+        queue.put_nowait(item)
+    text, shown, nxt = _take_ready(("a", d1), queue)
+    assert (text, shown) == ("ab", [d1, d2])  # the last chunk waits for their write
+    text, shown, nxt = _take_ready(nxt, queue)  # type: ignore[arg-type]
+    assert (text, shown, nxt) == ("LASTusage", [d3], None)
+    assert _take_ready(("now", None), asyncio.Queue()) == ("now", [], _TAKE)
+
+
+def test_decode_breakdown_is_per_token_per_request() -> None:
+    def result(scale: int) -> RequestResult:
+        return RequestResult(prompt_len=1, success=True, timings={
+            "decode_tokens": 11, "decode_engine_outputs": 11,
+            "decode_engine_ns": 10 * 20_000_000 * scale, "decode_output_ns": 11 * scale * 10**6,
+            "decode_grpc_ns": 11 * 2 * 10**6, "decode_detokenize_ns": 11 * 10**5,
+            "decode_sse_ns": 10 * 3 * 10**6})
+
+    b = decode_breakdown([result(1), result(3)], [50.0])
+    assert b["mean_engine_step_ms"] == pytest.approx(40.0)  # 10 steps between 11 outputs
+    assert b["median_engine_output_ms"] == pytest.approx(2.0)
+    assert b["mean_grpc_ms"] == pytest.approx(2.0)
+    assert b["mean_detokenize_ms"] == pytest.approx(0.1)
+    assert b["mean_sse_write_ms"] == pytest.approx(3.0)  # the last chunk is not counted
+    assert decode_breakdown([RequestResult(prompt_len=1, success=True)], [50.0]) == {}
+
+
+def test_event_loop_choice() -> None:
+    assert event_loop_runner("asyncio") is asyncio.run
+    uvloop = pytest.importorskip("uvloop")
+    assert event_loop_runner("auto") is uvloop.run
+    assert event_loop_runner("uvloop") is uvloop.run
+
+
+def test_decode_stub_streams_max_tokens_with_the_engine_fields() -> None:
+    async def run() -> list[decode_pb2.DecodeResponse]:
+        server = grpc.aio.server()
+        decode_pb2_grpc.add_DecodeServiceServicer_to_server(  # type: ignore[arg-type]
+            StubDecodeServicer([5, 6], 0.0, "m"), server)
+        port = free_port()
+        server.add_insecure_port(f"127.0.0.1:{port}")
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+                stub = decode_pb2_grpc.DecodeServiceStub(ch)
+                req = decode_pb2.DecodeRequest(
+                    request_id="r", prompt_token_ids=[1],
+                    sampling_params=common_pb2.SamplingParams(max_tokens=3))
+                load = await stub.GetLoad(common_pb2.GetLoadRequest())
+                assert (load.role, load.model) == ("both", "m")
+                return [m async for m in stub.Decode(req)]
+        finally:
+            await server.stop(None)
+
+    msgs = asyncio.run(run())
+    assert [list(m.token_ids) for m in msgs] == [[5], [6], [5]]
+    assert all(m.sent_unix_ns > 0 for m in msgs)
+    assert msgs[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+    assert msgs[-1].num_engine_outputs == 3 and msgs[-1].HasField("engine_decode_ns")
+    assert not msgs[0].HasField("engine_decode_ns")
