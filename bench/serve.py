@@ -364,8 +364,16 @@ def plot(results_by_rate: list[dict[str, Any]], path: str, percentiles: list[flo
     plt.close(fig)
 
 
-def _parse_slo(items: list[str], sep: str) -> dict[str, float]:
-    """``ttft=500,tpot=50`` or vLLM's ``ttft:500 tpot:50`` -> {metric: ms}."""
+def parse_slo(items: list[str], sep: str) -> dict[str, float]:
+    """``ttft=500,tpot=50`` or vLLM's ``ttft:500 tpot:50`` -> {metric: ms}.
+
+    Args:
+        items: the flag values, each one or more ``NAME<sep>MS`` joined by commas.
+        sep: ``=`` (``--slo``) or ``:`` (``--goodput``).
+
+    Raises:
+        ValueError: a part that is not ``ttft``, ``tpot`` or ``e2el`` with a value.
+    """
     out: dict[str, float] = {}
     for item in items:
         for part in item.split(","):
@@ -689,7 +697,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     percentiles = [float(x) for x in args.metric_percentiles.split(",") if x]
     try:
-        slo = _parse_slo(args.goodput, ":") | _parse_slo([args.slo], "=")
+        slo = parse_slo(args.goodput, ":") | parse_slo([args.slo], "=")
         mix = None
         if args.input_len_mix:
             mix = [(int(a), float(b)) for a, b in

@@ -96,10 +96,10 @@ def parse_slo(text: str, percentile: float) -> Slo:
     Raises:
         ValueError: naming ``--slo`` (or ``--slo-percentile``).
     """
-    from tandem.bench.serve import _parse_slo
+    from tandem.bench.serve import parse_slo
 
     try:
-        bounds = _parse_slo([text], "=")
+        bounds = parse_slo([text], "=")
     except ValueError as exc:
         raise ValueError(f"--slo: {exc}") from exc
     return Slo(ttft_ms=bounds.get("ttft"), tpot_ms=bounds.get("tpot"),
