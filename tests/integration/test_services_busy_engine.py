@@ -35,6 +35,12 @@ class _StuckStepEngine:
     def add_request(self, request: SimpleNamespace) -> None:
         self._pending.append(request.request_id)
 
+    def prefetch_kv(self, request: SimpleNamespace) -> None:
+        pass
+
+    def drop_prefetch_kv(self, request: SimpleNamespace) -> None:
+        pass
+
     def has_unfinished_requests(self) -> bool:
         return bool(self._pending)
 
