@@ -1,57 +1,21 @@
 """``EngineLoop`` starts a request's KV lookups on arrival (``prefetch_kv``) and drops
 them for every request the engine does not take: rejected, a duplicate id, cancelled
-before the engine thread added it. A fake engine records the calls; its step blocks
-until the test releases it, so a cancelled add is still queued behind the step."""
+before the engine thread added it. A fake engine records the calls; once its step
+blocks, a cancelled add is still queued behind the step."""
 
 from __future__ import annotations
 
 import asyncio
-import threading
 from types import SimpleNamespace
 
 import pytest
+from stuck_engine import StuckStepEngine
 
 from tandem.services.common.engine_loop import EngineLoop
 
 
-class _RecordingEngine:
-    def __init__(self) -> None:
-        self.prefetched: list[object] = []
-        self.dropped: list[object] = []
-        self.in_step = threading.Event()
-        self.release = threading.Event()
-        self.release.set()  # steps return at once until the test blocks them
-        self.num_steps = 0
-        self.num_batches_in_flight = 0
-        self._pending: list[str] = []
-
-    def prefetch_kv(self, request: SimpleNamespace) -> None:
-        self.prefetched.append(request)
-
-    def drop_prefetch_kv(self, request: SimpleNamespace) -> None:
-        self.dropped.append(request)
-
-    def add_request(self, request: SimpleNamespace) -> None:
-        if request.bad:
-            raise ValueError("max_tokens: must be >= 1")
-        self._pending.append(request.request_id)
-
-    def has_unfinished_requests(self) -> bool:
-        return bool(self._pending)
-
-    def step(self) -> list:
-        self.in_step.set()
-        self.release.wait()
-        self._pending.clear()
-        self.num_steps += 1
-        return []
-
-    def abort_requests(self, ids: list[str]) -> None:
-        self._pending = [r for r in self._pending if r not in ids]
-
-
 def test_prefetches_are_dropped_for_requests_the_engine_did_not_take() -> None:
-    engine = _RecordingEngine()
+    engine = StuckStepEngine(blocking=False)
 
     async def scenario() -> None:
         loop = EngineLoop(engine, asyncio.get_running_loop())
