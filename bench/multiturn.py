@@ -174,7 +174,9 @@ async def run_conversations(url: str, model: str, shape: MultiTurnShape, system:
 def turn_metrics(results: list[TurnResult], duration_s: float, percentiles: list[float]
                  ) -> dict[str, Any]:
     """Totals plus, per turn, TTFT percentiles (ms), mean prompt and cached tokens, and
-    the median of each TTFT part the router reports (``median_<part>_ms``)."""
+    the median of each TTFT part the router reports (``median_<part>_ms``); ``requests``
+    keeps every turn's own conversation, turn, success, prompt / cached / output tokens
+    and TTFT (ms), in the order the turns were sent."""
     ok = [r for r in results if r.success]
     per_turn = []
     for turn in sorted({r.turn for r in results}):
@@ -206,6 +208,10 @@ def turn_metrics(results: list[TurnResult], duration_s: float, percentiles: list
         "total_input_tokens": sum(r.prompt_tokens for r in ok),
         "total_output_tokens": sum(r.output_tokens for r in ok),
         "per_turn": per_turn,
+        "requests": [{"conversation": r.conversation, "turn": r.turn, "success": r.success,
+                      "prompt_tokens": r.prompt_tokens, "cached_tokens": r.cached_tokens,
+                      "output_tokens": r.output_tokens, "ttft_ms": r.ttft * 1000}
+                     for r in results],
         "errors": [r.error for r in results if r.error],
     }
 

@@ -38,3 +38,9 @@ def test_turn_metrics_per_turn() -> None:
     # the TTFT parts: medians over the requests that report them, absent otherwise
     assert one["median_prefill_compute_ms"] == pytest.approx(200)
     assert "median_prefill_compute_ms" not in two
+    # every turn's own counts, in the order sent (per-request diagnosis of cache misses)
+    rows = m["requests"]
+    assert [(r["conversation"], r["turn"], r["success"]) for r in rows] == [
+        (0, 1, True), (1, 1, True), (0, 2, True), (1, 2, False)]
+    assert (rows[2]["prompt_tokens"], rows[2]["cached_tokens"]) == (180, 160)
+    assert rows[2]["ttft_ms"] == pytest.approx(50)
