@@ -90,11 +90,28 @@ def build_conversations(shape: MultiTurnShape, tokenizer: Any, seed: int
     return system, users
 
 
-async def _turn(client: Any, url: str, model: str, messages: list[dict[str, str]],
-                answer_len: int, res: TurnResult) -> None:
-    body = {"model": model, "messages": messages, "max_tokens": answer_len,
+def chat_body(model: str, messages: list[dict[str, str]], answer_len: int,
+              skip_special_tokens: bool = False) -> dict[str, Any]:
+    """The streamed ``/v1/chat/completions`` body of one turn.
+
+    ``ignore_eos`` makes every answer ``answer_len`` tokens long, so the model often
+    writes past its end of turn: an end-of-turn token and a made-up next turn (chat
+    template markers, special tokens). With ``skip_special_tokens`` (the API's default)
+    those tokens leave the text, the next turn's history does not re-tokenise to the
+    ids the model generated, and the published blocks of the answer from that token on
+    cannot match; so by default the answer's text keeps them (``False``), and the
+    history is the token ids the decode instance computed.
+    """
+    return {"model": model, "messages": messages, "max_tokens": answer_len,
             "temperature": 0.0, "stream": True, "ignore_eos": True,
+            "skip_special_tokens": skip_special_tokens,
             "stream_options": {"include_usage": True}}
+
+
+async def _turn(client: Any, url: str, model: str, messages: list[dict[str, str]],
+                answer_len: int, res: TurnResult, skip_special_tokens: bool = False
+                ) -> None:
+    body = chat_body(model, messages, answer_len, skip_special_tokens)
     start = time.perf_counter()
     try:
         async with client.stream("POST", url, json=body) as resp:
@@ -131,9 +148,14 @@ async def _turn(client: Any, url: str, model: str, messages: list[dict[str, str]
 
 async def run_conversations(url: str, model: str, shape: MultiTurnShape, system: str,
                             users: list[list[str]], request_rate: float, burstiness: float,
-                            max_concurrency: int | None, seed: int
+                            max_concurrency: int | None, seed: int,
+                            skip_special_tokens: bool = False
                             ) -> tuple[list[TurnResult], float]:
     """Run every conversation (turns in order; a failed turn ends its conversation).
+
+    ``skip_special_tokens``: drop special tokens from the answers' text (see
+    :func:`chat_body`; the default keeps them, so histories re-tokenise to the ids
+    generated).
 
     Returns (every turn's result, wall time in seconds).
     """
@@ -152,10 +174,12 @@ async def run_conversations(url: str, model: str, shape: MultiTurnShape, system:
                 res = TurnResult(conversation=c, turn=t + 1)
                 results.append(res)
                 if sem is None:
-                    await _turn(client, url, model, messages, shape.answer_len, res)
+                    await _turn(client, url, model, messages, shape.answer_len, res,
+                                skip_special_tokens)
                 else:
                     async with sem:
-                        await _turn(client, url, model, messages, shape.answer_len, res)
+                        await _turn(client, url, model, messages, shape.answer_len, res,
+                                    skip_special_tokens)
                 if not res.success:
                     return
                 messages.append({"role": "assistant", "content": res.text})
@@ -174,7 +198,9 @@ async def run_conversations(url: str, model: str, shape: MultiTurnShape, system:
 def turn_metrics(results: list[TurnResult], duration_s: float, percentiles: list[float]
                  ) -> dict[str, Any]:
     """Totals plus, per turn, TTFT percentiles (ms), mean prompt and cached tokens, and
-    the median of each TTFT part the router reports (``median_<part>_ms``)."""
+    the median of each TTFT part the router reports (``median_<part>_ms``); ``requests``
+    keeps every turn's own conversation, turn, success, prompt / cached / output tokens
+    and TTFT (ms), in the order the turns were sent."""
     ok = [r for r in results if r.success]
     per_turn = []
     for turn in sorted({r.turn for r in results}):
@@ -206,6 +232,10 @@ def turn_metrics(results: list[TurnResult], duration_s: float, percentiles: list
         "total_input_tokens": sum(r.prompt_tokens for r in ok),
         "total_output_tokens": sum(r.output_tokens for r in ok),
         "per_turn": per_turn,
+        "requests": [{"conversation": r.conversation, "turn": r.turn, "success": r.success,
+                      "prompt_tokens": r.prompt_tokens, "cached_tokens": r.cached_tokens,
+                      "output_tokens": r.output_tokens, "ttft_ms": r.ttft * 1000}
+                     for r in results],
         "errors": [r.error for r in results if r.error],
     }
 

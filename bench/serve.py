@@ -405,6 +405,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="multi-turn: tokens of each user message")
     p.add_argument("--multi-turn-answer-len", type=int, default=64,
                    help="multi-turn: tokens of each answer (ignore_eos)")
+    p.add_argument("--multi-turn-skip-special-tokens", action="store_true",
+                   help="multi-turn: drop special tokens from the answers' text (the API's "
+                        "default); by default they stay, so the next turn's history "
+                        "re-tokenises to the ids generated even when an answer runs past "
+                        "its end of turn")
     p.add_argument("--num-prompts", type=int, default=100)
     p.add_argument("--random-input-len", type=int, default=1024)
     p.add_argument("--random-output-len", type=int, default=128)
@@ -593,14 +598,16 @@ def _run_multi_turn(args: argparse.Namespace, base: str, model: str,
               f"{args.max_concurrency}", flush=True)
         results, duration = asyncio.run(run_conversations(
             base + "/v1/chat/completions", model, shape, system, users, rate,
-            args.burstiness, args.max_concurrency, args.seed))
+            args.burstiness, args.max_concurrency, args.seed,
+            args.multi_turn_skip_special_tokens))
         m = turn_metrics(results, duration, percentiles)
         m.update(date=datetime.now().strftime("%Y%m%d-%H%M%S"), backend="tandem",
                  dataset_name="multi-turn", model_id=model, request_rate=rate,
                  max_concurrency=args.max_concurrency, label=label,
                  num_conversations=shape.num_conversations, num_turns=shape.num_turns,
                  system_len=shape.system_len, user_len=shape.user_len,
-                 answer_len=shape.answer_len)
+                 answer_len=shape.answer_len,
+                 skip_special_tokens=args.multi_turn_skip_special_tokens)
         print_turns(m, percentiles)
         failed += m["failed"]
         all_results.append(m)

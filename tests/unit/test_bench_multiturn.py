@@ -38,3 +38,42 @@ def test_turn_metrics_per_turn() -> None:
     # the TTFT parts: medians over the requests that report them, absent otherwise
     assert one["median_prefill_compute_ms"] == pytest.approx(200)
     assert "median_prefill_compute_ms" not in two
+    # every turn's own counts, in the order sent (per-request diagnosis of cache misses)
+    rows = m["requests"]
+    assert [(r["conversation"], r["turn"], r["success"]) for r in rows] == [
+        (0, 1, True), (1, 1, True), (0, 2, True), (1, 2, False)]
+    assert (rows[2]["prompt_tokens"], rows[2]["cached_tokens"]) == (180, 160)
+    assert rows[2]["ttft_ms"] == pytest.approx(50)
+
+
+def test_answer_past_its_end_of_turn_retokenises_to_the_generated_ids() -> None:
+    """An ``ignore_eos`` answer often runs past ``<|im_end|>`` into a made-up turn. The
+    next turn's prompt must start with this turn's prompt + the generated ids (what the
+    decode instance published), which holds only when the text keeps special tokens."""
+    from tandem.bench.multiturn import chat_body
+    from tandem.engine.model_files import load_tokenizer
+
+    tok = load_tokenizer()
+
+    def encode(messages: list[dict[str, str]], generation_prompt: bool) -> list[int]:
+        text = tok.apply_chat_template(messages, tokenize=False,
+                                       add_generation_prompt=generation_prompt)
+        return list(tok.encode(text, add_special_tokens=False))
+
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi?"}]
+    prompt = encode(messages, True)
+    generated = list(tok.encode("Hello there.<|im_end|>\n<|im_start|>user\nAnd then more",
+                                add_special_tokens=False))
+    assert tok.convert_tokens_to_ids("<|im_end|>") in generated
+
+    def next_prompt(skip_special_tokens: bool) -> list[int]:
+        text = tok.decode(generated, skip_special_tokens=skip_special_tokens)
+        return encode(messages + [{"role": "assistant", "content": text},
+                                  {"role": "user", "content": "Next?"}], True)
+
+    body = chat_body("m", messages, 16)
+    assert body["ignore_eos"] is True
+    history = prompt + generated
+    assert next_prompt(body["skip_special_tokens"])[:len(history)] == history
+    # the API's default drops the end-of-turn token: the chain breaks at it
+    assert next_prompt(True)[:len(history)] != history
