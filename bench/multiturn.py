@@ -173,7 +173,8 @@ async def run_conversations(url: str, model: str, shape: MultiTurnShape, system:
 
 def turn_metrics(results: list[TurnResult], duration_s: float, percentiles: list[float]
                  ) -> dict[str, Any]:
-    """Totals plus, per turn, TTFT percentiles (ms), mean prompt and cached tokens."""
+    """Totals plus, per turn, TTFT percentiles (ms), mean prompt and cached tokens, and
+    the median of each TTFT part the router reports (``median_<part>_ms``)."""
     ok = [r for r in results if r.success]
     per_turn = []
     for turn in sorted({r.turn for r in results}):
@@ -191,6 +192,12 @@ def turn_metrics(results: list[TurnResult], duration_s: float, percentiles: list
             row["mean_cached_tokens"] = float(np.mean([r.cached_tokens for r in mine]))
             paths = [r.timings.get("disagg_decision") for r in mine]
             row["local_prefill"] = sum(1 for p in paths if p == "local_prefill")
+            # Where the first token's time went: the router's TTFT parts, medians in ms
+            # over the requests that have the part (a local prefill has no prefill_*).
+            for part in _TTFT_PARTS:
+                vals = [r.timings[part] for r in mine if r.timings.get(part) is not None]
+                if vals:
+                    row[f"median_{part[:-3]}_ms"] = float(np.median(vals)) / 1e6
         per_turn.append(row)
     return {
         "duration": duration_s,
@@ -203,6 +210,10 @@ def turn_metrics(results: list[TurnResult], duration_s: float, percentiles: list
     }
 
 
+#: The router's ``timings`` fields that make up a TTFT (ns), summarised per turn.
+_TTFT_PARTS = ("router_queue_ns", "prefill_queue_ns", "prefill_compute_ns", "kv_publish_ns")
+
+
 def print_turns(m: dict[str, Any], percentiles: list[float]) -> None:
     """The per-turn table."""
     print("{s:{c}^60}".format(s=" Multi-turn chat: TTFT per turn ", c="="))
@@ -210,6 +221,9 @@ def print_turns(m: dict[str, Any], percentiles: list[float]) -> None:
             "mean_cached_tokens": "cached tok", "mean_ttft_ms": "TTFT mean ms"}
     for p in percentiles:
         cols["median_ttft_ms" if p == 50 else f"p{p:g}_ttft_ms"] = f"TTFT p{p:g} ms"
+    for part, label in (("prefill_queue", "pf queue ms"), ("prefill_compute", "pf comp ms")):
+        if any(f"median_{part}_ms" in row for row in m["per_turn"]):
+            cols[f"median_{part}_ms"] = label
     print("  ".join(f"{label:>12}" for label in cols.values()))
     for row in m["per_turn"]:
         print("  ".join(f"{row.get(c, float('nan')):>12.1f}" if isinstance(row.get(c), float)

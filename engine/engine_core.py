@@ -217,6 +217,18 @@ class EngineCore:
             request.eos_token_id = self.eos_token_id
         self.scheduler.add_request(request)
 
+    def prefetch_kv(self, request: Request) -> None:
+        """Start the KV connector's lookups for a request about to be added (any thread;
+        never blocks): see ``KVConnectorScheduler.prefetch``. A caller that then does
+        not add it calls ``drop_prefetch_kv``."""
+        if self.connector_scheduler is not None:
+            self.connector_scheduler.prefetch(request)
+
+    def drop_prefetch_kv(self, request: Request) -> None:
+        """Undo ``prefetch_kv`` for a request that was not added (engine thread)."""
+        if self.connector_scheduler is not None:
+            self.connector_scheduler.drop_prefetch(request)
+
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         """Abort requests in any state; their blocks are freed at once, or, for a request
         in a batch in flight, once that batch is applied. Unknown ids are ignored."""

@@ -154,6 +154,17 @@ class KVConnectorScheduler(ABC):
             scheduler clamps it so that at least one token is computed locally.
         """
 
+    def prefetch(self, request: Request) -> None:  # noqa: B027 - optional hook
+        """A request is arriving (called from any thread, before the engine thread adds
+        it): start the lookups ``get_num_new_matched_tokens`` will ask for, so that a
+        request arriving during a step can be admitted at the next one. Must be
+        thread-safe and must not block. The default does nothing."""
+
+    def drop_prefetch(self, request: Request) -> None:  # noqa: B027 - optional hook
+        """The engine did not take a prefetched request (rejected, cancelled): drop
+        what ``prefetch`` started for it (called from the engine thread). The
+        default does nothing."""
+
     @abstractmethod
     def update_state_after_alloc(
         self, request: Request, block_ids: list[int], num_external_tokens: int

@@ -160,45 +160,82 @@ class _Job:
 class _Lookups:
     """Store index lookups of waiting requests, on their own thread.
 
-    Thread-safety: ``get``/``pop`` come from the engine thread, the probe runs
-    on the lookup thread; ``_lock`` guards the two dicts.
+    Entries are keyed by request id and by the ``Request`` object itself (its
+    identity, pinned by the entry): a prefetch from the service thread for a second
+    request that reuses an id in flight can then never answer for the first.
+
+    Thread-safety: ``get``/``pop`` come from the engine thread, ``prefetch`` from any
+    thread, the probe runs on the lookup thread; ``_lock`` guards the two dicts.
     """
 
     def __init__(self, probe: StoreProbe, transfers: _Transfers) -> None:
         self._probe = probe
         self._transfers = transfers  # for its listener
-        self._queue: queue.Queue[tuple[str, int, int, list[BlockHash], bytes] | None] = (
+        # (key, start block, stop block, hash chain or a callable making it,
+        # fingerprint); None stops the thread
+        self._queue: queue.Queue[tuple[_LookupKey, int, int, list[BlockHash]
+                                       | Callable[[], list[BlockHash]], bytes] | None] = (
             queue.Queue())
         self._lock = threading.Lock()
-        self._pending: dict[str, int] = {}  # request id -> start block of the lookup asked
-        self._done: dict[str, _Found] = {}
+        # key -> (start block of the lookup asked, its request: pins the id)
+        self._pending: dict[_LookupKey, tuple[int, Request]] = {}
+        self._done: dict[_LookupKey, tuple[_Found, Request]] = {}
         self._thread = threading.Thread(target=self._run, name="kv-index-lookup", daemon=True)
         self._thread.start()
 
-    def get(self, request_id: str, start: int, stop: int, hashes: Callable[[], list[BlockHash]],
-            fingerprint: bytes) -> _Found | None:
+    def get(self, request: Request, start: int, stop: int,
+            hashes: Callable[[], list[BlockHash]], fingerprint: bytes) -> _Found | None:
         """The lookup of blocks ``[start, stop)`` if it answered; else start it (once) and
         return ``None``. ``hashes()`` gives the full-block hash chain (called only to
-        start a lookup)."""
+        start a lookup).
+
+        An answered lookup from an earlier block (a ``prefetch`` from block 0) answers
+        for ``start`` too when its leading run reaches past ``start``: the store holds
+        those blocks, and the run from ``start`` is its rest. One still running is
+        waited for; one whose run ends before ``start`` is followed by a lookup from
+        ``start``."""
+        key = _key(request)
         with self._lock:
-            found = self._done.get(request_id)
-            if found is not None and found.start == start:
-                return found
-            if self._pending.get(request_id) == start:
+            entry = self._done.get(key)
+            if entry is not None:
+                found = entry[0]
+                if found.start == start:
+                    return found
+                end = found.start + found.num_blocks
+                if found.start < start < end:
+                    return _Found(start, min(end, stop) - start, found.hashes)
+            pending = self._pending.get(key)
+            if pending is not None and pending[0] <= start:
                 return None
-            self._pending[request_id] = start
-            self._done.pop(request_id, None)
-        self._queue.put((request_id, start, stop, hashes(), fingerprint))
+            self._pending[key] = (start, request)
+            self._done.pop(key, None)
+        self._queue.put((key, start, stop, hashes(), fingerprint))
         return None
 
-    def pop(self, request_id: str) -> _Found | None:
+    def prefetch(self, request: Request, stop: int, hashes: Callable[[], list[BlockHash]],
+                 fingerprint: bytes) -> None:
+        """Start the lookup of blocks ``[0, stop)`` now, from any thread (a request that
+        arrives during a step is looked up while that step runs, so the next step can
+        admit it). ``hashes()`` runs on the lookup thread."""
+        key = _key(request)
         with self._lock:
-            self._pending.pop(request_id, None)
-            return self._done.pop(request_id, None)
+            if key in self._pending or key in self._done:
+                return
+            self._pending[key] = (0, request)
+        self._queue.put((key, 0, stop, hashes, fingerprint))
 
-    def num_pending(self) -> int:
+    def pop(self, request: Request) -> _Found | None:
+        """Forget ``request``'s lookup; its answer if it had one."""
+        key = _key(request)
         with self._lock:
-            return len(self._pending)
+            self._pending.pop(key, None)
+            entry = self._done.pop(key, None)
+        return None if entry is None else entry[0]
+
+    def __len__(self) -> int:
+        """Lookups asked or answered and not yet forgotten."""
+        with self._lock:
+            return len(self._pending) + len(self._done)
 
     def close(self) -> None:
         self._queue.put(None)
@@ -209,20 +246,31 @@ class _Lookups:
             item = self._queue.get()
             if item is None:
                 return
-            rid, start, stop, hashes, fingerprint = item
+            key, start, stop, chain, fingerprint = item
+            hashes = chain() if callable(chain) else chain
             try:
                 n = self._probe([BlockKey(h, fingerprint) for h in hashes[start:stop]])
             except Exception as exc:  # noqa: BLE001 - a failed lookup is a miss
-                logger.warning("store lookup of %s failed: %s", rid, exc)
+                logger.warning("store lookup of %s failed: %s", key[0], exc)
                 n = 0
             with self._lock:
-                if self._pending.get(rid) != start:
+                pending = self._pending.get(key)
+                if pending is None or pending[0] != start:
                     continue  # finished, or a newer lookup was asked meanwhile
-                del self._pending[rid]
-                self._done[rid] = _Found(start, max(0, min(n, stop - start)), hashes)
+                del self._pending[key]
+                self._done[key] = (_Found(start, max(0, min(n, stop - start)), hashes),
+                                   pending[1])
             listener = self._transfers.listener
             if listener is not None:
-                listener.on_lookup_done(rid)
+                listener.on_lookup_done(key[0])
+
+
+#: A lookup's key: the request id and the identity of its ``Request`` object.
+_LookupKey = tuple[str, int]
+
+
+def _key(request: Request) -> _LookupKey:
+    return request.request_id, id(request)
 
 
 @dataclass(frozen=True)
@@ -540,6 +588,26 @@ class StoreConnectorScheduler(KVConnectorScheduler):
         covered = min(len(hashes) * self.block_size, request.num_prompt_tokens)
         return max(0, covered - num_computed_tokens)
 
+    def prefetch(self, request: Request) -> None:
+        """Start the store lookup of a prompt arriving for this engine (thread-safe).
+
+        Only requests that would ask the store at admission (no handoff's
+        ``kv_transfer_params``) and have a full block before their last token."""
+        if self._lookups is None or request.kv_transfer_params is not None:
+            return
+        bs = self.block_size
+        stop = (len(request.prompt_token_ids) - 1) // bs
+        if stop <= 0:
+            return
+        tokens = list(request.prompt_token_ids[: stop * bs])
+        self._lookups.prefetch(request, stop,
+                               lambda: hash_token_blocks(tokens, bs), self.fingerprint)
+
+    def drop_prefetch(self, request: Request) -> None:
+        """Forget a prefetched lookup of a request the engine did not take."""
+        if self._lookups is not None:
+            self._lookups.pop(request)
+
     def _store_hit(self, request: Request, num_computed_tokens: int) -> int | None:
         """Tokens of the leading run of full blocks after the local hit that the store
         index holds; ``None`` while its lookup (one per request and local hit) runs."""
@@ -552,7 +620,7 @@ class StoreConnectorScheduler(KVConnectorScheduler):
         if stop <= start:
             return 0
         tokens = request.all_token_ids
-        found = self._lookups.get(request.request_id, start, stop,
+        found = self._lookups.get(request, start, stop,
                                   lambda: hash_token_blocks(tokens[: stop * bs], bs),
                                   self.fingerprint)
         return None if found is None else found.num_blocks * bs
@@ -561,7 +629,7 @@ class StoreConnectorScheduler(KVConnectorScheduler):
         self, request: Request, block_ids: list[int], num_external_tokens: int
     ) -> None:
         rid = request.request_id
-        found = self._lookups.pop(rid) if self._lookups is not None else None
+        found = self._lookups.pop(request) if self._lookups is not None else None
         hashes: Sequence[BlockHash] | None = self._remote_hashes(request)
         params = request.kv_transfer_params
         # a prefill still publishing these blocks: a miss waits for them (kvstore/arrival.py)
@@ -596,7 +664,7 @@ class StoreConnectorScheduler(KVConnectorScheduler):
     def request_finished(self, request: Request, block_ids: list[int]) -> bool:
         rid = request.request_id
         if self._lookups is not None:
-            self._lookups.pop(rid)
+            self._lookups.pop(request)
         if self._loads.pop(rid, None) is not None:
             return False  # its load was never started: nothing writes into the blocks
         if self._transfers.cancel(rid):

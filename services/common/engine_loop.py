@@ -225,11 +225,17 @@ class EngineLoop:
         if not self._accepting:
             raise ShuttingDownError("server is shutting down")
         queue: asyncio.Queue[StampedOutput | BaseException] = asyncio.Queue()
+        # The store lookup runs while the current step does, not after it.
+        self.engine.prefetch_kv(request)
         try:
             await self.call(self._add, request, queue)
         except asyncio.CancelledError:
             # The add may have run already: abort it (queued after it, so it applies).
             self.abort_nowait(request.request_id)
+            try:
+                self._post(lambda: self.engine.drop_prefetch_kv(request))
+            except ShuttingDownError:
+                pass
             raise
         return RequestStream(self, request.request_id, queue)
 
@@ -243,9 +249,13 @@ class EngineLoop:
     # -- engine thread -------------------------------------------------------------------------
 
     def _add(self, request: Request, queue: asyncio.Queue) -> None:
-        if request.request_id in self._queues:
-            raise ValueError(f"request_id {request.request_id!r} is already in flight")
-        self.engine.add_request(request)
+        try:
+            if request.request_id in self._queues:
+                raise ValueError(f"request_id {request.request_id!r} is already in flight")
+            self.engine.add_request(request)
+        except BaseException:
+            self.engine.drop_prefetch_kv(request)
+            raise
         self._queues[request.request_id] = queue
 
     def _abort(self, request_ids: list[str]) -> None:

@@ -12,50 +12,19 @@ test uses a real Redis.
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 from types import SimpleNamespace
 
 import redis
+from stuck_engine import StuckStepEngine
 
 from tandem.services.common.engine_loop import EngineLoop
 from tandem.services.common.registry import InstanceRegistration
 
 
-class _StuckStepEngine:
-    """Just enough of ``EngineCore`` for ``EngineLoop``: its step blocks until released."""
-
-    def __init__(self) -> None:
-        self.in_step = threading.Event()
-        self.release = threading.Event()
-        self.num_steps = 0
-        self.num_batches_in_flight = 0
-        self._pending: list[str] = []
-
-    def add_request(self, request: SimpleNamespace) -> None:
-        self._pending.append(request.request_id)
-
-    def has_unfinished_requests(self) -> bool:
-        return bool(self._pending)
-
-    def step(self) -> list:
-        self.in_step.set()
-        self.release.wait()
-        self._pending.clear()
-        self.num_steps += 1
-        return []
-
-    def abort_requests(self, ids: list[str]) -> None:
-        self._pending = [r for r in self._pending if r not in ids]
-
-    def get_stats(self) -> SimpleNamespace:
-        return SimpleNamespace(num_running=len(self._pending), num_waiting=0,
-                               kv_cache_usage=0.0, num_free_blocks=8, num_total_blocks=8)
-
-
 def test_stats_answer_while_the_engine_is_in_a_long_step() -> None:
     """``EngineLoop.stats`` returns the last snapshot instead of waiting for the step."""
-    engine = _StuckStepEngine()
+    engine = StuckStepEngine()
 
     async def scenario() -> None:
         engine_loop = EngineLoop(engine, asyncio.get_running_loop())

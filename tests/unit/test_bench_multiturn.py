@@ -19,8 +19,10 @@ def test_shape_names_the_flag_of_a_bad_count() -> None:
 def test_turn_metrics_per_turn() -> None:
     results = [
         TurnResult(0, 1, success=True, ttft=0.2, prompt_tokens=100, cached_tokens=0,
-                   timings={"disagg_decision": "remote_prefill"}),
-        TurnResult(1, 1, success=True, ttft=0.4, prompt_tokens=100, cached_tokens=64),
+                   timings={"disagg_decision": "remote_prefill",
+                            "prefill_compute_ns": 150_000_000}),
+        TurnResult(1, 1, success=True, ttft=0.4, prompt_tokens=100, cached_tokens=64,
+                   timings={"prefill_compute_ns": 250_000_000}),
         TurnResult(0, 2, success=True, ttft=0.05, prompt_tokens=180, cached_tokens=160,
                    timings={"disagg_decision": "local_prefill"}),
         TurnResult(1, 2, success=False, error="HTTP 503"),
@@ -33,3 +35,6 @@ def test_turn_metrics_per_turn() -> None:
     assert one["mean_cached_tokens"] == 32
     assert (two["completed"], two["failed"], two["local_prefill"]) == (1, 1, 1)
     assert two["median_ttft_ms"] == pytest.approx(50)
+    # the TTFT parts: medians over the requests that report them, absent otherwise
+    assert one["median_prefill_compute_ms"] == pytest.approx(200)
+    assert "median_prefill_compute_ms" not in two

@@ -283,3 +283,111 @@ def test_a_slow_lookup_holds_only_its_own_request(tiny, store) -> None:
         release.set()
         a.shutdown()
         b.shutdown()
+
+
+class _LookupEvents:
+    """A transfer listener that signals each answered store lookup."""
+
+    def __init__(self) -> None:
+        self.answered: dict[str, threading.Event] = {}
+
+    def event(self, request_id: str) -> threading.Event:
+        return self.answered.setdefault(request_id, threading.Event())
+
+    def on_save_done(self, request_id: str, result: object) -> None:
+        pass
+
+    def on_load_done(self, request_id: str, result: object) -> None:
+        pass
+
+    def on_lookup_done(self, request_id: str) -> None:
+        self.event(request_id).set()
+
+
+def test_a_prefetched_lookup_lets_the_first_step_admit_the_request(tiny, store) -> None:
+    """The service starts a request's store lookup when it arrives (``prefetch_kv``), so
+    the step after ``add_request`` admits it: without the prefetch that step only starts
+    the lookup and admission waits one step more."""
+    from tandem.engine.request import RequestStatus
+
+    loaded, hf = tiny
+    a, b = make_core(loaded, "kv_producer"), make_core(loaded, "kv_producer")
+    events = _LookupEvents()
+    assert b.connector_worker is not None
+    b.connector_worker.set_listener(events)
+    try:
+        prompt = list(range(12, 34))
+        generate(a, prompt, 1)
+        probes = store.num_probes
+        req = Request("pre", prompt, SamplingParams(max_tokens=2, temperature=0.0))
+        b.prefetch_kv(req)
+        assert events.event("pre").wait(30)
+        b.add_request(req)
+        outs = b.step()
+        assert b.scheduler.requests["pre"].status != RequestStatus.WAITING
+        assert store.num_probes == probes + 1, "the prefetch's answer was used"
+        tokens = [t for o in outs for t in o.new_token_ids]
+        cached = [o.num_cached_tokens for o in outs]
+        while b.has_unfinished_requests():
+            for o in b.step():
+                tokens += o.new_token_ids
+                cached.append(o.num_cached_tokens)
+        assert tokens == hf_greedy_steps(hf, prompt, 2)[0]
+        assert cached[0] == 20
+
+        # Without a prefetch the first step only starts the lookup.
+        again = Request("plain", list(range(12, 30)) + [90, 91, 92],
+                        SamplingParams(max_tokens=1, temperature=0.0))
+        b.add_request(again)
+        b.step()
+        assert b.scheduler.requests["plain"].status == RequestStatus.WAITING
+        while b.has_unfinished_requests():
+            b.step()
+    finally:
+        a.shutdown()
+        b.shutdown()
+
+
+def test_a_prefetch_answers_later_starts_and_never_another_request() -> None:
+    """``_Lookups``: a prefetch from block 0 answers a lookup from a later block inside its
+    run; past its run a new lookup starts; a second request object with the same id never
+    sees the first one's answer; ``pop`` forgets both states."""
+    from tandem.kvstore.connector import _Lookups
+
+    present = 5
+    probed: list[int] = []
+
+    def probe(keys: Sequence[BlockKey]) -> int:
+        probed.append(len(keys))
+        return min(present, len(keys))
+
+    events = _LookupEvents()
+    transfers = type("T", (), {"listener": events})()
+    lookups = _Lookups(probe, transfers)  # type: ignore[arg-type]
+    chain = [bytes([i]) * 32 for i in range(8)]
+    fp = b"f" * 16
+    params = SamplingParams(max_tokens=1)
+    try:
+        first = Request("same", list(range(40)), params)
+        lookups.prefetch(first, 8, lambda: chain, fp)
+        assert events.event("same").wait(30)
+        found = lookups.get(first, 3, 8, lambda: chain, fp)
+        assert found is not None and (found.start, found.num_blocks) == (3, 2)
+        assert probed == [8]
+
+        other = Request("same", list(range(40)), params)
+        events.answered.clear()
+        assert lookups.get(other, 3, 8, lambda: chain, fp) is None, "not the first's answer"
+        assert events.event("same").wait(30)
+        assert probed == [8, 5]
+        assert len(lookups) == 2
+        assert lookups.pop(other) is not None and len(lookups) == 1
+
+        events.answered.clear()
+        assert lookups.get(first, 6, 8, lambda: chain, fp) is None, "past the run: asks again"
+        assert events.event("same").wait(30)
+        assert lookups.get(first, 6, 8, lambda: chain, fp) is not None
+        lookups.pop(first)
+        assert len(lookups) == 0
+    finally:
+        lookups.close()
