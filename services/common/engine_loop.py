@@ -1,7 +1,8 @@
 """Run an EngineCore in one dedicated thread and bridge it to asyncio.
 
 The engine is single-threaded (scheduler, block pool and model runner are not
-thread-safe), so every call into it happens in the engine thread:
+thread-safe), so every call into it happens in the engine thread, its construction
+included when it is made by :meth:`EngineLoop.launch`:
 
 * RPC handlers (event loop) post *commands* (add a request, abort, read stats)
   to a deque and wake the thread; the result or exception comes back through a
@@ -93,9 +94,55 @@ class EngineLoop:
 
     # -- lifecycle -----------------------------------------------------------------------------
 
+    @classmethod
+    async def launch(
+        cls,
+        build: Callable[[], Any],
+        loop: asyncio.AbstractEventLoop,
+        has_pending_transfers_of: Callable[[Any], Callable[[], bool] | None] = lambda _: None,
+        on_engine_dead: Callable[[], None] | None = None,
+    ) -> EngineLoop:
+        """Start the engine thread, build the engine in it, and return the running loop.
+
+        ``build()`` (e.g. ``EngineCore(config)``: load, warm up, profile the KV cache)
+        runs in the thread that then steps the engine, so every forward pass of the
+        process runs on that one thread. NOTE: OpenMP (torch's and tandem's kernels) keeps
+        a pool of worker threads per thread that ever ran a parallel region. An engine
+        built in another thread (``asyncio.to_thread``) leaves that thread's idle pool
+        behind; GNU OpenMP then counts more threads than CPUs and stops spinning at its
+        barriers, so each of the dozens of barriers of a decode step sleeps and wakes
+        through the kernel instead.
+
+        Args:
+            build: makes the engine; called once, in the engine thread.
+            loop: the asyncio loop the RPC handlers run on.
+            has_pending_transfers_of: given the built engine, the ``has_pending_transfers``
+                callback (see the class), or ``None``.
+            on_engine_dead: as in the class.
+
+        Raises:
+            Exception: what ``build()`` raised (the thread has ended then).
+        """
+        built: concurrent.futures.Future[EngineLoop] = concurrent.futures.Future()
+
+        def main() -> None:
+            try:
+                engine = build()
+                engine_loop = cls(engine, loop, has_pending_transfers_of(engine), on_engine_dead)
+                engine_loop._thread = threading.current_thread()  # this thread steps it
+            except BaseException as exc:  # noqa: BLE001 - handed to the awaiting caller
+                built.set_exception(exc)
+                return
+            built.set_result(engine_loop)
+            engine_loop._run()
+
+        threading.Thread(target=main, name="engine-loop", daemon=True).start()
+        return await asyncio.wrap_future(built)
+
     def start(self) -> None:
-        """Start the engine thread."""
-        self._thread.start()
+        """Start the engine thread (no-op for a loop made by :meth:`launch`, already running)."""
+        if not self._thread.is_alive():
+            self._thread.start()
 
     def stop_accepting(self) -> None:
         """New requests get :class:`ShuttingDownError` (UNAVAILABLE); in-flight ones continue."""

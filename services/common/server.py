@@ -255,20 +255,23 @@ async def _serve(
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
 
+    def has_pending_transfers_of(engine: EngineCore) -> Callable[[], bool] | None:
+        connector = engine.connector_worker
+        return connector.has_pending if connector else None
+
     try:
-        engine = await asyncio.to_thread(EngineCore, config)
+        # Built in the engine thread, which then steps it (see EngineLoop.launch).
+        engine_loop = await EngineLoop.launch(lambda: EngineCore(config), loop,
+                                              has_pending_transfers_of, on_engine_dead=stop.set)
     except ValueError as exc:
         # A setting the model or this machine cannot take (a tensor-parallel size that
         # does not divide the heads, more workers than CPUs...): a usage error.
         print(f"{ns.prog}: error: {exc}", file=sys.stderr)
         return 2
-    connector = engine.connector_worker
-    engine_loop = EngineLoop(engine, loop, connector.has_pending if connector else None,
-                             on_engine_dead=stop.set)
+    engine = engine_loop.engine
     ctx = ServiceContext(role=role, engine_loop=engine_loop, config=config,
                          max_waiting=ns.max_waiting)
     ctx.attach_connector_events(loop)
-    engine_loop.start()
 
     server = grpc.aio.server(
         interceptors=[ErrorMappingInterceptor()],
