@@ -28,7 +28,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -111,6 +111,32 @@ class StackConfig:
 KV_SHARE_OF_AVAILABLE = 0.5
 #: Per-engine cap, as the engine's own CPU default (engine/model_runner.py).
 KV_CAP_BYTES = 4 << 30
+
+
+#: GNU OpenMP's barrier spin count for threads that share CPUs with other engines: its
+#: default "throttled" count, used when a process has more threads than CPUs.
+SHARED_CPU_SPIN_COUNT = 100
+
+
+def parts_env(cfg: StackConfig, base: Mapping[str, str]) -> dict[str, str]:
+    """The environment of the stack's processes: ``base`` plus OpenMP settings that the
+    user did not set.
+
+    - Pinned engines (``cpus_per_engine``) get that many OpenMP threads.
+    - Several unpinned engines share every CPU, so their OpenMP threads spin only
+      briefly at a barrier before they sleep (``GOMP_SPINCOUNT``, GNU OpenMP's own
+      "throttled" count for more threads than CPUs). GNU OpenMP cannot see the other
+      engines' threads, so it would spin for its full default count and hold a core
+      another engine's thread needs. One engine alone keeps the full spin, which a
+      decode step's many barriers need (docs/benchmarks.md, single stream).
+    """
+    env = dict(base)
+    num_engines = cfg.replicas if cfg.colocated else cfg.num_prefill + cfg.num_decode
+    if cfg.cpus_per_engine:
+        env.setdefault("OMP_NUM_THREADS", str(cfg.cpus_per_engine))
+    elif num_engines > 1 and "OMP_WAIT_POLICY" not in env:
+        env.setdefault("GOMP_SPINCOUNT", str(SHARED_CPU_SPIN_COUNT))
+    return env
 
 
 def kv_cache_args(cfg: StackConfig, available_bytes: int | None = None) -> list[str]:
@@ -201,9 +227,7 @@ class Stack:
         cfg = self.config
         _preflight(cfg)
         self.tmpdir = Path(tempfile.mkdtemp(prefix="tandem-up-"))
-        env = dict(os.environ)
-        if cfg.cpus_per_engine:
-            env.setdefault("OMP_NUM_THREADS", str(cfg.cpus_per_engine))
+        env = parts_env(cfg, os.environ)
         if not cfg.verbose:
             self.log_dir = cfg.log_dir if cfg.log_dir is not None else self.tmpdir
             self.log_dir.mkdir(parents=True, exist_ok=True)

@@ -71,3 +71,19 @@ def test_banner_names_logs_and_kv_store_metrics() -> None:
     text = banner(stack(True, ""), "colocated x1")
     assert "logs" not in text and "KV store" not in text
     assert "  OpenAI API   http://127.0.0.1:8000/v1" in text
+
+
+def test_openmp_spins_briefly_only_where_unpinned_engines_share_cpus() -> None:
+    """Several unpinned engines on the same CPUs must not spin long at OpenMP barriers
+    (a spinning thread holds the core another engine needs); one engine, or pinned
+    ones, keep the full spin; what the user set wins."""
+    from tandem.up import SHARED_CPU_SPIN_COUNT, StackConfig, parts_env
+
+    brief = str(SHARED_CPU_SPIN_COUNT)
+    assert parts_env(StackConfig(), {})["GOMP_SPINCOUNT"] == brief
+    assert "GOMP_SPINCOUNT" not in parts_env(StackConfig(colocated=True), {})
+    assert parts_env(StackConfig(colocated=True, replicas=2), {})["GOMP_SPINCOUNT"] == brief
+    pinned = parts_env(StackConfig(cpus_per_engine=1), {})
+    assert "GOMP_SPINCOUNT" not in pinned and pinned["OMP_NUM_THREADS"] == "1"
+    assert parts_env(StackConfig(), {"GOMP_SPINCOUNT": "5"})["GOMP_SPINCOUNT"] == "5"
+    assert "GOMP_SPINCOUNT" not in parts_env(StackConfig(), {"OMP_WAIT_POLICY": "ACTIVE"})
