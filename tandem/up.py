@@ -126,9 +126,10 @@ def parts_env(cfg: StackConfig, base: Mapping[str, str]) -> dict[str, str]:
     - Several unpinned engines share every CPU, so their OpenMP threads spin only
       briefly at a barrier before they sleep (``GOMP_SPINCOUNT``, GNU OpenMP's own
       "throttled" count for more threads than CPUs). GNU OpenMP cannot see the other
-      engines' threads, so it would spin for its full default count and hold a core
-      another engine's thread needs. One engine alone keeps the full spin, which a
-      decode step's many barriers need (docs/benchmarks.md, single stream).
+      engines' threads, so it would spin for the services' count
+      (``tandem.cli.configure_openmp``) and hold a core another engine's thread needs.
+      One engine alone keeps that spin, which a decode step's many barriers need
+      (docs/benchmarks.md, single stream).
     """
     env = dict(base)
     num_engines = cfg.replicas if cfg.colocated else cfg.num_prefill + cfg.num_decode
