@@ -10,6 +10,7 @@ one job per test, since each spawned child imports torch through the engine pack
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import pickle
 import subprocess
 import sys
@@ -290,10 +291,13 @@ def test_no_segment_left_and_no_resource_tracker_complaint(tmp_path: Path) -> No
     "leaked shared_memory" warning, no KeyError from a double unregister)."""
     (tmp_path / "shm_broadcast.py").symlink_to(Path(shm_broadcast.__file__))
     (tmp_path / "scenario.py").write_text(_SCENARIO)
+    # The scenario and its `-c` reader import the module from the script's folder and
+    # their working directory: both are off sys.path under the suite's PYTHONSAFEPATH.
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONSAFEPATH"}
     # capture_output waits for EOF: the scenario's resource tracker has exited too.
     done = subprocess.run(
         [sys.executable, str(tmp_path / "scenario.py")],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True, text=True, timeout=120, env=env,
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == [
