@@ -117,3 +117,55 @@ class KVTransferParams:
     def keys(self) -> list[BlockKey]:
         """The store key of each block, in order."""
         return [BlockKey(h, self.layout_fingerprint) for h in self.block_hashes]
+
+
+@dataclass(frozen=True)
+class PublishInFlight:
+    """A publish of some of a prompt's blocks that may still be running when it arrives.
+
+    The router sets it on a prompt that continues the prompt + output of a request that
+    just finished on a decode instance publishing its outputs (the next turn of a chat):
+    that decode's publish of the answer's blocks runs after the answer streamed out, so
+    the next turn can reach a store lookup before those blocks are in the index. A
+    lookup that misses blocks in ``[first_block, end_block)`` then waits (bounded) for
+    them or for the publish's end marker instead of recomputing them; ignoring it only
+    costs that recompute, never a token.
+
+    Attributes:
+        request_id: the finished request whose output publish brings the blocks (its
+            end marker is ``kvstore.index.output_marker_key(layout_fingerprint,
+            request_id)``).
+        layout_fingerprint: ``KVCacheLayout.fingerprint`` of the publishing engine; an
+            engine of another layout ignores the hint.
+        block_size: tokens per block of the indices below; an engine with another block
+            size ignores the hint.
+        first_block: index, in this prompt's full-block hash chain, of the first block the
+            publish brings (blocks before it were in the store already).
+        end_block: one past the last such block.
+
+    Raises:
+        ValueError: naming the field: an empty ``request_id`` or ``layout_fingerprint``,
+            ``block_size < 1``, ``first_block < 0`` or ``end_block <= first_block``.
+    """
+
+    request_id: str
+    layout_fingerprint: bytes
+    block_size: int
+    first_block: int
+    end_block: int
+
+    def __post_init__(self) -> None:
+        if not self.request_id:
+            raise ValueError("kv_publish_in_flight.request_id must not be empty")
+        if not self.layout_fingerprint:
+            raise ValueError("kv_publish_in_flight.kv_layout_fingerprint must not be empty")
+        if self.block_size < 1:
+            raise ValueError(
+                f"kv_publish_in_flight.block_size must be >= 1, got {self.block_size}")
+        if self.first_block < 0:
+            raise ValueError(
+                f"kv_publish_in_flight.first_block must be >= 0, got {self.first_block}")
+        if self.end_block <= self.first_block:
+            raise ValueError(
+                f"kv_publish_in_flight.end_block ({self.end_block}) must be greater than "
+                f"first_block ({self.first_block})")

@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from tandem.contracts.block_key import PublishInFlight
 from tandem.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from tandem.v1 import common_pb2
 
@@ -200,3 +201,20 @@ def logprobs_to_proto(
         if lp.rank is not None:
             entry.rank = lp.rank
     return msg
+
+
+def publish_in_flight_to_proto(hint: PublishInFlight) -> common_pb2.PublishInFlight:
+    """``PublishInFlight`` -> ``tandem.v1.PublishInFlight``."""
+    return common_pb2.PublishInFlight(
+        request_id=hint.request_id, kv_layout_fingerprint=hint.layout_fingerprint,
+        block_size=hint.block_size, first_block=hint.first_block, end_block=hint.end_block)
+
+
+def publish_in_flight_from_proto(msg: common_pb2.PublishInFlight) -> PublishInFlight:
+    """``tandem.v1.PublishInFlight`` -> ``PublishInFlight``.
+
+    Raises:
+        ValueError: naming the field (``kv_publish_in_flight.<field>``) that is out of range.
+    """
+    return PublishInFlight(msg.request_id, bytes(msg.kv_layout_fingerprint), msg.block_size,
+                           msg.first_block, msg.end_block)

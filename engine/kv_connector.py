@@ -275,6 +275,13 @@ class KVConnectorWorker(ABC):
         Never blocks."""
         return 0
 
+    @property
+    def lookup_waits(self) -> dict[str, int]:
+        """Lookups since start that waited for blocks an earlier request was still
+        publishing (``Request.kv_publish_in_flight``), by how the wait ended. Default
+        empty: a connector that never waits. Never blocks."""
+        return {}
+
     def shutdown(self) -> None:  # noqa: B027 - optional hook with a no-op default
         """Release transfer resources (connections, threads). Default: nothing."""
 

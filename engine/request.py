@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tandem.contracts.block_key import KVTransferParams
+from tandem.contracts.block_key import KVTransferParams, PublishInFlight
 from tandem.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -118,6 +118,9 @@ class Request:
         kv_transfer_params: where the prompt's KV lies in the KV store (decode
             side: the prefill's block hashes and layout fingerprint), read by the
             KV connector, opaque to the scheduler.
+        kv_publish_in_flight: an output publish of some of the prompt's blocks that may
+            still be running (the router's hint for a chat's next turn), read by the
+            KV connector's store lookup, opaque to the scheduler.
         structured_output: the grammar state of a constrained request (set by the
             engine's ``StructuredOutputManager``), else ``None``.
         spec_token_ids: draft tokens proposed after the last step, verified by the next
@@ -134,6 +137,7 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     priority: int = 0
     kv_transfer_params: KVTransferParams | None = None
+    kv_publish_in_flight: PublishInFlight | None = None
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)

@@ -157,6 +157,7 @@ class ArrivalWaiter(Generic[T]):
             or on the closing thread; must not block); ``outcome`` is one of the names
             in the module docstring.
         cancelled: whether an item's request was aborted (checked at every wake-up).
+        name: the polling thread's name.
 
     Thread-safety: :meth:`park`, :meth:`wake` and :meth:`close` may be called from any
     thread; ``_cond`` guards the parked set.
@@ -166,7 +167,8 @@ class ArrivalWaiter(Generic[T]):
     """
 
     def __init__(self, signal: ArrivalSignal, wait_s: float,
-                 ready: Callable[[T, str], None], cancelled: Callable[[T], bool]) -> None:
+                 ready: Callable[[T, str], None], cancelled: Callable[[T], bool],
+                 name: str = "kv-load-wait") -> None:
         if wait_s <= 0:
             raise ValueError(f"kv_load_wait_s must be > 0 to wait, got {wait_s}")
         self._signal = signal
@@ -176,7 +178,7 @@ class ArrivalWaiter(Generic[T]):
         self._cond = threading.Condition()
         self._parked: list[_Parked[T]] = []
         self._stop = False
-        self._thread = threading.Thread(target=self._run, name="kv-load-wait", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
     def park(self, item: T, keys: Sequence[BlockKey], marker_key: str) -> None:

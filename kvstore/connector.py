@@ -80,7 +80,7 @@ from typing import Protocol
 import torch
 
 from tandem.contracts.block_hash import BlockHash, hash_token_blocks, prompt_block_hashes
-from tandem.contracts.block_key import BlockKey
+from tandem.contracts.block_key import BlockKey, PublishInFlight
 from tandem.contracts.kv_layout import KVCacheLayout
 from tandem.engine.config import KVTransferConfig
 from tandem.engine.kv_connector import (
@@ -95,7 +95,7 @@ from tandem.engine.request import Request, RequestStatus
 from tandem.engine.sched_output import SchedulerOutput
 from tandem.kvstore.arrival import ArrivalSignal, ArrivalWaiter
 from tandem.kvstore.config import StoreConnectorConfig
-from tandem.kvstore.index import publish_marker_key
+from tandem.kvstore.index import output_marker_key, publish_marker_key
 from tandem.kvstore.transfer_path import KVTransferPath, KVTransferPlan, plan_kv_transfer
 
 logger = logging.getLogger(__name__)
@@ -157,6 +157,21 @@ class _Job:
     parked_ns: int = 0
 
 
+@dataclass(eq=False)  # compared by identity
+class _Ask:
+    """One lookup asked: blocks ``[start, stop)`` of the chain (or a callable making
+    it), the request's :class:`PublishInFlight` hint, and how a wait for that publish
+    ended (``waited``; a lookup waits at most once)."""
+
+    key: _LookupKey
+    start: int
+    stop: int
+    chain: list[BlockHash] | Callable[[], list[BlockHash]]
+    fingerprint: bytes
+    hint: PublishInFlight | None
+    waited: str | None = None
+
+
 class _Lookups:
     """Store index lookups of waiting requests, on their own thread.
 
@@ -164,22 +179,35 @@ class _Lookups:
     identity, pinned by the entry): a prefetch from the service thread for a second
     request that reuses an id in flight can then never answer for the first.
 
+    A lookup of a request with a ``kv_publish_in_flight`` hint whose leading run ends
+    inside the hinted blocks (an earlier turn's output publish has not committed them
+    yet) is parked in an :class:`~tandem.kvstore.arrival.ArrivalWaiter` until those
+    blocks are in the index, the publish's end marker is set, or ``kv_load_wait_s``
+    passed; then it asks again and answers. Without an arrival signal, or with
+    ``kv_load_wait_s`` 0, it answers at once (the missing blocks are recomputed).
+
     Thread-safety: ``get``/``pop`` come from the engine thread, ``prefetch`` from any
-    thread, the probe runs on the lookup thread; ``_lock`` guards the two dicts.
+    thread, the probe runs on the lookup thread, the waiter on its own; ``_lock`` guards
+    the two dicts and the wait counts.
     """
 
-    def __init__(self, probe: StoreProbe, transfers: _Transfers) -> None:
+    def __init__(self, probe: StoreProbe, transfers: _Transfers, block_size: int = 0) -> None:
         self._probe = probe
         self._transfers = transfers  # for its listener
-        # (key, start block, stop block, hash chain or a callable making it,
-        # fingerprint); None stops the thread
-        self._queue: queue.Queue[tuple[_LookupKey, int, int, list[BlockHash]
-                                       | Callable[[], list[BlockHash]], bytes] | None] = (
-            queue.Queue())
+        self._block_size = block_size
+        # asked lookups; None stops the thread
+        self._queue: queue.Queue[_Ask | None] = queue.Queue()
         self._lock = threading.Lock()
         # key -> (start block of the lookup asked, its request: pins the id)
         self._pending: dict[_LookupKey, tuple[int, Request]] = {}
         self._done: dict[_LookupKey, tuple[_Found, Request]] = {}
+        #: waits for an in-flight publish, by how they ended (arrival.py's outcomes)
+        self.wait_outcomes: dict[str, int] = {}
+        signal = getattr(transfers, "signal", None)
+        wait_s = getattr(transfers, "load_wait_s", 0.0)
+        self._waiter: ArrivalWaiter[_Ask] | None = (
+            ArrivalWaiter(signal, wait_s, self._waited, self._gone, name="kv-lookup-wait")
+            if signal is not None and wait_s > 0 else None)
         self._thread = threading.Thread(target=self._run, name="kv-index-lookup", daemon=True)
         self._thread.start()
 
@@ -209,7 +237,8 @@ class _Lookups:
                 return None
             self._pending[key] = (start, request)
             self._done.pop(key, None)
-        self._queue.put((key, start, stop, hashes(), fingerprint))
+        self._queue.put(_Ask(key, start, stop, hashes(), fingerprint,
+                             request.kv_publish_in_flight))
         return None
 
     def prefetch(self, request: Request, stop: int, hashes: Callable[[], list[BlockHash]],
@@ -222,14 +251,16 @@ class _Lookups:
             if key in self._pending or key in self._done:
                 return
             self._pending[key] = (0, request)
-        self._queue.put((key, 0, stop, hashes, fingerprint))
+        self._queue.put(_Ask(key, 0, stop, hashes, fingerprint, request.kv_publish_in_flight))
 
     def pop(self, request: Request) -> _Found | None:
         """Forget ``request``'s lookup; its answer if it had one."""
         key = _key(request)
         with self._lock:
-            self._pending.pop(key, None)
+            waiting = self._pending.pop(key, None) is not None
             entry = self._done.pop(key, None)
+        if waiting and self._waiter is not None:
+            self._waiter.wake()  # a parked lookup of it goes back at once
         return None if entry is None else entry[0]
 
     def __len__(self) -> int:
@@ -238,28 +269,68 @@ class _Lookups:
             return len(self._pending) + len(self._done)
 
     def close(self) -> None:
+        if self._waiter is not None:
+            self._waiter.close()  # parked lookups come back as "closed" and answer
         self._queue.put(None)
         self._thread.join(timeout=30)
 
+    def _gone(self, ask: _Ask) -> bool:
+        """Whether a parked lookup is no longer wanted (its request finished, or a
+        lookup from another block replaced it)."""
+        with self._lock:
+            pending = self._pending.get(ask.key)
+        return pending is None or pending[0] != ask.start
+
+    def _waited(self, ask: _Ask, outcome: str) -> None:
+        """The waiter hands a parked lookup back: count it, ask the index again."""
+        ask.waited = outcome
+        with self._lock:
+            self.wait_outcomes[outcome] = self.wait_outcomes.get(outcome, 0) + 1
+        if outcome != "cancelled":
+            self._queue.put(ask)
+
+    def _keys_to_wait_for(self, ask: _Ask, hashes: list[BlockHash], found: int
+                          ) -> list[BlockKey]:
+        """The blocks a lookup that found ``found`` leading blocks waits for: those of
+        its hint's in-flight publish from the first miss on; none when it has no usable
+        hint, waited already, or missed a block the publish does not bring."""
+        hint = ask.hint
+        if (self._waiter is None or hint is None or ask.waited is not None
+                or hint.layout_fingerprint != ask.fingerprint
+                or hint.block_size != self._block_size):
+            return []
+        lo, hi = ask.start + found, min(ask.stop, hint.end_block)
+        if lo < hint.first_block or lo >= hi:
+            return []
+        return [BlockKey(h, ask.fingerprint) for h in hashes[lo:hi]]
+
     def _run(self) -> None:
         while True:
-            item = self._queue.get()
-            if item is None:
+            ask = self._queue.get()
+            if ask is None:
                 return
-            key, start, stop, chain, fingerprint = item
-            hashes = chain() if callable(chain) else chain
+            key, start, stop = ask.key, ask.start, ask.stop
+            hashes = ask.chain() if callable(ask.chain) else ask.chain
+            ask.chain = hashes
             try:
-                n = self._probe([BlockKey(h, fingerprint) for h in hashes[start:stop]])
+                n = self._probe([BlockKey(h, ask.fingerprint) for h in hashes[start:stop]])
             except Exception as exc:  # noqa: BLE001 - a failed lookup is a miss
                 logger.warning("store lookup of %s failed: %s", key[0], exc)
                 n = 0
+            n = max(0, min(n, stop - start))
+            wait_for = self._keys_to_wait_for(ask, hashes, n)
+            if wait_for and self._waiter is not None and not self._gone(ask):
+                hint = ask.hint
+                assert hint is not None
+                self._waiter.park(ask, wait_for,
+                                  output_marker_key(ask.fingerprint, hint.request_id))
+                continue
             with self._lock:
                 pending = self._pending.get(key)
                 if pending is None or pending[0] != start:
                     continue  # finished, or a newer lookup was asked meanwhile
                 del self._pending[key]
-                self._done[key] = (_Found(start, max(0, min(n, stop - start)), hashes),
-                                   pending[1])
+                self._done[key] = (_Found(start, n, hashes), pending[1])
             listener = self._transfers.listener
             if listener is not None:
                 listener.on_lookup_done(key[0])
@@ -308,6 +379,7 @@ class _Transfers:
             raise ValueError(f"kv_load_wait_s must be >= 0, got {load_wait_s}")
         self._client_factory = client_factory
         self.signal = signal
+        self.load_wait_s = load_wait_s
         # Loads missing blocks a prefill still publishes wait here, off the transfer threads.
         self.waiter: ArrivalWaiter[_Job] | None = (
             ArrivalWaiter(signal, load_wait_s, self._waited, lambda job: job.cancelled)
@@ -565,7 +637,8 @@ class StoreConnectorScheduler(KVConnectorScheduler):
         self.publish_output = publish_output and self.is_consumer
         self._loads: dict[str, _Job] = {}
         # Waiting requests' store lookups (one per request and local hit).
-        self._lookups = _Lookups(probe, transfers) if probe is not None else None
+        self._lookups = (_Lookups(probe, transfers, block_size)
+                         if probe is not None else None)
         transfers.lookups = self._lookups
 
     def _remote_hashes(self, request: Request) -> tuple[BlockHash, ...] | None:
@@ -684,6 +757,9 @@ class StoreConnectorScheduler(KVConnectorScheduler):
             # NOTE: an abort too (a stop string ends a stream that way): the KV of the
             # computed tokens is right whatever ended the request.
             hashes = hash_token_blocks(tokens, self.block_size)
+            if hashes and self._transfers.signal is not None:
+                # what the next turn's lookup waits for (PublishInFlight)
+                marker = output_marker_key(self.fingerprint, rid)
         else:
             return False
         if not hashes:
@@ -691,9 +767,10 @@ class StoreConnectorScheduler(KVConnectorScheduler):
         assert len(hashes) <= len(block_ids), f"{rid}: fewer blocks than computed KV"
         bs = self.block_size
         # A producer always submits (its handler waits for the outcome), even when the
-        # store already holds every block.
+        # store already holds every block; so does an output publish with an end marker
+        # (a next turn may wait for it).
         send = [i for i in range(len(hashes)) if i not in loaded]
-        if not send and not self.is_producer:
+        if not send and not self.is_producer and not marker:
             return False
         self._transfers.submit(
             _Job(
@@ -776,6 +853,13 @@ class StoreConnectorWorker(KVConnectorWorker):
         waiter = self._transfers.waiter
         return 0 if waiter is None else waiter.num_parked()
 
+    @property
+    def lookup_waits(self) -> dict[str, int]:
+        """Store lookups that waited for an earlier request's output publish
+        (``PublishInFlight``), by how the wait ended (kvstore/arrival.py's outcomes)."""
+        lookups = self._transfers.lookups
+        return {} if lookups is None else dict(lookups.wait_outcomes)
+
     def shutdown(self) -> None:
         """Finish queued transfers, stop the transfer thread, close the store client."""
         self._transfers.close()
@@ -853,7 +937,8 @@ def create_connector(
         probe = index.leading
     signal = None
     role = kv_transfer_config.kv_role
-    if role in ("kv_producer", "kv_both") or config.kv_load_wait_s > 0:
+    if (role in ("kv_producer", "kv_both") or config.kv_load_wait_s > 0
+            or config.publish_output):
         from tandem.kvstore.arrival import RedisArrivalSignal
 
         signal = RedisArrivalSignal(config.redis_url, timeout_s=config.lookup_timeout_s)

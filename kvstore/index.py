@@ -16,6 +16,10 @@ Schema (all keys under ``tandem:``):
   or ``"failed"``: a prefill's publish of a prompt (named by its last block's key) for
   one request ended, written by the prefill after the put (kvstore/arrival.py), with a
   short TTL; a decode waiting for those blocks stops waiting when it sees it.
+- ``tandem:kv:outdone:<fingerprint hex>:<request id>`` -> ``"ok"`` or ``"failed"``: a
+  decode's publish of one finished request's prompt + output blocks ended (the same
+  short TTL); a store lookup of the next turn that the router told about that publish
+  (``contracts.block_key.PublishInFlight``) stops waiting when it sees it.
 
 A batch's index update (new entries plus removal of the blocks evicted to make
 room) is one Lua script, so it is atomic.
@@ -98,6 +102,15 @@ def publish_marker_key(last_block: BlockKey, request_id: str) -> str:
     """Redis key of the marker saying that ``request_id``'s publish of the prompt whose
     last block is ``last_block`` ended."""
     return f"{PUBLISH_MARKER_PREFIX}{last_block}:{request_id}"
+
+
+OUTPUT_MARKER_PREFIX = "tandem:kv:outdone:"
+
+
+def output_marker_key(layout_fingerprint: bytes, request_id: str) -> str:
+    """Redis key of the marker saying that the output publish of ``request_id`` (a
+    decode's publish of its prompt + output blocks, of that layout) ended."""
+    return f"{OUTPUT_MARKER_PREFIX}{layout_fingerprint.hex()}:{request_id}"
 
 
 def node_key(node_id: str) -> str:

@@ -136,6 +136,11 @@ class ServiceContext:
         self.model_id: str = facts.model_id
         self.kv_layout_fingerprint: bytes = engine.layout.fingerprint
         self.hash_algorithm = HASH_ALGORITHM
+        # NOTE: what GetLoad tells the router: it then hints a chat's next turn to wait
+        # for this instance's output publishes (contracts.block_key.PublishInFlight).
+        self.kv_publish_output: bool = (
+            self.role == Role.DECODE
+            and bool(getattr(config.kv_transfer.connector_config, "publish_output", False)))
         self.metrics = ServiceMetrics(self.role)
         self.transfers: TransferEvents | None = None
         self._connector: KVConnectorWorker | None = engine.connector_worker
@@ -241,11 +246,14 @@ class ServiceContext:
             block_size=self.block_size,
             kv_layout_fingerprint=self.kv_layout_fingerprint,
             num_kv_load_failures=self.num_kv_load_failures,
+            kv_publish_output=self.kv_publish_output,
         )
 
     def _observe(self, stats: Any) -> None:
-        waiting = 0 if self._connector is None else self._connector.num_loads_waiting
-        self.metrics.observe_stats(stats, self.num_kv_load_failures, waiting)
+        conn = self._connector
+        waiting = 0 if conn is None else conn.num_loads_waiting
+        lookup_waits = None if conn is None else conn.lookup_waits
+        self.metrics.observe_stats(stats, self.num_kv_load_failures, waiting, lookup_waits)
 
     @property
     def num_kv_load_failures(self) -> int:

@@ -59,6 +59,11 @@ class ServiceMetrics:
             "tandem:kv_load_wait_seconds",
             "Time a remote KV load (decode) waited for blocks still being published, s.",
             labels, buckets=_LATENCY_BUCKETS_S, registry=r)
+        self.kv_lookup_waits = Counter(
+            "tandem:kv_lookup_waits",
+            "Store lookups that waited for blocks an earlier request's output publish "
+            "was still writing (the next turn of a chat), by how the wait ended.",
+            [*labels, "outcome"], registry=r)
         self.kv_load_failures = Counter(
             "tandem:kv_load_failures",
             "Requests whose remote KV was missing or corrupt and got recomputed.",
@@ -100,9 +105,13 @@ class ServiceMetrics:
         return metric.labels(role=self._role, **extra)
 
     def observe_stats(self, stats: Any, num_kv_load_failures: int,
-                      num_kv_loads_waiting: int = 0) -> None:
+                      num_kv_loads_waiting: int = 0,
+                      kv_lookup_waits: dict[str, int] | None = None) -> None:
         """Refresh the gauges from the scheduler's stats (and the connector's counts)."""
         self.labels(self.num_requests_running).set(stats.num_running)
+        for outcome, total in (kv_lookup_waits or {}).items():
+            self._follow(f"kv_lookup_waits:{outcome}", self.kv_lookup_waits, total,
+                         outcome=outcome)
         self.labels(self.num_kv_loads_waiting).set(num_kv_loads_waiting)
         self.labels(self.num_requests_waiting).set(stats.num_waiting)
         self.labels(self.kv_cache_usage_perc).set(stats.kv_cache_usage)

@@ -25,7 +25,11 @@ import grpc
 
 from tandem.contracts.block_hash import BlockHash
 from tandem.contracts.block_key import KVTransferParams
-from tandem.contracts.proto import finish_reason_to_proto, logprobs_to_proto
+from tandem.contracts.proto import (
+    finish_reason_to_proto,
+    logprobs_to_proto,
+    publish_in_flight_from_proto,
+)
 from tandem.engine.outputs import EngineCoreOutput
 from tandem.engine.request import Request
 from tandem.engine.stop import check_stop
@@ -52,6 +56,11 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         req = ctx.new_request(
             request.request_id, request.prompt_token_ids, request.sampling_params, request.priority
         )
+        if request.HasField("kv_publish_in_flight"):
+            if request.HasField("first_token_id") and not request.output_token_ids:
+                raise ValueError("kv_publish_in_flight is for the colocated form (this "
+                                 "instance's own store lookup); send no first_token_id")
+            req.kv_publish_in_flight = publish_in_flight_from_proto(request.kv_publish_in_flight)
         if request.output_token_ids:
             self._resume(req, list(request.output_token_ids), request)
             return req

@@ -20,7 +20,11 @@ import dataclasses
 import grpc
 
 from tandem.contracts.block_hash import prompt_block_hashes
-from tandem.contracts.proto import finish_reason_to_proto, logprobs_to_proto
+from tandem.contracts.proto import (
+    finish_reason_to_proto,
+    logprobs_to_proto,
+    publish_in_flight_from_proto,
+)
 from tandem.engine.kv_connector import SaveResult
 from tandem.engine.stop import check_stop
 from tandem.services.common.context import ServiceContext, now_ns
@@ -41,6 +45,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         req = ctx.new_request(
             request.request_id, request.prompt_token_ids, request.sampling_params, request.priority
         )
+        if request.HasField("kv_publish_in_flight"):
+            req.kv_publish_in_flight = publish_in_flight_from_proto(request.kv_publish_in_flight)
         await ctx.check_structured_outputs(req)
         full_params = req.sampling_params
         # The engine computes only token 1; min_tokens <= max_tokens must hold.

@@ -107,6 +107,7 @@ class InstancePool:
             info.prefix_cache_hit_rate = res.prefix_cache_hit_rate
             info.block_size = res.block_size or info.block_size
             info.kv_layout_fingerprint = res.kv_layout_fingerprint or info.kv_layout_fingerprint
+            info.kv_publish_output = res.kv_publish_output
             info.model = res.model or info.model
 
     async def start(self, interval_s: float = 1.0) -> None:

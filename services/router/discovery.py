@@ -46,6 +46,8 @@ class InstanceInfo:
         block_size: tokens per KV block (from GetLoad; 16 until known).
         kv_layout_fingerprint: the engine's KV layout fingerprint (from GetLoad; empty
             until known): the store keys of its blocks carry it.
+        kv_publish_output: it publishes finished requests' prompt + output blocks and
+            marks each publish's end (from GetLoad; False until known).
         updated_at: wall-clock seconds of the last report.
         alive: the last GetLoad answered (``None``: not polled yet).
         inflight: requests this router has in flight on it (fresher than reports).
@@ -61,6 +63,7 @@ class InstanceInfo:
     prefix_cache_hit_rate: float | None = None
     block_size: int = 16
     kv_layout_fingerprint: bytes = b""
+    kv_publish_output: bool = False
     updated_at: float = 0.0
     alive: bool | None = None
     inflight: int = 0
@@ -196,6 +199,7 @@ class RedisDiscovery(Discovery):
                     info.prefix_cache_hit_rate = old.prefix_cache_hit_rate
                     info.block_size = old.block_size
                     info.kv_layout_fingerprint = old.kv_layout_fingerprint
+                    info.kv_publish_output = old.kv_publish_output
                 seen[info.address] = info
         # NOTE: replace the dict wholesale (not in place) so readers never see a half update.
         self._by_address = seen

@@ -78,6 +78,11 @@ class RouterMetrics:
         self.migrations = Counter("tandem:request_migrations",
                                   "Completions continued on another instance after the one "
                                   "streaming them failed mid-stream.", lbl, registry=r)
+        self.kv_publish_hints = Counter(
+            "tandem:kv_publish_hints",
+            "Requests sent with a hint that an earlier request's output publish may still "
+            "be writing some of their prompt's blocks (a chat's next turn right after the "
+            "previous answer).", lbl, registry=r)
         self.kv_handoff_bytes = Counter("tandem:kv_handoff_bytes",
                                         "KV bytes moved from prefill to decode via the store.",
                                         lbl, registry=r)

@@ -48,7 +48,7 @@ from typing import Any
 
 import grpc
 
-from tandem.contracts.proto import sampling_params_to_proto
+from tandem.contracts.proto import publish_in_flight_to_proto, sampling_params_to_proto
 from tandem.contracts.role import Role
 from tandem.engine.fan_out import fan_out
 from tandem.engine.sampling_params import SamplingParams
@@ -58,6 +58,7 @@ from tandem.services.router.discovery import Discovery, InstanceInfo
 from tandem.services.router.errors import OpenAIError
 from tandem.services.router.merge import merge_streams
 from tandem.services.router.metrics import RouterMetrics
+from tandem.services.router.publishes import PublishTracker
 from tandem.services.router.routing import CacheView, KVAwareRouter, RouteContext, Router
 from tandem.services.router.sequence import (
     EngineAbort,
@@ -145,6 +146,7 @@ class Pipeline:
         self.admission = _Admission(max_running, max_waiting, metrics)
         self.max_attempts = max_attempts
         self.max_migrations = max_migrations
+        self.publishes = PublishTracker()
 
     def mode(self) -> str:
         """"disagg" when prefill and decode instances exist, else "colocated".
@@ -192,14 +194,20 @@ class Pipeline:
         route = RouteContext(Role.PREFILL, req.prompt_token_ids, seq_id)
         decode_first: InstanceInfo | None = None
         local_prefill = False
+        hint = None
         if mode == "disagg":
             decode_first, local_prefill = await self._disagg_decision(route, timings)
+            # a chat's next turn: the previous answer's blocks may still be publishing
+            found = self.publishes.find(route.block_hashes)
+            if found is not None:
+                hint = publish_in_flight_to_proto(found)
+                self.metrics.labels(self.metrics.kv_publish_hints).inc()
         if mode == "disagg" and not local_prefill:
             ctx = route
             presp = await self._prefill(ctx, prefill_pb2.PrefillRequest(
                 request_id=seq_id, prompt_token_ids=req.prompt_token_ids,
-                sampling_params=psp, priority=req.priority), metadata, timings,
-                req.param_of_field)
+                sampling_params=psp, priority=req.priority, kv_publish_in_flight=hint),
+                metadata, timings, req.param_of_field)
             state.num_cached_tokens = timings.cached_tokens = presp.num_cached_tokens
             lps = [presp.first_logprobs] if presp.HasField("first_logprobs") else None
             stop_tok = presp.stop_token_id if presp.HasField("stop_token_id") else None
@@ -219,7 +227,7 @@ class Pipeline:
             # colocated, or a decode instance's local prefill: no first token
             dreq = decode_pb2.DecodeRequest(
                 request_id=seq_id, prompt_token_ids=req.prompt_token_ids,
-                sampling_params=psp, priority=req.priority)
+                sampling_params=psp, priority=req.priority, kv_publish_in_flight=hint)
             stage = Role.DECODE if local_prefill else Role.BOTH
         ctx = route.for_stage(stage)
         async for delta in self._decode(ctx, dreq, metadata, state, req.param_of_field,
@@ -389,6 +397,9 @@ class Pipeline:
                 delta = state.add(token_ids, list(msg.logprobs) or None,
                                   msg.finish_reason, stop_tok)
                 num_emitted += len(token_ids)
+                if state.finished and info.kv_publish_output:
+                    # before the last delta goes out: the next turn can come right after
+                    self._remember_publish(info, ctx, dreq.request_id, state, colocated_form)
                 ready_ns = time.monotonic_ns()
                 timings.add_decode_message(len(token_ids), grpc_ns, ready_ns - recv_ns)
                 if delta is not None:
@@ -413,6 +424,17 @@ class Pipeline:
                 logger.debug("cancelling decode of %s on %s", dreq.request_id, info.address)
             call.cancel()
             self.discovery.release(info.address)
+
+    def _remember_publish(self, info: InstanceInfo, ctx: RouteContext, request_id: str,
+                          state: SeqState, colocated_form: bool) -> None:
+        """Note the output publish ``info`` starts for a finished request (the prompt +
+        every output token but the last have KV there) for the next turn's hint."""
+        bs = info.block_size
+        tokens = [*ctx.prompt_token_ids, *state.output_token_ids[:-1]]
+        # the prefill published the prompt's full blocks; a colocated form computed them
+        first = 0 if colocated_form else len(ctx.prompt_token_ids) // bs
+        self.publishes.record(request_id, info.kv_layout_fingerprint, bs,
+                              ctx.block_hashes(bs), tokens, first)
 
     def _first_decode_message(self, msg: decode_pb2.DecodeResponse, state: SeqState,
                               start_ns: int, info: InstanceInfo, ctx: RouteContext,

@@ -115,8 +115,10 @@ class Router:
         a, b, decode = cluster
         self.url = f"http://127.0.0.1:{free_port()}"
         port = self.url.rsplit(":", 1)[1]
+        self.grpc_address = f"127.0.0.1:{free_port()}"
         self.proc = Proc(
-            ["router", "--host", "127.0.0.1", "--port", port, "--grpc-port", "0",
+            ["router", "--host", "127.0.0.1", "--port", port,
+             "--grpc-port", self.grpc_address.rsplit(":", 1)[1],
              "--model", tiny, "--prefill", f"{a.svc.address},{b.svc.address}",
              "--decode", decode.svc.address, "--kv-index-url", redis_url,
              "--disagg-min-uncached-tokens", str(min_uncached)],
@@ -131,6 +133,20 @@ class Router:
             "prompt": prompt, "max_tokens": max_tokens, "temperature": 0})
         assert resp.status_code == 200, resp.text
         return resp.json()
+
+    def generate(self, prompt: list[int], max_tokens: int) -> tuple[list[int], int]:
+        """Greedy token ids of ``prompt`` through the router's gRPC API, and its cached
+        prompt tokens."""
+        import grpc
+
+        from tandem.v1 import generation_pb2, generation_pb2_grpc
+
+        with grpc.insecure_channel(self.grpc_address) as ch:
+            msgs = list(generation_pb2_grpc.GenerationServiceStub(ch).Generate(
+                generation_pb2.GenerateRequest(
+                    token_ids=generation_pb2.TokenIds(ids=prompt),
+                    sampling_params=params(max_tokens, ignore_eos=True)), timeout=120))
+        return [t for m in msgs for t in m.token_ids], msgs[-1].usage.cached_tokens
 
     def metric(self, name: str, **labels: str) -> float:
         import httpx
@@ -202,6 +218,32 @@ def test_conditional_disaggregation(tiny, redis_url, tmp_path, cluster, routers)
     # One store lookup per request, on both routers (the kv_aware prefill choice reads it).
     assert conditional.metric("tandem:kv_store_lookup_seconds_count") == 3
     assert always.metric("tandem:kv_store_lookup_seconds_count") == 2
+
+
+def test_a_next_turn_right_after_the_answer_gets_the_answers_blocks(tiny, cluster, routers):
+    """Turn 2 sent the moment turn 1's stream ends: the decode instance may still be
+    publishing turn 1's answer. The router, which saw turn 1 finish, tells the prefill
+    instance so (``kv_publish_in_flight``), and its store lookup waits for those blocks
+    rather than recomputing them: turn 2 always finds turn 1's prompt and answer."""
+    from tandem.v1 import common_pb2
+
+    always, _ = routers
+    a, b, decode = cluster
+    load = {svc: svc.prefill.GetLoad(common_pb2.GetLoadRequest(), timeout=30) if svc is not
+            decode.svc else svc.decode.GetLoad(common_pb2.GetLoadRequest(), timeout=30)
+            for svc in (a.svc, decode.svc)}
+    assert load[decode.svc].kv_publish_output and not load[a.svc].kv_publish_output
+    rng = random.Random(23)
+    turn1 = random_prompt(rng, 40)
+    got1, _ = always.generate(turn1, 30)
+    assert got1 == hf_greedy(tiny, [turn1], max_new_tokens=30)[0]
+    hints = always.metric("tandem:kv_publish_hints_total")
+    turn2 = turn1 + got1 + random_prompt(rng, 20)
+    got2, cached = always.generate(turn2, 8)
+    assert got2 == hf_greedy(tiny, [turn2], max_new_tokens=8)[0]
+    assert always.metric("tandem:kv_publish_hints_total") == hints + 1
+    # KV exists for turn 1's prompt and all but its last generated token: 4 full blocks.
+    assert cached == (len(turn1) + len(got1) - 1) // BS * BS == 64
 
 
 def test_bench_multi_turn_workload_reports_reuse_per_turn(tiny, routers):

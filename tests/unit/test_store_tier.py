@@ -391,3 +391,168 @@ def test_a_prefetch_answers_later_starts_and_never_another_request() -> None:
         assert len(lookups) == 0
     finally:
         lookups.close()
+
+
+class _StoreSignal:
+    """An ``ArrivalSignal`` over a :class:`ProbedStore`: its index is the store's dict,
+    markers live in a dict; ``polled`` is set by the first poll."""
+
+    def __init__(self, store: ProbedStore) -> None:
+        self.store = store
+        self.markers: dict[str, str] = {}
+        self.polled = threading.Event()
+
+    def mark_published(self, marker_key: str, ok: bool) -> None:
+        self.markers[marker_key] = "ok" if ok else "failed"
+
+    def poll(self, waits):
+        from tandem.kvstore.arrival import Arrival
+
+        self.polled.set()
+        out = []
+        for keys, marker_key in waits:
+            n = next((i for i, k in enumerate(keys) if k not in self.store.blocks), len(keys))
+            out.append(Arrival(n, self.markers.get(marker_key)))
+        return out
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.fixture
+def waiting_store(store: ProbedStore) -> Iterator[tuple[ProbedStore, _StoreSignal]]:
+    """``store`` behind a connector whose lookups may wait for an output publish."""
+    signal = _StoreSignal(store)
+    register_connector(
+        "probed-store-wait",
+        lambda cfg, layout: build_store_connector(
+            cfg.kv_role, layout, store.connect, 1, probe=lambda keys: store.leading(keys),
+            publish_output=cfg.kv_role == "kv_consumer", signal=signal, load_wait_s=60.0),
+    )
+    yield store, signal
+    unregister_connector("probed-store-wait")
+
+
+def _finish_turn_with_publish_held(core: EngineCore, req: Request, release: threading.Event,
+                                   store: ProbedStore, fail: bool = False) -> list[int]:
+    """Run ``req`` to its last token on ``core`` while its output publish is held at the
+    store's put until ``release`` (then it stores the blocks, or raises with ``fail``)."""
+    put = store.put_blocks
+
+    def held_put(keys, blocks) -> int:
+        release.wait(60)
+        if fail:
+            raise ConnectionError("store node gone")
+        return put(keys, blocks)
+
+    store.put_blocks = held_put  # type: ignore[method-assign]
+    core.add_request(req)
+    tokens: list[int] = []
+    done = False
+    while not done:
+        for o in core.step():
+            tokens += o.new_token_ids
+            done = done or o.finished
+    return tokens
+
+
+@pytest.mark.parametrize("publish_fails", [False, True])
+def test_the_next_turn_waits_for_the_previous_answers_publish(tiny, waiting_store,
+                                                              publish_fails) -> None:
+    """A chat's next turn reaching the store lookup while the previous answer's output
+    publish still runs (the answer already streamed out) waits for it, as the router's
+    ``kv_publish_in_flight`` hint says, instead of recomputing the answer: the lookup
+    parks until the blocks are in the index (then 16 cached tokens), or until the
+    publish's end marker says it failed (then all is computed); tokens equal the
+    oracle's either way."""
+    from tandem.contracts.block_key import PublishInFlight
+    from tandem.engine.request import RequestStatus
+
+    store, signal = waiting_store
+    loaded, hf = tiny
+    decode = make_core(loaded, "kv_consumer", "probed-store-wait")
+    prefill = make_core(loaded, "kv_producer", "probed-store-wait")
+    release = threading.Event()
+    try:
+        turn1 = list(range(40, 50))
+        first = Request("turn-1", turn1, SamplingParams(max_tokens=10, temperature=0.0))
+        answer = _finish_turn_with_publish_held(decode, first, release, store, publish_fails)
+        assert answer == hf_greedy_steps(hf, turn1, 10)[0]
+        assert store.blocks == {}, "the publish is still held"
+
+        turn2 = turn1 + answer + list(range(80, 86))
+        hint = PublishInFlight("turn-1", decode.layout.fingerprint, BLOCK, 0, 4)
+        nxt = Request("turn-2", turn2, SamplingParams(max_tokens=1, temperature=0.0),
+                      kv_publish_in_flight=hint)
+        prefill.add_request(nxt)
+        prefill.step()  # asks the index: the answer's blocks are missing, so it parks
+        assert signal.polled.wait(30), "the lookup waits for the publish"
+        assert prefill.step() == []
+        assert prefill.scheduler.requests["turn-2"].status == RequestStatus.WAITING
+
+        release.set()
+        tokens, cached = [], []
+        while prefill.has_unfinished_requests():
+            for o in prefill.step():
+                tokens += o.new_token_ids
+                cached.append(o.num_cached_tokens)
+        assert tokens == hf_greedy_steps(hf, turn2, 1)[0]
+        assert cached[0] == (0 if publish_fails else 16)
+        outcome = "publish_failed" if publish_fails else "arrived"
+        assert prefill.connector_worker.lookup_waits == {outcome: 1}
+    finally:
+        release.set()
+        decode.shutdown()
+        prefill.shutdown()
+
+
+def test_a_lookup_waits_only_for_blocks_its_hint_names() -> None:
+    """``_Lookups`` with an arrival signal: no hint, a hint of another layout or block
+    size, or a miss before the hinted blocks answer at once; a miss inside them waits
+    (once) and asks again when it ends."""
+    from tandem.contracts.block_key import PublishInFlight
+    from tandem.kvstore.connector import _Lookups
+
+    present = 3
+    probed: list[int] = []
+
+    def probe(keys: Sequence[BlockKey]) -> int:
+        probed.append(len(keys))
+        return min(present, len(keys))
+
+    events = _LookupEvents()
+    signal = _StoreSignal(ProbedStore())
+    transfers = type("T", (), {"listener": events, "signal": signal, "load_wait_s": 60.0})()
+    lookups = _Lookups(probe, transfers, 4)  # type: ignore[arg-type]
+    chain = [bytes([i]) * 32 for i in range(8)]
+    fp = b"f" * 16
+    params = SamplingParams(max_tokens=1)
+
+    def answered(hint: PublishInFlight | None, name: str) -> bool:
+        req = Request(name, list(range(40)), params, kv_publish_in_flight=hint)
+        events.answered.clear()
+        lookups.prefetch(req, 8, lambda: chain, fp)
+        got = events.event(name).wait(0.5 if hint is not None else 30)
+        lookups.pop(req)
+        return got
+
+    try:
+        assert answered(None, "plain")
+        assert answered(PublishInFlight("t", b"x" * 16, 4, 2, 6), "other-layout")
+        assert answered(PublishInFlight("t", fp, 8, 2, 6), "other-block-size")
+        assert answered(PublishInFlight("t", fp, 4, 4, 6), "miss-before-the-hint")
+        assert lookups.wait_outcomes == {}
+
+        signal.markers["tandem:kv:outdone:" + fp.hex() + ":t"] = "ok"
+        req = Request("waits", list(range(40)), params,
+                      kv_publish_in_flight=PublishInFlight("t", fp, 4, 2, 6))
+        events.answered.clear()
+        probed.clear()
+        lookups.prefetch(req, 8, lambda: chain, fp)
+        assert events.event("waits").wait(30)
+        assert lookups.wait_outcomes == {"published": 1}
+        assert probed == [8, 8], "asked again after the wait"
+        found = lookups.pop(req)
+        assert found is not None and found.num_blocks == present
+    finally:
+        lookups.close()

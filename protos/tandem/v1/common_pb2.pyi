@@ -140,7 +140,7 @@ class GetLoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetLoadResponse(_message.Message):
-    __slots__ = ("num_running_requests", "num_waiting_requests", "kv_cache_usage", "num_free_blocks", "num_total_blocks", "prefix_cache_hit_rate", "role", "model", "block_size", "kv_layout_fingerprint", "num_kv_load_failures")
+    __slots__ = ("num_running_requests", "num_waiting_requests", "kv_cache_usage", "num_free_blocks", "num_total_blocks", "prefix_cache_hit_rate", "role", "model", "block_size", "kv_layout_fingerprint", "num_kv_load_failures", "kv_publish_output")
     NUM_RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_USAGE_FIELD_NUMBER: _ClassVar[int]
@@ -152,6 +152,7 @@ class GetLoadResponse(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     KV_LAYOUT_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_LOAD_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    KV_PUBLISH_OUTPUT_FIELD_NUMBER: _ClassVar[int]
     num_running_requests: int
     num_waiting_requests: int
     kv_cache_usage: float
@@ -163,4 +164,19 @@ class GetLoadResponse(_message.Message):
     block_size: int
     kv_layout_fingerprint: bytes
     num_kv_load_failures: int
-    def __init__(self, num_running_requests: _Optional[int] = ..., num_waiting_requests: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., block_size: _Optional[int] = ..., kv_layout_fingerprint: _Optional[bytes] = ..., num_kv_load_failures: _Optional[int] = ...) -> None: ...
+    kv_publish_output: bool
+    def __init__(self, num_running_requests: _Optional[int] = ..., num_waiting_requests: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., block_size: _Optional[int] = ..., kv_layout_fingerprint: _Optional[bytes] = ..., num_kv_load_failures: _Optional[int] = ..., kv_publish_output: _Optional[bool] = ...) -> None: ...
+
+class PublishInFlight(_message.Message):
+    __slots__ = ("request_id", "kv_layout_fingerprint", "block_size", "first_block", "end_block")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    KV_LAYOUT_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    END_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    kv_layout_fingerprint: bytes
+    block_size: int
+    first_block: int
+    end_block: int
+    def __init__(self, request_id: _Optional[str] = ..., kv_layout_fingerprint: _Optional[bytes] = ..., block_size: _Optional[int] = ..., first_block: _Optional[int] = ..., end_block: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,92 @@
+"""The router's memory of output publishes that may still run (services/router/publishes.py):
+which prompt gets a ``PublishInFlight`` hint, naming which blocks."""
+
+from __future__ import annotations
+
+import pytest
+
+from tandem.contracts.block_hash import hash_token_blocks
+from tandem.contracts.block_key import PublishInFlight
+from tandem.services.router.publishes import PublishTracker
+
+BS = 4
+FP = b"f" * 16
+
+
+def hashes_of(tokens: list[int]):
+    return lambda bs: hash_token_blocks(tokens, bs)
+
+
+def finish(tracker: PublishTracker, rid: str, prompt: list[int], output: list[int],
+           first_block: int | None = None) -> None:
+    """What the pipeline records when ``rid`` finishes on a publishing decode instance."""
+    tracker.record(rid, FP, BS, hash_token_blocks(prompt, BS), prompt + output[:-1],
+                   len(prompt) // BS if first_block is None else first_block)
+
+
+def test_a_next_turn_is_hinted_at_the_blocks_its_previous_answer_publishes() -> None:
+    tracker = PublishTracker()
+    prompt = list(range(10))  # blocks 0-1 full, 2 tokens in block 2
+    answer = list(range(100, 112))  # KV for 21 tokens: blocks 2-4 are the publish's
+    finish(tracker, "turn-1", prompt, answer)
+    turn2 = prompt + answer + [7, 8, 9, 10, 11]
+    assert tracker.find(hashes_of(turn2)) == PublishInFlight("turn-1", FP, BS, 2, 5)
+    # A prompt that leaves the answer after its first block: only that block is named.
+    diverged = prompt + answer[:3] + [55] * 12
+    assert tracker.find(hashes_of(diverged)) == PublishInFlight("turn-1", FP, BS, 2, 3)
+    # One that shares only the prompt, or nothing: no hint.
+    assert tracker.find(hashes_of(prompt + [55] * 12)) is None
+    assert tracker.find(hashes_of(list(range(50, 80)))) is None
+
+
+def test_the_hint_names_the_publish_that_reaches_furthest() -> None:
+    tracker = PublishTracker()
+    turn1, answer1 = list(range(8)), list(range(100, 109))
+    finish(tracker, "turn-1", turn1, answer1)
+    turn2 = turn1 + answer1 + [1, 2, 3]
+    answer2 = list(range(200, 209))
+    finish(tracker, "turn-2", turn2, answer2)
+    turn3 = turn2 + answer2 + [4, 5]
+    hint = tracker.find(hashes_of(turn3))
+    assert hint is not None and hint.request_id == "turn-2"
+    assert (hint.first_block, hint.end_block) == (len(turn2) // BS, (len(turn2) + 8) // BS)
+    # A colocated request computed its prompt too: its publish starts at block 0.
+    other = PublishTracker()
+    finish(other, "local", turn1, answer1, first_block=0)
+    assert other.find(hashes_of(turn2)) == PublishInFlight("local", FP, BS, 0, 4)
+
+
+def test_records_expire_are_bounded_and_skip_publishes_of_no_new_block() -> None:
+    tracker = PublishTracker(ttl_s=1e-9)
+    prompt, answer = list(range(8)), list(range(100, 109))
+    finish(tracker, "old", prompt, answer)
+    assert tracker.find(hashes_of(prompt + answer)) is None and len(tracker) == 0
+
+    tracker = PublishTracker(max_records=2)
+    for i in range(3):
+        finish(tracker, f"r{i}", [i] * 8, list(range(100, 109)))
+    assert len(tracker) == 2
+    assert tracker.find(hashes_of([0] * 8 + list(range(100, 109)))) is None, "the oldest went"
+    assert tracker.find(hashes_of([2] * 8 + list(range(100, 109)))) is not None
+
+    short = PublishTracker()
+    finish(short, "short", list(range(8)), [1, 2])  # 9 tokens of KV: no block past 2
+    assert len(short) == 0
+
+
+@pytest.mark.parametrize("kwargs", [{"ttl_s": 0}, {"max_records": 0}])
+def test_bad_settings_are_refused(kwargs) -> None:
+    with pytest.raises(ValueError, match=next(iter(kwargs))):
+        PublishTracker(**kwargs)
+
+
+@pytest.mark.parametrize(("args", "field"), [
+    (("", FP, 4, 0, 1), "request_id"),
+    (("r", b"", 4, 0, 1), "kv_layout_fingerprint"),
+    (("r", FP, 0, 0, 1), "block_size"),
+    (("r", FP, 4, -1, 1), "first_block"),
+    (("r", FP, 4, 2, 2), "end_block"),
+])
+def test_a_bad_hint_names_its_field(args, field) -> None:
+    with pytest.raises(ValueError, match=f"kv_publish_in_flight.{field}"):
+        PublishInFlight(*args)
