@@ -191,6 +191,8 @@ class StoreConnectorConfig(KVConnectorConfig):
             other requests keep running) up to this many seconds for them to reach the
             store index, or until the prefill marks its publish ended, and recomputes
             what did not come (``--kv-load-wait-s``; 0: never wait, recompute at once).
+            A store lookup with a ``PublishInFlight`` hint (a chat's next turn while a
+            decode still publishes the previous answer) waits as long at most.
 
     Raises:
         ValueError: a field out of range (named in the message).

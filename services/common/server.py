@@ -109,9 +109,12 @@ def build_parser(prog: str, role: Role | None) -> argparse.ArgumentParser:
                    help="decode: publish the blocks of prompt + output of finished requests to "
                         "the KV store, for the conversation's next turn (default true)")
     p.add_argument("--kv-load-wait-s", type=float, default=5.0, metavar="S",
-                   help="decode: how long a load waits for blocks the prefill is still "
-                        "publishing (it answers before its publish ends) before it "
-                        "recomputes them (default 5; 0: recompute at once)")
+                   help="how long a load waits for blocks still being published before "
+                        "it recomputes them: a decode's load of blocks the prefill is "
+                        "still publishing (it answers before its publish ends), and any "
+                        "engine's store lookup of a chat's next turn whose previous answer "
+                        "a decode is still publishing (the router's kv_publish_in_flight "
+                        "hint) (default 5; 0: recompute at once)")
     p.add_argument("--kvstore-timeout-s", type=float, default=10.0, metavar="S",
                    help="deadline of one KV store node request (put or get); a node that "
                         "stops answering costs this long before the blocks count as a miss "
