@@ -260,3 +260,43 @@ def print_turns(m: dict[str, Any], percentiles: list[float]) -> None:
                         else f"{row.get(c, '-')!s:>12}" for c in cols))
     print(f"completed {m['completed']}, failed {m['failed']}, duration {m['duration']:.2f} s")
     print("=" * 60)
+
+
+def plot_turns(runs: list[dict[str, Any]], path: str) -> None:
+    """PNG of each run's median TTFT per turn (ms; whiskers to the p90 when measured) and
+    of its mean cached share of the prompt per turn, one series per run ``label``.
+
+    Args:
+        runs: :func:`turn_metrics` results, each with a ``label``.
+        path: the PNG to write.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_ttft, ax_cached) = plt.subplots(1, 2, figsize=(12, 4))
+    width = 0.8 / max(1, len(runs))
+    for i, run in enumerate(runs):
+        rows = [r for r in run["per_turn"] if "median_ttft_ms" in r]
+        x = np.array([r["turn"] for r in rows], dtype=float) + (i - (len(runs) - 1) / 2) * width
+        med = np.array([r["median_ttft_ms"] for r in rows])
+        p90 = np.array([r.get("p90_ttft_ms", m) for r, m in zip(rows, med, strict=True)])
+        label = run.get("label") or f"run {i + 1}"
+        ax_ttft.bar(x, med, width, yerr=[np.zeros_like(med), p90 - med], capsize=3,
+                    color=f"C{i}", label=label)
+        ax_cached.bar(x, [100 * r["mean_cached_tokens"] / r["mean_prompt_tokens"]
+                          for r in rows], width, color=f"C{i}", label=label)
+    ax_ttft.set_title("median TTFT per turn (whisker: p90)")
+    ax_ttft.set_ylabel("ms")
+    ax_cached.set_title("prompt tokens cached (mean)")
+    ax_cached.set_ylabel("%")
+    turns = sorted({r["turn"] for run in runs for r in run["per_turn"]})
+    for ax in (ax_ttft, ax_cached):
+        ax.set_xticks(turns)
+        ax.set_xlabel("turn")
+        ax.grid(True, axis="y", alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -438,7 +438,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--save-result", action="store_true")
     p.add_argument("--result-dir", default=".")
     p.add_argument("--result-filename", default=None)
-    p.add_argument("--plot", default=None, help="PNG of latency percentiles over request rate")
+    p.add_argument("--plot", default=None,
+                   help="PNG of latency percentiles over request rate (multi-turn: median "
+                        "TTFT and cached share per turn, per stack)")
     p.add_argument("--label", default=None, help="a name for this run (in the JSON)")
     p.add_argument("--launch", action="append", default=[],
                    choices=["disagg", "disagg-no-reuse", "colocated"],
@@ -715,8 +717,6 @@ def main(argv: list[str] | None = None) -> int:
             MultiTurnShape(args.multi_turn_conversations, args.multi_turn_turns,
                            args.multi_turn_system_len, args.multi_turn_user_len,
                            args.multi_turn_answer_len)
-            if args.plot:
-                raise ValueError("--plot: not for --dataset-name multi-turn")
         from tandem.bench.faults import Fault
 
         faults = [Fault.parse(f) for f in args.fault]
@@ -797,7 +797,11 @@ def main(argv: list[str] | None = None) -> int:
         name = args.result_filename or f"tandem-{datetime.now():%Y%m%d-%H%M%S}.json"
         Path(args.result_dir).mkdir(parents=True, exist_ok=True)
         (Path(args.result_dir) / name).write_text(json.dumps(out, indent=2))
-    if args.plot:
+    if args.plot and args.dataset_name == "multi-turn":
+        from tandem.bench.multiturn import plot_turns
+
+        plot_turns(all_results, args.plot)
+    elif args.plot:
         plot(all_results, args.plot, percentiles)
     return 0 if failed == 0 else 1
 

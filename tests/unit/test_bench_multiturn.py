@@ -77,3 +77,16 @@ def test_answer_past_its_end_of_turn_retokenises_to_the_generated_ids() -> None:
     assert next_prompt(body["skip_special_tokens"])[:len(history)] == history
     # the API's default drops the end-of-turn token: the chain breaks at it
     assert next_prompt(True)[:len(history)] != history
+
+
+def test_plot_turns_writes_a_png_per_run_and_turn(tmp_path) -> None:
+    from tandem.bench.multiturn import plot_turns
+
+    def run(label: str, ttft: float, cached: int) -> dict:
+        results = [TurnResult(c, t, success=True, ttft=ttft * t, prompt_tokens=100 * t,
+                              cached_tokens=cached * t) for c in range(2) for t in (1, 2, 3)]
+        return turn_metrics(results, 1.0, [50, 90]) | {"label": label}
+
+    path = tmp_path / "turns.png"
+    plot_turns([run("store tier", 0.1, 80), run("no reuse", 0.3, 50)], str(path))
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
