@@ -263,6 +263,11 @@ class _Lookups:
             self._waiter.wake()  # a parked lookup of it goes back at once
         return None if entry is None else entry[0]
 
+    def wait_counts(self) -> dict[str, int]:
+        """A copy of :attr:`wait_outcomes` (any thread)."""
+        with self._lock:
+            return dict(self.wait_outcomes)
+
     def __len__(self) -> int:
         """Lookups asked or answered and not yet forgotten."""
         with self._lock:
@@ -858,7 +863,7 @@ class StoreConnectorWorker(KVConnectorWorker):
         """Store lookups that waited for an earlier request's output publish
         (``PublishInFlight``), by how the wait ended (kvstore/arrival.py's outcomes)."""
         lookups = self._transfers.lookups
-        return {} if lookups is None else dict(lookups.wait_outcomes)
+        return {} if lookups is None else lookups.wait_counts()
 
     def shutdown(self) -> None:
         """Finish queued transfers, stop the transfer thread, close the store client."""
