@@ -556,3 +556,35 @@ def test_a_lookup_waits_only_for_blocks_its_hint_names() -> None:
         assert found is not None and found.num_blocks == present
     finally:
         lookups.close()
+
+
+def test_a_request_waits_for_a_publish_at_most_once_across_its_lookups() -> None:
+    """A prefetched lookup (from block 0) that waited out its hint's publish and is
+    followed by the engine's lookup from the local prefix-cache hit (a later block, past
+    the prefetch's leading run) must not wait a second time: the request's wait stays
+    within ``kv_load_wait_s`` when the end marker never comes (the decode died), instead
+    of twice that."""
+    from tandem.contracts.block_key import PublishInFlight
+    from tandem.kvstore.connector import _Lookups
+
+    events = _LookupEvents()
+    signal = _StoreSignal(ProbedStore())  # no marker ever: each wait ends at its deadline
+    transfers = type("T", (), {"listener": events, "signal": signal, "load_wait_s": 0.05})()
+    lookups = _Lookups(lambda keys: min(2, len(keys)), transfers, 4)  # type: ignore[arg-type]
+    chain = [bytes([i]) * 32 for i in range(8)]
+    fp = b"f" * 16
+    req = Request("turn-2", list(range(40)), SamplingParams(max_tokens=1),
+                  kv_publish_in_flight=PublishInFlight("gone", fp, 4, 2, 6))
+    try:
+        lookups.prefetch(req, 8, lambda: chain, fp)
+        assert events.event("turn-2").wait(30)
+        assert lookups.wait_counts() == {"deadline": 1}
+        # the engine's own lookup, from its local hit of blocks 0-2
+        events.answered.clear()
+        assert lookups.get(req, 3, 8, lambda: chain, fp) is None
+        assert events.event("turn-2").wait(30)
+        found = lookups.get(req, 3, 8, lambda: chain, fp)
+        assert found is not None and found.start == 3
+        assert lookups.wait_counts() == {"deadline": 1}, "the request waited twice"
+    finally:
+        lookups.close()
