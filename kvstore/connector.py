@@ -201,6 +201,10 @@ class _Lookups:
         # key -> (start block of the lookup asked, its request: pins the id)
         self._pending: dict[_LookupKey, tuple[int, Request]] = {}
         self._done: dict[_LookupKey, tuple[_Found, Request]] = {}
+        # requests whose lookup parked once for their hint's publish: a later lookup of
+        # theirs (from the local prefix-cache hit, after a prefetch from block 0) does
+        # not wait again, so a request waits at most kv_load_wait_s in all
+        self._parked_once: set[_LookupKey] = set()
         #: waits for an in-flight publish, by how they ended (arrival.py's outcomes)
         self.wait_outcomes: dict[str, int] = {}
         signal = getattr(transfers, "signal", None)
@@ -259,6 +263,7 @@ class _Lookups:
         with self._lock:
             waiting = self._pending.pop(key, None) is not None
             entry = self._done.pop(key, None)
+            self._parked_once.discard(key)
         if waiting and self._waiter is not None:
             self._waiter.wake()  # a parked lookup of it goes back at once
         return None if entry is None else entry[0]
@@ -285,6 +290,16 @@ class _Lookups:
         with self._lock:
             pending = self._pending.get(ask.key)
         return pending is None or pending[0] != ask.start
+
+    def _may_park(self, ask: _Ask) -> bool:
+        """Whether ``ask`` may park (it is still wanted and its request never parked);
+        if so, its request is marked as having parked."""
+        with self._lock:
+            pending = self._pending.get(ask.key)
+            if pending is None or pending[0] != ask.start or ask.key in self._parked_once:
+                return False
+            self._parked_once.add(ask.key)
+            return True
 
     def _waited(self, ask: _Ask, outcome: str) -> None:
         """The waiter hands a parked lookup back: count it, ask the index again."""
@@ -324,7 +339,7 @@ class _Lookups:
                 n = 0
             n = max(0, min(n, stop - start))
             wait_for = self._keys_to_wait_for(ask, hashes, n)
-            if wait_for and self._waiter is not None and not self._gone(ask):
+            if wait_for and self._waiter is not None and self._may_park(ask):
                 hint = ask.hint
                 assert hint is not None
                 self._waiter.park(ask, wait_for,
