@@ -90,3 +90,22 @@ def test_bad_settings_are_refused(kwargs) -> None:
 def test_a_bad_hint_names_its_field(args, field) -> None:
     with pytest.raises(ValueError, match=f"kv_publish_in_flight.{field}"):
         PublishInFlight(*args)
+
+
+def test_publishes_from_the_same_first_block_do_not_forget_each_other() -> None:
+    """Two chats that share a system prompt and whose turns were prefilled on the decode
+    instance (first block 0: conditional disaggregation's local prefill) both start their
+    publish at the system prompt's block 0. The tracker used to key records by that
+    block's hash alone, so the second finish replaced the first, and the first chat's
+    next turn was hinted at the other chat's publish (the shared blocks only, which are
+    in the store already): its own answer's blocks were then recomputed."""
+    tracker = PublishTracker()
+    system = list(range(500, 508))  # two full blocks shared by both chats
+    a_prompt, a_answer = system + [1, 2, 3], list(range(100, 110))
+    b_prompt, b_answer = system + [4, 5, 6], list(range(200, 210))
+    finish(tracker, "chat-a", a_prompt, a_answer, first_block=0)
+    finish(tracker, "chat-b", b_prompt, b_answer, first_block=0)
+    a_next = a_prompt + a_answer + [9, 9, 9, 9]
+    assert tracker.find(hashes_of(a_next)) == PublishInFlight("chat-a", FP, BS, 0, 5)
+    b_next = b_prompt + b_answer + [9, 9, 9, 9]
+    assert tracker.find(hashes_of(b_next)) == PublishInFlight("chat-b", FP, BS, 0, 5)
