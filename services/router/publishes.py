@@ -35,6 +35,8 @@ MAX_RECORDS = 4096
 
 #: ``block size -> the prompt's full-block hash chain`` in blocks of that size.
 _HashesOf = Callable[[int], Sequence[BlockHash]]
+#: ``(block size, hash of a publish's first block, request id)``: a record's key.
+_Key = tuple[int, BlockHash, str]
 
 
 @dataclass(frozen=True)
@@ -48,8 +50,9 @@ class _Record:
 
 
 class PublishTracker:
-    """Finished requests whose output publish may still run, keyed by the hash of the
-    first block each publish brings.
+    """Finished requests whose output publish may still run, found by the hash of the
+    first block each publish brings (several may share it: a finish never replaces
+    another request's).
 
     Args:
         ttl_s: how long a finish is remembered, seconds (> 0).
@@ -66,7 +69,12 @@ class PublishTracker:
             raise ValueError(f"max_records must be >= 1, got {max_records}")
         self._ttl_s = ttl_s
         self._max = max_records
-        self._records: OrderedDict[tuple[int, BlockHash], _Record] = OrderedDict()
+        # (block size, hash of the publish's first block, request id) -> record, oldest
+        # first; several publishes can start at the same block (chats sharing a system
+        # prompt whose turns were prefilled on the decode instance all start at block 0)
+        self._records: OrderedDict[_Key, _Record] = OrderedDict()
+        # (block size, hash of the publish's first block) -> the keys of those records
+        self._by_start: dict[tuple[int, BlockHash], dict[_Key, None]] = {}
 
     def __len__(self) -> int:
         return len(self._records)
@@ -101,12 +109,13 @@ class PublishTracker:
             if i >= first_block:
                 chain.append(parent)
         self._prune(time.monotonic())
-        key = (block_size, chain[0])
-        self._records.pop(key, None)
+        key = (block_size, chain[0], request_id)
+        self._forget(key)
         self._records[key] = _Record(request_id, layout_fingerprint, block_size, first_block,
                                      tuple(chain), time.monotonic() + self._ttl_s)
+        self._by_start.setdefault((block_size, chain[0]), {})[key] = None
         while len(self._records) > self._max:
-            self._records.popitem(last=False)
+            self._forget(next(iter(self._records)))
 
     def find(self, prompt_hashes_of: _HashesOf) -> PublishInFlight | None:
         """The hint for a prompt: of the remembered publishes that bring blocks of its
@@ -117,19 +126,20 @@ class PublishTracker:
         if not self._records:
             return None
         best: tuple[int, _Record] | None = None
-        for size in {bs for bs, _ in self._records}:
+        for size in {key[0] for key in self._records}:
             hashes = prompt_hashes_of(size)
             for j, h in enumerate(hashes):
-                rec = self._records.get((size, h))
-                if rec is None or rec.first_block != j:
-                    continue
-                n = 0
-                for mine, theirs in zip(hashes[j:], rec.chain, strict=False):
-                    if mine != theirs:
-                        break
-                    n += 1
-                if n and (best is None or j + n > best[0]):
-                    best = (j + n, rec)
+                for key in self._by_start.get((size, h), ()):
+                    rec = self._records[key]
+                    if rec.first_block != j:
+                        continue
+                    n = 0
+                    for mine, theirs in zip(hashes[j:], rec.chain, strict=False):
+                        if mine != theirs:
+                            break
+                        n += 1
+                    if n and (best is None or j + n >= best[0]):
+                        best = (j + n, rec)  # a tie: the later finish
         if best is None:
             return None
         end, rec = best
@@ -141,4 +151,13 @@ class PublishTracker:
             key, rec = next(iter(self._records.items()))
             if rec.expires_at > now:
                 return
-            del self._records[key]
+            self._forget(key)
+
+    def _forget(self, key: _Key) -> None:
+        if self._records.pop(key, None) is None:
+            return
+        start = (key[0], key[1])
+        keys = self._by_start[start]
+        del keys[key]
+        if not keys:
+            del self._by_start[start]
