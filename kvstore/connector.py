@@ -160,8 +160,7 @@ class _Job:
 @dataclass(eq=False)  # compared by identity
 class _Ask:
     """One lookup asked: blocks ``[start, stop)`` of the chain (or a callable making
-    it), the request's :class:`PublishInFlight` hint, and how a wait for that publish
-    ended (``waited``; a lookup waits at most once)."""
+    it) and the request's :class:`PublishInFlight` hint."""
 
     key: _LookupKey
     start: int
@@ -169,7 +168,6 @@ class _Ask:
     chain: list[BlockHash] | Callable[[], list[BlockHash]]
     fingerprint: bytes
     hint: PublishInFlight | None
-    waited: str | None = None
 
 
 class _Lookups:
@@ -284,26 +282,29 @@ class _Lookups:
         self._queue.put(None)
         self._thread.join(timeout=30)
 
-    def _gone(self, ask: _Ask) -> bool:
-        """Whether a parked lookup is no longer wanted (its request finished, or a
-        lookup from another block replaced it)."""
-        with self._lock:
-            pending = self._pending.get(ask.key)
+    def _gone_locked(self, ask: _Ask) -> bool:
+        """Whether ``ask`` is no longer wanted (its request finished, or a lookup from
+        another block replaced it). Caller holds ``_lock``."""
+        pending = self._pending.get(ask.key)
         return pending is None or pending[0] != ask.start
+
+    def _gone(self, ask: _Ask) -> bool:
+        """:meth:`_gone_locked` for the waiter's thread."""
+        with self._lock:
+            return self._gone_locked(ask)
 
     def _may_park(self, ask: _Ask) -> bool:
         """Whether ``ask`` may park (it is still wanted and its request never parked);
         if so, its request is marked as having parked."""
         with self._lock:
-            pending = self._pending.get(ask.key)
-            if pending is None or pending[0] != ask.start or ask.key in self._parked_once:
+            if self._gone_locked(ask) or ask.key in self._parked_once:
                 return False
             self._parked_once.add(ask.key)
             return True
 
     def _waited(self, ask: _Ask, outcome: str) -> None:
-        """The waiter hands a parked lookup back: count it, ask the index again."""
-        ask.waited = outcome
+        """The waiter hands a parked lookup back: count it, ask the index again (it
+        does not park again: its request is in ``_parked_once``)."""
         with self._lock:
             self.wait_outcomes[outcome] = self.wait_outcomes.get(outcome, 0) + 1
         if outcome != "cancelled":
@@ -313,9 +314,10 @@ class _Lookups:
                           ) -> list[BlockKey]:
         """The blocks a lookup that found ``found`` leading blocks waits for: those of
         its hint's in-flight publish from the first miss on; none when it has no usable
-        hint, waited already, or missed a block the publish does not bring."""
+        hint or missed a block the publish does not bring (whether it may still park is
+        :meth:`_may_park`'s)."""
         hint = ask.hint
-        if (self._waiter is None or hint is None or ask.waited is not None
+        if (self._waiter is None or hint is None
                 or hint.layout_fingerprint != ask.fingerprint
                 or hint.block_size != self._block_size):
             return []
