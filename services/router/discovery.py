@@ -127,6 +127,13 @@ class Discovery(ABC):
     def get(self, address: str) -> InstanceInfo | None:
         return self._by_address.get(address)
 
+    def is_down(self, address: str) -> bool:
+        """``address`` left the view, failed its last load poll, or is benched after a
+        failed call."""
+        info = self._by_address.get(address)
+        return (info is None or info.alive is False
+                or self._failed_until.get(address, 0.0) > time.monotonic())
+
     def mark_failed(self, address: str) -> None:
         """Bench ``address`` for :data:`FAILURE_COOLDOWN_S` after a failed call."""
         self._failed_until[address] = time.monotonic() + FAILURE_COOLDOWN_S

@@ -198,7 +198,7 @@ class Pipeline:
         if mode == "disagg":
             decode_first, local_prefill = await self._disagg_decision(route, timings)
             # a chat's next turn: the previous answer's blocks may still be publishing
-            found = self.publishes.find(route.block_hashes)
+            found = self.publishes.find(route.block_hashes, self.discovery.is_down)
             if found is not None:
                 hint = publish_in_flight_to_proto(found)
                 self.metrics.labels(self.metrics.kv_publish_hints).inc()
@@ -433,7 +433,7 @@ class Pipeline:
         tokens = [*ctx.prompt_token_ids, *state.output_token_ids[:-1]]
         # the prefill published the prompt's full blocks; a colocated form computed them
         first = 0 if colocated_form else len(ctx.prompt_token_ids) // bs
-        self.publishes.record(request_id, info.kv_layout_fingerprint, bs,
+        self.publishes.record(request_id, info.address, info.kv_layout_fingerprint, bs,
                               ctx.block_hashes(bs), tokens, first)
 
     def _first_decode_message(self, msg: decode_pb2.DecodeResponse, state: SeqState,

@@ -42,6 +42,7 @@ _Key = tuple[int, BlockHash, str]
 @dataclass(frozen=True)
 class _Record:
     request_id: str
+    instance: str  # the publishing decode's address
     layout_fingerprint: bytes
     block_size: int
     first_block: int
@@ -79,14 +80,16 @@ class PublishTracker:
     def __len__(self) -> int:
         return len(self._records)
 
-    def record(self, request_id: str, layout_fingerprint: bytes, block_size: int,
-               prompt_hashes: Sequence[BlockHash], token_ids: Sequence[int],
-               first_block: int) -> None:
+    def record(self, request_id: str, instance: str, layout_fingerprint: bytes,
+               block_size: int, prompt_hashes: Sequence[BlockHash],
+               token_ids: Sequence[int], first_block: int) -> None:
         """Remember that ``request_id`` finished on a decode instance that publishes its
         output, so blocks ``first_block`` on of ``token_ids`` may still be on their way.
 
         Args:
             request_id: the finished request (its publish's end marker carries it).
+            instance: the decode instance's address (its records are skipped while it is
+                down: see :meth:`find`).
             layout_fingerprint: the decode instance's KV layout fingerprint.
             block_size: its tokens per block (> 0).
             prompt_hashes: the full-block hash chain of the request's prompt (in blocks
@@ -111,17 +114,23 @@ class PublishTracker:
         self._prune(time.monotonic())
         key = (block_size, chain[0], request_id)
         self._forget(key)
-        self._records[key] = _Record(request_id, layout_fingerprint, block_size, first_block,
-                                     tuple(chain), time.monotonic() + self._ttl_s)
+        self._records[key] = _Record(request_id, instance, layout_fingerprint, block_size,
+                                     first_block, tuple(chain),
+                                     time.monotonic() + self._ttl_s)
         self._by_start.setdefault((block_size, chain[0]), {})[key] = None
         while len(self._records) > self._max:
             self._forget(next(iter(self._records)))
 
-    def find(self, prompt_hashes_of: _HashesOf) -> PublishInFlight | None:
+    def find(self, prompt_hashes_of: _HashesOf,
+             is_down: Callable[[str], bool] = lambda instance: False
+             ) -> PublishInFlight | None:
         """The hint for a prompt: of the remembered publishes that bring blocks of its
         chain, the one reaching furthest into it (the latest turn; an earlier turn's
         publish has most likely ended), or ``None``. ``prompt_hashes_of(block_size)`` is
-        the prompt's full-block hash chain in blocks of that size."""
+        the prompt's full-block hash chain in blocks of that size. Publishes of instances
+        for which ``is_down(address)`` holds are skipped: a dead decode never writes its
+        end marker, and a hint of it would hold the lookup for the whole
+        ``--kv-load-wait-s`` where recomputing is far cheaper."""
         self._prune(time.monotonic())
         if not self._records:
             return None
@@ -131,7 +140,7 @@ class PublishTracker:
             for j, h in enumerate(hashes):
                 for key in self._by_start.get((size, h), ()):
                     rec = self._records[key]
-                    if rec.first_block != j:
+                    if rec.first_block != j or is_down(rec.instance):
                         continue
                     n = 0
                     for mine, theirs in zip(hashes[j:], rec.chain, strict=False):

@@ -18,9 +18,10 @@ def hashes_of(tokens: list[int]):
 
 
 def finish(tracker: PublishTracker, rid: str, prompt: list[int], output: list[int],
-           first_block: int | None = None) -> None:
+           first_block: int | None = None, instance: str = "decode-0") -> None:
     """What the pipeline records when ``rid`` finishes on a publishing decode instance."""
-    tracker.record(rid, FP, BS, hash_token_blocks(prompt, BS), prompt + output[:-1],
+    tracker.record(rid, instance, FP, BS, hash_token_blocks(prompt, BS),
+                   prompt + output[:-1],
                    len(prompt) // BS if first_block is None else first_block)
 
 
@@ -109,3 +110,22 @@ def test_publishes_from_the_same_first_block_do_not_forget_each_other() -> None:
     assert tracker.find(hashes_of(a_next)) == PublishInFlight("chat-a", FP, BS, 0, 5)
     b_next = b_prompt + b_answer + [9, 9, 9, 9]
     assert tracker.find(hashes_of(b_next)) == PublishInFlight("chat-b", FP, BS, 0, 5)
+
+
+def test_publishes_of_an_instance_that_is_down_are_not_hinted() -> None:
+    """A decode that died right after its answer never writes the end marker: a hint of
+    its publish would hold the next turn's lookup for the whole ``--kv-load-wait-s``.
+    Its records are skipped while it is down; another instance's still count."""
+    tracker = PublishTracker()
+    turn1, answer1 = list(range(8)), list(range(100, 109))
+    finish(tracker, "on-a", turn1, answer1, instance="a:1")
+    finish(tracker, "on-b", list(range(50, 58)), answer1, instance="b:1")
+    turn2 = turn1 + answer1 + [1, 2, 3]
+    down = {"a:1"}
+    assert tracker.find(hashes_of(turn2), lambda addr: addr in down) is None
+    other_turn2 = list(range(50, 58)) + answer1 + [1, 2, 3]
+    hint = tracker.find(hashes_of(other_turn2), lambda addr: addr in down)
+    assert hint is not None and hint.request_id == "on-b"
+    down.clear()  # back (its publish may have committed after all)
+    hint = tracker.find(hashes_of(turn2), lambda addr: addr in down)
+    assert hint is not None and hint.request_id == "on-a"

@@ -96,6 +96,20 @@ def test_make_router_by_name() -> None:
         make_router("random")
 
 
+def test_an_instance_is_down_when_benched_unanswered_or_gone() -> None:
+    d = StaticDiscovery(decode=["c:1", "d:1"])
+    assert not d.is_down("c:1")
+    d.mark_failed("c:1")
+    assert d.is_down("c:1")
+    d.mark_ok("c:1")
+    assert not d.is_down("c:1")
+    info = d.get("d:1")
+    assert info is not None
+    info.alive = False  # its last load poll failed
+    assert d.is_down("d:1")
+    assert d.is_down("e:1")  # not in the view
+
+
 def test_static_discovery_benches_failed_instances() -> None:
     d = StaticDiscovery(prefill=["a:1", "b:1"], decode=["c:1"])
     assert {i.address for i in d.instances("prefill")} == {"a:1", "b:1"}
