@@ -773,7 +773,9 @@ def main(argv: list[str] | None = None) -> int:
                 for path in graphs:
                     print(f"py-spy flame graph: {path}", flush=True)
                 if spec is not None:
-                    counters = _spec_counters(stack.engine_metrics_urls)
+                    counters = _spec_counters({  # the engines that decode
+                        n: u for n, u in stack.engine_metrics_urls.items()
+                        if not n.startswith("prefill")})
                     for m in results:
                         m["speculative"] = counters
                 if faults:

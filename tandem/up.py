@@ -52,7 +52,9 @@ def banner(stack: Stack, mode: str) -> str:
             f"  OpenAI API   {stack.http_url}/v1   (curl {stack.http_url}/v1/models)\n"
             f"  gRPC         {stack.grpc_address}   (tandem.v1.GenerationService)\n"
             f"  metrics      {stack.http_url}/metrics\n"
-            f"  redis        {stack.redis_url}\n"
+            + "".join(f"  {name + ' metrics':<12} {url}\n"
+                      for name, url in stack.engine_metrics_urls.items())
+            + f"  redis        {stack.redis_url}\n"
             + (f"  KV store     {stack.kvstore_metrics_url}\n" if stack.kvstore_metrics_url
                else "")
             + ("" if stack.config.verbose
@@ -76,8 +78,9 @@ class StackConfig:
         router_args: extra flags for the router.
         speculative_config: ``--speculative-config`` JSON for the engines that decode
             (decode and colocated; prefill samples one token, nothing to speculate on).
-        engine_metrics: give each decode and colocated engine a Prometheus ``/metrics``
-            port (``Stack.engine_metrics_urls``), e.g. for its ``spec_decode_*`` counters.
+        engine_metrics: give each engine a Prometheus ``/metrics`` port
+            (``Stack.engine_metrics_urls``: the engines' step, KV cache, store-lookup and
+            ``spec_decode_*`` series; the router's ``/metrics`` has only its own).
         kvstore_capacity_bytes: KV store node memory.
         cpus_per_engine: pin engine i to its own CPU set of this size (0: no pinning).
         startup_timeout_s: how long every part gets to become healthy.
@@ -290,7 +293,7 @@ class Stack:
                 "--instance-id", instance_id, *kv_cache_args(cfg), *cfg.engine_args]
         if kvstore:
             argv += ["--kvstore", kvstore]
-        if cfg.engine_metrics and not name.startswith("prefill"):
+        if cfg.engine_metrics:
             metrics_port = free_port()
             self.engine_metrics_urls[name] = f"http://127.0.0.1:{metrics_port}/metrics"
             argv += ["--metrics-port", str(metrics_port)]
@@ -403,7 +406,7 @@ def config_from_args(ns: argparse.Namespace) -> StackConfig:
                        speculative_config=ns.speculative_config,
                        kvstore_capacity_bytes=ns.kvstore_capacity,
                        cpus_per_engine=ns.cpus_per_engine, startup_timeout_s=ns.startup_timeout,
-                       verbose=ns.verbose, log_dir=ns.log_dir)
+                       verbose=ns.verbose, log_dir=ns.log_dir, engine_metrics=True)
 
 
 def main(argv: list[str] | None = None) -> int:

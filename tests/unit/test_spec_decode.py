@@ -299,12 +299,13 @@ def test_serve_bench_runs_each_stack_without_and_with_speculation(capsys) -> Non
     assert "--speculative-config: needs --launch" in capsys.readouterr().err
     assert main(["--launch", "disagg", "--speculative-config", '{"method": "x"}']) == 2
     assert "--speculative-config: method" in capsys.readouterr().err
-    # Only the engines that decode get a /metrics port, for their spec_decode counters.
+    # Every engine gets a /metrics port (the spec_decode counters are the decode's).
     stack = Stack(StackConfig(speculative_config=spec, engine_metrics=True))
     decode = stack._engine_part("decode-0", ["decode"])
     prefill = stack._engine_part("prefill-0", ["prefill"])
-    assert "--metrics-port" in decode.argv and "--metrics-port" not in prefill.argv
-    assert list(stack.engine_metrics_urls) == ["decode-0"]
+    assert "--metrics-port" in decode.argv and "--metrics-port" in prefill.argv
+    assert list(stack.engine_metrics_urls) == ["decode-0", "prefill-0"]
+    assert "--metrics-port" not in Stack(StackConfig())._engine_part("d", ["decode"]).argv
     base = {"label": "disagg", "request_rate": 1.0, "output_throughput": 10.0,
             "median_ttft_ms": 5.0, "median_tpot_ms": 2.0, "median_itl_ms": 2.0}
     counters = {"spec_decode_num_drafts": 4.0, "spec_decode_num_draft_tokens": 8.0,

@@ -52,7 +52,8 @@ def test_engines_share_the_available_memory_for_kv_caches() -> None:
 
 def test_banner_names_logs_and_kv_store_metrics() -> None:
     """The ready banner says where the children's logs are (unless --verbose sends them
-    to the terminal) and, disaggregated, where the KV store's metrics are."""
+    to the terminal) and, disaggregated, where the KV store's and each engine's metrics
+    are."""
     from types import SimpleNamespace
 
     from tandem.up import StackConfig, banner
@@ -61,11 +62,13 @@ def test_banner_names_logs_and_kv_store_metrics() -> None:
         return SimpleNamespace(http_url="http://127.0.0.1:8000", grpc_address="127.0.0.1:50051",
                                redis_url="redis://127.0.0.1:7/0", kvstore_metrics_url=kv,
                                log_dir=log_dir or "/tmp/tandem-up-x",
+                               engine_metrics_urls={"prefill-0": "http://127.0.0.1:5/metrics"},
                                config=StackConfig(verbose=verbose, log_dir=log_dir))
 
     text = banner(stack(False, "http://127.0.0.1:9/metrics"), "1 prefill + 1 decode")
     assert "  logs         /tmp/tandem-up-x   (removed on exit)" in text
     assert "  KV store     http://127.0.0.1:9/metrics" in text
+    assert "  prefill-0 metrics http://127.0.0.1:5/metrics" in text
     text = banner(stack(False, "", "tandem-logs"), "1 prefill + 1 decode")
     assert "  logs         tandem-logs   (<part>.log; .1 .. .5 earlier runs)" in text
     text = banner(stack(True, ""), "colocated x1")
