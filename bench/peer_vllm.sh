@@ -50,7 +50,7 @@ install() {
 }
 
 hf_folder() {
-    "$PY" -m tandem.bench.make_hf_folder "$HF_DIR" --dtype bfloat16
+    "$PY" -P -m tandem.bench.make_hf_folder "$HF_DIR" --dtype bfloat16
 }
 
 # Seconds from $1 (epoch seconds) until the server on $PORT completes a 1-token request
