@@ -14,12 +14,12 @@ Order of operations (vLLM v1's order, so results match what its users expect):
 3. greedy rows (temperature 0) take ``argmax`` here: on unprocessed float32 logits
    this is exactly transformers' ``generate(do_sample=False)``;
 4. random rows: divide by temperature, then ``min_p``, ``top_k`` and ``top_p``
-   truncation, then the exponential race: with ``q ~ Exp(1)`` i.i.d.,
-   ``argmax(p / q)`` is a sample from ``p`` (it is the Gumbel-max trick in another
-   form). ``q`` is drawn from the request's own ``torch.Generator`` when the
-   request is seeded, reseeded per output position (``Request.step_generator``), so
-   its tokens depend neither on what else is in the batch nor on which engine sampled
-   the earlier positions; unseeded rows share the sampler's global generator.
+   truncation, then one draw from the resulting distribution by inverse-transform
+   sampling (:mod:`tandem.engine.categorical`, two uniforms per row). The uniforms
+   come from the request's own ``torch.Generator`` when the request is seeded,
+   reseeded per output position (``Request.step_generator``), so its tokens depend
+   neither on what else is in the batch nor on which engine sampled the earlier
+   positions; unseeded rows share the sampler's global generator.
 
 Logprobs are vLLM's "processed" kind: ``log_softmax`` of the logits after steps 1-2
 and the temperature division (for temperature > 0), before top-k / top-p / min_p
@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from tandem.engine.categorical import draw_uniforms, sample_categorical
 from tandem.engine.request import Logprob, PositionLogprobs, Request
 from tandem.kernels import cpu_ext
 
@@ -173,7 +174,7 @@ class Sampler:
     def _sample_random(
         self, logits: torch.Tensor, requests: Sequence[Request], greedy: list[bool]
     ) -> torch.Tensor:
-        """Truncate (min_p, top_k, top_p) and draw by exponential race.
+        """Truncate (min_p, top_k, top_p) and draw (:func:`sample_categorical`).
 
         Args:
             logits: ``[num_reqs, vocab]`` float32, temperature already applied; modified.
@@ -187,18 +188,9 @@ class Sampler:
         probs = torch.softmax(logits, dim=-1)
         _apply_min_p(probs, params, greedy)
 
-        num_reqs, vocab = probs.shape
-        q = torch.empty((num_reqs, vocab), dtype=torch.float32)
-        seeded = [r.generator is not None and not g for r, g in zip(requests, greedy, strict=True)]
-        if not all(seeded):
-            # One draw for every unseeded row; seeded rows are overwritten below.
-            q.exponential_(generator=self.generator)
-        for i, r in enumerate(requests):
-            if seeded[i]:
-                q[i].exponential_(generator=r.step_generator())
-        # NOTE: Exp(1) may return 0.0 exactly; a zero would make p/q inf or nan.
-        q.clamp_(min=1e-20)
-        return probs.div_(q.to(probs.device)).argmax(dim=-1)
+        generators = [None if g else r.step_generator()
+                      for r, g in zip(requests, greedy, strict=True)]
+        return sample_categorical(probs, draw_uniforms(generators, self.generator))
 
 
 def apply_token_bitmask(
