@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from tandem.contracts.block_key import PublishInFlight
-from tandem.engine.sampling_params import SamplingParams, StructuredOutputsParams
+from tandem.engine.sampling_params import SamplingDefaults, SamplingParams, StructuredOutputsParams
 from tandem.v1 import common_pb2
 
 if TYPE_CHECKING:
@@ -56,11 +56,14 @@ def sampling_params_from_proto(
     stop: Sequence[str] = (),
     include_stop_str_in_output: bool = False,
     skip_special_tokens: bool = True,
+    defaults: SamplingDefaults | None = None,
 ) -> SamplingParams:
     """Build validated engine ``SamplingParams`` from the proto.
 
     Args:
-        msg: the proto; unset optional fields take ``SamplingParams``' defaults.
+        msg: the proto; unset optional fields take ``defaults``' values where it has
+            the field (temperature, top_p, top_k, min_p, repetition_penalty), else
+            ``SamplingParams``' defaults.
         max_tokens_if_unset: ``max_tokens`` when the proto leaves it unset (``None``:
             up to the context length, which the engine fills in).
         stop / include_stop_str_in_output / skip_special_tokens: the text-side fields,
@@ -70,8 +73,12 @@ def sampling_params_from_proto(
     Raises:
         ValueError: a value outside its range, naming the field (from ``SamplingParams``).
     """
-    kwargs: dict[str, object] = {name: getattr(msg, name)
-                                 for name in _OPTIONAL_SCALARS if msg.HasField(name)}
+    kwargs: dict[str, object] = {}
+    if defaults is not None:
+        kwargs.update(temperature=defaults.temperature, top_p=defaults.top_p,
+                      top_k=defaults.top_k, min_p=defaults.min_p,
+                      repetition_penalty=defaults.repetition_penalty)
+    kwargs.update({name: getattr(msg, name) for name in _OPTIONAL_SCALARS if msg.HasField(name)})
     if msg.HasField("structured_outputs"):
         kwargs["structured_outputs"] = structured_outputs_from_proto(msg.structured_outputs)
     return SamplingParams(

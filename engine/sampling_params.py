@@ -9,7 +9,7 @@ allocates anything. Checks against a model (token ids in the vocabulary) are in
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from tandem.engine.structured_output.json_schema import check_json_schema
@@ -275,3 +275,33 @@ class SamplingParams:
 
 def _bad(field: str, rule: str, value: object) -> RequestError:
     return RequestError(field, f"{field} must {rule}, got {value}")
+
+
+@dataclass(frozen=True)
+class SamplingDefaults:
+    """Default sampling values for fields a request leaves unset
+    (``tandem.engine.generation_config``, vLLM's ``--generation-config``).
+
+    Attributes:
+        temperature: >= 0 (0 is greedy).
+        top_p: in (0, 1].
+        top_k: -1 (off) or >= 1.
+        min_p: in [0, 1].
+        repetition_penalty: > 0 (1 is off).
+        max_tokens: default ``max_tokens`` (>= 1), ``None``: the room left in the context.
+        source: the file the values came from (``None``: the API's defaults).
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    max_tokens: int | None = None
+    source: str | None = None
+
+    def overridden(self) -> dict[str, Any]:
+        """The values that differ from the API's defaults (for the start-up log)."""
+        base = SamplingDefaults()
+        return {f.name: getattr(self, f.name) for f in fields(self)
+                if f.name != "source" and getattr(self, f.name) != getattr(base, f.name)}

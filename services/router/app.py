@@ -178,7 +178,8 @@ def create_app(fe: Frontend, lifespan: Any = None, *,
         gens = []
         for p, ids in enumerate(prompts):
             sp = req.to_sampling_params(num_prompt_tokens=len(ids),
-                                        max_model_len=fe.max_model_len, constraint=constraint)
+                                        max_model_len=fe.max_model_len, constraint=constraint,
+                                        defaults=fe.sampling_defaults)
             fe.check_sampling_params(sp)
             gens.append(GenerationRequest(rid if len(prompts) == 1 else f"{rid}-p{p}", ids, sp,
                                           req.priority, arrival_ns,
@@ -227,7 +228,7 @@ def create_app(fe: Frontend, lifespan: Any = None, *,
         constraint = await _off_loop(
             req, lambda: req.constraint(tool_choice.constraint() if tool_choice else None))
         sp = req.to_sampling_params(num_prompt_tokens=len(ids), max_model_len=fe.max_model_len,
-                                    constraint=constraint)
+                                    constraint=constraint, defaults=fe.sampling_defaults)
         fe.check_sampling_params(sp)
         param_of_field = dict(constraint.param_of_field)
         if tool_choice is not None and tool_choice.mode == "named":

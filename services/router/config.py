@@ -38,6 +38,10 @@ class RouterConfig:
         chat_template: ``--chat-template`` as given (a path, a shipped template's name or
             the template), ``None`` for the model's.
         tool_call_parser: ``--tool-call-parser`` (``hermes``).
+        generation_config: ``--generation-config``: where requests' default sampling
+            values come from (``auto``: the model folder's ``generation_config.json``;
+            ``vllm``: the API's own; or a folder), vLLM's flag
+            (``tandem.engine.generation_config``).
         max_request_body_bytes: largest HTTP request body and gRPC request message
             accepted (``--max-request-body-bytes``; 413 / RESOURCE_EXHAUSTED beyond),
             ``None`` for ``body.default_max_request_body_bytes`` of the context length.
@@ -79,6 +83,7 @@ class RouterConfig:
     max_migrations: int = 3
     chat_template: str | None = None
     tool_call_parser: str = "hermes"
+    generation_config: str = "auto"
     max_request_body_bytes: int | None = None
     shutdown_grace_s: float = 8.0
     tls: TLSFiles = field(default_factory=TLSFiles)
@@ -143,6 +148,7 @@ class RouterConfig:
                    max_migrations=ns.max_migrations,
                    chat_template=getattr(ns, "chat_template", None),
                    tool_call_parser=getattr(ns, "tool_call_parser", "hermes"),
+                   generation_config=getattr(ns, "generation_config", "auto"),
                    max_request_body_bytes=ns.max_request_body_bytes,
                    shutdown_grace_s=ns.shutdown_grace_s, tls=tls_from_args(ns),
                    kv_index_url=getattr(ns, "kv_index_url", None) or ns.redis_url or None,

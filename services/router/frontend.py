@@ -15,7 +15,7 @@ from typing import Any
 
 import jinja2
 
-from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.sampling_params import SamplingDefaults, SamplingParams
 from tandem.engine.validation import RequestError, check_prompt_token_ids, check_vocab_params
 from tandem.services.router.errors import OpenAIError, from_request_error
 from tandem.services.router.pipeline import Pipeline
@@ -35,15 +35,19 @@ class Frontend:
             request (``--chat-template``), or ``None``.
         tool_call_parser: how tool calls are read from the model's text
             (``--tool-call-parser``; ``tools.TOOL_CALL_PARSERS``).
+        sampling_defaults: sampling values of fields a request leaves unset
+            (``--generation-config``).
     """
 
     def __init__(self, *, tokenizer: Any, pipeline: Pipeline, served_model_names: Sequence[str],
                  max_model_len: int, api_key: str | None = None,
-                 chat_template: str | None = None, tool_call_parser: str = "hermes") -> None:
+                 chat_template: str | None = None, tool_call_parser: str = "hermes",
+                 sampling_defaults: SamplingDefaults | None = None) -> None:
         if not served_model_names:
             raise ValueError("served_model_names must not be empty")
         self.chat_template = chat_template
         self.tool_call_parser = tool_call_parser
+        self.sampling_defaults = sampling_defaults or SamplingDefaults()
         own = chat_template or getattr(tokenizer, "chat_template", None) or ""
         # NOTE: a template that never mentions `tools` would drop them silently; requests
         # with tools then use the shipped Hermes template (``tool_chat_template``).

@@ -117,13 +117,18 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             raise OpenAIError("one of text, token_ids or chat is required", param="prompt")
         msg = request.sampling_params
         max_tokens = msg.max_tokens if msg.HasField("max_tokens") else None
+        defaults = fe.sampling_defaults
         try:
             check_context_length(len(ids), fe.max_model_len, max_tokens, field=which)
+            room = fe.max_model_len - len(ids)
             sp = sampling_params_from_proto(
-                msg, max_tokens_if_unset=fe.max_model_len - len(ids), stop=list(request.stop),
+                msg, max_tokens_if_unset=(room if defaults.max_tokens is None
+                                          else min(room, defaults.max_tokens)),
+                stop=list(request.stop),
                 include_stop_str_in_output=request.include_stop_str_in_output,
                 skip_special_tokens=(request.skip_special_tokens
-                                     if request.HasField("skip_special_tokens") else True))
+                                     if request.HasField("skip_special_tokens") else True),
+                defaults=defaults)
         except RequestError as exc:
             raise from_request_error(exc) from exc
         fe.check_sampling_params(sp)

@@ -17,6 +17,7 @@ import sys
 from collections.abc import Callable, Coroutine, Iterator
 from typing import Any
 
+from tandem.engine.sampling_params import SamplingDefaults
 from tandem.services.common.tls import add_tls_flags
 from tandem.services.router.config import RouterConfig
 from tandem.services.router.routing import RoutingPolicy
@@ -53,6 +54,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chat-template", default=None,
                    help="chat template for every request: a Jinja file, a shipped template's "
                         "name (hermes_tool_use) or the template itself; default the model's")
+    p.add_argument("--generation-config", default="auto",
+                   help="default sampling values of requests that leave them unset: 'auto' "
+                        "(the model folder's generation_config.json: temperature, top_p, "
+                        "top_k, min_p, repetition_penalty, max_new_tokens), 'vllm' (the "
+                        "API's own defaults) or a folder holding a generation_config.json")
     p.add_argument("--tool-call-parser", default="hermes", choices=["hermes"],
                    help="how tool calls are read from the model's text (hermes: "
                         "<tool_call>{json}</tool_call>)")
@@ -108,8 +114,9 @@ class _Server:
         await self._server.serve()
 
 
-async def serve(cfg: RouterConfig) -> None:
-    """Build everything, serve HTTP and gRPC until SIGINT/SIGTERM, then close cleanly."""
+async def serve(cfg: RouterConfig, defaults: SamplingDefaults | None = None) -> None:
+    """Build everything, serve HTTP and gRPC until SIGINT/SIGTERM, then close cleanly.
+    ``defaults``: requests' default sampling values (``--generation-config``)."""
     import uvicorn
 
     from tandem.engine.model_files import load_tokenizer_and_facts
@@ -159,7 +166,8 @@ async def serve(cfg: RouterConfig) -> None:
     fe = Frontend(tokenizer=tokenizer, pipeline=pipeline, served_model_names=served,
                   max_model_len=cfg.max_model_len or facts.max_model_len, api_key=cfg.api_key,
                   chat_template=read_chat_template(cfg.chat_template) if cfg.chat_template
-                  else None, tool_call_parser=cfg.tool_call_parser)
+                  else None, tool_call_parser=cfg.tool_call_parser,
+                  sampling_defaults=defaults or SamplingDefaults())
     max_body = cfg.max_request_body_bytes or default_max_request_body_bytes(fe.max_model_len)
     await discovery.start()
     await pool.start()
@@ -204,15 +212,25 @@ async def serve(cfg: RouterConfig) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `tandem router`. Returns the exit code."""
     args = build_parser().parse_args(argv)
+    from tandem.engine.generation_config import load_sampling_defaults
+    from tandem.engine.model_files import resolve_model_path  # no torch: files only
+
     try:
         cfg = RouterConfig.from_args(args, os.environ)
+        folder, gguf = resolve_model_path(cfg.model)
+        defaults = load_sampling_defaults(cfg.generation_config,
+                                          None if gguf is not None else folder)
     except ValueError as exc:
         print(f"tandem router: error: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(level=cfg.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if defaults.source is not None:
+        logger.info("default sampling values from %s: %s (a request's own values win; "
+                    "--generation-config vllm ignores the file)", defaults.source,
+                    defaults.overridden())
     try:
-        event_loop_runner(cfg.loop)(serve(cfg))
+        event_loop_runner(cfg.loop)(serve(cfg, defaults))
     except KeyboardInterrupt:
         pass
     return 0

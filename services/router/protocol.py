@@ -20,7 +20,7 @@ from typing import Any, Generic, Literal, TypeVar, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.sampling_params import SamplingDefaults, SamplingParams
 from tandem.engine.validation import RequestError, check_context_length
 from tandem.services.router.errors import OpenAIError, from_request_error
 from tandem.services.router.structured import (
@@ -137,27 +137,34 @@ class _SamplingRequest(BaseModel):
                                 extra=extra)
 
     def to_sampling_params(self, *, num_prompt_tokens: int, max_model_len: int,
-                           constraint: Constraint | None = None) -> SamplingParams:
+                           constraint: Constraint | None = None,
+                           defaults: SamplingDefaults | None = None) -> SamplingParams:
         """Build the engine's sampling parameters and check the context length.
 
         Args:
             num_prompt_tokens: tokens in the (templated) prompt.
             max_model_len: the model's context length in tokens.
             constraint: the output constraint (``None``: :meth:`constraint`).
+            defaults: values of the sampling fields the request leaves unset
+                (``--generation-config``; ``None``: the API's).
 
         Returns:
-            ``SamplingParams``; ``max_tokens`` defaults to the room left in the context.
+            ``SamplingParams``; ``max_tokens`` defaults to ``defaults.max_tokens`` within
+            the room left in the context, or to that room.
 
         Raises:
             OpenAIError: 400 ``context_length_exceeded`` when prompt + max_tokens does not
                 fit, 400 naming the field for any other invalid value.
         """
+        d = defaults or SamplingDefaults()
         max_tokens = self._requested_max_tokens()
         try:
             check_context_length(num_prompt_tokens, max_model_len, max_tokens, field="messages")
         except RequestError as exc:
             raise from_request_error(exc) from exc
         room = max_model_len - num_prompt_tokens
+        if max_tokens is None and d.max_tokens is not None:
+            max_tokens = min(d.max_tokens, room)
         if not 1 <= self.n <= MAX_N:
             raise OpenAIError(f"n must be in [1, {MAX_N}], got {self.n}", param="n")
         logit_bias = None
@@ -174,15 +181,16 @@ class _SamplingRequest(BaseModel):
         try:
             return SamplingParams(
                 n=self.n,
-                temperature=1.0 if self.temperature is None else self.temperature,
-                top_p=1.0 if self.top_p is None else self.top_p,
-                top_k=-1 if self.top_k is None else self.top_k,
-                min_p=0.0 if self.min_p is None else self.min_p,
+                temperature=d.temperature if self.temperature is None else self.temperature,
+                top_p=d.top_p if self.top_p is None else self.top_p,
+                top_k=d.top_k if self.top_k is None else self.top_k,
+                min_p=d.min_p if self.min_p is None else self.min_p,
                 seed=self.seed,
                 presence_penalty=self.presence_penalty,
                 frequency_penalty=self.frequency_penalty,
                 repetition_penalty=(
-                    1.0 if self.repetition_penalty is None else self.repetition_penalty
+                    d.repetition_penalty if self.repetition_penalty is None
+                    else self.repetition_penalty
                 ),
                 logit_bias=logit_bias,
                 min_tokens=self.min_tokens,
