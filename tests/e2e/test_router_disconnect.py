@@ -17,10 +17,8 @@ import asyncio
 import json
 import socket
 import sys
-import threading
 from pathlib import Path
 
-import grpc
 import pytest
 from ports import free_port
 
@@ -29,7 +27,7 @@ from tandem.v1 import common_pb2, prefill_pb2_grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
 
-from services_harness import tiny_model_dir, wait_for  # noqa: E402
+from services_harness import grpc_servicer_in_thread, tiny_model_dir, wait_for  # noqa: E402
 
 
 class _SlowPrefill(prefill_pb2_grpc.PrefillServiceServicer):
@@ -54,27 +52,8 @@ class _SlowPrefill(prefill_pb2_grpc.PrefillServiceServicer):
 @pytest.fixture(scope="module")
 def slow_prefill():
     servicer = _SlowPrefill()
-    port = free_port()
-    ready = threading.Event()
-    holder: dict = {}
-
-    async def serve() -> None:
-        server = grpc.aio.server()
-        prefill_pb2_grpc.add_PrefillServiceServicer_to_server(servicer, server)
-        server.add_insecure_port(f"127.0.0.1:{port}")
-        await server.start()
-        holder["stop"] = asyncio.Event()
-        holder["loop"] = asyncio.get_running_loop()
-        ready.set()
-        await holder["stop"].wait()
-        await server.stop(0)
-
-    thread = threading.Thread(target=asyncio.run, args=(serve(),), daemon=True)
-    thread.start()
-    assert ready.wait(30)
-    yield servicer, f"127.0.0.1:{port}"
-    holder["loop"].call_soon_threadsafe(holder["stop"].set)
-    thread.join(30)
+    with grpc_servicer_in_thread(prefill_pb2_grpc.add_PrefillServiceServicer_to_server, servicer) as address:
+        yield servicer, address
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,6 @@ import asyncio
 import json
 import shutil
 import sys
-import threading
 from pathlib import Path
 
 import grpc
@@ -26,7 +25,7 @@ from tandem.v1 import decode_pb2_grpc, generation_pb2, generation_pb2_grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
 
-from services_harness import tiny_model_dir  # noqa: E402
+from services_harness import grpc_servicer_in_thread, tiny_model_dir  # noqa: E402
 
 GENERATION_CONFIG = {"bos_token_id": 1, "do_sample": True, "temperature": 0.6, "top_p": 0.9,
                      "top_k": 20, "repetition_penalty": 1.05, "max_new_tokens": 5}
@@ -46,27 +45,8 @@ class _Recording(StubDecodeServicer):
 @pytest.fixture(scope="module")
 def engine():
     servicer = _Recording()
-    port = free_port()
-    ready = threading.Event()
-    holder: dict = {}
-
-    async def serve() -> None:
-        server = grpc.aio.server()
-        decode_pb2_grpc.add_DecodeServiceServicer_to_server(servicer, server)
-        server.add_insecure_port(f"127.0.0.1:{port}")
-        await server.start()
-        holder["stop"] = asyncio.Event()
-        holder["loop"] = asyncio.get_running_loop()
-        ready.set()
-        await holder["stop"].wait()
-        await server.stop(0)
-
-    thread = threading.Thread(target=asyncio.run, args=(serve(),), daemon=True)
-    thread.start()
-    assert ready.wait(30)
-    yield servicer, f"127.0.0.1:{port}"
-    holder["loop"].call_soon_threadsafe(holder["stop"].set)
-    thread.join(30)
+    with grpc_servicer_in_thread(decode_pb2_grpc.add_DecodeServiceServicer_to_server, servicer) as address:
+        yield servicer, address
 
 
 @pytest.fixture(scope="module")

@@ -7,9 +7,12 @@ then SIGKILL) by its owner's fixture teardown. Readiness is polled with a deadli
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 import random
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
@@ -316,3 +319,34 @@ class MeteredEngine:
         """Until the metric reads ``value`` (within 30 s)."""
         wait_for(lambda: self.metric(name, **labels) == value, 30,
                  f"{name}{labels} == {value} (is {self.metric(name, **labels)})")
+
+
+@contextlib.contextmanager
+def grpc_servicer_in_thread(register: Callable[[object, grpc.aio.Server], None],
+                            servicer: object) -> Iterator[str]:
+    """Serve ``servicer`` (``register(servicer, server)``: a generated
+    ``add_..._to_server``) on a free local port from an event loop in a daemon thread of
+    the test process, so the test reads what it records; yields ``host:port``."""
+    port = free_port()
+    ready = threading.Event()
+    holder: dict = {}
+
+    async def serve() -> None:
+        server = grpc.aio.server()
+        register(servicer, server)
+        server.add_insecure_port(f"127.0.0.1:{port}")
+        await server.start()
+        holder["stop"] = asyncio.Event()
+        holder["loop"] = asyncio.get_running_loop()
+        ready.set()
+        await holder["stop"].wait()
+        await server.stop(0)
+
+    thread = threading.Thread(target=asyncio.run, args=(serve(),), daemon=True)
+    thread.start()
+    assert ready.wait(30), "the gRPC server did not start"
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        holder["loop"].call_soon_threadsafe(holder["stop"].set)
+        thread.join(30)
