@@ -44,10 +44,12 @@ QUESTIONS = [
     "Pick a city and tell me about it.",
     "How many legs does a spider have?",
 ]
-SEEDS = [None, 0, 1, 2]  # None: greedy
+SEEDS = [None, 2, 3, 5]  # None: greedy
 # NOTE: any JSON object lets a 135M model ramble inside a string past any small max_tokens;
-# these prompts end their object within MAX_TOKENS for every seed above (seen once; the
-# outputs are deterministic: greedy, or seeded draws keyed by (seed, output position)).
+# these prompts end their object within MAX_TOKENS for every seed above (seen with the
+# sampler's inverse-transform draw, engine/categorical.py: another draw method picks other
+# tokens for the same seed; the outputs are deterministic: greedy, or seeded draws keyed
+# by (seed, output position)).
 OBJECT_QUESTIONS = [
     "Reply with a JSON object: is water wet?",
     "Give me a JSON object with the key city.",
