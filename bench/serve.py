@@ -105,9 +105,11 @@ def sample_prompts(n: int, input_len: int, output_len: int, range_ratio: float,
 
 
 async def _one(client: Any, url: str, model: str, prompt: list[int], max_tokens: int,
-               ignore_eos: bool, extra: dict[str, Any] | None = None) -> RequestResult:
+               ignore_eos: bool, extra: dict[str, Any] | None = None,
+               temperature: float = 0.0) -> RequestResult:
     res = RequestResult(prompt_len=len(prompt))
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens,
+            "temperature": temperature,
             "stream": True, "ignore_eos": ignore_eos, "stream_options": {"include_usage": True},
             **(extra or {})}
     start = time.perf_counter()
@@ -145,9 +147,10 @@ async def _one(client: Any, url: str, model: str, prompt: list[int], max_tokens:
 
 async def run_rate(url: str, model: str, prompts: list[tuple[list[int], int]],
                    request_rate: float, burstiness: float, max_concurrency: int | None,
-                   ignore_eos: bool, seed: int, structured: str | None = None
-                   ) -> tuple[list[RequestResult], float]:
-    """Send ``prompts`` with gamma-distributed gaps at ``request_rate`` req/s (inf: at once).
+                   ignore_eos: bool, seed: int, structured: str | None = None,
+                   temperature: float = 0.0) -> tuple[list[RequestResult], float]:
+    """Send ``prompts`` with gamma-distributed gaps at ``request_rate`` req/s (inf: at once),
+    each sampled at ``temperature`` (0: greedy).
 
     ``structured="json"``: every request carries vLLM's ``structured_outputs`` with the JSON
     schema of ``tandem bench throughput --structured json`` (no output of its
@@ -169,9 +172,9 @@ async def run_rate(url: str, model: str, prompts: list[tuple[list[int], int]],
 
         async def guarded(p: list[int], o: int) -> RequestResult:
             if sem is None:
-                return await _one(client, url, model, p, o, ignore_eos, extra(o))
+                return await _one(client, url, model, p, o, ignore_eos, extra(o), temperature)
             async with sem:
-                return await _one(client, url, model, p, o, ignore_eos, extra(o))
+                return await _one(client, url, model, p, o, ignore_eos, extra(o), temperature)
 
         tasks = []
         start = time.perf_counter()
@@ -421,6 +424,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--burstiness", type=float, default=1.0)
     p.add_argument("--max-concurrency", type=int, default=None)
     p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature of every request (default 0: greedy); "
+                        "vllm bench serve sends none, so a server samples at its own "
+                        "default: 1.0 for tandem and vLLM unless the model's "
+                        "generation_config.json sets one")
     p.add_argument("--structured", choices=["json"], default=None,
                    help="constrain every request by a JSON schema (structured_outputs.json) "
                         "that no output of its length completes")
@@ -526,7 +534,7 @@ def _run_all(args: argparse.Namespace, url: str, percentiles: list[float],
         cpu_before = _cpu_seconds(pids) if pids else {}
         results, duration = asyncio.run(run_rate(
             base + args.endpoint, model, prompts, rate, args.burstiness, args.max_concurrency,
-            args.ignore_eos, args.seed, args.structured))
+            args.ignore_eos, args.seed, args.structured, args.temperature))
         m = compute_metrics(results, duration, percentiles, slo)
         if pids:
             cpu = {k: v - cpu_before[k] for k, v in _cpu_seconds(pids).items()}
@@ -707,6 +715,11 @@ def main(argv: list[str] | None = None) -> int:
     percentiles = [float(x) for x in args.metric_percentiles.split(",") if x]
     try:
         slo = parse_slo(args.goodput, ":") | parse_slo([args.slo], "=")
+        if not args.temperature >= 0:
+            raise ValueError(f"--temperature: must be >= 0, got {args.temperature}")
+        if args.temperature and args.dataset_name == "multi-turn":
+            raise ValueError("--temperature: the multi-turn dataset is greedy (its turns "
+                             "are compared across stacks)")
         mix = None
         if args.input_len_mix:
             mix = [(int(a), float(b)) for a, b in

@@ -151,3 +151,45 @@ def test_decode_stub_streams_max_tokens_with_the_engine_fields() -> None:
     assert msgs[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
     assert msgs[-1].num_engine_outputs == 3 and msgs[-1].HasField("engine_decode_ns")
     assert not msgs[0].HasField("engine_decode_ns")
+
+
+def test_bench_serve_sends_the_temperature_it_is_given(capsys) -> None:
+    """``--temperature`` (vllm bench serve's flag) reaches every request's body; a negative
+    one, or one on the greedy multi-turn dataset, is refused before any request."""
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from tandem.bench.serve import main, run_rate
+
+    bodies: list[dict] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802 - http.server's name
+            bodies.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            self.wfile.write(b'data: {"choices": [{"text": "a"}]}\n\n'
+                             b'data: {"choices": [], "usage": {"completion_tokens": 1}}\n\n'
+                             b"data: [DONE]\n\n")
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/v1/completions"
+        results, _ = asyncio.run(run_rate(url, "m", [([1000] * 4, 1)], float("inf"), 1.0,
+                                          None, True, 0, temperature=0.7))
+    finally:
+        server.shutdown()
+        thread.join(10)
+    assert results[0].success and results[0].output_tokens == 1
+    assert bodies[0]["temperature"] == 0.7
+    assert main(["--temperature", "-1"]) == 2
+    assert "--temperature: must be >= 0" in capsys.readouterr().err
+    assert main(["--temperature", "0.5", "--dataset-name", "multi-turn"]) == 2
+    assert "--temperature: the multi-turn dataset is greedy" in capsys.readouterr().err
