@@ -1,90 +1,62 @@
-"""One draw per row from a categorical distribution given by non-negative weights.
+"""One draw per row from a categorical distribution by the exponential race.
 
-Every random choice of the engine goes through here: the sampler's random rows, the
-draft model's proposals and the rejection sampler's recovered / bonus token.
+With ``E_i ~ Exp(1)`` i.i.d., ``argmax_i(w_i / E_i)`` is index ``i`` with probability
+``w_i / sum(w)`` (the Gumbel-max trick in another form). The sampler's random rows
+draw this way. A small change of the weights (a KV cache recomputed after a migration,
+another kernel's rounding) moves the winner only when two candidates nearly tie, so a
+seeded request keeps its tokens across such paths; inverse-transform sampling, tried
+instead, changed the token whenever the uniform fell within the cumulative rounding
+of a boundary (14 of 2,000 seeded draws at a 1e-4 relative logit change against none for
+the race; docs/benchmarks.md).
 
-Algorithm: inverse-transform sampling in two levels. The vocabulary is cut into
-blocks of :data:`BLOCK` entries; the block is chosen by the first uniform against the
-cumulative block masses (summed and accumulated in float64, so a block's chance is
-exact to float64 rounding), the entry inside it by the second uniform against the
-block's own float32 cumulative sum (each entry's error is then relative to its
-block's mass, not to the whole distribution's). A zero weight is never drawn: a
-uniform ``u`` in ``[0, 1)`` maps to a point strictly below the total, and the search
-takes the first cumulative sum strictly above that point.
-
-Why not the exponential race (``argmax(w / E)``, ``E ~ Exp(1)``) used before: it needs
-one exponential draw per vocabulary entry, and ``torch.Tensor.exponential_`` draws
-them one at a time on the CPU (about 12 ms for 16 x 49152, most of a decode step of
-the default model); this needs two uniforms per row. ``torch.multinomial`` was as slow
-as the race on that shape.
+The noise comes from NumPy's PCG64 generators, not ``torch.Tensor.exponential_``: the
+race needs one Exp(1) per vocabulary entry, and torch draws them one at a time on the
+CPU (12.3 ms for 16 x 49152 on the AMX box against 2.5 ms for NumPy's ziggurat).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
-import torch.nn.functional as F
-
-#: Entries per block of the first level.
-BLOCK = 512
 
 
-def draw_uniforms(generators: Sequence[torch.Generator | None],
-                  shared: torch.Generator) -> torch.Tensor:
-    """The two uniforms :func:`sample_categorical` takes for each row.
+def exponential_noise(row_seeds: Sequence[int | None], vocab: int,
+                      shared: np.random.Generator) -> torch.Tensor:
+    """Exp(1) noise for the race, one row per entry of ``row_seeds``.
 
     Args:
-        generators: per row, that row's own generator (a seeded request's), or ``None``
-            for rows drawn from ``shared``.
-        shared: the generator of the unseeded rows (one draw for all of them).
+        row_seeds: per row, a seed (a seeded request's for this output position: its
+            row depends on nothing else) or ``None`` (drawn from ``shared``).
+        vocab: entries per row.
+        shared: the generator of the unseeded rows.
 
     Returns:
-        ``[len(generators), 2]`` float64 in ``[0, 1)``. A seeded row's values depend
-        only on its own generator's state, not on the batch.
+        ``[len(row_seeds), vocab]`` float32, CPU, every value > 0.
     """
-    u = torch.empty((len(generators), 2), dtype=torch.float64)
-    if any(g is None for g in generators):
-        u.uniform_(generator=shared)
-    for i, g in enumerate(generators):
-        if g is not None:
-            u[i].uniform_(generator=g)
-    return u
+    out = np.empty((len(row_seeds), vocab), dtype=np.float32)
+    if all(s is None for s in row_seeds):
+        shared.standard_exponential(out=out, dtype=np.float32)
+    else:
+        for i, s in enumerate(row_seeds):
+            gen = shared if s is None else np.random.Generator(np.random.PCG64(s))
+            gen.standard_exponential(out=out[i], dtype=np.float32)
+    noise = torch.from_numpy(out)
+    # NOTE: Exp(1) may return 0.0 exactly; a zero would make w / E inf or nan.
+    return noise.clamp_(min=1e-20)
 
 
-def sample_categorical(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """Draw one index per row with probability proportional to its weight.
+def sample_race(weights: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """``argmax(weights / noise)`` per row: a draw proportional to the weights.
 
     Args:
-        weights: ``[num_rows, vocab]`` float32, non-negative, each row with a positive
-            sum (unnormalised probabilities are fine); any device.
-        uniforms: ``[num_rows, 2]`` float64 in ``[0, 1)`` (:func:`draw_uniforms`).
+        weights: ``[num_rows, vocab]`` float32, non-negative (probabilities or
+            unnormalised); modified in place.
+        noise: ``[num_rows, vocab]`` float32 Exp(1) draws (:func:`exponential_noise`).
 
     Returns:
-        ``[num_rows]`` int64 indices on ``weights``' device; an index whose weight is
-        0 is never returned.
+        ``[num_rows]`` int64 indices on ``weights``' device; a zero weight is never
+        returned unless the whole row is zero.
     """
-    num_rows, vocab = weights.shape
-    device = weights.device
-    u = uniforms.to(device)
-    num_blocks = -(-vocab // BLOCK)
-    pad = num_blocks * BLOCK - vocab
-    w = F.pad(weights, (0, pad)) if pad else weights
-    blocks = w.reshape(num_rows, num_blocks, BLOCK)
-    # float32 sums of BLOCK entries are exact to ~1e-7 of the block; accumulated in float64
-    cum_mass = blocks.sum(dim=-1).double().cumsum(dim=-1)
-    block = _search(cum_mass, u[:, :1])
-    rows = torch.arange(num_rows, device=device)
-    cum = blocks[rows, block].cumsum(dim=-1)  # [num_rows, BLOCK] float32
-    inner = _search(cum, u[:, 1:].to(cum.dtype))
-    return (block * BLOCK + inner).clamp_(max=vocab - 1)
-
-
-def _search(cum: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Per row, the first position whose cumulative sum exceeds ``u`` times the row's
-    total. ``cum``: ``[rows, n]``; ``u``: ``[rows, 1]`` of ``cum``'s dtype."""
-    total = cum[:, -1:]
-    # u * total can round up to total itself; the point must stay below it, or a run of
-    # zero weights at the end of the row could be chosen
-    point = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
-    return torch.searchsorted(cum, point, right=True).squeeze(1).clamp_(max=cum.shape[1] - 1)
+    return weights.div_(noise.to(weights.device)).argmax(dim=-1)

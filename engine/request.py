@@ -162,6 +162,12 @@ class Request:
             # no seeding here: step_generator seeds it for each output position it draws
             self.generator = torch.Generator(device="cpu")
 
+    def step_seed(self) -> int | None:
+        """The seed of this request's draws for the output position sampled next
+        (``position_seed``; see :meth:`step_generator`), ``None`` when unseeded."""
+        seed = self.sampling_params.seed
+        return None if seed is None else position_seed(seed, self.num_output_tokens)
+
     def step_generator(self) -> torch.Generator | None:
         """The request's generator, reseeded for the output position sampled next.
 

@@ -14,12 +14,12 @@ Order of operations (vLLM v1's order, so results match what its users expect):
 3. greedy rows (temperature 0) take ``argmax`` here: on unprocessed float32 logits
    this is exactly transformers' ``generate(do_sample=False)``;
 4. random rows: divide by temperature, then ``min_p``, ``top_k`` and ``top_p``
-   truncation, then one draw from the resulting distribution by inverse-transform
-   sampling (:mod:`tandem.engine.categorical`, two uniforms per row). The uniforms
-   come from the request's own ``torch.Generator`` when the request is seeded,
-   reseeded per output position (``Request.step_generator``), so its tokens depend
-   neither on what else is in the batch nor on which engine sampled the earlier
-   positions; unseeded rows share the sampler's global generator.
+   truncation, then the exponential race (:mod:`tandem.engine.categorical`): with
+   ``q ~ Exp(1)`` i.i.d., ``argmax(p / q)`` is a sample from ``p``. ``q`` is drawn
+   from a generator seeded for the request and output position when the request is
+   seeded (``Request.step_seed``), so its tokens depend neither on what else is in
+   the batch nor on which engine sampled the earlier positions; unseeded rows share
+   the sampler's global generator.
 
 Logprobs are vLLM's "processed" kind: ``log_softmax`` of the logits after steps 1-2
 and the temperature division (for temperature > 0), before top-k / top-p / min_p
@@ -31,9 +31,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
-from tandem.engine.categorical import draw_uniforms, sample_categorical
+from tandem.engine.categorical import exponential_noise, sample_race
 from tandem.engine.request import Logprob, PositionLogprobs, Request
 from tandem.kernels import cpu_ext
 
@@ -51,8 +52,11 @@ class Sampler:
     """
 
     def __init__(self, seed: int = 0) -> None:
+        #: unseeded rows' draws of speculative verification (rejection_sampler)
         self.generator = torch.Generator(device="cpu")
         self.generator.manual_seed(seed)
+        #: unseeded rows' race noise (engine/categorical.py)
+        self.noise_generator = np.random.Generator(np.random.PCG64(seed))
 
     def __call__(
         self,
@@ -174,7 +178,7 @@ class Sampler:
     def _sample_random(
         self, logits: torch.Tensor, requests: Sequence[Request], greedy: list[bool]
     ) -> torch.Tensor:
-        """Truncate (min_p, top_k, top_p) and draw (:func:`sample_categorical`).
+        """Truncate (min_p, top_k, top_p) and draw by the exponential race.
 
         Args:
             logits: ``[num_reqs, vocab]`` float32, temperature already applied; modified.
@@ -188,9 +192,9 @@ class Sampler:
         probs = torch.softmax(logits, dim=-1)
         _apply_min_p(probs, params, greedy)
 
-        generators = [None if g else r.step_generator()
-                      for r, g in zip(requests, greedy, strict=True)]
-        return sample_categorical(probs, draw_uniforms(generators, self.generator))
+        seeds = [None if g else r.step_seed() for r, g in zip(requests, greedy, strict=True)]
+        return sample_race(probs, exponential_noise(seeds, probs.shape[1],
+                                                          self.noise_generator))
 
 
 def apply_token_bitmask(

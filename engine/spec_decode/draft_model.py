@@ -39,7 +39,6 @@ from typing import Any, cast
 
 import torch
 
-from tandem.engine.categorical import draw_uniforms, sample_categorical
 from tandem.engine.config import ModelConfig, SpeculativeConfig
 from tandem.engine.model_loader import LoadedModel, load_model
 from tandem.engine.models.llama import head_dim_of
@@ -280,20 +279,18 @@ class DraftModelProposer(Proposer):
             rows = [cast("Request", DraftPosition(inp.request, inp.new_token_ids + proposals[live[b]]))
                     for b, inp in zip(rand, reqs, strict=True)]
             q = Sampler.target_probs(Sampler.process_logits(logits, rows), rows)
+            noise = torch.empty(q.shape, dtype=torch.float32)
             seeds = [inp.request.sampling_params.seed for inp in reqs]
-            # one shared draw for the unseeded rows; a seeded row's from the one row
-            # generator, reseeded for its position just before its own draw
             if any(s is None for s in seeds):
-                uniforms = draw_uniforms([None] * len(seeds), self.generator)
-            else:
-                uniforms = torch.empty((len(seeds), 2), dtype=torch.float64)
+                noise.exponential_(generator=self.generator)
             for r, (b, inp, seed) in enumerate(zip(rand, reqs, seeds, strict=True)):
                 if seed is not None:
                     position = (inp.request.num_output_tokens + len(inp.new_token_ids)
                                 + len(proposals[live[b]]))
                     self._row_generator.manual_seed(draft_position_seed(seed, position))
-                    uniforms[r] = draw_uniforms([self._row_generator], self.generator)[0]
-            toks = sample_categorical(q, uniforms).tolist()
+                    noise[r].exponential_(generator=self._row_generator)
+            # The exponential race, as the sampler's: argmax(q / E), E ~ Exp(1), draws from q.
+            toks = q.div(noise.clamp_(min=1e-20).to(q.device)).argmax(dim=-1).tolist()
             for r, b in enumerate(rand):
                 picked[b] = int(toks[r])
                 probs[live[b]].append(q[r])

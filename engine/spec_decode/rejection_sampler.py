@@ -22,8 +22,6 @@ from collections.abc import Sequence
 
 import torch
 
-from tandem.engine.categorical import sample_categorical
-
 
 def greedy_accept(draft_token_ids: Sequence[int], target_argmax: Sequence[int]) -> list[int]:
     """Tokens a greedy request emits: the draft's longest prefix equal to the target's
@@ -77,9 +75,8 @@ def rejection_sample(
         Per row, the emitted tokens: the accepted drafts, then one recovered or bonus
         token (``1 .. num_draft_tokens[b] + 1`` tokens).
 
-    Draws per row, in order: ``K`` uniforms for the acceptance tests, then the two
-    uniforms of the final token's draw (:mod:`tandem.engine.categorical`; a seeded row
-    from its own generator, so its output does not depend on the batch).
+    Draws per row, in order: ``K`` uniforms, then ``V`` Exp(1) for the final token (a
+    seeded row from its own generator, so its output does not depend on the batch).
     """
     num_rows, k_max = draft_token_ids.shape
     vocab = target_probs.shape[-1]
@@ -90,16 +87,16 @@ def rejection_sample(
     device = target_probs.device
     drafts = draft_token_ids.to(device)
     uniform = torch.empty((num_rows, k_max), dtype=torch.float32)
-    final_u = torch.empty((num_rows, 2), dtype=torch.float64)
+    noise = torch.empty((num_rows, vocab), dtype=torch.float32)
     seeded = [g is not None for g in generators]
     if not all(seeded):
         uniform.uniform_(generator=generator)
-        final_u.uniform_(generator=generator)
+        noise.exponential_(generator=generator)
     for b, g in enumerate(generators):
         if g is not None:
             uniform[b].uniform_(generator=g)
-            final_u[b].uniform_(generator=g)
-    uniform = uniform.to(device)
+            noise[b].exponential_(generator=g)
+    uniform, noise = uniform.to(device), noise.to(device)
 
     num_draft = torch.tensor(list(num_draft_tokens), dtype=torch.int64, device=device)
     valid = torch.arange(k_max, device=device).unsqueeze(0) < num_draft.unsqueeze(1)
@@ -128,7 +125,8 @@ def rejection_sample(
     residual = torch.where(empty, p_final, residual)
     is_bonus = (num_accepted >= num_draft).unsqueeze(1)
     final_dist = torch.where(is_bonus, p_final, residual)
-    final = sample_categorical(final_dist, final_u)
+    # The exponential race: argmax(w / E) with E ~ Exp(1) samples proportionally to w.
+    final = final_dist.div_(noise.clamp_(min=1e-20)).argmax(dim=1)
 
     out: list[list[int]] = []
     drafts_list = draft_token_ids.tolist()

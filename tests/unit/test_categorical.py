@@ -1,27 +1,28 @@
-"""One draw per row from non-negative weights (engine/categorical.py): the draw follows
-the weights, never picks a zero weight, and a seeded row's draw ignores the batch."""
+"""The exponential race of the sampler's random rows (engine/categorical.py): draws
+follow the weights, never pick a zero weight, a seeded row ignores the batch, and a
+small change of the weights keeps the drawn token."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
-from tandem.engine.categorical import BLOCK, draw_uniforms, sample_categorical
+from tandem.engine.categorical import exponential_noise, sample_race
 
 
-@pytest.mark.parametrize("vocab", [8, BLOCK, 3 * BLOCK + 77])
-def test_draws_follow_the_weights_across_blocks(vocab: int) -> None:
-    """Weights spread over several blocks (and a last, partial one): observed shares
-    within 5 standard errors of the weights' over 200k draws; zero weights never."""
+@pytest.mark.parametrize("vocab", [8, 1100])
+def test_draws_follow_the_weights(vocab: int) -> None:
+    """Observed shares within 5 standard errors of the weights' over 100k draws; zero
+    weights never drawn."""
     w = torch.zeros(vocab)
     picks = sorted({0, 1, vocab // 2, vocab - 1})
     for j, i in enumerate(picks):
         w[i] = float(j + 1)
-    n = 200_000
-    g = torch.Generator().manual_seed(0)
-    idx = sample_categorical(w.expand(n, -1), draw_uniforms([None] * n, g))
+    n = 100_000
+    noise = exponential_noise([None] * n, vocab, np.random.Generator(np.random.PCG64(0)))
+    idx = sample_race(w.expand(n, -1).clone(), noise)
     counts = torch.bincount(idx, minlength=vocab)
-    assert counts.sum() == n
     assert set(torch.nonzero(counts).flatten().tolist()) <= set(picks)
     p = w / w.sum()
     for i in picks:
@@ -29,28 +30,27 @@ def test_draws_follow_the_weights_across_blocks(vocab: int) -> None:
         assert abs(counts[i] / n - p[i]) < 5 * se, (i, counts[i] / n, p[i])
 
 
-def test_a_uniform_next_to_one_never_picks_trailing_zero_weights() -> None:
-    """u = 1 - 2^-53 times the total rounds up to the total; the point is kept below it,
-    so the last positive weight is drawn, not a zero one after it (at both levels)."""
-    vocab = 2 * BLOCK
-    w = torch.zeros(1, vocab)
-    w[0, 3] = 0.1
-    w[0, BLOCK + 5] = 0.7  # last positive weight; every later one is 0
-    top = torch.tensor([[1 - 2.0 ** -53, 1 - 2.0 ** -53]], dtype=torch.float64)
-    assert sample_categorical(w, top).item() == BLOCK + 5
-    zero = torch.zeros(1, 2, dtype=torch.float64)
-    assert sample_categorical(w, zero).item() == 3
-
-
 def test_a_seeded_row_draws_the_same_whatever_else_is_in_the_batch() -> None:
-    def seeded() -> torch.Generator:
-        return torch.Generator().manual_seed(1234)
-
-    shared = torch.Generator().manual_seed(0)
-    alone = draw_uniforms([seeded()], shared)
-    in_batch = draw_uniforms([None, seeded(), None], shared)
+    shared = np.random.Generator(np.random.PCG64(0))
+    alone = exponential_noise([1234], 1000, shared)
+    in_batch = exponential_noise([None, 1234, None], 1000, shared)
     assert torch.equal(alone[0], in_batch[1])
-    assert ((alone >= 0) & (alone < 1)).all()
-    w = torch.rand(3, 1000)
-    assert (sample_categorical(w[1:2], alone)[0]
-            == sample_categorical(w, in_batch)[1])
+    assert not torch.equal(in_batch[0], in_batch[2])  # the unseeded rows differ
+    assert (alone > 0).all()
+
+
+def test_a_small_change_of_the_logits_keeps_the_token() -> None:
+    """A 1e-4 relative change of every logit (a recomputed KV cache rounds differently)
+    keeps all of 2,000 seeded draws from a flat 49,152-token distribution. Inverse-
+    transform sampling, tried instead, changed 14 of them: a migrated seeded request
+    then diverged from its uninterrupted run (tests/e2e/test_router_faults.py)."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(1, 49152, generator=g) * 2.5
+    moved = logits + torch.randn(1, 49152, generator=g) * 1e-4 * logits.abs().mean()
+    seeds = list(range(2000))
+    shared = np.random.Generator(np.random.PCG64(0))
+    a = sample_race(torch.softmax(logits, -1).expand(2000, -1).clone(),
+                    exponential_noise(seeds, 49152, shared))
+    b = sample_race(torch.softmax(moved, -1).expand(2000, -1).clone(),
+                    exponential_noise(seeds, 49152, shared))
+    assert torch.equal(a, b)
