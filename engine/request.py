@@ -177,10 +177,10 @@ class Request:
         a failure, a decode instance after the prefill's first token) samples what the
         first one would have. ``None`` for an unseeded request.
         """
-        seed = self.sampling_params.seed
+        seed = self.step_seed()
         if self.generator is None or seed is None:
             return None
-        self.generator.manual_seed(position_seed(seed, self.num_output_tokens))
+        self.generator.manual_seed(seed)
         return self.generator
 
     @property
