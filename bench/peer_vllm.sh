@@ -11,8 +11,10 @@
 #
 # Each server's run (start, every load, stop) holds $LOCK, so runs by others wait.
 # Environment (defaults in brackets): VLLM_VENV [/work/vllm-venv], HF_DIR [/work/smollm2-hf],
-# TANDEM [.venv/bin/tandem], PY [.venv/bin/python], SYSTEMS [vllm colocated disagg],
+# TANDEM [.venv/bin/tandem], PY [.venv/bin/python], SYSTEMS [vllm colocated disagg; also
+# disagg-pinned: each engine pinned to its own core],
 # LOADS ["16:64 4:64 64:64 1:8", concurrency:requests], INPUT_LEN [256], OUTPUT_LEN [128],
+# WARMUP [32: requests at concurrency 16 before the measured loads, not measured; 0: none],
 # VLLM_CPU_KVCACHE_SPACE [2, GiB], VLLM_CPU_OMP_THREADS_BIND [0-1: both cores for the
 # engine, as tandem's engine gets them], LOCK [/tmp/tandem-bench.lock], PORT [8300].
 set -euo pipefail
@@ -25,6 +27,7 @@ SYSTEMS=${SYSTEMS:-vllm colocated disagg}
 LOADS=${LOADS:-16:64 4:64 64:64 1:8}
 INPUT_LEN=${INPUT_LEN:-256}
 OUTPUT_LEN=${OUTPUT_LEN:-128}
+WARMUP=${WARMUP:-32}
 LOCK=${LOCK:-/tmp/tandem-bench.lock}
 PORT=${PORT:-8300}
 NAME=SmolLM2-135M-Instruct
@@ -77,7 +80,10 @@ start_server() {  # $1 = system; prints the server's pid (a process group leader
         disagg) setsid "$TANDEM" up --model "$HF_DIR" --port "$PORT" \
                   --grpc-port $((PORT + 1)) --engine-arg=--dtype=bfloat16 \
                   --router-arg=--served-model-name=$NAME --log-dir "$OUT/$1-logs" >"$log" 2>&1 & ;;
-        *) echo "unknown system $1 (vllm, colocated, disagg)" >&2; return 2 ;;
+        disagg-pinned) setsid "$TANDEM" up --model "$HF_DIR" --port "$PORT" \
+                  --grpc-port $((PORT + 1)) --engine-arg=--dtype=bfloat16 --cpus-per-engine 1 \
+                  --router-arg=--served-model-name=$NAME --log-dir "$OUT/$1-logs" >"$log" 2>&1 & ;;
+        *) echo "unknown system $1 (vllm, colocated, disagg, disagg-pinned)" >&2; return 2 ;;
     esac
     echo $!
 }
@@ -95,6 +101,16 @@ run_system() {  # $1 = system; runs under the lock
     trap 'stop_server '"$pid" EXIT
     wait_ready "$t0" "$pid" > "$OUT/$sys.startup_s"
     echo "$sys: ready after $(cat "$OUT/$sys.startup_s") s"
+    # not measured: the first requests of a fresh server also pay one-time costs (first
+    # touch of the KV cache's pages, first-shape set-up) that a long-running server has paid
+    if [ "$WARMUP" -gt 0 ]; then
+        "$VLLM_VENV/bin/vllm" bench serve --backend openai \
+            --base-url "http://127.0.0.1:$PORT" --endpoint /v1/completions \
+            --model "$NAME" --tokenizer "$HF_DIR" --dataset-name random \
+            --random-input-len "$INPUT_LEN" --random-output-len "$OUTPUT_LEN" \
+            --num-prompts "$WARMUP" --max-concurrency 16 --ignore-eos \
+            > "$OUT/$sys-warmup.log" 2>&1
+    fi
     for load in $LOADS; do
         conc=${load%%:*}; n=${load##*:}
         "$VLLM_VENV/bin/vllm" bench serve --backend openai \
@@ -164,7 +180,8 @@ table() {
 import glob, json, os, sys
 out = sys.argv[1]
 names = {"vllm": "vLLM-CPU `vllm serve`", "colocated": "`tandem up --colocated`",
-         "disagg": "`tandem up` (1 prefill + 1 decode)"}
+         "disagg": "`tandem up` (1 prefill + 1 decode)",
+         "disagg-pinned": "`tandem up --cpus-per-engine 1` (1 prefill + 1 decode, a core each)"}
 rows = {}
 for path in sorted(glob.glob(os.path.join(out, "*-c*.json"))):
     sys_name, conc = os.path.basename(path)[:-5].rsplit("-c", 1)

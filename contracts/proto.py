@@ -19,7 +19,12 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from tandem.contracts.block_key import PublishInFlight
-from tandem.engine.sampling_params import SamplingDefaults, SamplingParams, StructuredOutputsParams
+from tandem.engine.sampling_params import (
+    DEFAULTED_FIELDS,
+    SamplingDefaults,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 from tandem.v1 import common_pb2
 
 if TYPE_CHECKING:
@@ -73,12 +78,12 @@ def sampling_params_from_proto(
     Raises:
         ValueError: a value outside its range, naming the field (from ``SamplingParams``).
     """
-    kwargs: dict[str, object] = {}
-    if defaults is not None:
-        kwargs.update(temperature=defaults.temperature, top_p=defaults.top_p,
-                      top_k=defaults.top_k, min_p=defaults.min_p,
-                      repetition_penalty=defaults.repetition_penalty)
-    kwargs.update({name: getattr(msg, name) for name in _OPTIONAL_SCALARS if msg.HasField(name)})
+    kwargs: dict[str, object] = {
+        name: getattr(msg, name) for name in _OPTIONAL_SCALARS if msg.HasField(name)
+    }
+    kwargs.update((defaults or SamplingDefaults()).resolve(
+        **{name: kwargs.get(name) for name in DEFAULTED_FIELDS}  # type: ignore[arg-type]
+    ))
     if msg.HasField("structured_outputs"):
         kwargs["structured_outputs"] = structured_outputs_from_proto(msg.structured_outputs)
     return SamplingParams(

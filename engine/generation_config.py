@@ -20,7 +20,8 @@ import math
 import os
 from typing import Any
 
-from tandem.engine.sampling_params import SamplingDefaults
+from tandem.engine.sampling_params import SamplingDefaults, SamplingParams
+from tandem.engine.validation import RequestError
 
 FILE_NAME = "generation_config.json"
 
@@ -81,13 +82,9 @@ def _from_mapping(raw: dict[str, Any], path: str) -> SamplingDefaults:
     # transformers' "no top-k"
     if values.get("top_k") in (0, 50):
         values.pop("top_k")
-    checks = (("temperature", lambda x: x >= 0, ">= 0"), ("top_p", lambda x: 0 < x <= 1, "in (0, 1]"),
-              ("top_k", lambda x: x == -1 or x >= 1, "-1 or >= 1"),
-              ("min_p", lambda x: 0 <= x <= 1, "in [0, 1]"),
-              ("repetition_penalty", lambda x: x > 0, "> 0"),
-              ("max_tokens", lambda x: x >= 1, ">= 1"))
-    for name, ok, rule in checks:
-        if name in values and not ok(values[name]):
-            key = "max_new_tokens" if name == "max_tokens" else name
-            raise ValueError(f"{path}: {key} must be {rule}, got {values[name]}")
+    try:
+        SamplingParams(**values)  # the ranges are SamplingParams' rules
+    except RequestError as exc:
+        key = "max_new_tokens" if exc.field == "max_tokens" else exc.field
+        raise ValueError(f"{path}: {key}: {exc}") from exc
     return SamplingDefaults(**values, source=path)

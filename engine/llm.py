@@ -12,6 +12,7 @@ Usage::
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any, cast
 
 from tandem.engine.config import (
@@ -23,7 +24,9 @@ from tandem.engine.config import (
     SchedulerConfig,
     SpeculativeConfig,
 )
+from tandem.engine.generation_config import load_sampling_defaults
 from tandem.engine.llm_engine import LLMEngine, OutputKind, PromptType
+from tandem.engine.model_files import resolve_model_path
 from tandem.engine.outputs import RequestOutput
 from tandem.engine.sampling_params import SamplingParams
 
@@ -64,6 +67,9 @@ class LLM:
         compilation_config: the CUDA graph capture sizes, a ``CompilationConfig`` or
             its fields as a mapping (vLLM's ``cudagraph_capture_sizes``,
             ``max_cudagraph_capture_size``); ``None``: the defaults. CUDA only.
+        generation_config: where the default sampling values come from (vLLM's flag):
+            ``"auto"`` the model folder's ``generation_config.json``, ``"vllm"`` none,
+            or a folder holding that file; see :meth:`get_default_sampling_params`.
 
     Raises:
         ValueError: naming the field, for a bad setting or an unknown model path.
@@ -93,7 +99,12 @@ class LLM:
         distributed_executor_backend: str | None = None,
         enforce_eager: bool = False,
         compilation_config: dict[str, Any] | CompilationConfig | None = None,
+        generation_config: str = "auto",
     ) -> None:
+        folder, gguf = resolve_model_path(model)
+        # read first: a bad file fails before the model loads
+        self.sampling_defaults = load_sampling_defaults(
+            generation_config, None if gguf is not None else folder)
         config = EngineConfig(
             model=ModelConfig(
                 model=model,
@@ -147,6 +158,14 @@ class LLM:
     def __exit__(self, *exc_info: object) -> None:
         self.shutdown()
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The sampling parameters of ``generate``/``chat`` calls that pass none: the
+        generation config's values (``generation_config``) over ``SamplingParams()``'s,
+        as vLLM's ``LLM.get_default_sampling_params``."""
+        d = self.sampling_defaults
+        params = SamplingParams(**d.resolve())
+        return params if d.max_tokens is None else replace(params, max_tokens=d.max_tokens)
+
     def get_tokenizer(self) -> Any:
         """The model's Hugging Face tokenizer."""
         return self.llm_engine.tokenizer
@@ -162,7 +181,7 @@ class LLM:
         Args:
             prompts: one prompt or a list; each a string or a list of token ids.
             sampling_params: one for all prompts, or one per prompt; default
-                ``SamplingParams()``.
+                :meth:`get_default_sampling_params`.
             use_tqdm: show a progress bar (completed requests, output tokens/s).
 
         Returns:
@@ -174,7 +193,7 @@ class LLM:
         """
         batch = self._as_batch(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(batch)
         else:

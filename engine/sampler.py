@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from tandem.engine.categorical import exponential_noise, sample_race
+from tandem.engine.categorical import row_keys, sample_race
 from tandem.engine.request import Logprob, PositionLogprobs, Request
 from tandem.kernels import cpu_ext
 
@@ -55,7 +55,7 @@ class Sampler:
         #: unseeded rows' draws of speculative verification (rejection_sampler)
         self.generator = torch.Generator(device="cpu")
         self.generator.manual_seed(seed)
-        #: unseeded rows' race noise (engine/categorical.py)
+        #: unseeded rows' race keys (engine/categorical.py)
         self.noise_generator = np.random.Generator(np.random.PCG64(seed))
 
     def __call__(
@@ -193,8 +193,7 @@ class Sampler:
         _apply_min_p(probs, params, greedy)
 
         seeds = [None if g else r.step_seed() for r, g in zip(requests, greedy, strict=True)]
-        return sample_race(probs, exponential_noise(seeds, probs.shape[1],
-                                                          self.noise_generator))
+        return sample_race(probs, row_keys(seeds, self.noise_generator))
 
 
 def apply_token_bitmask(

@@ -277,6 +277,10 @@ def _bad(field: str, rule: str, value: object) -> RequestError:
     return RequestError(field, f"{field} must {rule}, got {value}")
 
 
+#: the fields a generation config gives defaults for (besides ``max_tokens``)
+DEFAULTED_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
 @dataclass(frozen=True)
 class SamplingDefaults:
     """Default sampling values for fields a request leaves unset
@@ -299,6 +303,25 @@ class SamplingDefaults:
     repetition_penalty: float = 1.0
     max_tokens: int | None = None
     source: str | None = None
+
+    def resolve(self, **request: float | None) -> dict[str, Any]:
+        """The sampling fields of a request: each one it sets, else this default.
+
+        Args:
+            request: some of ``temperature``, ``top_p``, ``top_k``, ``min_p`` and
+                ``repetition_penalty``; ``None`` (or absent) means unset.
+
+        Returns:
+            All five, as ``SamplingParams`` keyword arguments.
+
+        Raises:
+            TypeError: a name outside those five.
+        """
+        unknown = sorted(set(request) - set(DEFAULTED_FIELDS))
+        if unknown:
+            raise TypeError(f"not a defaulted sampling field: {', '.join(unknown)}")
+        return {name: getattr(self, name) if request.get(name) is None else request[name]
+                for name in DEFAULTED_FIELDS}
 
     def overridden(self) -> dict[str, Any]:
         """The values that differ from the API's defaults (for the start-up log)."""

@@ -283,6 +283,49 @@ def argmax_rows_cpu(x: torch.Tensor) -> torch.Tensor | None:
     return out
 
 
+def race_rows_cpu(weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor | None:
+    """One draw per row by the exponential race, its noise generated in the kernel:
+    ``argmax_i weights[r, i] / E_r[i]`` with ``E_r`` the Exp(1) stream of ``keys[r]``
+    (``csrc/race_cpu.c``; the same stream as ``engine.categorical.race_noise``).
+
+    Args:
+        weights: ``[rows, cols]`` float32, CPU, finite and non-negative, unit stride in
+            the last dim (probabilities or unnormalised); not modified.
+        keys: ``[rows]`` int64, each row's key (any 64-bit pattern).
+
+    Returns:
+        ``[rows]`` int64, or ``None`` when the native path cannot serve the tensors.
+    """
+    if (
+        weights.dim() != 2 or weights.shape[1] < 1 or weights.stride(1) != 1
+        or weights.dtype != torch.float32 or not _elementwise_ok(weights)
+    ):
+        return None
+    lib = load()
+    assert lib is not None
+    keys = keys.to(torch.int64).contiguous()
+    out = torch.empty(weights.shape[0], dtype=torch.int64)
+    lib.race_rows(
+        weights.data_ptr(), weights.stride(0), weights.shape[0], weights.shape[1],
+        keys.data_ptr(), out.data_ptr(), _threads_for(weights.numel()),
+    )  # fmt: skip
+    return out
+
+
+def race_noise_cpu(keys: torch.Tensor, cols: int) -> torch.Tensor | None:
+    """The Exp(1) noise :func:`race_rows_cpu` draws with: ``[len(keys), cols]``
+    float32, row r the stream of ``keys[r]`` (for tests and the reference), or
+    ``None`` without the native library."""
+    lib = load()
+    if lib is None or cols < 1:
+        return None
+    keys = keys.to(torch.int64).contiguous()
+    out = torch.empty(keys.shape[0], cols, dtype=torch.float32)
+    lib.race_noise(keys.data_ptr(), keys.shape[0], cols, out.data_ptr(),
+                   _threads_for(out.numel()))
+    return out
+
+
 def amx_available() -> bool:
     """Whether the AMX tile paths can run here: a build for a CPU with AMX-BF16
     and the tile state granted to this process by Linux (asked once per library)."""

@@ -55,6 +55,7 @@ SOURCES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("activation_cpu.c", _ELEMENTWISE),
     ("cache_cpu.c", _ELEMENTWISE),
     ("sampling_cpu.c", _ELEMENTWISE),
+    ("race_cpu.c", ("-ffast-math",)),
     ("bf16_linear_cpu.c", ()),
     ("prefill_attention_cpu.c", ()),
     ("decode_layers_cpu.c", ()),

@@ -37,8 +37,10 @@ import logging
 from collections.abc import Iterable, Sequence
 from typing import Any, cast
 
+import numpy as np
 import torch
 
+from tandem.engine.categorical import row_keys, sample_race
 from tandem.engine.config import ModelConfig, SpeculativeConfig
 from tandem.engine.model_loader import LoadedModel, load_model
 from tandem.engine.models.llama import head_dim_of
@@ -156,10 +158,8 @@ class DraftModelProposer(Proposer):
         # request id -> (its last proposal, [len, vocab] float32 q of each draft): random
         # requests only, taken by the verification.
         self._probs: dict[str, tuple[list[int], torch.Tensor]] = {}
-        self.generator = torch.Generator(device="cpu")
-        self.generator.manual_seed(seed)
-        # Reseeded per seeded row and position (draft_position_seed).
-        self._row_generator = torch.Generator(device="cpu")
+        # unseeded rows' race keys; a seeded row's key is draft_position_seed's
+        self.noise_generator = np.random.Generator(np.random.PCG64(seed))
 
     @property
     def block_bytes(self) -> int:
@@ -279,18 +279,13 @@ class DraftModelProposer(Proposer):
             rows = [cast("Request", DraftPosition(inp.request, inp.new_token_ids + proposals[live[b]]))
                     for b, inp in zip(rand, reqs, strict=True)]
             q = Sampler.target_probs(Sampler.process_logits(logits, rows), rows)
-            noise = torch.empty(q.shape, dtype=torch.float32)
-            seeds = [inp.request.sampling_params.seed for inp in reqs]
-            if any(s is None for s in seeds):
-                noise.exponential_(generator=self.generator)
-            for r, (b, inp, seed) in enumerate(zip(rand, reqs, seeds, strict=True)):
-                if seed is not None:
-                    position = (inp.request.num_output_tokens + len(inp.new_token_ids)
-                                + len(proposals[live[b]]))
-                    self._row_generator.manual_seed(draft_position_seed(seed, position))
-                    noise[r].exponential_(generator=self._row_generator)
-            # The exponential race, as the sampler's: argmax(q / E), E ~ Exp(1), draws from q.
-            toks = q.div(noise.clamp_(min=1e-20).to(q.device)).argmax(dim=-1).tolist()
+            row_seeds: list[int | None] = []
+            for b, inp in zip(rand, reqs, strict=True):
+                seed = inp.request.sampling_params.seed
+                position = (inp.request.num_output_tokens + len(inp.new_token_ids)
+                            + len(proposals[live[b]]))
+                row_seeds.append(None if seed is None else draft_position_seed(seed, position))
+            toks = sample_race(q, row_keys(row_seeds, self.noise_generator)).tolist()
             for r, b in enumerate(rand):
                 picked[b] = int(toks[r])
                 probs[live[b]].append(q[r])

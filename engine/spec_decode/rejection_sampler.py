@@ -22,6 +22,8 @@ from collections.abc import Sequence
 
 import torch
 
+from tandem.engine.categorical import sample_race
+
 
 def greedy_accept(draft_token_ids: Sequence[int], target_argmax: Sequence[int]) -> list[int]:
     """Tokens a greedy request emits: the draft's longest prefix equal to the target's
@@ -54,6 +56,7 @@ def rejection_sample(
     draft_probs: torch.Tensor | None,
     generators: Sequence[torch.Generator | None],
     generator: torch.Generator,
+    final_keys: torch.Tensor,
 ) -> list[list[int]]:
     """Accept or reject the draft tokens of random-sampling requests.
 
@@ -68,15 +71,19 @@ def rejection_sample(
             are ignored.
         draft_probs: ``[B, K, V]`` float32 proposal distributions the drafts were drawn
             from, or ``None`` for point masses (deterministic proposers).
-        generators: per row, the request's own generator (seeded requests) or ``None``.
-        generator: the generator of the unseeded rows.
+        generators: per row, the request's own generator (seeded requests) or ``None``:
+            the acceptance uniforms.
+        generator: the acceptance uniforms of the unseeded rows.
+        final_keys: ``[B]`` int64, each row's race key for its final token
+            (``categorical.row_keys``: a seeded row's from its seed).
 
     Returns:
         Per row, the emitted tokens: the accepted drafts, then one recovered or bonus
         token (``1 .. num_draft_tokens[b] + 1`` tokens).
 
-    Draws per row, in order: ``K`` uniforms, then ``V`` Exp(1) for the final token (a
-    seeded row from its own generator, so its output does not depend on the batch).
+    Draws per row: ``K`` uniforms (a seeded row's from its own generator, so its output
+    does not depend on the batch), then the final token by the exponential race of its
+    key (engine/categorical.py).
     """
     num_rows, k_max = draft_token_ids.shape
     vocab = target_probs.shape[-1]
@@ -87,16 +94,12 @@ def rejection_sample(
     device = target_probs.device
     drafts = draft_token_ids.to(device)
     uniform = torch.empty((num_rows, k_max), dtype=torch.float32)
-    noise = torch.empty((num_rows, vocab), dtype=torch.float32)
-    seeded = [g is not None for g in generators]
-    if not all(seeded):
+    if any(g is None for g in generators):
         uniform.uniform_(generator=generator)
-        noise.exponential_(generator=generator)
     for b, g in enumerate(generators):
         if g is not None:
             uniform[b].uniform_(generator=g)
-            noise[b].exponential_(generator=g)
-    uniform, noise = uniform.to(device), noise.to(device)
+    uniform = uniform.to(device)
 
     num_draft = torch.tensor(list(num_draft_tokens), dtype=torch.int64, device=device)
     valid = torch.arange(k_max, device=device).unsqueeze(0) < num_draft.unsqueeze(1)
@@ -125,8 +128,7 @@ def rejection_sample(
     residual = torch.where(empty, p_final, residual)
     is_bonus = (num_accepted >= num_draft).unsqueeze(1)
     final_dist = torch.where(is_bonus, p_final, residual)
-    # The exponential race: argmax(w / E) with E ~ Exp(1) samples proportionally to w.
-    final = final_dist.div_(noise.clamp_(min=1e-20)).argmax(dim=1)
+    final = sample_race(final_dist, final_keys)
 
     out: list[list[int]] = []
     drafts_list = draft_token_ids.tolist()

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, cast
 
 import torch
 
+from tandem.engine.categorical import row_keys
 from tandem.engine.request import PositionLogprobs, Request
 from tandem.engine.sampler import Sampler, argmax_rows, gather_logprobs, is_plain_greedy
 from tandem.engine.spec_decode.rejection_sampler import greedy_accept, rejection_sample
@@ -168,6 +169,7 @@ def verify(
             # seeded rows: their draws for this step keyed by the position it starts at
             [requests[i].step_generator() for i in random_idx],
             sampler.generator,
+            row_keys([requests[i].step_seed() for i in random_idx], sampler.noise_generator),
         )
         for i, toks in zip(random_idx, sampled, strict=True):
             emitted[i] = toks

@@ -181,17 +181,11 @@ class _SamplingRequest(BaseModel):
         try:
             return SamplingParams(
                 n=self.n,
-                temperature=d.temperature if self.temperature is None else self.temperature,
-                top_p=d.top_p if self.top_p is None else self.top_p,
-                top_k=d.top_k if self.top_k is None else self.top_k,
-                min_p=d.min_p if self.min_p is None else self.min_p,
+                **d.resolve(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                            min_p=self.min_p, repetition_penalty=self.repetition_penalty),
                 seed=self.seed,
                 presence_penalty=self.presence_penalty,
                 frequency_penalty=self.frequency_penalty,
-                repetition_penalty=(
-                    d.repetition_penalty if self.repetition_penalty is None
-                    else self.repetition_penalty
-                ),
                 logit_bias=logit_bias,
                 min_tokens=self.min_tokens,
                 max_tokens=room if max_tokens is None else max_tokens,

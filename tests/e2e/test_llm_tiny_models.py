@@ -332,3 +332,31 @@ def test_deterministic_greedy_bfloat16_does_not_depend_on_batch_cache_or_chunks(
     alone = out["alone"]
     assert len(alone) == REPRO_NEW_TOKENS
     assert {path: toks for path, toks in out.items() if toks != alone} == {}
+
+
+def test_generate_without_params_takes_the_generation_config(tmp_path) -> None:
+    """The model folder's generation_config.json sets the defaults of a call that passes
+    no SamplingParams (vLLM's ``LLM.get_default_sampling_params``); ``"vllm"`` ignores it."""
+    import json
+
+    folder = str(tmp_path)
+    build_tiny("LlamaForCausalLM", folder, True)
+    with open(f"{folder}/generation_config.json", "w") as f:
+        json.dump({"temperature": 0.0, "max_new_tokens": 5, "top_k": 7}, f)
+    prompt = prompts()[2]
+    llm = make_llm(folder)
+    try:
+        d = llm.get_default_sampling_params()
+        assert (d.temperature, d.max_tokens, d.top_k) == (0.0, 5, 7)
+        out = llm.generate([prompt], use_tqdm=False)[0].outputs[0].token_ids
+        greedy = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=5),
+                              use_tqdm=False)[0].outputs[0].token_ids
+        assert list(out) == list(greedy) and len(out) == 5
+    finally:
+        llm.shutdown()
+    plain = make_llm(folder, generation_config="vllm")
+    try:
+        d = plain.get_default_sampling_params()
+        assert (d.temperature, d.max_tokens, d.top_k) == (1.0, 16, -1)
+    finally:
+        plain.shutdown()

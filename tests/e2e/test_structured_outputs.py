@@ -44,12 +44,12 @@ QUESTIONS = [
     "Pick a city and tell me about it.",
     "How many legs does a spider have?",
 ]
-SEEDS = [None, 2, 3, 10]  # None: greedy
+SEEDS = [None, 3, 6, 16]  # None: greedy
 # NOTE: any JSON object lets a 135M model ramble inside a string past any small max_tokens;
 # these prompts end their object within MAX_TOKENS for every seed above (seen with the
-# sampler's race noise from NumPy's PCG64, engine/categorical.py: another noise source
-# picks other tokens for the same seed; the outputs are deterministic: greedy, or seeded
-# draws keyed by (seed, output position)).
+# sampler's race noise from Philox4x32-10 keyed by (seed, output position),
+# engine/categorical.py: another noise source picks other tokens for the same seed; the
+# outputs are deterministic: greedy, or seeded draws keyed by (seed, output position)).
 OBJECT_QUESTIONS = [
     "Reply with a JSON object: is water wet?",
     "Give me a JSON object with the key city.",

@@ -1,6 +1,7 @@
-"""The exponential race of the sampler's random rows (engine/categorical.py): draws
-follow the weights, never pick a zero weight, a seeded row ignores the batch, and a
-small change of the weights keeps the drawn token."""
+"""The exponential race of the sampler's random rows (engine/categorical.py and its
+kernel, kernels/csrc/race_cpu.c): the noise is Philox4x32-10's stream of the row's key
+on both paths, draws follow the weights, never pick a zero weight, a seeded row ignores
+the batch, and a small change of the weights keeps the drawn token."""
 
 from __future__ import annotations
 
@@ -8,11 +9,72 @@ import numpy as np
 import pytest
 import torch
 
-from tandem.engine.categorical import exponential_noise, sample_race
+from tandem.engine.categorical import (
+    philox4x32_10,
+    race_noise,
+    row_keys,
+    sample_race,
+    uniform_from_bits,
+)
+from tandem.kernels import cpu_ext
+
+native = pytest.mark.skipif(cpu_ext.load() is None, reason="no native kernel library")
 
 
+def _reference_race(weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    return weights.clone().div_(race_noise(keys, weights.shape[1])).argmax(dim=-1)
+
+
+def test_philox_matches_the_published_known_answer() -> None:
+    """Random123's known-answer vector for Philox4x32-10, counter and key all zero."""
+    out = philox4x32_10(np.array([0]), np.array([0], np.uint64))[0, 0]
+    assert out.tolist() == [0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8]
+
+
+def test_the_extreme_words_give_uniforms_strictly_inside_0_1() -> None:
+    """The largest words once rounded to u = 1.0 (E = 0, so w / E was inf or NaN and
+    a zero weight could win the race)."""
+    u = uniform_from_bits(np.array([0, 1, 0xFFFFFE00, 0xFFFFFFFF], np.uint32))
+    assert u.dtype == np.float32
+    assert u.tolist() == [2.0**-24, 2.0**-24, 1 - 2.0**-24, 1 - 2.0**-24]
+    assert (-np.log(u) > 0).all()
+
+
+def test_the_noise_is_exponential() -> None:
+    """Mean and variance of Exp(1) within 5 standard errors; P(E > 3) = e^-3."""
+    e = race_noise(torch.tensor([7, -7], dtype=torch.int64), 200_000).double()
+    n = e.numel()
+    assert abs(e.mean().item() - 1) < 5 / n**0.5
+    assert abs(e.var().item() - 1) < 5 * (8 / n) ** 0.5  # Var(E^2)/n = 8/n for Exp(1)
+    p = np.exp(-3)
+    assert abs((e > 3).double().mean().item() - p) < 5 * (p * (1 - p) / n) ** 0.5
+    assert (e > 0).all()
+
+
+@native
+@pytest.mark.parametrize("vocab", [1, 5, 511, 512, 513, 49152])
+def test_the_kernel_generates_the_reference_noise(vocab: int) -> None:
+    keys = torch.tensor([0, 1, -1, 2**62 + 12345], dtype=torch.int64)
+    got = cpu_ext.race_noise_cpu(keys, vocab)
+    assert got is not None
+    # the same bits; the logarithms may differ in the last place (vector logf)
+    torch.testing.assert_close(got, race_noise(keys, vocab), rtol=1e-6, atol=0)
+
+
+@native
+@pytest.mark.parametrize("vocab", [3, 1000, 49152])
+def test_the_kernel_draws_what_the_reference_draws(vocab: int) -> None:
+    g = torch.Generator().manual_seed(vocab)
+    w = torch.softmax(torch.randn(64, vocab, generator=g) * 2.5, -1)
+    keys = row_keys([None] * 64, np.random.Generator(np.random.PCG64(vocab)))
+    got = cpu_ext.race_rows_cpu(w, keys)
+    assert got is not None
+    assert torch.equal(got, _reference_race(w, keys))
+
+
+@pytest.mark.parametrize("path", ["sample_race", "reference"])
 @pytest.mark.parametrize("vocab", [8, 1100])
-def test_draws_follow_the_weights(vocab: int) -> None:
+def test_draws_follow_the_weights(vocab: int, path: str) -> None:
     """Observed shares within 5 standard errors of the weights' over 100k draws; zero
     weights never drawn."""
     w = torch.zeros(vocab)
@@ -20,8 +82,9 @@ def test_draws_follow_the_weights(vocab: int) -> None:
     for j, i in enumerate(picks):
         w[i] = float(j + 1)
     n = 100_000
-    noise = exponential_noise([None] * n, vocab, np.random.Generator(np.random.PCG64(0)))
-    idx = sample_race(w.expand(n, -1).clone(), noise)
+    keys = row_keys([None] * n, np.random.Generator(np.random.PCG64(0)))
+    weights = w.expand(n, -1).contiguous()
+    idx = sample_race(weights, keys) if path == "sample_race" else _reference_race(weights, keys)
     counts = torch.bincount(idx, minlength=vocab)
     assert set(torch.nonzero(counts).flatten().tolist()) <= set(picks)
     p = w / w.sum()
@@ -30,13 +93,20 @@ def test_draws_follow_the_weights(vocab: int) -> None:
         assert abs(counts[i] / n - p[i]) < 5 * se, (i, counts[i] / n, p[i])
 
 
+def test_a_row_of_zeros_draws_its_first_index() -> None:
+    keys = row_keys([None, 3], np.random.Generator(np.random.PCG64(0)))
+    assert sample_race(torch.zeros(2, 700), keys).tolist() == [0, 0]
+
+
 def test_a_seeded_row_draws_the_same_whatever_else_is_in_the_batch() -> None:
     shared = np.random.Generator(np.random.PCG64(0))
-    alone = exponential_noise([1234], 1000, shared)
-    in_batch = exponential_noise([None, 1234, None], 1000, shared)
-    assert torch.equal(alone[0], in_batch[1])
-    assert not torch.equal(in_batch[0], in_batch[2])  # the unseeded rows differ
-    assert (alone > 0).all()
+    alone = row_keys([1234], shared)
+    in_batch = row_keys([None, 1234, None], shared)
+    assert alone[0] == in_batch[1]
+    assert in_batch[0] != in_batch[2]  # the unseeded rows differ
+    w = torch.softmax(torch.randn(3, 5000, generator=torch.Generator().manual_seed(1)), -1)
+    w[0] = w[1]
+    assert sample_race(w[1:2].clone(), alone)[0] == sample_race(w.clone(), in_batch)[1]
 
 
 def test_a_small_change_of_the_logits_keeps_the_token() -> None:
@@ -47,10 +117,7 @@ def test_a_small_change_of_the_logits_keeps_the_token() -> None:
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(1, 49152, generator=g) * 2.5
     moved = logits + torch.randn(1, 49152, generator=g) * 1e-4 * logits.abs().mean()
-    seeds = list(range(2000))
-    shared = np.random.Generator(np.random.PCG64(0))
-    a = sample_race(torch.softmax(logits, -1).expand(2000, -1).clone(),
-                    exponential_noise(seeds, 49152, shared))
-    b = sample_race(torch.softmax(moved, -1).expand(2000, -1).clone(),
-                    exponential_noise(seeds, 49152, shared))
+    keys = row_keys(list(range(2000)), np.random.Generator(np.random.PCG64(0)))
+    a = sample_race(torch.softmax(logits, -1).expand(2000, -1).contiguous(), keys)
+    b = sample_race(torch.softmax(moved, -1).expand(2000, -1).contiguous(), keys)
     assert torch.equal(a, b)

@@ -4,11 +4,13 @@ back-off rule and the metrics that follow the engine's counters."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from scipy.stats import chisquare
 
 from tandem.contracts.role import Role
+from tandem.engine.categorical import row_keys
 from tandem.engine.config import BACKOFF_PAUSE_STEPS, SpeculativeConfig
 from tandem.engine.request import Request
 from tandem.engine.sampler import Sampler
@@ -149,8 +151,9 @@ def test_rejection_sampler_keeps_the_target_distribution(point_mass, params) -> 
     else:
         draft_probs = q.unsqueeze(0).expand(NUM_DRAWS, k, VOCAB)
     target = p.unsqueeze(0).expand(NUM_DRAWS, k + 1, VOCAB)
+    keys = row_keys([None] * NUM_DRAWS, np.random.Generator(np.random.PCG64(5)))
     out = rejection_sample(drafts, [k] * NUM_DRAWS, target, draft_probs,
-                           [None] * NUM_DRAWS, torch.Generator().manual_seed(5))
+                           [None] * NUM_DRAWS, torch.Generator().manual_seed(5), keys)
     first = torch.tensor([o[0] for o in out])
     assert _chi_square_p(first, p[0]) > 0.01
     # Position 1 where position 0's draft was accepted: an independent step under p[1].
@@ -177,8 +180,10 @@ def test_rejection_sampler_seeded_rows_are_reproducible() -> None:
 
     def run(shared_seed: int) -> list[list[int]]:
         gens = [torch.Generator().manual_seed(10 + i) if i % 2 == 0 else None for i in range(4)]
+        keys = row_keys([10 + i if i % 2 == 0 else None for i in range(4)],
+                        np.random.Generator(np.random.PCG64(shared_seed)))
         return rejection_sample(drafts, [2, 1, 2, 2], p, None, gens,
-                                torch.Generator().manual_seed(shared_seed))
+                                torch.Generator().manual_seed(shared_seed), keys)
 
     a, b = run(0), run(99)
     # Seeded rows (0 and 2) do not depend on the shared generator.
