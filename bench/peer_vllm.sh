@@ -15,6 +15,7 @@
 # disagg-pinned: each engine pinned to its own core],
 # LOADS ["16:64 4:64 64:64 1:8", concurrency:requests], INPUT_LEN [256], OUTPUT_LEN [128],
 # WARMUP [32: requests at concurrency 16 before the measured loads, not measured; 0: none],
+# TANDEM_ARGS [extra flags of every `tandem up`, e.g. --router-arg=--disagg-max-prefill-queue=1],
 # VLLM_CPU_KVCACHE_SPACE [2, GiB], VLLM_CPU_OMP_THREADS_BIND [0-1: both cores for the
 # engine, as tandem's engine gets them], LOCK [/tmp/tandem-bench.lock], PORT [8300].
 set -euo pipefail
@@ -28,6 +29,7 @@ LOADS=${LOADS:-16:64 4:64 64:64 1:8}
 INPUT_LEN=${INPUT_LEN:-256}
 OUTPUT_LEN=${OUTPUT_LEN:-128}
 WARMUP=${WARMUP:-32}
+TANDEM_ARGS=${TANDEM_ARGS:-}
 LOCK=${LOCK:-/tmp/tandem-bench.lock}
 PORT=${PORT:-8300}
 NAME=SmolLM2-135M-Instruct
@@ -76,13 +78,13 @@ start_server() {  # $1 = system; prints the server's pid (a process group leader
                   --served-model-name "$NAME" --port "$PORT" >"$log" 2>&1 & ;;
         colocated) setsid "$TANDEM" up --colocated --model "$HF_DIR" --port "$PORT" \
                   --grpc-port $((PORT + 1)) --engine-arg=--dtype=bfloat16 \
-                  --router-arg=--served-model-name=$NAME --log-dir "$OUT/$1-logs" >"$log" 2>&1 & ;;
+                  --router-arg=--served-model-name=$NAME $TANDEM_ARGS --log-dir "$OUT/$1-logs" >"$log" 2>&1 & ;;
         disagg) setsid "$TANDEM" up --model "$HF_DIR" --port "$PORT" \
                   --grpc-port $((PORT + 1)) --engine-arg=--dtype=bfloat16 \
-                  --router-arg=--served-model-name=$NAME --log-dir "$OUT/$1-logs" >"$log" 2>&1 & ;;
+                  --router-arg=--served-model-name=$NAME $TANDEM_ARGS --log-dir "$OUT/$1-logs" >"$log" 2>&1 & ;;
         disagg-pinned) setsid "$TANDEM" up --model "$HF_DIR" --port "$PORT" \
                   --grpc-port $((PORT + 1)) --engine-arg=--dtype=bfloat16 --cpus-per-engine 1 \
-                  --router-arg=--served-model-name=$NAME --log-dir "$OUT/$1-logs" >"$log" 2>&1 & ;;
+                  --router-arg=--served-model-name=$NAME $TANDEM_ARGS --log-dir "$OUT/$1-logs" >"$log" 2>&1 & ;;
         *) echo "unknown system $1 (vllm, colocated, disagg, disagg-pinned)" >&2; return 2 ;;
     esac
     echo $!

@@ -55,6 +55,10 @@ class RouterConfig:
         disagg_min_uncached_tokens: a prompt with fewer uncached tokens than this on the
             chosen decode instance skips the prefill hop (``--disagg-min-uncached-tokens``;
             0: always disaggregate).
+        disagg_max_prefill_queue: when the least loaded prefill instance already has this
+            many prefills outstanding, the chosen decode instance prefills the prompt
+            itself (``--disagg-max-prefill-queue``; Dynamo's ``max_prefill_queue_size``;
+            0: off).
         log_level: Python logging level name.
         loop: the event loop (``--loop``, uvicorn's name): ``uvloop`` when installed for
             ``auto``, else ``asyncio``.
@@ -89,6 +93,7 @@ class RouterConfig:
     tls: TLSFiles = field(default_factory=TLSFiles)
     kv_index_url: str | None = None
     disagg_min_uncached_tokens: int = 0
+    disagg_max_prefill_queue: int = 0
     log_level: str = "info"
     loop: str = "auto"
     http: str = "auto"
@@ -110,6 +115,9 @@ class RouterConfig:
         if self.disagg_min_uncached_tokens < 0:
             raise ValueError("--disagg-min-uncached-tokens must be >= 0, got "
                              f"{self.disagg_min_uncached_tokens}")
+        if self.disagg_max_prefill_queue < 0:
+            raise ValueError("--disagg-max-prefill-queue must be >= 0, got "
+                             f"{self.disagg_max_prefill_queue}")
         if self.max_queued_requests < 0:
             raise ValueError(f"--max-queued-requests must be >= 0, got "
                              f"{self.max_queued_requests}")
@@ -153,5 +161,6 @@ class RouterConfig:
                    shutdown_grace_s=ns.shutdown_grace_s, tls=tls_from_args(ns),
                    kv_index_url=getattr(ns, "kv_index_url", None) or ns.redis_url or None,
                    disagg_min_uncached_tokens=getattr(ns, "disagg_min_uncached_tokens", 0),
+                   disagg_max_prefill_queue=getattr(ns, "disagg_max_prefill_queue", 0),
                    log_level=ns.log_level, loop=getattr(ns, "loop", "auto"),
                    http=getattr(ns, "http", "auto"))

@@ -81,6 +81,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a prompt with fewer uncached tokens (after the decode instance's "
                         "and the store's cache) is prefilled on the decode instance, "
                         "skipping the prefill hop; 0: always disaggregate")
+    p.add_argument("--disagg-max-prefill-queue", type=int, default=0,
+                   help="when the least loaded prefill instance already has this many "
+                        "prefills outstanding, the decode instance prefills the prompt "
+                        "itself (Dynamo's max_prefill_queue_size); 0: off")
     p.add_argument("--log-level", default="info")
     p.add_argument("--loop", default="auto", choices=["auto", "asyncio", "uvloop"],
                    help="event loop (auto: uvloop when installed)")
@@ -162,7 +166,8 @@ async def serve(cfg: RouterConfig, defaults: SamplingDefaults | None = None) -> 
                         max_waiting=cfg.max_queued_requests, max_attempts=cfg.max_attempts,
                         max_migrations=cfg.max_migrations,
                         cache_view=view,
-                        disagg_min_uncached_tokens=cfg.disagg_min_uncached_tokens)
+                        disagg_min_uncached_tokens=cfg.disagg_min_uncached_tokens,
+                        disagg_max_prefill_queue=cfg.disagg_max_prefill_queue)
     fe = Frontend(tokenizer=tokenizer, pipeline=pipeline, served_model_names=served,
                   max_model_len=cfg.max_model_len or facts.max_model_len, api_key=cfg.api_key,
                   chat_template=read_chat_template(cfg.chat_template) if cfg.chat_template

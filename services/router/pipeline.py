@@ -25,7 +25,9 @@ Flow of one completion (``n`` completions run as ``n`` such flows, concurrently)
    uncached part there (after its local prefix-cache hit, or the store's, whichever is
    longer: ``CacheView``) is below ``disagg_min_uncached_tokens``, the Prefill hop is
    skipped and that decode instance gets the colocated form (it prefills the rest itself,
-   loading the stored part). The choice and its reason go into ``timings``
+   loading the stored part); so is it when the least loaded prefill instance already has
+   ``disagg_max_prefill_queue`` prefills outstanding (a burst the prefill instances cannot
+   take at once is shared with the decode instances). The choice and its reason go into ``timings``
    (``disagg_decision``, ``disagg_reason``) and ``tandem:disagg_decision_total{path}``.
 3. Each token batch goes through ``engine.detokenizer.IncrementalDetokenizer``; when a stop
    string matches, the decode stream is cancelled (the engine aborts and frees its blocks).
@@ -124,20 +126,31 @@ class Pipeline:
             one, else this or a view without a store).
         disagg_min_uncached_tokens: in disaggregated mode, a prompt with fewer uncached
             tokens than this on the chosen decode instance skips the prefill hop (0: never).
+        disagg_max_prefill_queue: in disaggregated mode, when the least loaded prefill
+            instance has this many prefills outstanding (``InstanceInfo.load``: its last
+            report or this router's in-flight count, the larger), the chosen decode
+            instance prefills the prompt itself (0: never). Dynamo's disaggregated
+            router decides the same way (``max_prefill_queue_size``).
+
+    Raises:
+        ValueError: a negative threshold.
     """
 
     def __init__(self, *, tokenizer: Any, discovery: Discovery, pool: InstancePool,
                  router: Router, metrics: RouterMetrics, max_running: int = 256,
                  max_waiting: int = 1024, max_attempts: int = 3, max_migrations: int = 3,
                  cache_view: CacheView | None = None,
-                 disagg_min_uncached_tokens: int = 0) -> None:
-        if disagg_min_uncached_tokens < 0:
-            raise ValueError("disagg_min_uncached_tokens must be >= 0, got "
-                             f"{disagg_min_uncached_tokens}")
+                 disagg_min_uncached_tokens: int = 0,
+                 disagg_max_prefill_queue: int = 0) -> None:
+        for name, value in (("disagg_min_uncached_tokens", disagg_min_uncached_tokens),
+                            ("disagg_max_prefill_queue", disagg_max_prefill_queue)):
+            if value < 0:
+                raise ValueError(f"{name} must be >= 0, got {value}")
         if isinstance(router, KVAwareRouter):
             cache_view = router.view
         self.cache_view = cache_view if cache_view is not None else CacheView()
         self.disagg_min_uncached_tokens = disagg_min_uncached_tokens
+        self.disagg_max_prefill_queue = disagg_max_prefill_queue
         self.tokenizer = tokenizer
         self.discovery = discovery
         self.pool = pool
@@ -238,27 +251,37 @@ class Pipeline:
                                ) -> tuple[InstanceInfo | None, bool]:
         """(the decode instance to try first, whether it prefills the prompt itself).
 
-        With ``disagg_min_uncached_tokens`` off, (``None``, False): the decode instance is
-        chosen after the prefill, as always."""
+        With both ``disagg_min_uncached_tokens`` and ``disagg_max_prefill_queue`` off,
+        (``None``, False): the decode instance is chosen after the prefill, as always."""
         m = self.metrics
         threshold = self.disagg_min_uncached_tokens
-        cands = self.discovery.instances(Role.DECODE) if threshold else []
+        max_queue = self.disagg_max_prefill_queue
+        on = bool(threshold or max_queue)
+        cands = self.discovery.instances(Role.DECODE) if on else []
         if not cands:
             timings.disagg_decision = "remote_prefill"
-            timings.disagg_reason = "conditional disaggregation off" if not threshold \
+            timings.disagg_reason = "conditional disaggregation off" if not on \
                 else "no decode instance to choose yet"
             m.disagg_decision.labels(model_name=m.model_name, path="remote_prefill").inc()
             return None, False
         ctx = route.for_stage(Role.DECODE)
         info = await self.router.choose(cands, ctx)
-        est = await self.cache_view.estimate(info, ctx)
-        uncached = len(route.prompt_token_ids) - est.reused_tokens
-        local = uncached < threshold
+        reasons = []
+        local = False
+        if threshold:
+            est = await self.cache_view.estimate(info, ctx)
+            uncached = len(route.prompt_token_ids) - est.reused_tokens
+            local = uncached < threshold
+            reasons.append(
+                f"{uncached} uncached tokens {'<' if local else '>='} {threshold} "
+                f"(decode instance cache {est.local_tokens}, store {est.store_tokens})")
+        if max_queue and not local:
+            queue = min((p.load for p in self.discovery.instances(Role.PREFILL)), default=0)
+            local = queue >= max_queue
+            reasons.append(f"prefill queue {queue} {'>=' if local else '<'} {max_queue}")
         path = "local_prefill" if local else "remote_prefill"
         timings.disagg_decision = path
-        timings.disagg_reason = (
-            f"{uncached} uncached tokens {'<' if local else '>='} {threshold} "
-            f"(decode instance cache {est.local_tokens}, store {est.store_tokens})")
+        timings.disagg_reason = "; ".join(reasons)
         m.disagg_decision.labels(model_name=m.model_name, path=path).inc()
         return info, local
 

@@ -1,0 +1,77 @@
+"""The router's conditional disaggregation (services/router/pipeline.py): which requests
+skip the prefill hop, by the prompt's uncached tokens and by the prefill instances'
+outstanding prefills (Dynamo's ``max_prefill_queue_size``)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from tandem.contracts.role import Role
+from tandem.services.router.client import InstancePool
+from tandem.services.router.discovery import StaticDiscovery
+from tandem.services.router.metrics import RouterMetrics
+from tandem.services.router.pipeline import Pipeline
+from tandem.services.router.routing import RoundRobinRouter, RouteContext
+from tandem.services.router.sequence import Timings
+
+PREFILL, DECODE = "127.0.0.1:1", "127.0.0.1:2"
+
+
+def _pipeline(discovery: StaticDiscovery, **kwargs: int) -> Pipeline:
+    return Pipeline(tokenizer=None, discovery=discovery, pool=InstancePool(discovery),
+                    router=RoundRobinRouter(), metrics=RouterMetrics("m"), **kwargs)
+
+
+def _decide(pipeline: Pipeline, prompt_len: int) -> tuple[bool, Timings]:
+    timings = Timings()
+    route = RouteContext(stage=Role.PREFILL, prompt_token_ids=list(range(prompt_len)))
+    info, local = asyncio.run(pipeline._disagg_decision(route, timings))
+    assert info is None or info.address == DECODE
+    return local, timings
+
+
+def test_a_busy_prefill_instance_sends_the_prompt_to_the_decode_instance() -> None:
+    discovery = StaticDiscovery(prefill=[PREFILL], decode=[DECODE])
+    pipeline = _pipeline(discovery, disagg_max_prefill_queue=2)
+    local, t = _decide(pipeline, 256)
+    assert not local and t.disagg_reason == "prefill queue 0 < 2"
+    discovery.acquire(PREFILL)
+    assert not _decide(pipeline, 256)[0]
+    discovery.acquire(PREFILL)  # two prefills outstanding on the only prefill instance
+    local, t = _decide(pipeline, 256)
+    assert local and t.disagg_decision == "local_prefill"
+    assert t.disagg_reason == "prefill queue 2 >= 2"
+    discovery.release(PREFILL)
+    assert not _decide(pipeline, 256)[0]
+
+
+def test_the_least_loaded_prefill_instance_counts() -> None:
+    other = "127.0.0.1:3"
+    discovery = StaticDiscovery(prefill=[PREFILL, other], decode=[DECODE])
+    pipeline = _pipeline(discovery, disagg_max_prefill_queue=1)
+    discovery.acquire(PREFILL)
+    assert not _decide(pipeline, 256)[0]  # the other one is idle
+    discovery.acquire(other)
+    assert _decide(pipeline, 256)[0]
+
+
+def test_both_rules_together_and_off() -> None:
+    discovery = StaticDiscovery(prefill=[PREFILL], decode=[DECODE])
+    both = _pipeline(discovery, disagg_min_uncached_tokens=64, disagg_max_prefill_queue=1)
+    local, t = _decide(both, 32)
+    assert local and t.disagg_reason.startswith("32 uncached tokens < 64")
+    local, t = _decide(both, 256)
+    assert not local and "prefill queue 0 < 1" in t.disagg_reason
+    discovery.acquire(PREFILL)
+    assert _decide(both, 256)[0]
+    off = _pipeline(discovery)
+    local, t = _decide(off, 256)
+    assert not local and t.disagg_reason == "conditional disaggregation off"
+
+
+def test_a_negative_queue_bound_is_refused() -> None:
+    with pytest.raises(ValueError, match="disagg_max_prefill_queue"):
+        _pipeline(StaticDiscovery(prefill=[PREFILL], decode=[DECODE]),
+                  disagg_max_prefill_queue=-1)
