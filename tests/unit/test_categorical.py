@@ -27,17 +27,30 @@ def _reference_race(weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
 
 def test_philox_matches_the_published_known_answer() -> None:
     """Random123's known-answer vector for Philox4x32-10, counter and key all zero."""
-    out = philox4x32_10(np.array([0]), np.array([0], np.uint64))[0, 0]
+    out = philox4x32_10(torch.tensor([0]), torch.tensor([0]))[0, 0]
     assert out.tolist() == [0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8]
+
+
+def test_philox_words_are_uniform_and_the_key_halves_both_count() -> None:
+    """The words of 100k counters fill 16 equal bins within 5 standard errors, and keys
+    that differ only in their high or their sign bit give other streams."""
+    words = philox4x32_10(torch.arange(25_000), torch.tensor([-3])).flatten()
+    assert int(words.min()) >= 0 and int(words.max()) < 2**32
+    counts = torch.bincount(words >> 28, minlength=16).double()
+    n = words.numel()
+    se = (n / 16 * (1 - 1 / 16)) ** 0.5
+    assert (counts - n / 16).abs().max() < 5 * se
+    streams = philox4x32_10(torch.arange(8), torch.tensor([5, 5 + 2**32, 5 - 2**63]))
+    assert not torch.equal(streams[0], streams[1]) and not torch.equal(streams[0], streams[2])
 
 
 def test_the_extreme_words_give_uniforms_strictly_inside_0_1() -> None:
     """The largest words once rounded to u = 1.0 (E = 0, so w / E was inf or NaN and
     a zero weight could win the race)."""
-    u = uniform_from_bits(np.array([0, 1, 0xFFFFFE00, 0xFFFFFFFF], np.uint32))
-    assert u.dtype == np.float32
+    u = uniform_from_bits(torch.tensor([0, 1, 0xFFFFFE00, 0xFFFFFFFF]))
+    assert u.dtype == torch.float32
     assert u.tolist() == [2.0**-24, 2.0**-24, 1 - 2.0**-24, 1 - 2.0**-24]
-    assert (-np.log(u) > 0).all()
+    assert (-u.log() > 0).all()
 
 
 def test_the_noise_is_exponential() -> None:
