@@ -36,6 +36,31 @@ _LOW32 = 0xFFFFFFFF
 _MASK64 = (1 << 64) - 1
 
 
+#: the independent streams of unseeded rows' keys (:func:`key_generator`)
+SAMPLER_STREAM = 0
+DRAFT_STREAM = 1
+
+
+def key_generator(seed: int, stream: int) -> np.random.Generator:
+    """The generator of unseeded rows' keys for one consumer of an engine's seed.
+
+    The target's sampler and a draft model are seeded alike (``ModelConfig.seed``) but
+    must not draw with the same keys: speculative sampling is exact only when the draft
+    token's noise is independent of the noise that draws the target's token (a shared
+    key made a draft and the token after it agree far more often than the distributions
+    say). Each consumer gets its own child of ``SeedSequence(seed)`` (NumPy's way to
+    derive independent streams from one seed).
+
+    Args:
+        seed: the engine's seed (>= 0).
+        stream: ``SAMPLER_STREAM`` or ``DRAFT_STREAM``.
+
+    Returns:
+        A PCG64 generator for :func:`row_keys`.
+    """
+    return np.random.Generator(np.random.PCG64(np.random.SeedSequence(seed, spawn_key=(stream,))))
+
+
 def row_keys(row_seeds: Sequence[int | None], shared: np.random.Generator) -> torch.Tensor:
     """Each row's noise key: its seed's (a seeded request's for this output position)
     or a fresh one from ``shared``.
@@ -129,7 +154,14 @@ def sample_race(weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     Returns:
         ``[num_rows]`` int64 indices on ``weights``' device; a zero weight is never
         returned unless the whole row is zero (then index 0).
+
+    Raises:
+        ValueError: ``weights`` not 2-D, or ``keys`` not ``[num_rows]`` int64.
     """
+    if weights.dim() != 2 or keys.shape != (weights.shape[0],) or keys.dtype != torch.int64:
+        raise ValueError(f"sample_race: weights {tuple(weights.shape)} need keys of shape "
+                         f"({weights.shape[0] if weights.dim() else '?'},) int64, got "
+                         f"{tuple(keys.shape)} {keys.dtype}")
     if weights.device.type == "cpu":
         native = cpu_ext.race_rows_cpu(weights, keys)
         if native is not None:

@@ -31,10 +31,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 
-from tandem.engine.categorical import row_keys, sample_race
+from tandem.engine.categorical import SAMPLER_STREAM, key_generator, row_keys, sample_race
 from tandem.engine.request import Logprob, PositionLogprobs, Request
 from tandem.kernels import cpu_ext
 
@@ -56,7 +55,7 @@ class Sampler:
         self.generator = torch.Generator(device="cpu")
         self.generator.manual_seed(seed)
         #: unseeded rows' race keys (engine/categorical.py)
-        self.noise_generator = np.random.Generator(np.random.PCG64(seed))
+        self.noise_generator = key_generator(seed, SAMPLER_STREAM)
 
     def __call__(
         self,

@@ -294,16 +294,23 @@ def race_rows_cpu(weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor | N
         keys: ``[rows]`` int64, each row's key (any 64-bit pattern).
 
     Returns:
-        ``[rows]`` int64, or ``None`` when the native path cannot serve the tensors.
+        ``[rows]`` int64, or ``None`` when the native path cannot serve the weights.
+
+    Raises:
+        ValueError: ``keys`` not ``[rows]`` int64 on the CPU.
     """
     if (
         weights.dim() != 2 or weights.shape[1] < 1 or weights.stride(1) != 1
         or weights.dtype != torch.float32 or not _elementwise_ok(weights)
     ):
         return None
+    if keys.shape != (weights.shape[0],) or keys.dtype != torch.int64 or keys.device.type != "cpu":
+        raise ValueError(f"race_rows_cpu: {weights.shape[0]} rows need keys of shape "
+                         f"({weights.shape[0]},) int64 on the CPU, got {tuple(keys.shape)} "
+                         f"{keys.dtype} on {keys.device}")
     lib = load()
     assert lib is not None
-    keys = keys.to(torch.int64).contiguous()
+    keys = keys.contiguous()
     out = torch.empty(weights.shape[0], dtype=torch.int64)
     lib.race_rows(
         weights.data_ptr(), weights.stride(0), weights.shape[0], weights.shape[1],
@@ -319,7 +326,10 @@ def race_noise_cpu(keys: torch.Tensor, cols: int) -> torch.Tensor | None:
     lib = load()
     if lib is None or cols < 1:
         return None
-    keys = keys.to(torch.int64).contiguous()
+    if keys.dim() != 1 or keys.dtype != torch.int64 or keys.device.type != "cpu":
+        raise ValueError(f"race_noise_cpu: keys must be 1-D int64 on the CPU, got "
+                         f"{tuple(keys.shape)} {keys.dtype} on {keys.device}")
+    keys = keys.contiguous()
     out = torch.empty(keys.shape[0], cols, dtype=torch.float32)
     lib.race_noise(keys.data_ptr(), keys.shape[0], cols, out.data_ptr(),
                    _threads_for(out.numel()))

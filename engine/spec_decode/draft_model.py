@@ -37,10 +37,9 @@ import logging
 from collections.abc import Iterable, Sequence
 from typing import Any, cast
 
-import numpy as np
 import torch
 
-from tandem.engine.categorical import row_keys, sample_race
+from tandem.engine.categorical import DRAFT_STREAM, key_generator, row_keys, sample_race
 from tandem.engine.config import ModelConfig, SpeculativeConfig
 from tandem.engine.model_loader import LoadedModel, load_model
 from tandem.engine.models.llama import head_dim_of
@@ -158,8 +157,9 @@ class DraftModelProposer(Proposer):
         # request id -> (its last proposal, [len, vocab] float32 q of each draft): random
         # requests only, taken by the verification.
         self._probs: dict[str, tuple[list[int], torch.Tensor]] = {}
-        # unseeded rows' race keys; a seeded row's key is draft_position_seed's
-        self.noise_generator = np.random.Generator(np.random.PCG64(seed))
+        # unseeded rows' race keys, a stream apart from the target sampler's; a seeded
+        # row's key is draft_position_seed's
+        self.noise_generator = key_generator(seed, DRAFT_STREAM)
 
     @property
     def block_bytes(self) -> int:

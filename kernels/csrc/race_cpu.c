@@ -8,11 +8,12 @@
  * numbers: as easy as 1, 2, 3", SC 2011; the generator of cuRAND and of torch's CUDA
  * sampling): entry i of a row with 64-bit key K is word i % 4 of
  * Philox4x32-10(counter = (i / 4, 0, 0, 0), key = (K mod 2^32, K >> 32)), so a row's
- * noise depends on its key and nothing else (not the batch, the thread count or the
- * ISA). The uniform is u = (bits >> 9) * 2^-23 + 2^-24, an odd multiple of 2^-24 and so
+ * random bits depend on its key and nothing else (not the batch or the thread count);
+ * its logarithms may differ in the last place between builds (each ISA's vector logf)
+ * and from the torch reference, which changes a draw only at a near-tie. The uniform is u = (bits >> 9) * 2^-23 + 2^-24, an odd multiple of 2^-24 and so
  * exact in float32, in [2^-24, 1 - 2^-24] (never 1: E = 0 would make w / E inf or NaN),
  * and E = -log(u).
- * engine/categorical.py holds the NumPy reference of the same stream.
+ * engine/categorical.py holds the torch reference of the same stream.
  */
 #include <math.h>
 #include <stdint.h>

@@ -296,3 +296,19 @@ def test_draft_model_samples_from_q_and_is_accepted_by_ratio(folder, monkeypatch
     argmax_llm.generate(ps, params, use_tqdm=False)
     assert acceptance_rate(argmax_llm) < 0.8 * with_q
 
+
+
+def test_the_draft_and_the_target_draw_unseeded_keys_from_different_streams(
+        folder, draft_folder) -> None:
+    """Bug pinned: both generators were PCG64(engine seed), so a draft token and the
+    target's token drawn after it often shared their race key; speculative sampling is
+    exact only with independent noise (an unseeded draft then repeated the previous
+    token 20% of the time where its distribution said 5%)."""
+    from tandem.engine.categorical import row_keys
+
+    spec = {"method": "draft_model", "model": draft_folder, "num_speculative_tokens": 2}
+    llm = make_llm(folder, spec)
+    runner = llm.llm_engine.engine_core.executor.driver_worker.model_runner
+    target = set(row_keys([None] * 1000, runner.sampler.noise_generator).tolist())
+    draft = set(row_keys([None] * 1000, runner.proposer.noise_generator).tolist())
+    assert len(target) == len(draft) == 1000 and not target & draft

@@ -10,6 +10,9 @@ import pytest
 import torch
 
 from tandem.engine.categorical import (
+    DRAFT_STREAM,
+    SAMPLER_STREAM,
+    key_generator,
     philox4x32_10,
     race_noise,
     row_keys,
@@ -134,3 +137,23 @@ def test_a_small_change_of_the_logits_keeps_the_token() -> None:
     a = sample_race(torch.softmax(logits, -1).expand(2000, -1).contiguous(), keys)
     b = sample_race(torch.softmax(moved, -1).expand(2000, -1).contiguous(), keys)
     assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("keys", [torch.tensor([1]), torch.tensor([1, 2, 3], dtype=torch.int32),
+                                  torch.tensor([1.0, 2.0, 3.0])])
+def test_keys_that_do_not_match_the_rows_are_refused(keys: torch.Tensor) -> None:
+    """Bug pinned: one key for 20M rows made the kernel read past the keys (a crash);
+    int32 keys gave the reference another stream than the kernel's."""
+    w = torch.rand(3, 10)
+    with pytest.raises(ValueError, match="keys"):
+        sample_race(w, keys)
+    if cpu_ext.load() is not None:
+        with pytest.raises(ValueError, match="keys"):
+            cpu_ext.race_rows_cpu(w, keys)
+
+
+def test_each_engine_consumer_has_its_own_key_stream() -> None:
+    a = row_keys([None] * 1000, key_generator(0, SAMPLER_STREAM)).tolist()
+    b = row_keys([None] * 1000, key_generator(0, DRAFT_STREAM)).tolist()
+    assert not set(a) & set(b)
+    assert a == row_keys([None] * 1000, key_generator(0, SAMPLER_STREAM)).tolist()
