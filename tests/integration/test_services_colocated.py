@@ -48,8 +48,12 @@ def test_greedy_matches_transformers_with_chunked_prefill(tiny, svc):
 def test_stream_shape_and_usage_fields(svc):
     msgs = list(svc.decode.Decode(decode_pb2.DecodeRequest(
         prompt_token_ids=[1, 2, 3, 4], sampling_params=params(3)), timeout=60))
-    assert [len(m.token_ids) for m in msgs] == [1, 1, 1]
-    assert [m.finish_reason for m in msgs] == [0, 0, common_pb2.FINISH_REASON_LENGTH]
+    # NOTE: tokens ready together travel in one message (RequestStream.batches): how many
+    # messages carry the 3 tokens depends on whether the handler kept up with the engine
+    # (a loaded host gave one message of 3), so only the stream's content is fixed.
+    assert sum(len(m.token_ids) for m in msgs) == 3 and all(m.token_ids for m in msgs)
+    assert [m.finish_reason for m in msgs[:-1]] == [0] * (len(msgs) - 1)
+    assert msgs[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
     assert msgs[0].HasField("num_cached_tokens") and not msgs[0].HasField("kv_pull_ns")
 
 
