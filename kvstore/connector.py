@@ -327,35 +327,51 @@ class _Lookups:
         return [BlockKey(h, ask.fingerprint) for h in hashes[lo:hi]]
 
     def _run(self) -> None:
+        closing = False
         while True:
-            ask = self._queue.get()
+            if not closing:
+                ask = self._queue.get()
+            else:
+                try:
+                    ask = self._queue.get_nowait()
+                except queue.Empty:
+                    return
             if ask is None:
-                return
-            key, start, stop = ask.key, ask.start, ask.stop
-            hashes = ask.chain() if callable(ask.chain) else ask.chain
-            ask.chain = hashes
-            try:
-                n = self._probe([BlockKey(h, ask.fingerprint) for h in hashes[start:stop]])
-            except Exception as exc:  # noqa: BLE001 - a failed lookup is a miss
-                logger.warning("store lookup of %s failed: %s", key[0], exc)
-                n = 0
-            n = max(0, min(n, stop - start))
-            wait_for = self._keys_to_wait_for(ask, hashes, n)
-            if wait_for and self._waiter is not None and self._may_park(ask):
-                hint = ask.hint
-                assert hint is not None
-                self._waiter.park(ask, wait_for,
-                                  output_marker_key(ask.fingerprint, hint.request_id))
+                # NOTE: a lookup that was parking as close() stopped the waiter comes back
+                # ("closed") behind this None; the ones left are answered before the
+                # thread ends (they cannot park again: their request is in _parked_once)
+                closing = True
                 continue
-            with self._lock:
-                pending = self._pending.get(key)
-                if pending is None or pending[0] != start:
-                    continue  # finished, or a newer lookup was asked meanwhile
-                del self._pending[key]
-                self._done[key] = (_Found(start, n, hashes), pending[1])
-            listener = self._transfers.listener
-            if listener is not None:
-                listener.on_lookup_done(key[0])
+            self._answer(ask)
+
+    def _answer(self, ask: _Ask) -> None:
+        """Probe the index for ``ask``; park it on its hint's publish, or record its
+        answer (lookup thread)."""
+        key, start, stop = ask.key, ask.start, ask.stop
+        hashes = ask.chain() if callable(ask.chain) else ask.chain
+        ask.chain = hashes
+        try:
+            n = self._probe([BlockKey(h, ask.fingerprint) for h in hashes[start:stop]])
+        except Exception as exc:  # noqa: BLE001 - a failed lookup is a miss
+            logger.warning("store lookup of %s failed: %s", key[0], exc)
+            n = 0
+        n = max(0, min(n, stop - start))
+        wait_for = self._keys_to_wait_for(ask, hashes, n)
+        if wait_for and self._waiter is not None and self._may_park(ask):
+            hint = ask.hint
+            assert hint is not None
+            self._waiter.park(ask, wait_for,
+                              output_marker_key(ask.fingerprint, hint.request_id))
+            return
+        with self._lock:
+            pending = self._pending.get(key)
+            if pending is None or pending[0] != start:
+                return  # finished, or a newer lookup was asked meanwhile
+            del self._pending[key]
+            self._done[key] = (_Found(start, n, hashes), pending[1])
+        listener = self._transfers.listener
+        if listener is not None:
+            listener.on_lookup_done(key[0])
 
 
 #: A lookup's key: the request id and the identity of its ``Request`` object.

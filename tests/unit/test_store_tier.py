@@ -560,6 +560,46 @@ def test_a_lookup_waits_only_for_blocks_its_hint_names() -> None:
         lookups.close()
 
 
+def test_a_lookup_parking_as_the_connector_closes_is_still_answered() -> None:
+    """Bug pinned: a lookup that tried to park after ``close()`` had stopped the waiter
+    came back ("closed") behind the lookup thread's stop mark, and the thread ended
+    without answering it."""
+    import threading
+
+    from tandem.contracts.block_key import PublishInFlight
+    from tandem.kvstore.connector import _Lookups
+
+    entered, release = threading.Event(), threading.Event()
+
+    def probe(keys: Sequence[BlockKey]) -> int:
+        entered.set()
+        release.wait(30)
+        return min(3, len(keys))
+
+    events = _LookupEvents()
+    signal = _StoreSignal(ProbedStore())
+    transfers = type("T", (), {"listener": events, "signal": signal, "load_wait_s": 60.0})()
+    lookups = _Lookups(probe, transfers, 4)  # type: ignore[arg-type]
+    chain = [bytes([i]) * 32 for i in range(8)]
+    fp = b"f" * 16
+    req = Request("closing", list(range(40)), SamplingParams(max_tokens=1),
+                  kv_publish_in_flight=PublishInFlight("t", fp, 4, 2, 6))
+    lookups.prefetch(req, 8, lambda: chain, fp)
+    assert entered.wait(30)
+    # close() in the order it runs, with the lookup still probing: the waiter stops, then
+    # the thread's stop mark is queued; the lookup then misses inside its hint and parks
+    assert lookups._waiter is not None
+    lookups._waiter.close()
+    lookups._queue.put(None)
+    release.set()
+    assert events.event("closing").wait(30), "the lookup was never answered"
+    assert lookups.wait_outcomes == {"closed": 1}
+    found = lookups.pop(req)
+    assert found is not None and found.num_blocks == 3
+    lookups._thread.join(30)
+    assert not lookups._thread.is_alive()
+
+
 def test_a_request_waits_for_a_publish_at_most_once_across_its_lookups() -> None:
     """A prefetched lookup (from block 0) that waited out its hint's publish and is
     followed by the engine's lookup from the local prefix-cache hit (a later block, past
