@@ -15,11 +15,11 @@ Order of operations (vLLM v1's order, so results match what its users expect):
    this is exactly transformers' ``generate(do_sample=False)``;
 4. random rows: divide by temperature, then ``min_p``, ``top_k`` and ``top_p``
    truncation, then the exponential race (:mod:`tandem.engine.categorical`): with
-   ``q ~ Exp(1)`` i.i.d., ``argmax(p / q)`` is a sample from ``p``. ``q`` is drawn
-   from a generator seeded for the request and output position when the request is
-   seeded (``Request.step_seed``), so its tokens depend neither on what else is in
-   the batch nor on which engine sampled the earlier positions; unseeded rows share
-   the sampler's global generator.
+   ``q ~ Exp(1)`` i.i.d., ``argmax(p / q)`` is a sample from ``p``. ``q`` is a
+   counter-based stream (Philox4x32-10) of the row's key: for a seeded request the
+   key of its seed and output position (``Request.step_seed``), so its tokens depend
+   neither on what else is in the batch nor on which engine sampled the earlier
+   positions; an unseeded row's key comes from the sampler's own key stream.
 
 Logprobs are vLLM's "processed" kind: ``log_softmax`` of the logits after steps 1-2
 and the temperature division (for temperature > 0), before top-k / top-p / min_p
