@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import itertools
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import pytest
 import transformers
@@ -506,12 +507,23 @@ def test_the_next_turn_waits_for_the_previous_answers_publish(tiny, waiting_stor
         prefill.shutdown()
 
 
+def _waiting_lookups(probe: Callable[[Sequence[BlockKey]], int], wait_s: float
+                     ) -> tuple[Any, _LookupEvents, _StoreSignal]:
+    """``_Lookups`` over ``probe`` with an arrival signal and ``kv_load_wait_s`` of
+    ``wait_s``, block size 4: (the lookups, their answer events, the signal)."""
+    from tandem.kvstore.connector import _Lookups
+
+    events = _LookupEvents()
+    signal = _StoreSignal(ProbedStore())
+    transfers = type("T", (), {"listener": events, "signal": signal, "load_wait_s": wait_s})()
+    return _Lookups(probe, transfers, 4), events, signal  # type: ignore[arg-type]
+
+
 def test_a_lookup_waits_only_for_blocks_its_hint_names() -> None:
     """``_Lookups`` with an arrival signal: no hint, a hint of another layout or block
     size, or a miss before the hinted blocks answer at once; a miss inside them waits
     (once) and asks again when it ends."""
     from tandem.contracts.block_key import PublishInFlight
-    from tandem.kvstore.connector import _Lookups
 
     present = 3
     probed: list[int] = []
@@ -520,10 +532,7 @@ def test_a_lookup_waits_only_for_blocks_its_hint_names() -> None:
         probed.append(len(keys))
         return min(present, len(keys))
 
-    events = _LookupEvents()
-    signal = _StoreSignal(ProbedStore())
-    transfers = type("T", (), {"listener": events, "signal": signal, "load_wait_s": 60.0})()
-    lookups = _Lookups(probe, transfers, 4)  # type: ignore[arg-type]
+    lookups, events, signal = _waiting_lookups(probe, 60.0)
     chain = [bytes([i]) * 32 for i in range(8)]
     fp = b"f" * 16
     params = SamplingParams(max_tokens=1)
@@ -567,7 +576,6 @@ def test_a_lookup_parking_as_the_connector_closes_is_still_answered() -> None:
     import threading
 
     from tandem.contracts.block_key import PublishInFlight
-    from tandem.kvstore.connector import _Lookups
 
     entered, release = threading.Event(), threading.Event()
 
@@ -576,10 +584,7 @@ def test_a_lookup_parking_as_the_connector_closes_is_still_answered() -> None:
         release.wait(30)
         return min(3, len(keys))
 
-    events = _LookupEvents()
-    signal = _StoreSignal(ProbedStore())
-    transfers = type("T", (), {"listener": events, "signal": signal, "load_wait_s": 60.0})()
-    lookups = _Lookups(probe, transfers, 4)  # type: ignore[arg-type]
+    lookups, events, signal = _waiting_lookups(probe, 60.0)
     chain = [bytes([i]) * 32 for i in range(8)]
     fp = b"f" * 16
     req = Request("closing", list(range(40)), SamplingParams(max_tokens=1),
