@@ -71,20 +71,23 @@ wait_ready() {
     python3 -c "import time; print(round(time.time() - $t0, 1))"
 }
 
+tandem_up() {  # $1 = system, then its own `tandem up` flags; in the background
+    local sys=$1
+    shift
+    # shellcheck disable=SC2086 # TANDEM_ARGS holds several flags
+    setsid "$TANDEM" up --model "$HF_DIR" --port "$PORT" --grpc-port $((PORT + 1)) \
+        --engine-arg=--dtype=bfloat16 --router-arg=--served-model-name=$NAME "$@" $TANDEM_ARGS \
+        --log-dir "$OUT/$sys-logs" >"$OUT/$sys.server.log" 2>&1 &
+}
+
 start_server() {  # $1 = system; prints the server's pid (a process group leader)
     local log=$OUT/$1.server.log
     case $1 in
         vllm) setsid "$VLLM_VENV/bin/vllm" serve "$HF_DIR" --dtype bfloat16 \
                   --served-model-name "$NAME" --port "$PORT" >"$log" 2>&1 & ;;
-        colocated) setsid "$TANDEM" up --colocated --model "$HF_DIR" --port "$PORT" \
-                  --grpc-port $((PORT + 1)) --engine-arg=--dtype=bfloat16 \
-                  --router-arg=--served-model-name=$NAME $TANDEM_ARGS --log-dir "$OUT/$1-logs" >"$log" 2>&1 & ;;
-        disagg) setsid "$TANDEM" up --model "$HF_DIR" --port "$PORT" \
-                  --grpc-port $((PORT + 1)) --engine-arg=--dtype=bfloat16 \
-                  --router-arg=--served-model-name=$NAME $TANDEM_ARGS --log-dir "$OUT/$1-logs" >"$log" 2>&1 & ;;
-        disagg-pinned) setsid "$TANDEM" up --model "$HF_DIR" --port "$PORT" \
-                  --grpc-port $((PORT + 1)) --engine-arg=--dtype=bfloat16 --cpus-per-engine 1 \
-                  --router-arg=--served-model-name=$NAME $TANDEM_ARGS --log-dir "$OUT/$1-logs" >"$log" 2>&1 & ;;
+        colocated) tandem_up "$1" --colocated ;;
+        disagg) tandem_up "$1" ;;
+        disagg-pinned) tandem_up "$1" --cpus-per-engine 1 ;;
         *) echo "unknown system $1 (vllm, colocated, disagg, disagg-pinned)" >&2; return 2 ;;
     esac
     echo $!

@@ -13,12 +13,11 @@ The noise is counter-based: entry ``i`` of a row with 64-bit key ``K`` comes fro
 Philox4x32-10 (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", SC 2011)
 at counter ``(i // 4, 0, 0, 0)`` and key ``(K mod 2**32, K >> 32)``, word ``i % 4``;
 ``u = (bits >> 9) * 2**-23 + 2**-24`` (exact in float32, never 0 or 1) and
-``E = -log(u)``. A row therefore depends
-on its key alone, and the native kernel (``kernels/csrc/race_cpu.c``) generates it
-inside the argmax pass, with no ``[rows, vocab]`` noise tensor: the race's noise had
-been most of a sampled decode step's sampler time (docs/benchmarks.md). This module's
-torch implementation is the reference, and the path of GPUs and of hosts without the
-native library.
+``E = -log(u)``. A row therefore depends on its key alone, and the native kernel
+(``kernels/csrc/race_cpu.c``) generates it inside the argmax pass, with no
+``[rows, vocab]`` noise tensor: the race's noise had been most of a sampled decode
+step's sampler time (docs/benchmarks.md). This module's torch implementation is the
+reference, and the path of GPUs and of hosts without the native library.
 """
 
 from __future__ import annotations

@@ -327,22 +327,18 @@ class _Lookups:
         return [BlockKey(h, ask.fingerprint) for h in hashes[lo:hi]]
 
     def _run(self) -> None:
-        closing = False
-        while True:
-            if not closing:
-                ask = self._queue.get()
-            else:
-                try:
-                    ask = self._queue.get_nowait()
-                except queue.Empty:
-                    return
-            if ask is None:
-                # NOTE: a lookup that was parking as close() stopped the waiter comes back
-                # ("closed") behind this None; the ones left are answered before the
-                # thread ends (they cannot park again: their request is in _parked_once)
-                closing = True
-                continue
+        while (ask := self._queue.get()) is not None:
             self._answer(ask)
+        # NOTE: a lookup that was parking as close() stopped the waiter comes back
+        # ("closed") behind the None; the ones left are answered before the thread ends
+        # (they cannot park again: their request is in _parked_once)
+        while True:
+            try:
+                ask = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if ask is not None:
+                self._answer(ask)
 
     def _answer(self, ask: _Ask) -> None:
         """Probe the index for ``ask``; park it on its hint's publish, or record its

@@ -10,10 +10,10 @@
  * Philox4x32-10(counter = (i / 4, 0, 0, 0), key = (K mod 2^32, K >> 32)), so a row's
  * random bits depend on its key and nothing else (not the batch or the thread count);
  * its logarithms may differ in the last place between builds (each ISA's vector logf)
- * and from the torch reference, which changes a draw only at a near-tie. The uniform is u = (bits >> 9) * 2^-23 + 2^-24, an odd multiple of 2^-24 and so
- * exact in float32, in [2^-24, 1 - 2^-24] (never 1: E = 0 would make w / E inf or NaN),
- * and E = -log(u).
- * engine/categorical.py holds the torch reference of the same stream.
+ * and from the torch reference, which changes a draw only at a near-tie. The uniform
+ * is u = (bits >> 9) * 2^-23 + 2^-24, an odd multiple of 2^-24 and so exact in
+ * float32, in [2^-24, 1 - 2^-24] (never 1: E = 0 would make w / E inf or NaN), and
+ * E = -log(u). engine/categorical.py holds the torch reference of the same stream.
  */
 #include <math.h>
 #include <stdint.h>

@@ -297,7 +297,6 @@ def test_draft_model_samples_from_q_and_is_accepted_by_ratio(folder, monkeypatch
     assert acceptance_rate(argmax_llm) < 0.8 * with_q
 
 
-
 def test_the_draft_and_the_target_draw_unseeded_keys_from_different_streams(
         folder, draft_folder) -> None:
     """Bug pinned: both generators were PCG64(engine seed), so a draft token and the
