@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -20,13 +21,16 @@ class RedisServer:
     """A ``redis-server`` subprocess without persistence; restartable on the same port;
     with ``password``, clients must authenticate (``requirepass``; the URL carries it);
     with ``tls`` = (certificate, key, CA certificate) PEM files it serves TLS only on
-    ``port`` and the URL is ``rediss://`` naming the CA (redis-py's ``ssl_ca_certs``)."""
+    ``port`` and the URL is ``rediss://`` naming the CA (redis-py's ``ssl_ca_certs``);
+    ``extra_args`` are more command-line directives (e.g. ``--rename-command``)."""
 
     def __init__(self, port: int, password: str | None = None,
-                 tls: tuple[Path, Path, Path] | None = None) -> None:
+                 tls: tuple[Path, Path, Path] | None = None,
+                 extra_args: Sequence[str] = ()) -> None:
         self.port = port
         self.password = password
         self.tls = tls
+        self.extra_args = list(extra_args)
         auth = f":{password}@" if password else ""
         if tls is None:
             self.url = f"redis://{auth}127.0.0.1:{port}/0"
@@ -49,7 +53,8 @@ class RedisServer:
                       "--tls-auth-clients", "no"]
         self.part = Part("redis", [exe, *listen, "--bind", "127.0.0.1",
                                    "--save", "", "--appendonly", "no",
-                                   *(["--requirepass", self.password] if self.password else [])],
+                                   *(["--requirepass", self.password] if self.password else []),
+                                   *self.extra_args],
                          lambda: redis_ok(self.url, timeout_s=1))
         self.proc = start_part(self.part, log_path=Path(os.devnull))
         wait_ready([self.part], timeout_s)

@@ -6,7 +6,9 @@ both), ``address`` (gRPC host:port), ``model``, ``running``, ``waiting``, ``kv_u
 ``num_free_blocks``, ``updated_at``; TTL 10 s, refreshed every 2 s. A dead instance's key
 expires, so it drops out of routing within 10 s; the router also benches an instance for
 :data:`FAILURE_COOLDOWN_S` as soon as a call to it fails, so new requests go to the
-survivors at once.
+survivors at once. When Redis itself restarts empty (its ``run_id`` changes), the instances
+that answered their last load poll stay in the view until they register again, for at most
+one registry TTL: the registry's loss is not theirs.
 
 :class:`Discovery` refreshes in a background task (never blocking I/O on the request
 path); :meth:`Discovery.instances` is a cheap in-memory read.
@@ -18,7 +20,7 @@ import asyncio
 import logging
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from tandem.contracts.role import ROLES, Role
@@ -174,20 +176,49 @@ class StaticDiscovery(Discovery):
 class RedisDiscovery(Discovery):
     """Instances from the Redis registry (``tandem:instance:<role>:<id>`` hashes).
 
+    A registry that restarts empty (or fails over to a server without the keys) is told
+    apart from deregistrations by Redis's ``run_id``: when it changes between refreshes,
+    the instances that left the view with it but answered their last load poll
+    (``alive is True``) are kept until they register again, their poll fails, or one
+    registry TTL (``services.common.registry.TTL_S``) passes from the refresh that saw the
+    change. A key deleted while Redis stays up drops its instance at once, alive or not
+    (a draining engine still answers GetLoad). Where Redis does not report a ``run_id``,
+    nothing is kept.
+
     Args:
         redis_url: ``redis://host:port/db``.
         model: when set, instances registered for another model are ignored (an
             instance with an empty ``model`` field is accepted).
+        clock: monotonic seconds, for the restart grace (tests pass a fake one).
     """
 
-    def __init__(self, redis_url: str, model: str | None = None) -> None:
+    def __init__(self, redis_url: str, model: str | None = None, *,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         super().__init__()
-        import redis.asyncio as aioredis  # imported here: static mode needs no Redis client
+        # imported here: static mode needs no Redis client
+        import redis.asyncio as aioredis
+
+        from tandem.services.common.registry import TTL_S
 
         self._redis = aioredis.from_url(redis_url, decode_responses=True)
         self._model = model
+        self._clock = clock
+        # An instance alive through the restart re-registers within one heartbeat; one
+        # whose entry would have expired by now without a heartbeat is kept no longer.
+        self._restart_grace_s = float(TTL_S)
+        self._run_id: str | None = None
+        self._run_id_unknown_logged = False
+        # address -> clock time until which an instance missing after a restart is kept
+        self._kept_until: dict[str, float] = {}
 
     async def refresh(self) -> None:
+        """Re-read the registry and replace the view; keeps instances across a registry
+        restart as the class docstring says.
+
+        Raises:
+            redis.RedisError: Redis unreachable or a registry key of the wrong type (the
+                view is left as it was).
+        """
         keys = [k async for k in self._redis.scan_iter(match=REGISTRY_PREFIX + "*", count=500)]
         seen: dict[str, InstanceInfo] = {}
         if keys:
@@ -208,8 +239,52 @@ class RedisDiscovery(Discovery):
                     info.kv_layout_fingerprint = old.kv_layout_fingerprint
                     info.kv_publish_output = old.kv_publish_output
                 seen[info.address] = info
+        # NOTE: asked after the reads: a restart before or during them shows here, in this
+        # refresh, rather than in the next one (whose reads would look like deregistrations).
+        run_id = await self._read_run_id()
+        if run_id is not None and self._run_id is not None and run_id != self._run_id:
+            self._keep_through_restart(seen)
+        self._run_id = run_id
+        now = self._clock()
+        for address, until in list(self._kept_until.items()):
+            kept = self._by_address.get(address)
+            if address in seen or kept is None or kept.alive is not True or until <= now:
+                del self._kept_until[address]
+            else:
+                seen[address] = kept
         # NOTE: replace the dict wholesale (not in place) so readers never see a half update.
         self._by_address = seen
+
+    def _keep_through_restart(self, seen: dict[str, InstanceInfo]) -> None:
+        """Start the grace of the live instances missing from ``seen`` after a restart
+        (one already kept keeps its first deadline)."""
+        until = self._clock() + self._restart_grace_s
+        num_kept = 0
+        for address, info in self._by_address.items():
+            if address not in seen and info.alive is True:
+                self._kept_until.setdefault(address, until)
+                num_kept += 1
+        logger.warning("the instance registry restarted (Redis run_id changed, its entries "
+                       "lost): keeping %d live instance(s) for up to %.0f s until they "
+                       "register again", num_kept, self._restart_grace_s)
+
+    async def _read_run_id(self) -> str | None:
+        """Redis's ``run_id`` (new on every server start), or ``None`` where the server
+        does not report one (INFO refused, or a Redis-like server without the field)."""
+        from redis.exceptions import ResponseError
+
+        try:
+            server = await self._redis.info("server")
+        except ResponseError as exc:
+            # NOTE: not fatal: without it a registry restart empties the view until the
+            # engines' next heartbeats, as it did before restarts were detected.
+            if not self._run_id_unknown_logged:
+                logger.warning("Redis refuses INFO server (%s): a registry restart will "
+                               "drop every instance until it registers again", exc)
+                self._run_id_unknown_logged = True
+            return None
+        run_id = server.get("run_id")
+        return str(run_id) if run_id else None
 
     async def stop(self) -> None:
         await super().stop()

@@ -287,9 +287,9 @@ def test_redis_killed_under_load_requests_keep_their_text(stack, redis_server) -
     bodies = [{"model": model, "prompt": [700 + i, *range(3000, 3400)], "max_tokens": 16,
                "temperature": 0, "ignore_eos": True} for i in range(8)]
     resps = _fault_under_load(url, bodies, redis_server.restart, lambda: _router_busy(url, 6))
-    # The registry came back empty: each live engine's next heartbeat registers it again,
-    # and until the router has read that, it knows no instance (503). The stack must
-    # serve again within 30 s.
+    # The registry came back empty: each live engine's next heartbeat registers it again;
+    # meanwhile the router keeps the engines that answer its load polls (discovery's grace
+    # for a registry restart). The stack must serve again within 30 s.
     engines = [p for p in stack.parts if p.name.startswith(("prefill-", "decode-"))
                and p.alive()]
     registry = redis.Redis.from_url(redis_server.url)
