@@ -241,15 +241,20 @@ class ParallelConfig:
             worker in the engine's own process (only for 1 x 1); "mp", one worker process
             per rank (``tensor_parallel_size * pipeline_parallel_size`` of them). ``None``
             picks "uni" for one worker and "mp" otherwise.
+        shared_cpu_lock: a lock file the engines that share this host's CPU cores all
+            name: each model step waits for its turn (``engine/cpu_turns.py``).
+            ``None``: the engine has its cores to itself.
 
     Raises:
-        ValueError: a size < 1, an unknown backend, or "uni" with more than one worker
-            (each naming the field).
+        ValueError: a size < 1, an unknown backend, "uni" with more than one worker, or
+            a ``shared_cpu_lock`` that is empty or set with pipeline parallelism (its
+            batches in flight overlap, they cannot take turns) (each naming the field).
     """
 
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     distributed_executor_backend: ExecutorBackend | None = None
+    shared_cpu_lock: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "pipeline_parallel_size"):
@@ -271,6 +276,16 @@ class ParallelConfig:
                 "distributed_executor_backend 'uni' runs one worker; tensor_parallel_size x "
                 f"pipeline_parallel_size is {self.world_size} (use 'mp')"
             )
+        if self.shared_cpu_lock is not None:
+            if not isinstance(self.shared_cpu_lock, str) or not self.shared_cpu_lock:
+                raise ValueError(
+                    f"shared_cpu_lock must be a file path, got {self.shared_cpu_lock!r}"
+                )
+            if self.pipeline_parallel_size > 1:
+                raise ValueError(
+                    "shared_cpu_lock cannot be used with pipeline_parallel_size > 1: its "
+                    "batches in flight overlap and cannot take turns"
+                )
 
     @property
     def world_size(self) -> int:

@@ -29,10 +29,12 @@ import logging
 from collections import deque
 from collections.abc import Iterable
 from concurrent.futures import Future
+from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any
 
 from tandem.contracts.kv_layout import KVCacheLayout
 from tandem.engine.config import EngineConfig
+from tandem.engine.cpu_turns import CpuTurns
 from tandem.engine.executor import Executor, create_executor
 from tandem.engine.model_facts import ModelFacts
 from tandem.engine.outputs import EngineCoreOutput
@@ -125,6 +127,9 @@ class EngineCore:
             self.scheduler.limits, vocab_size=self.vocab_size
         )
         self.num_steps = 0
+        lock = config.parallel.shared_cpu_lock
+        #: the host's shared step turn (``None``: this engine has its cores to itself)
+        self.cpu_turns = CpuTurns(lock) if lock is not None else None
         spec = config.speculative
         logger.info(
             "engine ready: model=%s dtype=%s blocks=%d (%d tokens) max_model_len=%d%s",
@@ -279,7 +284,8 @@ class EngineCore:
         if sched_out.is_empty:
             runner_out = ModelRunnerOutput()
         else:
-            runner_out = self.executor.execute_model(sched_out)
+            with self.cpu_turns.turn() if self.cpu_turns is not None else nullcontext():
+                runner_out = self.executor.execute_model(sched_out)
             self.num_steps += 1
         return self._apply(sched_out, runner_out)
 
@@ -343,3 +349,5 @@ class EngineCore:
             self.connector_worker.shutdown()
         self.structured_output.shutdown()
         self.executor.shutdown()
+        if self.cpu_turns is not None:
+            self.cpu_turns.close()

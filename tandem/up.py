@@ -119,6 +119,28 @@ KV_CAP_BYTES = 4 << 30
 #: GNU OpenMP's barrier spin count for threads that share CPUs with other engines: its
 #: default "throttled" count, used when a process has more threads than CPUs.
 SHARED_CPU_SPIN_COUNT = 100
+#: The step-turn lock file of engines that share cores (``engine/cpu_turns.py``), in the
+#: stack's temporary folder.
+CPU_TURNS_FILE = "cpu-turns.lock"
+
+
+def shares_cpu_cores(cfg: StackConfig) -> bool:
+    """Several engines of the stack run on the same CPU cores: more than one engine,
+    none pinned (``cpus_per_engine``), none on a GPU (``--device cuda`` in
+    ``engine_args``)."""
+    num_engines = cfg.replicas if cfg.colocated else cfg.num_prefill + cfg.num_decode
+    on_gpu = "cuda" in " ".join(cfg.engine_args)
+    return num_engines > 1 and not cfg.cpus_per_engine and not on_gpu
+
+
+def takes_cpu_turns(cfg: StackConfig) -> bool:
+    """The engines get ``--shared-cpu-lock`` (``engine/cpu_turns.py``): they share cores,
+    the user named no lock of their own, and no engine runs pipeline parallel (its
+    batches in flight overlap, so its steps cannot take turns)."""
+    args = cfg.engine_args
+    own = any(a.startswith("--shared-cpu-lock") for a in args)
+    pipeline = any(a.startswith(("--pipeline-parallel-size", "-pp")) for a in args)
+    return shares_cpu_cores(cfg) and not own and not pipeline
 
 
 def parts_env(cfg: StackConfig, base: Mapping[str, str]) -> dict[str, str]:
@@ -126,19 +148,18 @@ def parts_env(cfg: StackConfig, base: Mapping[str, str]) -> dict[str, str]:
     user did not set.
 
     - Pinned engines (``cpus_per_engine``) get that many OpenMP threads.
-    - Several unpinned engines share every CPU, so their OpenMP threads spin only
-      briefly at a barrier before they sleep (``GOMP_SPINCOUNT``, GNU OpenMP's own
-      "throttled" count for more threads than CPUs). GNU OpenMP cannot see the other
-      engines' threads, so it would spin for the services' count
-      (``tandem.cli.configure_openmp``) and hold a core another engine's thread needs.
-      One engine alone keeps that spin, which a decode step's many barriers need
-      (docs/benchmarks.md, single stream).
+    - Engines that share cores (:func:`shares_cpu_cores`) take turns for each step
+      (``--shared-cpu-lock``), and their OpenMP threads spin only briefly before they
+      sleep (``GOMP_SPINCOUNT``, GNU OpenMP's own "throttled" count for more threads
+      than CPUs): a team that has ended its turn must give the cores to the next one at
+      once, and GNU OpenMP cannot see the other engines' threads, so it would spin for
+      the services' count (``tandem.cli.configure_openmp``). One engine alone keeps that
+      spin, which a decode step's many barriers need (docs/benchmarks.md, single stream).
     """
     env = dict(base)
-    num_engines = cfg.replicas if cfg.colocated else cfg.num_prefill + cfg.num_decode
     if cfg.cpus_per_engine:
         env.setdefault("OMP_NUM_THREADS", str(cfg.cpus_per_engine))
-    elif num_engines > 1 and "OMP_WAIT_POLICY" not in env:
+    elif shares_cpu_cores(cfg) and "OMP_WAIT_POLICY" not in env:
         env.setdefault("GOMP_SPINCOUNT", str(SHARED_CPU_SPIN_COUNT))
     return env
 
@@ -291,6 +312,9 @@ class Stack:
         instance_id = f"{name}-{uuid.uuid4().hex[:8]}"
         argv = [*cmd, "--listen", f"127.0.0.1:{port}", "--redis-url", self.redis_url,
                 "--instance-id", instance_id, *kv_cache_args(cfg), *cfg.engine_args]
+        if takes_cpu_turns(cfg):
+            assert self.tmpdir is not None, "start() creates the temp dir first"
+            argv += ["--shared-cpu-lock", str(self.tmpdir / CPU_TURNS_FILE)]
         if kvstore:
             argv += ["--kvstore", kvstore]
         if cfg.engine_metrics:

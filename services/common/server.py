@@ -150,6 +150,11 @@ def build_parser(prog: str, role: Role | None) -> argparse.ArgumentParser:
     p.add_argument("--distributed-executor-backend", choices=["uni", "mp"], default=None,
                    help="'uni': one in-process worker; 'mp': one process per rank "
                         "(default: 'mp' when tensor x pipeline parallel size > 1)")
+    p.add_argument("--shared-cpu-lock", default=None, metavar="PATH",
+                   help="a lock file that every engine sharing this host's CPU cores names: "
+                        "their model steps take turns instead of running two OpenMP teams "
+                        "on the same cores (`tandem up` sets it for unpinned engines on "
+                        "the CPU; default: off)")
     p.add_argument("--log-level", default="INFO")
     add_tls_flags(p, "this service's gRPC port")
     return p
@@ -185,7 +190,8 @@ def build_engine_config(ns: argparse.Namespace, role: Role | str) -> EngineConfi
                                   long_prefill_token_threshold=ns.long_prefill_token_threshold),
         parallel=ParallelConfig(tensor_parallel_size=ns.tensor_parallel_size,
                                 pipeline_parallel_size=ns.pipeline_parallel_size,
-                                distributed_executor_backend=ns.distributed_executor_backend),
+                                distributed_executor_backend=ns.distributed_executor_backend,
+                                shared_cpu_lock=ns.shared_cpu_lock),
         kv_transfer=kv,
         speculative=(
             None if ns.speculative_config is None

@@ -90,3 +90,17 @@ def test_openmp_spins_briefly_only_where_unpinned_engines_share_cpus() -> None:
     assert "GOMP_SPINCOUNT" not in pinned and pinned["OMP_NUM_THREADS"] == "1"
     assert parts_env(StackConfig(), {"GOMP_SPINCOUNT": "5"})["GOMP_SPINCOUNT"] == "5"
     assert "GOMP_SPINCOUNT" not in parts_env(StackConfig(), {"OMP_WAIT_POLICY": "ACTIVE"})
+
+
+def test_engines_that_share_cores_take_turns_per_step(tmp_path) -> None:
+    """Unpinned CPU engines of one stack get one shared step lock; one engine, pinned
+    engines, GPU engines, a user's own lock and pipeline-parallel engines get none."""
+    from tandem.up import StackConfig, takes_cpu_turns
+
+    assert takes_cpu_turns(StackConfig())
+    assert takes_cpu_turns(StackConfig(colocated=True, replicas=2))
+    assert not takes_cpu_turns(StackConfig(colocated=True))
+    assert not takes_cpu_turns(StackConfig(cpus_per_engine=1))
+    assert not takes_cpu_turns(StackConfig(engine_args=["--device=cuda"]))
+    assert not takes_cpu_turns(StackConfig(engine_args=["--shared-cpu-lock=/x"]))
+    assert not takes_cpu_turns(StackConfig(engine_args=["--pipeline-parallel-size=2"]))

@@ -1,0 +1,121 @@
+"""Engines that share CPU cores take turns per model step (engine/cpu_turns.py): fair
+between processes, released by a killed holder, taken once per step by the engine."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from test_engine_core import BLOCK, MAX_LEN, make_request, tiny  # noqa: F401 - fixture
+from waiting import wait_until
+
+from tandem.engine.config import (
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
+from tandem.engine.cpu_turns import CpuTurns
+from tandem.engine.engine_core import EngineCore
+from tandem.engine.executor import create_executor
+
+#: A process that takes one turn: it writes MARKER inside it, then exits.
+_ONE_TURN = """
+import sys
+from pathlib import Path
+from tandem.engine.cpu_turns import CpuTurns
+turns = CpuTurns(sys.argv[1])
+with turns.turn():
+    Path(sys.argv[2]).write_text("took its turn")
+    if len(sys.argv) > 3:
+        sys.stdin.read()  # hold the turn until killed
+"""
+
+
+def _start(lock: Path, marker: Path, hold: bool = False) -> subprocess.Popen[str]:
+    argv = [sys.executable, "-P", "-c", _ONE_TURN, str(lock), str(marker)]
+    return subprocess.Popen([*argv, "hold"] if hold else argv, stdin=subprocess.PIPE, text=True)
+
+
+def _blocked_on_a_lock(pid: int) -> bool:
+    """``pid`` waits for a file lock (the kernel lists it with ``->`` in /proc/locks)."""
+    for line in Path("/proc/locks").read_text().splitlines():
+        fields = line.split()
+        if "->" in fields and fields[fields.index("->") + 4] == str(pid):
+            return True
+    return False
+
+
+def test_a_waiting_engine_goes_before_the_one_that_just_ended_its_turn(tmp_path) -> None:
+    """Bug this guards against: flock alone is not fair, so an engine that ends its step
+    and starts the next at once can take the turn again and again while another waits."""
+    lock, marker = tmp_path / "turns.lock", tmp_path / "marker"
+    turns = CpuTurns(str(lock))
+    try:
+        with turns.turn():
+            other = _start(lock, marker)
+            wait_until(lambda: _blocked_on_a_lock(other.pid) or other.poll() is not None, 60,
+                       "the other process waiting for the turn")
+            assert other.poll() is None, "the other process ended without waiting"
+        with turns.turn():
+            assert marker.read_text() == "took its turn"
+        assert other.wait(timeout=60) == 0
+    finally:
+        turns.close()
+    assert turns.num_turns == 2
+
+
+def test_a_killed_holder_gives_the_turn_up(tmp_path) -> None:
+    """An engine killed mid-step must not block the others: the kernel drops its lock."""
+    lock, marker = tmp_path / "turns.lock", tmp_path / "marker"
+    holder = _start(lock, marker, hold=True)
+    try:
+        wait_until(lambda: marker.exists() or holder.poll() is not None, 60,
+                   "the holder taking its turn")
+        assert holder.poll() is None
+        holder.kill()
+        holder.wait(timeout=60)
+        turns = CpuTurns(str(lock))
+        with turns.turn():
+            pass
+        turns.close()
+        turns.close()  # idempotent
+    finally:
+        if holder.poll() is None:
+            holder.kill()
+            holder.wait()
+
+
+def test_the_engine_takes_one_turn_per_model_step(tiny, tmp_path) -> None:  # noqa: F811
+    loaded, _ = tiny
+    lock = str(tmp_path / "turns.lock")
+    config = EngineConfig(
+        model=ModelConfig(dtype="float32", max_model_len=MAX_LEN),
+        cache=CacheConfig(block_size=BLOCK, num_blocks_override=32),
+        scheduler=SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8),
+        parallel=ParallelConfig(shared_cpu_lock=lock),
+    )
+    core = EngineCore(config, create_executor(config, loaded))
+    try:
+        assert core.cpu_turns is not None
+        for prompt in ([1, 2, 3], [4, 5, 6, 7]):
+            core.add_request(make_request(prompt, max_tokens=5))
+        while core.has_unfinished_requests():
+            core.step()
+        assert core.num_steps > 0
+        assert core.cpu_turns.num_turns == core.num_steps
+    finally:
+        core.shutdown()
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"shared_cpu_lock": ""}, "shared_cpu_lock"),
+    ({"shared_cpu_lock": "/tmp/x.lock", "pipeline_parallel_size": 2,
+      "distributed_executor_backend": "mp"}, "shared_cpu_lock"),
+])
+def test_bad_shared_cpu_lock_is_a_value_error_naming_it(kwargs, field) -> None:
+    with pytest.raises(ValueError, match=field):
+        ParallelConfig(**kwargs)
