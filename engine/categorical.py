@@ -18,6 +18,12 @@ at counter ``(i // 4, 0, 0, 0)`` and key ``(K mod 2**32, K >> 32)``, word ``i % 
 ``[rows, vocab]`` noise tensor: the race's noise had been most of a sampled decode
 step's sampler time (docs/benchmarks.md). This module's torch implementation is the
 reference, and the path of GPUs and of hosts without the native library.
+
+:func:`sample_race_logits` races logits at a temperature without a probability tensor:
+``w = exp((l - max) / T)`` is the softmax without its normaliser ``Z``, a common factor
+of the row's ``w / E`` that cannot move the argmax, so it draws what racing the softmax
+draws (a float near-tie aside) while skipping the softmax's pass and its ``[rows, vocab]``
+output; the native kernel computes ``w`` chunk by chunk inside the race.
 """
 
 from __future__ import annotations
@@ -167,3 +173,70 @@ def sample_race(weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
             return native
     noise = race_noise(keys.to(weights.device), weights.shape[1])
     return (weights / noise).argmax(dim=-1)
+
+
+def race_weights(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
+    """The weights :func:`sample_race_logits` races (the reference of the native
+    kernel's): ``exp((l - m) * (1 / T))`` per row, ``m`` the row's maximum, and 0 where
+    that exponent is below ``cpu_ext.RACE_MIN_EXPONENT`` (-80): -inf (a masked token)
+    among them, and weights under e^-80, which could not beat the maximum's 1 anyway.
+    A row of -inf only takes ``m = 0``, so every weight is 0.
+
+    Args:
+        logits: ``[rows, vocab]`` float32 or bfloat16 (widened exactly), finite or -inf.
+        temperatures: ``[rows]`` float32, each finite and > 0, on ``logits``' device.
+
+    Returns:
+        ``[rows, vocab]`` float32 in ``[0, 1]``, 1 at each row's maximum (a row of -inf
+        only: all 0).
+    """
+    x = logits.float()
+    m = x.amax(dim=-1, keepdim=True)
+    m = m.masked_fill(m == float("-inf"), 0.0)
+    # NOTE: times the float32 reciprocal, as the kernel computes it (one rounding of 1/T).
+    z = (x - m).mul_(temperatures.reciprocal().unsqueeze(1))
+    return z.exp().masked_fill_(z < cpu_ext.RACE_MIN_EXPONENT, 0.0)
+
+
+def sample_race_logits(
+    logits: torch.Tensor, temperatures: torch.Tensor, keys: torch.Tensor
+) -> torch.Tensor:
+    """One draw per row from ``softmax(logits / T)`` by the exponential race, without
+    the softmax: ``argmax(race_weights(logits, temperatures) / noise)``, the noise that
+    of each row's key (the same stream as :func:`sample_race`'s).
+
+    Args:
+        logits: ``[num_rows, vocab]`` float32 or bfloat16 (read as they are: no float32
+            copy on the CPU), finite or -inf; not modified.
+        temperatures: ``[num_rows]`` float32, each finite and > 0 (any device).
+        keys: ``[num_rows]`` int64 from :func:`row_keys`.
+
+    Returns:
+        ``[num_rows]`` int64 indices on ``logits``' device; a -inf logit is never
+        returned unless the whole row is -inf (then index 0, as :func:`sample_race`
+        returns for a row of zeros).
+
+    Raises:
+        ValueError: ``logits`` not 2-D float32 / bfloat16, ``temperatures`` not
+            ``[num_rows]`` float32 of finite values > 0, or ``keys`` not ``[num_rows]``
+            int64.
+    """
+    if logits.dim() != 2 or logits.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"sample_race_logits: logits must be 2-D float32 or bfloat16, got "
+                         f"{tuple(logits.shape)} {logits.dtype}")
+    rows = logits.shape[0]
+    for name, arg, dtype in (("temperatures", temperatures, torch.float32),
+                             ("keys", keys, torch.int64)):
+        if arg.shape != (rows,) or arg.dtype != dtype:
+            raise ValueError(f"sample_race_logits: logits {tuple(logits.shape)} need {name} of "
+                             f"shape ({rows},) {dtype}, got {tuple(arg.shape)} {arg.dtype}")
+    # the smallest normal float32: 1 / T stays finite
+    if not bool(((temperatures >= torch.finfo(torch.float32).tiny)
+                 & (temperatures < float("inf"))).all()):
+        raise ValueError(f"sample_race_logits: temperatures must be finite and > 0, got "
+                         f"{temperatures.tolist()}")
+    if logits.device.type == "cpu":
+        native = cpu_ext.race_logits_rows_cpu(logits, temperatures.cpu(), keys.cpu())
+        if native is not None:
+            return native
+    return sample_race(race_weights(logits, temperatures.to(logits.device)), keys)

@@ -20,6 +20,10 @@ Order of operations (vLLM v1's order, so results match what its users expect):
    key of its seed and output position (``Request.step_seed``), so its tokens depend
    neither on what else is in the batch nor on which engine sampled the earlier
    positions; an unseeded row's key comes from the sampler's own key stream.
+   A row that samples with its temperature alone (:func:`is_temperature_only`) skips
+   the division and the softmax: :func:`~tandem.engine.categorical.sample_race_logits`
+   races ``exp((logit - max) / T)``, the same draw up to a float near-tie, and where no
+   processor touched any row it reads the model's logits as they are (bf16 too).
 
 Logprobs are vLLM's "processed" kind: ``log_softmax`` of the logits after steps 1-2
 and the temperature division (for temperature > 0), before top-k / top-p / min_p
@@ -33,14 +37,22 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tandem.engine.categorical import SAMPLER_STREAM, key_generator, row_keys, sample_race
+from tandem.engine.categorical import (
+    SAMPLER_STREAM,
+    key_generator,
+    row_keys,
+    sample_race,
+    sample_race_logits,
+)
 from tandem.engine.request import Logprob, PositionLogprobs, Request
+from tandem.engine.sampling_params import SamplingParams
 from tandem.kernels import cpu_ext
 
 if TYPE_CHECKING:
     from tandem.engine.structured_output.manager import StepBitmask
 
 SampleResult = tuple[int, PositionLogprobs | None]
+_FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 class Sampler:
@@ -69,7 +81,8 @@ class Sampler:
             logits: ``[num_reqs, vocab_size]`` float32 or the model's dtype (any
                 device), row i belongs to ``requests[i]``. Modified in place
                 when float32 (other dtypes are widened to a float32 copy first,
-                except where every row is plain greedy).
+                except where every row is plain greedy or an unprocessed
+                :func:`is_temperature_only` row).
             requests: requests in batch order; ``output_token_ids`` holds the tokens
                 generated before this step.
             grammar_bitmask: allowed tokens of the constrained requests (their rows by
@@ -91,34 +104,48 @@ class Sampler:
             # exact, so the float32 path would pick the same index), and the
             # [num_reqs, vocab] float32 copy is skipped.
             return [(t, None) for t in argmax_rows(logits).tolist()]
-        mask_rows = None
-        if grammar_bitmask is not None:
-            mask_rows = [grammar_bitmask.rows.get(r.request_id) for r in requests]
-        logits = self.process_logits(
-            logits, requests, grammar_bitmask.bitmask if grammar_bitmask else None, mask_rows
-        )
         params = [r.sampling_params for r in requests]
-        greedy = [p.greedy for p in params]
+        fused = [is_temperature_only(p) for p in params]
+        if not all(is_plain_greedy(r) or (f and is_unprocessed(r))
+                   for r, f in zip(requests, fused, strict=True)):
+            mask_rows = None
+            if grammar_bitmask is not None:
+                mask_rows = [grammar_bitmask.rows.get(r.request_id) for r in requests]
+            logits = self.process_logits(
+                logits, requests, grammar_bitmask.bitmask if grammar_bitmask else None, mask_rows
+            )
+        # else: no processor touches a row, and both the argmax and the fused race read
+        # the model's dtype: no float32 copy.
+        num_rows = len(requests)
+        greedy_rows = [i for i, p in enumerate(params) if p.greedy]
+        fused_rows = [i for i, f in enumerate(fused) if f]
+        truncated_rows = [i for i, (p, f) in enumerate(zip(params, fused, strict=True))
+                          if not (p.greedy or f)]
+        keys = None
+        if len(greedy_rows) < num_rows:
+            # one key per row, greedy rows included, in row order: an unseeded row's key
+            # does not depend on which path draws it
+            seeds = [None if p.greedy else r.step_seed()
+                     for r, p in zip(requests, params, strict=True)]
+            keys = row_keys(seeds, self.noise_generator)
+        ids = [0] * num_rows
+        if greedy_rows:
+            _scatter(ids, greedy_rows, argmax_rows(_take(logits, greedy_rows)))
+        if fused_rows:
+            assert keys is not None
+            temps = torch.tensor([params[i].temperature for i in fused_rows], dtype=torch.float32)
+            _scatter(ids, fused_rows, sample_race_logits(
+                _take(logits, fused_rows), temps, _take(keys, fused_rows)))
         want_logprobs = any(p.logprobs is not None for p in params)
-        if all(greedy):
-            token_ids = argmax_rows(logits)
-            processed = logits
-        else:
-            temps = torch.tensor(
-                [1.0 if g else p.temperature for g, p in zip(greedy, params, strict=True)],
-                dtype=torch.float32,
-            ).to(logits.device)
-            processed = logits / temps.unsqueeze(1)
-            work = processed.clone() if want_logprobs else processed
-            token_ids = self._sample_random(work, requests, greedy)
-            if any(greedy):
-                greedy_mask = torch.tensor(greedy, device=logits.device)
-                token_ids = torch.where(greedy_mask, argmax_rows(logits), token_ids)
-
-        ids = token_ids.tolist()
+        if truncated_rows:
+            assert keys is not None
+            _scatter(ids, truncated_rows, self._sample_truncated(
+                logits, truncated_rows, params, _take(keys, truncated_rows), want_logprobs))
         if not want_logprobs:
             return [(t, None) for t in ids]
-        return gather_logprobs(processed, ids, params)
+        # greedy rows' logits are their processed logits (temperature 1); the truncated
+        # rows were divided in place above; fused rows never want logprobs
+        return gather_logprobs(logits, ids, params)
 
     @staticmethod
     def process_logits(
@@ -174,25 +201,50 @@ class Sampler:
         _apply_min_p(probs, params, greedy)
         return probs.div_(probs.sum(dim=-1, keepdim=True))
 
-    def _sample_random(
-        self, logits: torch.Tensor, requests: Sequence[Request], greedy: list[bool]
+    @staticmethod
+    def _sample_truncated(
+        logits: torch.Tensor,
+        rows: list[int],
+        params: list[SamplingParams],
+        keys: torch.Tensor,
+        keep_processed: bool,
     ) -> torch.Tensor:
-        """Truncate (min_p, top_k, top_p) and draw by the exponential race.
+        """Step 4 for random rows that truncate (or want logprobs): divide by the
+        temperature, apply min_p, top_k and top_p, draw by the exponential race over the
+        probabilities.
 
         Args:
-            logits: ``[num_reqs, vocab]`` float32, temperature already applied; modified.
-            greedy: per row; greedy rows get an arbitrary result the caller replaces.
+            logits: ``[num_reqs, vocab]`` float32 processed logits.
+            rows: the rows of ``logits`` to draw (non-greedy); ``params``: every row's.
+            keys: ``[len(rows)]`` int64 race keys of those rows.
+            keep_processed: write the rows divided by their temperature back into
+                ``logits`` (the processed logprobs read them); else ``logits`` is not
+                modified.
 
         Returns:
-            ``[num_reqs]`` int64 token ids.
+            ``[len(rows)]`` int64 token ids.
         """
-        params = [r.sampling_params for r in requests]
-        _apply_top_k_top_p(logits, params, greedy)
-        probs = torch.softmax(logits, dim=-1)
-        _apply_min_p(probs, params, greedy)
+        temps = torch.tensor([params[i].temperature for i in rows], dtype=torch.float32)
+        work = _take(logits, rows) / temps.to(logits.device).unsqueeze(1)
+        if keep_processed:
+            logits[rows] = work
+        sub = [params[i] for i in rows]
+        no_greedy = [False] * len(rows)
+        _apply_top_k_top_p(work, sub, no_greedy)
+        probs = torch.softmax(work, dim=-1)
+        _apply_min_p(probs, sub, no_greedy)
+        return sample_race(probs, keys)
 
-        seeds = [None if g else r.step_seed() for r, g in zip(requests, greedy, strict=True)]
-        return sample_race(probs, row_keys(seeds, self.noise_generator))
+
+def _take(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """Rows ``rows`` of ``t``: ``t`` itself (no copy) when they are all of its rows in order."""
+    return t if rows == list(range(t.shape[0])) else t[rows]
+
+
+def _scatter(ids: list[int], rows: list[int], tokens: torch.Tensor) -> None:
+    """``ids[rows[j]] = tokens[j]``."""
+    for i, t in zip(rows, tokens.tolist(), strict=True):
+        ids[i] = t
 
 
 def apply_token_bitmask(
@@ -281,15 +333,36 @@ def is_plain_greedy(r: Request) -> bool:
     """Whether request ``r`` is greedy this step with no logits processor and no
     logprobs (its token is the plain argmax of the model's logits)."""
     p = r.sampling_params
+    return p.greedy and p.logprobs is None and is_unprocessed(r)
+
+
+def is_unprocessed(r: Request) -> bool:
+    """Whether no logits processor (grammar mask, ``logit_bias``, ``min_tokens``,
+    penalties: steps 0-2) changes request ``r``'s logits this step."""
+    p = r.sampling_params
     return (
-        p.greedy
-        and p.logprobs is None
-        and not p.logit_bias
+        not p.logit_bias
         and p.repetition_penalty == 1.0
         and not p.frequency_penalty
         and not p.presence_penalty
         and not (p.min_tokens and r.num_output_tokens < p.min_tokens)
         and p.structured_outputs is None
+    )
+
+
+def is_temperature_only(p: SamplingParams) -> bool:
+    """Whether a row of these params samples with its temperature alone (no min_p,
+    top_k or top_p) and wants no logprobs: the rows the sampler draws with
+    ``sample_race_logits`` from the processed logits, without a softmax. A temperature
+    beyond float32's range (``inf``: uniform over the vocabulary) keeps the softmax path,
+    whose division by it the race's ``1 / T`` does not cover."""
+    return (
+        not p.greedy
+        and p.temperature <= _FLOAT32_MAX
+        and p.top_k == -1
+        and p.top_p == 1.0
+        and p.min_p == 0.0
+        and p.logprobs is None
     )
 
 

@@ -319,6 +319,56 @@ def race_rows_cpu(weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor | N
     return out
 
 
+#: exponents ``(l - max) / T`` below this get weight 0 in :func:`race_logits_rows_cpu`
+RACE_MIN_EXPONENT = ABI.constants["TANDEM_RACE_MIN_EXPONENT"]
+
+
+def race_logits_rows_cpu(
+    logits: torch.Tensor, temperatures: torch.Tensor, keys: torch.Tensor
+) -> torch.Tensor | None:
+    """One draw per row by the exponential race from logits and a temperature, no
+    probability tensor: ``argmax_i w[r, i] / E_r[i]`` with ``w = exp((l - max_r) / T_r)``
+    (0 where the exponent is below ``RACE_MIN_EXPONENT``: -inf logits never win) and
+    ``E_r`` the Exp(1) stream of ``keys[r]`` (``csrc/race_cpu.c``; the formula of
+    ``engine.categorical.race_weights``, the noise of :func:`race_rows_cpu`).
+
+    Args:
+        logits: ``[rows, cols]`` float32 or bfloat16, CPU, unit stride in the last dim;
+            finite or -inf (+inf and NaN give an unspecified index); not modified.
+        temperatures: ``[rows]`` float32 on the CPU, each finite and > 0 (the values are
+            not checked here: ``engine.categorical.sample_race_logits`` checks them).
+        keys: ``[rows]`` int64 on the CPU, each row's key (any 64-bit pattern).
+
+    Returns:
+        ``[rows]`` int64 (index 0 for a row of -inf only), or ``None`` when the native
+        path cannot serve the logits.
+
+    Raises:
+        ValueError: ``temperatures`` or ``keys`` not ``[rows]`` float32 / int64 on the CPU.
+    """
+    if logits.dim() != 2 or logits.shape[1] < 1 or logits.stride(1) != 1:
+        return None
+    if not _elementwise_ok(logits):
+        return None
+    rows = logits.shape[0]
+    for name, arg, dtype in (("temperatures", temperatures, torch.float32),
+                             ("keys", keys, torch.int64)):
+        if arg.shape != (rows,) or arg.dtype != dtype or arg.device.type != "cpu":
+            raise ValueError(f"race_logits_rows_cpu: {rows} rows need {name} of shape ({rows},) "
+                             f"{dtype} on the CPU, got {tuple(arg.shape)} {arg.dtype} on "
+                             f"{arg.device}")
+    lib = load()
+    assert lib is not None
+    temperatures, keys = temperatures.contiguous(), keys.contiguous()
+    out = torch.empty(rows, dtype=torch.int64)
+    lib.race_logits_rows(
+        int(logits.dtype == torch.bfloat16), logits.data_ptr(), logits.stride(0), rows,
+        logits.shape[1], temperatures.data_ptr(), keys.data_ptr(), out.data_ptr(),
+        _threads_for(logits.numel()),
+    )  # fmt: skip
+    return out
+
+
 def race_noise_cpu(keys: torch.Tensor, cols: int) -> torch.Tensor | None:
     """The Exp(1) noise :func:`race_rows_cpu` draws with: ``[len(keys), cols]``
     float32, row r the stream of ``keys[r]`` (for tests and the reference), or

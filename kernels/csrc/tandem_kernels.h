@@ -88,10 +88,16 @@ int cache_write(const void *key, int64_t sk_t, int64_t sk_h, const void *value, 
 int argmax_rows(int is_bf16, const void *x, int64_t sx, int64_t rows, int64_t cols, int64_t *out,
                 int num_threads);
 /* race_cpu.c: one draw per row of float32 weights by the exponential race, its Exp(1)
- * noise from Philox4x32-10 keyed per row (race_rows); that noise itself (race_noise). */
+ * noise from Philox4x32-10 keyed per row (race_rows); that noise itself (race_noise); the
+ * same race from float32 or bf16 logits and a temperature per row, weights
+ * exp((l - max) / T) computed on the fly, those with exponents below
+ * TANDEM_RACE_MIN_EXPONENT (-inf included) 0 (race_logits_rows). */
+#define TANDEM_RACE_MIN_EXPONENT -80
 int race_rows(const void *w, int64_t sw, int64_t rows, int64_t cols, const int64_t *keys,
               int64_t *out, int num_threads);
 int race_noise(const int64_t *keys, int64_t rows, int64_t cols, void *out, int num_threads);
+int race_logits_rows(int is_bf16, const void *x, int64_t sx, int64_t rows, int64_t cols,
+                     const float *temps, const int64_t *keys, int64_t *out, int num_threads);
 
 /* bf16_linear_cpu.c: linears on VNNI-packed bf16 weights (AMX tiles or VDPBF16PS; the
  * FMA path widens them to float32 and has no fused SwiGLU). bf16_linear_path() says

@@ -9,8 +9,14 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
+from tandem.engine.categorical import (
+    SAMPLER_STREAM,
+    key_generator,
+    row_keys,
+    sample_race_logits,
+)
 from tandem.engine.request import Request
-from tandem.engine.sampler import Sampler
+from tandem.engine.sampler import Sampler, is_temperature_only
 from tandem.engine.sampling_params import SamplingParams
 
 _ids = itertools.count()
@@ -186,6 +192,88 @@ def test_seeded_sampling_independent_of_batch_composition() -> None:
     sampler = Sampler()
     diff = [sampler(s.unsqueeze(0).clone(), [other])[0][0] for s in steps]
     assert diff != alone
+
+
+def test_temperature_only_rows_are_those_without_truncation_or_logprobs() -> None:
+    """The rows the fused race (no softmax) draws: one rule, per row."""
+    assert is_temperature_only(SamplingParams(temperature=0.7))
+    assert is_temperature_only(SamplingParams(temperature=1.0, repetition_penalty=1.3, seed=3))
+    assert not is_temperature_only(SamplingParams(temperature=0.0))
+    assert not is_temperature_only(SamplingParams(temperature=1.0, top_k=5))
+    assert not is_temperature_only(SamplingParams(temperature=1.0, top_p=0.9))
+    assert not is_temperature_only(SamplingParams(temperature=1.0, min_p=0.1))
+    assert not is_temperature_only(SamplingParams(temperature=1.0, logprobs=0))
+    assert not is_temperature_only(SamplingParams(temperature=math.inf))
+
+
+def test_temperature_only_rows_draw_what_the_softmax_path_draws() -> None:
+    """The fused race (temperature only) against the softmax path on the same keys: a
+    top_k as large as the vocabulary truncates nothing but takes the softmax path. The
+    same seeds give the same tokens on 200 rows of 4,000 (masked tokens via min_tokens
+    included): dropping the softmax's normaliser moves no draw but at a float near-tie,
+    which these rows do not have."""
+    vocab = 4000
+    logits = torch.randn(200, vocab, generator=torch.Generator().manual_seed(3)) * 3
+    temps = [0.3 + 0.01 * i for i in range(200)]
+
+    def tokens(**extra: int) -> list[int]:
+        reqs = [make_request(SamplingParams(temperature=t, seed=i, min_tokens=2 * (i % 2),
+                                            stop_token_ids=list(range(0, vocab, 3)), **extra),
+                             eos=1)
+                for i, t in enumerate(temps)]
+        return [tok for tok, _ in Sampler()(logits.clone(), reqs)]
+
+    fused = tokens()
+    assert fused == tokens(top_k=vocab)
+    assert not any(t % 3 == 0 or t == 1 for t in fused[1::2])  # masked by min_tokens
+
+
+def test_temperature_only_rows_read_bf16_logits_as_their_float32_widening() -> None:
+    """Without processors the fused race reads the model's bf16 logits (no float32 copy)
+    and draws exactly what the widened float32 logits draw, greedy rows beside it."""
+    logits = (torch.randn(64, 3000, generator=torch.Generator().manual_seed(4)) * 3).bfloat16()
+    reqs = [make_request(SamplingParams(temperature=0.0 if i % 5 == 0 else 0.5 + 0.02 * i,
+                                        seed=i))
+            for i in range(64)]
+    before = logits.clone()
+    got = Sampler()(logits, reqs)
+    assert torch.equal(logits, before)
+    assert got == Sampler()(logits.float(), reqs)
+
+
+def test_a_row_draws_the_same_whichever_paths_the_other_rows_take() -> None:
+    """Greedy, fused (temperature only), truncated and logprobs rows in one batch: each
+    seeded row gets the token (and logprobs) it gets alone, and the unseeded rows' keys
+    are handed out in row order as before (greedy rows take one too)."""
+    vocab = 500
+    logits = torch.randn(6, vocab, generator=torch.Generator().manual_seed(5)) * 2
+    params = [
+        SamplingParams(temperature=0.8, seed=11),
+        SamplingParams(temperature=0.0, logprobs=2),
+        SamplingParams(temperature=1.2, top_p=0.8, seed=12),
+        SamplingParams(temperature=0.9, seed=13, presence_penalty=0.5),
+        SamplingParams(temperature=0.7, logprobs=3, seed=14),
+        SamplingParams(temperature=1.0, top_k=50, min_p=0.05, seed=15),
+    ]
+    reqs = [make_request(p, outputs=[2, 3]) for p in params]
+    batch = Sampler()(logits.clone(), reqs)
+    alone = [Sampler()(logits[i : i + 1].clone(), [r])[0] for i, r in enumerate(reqs)]
+    assert batch == alone
+    # the processed logprobs of a random row: log_softmax(logits / T), before truncation
+    expected = torch.log_softmax(logits[4] / 0.7, dim=0)
+    lps = batch[4][1]
+    assert lps is not None and len(lps) >= 3
+    for t, lp in lps.items():
+        assert math.isclose(lp.logprob, float(expected[t]), rel_tol=1e-5)
+    # unseeded: the sampler's key stream in row order, whichever path draws a row
+    unseeded = [make_request(SamplingParams(temperature=0.0 if i == 0 else 1.0,
+                                            top_k=7 if i == 2 else -1))
+                for i in range(4)]
+    got = [t for t, _ in Sampler(seed=9)(logits[:4].clone(), unseeded)]
+    keys = row_keys([None] * 4, key_generator(9, SAMPLER_STREAM))
+    rows = [1, 3]
+    want = sample_race_logits(logits[rows], torch.ones(2), keys[rows]).tolist()
+    assert [got[1], got[3]] == want
 
 
 def test_logit_bias_forces_token() -> None:
