@@ -291,7 +291,7 @@ def test_latency_bench_reads_acceptance_from_metrics() -> None:
     assert len(p) == 10 and p[:3] == p[3:6]
 
 
-def test_serve_bench_runs_each_stack_without_and_with_speculation(capsys) -> None:
+def test_serve_bench_runs_each_stack_without_and_with_speculation(capsys, tmp_path) -> None:
     from tandem.bench.serve import launch_plan, main, side_by_side
     from tandem.up import Stack, StackConfig
 
@@ -306,11 +306,14 @@ def test_serve_bench_runs_each_stack_without_and_with_speculation(capsys) -> Non
     assert "--speculative-config: method" in capsys.readouterr().err
     # Every engine gets a /metrics port (the spec_decode counters are the decode's).
     stack = Stack(StackConfig(speculative_config=spec, engine_metrics=True))
+    stack.tmpdir = tmp_path  # what start() makes
     decode = stack._engine_part("decode-0", ["decode"])
     prefill = stack._engine_part("prefill-0", ["prefill"])
     assert "--metrics-port" in decode.argv and "--metrics-port" in prefill.argv
     assert list(stack.engine_metrics_urls) == ["decode-0", "prefill-0"]
-    assert "--metrics-port" not in Stack(StackConfig())._engine_part("d", ["decode"]).argv
+    plain = Stack(StackConfig())
+    plain.tmpdir = tmp_path
+    assert "--metrics-port" not in plain._engine_part("d", ["decode"]).argv
     base = {"label": "disagg", "request_rate": 1.0, "output_throughput": 10.0,
             "median_ttft_ms": 5.0, "median_tpot_ms": 2.0, "median_itl_ms": 2.0}
     counters = {"spec_decode_num_drafts": 4.0, "spec_decode_num_draft_tokens": 8.0,

@@ -104,3 +104,16 @@ def test_engines_that_share_cores_take_turns_per_step(tmp_path) -> None:
     assert not takes_cpu_turns(StackConfig(engine_args=["--device=cuda"]))
     assert not takes_cpu_turns(StackConfig(engine_args=["--shared-cpu-lock=/x"]))
     assert not takes_cpu_turns(StackConfig(engine_args=["--pipeline-parallel-size=2"]))
+    # every engine of a stack names the same lock file, in the stack's folder
+    from tandem.up import Stack
+
+    for cfg, turns in ((StackConfig(), True), (StackConfig(cpus_per_engine=1), False)):
+        stack = Stack(cfg)
+        stack.tmpdir = tmp_path  # what start() makes
+        locks = set()
+        for name, cmd in (("prefill-0", ["prefill"]), ("decode-0", ["decode"])):
+            argv = stack._engine_part(name, cmd).argv
+            assert ("--shared-cpu-lock" in argv) == turns
+            if turns:
+                locks.add(argv[argv.index("--shared-cpu-lock") + 1])
+        assert locks == ({str(tmp_path / "cpu-turns.lock")} if turns else set())
