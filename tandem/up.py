@@ -134,13 +134,11 @@ def shares_cpu_cores(cfg: StackConfig) -> bool:
 
 
 def takes_cpu_turns(cfg: StackConfig) -> bool:
-    """The engines get ``--shared-cpu-lock`` (``engine/cpu_turns.py``): they share cores,
-    the user named no lock of their own, and no engine runs pipeline parallel (its
-    batches in flight overlap, so its steps cannot take turns)."""
-    args = cfg.engine_args
-    own = any(a.startswith("--shared-cpu-lock") for a in args)
-    pipeline = any(a.startswith(("--pipeline-parallel-size", "-pp")) for a in args)
-    return shares_cpu_cores(cfg) and not own and not pipeline
+    """The engines share cores (:func:`shares_cpu_cores`) and take turns for each model
+    step (``--shared-cpu-lock``, ``engine/cpu_turns.py``): all but pipeline-parallel
+    ones, whose batches in flight overlap."""
+    pipeline = any(a.startswith(("--pipeline-parallel-size", "-pp")) for a in cfg.engine_args)
+    return shares_cpu_cores(cfg) and not pipeline
 
 
 def parts_env(cfg: StackConfig, base: Mapping[str, str]) -> dict[str, str]:
@@ -148,18 +146,19 @@ def parts_env(cfg: StackConfig, base: Mapping[str, str]) -> dict[str, str]:
     user did not set.
 
     - Pinned engines (``cpus_per_engine``) get that many OpenMP threads.
-    - Engines that share cores (:func:`shares_cpu_cores`) take turns for each step
-      (``--shared-cpu-lock``), and their OpenMP threads spin only briefly before they
+    - Engines that share cores and take turns (:func:`takes_cpu_turns`) keep the
+      services' barrier spin (``tandem.cli.configure_openmp``): a team spins only while
+      its engine holds the turn, and briefly after.
+    - Engines that share cores without turns spin only briefly at a barrier before they
       sleep (``GOMP_SPINCOUNT``, GNU OpenMP's own "throttled" count for more threads
-      than CPUs): a team that has ended its turn must give the cores to the next one at
-      once, and GNU OpenMP cannot see the other engines' threads, so it would spin for
-      the services' count (``tandem.cli.configure_openmp``). One engine alone keeps that
-      spin, which a decode step's many barriers need (docs/benchmarks.md, single stream).
+      than CPUs): GNU OpenMP cannot see the other engines' threads, so it would spin for
+      the services' count and hold a core another engine's thread needs.
     """
     env = dict(base)
     if cfg.cpus_per_engine:
         env.setdefault("OMP_NUM_THREADS", str(cfg.cpus_per_engine))
-    elif shares_cpu_cores(cfg) and "OMP_WAIT_POLICY" not in env:
+    elif (shares_cpu_cores(cfg) and not takes_cpu_turns(cfg)
+          and "OMP_WAIT_POLICY" not in env):
         env.setdefault("GOMP_SPINCOUNT", str(SHARED_CPU_SPIN_COUNT))
     return env
 
@@ -312,7 +311,8 @@ class Stack:
         instance_id = f"{name}-{uuid.uuid4().hex[:8]}"
         argv = [*cmd, "--listen", f"127.0.0.1:{port}", "--redis-url", self.redis_url,
                 "--instance-id", instance_id, *kv_cache_args(cfg), *cfg.engine_args]
-        if takes_cpu_turns(cfg):
+        if takes_cpu_turns(cfg) and not any(a.startswith("--shared-cpu-lock")
+                                            for a in cfg.engine_args):
             assert self.tmpdir is not None, "start() creates the temp dir first"
             argv += ["--shared-cpu-lock", str(self.tmpdir / CPU_TURNS_FILE)]
         if kvstore:

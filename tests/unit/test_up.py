@@ -76,25 +76,32 @@ def test_banner_names_logs_and_kv_store_metrics() -> None:
     assert "  OpenAI API   http://127.0.0.1:8000/v1" in text
 
 
-def test_openmp_spins_briefly_only_where_unpinned_engines_share_cpus() -> None:
-    """Several unpinned engines on the same CPUs must not spin long at OpenMP barriers
-    (a spinning thread holds the core another engine needs); one engine, or pinned
-    ones, keep the full spin; what the user set wins."""
+def test_openmp_spins_briefly_only_where_engines_share_cpus_without_turns() -> None:
+    """Unpinned engines on the same CPUs that cannot take turns (pipeline parallel) must
+    not spin long at OpenMP barriers (a spinning thread holds the core another engine
+    needs); engines that take turns, one engine, or pinned ones keep the services' spin;
+    what the user set wins."""
     from tandem.up import SHARED_CPU_SPIN_COUNT, StackConfig, parts_env
 
     brief = str(SHARED_CPU_SPIN_COUNT)
-    assert parts_env(StackConfig(), {})["GOMP_SPINCOUNT"] == brief
+    pp = ["--pipeline-parallel-size=2"]
+    assert parts_env(StackConfig(engine_args=pp), {})["GOMP_SPINCOUNT"] == brief
+    assert parts_env(StackConfig(colocated=True, replicas=2, engine_args=pp),
+                     {})["GOMP_SPINCOUNT"] == brief
+    assert "GOMP_SPINCOUNT" not in parts_env(StackConfig(), {})
     assert "GOMP_SPINCOUNT" not in parts_env(StackConfig(colocated=True), {})
-    assert parts_env(StackConfig(colocated=True, replicas=2), {})["GOMP_SPINCOUNT"] == brief
+    assert "GOMP_SPINCOUNT" not in parts_env(StackConfig(colocated=True, replicas=2), {})
     pinned = parts_env(StackConfig(cpus_per_engine=1), {})
     assert "GOMP_SPINCOUNT" not in pinned and pinned["OMP_NUM_THREADS"] == "1"
-    assert parts_env(StackConfig(), {"GOMP_SPINCOUNT": "5"})["GOMP_SPINCOUNT"] == "5"
-    assert "GOMP_SPINCOUNT" not in parts_env(StackConfig(), {"OMP_WAIT_POLICY": "ACTIVE"})
+    assert parts_env(StackConfig(engine_args=pp), {"GOMP_SPINCOUNT": "5"})["GOMP_SPINCOUNT"] == "5"
+    assert "GOMP_SPINCOUNT" not in parts_env(StackConfig(engine_args=pp),
+                                             {"OMP_WAIT_POLICY": "ACTIVE"})
 
 
 def test_engines_that_share_cores_take_turns_per_step(tmp_path) -> None:
     """Unpinned CPU engines of one stack get one shared step lock; one engine, pinned
-    engines, GPU engines, a user's own lock and pipeline-parallel engines get none."""
+    engines, GPU engines and pipeline-parallel engines get none; a user's own lock is
+    kept."""
     from tandem.up import StackConfig, takes_cpu_turns
 
     assert takes_cpu_turns(StackConfig())
@@ -102,11 +109,15 @@ def test_engines_that_share_cores_take_turns_per_step(tmp_path) -> None:
     assert not takes_cpu_turns(StackConfig(colocated=True))
     assert not takes_cpu_turns(StackConfig(cpus_per_engine=1))
     assert not takes_cpu_turns(StackConfig(engine_args=["--device=cuda"]))
-    assert not takes_cpu_turns(StackConfig(engine_args=["--shared-cpu-lock=/x"]))
     assert not takes_cpu_turns(StackConfig(engine_args=["--pipeline-parallel-size=2"]))
     # every engine of a stack names the same lock file, in the stack's folder
     from tandem.up import Stack
 
+    own = StackConfig(engine_args=["--shared-cpu-lock=/x"])
+    stack = Stack(own)
+    stack.tmpdir = tmp_path
+    assert stack._engine_part("d", ["decode"]).argv.count("--shared-cpu-lock=/x") == 1
+    assert "--shared-cpu-lock" not in stack._engine_part("d", ["decode"]).argv
     for cfg, turns in ((StackConfig(), True), (StackConfig(cpus_per_engine=1), False)):
         stack = Stack(cfg)
         stack.tmpdir = tmp_path  # what start() makes
