@@ -2,9 +2,10 @@
 
 Order of operations (vLLM v1's order, so results match what its users expect):
 
-0. the grammar bitmask of constrained requests (structured outputs): tokens the
-   request's grammar does not allow next are set to -inf, so every later rule, the
-   logprobs included, sees only allowed tokens;
+0. the grammar bitmask of constrained requests (structured outputs,
+   :mod:`tandem.engine.structured_output.bitmask`): tokens the request's grammar does
+   not allow next are set to -inf, so every later rule, the logprobs included, sees
+   only allowed tokens;
 1. ``logit_bias`` (additive) and ``min_tokens`` (EOS and ``stop_token_ids`` set to
    -inf while fewer than ``min_tokens`` tokens were generated);
 2. penalties: repetition (CTRL rule, Keskar et al. 2019, over prompt + output
@@ -46,6 +47,7 @@ from tandem.engine.categorical import (
 )
 from tandem.engine.request import Logprob, PositionLogprobs, Request
 from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.structured_output.bitmask import apply_token_bitmask
 from tandem.kernels import cpu_ext
 
 if TYPE_CHECKING:
@@ -245,55 +247,6 @@ def _scatter(ids: list[int], rows: list[int], tokens: torch.Tensor) -> None:
     """``ids[rows[j]] = tokens[j]``."""
     for i, t in zip(rows, tokens.tolist(), strict=True):
         ids[i] = t
-
-
-def apply_token_bitmask(
-    logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int], mask_rows: list[int]
-) -> None:
-    """Set the logits of disallowed tokens to -inf, in place, with xgrammar's kernel
-    (``structured_output.backend.apply_token_bitmask``; ~60x faster than
-    :func:`apply_token_bitmask_ref` on the CPU, see docs/benchmarks.md). Same arguments
-    and, where the bitmask covers the logits' width (the engine's always does), the same
-    result as the reference, which the tests hold it to.
-    """
-    # NOTE: a lazy import: only steps with constrained requests load xgrammar.
-    from tandem.engine.structured_output.backend import apply_token_bitmask as apply_kernel
-
-    aligned = torch.full(
-        (logits.shape[0], bitmask.shape[1]), -1, dtype=torch.int32, device=bitmask.device
-    )
-    aligned[rows] = bitmask[mask_rows]
-    apply_kernel(logits, aligned, rows)
-
-
-def apply_token_bitmask_ref(
-    logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int], mask_rows: list[int]
-) -> None:
-    """Set the logits of disallowed tokens to -inf, in place (the torch reference).
-
-    Args:
-        logits: ``[num_reqs, vocab]`` float32 (any device).
-        bitmask: ``int32 [num_mask_rows, ceil(vocab' / 32)]``, xgrammar's layout: bit
-            ``j % 32`` of word ``j // 32`` is 1 when token ``j`` is allowed. Tokens past
-            the bitmask's width (logits wider than the grammar's vocabulary) are
-            disallowed.
-        rows: logits rows to mask; ``mask_rows[i]`` is the bitmask row of ``rows[i]``.
-    """
-    num_rows, vocab = logits.shape[0], logits.shape[1]
-    assert max(rows) < num_rows, f"row {max(rows)} outside {num_rows} logits rows"
-    words = bitmask[mask_rows].to(logits.device)
-    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
-    # NOTE: `>>` of a negative int32 is arithmetic; `& 1` still isolates the bit.
-    allowed = ((words.unsqueeze(-1) >> shifts) & 1).reshape(len(rows), -1).bool()
-    if allowed.shape[1] >= vocab:
-        allowed = allowed[:, :vocab]
-    else:
-        pad = torch.zeros(
-            (len(rows), vocab - allowed.shape[1]), dtype=torch.bool, device=logits.device
-        )
-        allowed = torch.cat([allowed, pad], dim=1)
-    index = torch.tensor(rows, dtype=torch.int64, device=logits.device)
-    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
 
 
 def _apply_bias_and_min_tokens(logits: torch.Tensor, requests: Sequence[Request]) -> None:

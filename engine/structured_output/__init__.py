@@ -5,7 +5,6 @@ router applies them too); ``backend.py`` compiles a ``StructuredOutputsParams`` 
 in the child processes of ``compile_worker.py`` (killed past their time limit) and makes the
 per-request matcher; ``manager.py`` (``StructuredOutputManager``, owned by the engine core)
 runs compiles off the step loop, caches compiled grammars and fills each step's token
-bitmask.
-The sampler applies that bitmask to the logits before every other rule
-(``engine.sampler.apply_token_bitmask``).
+bitmask; ``bitmask.py`` applies that bitmask to the logits, which the sampler does before
+every other rule.
 """

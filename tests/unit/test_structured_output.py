@@ -31,10 +31,10 @@ from tandem.engine.engine_core import EngineCore
 from tandem.engine.executor import create_executor
 from tandem.engine.model_loader import LoadedModel
 from tandem.engine.request import Request, RequestStatus
-from tandem.engine.sampler import apply_token_bitmask, apply_token_bitmask_ref
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.sampling_params import StructuredOutputsParams as SO
 from tandem.engine.structured_output.backend import XgrammarBackend, choice_grammar
+from tandem.engine.structured_output.bitmask import apply_token_bitmask, apply_token_bitmask_ref
 from tandem.engine.structured_output.manager import StructuredOutputManager
 from tandem.engine.validation import GrammarCompilerBusyError, RequestError
 
