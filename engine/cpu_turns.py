@@ -13,7 +13,10 @@ kernel drops a dead process's lock, so an engine that is killed mid-step never b
 the others. A second lock, ``PATH.queue``, makes the turns fair: a waiter holds it
 while it waits for the turn, so the engine that just gave the turn up cannot take it
 again before that waiter has had one (strict alternation between two engines; with
-more, every waiter is served before the last holder again, in no fixed order).
+more, every waiter is served before the last holder again, in no fixed order). The
+turns are fair in steps, not in time: while one engine runs long prefill steps, the
+other gets one step per prefill step. A stopped (SIGSTOP) engine keeps the lock it
+holds, waiting or stepping, and holds up the others until it continues.
 """
 
 from __future__ import annotations

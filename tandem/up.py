@@ -83,6 +83,8 @@ class StackConfig:
             ``spec_decode_*`` series; the router's ``/metrics`` has only its own).
         kvstore_capacity_bytes: KV store node memory.
         cpus_per_engine: pin engine i to its own CPU set of this size (0: no pinning).
+        cpu_turns: unpinned CPU engines take turns for each model step
+            (:func:`takes_cpu_turns`); ``False``: they run their steps at the same time.
         startup_timeout_s: how long every part gets to become healthy.
         verbose: children write to this terminal instead of log files.
         log_dir: folder for the children's logs, kept after the stack stops (``None``:
@@ -104,6 +106,7 @@ class StackConfig:
     engine_metrics: bool = False
     kvstore_capacity_bytes: int = 1 << 30
     cpus_per_engine: int = 0
+    cpu_turns: bool = True
     startup_timeout_s: float = 600.0
     verbose: bool = False
     log_dir: Path | None = None
@@ -116,9 +119,6 @@ KV_SHARE_OF_AVAILABLE = 0.5
 KV_CAP_BYTES = 4 << 30
 
 
-#: GNU OpenMP's barrier spin count for threads that share CPUs with other engines: its
-#: default "throttled" count, used when a process has more threads than CPUs.
-SHARED_CPU_SPIN_COUNT = 100
 #: The step-turn lock file of engines that share cores (``engine/cpu_turns.py``), in the
 #: stack's temporary folder.
 CPU_TURNS_FILE = "cpu-turns.lock"
@@ -135,31 +135,32 @@ def shares_cpu_cores(cfg: StackConfig) -> bool:
 
 def takes_cpu_turns(cfg: StackConfig) -> bool:
     """The engines share cores (:func:`shares_cpu_cores`) and take turns for each model
-    step (``--shared-cpu-lock``, ``engine/cpu_turns.py``): all but pipeline-parallel
-    ones, whose batches in flight overlap."""
-    pipeline = any(a.startswith(("--pipeline-parallel-size", "-pp")) for a in cfg.engine_args)
-    return shares_cpu_cores(cfg) and not pipeline
+    step (``--shared-cpu-lock``, ``engine/cpu_turns.py``): unless the user turned it off
+    (``--no-cpu-turns``) or the engines run pipeline parallel (their batches in flight
+    overlap)."""
+    return shares_cpu_cores(cfg) and cfg.cpu_turns and _pipeline_size(cfg.engine_args) == 1
+
+
+def _pipeline_size(engine_args: Sequence[str]) -> int:
+    """The ``--pipeline-parallel-size`` / ``-pp`` among the engines' flags (1 when unset;
+    a value that is not a number is left for the engine to refuse)."""
+    size = "1"
+    for i, a in enumerate(engine_args):
+        for flag in ("--pipeline-parallel-size", "-pp"):
+            if a == flag and i + 1 < len(engine_args):
+                size = engine_args[i + 1]
+            elif a.startswith(flag + "="):
+                size = a[len(flag) + 1:]
+    return int(size) if size.isdigit() else 1
 
 
 def parts_env(cfg: StackConfig, base: Mapping[str, str]) -> dict[str, str]:
-    """The environment of the stack's processes: ``base`` plus OpenMP settings that the
-    user did not set.
-
-    - Pinned engines (``cpus_per_engine``) get that many OpenMP threads.
-    - Engines that share cores and take turns (:func:`takes_cpu_turns`) keep the
-      services' barrier spin (``tandem.cli.configure_openmp``): a team spins only while
-      its engine holds the turn, and briefly after.
-    - Engines that share cores without turns spin only briefly at a barrier before they
-      sleep (``GOMP_SPINCOUNT``, GNU OpenMP's own "throttled" count for more threads
-      than CPUs): GNU OpenMP cannot see the other engines' threads, so it would spin for
-      the services' count and hold a core another engine's thread needs.
-    """
+    """The environment of the stack's processes: ``base`` plus, for pinned engines
+    (``cpus_per_engine``), that many OpenMP threads unless the user set them. Every
+    engine keeps the services' OpenMP spin (``tandem.cli.configure_openmp``)."""
     env = dict(base)
     if cfg.cpus_per_engine:
         env.setdefault("OMP_NUM_THREADS", str(cfg.cpus_per_engine))
-    elif (shares_cpu_cores(cfg) and not takes_cpu_turns(cfg)
-          and "OMP_WAIT_POLICY" not in env):
-        env.setdefault("GOMP_SPINCOUNT", str(SHARED_CPU_SPIN_COUNT))
     return env
 
 
@@ -401,6 +402,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kvstore-capacity", type=int, default=1 << 30, help="KV store bytes")
     p.add_argument("--cpus-per-engine", type=int, default=0,
                    help="pin each engine to its own N CPUs (0: no pinning)")
+    p.add_argument("--cpu-turns", action=argparse.BooleanOptionalAction, default=True,
+                   help="unpinned CPU engines take turns for each model step, so two "
+                        "OpenMP teams never share the cores (default on; a long prefill "
+                        "step then delays the decode engine's next step, as it would in "
+                        "one colocated engine)")
     p.add_argument("--engine-arg", action="append", default=[],
                    help="extra flag for every engine, e.g. --engine-arg=--dtype=float32")
     p.add_argument("--router-arg", action="append", default=[],
@@ -429,7 +435,8 @@ def config_from_args(ns: argparse.Namespace) -> StackConfig:
                        engine_args=list(ns.engine_arg), router_args=list(ns.router_arg),
                        speculative_config=ns.speculative_config,
                        kvstore_capacity_bytes=ns.kvstore_capacity,
-                       cpus_per_engine=ns.cpus_per_engine, startup_timeout_s=ns.startup_timeout,
+                       cpus_per_engine=ns.cpus_per_engine, cpu_turns=ns.cpu_turns,
+                       startup_timeout_s=ns.startup_timeout,
                        verbose=ns.verbose, log_dir=ns.log_dir, engine_metrics=True)
 
 

@@ -40,6 +40,7 @@ from tandem.engine.config import (
     SchedulerConfig,
     SpeculativeConfig,
 )
+from tandem.engine.cpu_turns import CpuTurns
 from tandem.kvstore.config import ClientOptions, StoreConnectorConfig
 from tandem.services.common.context import ServiceContext
 from tandem.services.common.engine_loop import EngineLoop
@@ -164,7 +165,8 @@ def build_engine_config(ns: argparse.Namespace, role: Role | str) -> EngineConfi
     """The frozen engine config of a role from parsed flags.
 
     Raises:
-        ValueError: an invalid flag value (naming it), or prefill/decode without --redis-url.
+        ValueError: an invalid flag value (naming it), prefill/decode without --redis-url,
+            or a ``--shared-cpu-lock`` file that cannot be opened or created.
     """
     role = Role.parse(role)
     if role.uses_store and not ns.redis_url:
@@ -179,6 +181,12 @@ def build_engine_config(ns: argparse.Namespace, role: Role | str) -> EngineConfi
                                      kv_load_wait_s=ns.kv_load_wait_s,
                                      kvstore_timeout_s=ns.kvstore_timeout_s)
         kv = KVTransferConfig(kv_connector="store", kv_role=_KV_ROLE[role], connector_config=store)
+    if ns.shared_cpu_lock:
+        try:  # here, not after the model has loaded
+            CpuTurns(ns.shared_cpu_lock).close()
+        except OSError as e:
+            raise ValueError(f"--shared-cpu-lock {ns.shared_cpu_lock}: cannot open or create "
+                             f"it ({e.strerror})") from e
     return EngineConfig(
         model=ModelConfig(model=ns.model, dtype=ns.dtype, device=ns.device,
                           max_model_len=ns.max_model_len, seed=ns.seed,

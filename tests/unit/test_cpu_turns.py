@@ -119,3 +119,18 @@ def test_the_engine_takes_one_turn_per_model_step(tiny, tmp_path) -> None:  # no
 def test_bad_shared_cpu_lock_is_a_value_error_naming_it(kwargs, field) -> None:
     with pytest.raises(ValueError, match=field):
         ParallelConfig(**kwargs)
+
+
+def test_a_lock_file_that_cannot_be_created_fails_at_once_naming_the_flag(tmp_path) -> None:
+    """Bug: a --shared-cpu-lock in a missing folder failed only after the model had loaded
+    and the KV cache was allocated, with a traceback that did not name the flag."""
+    from tandem.services.common.server import build_engine_config, build_parser
+
+    parser = build_parser("tandem serve", None)
+    bad = str(tmp_path / "missing" / "x.lock")
+    ns = parser.parse_args(["--role", "both", "--shared-cpu-lock", bad])
+    with pytest.raises(ValueError, match=f"--shared-cpu-lock {bad}: cannot open or create"):
+        build_engine_config(ns, "both")
+    good = str(tmp_path / "x.lock")
+    ns = parser.parse_args(["--role", "both", "--shared-cpu-lock", good])
+    assert build_engine_config(ns, "both").parallel.shared_cpu_lock == good

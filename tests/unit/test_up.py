@@ -76,26 +76,15 @@ def test_banner_names_logs_and_kv_store_metrics() -> None:
     assert "  OpenAI API   http://127.0.0.1:8000/v1" in text
 
 
-def test_openmp_spins_briefly_only_where_engines_share_cpus_without_turns() -> None:
-    """Unpinned engines on the same CPUs that cannot take turns (pipeline parallel) must
-    not spin long at OpenMP barriers (a spinning thread holds the core another engine
-    needs); engines that take turns, one engine, or pinned ones keep the services' spin;
-    what the user set wins."""
-    from tandem.up import SHARED_CPU_SPIN_COUNT, StackConfig, parts_env
+def test_pinned_engines_get_their_cpu_count_of_openmp_threads() -> None:
+    """Pinned engines get as many OpenMP threads as CPUs (what the user set wins); no
+    other OpenMP setting is added: every engine keeps the services' spin."""
+    from tandem.up import StackConfig, parts_env
 
-    brief = str(SHARED_CPU_SPIN_COUNT)
-    pp = ["--pipeline-parallel-size=2"]
-    assert parts_env(StackConfig(engine_args=pp), {})["GOMP_SPINCOUNT"] == brief
-    assert parts_env(StackConfig(colocated=True, replicas=2, engine_args=pp),
-                     {})["GOMP_SPINCOUNT"] == brief
-    assert "GOMP_SPINCOUNT" not in parts_env(StackConfig(), {})
-    assert "GOMP_SPINCOUNT" not in parts_env(StackConfig(colocated=True), {})
-    assert "GOMP_SPINCOUNT" not in parts_env(StackConfig(colocated=True, replicas=2), {})
-    pinned = parts_env(StackConfig(cpus_per_engine=1), {})
-    assert "GOMP_SPINCOUNT" not in pinned and pinned["OMP_NUM_THREADS"] == "1"
-    assert parts_env(StackConfig(engine_args=pp), {"GOMP_SPINCOUNT": "5"})["GOMP_SPINCOUNT"] == "5"
-    assert "GOMP_SPINCOUNT" not in parts_env(StackConfig(engine_args=pp),
-                                             {"OMP_WAIT_POLICY": "ACTIVE"})
+    assert parts_env(StackConfig(cpus_per_engine=2), {})["OMP_NUM_THREADS"] == "2"
+    assert parts_env(StackConfig(cpus_per_engine=2), {"OMP_NUM_THREADS": "1"}) == {
+        "OMP_NUM_THREADS": "1"}
+    assert parts_env(StackConfig(), {"GOMP_SPINCOUNT": "10000"}) == {"GOMP_SPINCOUNT": "10000"}
 
 
 def test_engines_that_share_cores_take_turns_per_step(tmp_path) -> None:
@@ -110,6 +99,13 @@ def test_engines_that_share_cores_take_turns_per_step(tmp_path) -> None:
     assert not takes_cpu_turns(StackConfig(cpus_per_engine=1))
     assert not takes_cpu_turns(StackConfig(engine_args=["--device=cuda"]))
     assert not takes_cpu_turns(StackConfig(engine_args=["--pipeline-parallel-size=2"]))
+    assert not takes_cpu_turns(StackConfig(engine_args=["-pp", "2"]))
+    assert takes_cpu_turns(StackConfig(engine_args=["--pipeline-parallel-size=1"]))
+    assert not takes_cpu_turns(StackConfig(cpu_turns=False))
+    from tandem.up import build_parser, config_from_args
+
+    assert config_from_args(build_parser().parse_args([])).cpu_turns
+    assert not config_from_args(build_parser().parse_args(["--no-cpu-turns"])).cpu_turns
     # every engine of a stack names the same lock file, in the stack's folder
     from tandem.up import Stack
 
