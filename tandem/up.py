@@ -124,13 +124,16 @@ KV_CAP_BYTES = 4 << 30
 CPU_TURNS_FILE = "cpu-turns.lock"
 
 
+def engines_on_gpu(cfg: StackConfig) -> bool:
+    """The engines run on a GPU (``--device cuda[:N]`` in ``engine_args``)."""
+    return "cuda" in " ".join(cfg.engine_args)
+
+
 def shares_cpu_cores(cfg: StackConfig) -> bool:
     """Several engines of the stack run on the same CPU cores: more than one engine,
-    none pinned (``cpus_per_engine``), none on a GPU (``--device cuda`` in
-    ``engine_args``)."""
+    none pinned (``cpus_per_engine``), none on a GPU."""
     num_engines = cfg.replicas if cfg.colocated else cfg.num_prefill + cfg.num_decode
-    on_gpu = "cuda" in " ".join(cfg.engine_args)
-    return num_engines > 1 and not cfg.cpus_per_engine and not on_gpu
+    return num_engines > 1 and not cfg.cpus_per_engine and not engines_on_gpu(cfg)
 
 
 def takes_cpu_turns(cfg: StackConfig) -> bool:
@@ -178,7 +181,7 @@ def kv_cache_args(cfg: StackConfig, available_bytes: int | None = None) -> list[
         available_bytes: host memory available (default: measured with psutil).
     """
     args = " ".join(cfg.engine_args)
-    if any(f in args for f in ("--kv-cache-memory", "--num-kv-blocks", "cuda")):
+    if engines_on_gpu(cfg) or any(f in args for f in ("--kv-cache-memory", "--num-kv-blocks")):
         return []
     if available_bytes is None:
         import psutil
