@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -48,6 +49,8 @@ class CpuTurns:
             raise
         #: turns taken so far
         self.num_turns = 0
+        #: seconds spent waiting for turns so far (monotonic clock)
+        self.wait_seconds = 0.0
 
     @contextmanager
     def turn(self) -> Iterator[None]:
@@ -56,11 +59,13 @@ class CpuTurns:
         Raises:
             OSError: the handle was closed.
         """
+        start = time.monotonic()
         fcntl.flock(self._queue, fcntl.LOCK_EX)
         try:
             fcntl.flock(self._turn, fcntl.LOCK_EX)
         finally:
             fcntl.flock(self._queue, fcntl.LOCK_UN)
+        self.wait_seconds += time.monotonic() - start
         self.num_turns += 1
         try:
             yield

@@ -253,7 +253,9 @@ class ServiceContext:
         conn = self._connector
         waiting = 0 if conn is None else conn.num_loads_waiting
         lookup_waits = None if conn is None else conn.lookup_waits
-        self.metrics.observe_stats(stats, self.num_kv_load_failures, waiting, lookup_waits)
+        turns = getattr(self.engine_loop.engine, "cpu_turns", None)
+        self.metrics.observe_stats(stats, self.num_kv_load_failures, waiting, lookup_waits,
+                                   0.0 if turns is None else turns.wait_seconds)
 
     @property
     def num_kv_load_failures(self) -> int:

@@ -97,8 +97,12 @@ class ServiceMetrics:
             "tandem:kv_output_publishes",
             "Finished requests whose prompt + output blocks were published (decode), by outcome.",
             [*labels, "outcome"], registry=r)
+        self.cpu_turn_wait_seconds = Counter(
+            "tandem:cpu_turn_wait_seconds",
+            "Time model steps waited for their turn on CPU cores shared with other engines "
+            "(--shared-cpu-lock), s.", labels, registry=r)
         self._role = Role(role).value
-        self._followed: dict[str, int] = {}
+        self._followed: dict[str, float] = {}
 
     def labels(self, metric: Any, **extra: str) -> Any:
         """``metric`` with this instance's role label (and ``extra`` labels)."""
@@ -106,9 +110,12 @@ class ServiceMetrics:
 
     def observe_stats(self, stats: Any, num_kv_load_failures: int,
                       num_kv_loads_waiting: int = 0,
-                      kv_lookup_waits: dict[str, int] | None = None) -> None:
-        """Refresh the gauges from the scheduler's stats (and the connector's counts)."""
+                      kv_lookup_waits: dict[str, int] | None = None,
+                      cpu_turn_wait_s: float = 0.0) -> None:
+        """Refresh the gauges from the scheduler's stats (and the connector's counts, and
+        the engine's total wait for CPU turns in seconds)."""
         self.labels(self.num_requests_running).set(stats.num_running)
+        self._follow("cpu_turn_wait_seconds", self.cpu_turn_wait_seconds, cpu_turn_wait_s)
         for outcome, total in (kv_lookup_waits or {}).items():
             self._follow(f"kv_lookup_waits:{outcome}", self.kv_lookup_waits, total,
                          outcome=outcome)
@@ -136,7 +143,7 @@ class ServiceMetrics:
             self._follow(f"queries:{tier}", self.prefix_cache_queries, queries, tier=tier)
             self._follow(f"hits:{tier}", self.prefix_cache_hits, hits, tier=tier)
 
-    def _follow(self, key: str, counter: Counter, total: int, **extra: str) -> None:
+    def _follow(self, key: str, counter: Counter, total: float, **extra: str) -> None:
         """Advance ``counter`` (with ``extra`` labels) to ``total``: the engine (or
         connector) counts, the Prometheus counter follows its increments."""
         delta = total - self._followed.get(key, 0)

@@ -3,6 +3,7 @@ between processes, released by a killed holder, taken once per step by the engin
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -25,6 +26,7 @@ from tandem.engine.executor import create_executor
 #: A process that takes one turn: it writes MARKER inside it, then exits.
 _ONE_TURN = """
 import sys
+import os
 from pathlib import Path
 from tandem.engine.cpu_turns import CpuTurns
 turns = CpuTurns(sys.argv[1])
@@ -134,3 +136,42 @@ def test_a_lock_file_that_cannot_be_created_fails_at_once_naming_the_flag(tmp_pa
     good = str(tmp_path / "x.lock")
     ns = parser.parse_args(["--role", "both", "--shared-cpu-lock", good])
     assert build_engine_config(ns, "both").parallel.shared_cpu_lock == good
+
+
+def test_the_wait_for_a_turn_is_counted_and_exported(tmp_path) -> None:
+    """``wait_seconds`` holds at least the time a waiter was seen blocked before the
+    holder let go, and the service's ``tandem:cpu_turn_wait_seconds`` follows it."""
+    import threading
+    import time
+
+    from test_spec_decode import _idle_stats
+
+    from tandem.contracts.role import Role
+    from tandem.engine.spec_decode.policy import SpecDecodeStats
+    from tandem.services.common.metrics import ServiceMetrics
+
+    lock = str(tmp_path / "turns.lock")
+    holder, waiter = CpuTurns(lock), CpuTurns(lock)  # two open files: their locks conflict
+    try:
+        with holder.turn():
+            def take_a_turn() -> None:
+                with waiter.turn():
+                    pass
+
+            thread = threading.Thread(target=take_a_turn)
+            thread.start()
+            wait_until(lambda: _blocked_on_a_lock(os.getpid()), 60, "the waiter blocked")
+            seen = time.monotonic()
+        released = time.monotonic()
+        thread.join(timeout=60)
+        assert waiter.num_turns == 1
+        assert waiter.wait_seconds >= released - seen
+    finally:
+        holder.close()
+        waiter.close()
+    metrics = ServiceMetrics(Role.DECODE)
+    stats = _idle_stats(SpecDecodeStats(0))
+    for total in (1.5, 1.5, 2.25):
+        metrics.observe_stats(stats, 0, cpu_turn_wait_s=total)
+    value = metrics.registry.get_sample_value
+    assert value("tandem:cpu_turn_wait_seconds_total", {"role": "decode"}) == 2.25
