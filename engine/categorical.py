@@ -163,10 +163,9 @@ def sample_race(weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     Raises:
         ValueError: ``weights`` not 2-D, or ``keys`` not ``[num_rows]`` int64.
     """
-    if weights.dim() != 2 or keys.shape != (weights.shape[0],) or keys.dtype != torch.int64:
-        raise ValueError(f"sample_race: weights {tuple(weights.shape)} need keys of shape "
-                         f"({weights.shape[0] if weights.dim() else '?'},) int64, got "
-                         f"{tuple(keys.shape)} {keys.dtype}")
+    if weights.dim() != 2:
+        raise ValueError(f"sample_race: weights must be 2-D, got {tuple(weights.shape)}")
+    cpu_ext.check_row_vectors("sample_race", weights.shape[0], False, keys=(keys, torch.int64))
     if weights.device.type == "cpu":
         native = cpu_ext.race_rows_cpu(weights, keys)
         if native is not None:
@@ -224,12 +223,9 @@ def sample_race_logits(
     if logits.dim() != 2 or logits.dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"sample_race_logits: logits must be 2-D float32 or bfloat16, got "
                          f"{tuple(logits.shape)} {logits.dtype}")
-    rows = logits.shape[0]
-    for name, arg, dtype in (("temperatures", temperatures, torch.float32),
-                             ("keys", keys, torch.int64)):
-        if arg.shape != (rows,) or arg.dtype != dtype:
-            raise ValueError(f"sample_race_logits: logits {tuple(logits.shape)} need {name} of "
-                             f"shape ({rows},) {dtype}, got {tuple(arg.shape)} {arg.dtype}")
+    cpu_ext.check_row_vectors("sample_race_logits", logits.shape[0], False,
+                              temperatures=(temperatures, torch.float32),
+                              keys=(keys, torch.int64))
     # the smallest normal float32: 1 / T stays finite
     if not bool(((temperatures >= torch.finfo(torch.float32).tiny)
                  & (temperatures < float("inf"))).all()):

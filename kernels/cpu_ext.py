@@ -283,6 +283,21 @@ def argmax_rows_cpu(x: torch.Tensor) -> torch.Tensor | None:
     return out
 
 
+def check_row_vectors(where: str, rows: int, cpu: bool,
+                      **vectors: tuple[torch.Tensor, torch.dtype]) -> None:
+    """Check that each named vector has one entry per row: shape ``[rows]``, its dtype,
+    and, when ``cpu``, on the CPU (the per-row arguments of the race kernels).
+
+    Raises:
+        ValueError: naming ``where`` and the first vector that does not fit.
+    """
+    for name, (arg, dtype) in vectors.items():
+        if arg.shape != (rows,) or arg.dtype != dtype or (cpu and arg.device.type != "cpu"):
+            raise ValueError(f"{where}: {rows} rows need {name} of shape ({rows},) {dtype}"
+                             f"{' on the CPU' if cpu else ''}, got {tuple(arg.shape)} "
+                             f"{arg.dtype} on {arg.device}")
+
+
 def race_rows_cpu(weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor | None:
     """One draw per row by the exponential race, its noise generated in the kernel:
     ``argmax_i weights[r, i] / E_r[i]`` with ``E_r`` the Exp(1) stream of ``keys[r]``
@@ -304,10 +319,7 @@ def race_rows_cpu(weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor | N
         or weights.dtype != torch.float32 or not _elementwise_ok(weights)
     ):
         return None
-    if keys.shape != (weights.shape[0],) or keys.dtype != torch.int64 or keys.device.type != "cpu":
-        raise ValueError(f"race_rows_cpu: {weights.shape[0]} rows need keys of shape "
-                         f"({weights.shape[0]},) int64 on the CPU, got {tuple(keys.shape)} "
-                         f"{keys.dtype} on {keys.device}")
+    check_row_vectors("race_rows_cpu", weights.shape[0], True, keys=(keys, torch.int64))
     lib = load()
     assert lib is not None
     keys = keys.contiguous()
@@ -351,12 +363,8 @@ def race_logits_rows_cpu(
     if not _elementwise_ok(logits):
         return None
     rows = logits.shape[0]
-    for name, arg, dtype in (("temperatures", temperatures, torch.float32),
-                             ("keys", keys, torch.int64)):
-        if arg.shape != (rows,) or arg.dtype != dtype or arg.device.type != "cpu":
-            raise ValueError(f"race_logits_rows_cpu: {rows} rows need {name} of shape ({rows},) "
-                             f"{dtype} on the CPU, got {tuple(arg.shape)} {arg.dtype} on "
-                             f"{arg.device}")
+    check_row_vectors("race_logits_rows_cpu", rows, True,
+                      temperatures=(temperatures, torch.float32), keys=(keys, torch.int64))
     lib = load()
     assert lib is not None
     temperatures, keys = temperatures.contiguous(), keys.contiguous()
