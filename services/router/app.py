@@ -132,6 +132,9 @@ def create_app(fe: Frontend, lifespan: Any = None, *,
             return JSONResponse({"status": "ready", "mode": "disagg"})
         if d.has_live(Role.BOTH):
             return JSONResponse({"status": "ready", "mode": "colocated"})
+        if fe.pipeline.can_prefill_locally():
+            # the decode instances prefill prompts themselves until a prefill one is up
+            return JSONResponse({"status": "ready", "mode": "disagg", "prefill": "local"})
         raise OpenAIError("no live engine instance yet", status_code=503, retry_after_s=1)
 
     @app.get("/metrics", response_class=PlainTextResponse,

@@ -59,6 +59,9 @@ class RouterConfig:
             many prefills outstanding, the chosen decode instance prefills the prompt
             itself (``--disagg-max-prefill-queue``; Dynamo's ``max_prefill_queue_size``;
             0: off).
+        disagg_prefill_fallback: with no prefill instance able to serve, decode instances
+            prefill prompts themselves instead of requests failing with a 503
+            (``--[no-]disagg-prefill-fallback``, on by default).
         log_level: Python logging level name.
         loop: the event loop (``--loop``, uvicorn's name): ``uvloop`` when installed for
             ``auto``, else ``asyncio``.
@@ -94,6 +97,7 @@ class RouterConfig:
     kv_index_url: str | None = None
     disagg_min_uncached_tokens: int = 0
     disagg_max_prefill_queue: int = 0
+    disagg_prefill_fallback: bool = True
     log_level: str = "info"
     loop: str = "auto"
     http: str = "auto"
@@ -162,5 +166,6 @@ class RouterConfig:
                    kv_index_url=getattr(ns, "kv_index_url", None) or ns.redis_url or None,
                    disagg_min_uncached_tokens=getattr(ns, "disagg_min_uncached_tokens", 0),
                    disagg_max_prefill_queue=getattr(ns, "disagg_max_prefill_queue", 0),
+                   disagg_prefill_fallback=getattr(ns, "disagg_prefill_fallback", True),
                    log_level=ns.log_level, loop=getattr(ns, "loop", "auto"),
                    http=getattr(ns, "http", "auto"))

@@ -85,6 +85,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="when the least loaded prefill instance already has this many "
                         "prefills outstanding, the decode instance prefills the prompt "
                         "itself (Dynamo's max_prefill_queue_size); 0: off")
+    p.add_argument("--disagg-prefill-fallback", default=True,
+                   action=argparse.BooleanOptionalAction,
+                   help="with no prefill instance able to serve (none up, or every Prefill "
+                        "attempt failed), a decode instance prefills the prompt itself "
+                        "instead of the request failing with 503 (default: on)")
     p.add_argument("--log-level", default="info")
     p.add_argument("--loop", default="auto", choices=["auto", "asyncio", "uvloop"],
                    help="event loop (auto: uvloop when installed)")
@@ -167,7 +172,8 @@ async def serve(cfg: RouterConfig, defaults: SamplingDefaults | None = None) -> 
                         max_migrations=cfg.max_migrations,
                         cache_view=view,
                         disagg_min_uncached_tokens=cfg.disagg_min_uncached_tokens,
-                        disagg_max_prefill_queue=cfg.disagg_max_prefill_queue)
+                        disagg_max_prefill_queue=cfg.disagg_max_prefill_queue,
+                        disagg_prefill_fallback=cfg.disagg_prefill_fallback)
     fe = Frontend(tokenizer=tokenizer, pipeline=pipeline, served_model_names=served,
                   max_model_len=cfg.max_model_len or facts.max_model_len, api_key=cfg.api_key,
                   chat_template=read_chat_template(cfg.chat_template) if cfg.chat_template

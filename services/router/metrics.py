@@ -92,7 +92,8 @@ class RouterMetrics:
         self.disagg_decision = Counter(
             "tandem:disagg_decision",
             "Disaggregated-mode requests by path: remote_prefill (a prefill instance) or "
-            "local_prefill (the decode instance prefills a short uncached part itself).",
+            "local_prefill (the decode instance prefills the prompt itself: a short "
+            "uncached part, a full prefill queue, or no prefill instance able to serve).",
             lbl + ["path"], registry=r)
         self.kv_store_lookup_seconds = Histogram(
             "tandem:kv_store_lookup_seconds",

@@ -27,8 +27,13 @@ Flow of one completion (``n`` completions run as ``n`` such flows, concurrently)
    skipped and that decode instance gets the colocated form (it prefills the rest itself,
    loading the stored part); so is it when the least loaded prefill instance already has
    ``disagg_max_prefill_queue`` prefills outstanding (a burst the prefill instances cannot
-   take at once is shared with the decode instances). The choice and its reason go into ``timings``
-   (``disagg_decision``, ``disagg_reason``) and ``tandem:disagg_decision_total{path}``.
+   take at once is shared with the decode instances). Prefill fallback (on unless
+   ``disagg_prefill_fallback`` is off; Dynamo's decode-only fallback): when no prefill
+   instance is up (none registered, every one down or benched after a failure) or every
+   Prefill attempt failed for the instance's sake, a decode instance prefills the prompt
+   itself, so losing the prefill tier slows first tokens instead of failing requests.
+   The choice and its reason go into ``timings`` (``disagg_decision``, ``disagg_reason``)
+   and ``tandem:disagg_decision_total{path}``, once per completion, for the path taken.
 3. Each token batch goes through ``engine.detokenizer.IncrementalDetokenizer``; when a stop
    string matches, the decode stream is cancelled (the engine aborts and frees its blocks).
 4. The consumer closing the iterator (client disconnect) cancels every RPC in flight.
@@ -131,6 +136,10 @@ class Pipeline:
             report or this router's in-flight count, the larger), the chosen decode
             instance prefills the prompt itself (0: never). Dynamo's disaggregated
             router decides the same way (``max_prefill_queue_size``).
+        disagg_prefill_fallback: with decode instances up but no prefill instance that
+            can serve (none up, or every Prefill attempt failed for the instance's sake),
+            a decode instance prefills the prompt itself instead of the request failing
+            with a 503.
 
     Raises:
         ValueError: a negative threshold.
@@ -141,7 +150,8 @@ class Pipeline:
                  max_waiting: int = 1024, max_attempts: int = 3, max_migrations: int = 3,
                  cache_view: CacheView | None = None,
                  disagg_min_uncached_tokens: int = 0,
-                 disagg_max_prefill_queue: int = 0) -> None:
+                 disagg_max_prefill_queue: int = 0,
+                 disagg_prefill_fallback: bool = True) -> None:
         for name, value in (("disagg_min_uncached_tokens", disagg_min_uncached_tokens),
                             ("disagg_max_prefill_queue", disagg_max_prefill_queue)):
             if value < 0:
@@ -151,6 +161,7 @@ class Pipeline:
         self.cache_view = cache_view if cache_view is not None else CacheView()
         self.disagg_min_uncached_tokens = disagg_min_uncached_tokens
         self.disagg_max_prefill_queue = disagg_max_prefill_queue
+        self.disagg_prefill_fallback = disagg_prefill_fallback
         self.tokenizer = tokenizer
         self.discovery = discovery
         self.pool = pool
@@ -162,17 +173,26 @@ class Pipeline:
         self.publishes = PublishTracker()
 
     def mode(self) -> str:
-        """"disagg" when prefill and decode instances exist, else "colocated".
+        """"disagg" when prefill and decode instances exist, else "colocated" when
+        colocated ones do, else "disagg" when decode instances exist and the prefill
+        fallback is on (they prefill themselves).
 
         Raises:
             OpenAIError: 503 when no instance can serve at all.
         """
-        if self.discovery.instances(Role.PREFILL) and self.discovery.instances(Role.DECODE):
+        decode = self.discovery.instances(Role.DECODE)
+        if decode and self.discovery.instances(Role.PREFILL):
             return "disagg"
         if self.discovery.instances(Role.BOTH):
             return "colocated"
+        if decode and self.disagg_prefill_fallback:
+            return "disagg"
         raise OpenAIError("no healthy engine instance is available", status_code=503,
                           retry_after_s=1)
+
+    def can_prefill_locally(self) -> bool:
+        """Decode instances would serve requests with no prefill instance up (readiness)."""
+        return self.disagg_prefill_fallback and self.discovery.has_live(Role.DECODE)
 
     async def generate(self, req: GenerationRequest) -> AsyncGenerator[SeqDelta, None]:
         """Deltas of all ``n`` completions, in the order they are produced.
@@ -215,12 +235,18 @@ class Pipeline:
             if found is not None:
                 hint = publish_in_flight_to_proto(found)
                 self.metrics.labels(self.metrics.kv_publish_hints).inc()
+        presp = None
         if mode == "disagg" and not local_prefill:
-            ctx = route
-            presp = await self._prefill(ctx, prefill_pb2.PrefillRequest(
+            presp = await self._prefill(route, prefill_pb2.PrefillRequest(
                 request_id=seq_id, prompt_token_ids=req.prompt_token_ids,
                 sampling_params=psp, priority=req.priority, kv_publish_in_flight=hint),
                 metadata, timings, req.param_of_field)
+            local_prefill = presp is None
+        if mode == "disagg":
+            m = self.metrics
+            m.disagg_decision.labels(model_name=m.model_name,
+                                     path=timings.disagg_decision).inc()
+        if presp is not None:
             state.num_cached_tokens = timings.cached_tokens = presp.num_cached_tokens
             lps = [presp.first_logprobs] if presp.HasField("first_logprobs") else None
             stop_tok = presp.stop_token_id if presp.HasField("stop_token_id") else None
@@ -249,11 +275,16 @@ class Pipeline:
 
     async def _disagg_decision(self, route: RouteContext, timings: Timings
                                ) -> tuple[InstanceInfo | None, bool]:
-        """(the decode instance to try first, whether it prefills the prompt itself).
+        """(the decode instance to try first, whether it prefills the prompt itself), and
+        ``timings.disagg_decision`` / ``disagg_reason`` set to match.
 
-        With both ``disagg_min_uncached_tokens`` and ``disagg_max_prefill_queue`` off,
-        (``None``, False): the decode instance is chosen after the prefill, as always."""
-        m = self.metrics
+        With no prefill instance up and the fallback on: a local prefill. Else, with both
+        ``disagg_min_uncached_tokens`` and ``disagg_max_prefill_queue`` off, (``None``,
+        False): the decode instance is chosen after the prefill, as always."""
+        if self.disagg_prefill_fallback and not self._prefill_up():
+            timings.disagg_decision = "local_prefill"
+            timings.disagg_reason = "no prefill instance is up"
+            return None, True
         threshold = self.disagg_min_uncached_tokens
         max_queue = self.disagg_max_prefill_queue
         on = bool(threshold or max_queue)
@@ -262,7 +293,6 @@ class Pipeline:
             timings.disagg_decision = "remote_prefill"
             timings.disagg_reason = "conditional disaggregation off" if not on \
                 else "no decode instance to choose yet"
-            m.disagg_decision.labels(model_name=m.model_name, path="remote_prefill").inc()
             return None, False
         ctx = route.for_stage(Role.DECODE)
         info = await self.router.choose(cands, ctx)
@@ -279,11 +309,15 @@ class Pipeline:
             queue = min((p.load for p in self.discovery.instances(Role.PREFILL)), default=0)
             local = queue >= max_queue
             reasons.append(f"prefill queue {queue} {'>=' if local else '<'} {max_queue}")
-        path = "local_prefill" if local else "remote_prefill"
-        timings.disagg_decision = path
+        timings.disagg_decision = "local_prefill" if local else "remote_prefill"
         timings.disagg_reason = "; ".join(reasons)
-        m.disagg_decision.labels(model_name=m.model_name, path=path).inc()
         return info, local
+
+    def _prefill_up(self) -> bool:
+        """Some prefill instance is neither out of the view, failing its load poll, nor
+        benched after a failed call."""
+        d = self.discovery
+        return any(not d.is_down(p.address) for p in d.instances(Role.PREFILL))
 
     async def _attempts(self, stage: Role, ctx: RouteContext,
                         first: InstanceInfo | None = None,
@@ -309,7 +343,16 @@ class Pipeline:
 
     async def _prefill(self, ctx: RouteContext, preq: prefill_pb2.PrefillRequest,
                        metadata: Sequence[tuple[str, str]], timings: Timings,
-                       param_of_field: Mapping[str, str]) -> prefill_pb2.PrefillResponse:
+                       param_of_field: Mapping[str, str]
+                       ) -> prefill_pb2.PrefillResponse | None:
+        """The Prefill answer of the first prefill instance that gives one, or ``None``
+        when none could and the prefill fallback is on (``timings`` then names a local
+        prefill and why).
+
+        Raises:
+            OpenAIError: 400 the engine rejected the request; 503 no prefill instance
+                could serve and the fallback is off.
+        """
         last: grpc.aio.AioRpcError | None = None
         async for info in self._attempts(Role.PREFILL, ctx):
             self.discovery.acquire(info.address)
@@ -329,7 +372,14 @@ class Pipeline:
             timings.prefill_compute_ns = presp.compute_ns
             timings.kv_publish_ns = presp.publish_ns
             return presp
-        raise _unavailable(Role.PREFILL, last, param_of_field)
+        if not self.disagg_prefill_fallback:
+            raise _unavailable(Role.PREFILL, last, param_of_field)
+        why = f"{last.code().name} {last.details()}" if last is not None else "none left"
+        logger.warning("no prefill instance could serve %s (%s): the decode instance "
+                       "prefills it", preq.request_id, why)
+        timings.disagg_decision = "local_prefill"
+        timings.disagg_reason = f"every prefill attempt failed ({why})"
+        return None
 
     async def _decode(self, ctx: RouteContext, dreq: decode_pb2.DecodeRequest,
                       metadata: Sequence[tuple[str, str]], state: SeqState,

@@ -19,7 +19,7 @@ from tandem.services.router.sequence import Timings
 PREFILL, DECODE = "127.0.0.1:1", "127.0.0.1:2"
 
 
-def _pipeline(discovery: StaticDiscovery, **kwargs: int) -> Pipeline:
+def _pipeline(discovery: StaticDiscovery, **kwargs: int | bool) -> Pipeline:
     return Pipeline(tokenizer=None, discovery=discovery, pool=InstancePool(discovery),
                     router=RoundRobinRouter(), metrics=RouterMetrics("m"), **kwargs)
 
@@ -75,3 +75,37 @@ def test_a_negative_queue_bound_is_refused() -> None:
     with pytest.raises(ValueError, match="disagg_max_prefill_queue"):
         _pipeline(StaticDiscovery(prefill=[PREFILL], decode=[DECODE]),
                   disagg_max_prefill_queue=-1)
+
+
+def test_no_prefill_instance_up_the_decode_instance_prefills() -> None:
+    """Prefill fallback: with the only prefill instance benched after a failed call (or
+    none in the view) the decode instance prefills; with the fallback off the request
+    goes to the prefill instance (and fails there) or is refused with a 503."""
+    from tandem.services.router.errors import OpenAIError
+
+    discovery = StaticDiscovery(prefill=[PREFILL], decode=[DECODE])
+    pipeline = _pipeline(discovery)
+    assert not _decide(pipeline, 256)[0]
+    discovery.mark_failed(PREFILL)
+    local, t = _decide(pipeline, 256)
+    assert local and t.disagg_decision == "local_prefill"
+    assert t.disagg_reason == "no prefill instance is up"
+    assert pipeline.mode() == "disagg"
+    discovery.mark_ok(PREFILL)
+    assert not _decide(pipeline, 256)[0]
+
+    off = _pipeline(discovery, disagg_prefill_fallback=False)
+    discovery.mark_failed(PREFILL)
+    assert not _decide(off, 256)[0]
+
+    decode_only = StaticDiscovery(decode=[DECODE])
+    assert _pipeline(decode_only).mode() == "disagg"
+    assert _decide(_pipeline(decode_only), 256)[0]
+    with pytest.raises(OpenAIError) as err:
+        _pipeline(decode_only, disagg_prefill_fallback=False).mode()
+    assert err.value.status_code == 503
+
+
+def test_colocated_instances_go_before_the_prefill_fallback() -> None:
+    discovery = StaticDiscovery(decode=[DECODE], both=["127.0.0.1:3"])
+    assert _pipeline(discovery).mode() == "colocated"
