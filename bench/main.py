@@ -17,6 +17,9 @@ _BENCHMARKS: dict[str, tuple[str, str]] = {
     "latency": ("tandem.bench.latency",
                 "prefill -> store -> decode vs colocated: TTFT and inter-token latency"),
     "serve": ("tandem.bench.serve", "HTTP serving load test against a running router"),
+    "mixed": ("tandem.bench.mixed",
+              "short streams beside long prompts against a running router: how prefill "
+              "and decode share the compute"),
     "kvstore": ("tandem.bench.kvstore", "KV store put/get bandwidth and latency"),
     "router-ceiling": ("tandem.bench.router_ceiling",
                        "the router's own cost per streamed token, against a decode stub"),
