@@ -283,3 +283,31 @@ def test_bench_multi_turn_workload_reports_reuse_per_turn(tiny, routers):
     for (c, t), r in by_turn.items():
         if t > 1:
             assert r.cached_tokens >= by_turn[c, t - 1].prompt_tokens // 16 * 16, (c, t)
+
+
+def test_bench_mixed_runs_short_streams_beside_long_prompts(tiny, routers):
+    """`tandem bench mixed`'s load, small: every short stream completes with its tokens
+    while long prompts are sent one after another, and the long ones still open at the
+    end are cancelled, not counted."""
+    import asyncio
+
+    import httpx
+
+    from tandem.bench.mixed import run_mixed
+    from tandem.bench.serve import sample_prompts
+    from tandem.engine.model_files import load_tokenizer
+
+    always, _ = routers
+    vocab = len(load_tokenizer(tiny))
+    short = sample_prompts(4, 8, 6, 0.0, vocab, seed=1)
+    long = sample_prompts(2, 100, 2, 0.0, vocab, seed=2)
+    model = httpx.get(f"{always.url}/v1/models").json()["data"][0]["id"]
+    results, long_done, duration = asyncio.run(run_mixed(
+        f"{always.url}/v1/completions", model, short, long, short_concurrency=2,
+        long_concurrency=1))
+    assert [(r.success, r.output_tokens) for r in results] == [(True, 6)] * 4, \
+        [r.error for r in results]
+    assert all(r.success and r.output_tokens == 2 and r.prompt_len == 100 for r in long_done)
+    assert duration > 0
+    with pytest.raises(ValueError, match="long"):
+        asyncio.run(run_mixed(f"{always.url}/v1/completions", model, short, [], 2, 1))

@@ -1,5 +1,7 @@
-"""Engines that share CPU cores take turns per model step (engine/cpu_turns.py): fair
-between processes, released by a killed holder, taken once per step by the engine."""
+"""Engines that share CPU cores take turns for their model steps (engine/cpu_turns.py):
+fair between processes, in time (a short-step engine runs several steps in the time of
+the other's long step), released by a killed holder and by an engine gone idle, taken
+by the engine for every model step."""
 
 from __future__ import annotations
 
@@ -91,7 +93,7 @@ def test_a_killed_holder_gives_the_turn_up(tmp_path) -> None:
             holder.wait()
 
 
-def test_the_engine_takes_one_turn_per_model_step(tiny, tmp_path) -> None:  # noqa: F811
+def test_the_engine_steps_only_in_its_turn(tiny, tmp_path) -> None:  # noqa: F811
     loaded, _ = tiny
     lock = str(tmp_path / "turns.lock")
     config = EngineConfig(
@@ -108,7 +110,8 @@ def test_the_engine_takes_one_turn_per_model_step(tiny, tmp_path) -> None:  # no
         while core.has_unfinished_requests():
             core.step()
         assert core.num_steps > 0
-        assert core.cpu_turns.num_turns == core.num_steps
+        assert core.cpu_turns.num_steps == core.num_steps
+        assert 1 <= core.cpu_turns.num_turns <= core.num_steps
     finally:
         core.shutdown()
 
@@ -175,3 +178,100 @@ def test_the_wait_for_a_turn_is_counted_and_exported(tmp_path) -> None:
         metrics.observe_stats(stats, 0, cpu_turn_wait_s=total)
     value = metrics.registry.get_sample_value
     assert value("tandem:cpu_turn_wait_seconds_total", {"role": "decode"}) == 2.25
+
+
+class _Clock:
+    """A monotonic clock that moves only when told (turn and step lengths)."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _turn_in_thread(turns: CpuTurns):
+    import threading
+
+    def take() -> None:
+        with turns.turn():
+            pass
+
+    thread = threading.Thread(target=take, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_a_short_step_engine_runs_steps_for_as_long_as_the_long_step_took(tmp_path) -> None:
+    """Bug this guards against: turns alternated steps, so beside a prefill engine whose
+    steps took 1 s a decode engine ran one 20 ms step per second (its streams slowed to
+    a token a second). Now a turn lasts as long as the one before it: after a 1 s step
+    of A, B runs its 0.125 s steps until one more would pass 1 s, while A waits."""
+    lock, clock = str(tmp_path / "turns.lock"), _Clock()
+    a = CpuTurns(lock, clock=clock, idle_release_s=3600)
+    b = CpuTurns(lock, clock=clock, idle_release_s=3600)
+    try:
+        with a.turn():
+            clock.now += 1.0  # A's long step
+        waiter = None
+        for step in range(1, 9):
+            with b.turn():
+                clock.now += 0.125
+            assert b.num_turns == 1 and b.num_steps == step
+            if waiter is None:
+                waiter = _turn_in_thread(a)
+                wait_until(lambda: _blocked_on_a_lock(os.getpid()), 60, "A waiting")
+            if step < 8:
+                assert a.num_turns == 1, f"A took the turn after B's step {step}"
+        waiter.join(timeout=60)
+        assert not waiter.is_alive() and a.num_turns == 2
+        # B's turn was 1 s long: A may now run steps for 1 s, one of 1 s ends its turn
+        with a.turn():
+            clock.now += 1.0
+        with b.turn():
+            clock.now += 0.125
+        assert b.num_turns == 2
+    finally:
+        a.close()
+        b.close()
+
+
+def test_steps_of_equal_length_alternate(tmp_path) -> None:
+    lock, clock = str(tmp_path / "turns.lock"), _Clock()
+    a = CpuTurns(lock, clock=clock, idle_release_s=3600)
+    b = CpuTurns(lock, clock=clock, idle_release_s=3600)
+    try:
+        for n in range(1, 4):
+            for turns in (a, b):
+                with turns.turn():
+                    clock.now += 0.25
+                assert turns.num_turns == n  # never kept: a second step would not fit
+    finally:
+        a.close()
+        b.close()
+
+
+def test_an_engine_gone_idle_gives_its_turn_up(tmp_path) -> None:
+    """A turn kept for a next step that does not come (no request left, waiting for
+    remote KV) is given up by the handle's own thread, so the others are not held up."""
+    lock, clock = str(tmp_path / "turns.lock"), _Clock()
+    first = CpuTurns(lock, clock=clock)
+    idle = CpuTurns(lock, clock=clock, idle_release_s=0.01)
+    other = CpuTurns(lock, clock=clock)
+    try:
+        with first.turn():
+            clock.now += 1.0
+        with idle.turn():
+            clock.now += 0.125  # kept: 7 more such steps would fit
+        thread = _turn_in_thread(other)
+        thread.join(timeout=60)
+        assert not thread.is_alive(), "the idle engine kept the turn"
+        assert (idle.num_turns, other.num_turns) == (1, 1)
+    finally:
+        for turns in (first, idle, other):
+            turns.close()
+    with pytest.raises(OSError, match="closed"):
+        with idle.turn():
+            pass
+    with pytest.raises(ValueError, match="idle_release_s"):
+        CpuTurns(lock, idle_release_s=-1)
