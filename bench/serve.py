@@ -482,8 +482,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "installed, a py-spy flame graph of the router and engines")
     p.add_argument("--profile-dir", default=".",
                    help="where --profile --launch writes the py-spy flame graphs")
-    p.add_argument("--launch-disagg-cpus", type=int, default=1,
-                   help="CPUs pinned to each of the prefill and decode engines (--launch disagg)")
+    p.add_argument("--launch-disagg-cpus", type=int, default=0,
+                   help="CPUs pinned to each of the prefill and decode engines (--launch "
+                        "disagg); 0: unpinned, taking turns on the shared cores, as `tandem "
+                        "up` starts them")
     return p
 
 
