@@ -16,11 +16,14 @@ engine that just gave the turn up cannot take it again before that waiter has ha
 (strict alternation between two engines; with more, every waiter is served before the
 last holder again, in no fixed order).
 
-Fair in time, not in steps: a turn may last as long as the turn before it (its length
-is written into the lock file when it ends), so an engine whose steps are short (a
-decode batch) runs as many of them in its turn as fit in the time the other engine's
-last turn took (a long prefill step), and the two share the cores about equally while
-both have work; with steps of equal length they alternate step by step. An engine keeps
+Fair in time, not in steps: a turn may last as long as another engine's turn before it
+(its length and its holder are written into the lock file when it ends), so an engine
+whose steps are short (a decode batch) runs as many of them in its turn as fit in the
+time the other engine's last turn took (a long prefill step), and the two share the
+cores about equally while both have work; with steps of equal length they alternate
+step by step. An engine that takes the turn after its own turn (the other one idle)
+gets one step at a time, so a long turn of the past never delays an engine that comes
+back. An engine keeps
 its turn between two steps of one turn only while the next step starts within
 ``idle_release_s``: a background thread gives the turn up when the engine goes idle (no
 request left, or waiting for remote KV). A stopped (SIGSTOP) engine keeps the lock it
@@ -30,6 +33,7 @@ holds, waiting or stepping, and holds up the others until it continues.
 from __future__ import annotations
 
 import fcntl
+import logging
 import math
 import os
 import struct
@@ -44,7 +48,10 @@ IDLE_RELEASE_S = 0.005
 #: The longest turn an engine takes after another's (seconds): bounds what a damaged
 #: lock file (or a stalled holder) can make the others wait.
 MAX_TURN_S = 10.0
-_LENGTH = struct.Struct("<d")  # the last turn's length, seconds, at offset 0
+#: at offset 0 of the lock file: the last turn's length (seconds) and its holder's token
+_LAST_TURN = struct.Struct("<d16s")
+
+logger = logging.getLogger(__name__)
 
 
 class CpuTurns:
@@ -53,7 +60,8 @@ class CpuTurns:
     Args:
         path: the lock file every engine sharing the cores names (created if missing,
             with ``PATH.queue`` beside it). It holds the length of the last turn taken
-            (8 bytes, float64 seconds), written by the holder as it gives the turn up.
+            (float64 seconds) and a token of the handle that took it, written by the
+            holder as it gives the turn up (a write that fails is logged and skipped).
         idle_release_s: how long a turn is kept after a step for the next step (seconds).
         clock: monotonic seconds that turn and step lengths are measured in (tests pass
             a fake one; the wait for a turn and the idle release use the real clock).
@@ -69,6 +77,8 @@ class CpuTurns:
             raise ValueError(f"idle_release_s must be >= 0, got {idle_release_s}")
         self.path = path
         self.idle_release_s = idle_release_s
+        self._token = os.urandom(16)  # this handle's mark on the turns it writes
+        self._write_failed = False
         self._clock = clock
         self._turn = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
@@ -127,13 +137,18 @@ class CpuTurns:
 
     def _take(self) -> None:
         start = time.monotonic()
-        fcntl.flock(self._queue, fcntl.LOCK_EX)
         try:
-            fcntl.flock(self._turn, fcntl.LOCK_EX)
-        finally:
-            fcntl.flock(self._queue, fcntl.LOCK_UN)
-        raw = os.pread(self._turn, _LENGTH.size, 0)
-        last = _LENGTH.unpack(raw)[0] if len(raw) == _LENGTH.size else 0.0
+            fcntl.flock(self._queue, fcntl.LOCK_EX)
+            try:
+                fcntl.flock(self._turn, fcntl.LOCK_EX)
+            finally:
+                fcntl.flock(self._queue, fcntl.LOCK_UN)
+            raw = os.pread(self._turn, _LAST_TURN.size, 0)
+        except ValueError as exc:  # the handle was closed by another thread meanwhile
+            raise OSError(f"CpuTurns({self.path!r}) is closed") from exc
+        last, token = _LAST_TURN.unpack(raw) if len(raw) == _LAST_TURN.size else (0.0, b"")
+        if token == self._token:
+            last = 0.0  # after our own turn: one step at a time
         with self._cond:
             self.wait_seconds += time.monotonic() - start
             self.num_turns += 1
@@ -145,9 +160,14 @@ class CpuTurns:
         """End the held turn (``self._cond`` held): write its length, unlock."""
         self._held, self._release_at = False, None
         try:
-            os.pwrite(self._turn, _LENGTH.pack(max(0.0, now - self._since)), 0)
-        finally:
-            fcntl.flock(self._turn, fcntl.LOCK_UN)
+            os.pwrite(self._turn, _LAST_TURN.pack(max(0.0, now - self._since), self._token), 0)
+        except OSError as exc:
+            # The turns stay safe without it (the next holder reads an older length):
+            # a full disk must not fail a step that has run.
+            if not self._write_failed:
+                logger.warning("cannot write the turn's length to %s: %s", self.path, exc)
+            self._write_failed = True
+        fcntl.flock(self._turn, fcntl.LOCK_UN)
 
     def _start_releaser(self) -> None:
         if self._releaser is None:

@@ -29,9 +29,13 @@ Flow of one completion (``n`` completions run as ``n`` such flows, concurrently)
    ``disagg_max_prefill_queue`` prefills outstanding (a burst the prefill instances cannot
    take at once is shared with the decode instances). Prefill fallback (on unless
    ``disagg_prefill_fallback`` is off; Dynamo's decode-only fallback): when no prefill
-   instance is up (none registered, every one down or benched after a failure) or every
-   Prefill attempt failed for the instance's sake, a decode instance prefills the prompt
-   itself, so losing the prefill tier slows first tokens instead of failing requests.
+   instance is up (none in the view, or every one failed its last load poll) or every
+   Prefill attempt failed because the instance was unavailable or full (UNAVAILABLE,
+   RESOURCE_EXHAUSTED; not INTERNAL: a request that broke prefill engines is not
+   replayed on decode ones), a decode instance prefills the prompt itself, so losing
+   the prefill tier slows first tokens instead of failing requests. An instance benched
+   after one failed call is still tried when no other is left (as without the
+   fallback): one failure does not send every prompt to the decode instances.
    The choice and its reason go into ``timings`` (``disagg_decision``, ``disagg_reason``)
    and ``tandem:disagg_decision_total{path}``, once per completion, for the path taken.
 3. Each token batch goes through ``engine.detokenizer.IncrementalDetokenizer``; when a stop
@@ -137,9 +141,9 @@ class Pipeline:
             instance prefills the prompt itself (0: never). Dynamo's disaggregated
             router decides the same way (``max_prefill_queue_size``).
         disagg_prefill_fallback: with decode instances up but no prefill instance that
-            can serve (none up, or every Prefill attempt failed for the instance's sake),
-            a decode instance prefills the prompt itself instead of the request failing
-            with a 503.
+            can serve (none up, or every Prefill attempt failed with UNAVAILABLE or
+            RESOURCE_EXHAUSTED), a decode instance prefills the prompt itself instead of
+            the request failing with a 503.
 
     Raises:
         ValueError: a negative threshold.
@@ -314,10 +318,8 @@ class Pipeline:
         return info, local
 
     def _prefill_up(self) -> bool:
-        """Some prefill instance is neither out of the view, failing its load poll, nor
-        benched after a failed call."""
-        d = self.discovery
-        return any(not d.is_down(p.address) for p in d.instances(Role.PREFILL))
+        """Some prefill instance is in the view and did not fail its last load poll."""
+        return any(p.alive is not False for p in self.discovery.instances(Role.PREFILL))
 
     async def _attempts(self, stage: Role, ctx: RouteContext,
                         first: InstanceInfo | None = None,
@@ -372,7 +374,8 @@ class Pipeline:
             timings.prefill_compute_ns = presp.compute_ns
             timings.kv_publish_ns = presp.publish_ns
             return presp
-        if not self.disagg_prefill_fallback:
+        if not self.disagg_prefill_fallback or (
+                last is not None and last.code() not in _PREFILL_FALLBACK_CODES):
             raise _unavailable(Role.PREFILL, last, param_of_field)
         why = f"{last.code().name} {last.details()}" if last is not None else "none left"
         logger.warning("no prefill instance could serve %s (%s): the decode instance "
@@ -542,6 +545,13 @@ class Pipeline:
         if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
             self.discovery.mark_failed(info.address)
         self.metrics.retries.labels(model_name=self.metrics.model_name, stage=stage).inc()
+
+
+#: Prefill failures a decode instance's own prefill may stand in for: the instance is
+#: gone or restarting (UNAVAILABLE) or full (RESOURCE_EXHAUSTED). Not INTERNAL and the
+#: like: a request that broke prefill engines must not go on to break decode ones.
+_PREFILL_FALLBACK_CODES = frozenset({grpc.StatusCode.UNAVAILABLE,
+                                     grpc.StatusCode.RESOURCE_EXHAUSTED})
 
 
 @dataclasses.dataclass(frozen=True)

@@ -42,10 +42,12 @@ class _FailingPrefill(prefill_pb2_grpc.PrefillServiceServicer):
 
     def __init__(self) -> None:
         self.calls = 0
+        self.code = grpc.StatusCode.UNAVAILABLE
 
     async def Prefill(self, request, context):  # noqa: ANN001, ANN201, N802
         self.calls += 1
-        await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine is restarting")
+        await context.abort(self.code, "the engine is restarting"
+                            if self.code == grpc.StatusCode.UNAVAILABLE else "it broke")
 
     async def GetLoad(self, request, context):  # noqa: ANN001, ANN201, N802
         return common_pb2.GetLoadResponse(role="prefill")
@@ -149,3 +151,19 @@ def test_with_the_fallback_off_a_failing_prefill_tier_is_a_503(decode, failing_p
     assert resp.json()["error"]["message"].startswith(
         "no prefill instance could serve the request: UNAVAILABLE"), resp.text
 
+
+
+def test_a_request_that_broke_the_prefill_engine_is_not_replayed_on_decode(
+        decode, failing_prefill, router):
+    """INTERNAL (the engine failed on this request) is no reason to try the same request
+    on the decode instances: it is a 503, as without the fallback."""
+    servicer, address = failing_prefill
+    r = router(address, decode.address)
+    servicer.code = grpc.StatusCode.INTERNAL
+    try:
+        resp = r.complete([5, 6, 7, 8], 4)
+    finally:
+        servicer.code = grpc.StatusCode.UNAVAILABLE
+    assert resp.status_code == 503, resp.text
+    assert "INTERNAL it broke" in resp.json()["error"]["message"], resp.text
+    assert r.metric("tandem:disagg_decision_total", path="local_prefill") == 0

@@ -275,3 +275,82 @@ def test_an_engine_gone_idle_gives_its_turn_up(tmp_path) -> None:
             pass
     with pytest.raises(ValueError, match="idle_release_s"):
         CpuTurns(lock, idle_release_s=-1)
+
+
+def test_after_its_own_turn_an_engine_gets_one_step_at_a_time(tmp_path) -> None:
+    """Bug this guards against: a turn took the length of the last turn written, its
+    own included, so after one long step of the prefill engine the decode engine gave
+    itself turns that long again and again while the prefill engine was idle, and the
+    prefill engine's next step waited up to that long when it came back."""
+    lock, clock = str(tmp_path / "turns.lock"), _Clock()
+    a = CpuTurns(lock, clock=clock, idle_release_s=3600)
+    b = CpuTurns(lock, clock=clock, idle_release_s=3600)
+    try:
+        with b.turn():
+            clock.now += 1.0  # B's long step; then B goes idle
+        with a.turn():
+            clock.now += 0.125  # after B's turn: kept (seven more such steps fit)
+        assert a.num_turns == 1
+        for _ in range(7):
+            with a.turn():
+                clock.now += 0.125
+        assert a.num_turns == 1 and a.num_steps == 8  # its 1 s turn ended
+        for n in range(2, 5):
+            with a.turn():
+                clock.now += 0.125
+            assert a.num_turns == n, "a turn after its own was kept"
+    finally:
+        a.close()
+        b.close()
+
+
+#: Steps under RLIMIT_FSIZE=0 (writes past the empty lock file fail with EFBIG).
+_FULL_DISK = """
+import resource, signal, sys
+from tandem.engine.cpu_turns import CpuTurns
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (0, 0))
+turns = CpuTurns(sys.argv[1])
+for _ in range(3):
+    with turns.turn():
+        pass
+turns.close()
+print("steps", turns.num_steps)
+"""
+
+
+def test_a_lock_file_that_cannot_be_written_does_not_fail_the_steps(tmp_path) -> None:
+    """Bug this guards against: the length written as a turn ends (a full disk here)
+    raised out of the step that had run, and the engine failed every request."""
+    out = subprocess.run([sys.executable, "-P", "-c", _FULL_DISK, str(tmp_path / "t.lock")],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "steps 3" in out.stdout
+    assert out.stderr.count("cannot write the turn's length") == 1, out.stderr
+
+
+def test_closing_a_handle_whose_thread_waits_for_the_turn_is_an_oserror(tmp_path) -> None:
+    import threading
+
+    lock = str(tmp_path / "turns.lock")
+    holder, waiter = CpuTurns(lock), CpuTurns(lock)
+    raised: list[BaseException] = []
+
+    def take() -> None:
+        try:
+            with waiter.turn():
+                pass
+        except BaseException as exc:  # noqa: BLE001 - what it raised is the test
+            raised.append(exc)
+
+    try:
+        with holder.turn():
+            thread = threading.Thread(target=take, daemon=True)
+            thread.start()
+            wait_until(lambda: _blocked_on_a_lock(os.getpid()), 60, "the waiter blocked")
+            waiter.close()
+        thread.join(timeout=60)
+        assert not thread.is_alive()
+        assert len(raised) == 1 and isinstance(raised[0], OSError), raised
+    finally:
+        holder.close()

@@ -78,24 +78,27 @@ def test_a_negative_queue_bound_is_refused() -> None:
 
 
 def test_no_prefill_instance_up_the_decode_instance_prefills() -> None:
-    """Prefill fallback: with the only prefill instance benched after a failed call (or
-    none in the view) the decode instance prefills; with the fallback off the request
-    goes to the prefill instance (and fails there) or is refused with a 503."""
+    """Prefill fallback: with the only prefill instance failing its load poll (or none in
+    the view) the decode instance prefills; one benched after a single failed call is
+    still tried; with the fallback off the request goes to the prefill instance (and
+    fails there) or is refused with a 503."""
     from tandem.services.router.errors import OpenAIError
 
     discovery = StaticDiscovery(prefill=[PREFILL], decode=[DECODE])
     pipeline = _pipeline(discovery)
     assert not _decide(pipeline, 256)[0]
     discovery.mark_failed(PREFILL)
+    assert not _decide(pipeline, 256)[0], "one failed call sent the prompt to decode"
+    discovery.get(PREFILL).alive = False  # its load poll failed
     local, t = _decide(pipeline, 256)
     assert local and t.disagg_decision == "local_prefill"
     assert t.disagg_reason == "no prefill instance is up"
     assert pipeline.mode() == "disagg"
-    discovery.mark_ok(PREFILL)
+    discovery.get(PREFILL).alive = True
     assert not _decide(pipeline, 256)[0]
 
     off = _pipeline(discovery, disagg_prefill_fallback=False)
-    discovery.mark_failed(PREFILL)
+    discovery.get(PREFILL).alive = False
     assert not _decide(off, 256)[0]
 
     decode_only = StaticDiscovery(decode=[DECODE])
