@@ -195,8 +195,10 @@ class Pipeline:
                           retry_after_s=1)
 
     def can_prefill_locally(self) -> bool:
-        """Decode instances would serve requests with no prefill instance up (readiness)."""
-        return self.disagg_prefill_fallback and self.discovery.has_live(Role.DECODE)
+        """No prefill instance is up and live decode instances prefill prompts themselves
+        (readiness; a prefill instance not polled yet counts as up)."""
+        return (self.disagg_prefill_fallback and self.discovery.has_live(Role.DECODE)
+                and not self._prefill_up())
 
     async def generate(self, req: GenerationRequest) -> AsyncGenerator[SeqDelta, None]:
         """Deltas of all ``n`` completions, in the order they are produced.

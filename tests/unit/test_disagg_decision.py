@@ -112,3 +112,16 @@ def test_no_prefill_instance_up_the_decode_instance_prefills() -> None:
 def test_colocated_instances_go_before_the_prefill_fallback() -> None:
     discovery = StaticDiscovery(decode=[DECODE], both=["127.0.0.1:3"])
     assert _pipeline(discovery).mode() == "colocated"
+
+
+def test_ready_with_local_prefill_only_when_no_prefill_instance_is_up() -> None:
+    """A prefill instance not polled yet is not "down": /ready must not say the decode
+    instances prefill while requests still go to it."""
+    discovery = StaticDiscovery(prefill=[PREFILL], decode=[DECODE])
+    pipeline = _pipeline(discovery)
+    assert not pipeline.can_prefill_locally()  # nothing polled yet
+    discovery.get(DECODE).alive = True
+    assert not pipeline.can_prefill_locally()  # the prefill instance: not polled yet
+    discovery.get(PREFILL).alive = False
+    assert pipeline.can_prefill_locally()
+    assert not _pipeline(discovery, disagg_prefill_fallback=False).can_prefill_locally()
