@@ -14,7 +14,7 @@ load functions. Rules:
   not), then geometric bisection between the last rate that held and the first that
   broke (vLLM's auto_tune searches the rate the same way, for one latency bound);
 - configurations: the default first (the baseline), then every split of the resources
-  at the engine's default knobs (coarse), then, for the best splits, coordinate steps of
+  at the default candidate's knobs (coarse), then, for the best splits, coordinate steps of
   the knobs on their ladders, two rungs at a time and then one (fine).
 """
 
@@ -126,7 +126,7 @@ class Space:
 
     Attributes:
         default: the baseline (what ``tandem up`` runs without flags); always measured.
-        topologies: the splits of the resources, each tried at the default knobs.
+        topologies: the splits of the resources, each tried at the default candidate's knobs.
         batched_tokens / num_seqs / chunk_sizes: the ladders the fine search steps
             along (values of ``max_num_batched_tokens``, ``max_num_seqs`` and
             ``long_prefill_token_threshold``), ascending; 0 (no chunk cap) goes last.
@@ -202,8 +202,12 @@ def cpu_topologies(cpus: int) -> tuple[Topology, ...]:
 
 def default_candidate() -> Candidate:
     """What ``tandem up`` starts without flags: 1 prefill + 1 decode engine, not pinned,
-    the engine's default knobs."""
-    return Candidate(Topology(colocated=False, prefill=1, decode=1))
+    the engine's default knobs but the step budget ``tandem up`` gives engines that take
+    turns on shared cores (``TURNS_MAX_NUM_BATCHED_TOKENS``)."""
+    from tandem.up import TURNS_MAX_NUM_BATCHED_TOKENS
+
+    return Candidate(Topology(colocated=False, prefill=1, decode=1),
+                     Knobs(max_num_batched_tokens=TURNS_MAX_NUM_BATCHED_TOKENS))
 
 
 # ---- the SLO and a measurement ------------------------------------------------------------
@@ -470,7 +474,7 @@ def search(space: Space, open_candidate: OpenCandidate, slo: Slo, policy: RatePo
            confirm_share: float = 0.0, log: Callable[[str], None] = print) -> SearchResult:
     """Coarse-to-fine search for the candidate with the highest goodput meeting ``slo``.
 
-    Order: ``space.default``; every topology at default knobs; then for the
+    Order: ``space.default``; every topology at the default's knobs; then for the
     ``refine_topologies`` best topologies (the default's among them), coordinate steps on the knob ladders (two
     rungs, then one) from that topology's best candidate, moving to a neighbour whose
     score beats the current one by more than ``min_gain`` (a fraction). A candidate is
@@ -543,7 +547,7 @@ def search(space: Space, open_candidate: OpenCandidate, slo: Slo, policy: RatePo
     stopped = "done"
     try:
         evaluate(space.default)
-        default_knobs = Candidate(space.default.topology).knobs
+        default_knobs = space.default.knobs
         for t in space.topologies:
             evaluate(Candidate(t, default_knobs))
         # NOTE: the default's split competes too (it may be none of the pinned ones).

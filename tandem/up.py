@@ -122,6 +122,10 @@ KV_CAP_BYTES = 4 << 30
 #: The step-turn lock file of engines that share cores (``engine/cpu_turns.py``), in the
 #: stack's temporary folder.
 CPU_TURNS_FILE = "cpu-turns.lock"
+#: ``--max-num-batched-tokens`` of engines that take turns, unless the user sets it: a
+#: turn waits for the other engine's whole step, so a long prompt's 2048-token chunks
+#: would stall the streams beside it (docs/benchmarks.md, "turns fair in time").
+TURNS_MAX_NUM_BATCHED_TOKENS = 512
 
 
 def engines_on_gpu(cfg: StackConfig) -> bool:
@@ -142,6 +146,11 @@ def takes_cpu_turns(cfg: StackConfig) -> bool:
     (``--no-cpu-turns``) or the engines run pipeline parallel (their batches in flight
     overlap)."""
     return shares_cpu_cores(cfg) and cfg.cpu_turns and _pipeline_size(cfg.engine_args) == 1
+
+
+def _sets_flag(engine_args: Sequence[str], flag: str) -> bool:
+    """``flag`` is among the engines' flags (``--flag value`` or ``--flag=value``)."""
+    return any(a == flag or a.startswith(flag + "=") for a in engine_args)
 
 
 def _pipeline_size(engine_args: Sequence[str]) -> int:
@@ -315,10 +324,12 @@ class Stack:
         instance_id = f"{name}-{uuid.uuid4().hex[:8]}"
         argv = [*cmd, "--listen", f"127.0.0.1:{port}", "--redis-url", self.redis_url,
                 "--instance-id", instance_id, *kv_cache_args(cfg), *cfg.engine_args]
-        if takes_cpu_turns(cfg) and not any(a.startswith("--shared-cpu-lock")
-                                            for a in cfg.engine_args):
-            assert self.tmpdir is not None, "start() creates the temp dir first"
-            argv += ["--shared-cpu-lock", str(self.tmpdir / CPU_TURNS_FILE)]
+        if takes_cpu_turns(cfg):
+            if not _sets_flag(cfg.engine_args, "--shared-cpu-lock"):
+                assert self.tmpdir is not None, "start() creates the temp dir first"
+                argv += ["--shared-cpu-lock", str(self.tmpdir / CPU_TURNS_FILE)]
+            if not _sets_flag(cfg.engine_args, "--max-num-batched-tokens"):
+                argv += ["--max-num-batched-tokens", str(TURNS_MAX_NUM_BATCHED_TOKENS)]
         if kvstore:
             argv += ["--kvstore", kvstore]
         if cfg.engine_metrics:

@@ -201,7 +201,7 @@ def test_a_candidate_that_fails_to_start_is_a_result() -> None:
 
     result = search(space, model_stacks(capacity, clock), SLO, RatePolicy(),
                     Budget(10**6, clock), log=lambda _: None)
-    failed = result.result(Candidate(broken))
+    failed = result.result(Candidate(broken, default_candidate().knobs))
     assert failed is not None and "did not start" in failed.error
     assert failed.score(SLO) == 0.0
     assert result.best() is not None and result.best().candidate == default_candidate()

@@ -124,3 +124,27 @@ def test_engines_that_share_cores_take_turns_per_step(tmp_path) -> None:
             if turns:
                 locks.add(argv[argv.index("--shared-cpu-lock") + 1])
         assert locks == ({str(tmp_path / "cpu-turns.lock")} if turns else set())
+
+
+def test_engines_that_take_turns_get_a_512_token_step_budget(tmp_path) -> None:
+    """A turn waits for the other engine's whole step: engines taking turns get
+    ``--max-num-batched-tokens 512`` (not the engine's 2048) unless the user sets it;
+    pinned engines keep the engine's default."""
+    from tandem.up import Stack, StackConfig
+
+    def budget(cfg: StackConfig) -> list[str]:
+        stack = Stack(cfg)
+        stack.tmpdir = tmp_path
+        argv = stack._engine_part("prefill-0", ["prefill"]).argv
+        return [a for i, a in enumerate(argv) if a.startswith("--max-num-batched-tokens")
+                or (i and argv[i - 1] == "--max-num-batched-tokens")]
+
+    assert budget(StackConfig()) == ["--max-num-batched-tokens", "512"]
+    assert budget(StackConfig(colocated=True, replicas=2)) == ["--max-num-batched-tokens",
+                                                               "512"]
+    assert budget(StackConfig(cpus_per_engine=1)) == []
+    assert budget(StackConfig(cpu_turns=False)) == []
+    assert budget(StackConfig(engine_args=["--max-num-batched-tokens=1024"])) == [
+        "--max-num-batched-tokens=1024"]
+    assert budget(StackConfig(engine_args=["--max-num-batched-tokens", "4096"])) == [
+        "--max-num-batched-tokens", "4096"]
