@@ -8,6 +8,7 @@ oracle transformers ``generate(do_sample=False)``.
 from __future__ import annotations
 
 import signal
+import time
 
 import grpc
 import pytest
@@ -135,10 +136,15 @@ def test_cancel_and_deadline_free_all_blocks(svc):
     call.cancel()
     wait_for(lambda: svc.get_load().num_running_requests == 0, 30, "request aborted")
     assert svc.get_load().num_free_blocks == total
+    # The deadline must fall while the request runs, on any machine: a quarter of what the
+    # whole request takes here (a fixed 0.5 s let a fast host finish all 400 tokens).
+    req = decode_pb2.DecodeRequest(prompt_token_ids=list(range(10, 90)),
+                                   sampling_params=params(400, ignore_eos=True))
+    start = time.monotonic()
+    assert sum(len(m.token_ids) for m in svc.decode.Decode(req, timeout=60)) == 400
+    took = time.monotonic() - start
     with pytest.raises(grpc.RpcError) as err:
-        list(svc.decode.Decode(decode_pb2.DecodeRequest(
-            prompt_token_ids=list(range(10, 90)), sampling_params=params(400, ignore_eos=True)),
-            timeout=0.5))
+        list(svc.decode.Decode(req, timeout=took / 4))
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     wait_for(lambda: svc.get_load().num_free_blocks == total, 30, "pool back to full")
 
