@@ -22,7 +22,14 @@ import sys
 import time
 from typing import Any
 
-from tandem.bench.serve import RequestResult, _one, compute_metrics, print_result, sample_prompts
+from tandem.bench.serve import (
+    RequestResult,
+    _one,
+    compute_metrics,
+    model_and_vocab,
+    print_result,
+    sample_prompts,
+)
 
 
 async def run_mixed(url: str, model: str, short: list[tuple[list[int], int]],
@@ -106,8 +113,6 @@ def main(argv: list[str] | None = None) -> int:
     Raises:
         SystemExit: bad flags (argparse's usage error, exit 2).
     """
-    import httpx
-
     p = build_parser()
     args = p.parse_args(argv)
     for flag in ("num_short", "short_input_len", "short_output_len", "short_concurrency",
@@ -116,12 +121,7 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--{flag.replace('_', '-')} must be >= 1")
     percentiles = [float(x) for x in args.metric_percentiles.split(",")]
     base = args.url.rstrip("/")
-    model = args.model or httpx.get(f"{base}/v1/models", timeout=30).json()["data"][0]["id"]
-    vocab = args.vocab_size
-    if vocab is None:
-        from tandem.engine.model_files import load_tokenizer
-
-        vocab = len(load_tokenizer(args.tokenizer))
+    model, vocab = model_and_vocab(base, args.model, args.tokenizer, args.vocab_size)
     short = sample_prompts(args.num_short, args.short_input_len, args.short_output_len, 0.0,
                            vocab, args.seed)
     # distinct long prompts (no prefix-cache hits between them): enough for any run

@@ -503,6 +503,26 @@ def _cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
     return out
 
 
+def model_and_vocab(base: str, model: str | None, tokenizer: str | None,
+                    vocab_size: int | None) -> tuple[str, int]:
+    """The model to request (``model``, else the router at ``base`` serves first) and the
+    vocabulary size random prompts draw from (``vocab_size``, else ``tokenizer``'s, the
+    default model's when ``None``).
+
+    Raises:
+        httpx.HTTPError: the router's ``/v1/models`` cannot be read.
+    """
+    import httpx
+
+    served = httpx.get(f"{base}/v1/models", timeout=30).json()["data"]
+    model = model or served[0]["id"]
+    if vocab_size is None:
+        from tandem.engine.model_files import load_tokenizer
+
+        vocab_size = len(load_tokenizer(tokenizer))
+    return model, vocab_size
+
+
 def _run_all(args: argparse.Namespace, url: str, percentiles: list[float],
              slo: dict[str, float], mix: list[tuple[int, float]] | None,
              label: str | None, pids: dict[str, int] | None = None
@@ -512,16 +532,8 @@ def _run_all(args: argparse.Namespace, url: str, percentiles: list[float],
     With ``pids`` (part name -> process id) each result gets ``cpu_seconds`` per part
     during its run and ``router_tokens_per_cpu_s`` (output tokens per router CPU second,
     when a part is called "router")."""
-    import httpx
-
     base = url.rstrip("/")
-    models = httpx.get(f"{base}/v1/models", timeout=30).json()["data"]
-    model = args.model or models[0]["id"]
-    vocab = args.vocab_size
-    if vocab is None:
-        from tandem.engine.model_files import load_tokenizer
-
-        vocab = len(load_tokenizer(args.tokenizer))
+    model, vocab = model_and_vocab(base, args.model, args.tokenizer, args.vocab_size)
     if args.dataset_name == "multi-turn":
         return _run_multi_turn(args, base, model, percentiles, label)
     all_results = []
