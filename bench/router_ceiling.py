@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -92,6 +93,10 @@ class StubDecodeServicer:
             for i in range(n):
                 if self._interval_s > 0:
                     await self._wait_tick()
+                else:
+                    # as one gRPC write per message does: the other streams go on
+                    # between two tokens of this one (DecodeStream runs it as a task)
+                    await asyncio.sleep(0)
                 last_ns = time.monotonic_ns()
                 msg = decode_pb2.DecodeResponse(token_ids=[ids[i % len(ids)]],
                                                 sent_unix_ns=time.time_ns())
@@ -106,6 +111,14 @@ class StubDecodeServicer:
                 yield msg
         finally:
             self._num_open -= 1
+
+    async def DecodeStream(self, request_iterator: Any, context: Any) -> Any:  # noqa: N802
+        """Decode's streams over one call (``services.decode.stream``)."""
+        from tandem.services.decode.stream import serve_decode_stream
+
+        async for resp in serve_decode_stream(request_iterator,
+                                              lambda req: self.Decode(req, context)):
+            yield resp
 
     async def GetLoad(self, request: Any, context: Any) -> Any:  # noqa: N802 - gRPC's name
         from tandem.v1 import common_pb2
@@ -173,6 +186,35 @@ def _start(args: argparse.Namespace, interval_ms: float, tmp: Path, token_ids: l
     return launcher, url, router, stub
 
 
+def _cpu_list(text: str) -> list[int]:
+    """``"0,2"`` -> ``[0, 2]`` (argparse type; raises ValueError on anything else)."""
+    cpus = [int(x) for x in text.split(",")]
+    if not cpus or min(cpus) < 0:
+        raise ValueError(text)
+    return cpus
+
+
+def _pin(cpus: list[int], router: Any, others: list[Any]) -> None:
+    """Run ``router`` (a psutil.Process, its threads included) on ``router_cpus`` and
+    ``others`` on the CPUs left.
+
+    Raises:
+        ValueError: a CPU not available to this process, or none left for the others.
+    """
+    allowed = set(router.cpu_affinity())
+    rest = sorted(allowed - set(cpus))
+    if not set(cpus) <= allowed or not rest:
+        raise ValueError(f"--router-cpus {cpus}: needs CPUs of {sorted(allowed)} "
+                         "with at least one left for the stub and the client")
+    for thread in router.threads():
+        os.sched_setaffinity(thread.id, cpus)
+    router.cpu_affinity(cpus)
+    for proc in others:
+        for thread in proc.threads():
+            os.sched_setaffinity(thread.id, rest)
+        proc.cpu_affinity(rest)
+
+
 def run_one(args: argparse.Namespace, interval_ms: float, token_ids: list[int], model: str,
             tmp: Path) -> dict[str, Any]:
     """One load against a fresh stub + router; the result dict (see the module doc)."""
@@ -184,6 +226,8 @@ def run_one(args: argparse.Namespace, interval_ms: float, token_ids: list[int], 
     try:
         assert router.proc is not None and stub.proc is not None
         rproc, sproc = psutil.Process(router.proc.pid), psutil.Process(stub.proc.pid)
+        if args.router_cpus is not None:
+            _pin(args.router_cpus, rproc, [sproc, psutil.Process()])
         # a warm-up request: channels, the tokenizer's first use
         asyncio.run(run_rate(url + "/v1/completions", model, [([1000] * 8, 8)],
                              float("inf"), 1.0, None, True, 0))
@@ -261,6 +305,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--router-python", default=None,
                    help="the interpreter that runs the router (default: this one); another "
                         "checkout's venv python compares two routers on the same stub")
+    p.add_argument("--router-cpus", default=None, metavar="LIST", type=_cpu_list,
+                   help="CPUs (comma-separated ids, e.g. 0) the router runs on; the stub and the load "
+                        "generator then run on the others, so the client's and the stub's "
+                        "own delays do not land in the router's (default: all share)")
     p.add_argument("--json", default=None, help="write the results (a JSON list) here")
     # the stub process (started by the bench itself)
     p.add_argument("--serve-stub", type=int, default=None, metavar="PORT",

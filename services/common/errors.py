@@ -25,6 +25,8 @@ anything else                      INTERNAL (logged with its traceback)
 A ``RequestError`` (a ``ValueError`` naming the request field at fault) also sends that
 field as the trailing metadata entry :data:`FIELD_METADATA_KEY`, so a caller (the router)
 can report it as the OpenAI error's ``param`` without parsing the message.
+Handlers that carry several requests in one call (``DecodeStream``) report each
+request's failure themselves, with :func:`describe`.
 """
 
 from __future__ import annotations
@@ -84,16 +86,22 @@ def status_for(exc: BaseException) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
-async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> None:
+def describe(exc: Exception) -> tuple[grpc.StatusCode, str, str | None]:
+    """``(status code, message, the request field at fault or None)`` of an exception a
+    servicer raised: what its RPC ends with. An unmapped exception (INTERNAL) is logged
+    with its traceback here."""
     code = status_for(exc)
     if code is grpc.StatusCode.INTERNAL:
         logger.exception("internal error in RPC handler", exc_info=exc)
         message = f"internal error: {type(exc).__name__}: {exc}"
     else:
         message = str(exc) or type(exc).__name__
-    trailing: tuple[tuple[str, str], ...] = ()
-    if isinstance(exc, RequestError):
-        trailing = ((FIELD_METADATA_KEY, exc.field),)
+    return code, message, exc.field if isinstance(exc, RequestError) else None
+
+
+async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> None:
+    code, message, field = describe(exc)
+    trailing = ((FIELD_METADATA_KEY, field),) if field is not None else ()
     # context.abort raises grpc.aio.AbortError, which grpc turns into the status.
     await context.abort(code, message, trailing_metadata=trailing)
 

@@ -14,6 +14,9 @@ Colocated form (no ``first_token_id``): the engine computes the prompt and
 streams every token from the first. With ``output_token_ids`` (the router
 migrating a request whose instance failed) those tokens are output already:
 the engine computes prompt + them and streams the tokens after them.
+
+``DecodeStream`` carries many such requests over one call (the router's form; see
+:mod:`services.decode.stream`), each through the same per-request logic.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from tandem.engine.validation import check_context_length, check_token_ids
 from tandem.services.common.context import ServiceContext, cdiv, now_ns
 from tandem.services.common.engine_loop import StampedOutput
 from tandem.services.common.errors import LayoutMismatchError
+from tandem.services.decode.stream import serve_decode_stream
 from tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 
 
@@ -129,6 +133,21 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
     async def Decode(
         self, request: decode_pb2.DecodeRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[decode_pb2.DecodeResponse]:
+        async for resp in self._responses(request):
+            yield resp
+
+    async def DecodeStream(
+        self, request_iterator: AsyncIterator[decode_pb2.DecodeStreamRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[decode_pb2.DecodeStreamResponse]:
+        async for resp in serve_decode_stream(request_iterator, self._responses):
+            yield resp
+
+    async def _responses(
+        self, request: decode_pb2.DecodeRequest
+    ) -> AsyncIterator[decode_pb2.DecodeResponse]:
+        """The messages of one Decode request (see the module doc); raises what the
+        request fails with (``services.common.errors`` maps it)."""
         ctx = self._ctx
         arrival_ns = now_ns()
         req = self._build(request)

@@ -46,6 +46,7 @@ from tandem.services.router.metrics import CONTENT_TYPE
 from tandem.services.router.responses import (
     DONE,
     ChoiceState,
+    SSETemplate,
     chat_logprobs,
     completion_logprobs,
     merged,
@@ -484,16 +485,35 @@ class _Streamer:
         self.states = [ChoiceState(index=i) for i in range(num_choices)]
         self.num_prompt_tokens = num_prompt_tokens
         self.n = n  # choices per prompt
+        opts = req.stream_options
+        self._continuous_usage = bool(opts is not None and opts.include_usage
+                                      and opts.continuous_usage_stats)
+        self._templates: dict[int, SSETemplate | None] = {}
 
     def chunks(self, idx: int, d: SeqDelta) -> list[_Chunk]:
+        raise NotImplementedError
+
+    def _text_chunk(self, idx: int, text: str) -> str | None:
+        """The SSE text of a chunk of choice ``idx`` that carries only ``text``, from
+        its template (``SSETemplate``, made once per choice from ``_plain_chunk``), or
+        ``None`` where the chunk needs more (running usage)."""
+        if self._continuous_usage:
+            return None
+        if idx not in self._templates:
+            self._templates[idx] = SSETemplate.of(sse(self._plain_chunk(idx,
+                                                                         SSETemplate.MARK)))
+        tpl = self._templates[idx]
+        return tpl.render(text) if tpl is not None else None
+
+    def _plain_chunk(self, idx: int, text: str) -> P.ChatCompletionChunk | P.CompletionChunk:
+        """Choice ``idx``'s chunk with ``text`` and nothing else (not the first)."""
         raise NotImplementedError
 
     def _finish(self, chunk: P.ChatCompletionChunk | P.CompletionChunk, d: SeqDelta
                 ) -> _Chunk:
         """The chunk's SSE text, with running usage (``continuous_usage_stats``); a
         choice's last chunk gets its timings when it is written."""
-        opts = self.req.stream_options
-        if opts is not None and opts.include_usage and opts.continuous_usage_stats:
+        if self._continuous_usage:
             chunk.usage = usage(self.num_prompt_tokens, self.states, self.n)
         timings = d.timings if d.finish_reason is not None else None
         if timings is None:
@@ -581,6 +601,10 @@ class _ChatStreamer(_Streamer):
             content, tool_calls, finish = self._tool_delta(idx, d)
         if not (content or tool_calls or finish or first or (self.req.logprobs and d.logprobs)):
             return []
+        if content and not (first or tool_calls or finish or (self.req.logprobs and d.logprobs)):
+            text = self._text_chunk(idx, content)
+            if text is not None:
+                return [text]
         st.sent_role = True
         choice = P.ChatStreamChoice(
             index=idx, delta=P.DeltaMessage(role="assistant" if first else None,
@@ -595,6 +619,11 @@ class _ChatStreamer(_Streamer):
     def _usage_chunk(self, u: P.UsageInfo) -> P.BaseModel:
         return P.ChatCompletionChunk(id=self.resp_id, created=self.created, model=self.model,
                                      choices=[], usage=u)
+
+    def _plain_chunk(self, idx: int, text: str) -> P.ChatCompletionChunk:
+        return P.ChatCompletionChunk(
+            id=self.resp_id, created=self.created, model=self.model,
+            choices=[P.ChatStreamChoice(index=idx, delta=P.DeltaMessage(content=text))])
 
 
 class _CompletionStreamer(_Streamer):
@@ -619,6 +648,10 @@ class _CompletionStreamer(_Streamer):
             st.text_offset += sum(len(t) for t in lps.tokens)
         if not (text or d.finish_reason or lps):
             return []
+        if not (lps or d.finish_reason):
+            plain = self._text_chunk(idx, text)
+            if plain is not None:
+                return [plain]
         chunk = P.CompletionChunk(id=self.resp_id, created=self.created, model=self.model,
                                   choices=[P.CompletionChoice(
                                       index=idx, text=text, logprobs=lps,
@@ -629,3 +662,7 @@ class _CompletionStreamer(_Streamer):
     def _usage_chunk(self, u: P.UsageInfo) -> P.BaseModel:
         return P.CompletionChunk(id=self.resp_id, created=self.created, model=self.model,
                                  choices=[], usage=u)
+
+    def _plain_chunk(self, idx: int, text: str) -> P.CompletionChunk:
+        return P.CompletionChunk(id=self.resp_id, created=self.created, model=self.model,
+                                 choices=[P.CompletionChoice(index=idx, text=text)])

@@ -1,7 +1,8 @@
 """gRPC clients of the engine instances (PrefillService, DecodeService), one channel each.
 
 :class:`InstancePool` keeps one ``grpc.aio`` channel per address for the router's life
-(HTTP/2 multiplexes every concurrent request over it) and closes them on shutdown.
+(HTTP/2 multiplexes every concurrent request over it) and closes them on shutdown; Decode
+requests to an instance share one ``DecodeStream`` call on it (``decode_mux``).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import grpc
 
 from tandem.contracts.role import Role
 from tandem.services.common.periodic import start_periodic, stop_periodic
+from tandem.services.router.decode_mux import DecodeMux, MuxedDecode
 from tandem.services.router.discovery import Discovery
 from tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
@@ -45,12 +47,18 @@ class InstancePool:
         credentials: TLS for every channel (``tls.TLSFiles.channel_credentials``), or
             ``None`` for plaintext.
         options: extra channel options (``tls.TLSFiles.channel_options``).
+        multiplex_decode: every Decode to an instance on its one ``DecodeStream`` call
+            (one message per engine step for all of them) instead of a call each.
     """
 
     def __init__(self, discovery: Discovery,
                  credentials: grpc.ChannelCredentials | None = None,
-                 options: list[tuple[str, str]] | None = None) -> None:
+                 options: list[tuple[str, str]] | None = None,
+                 multiplex_decode: bool = True) -> None:
         self._discovery = discovery
+        self._multiplex_decode = multiplex_decode
+        self._muxes: dict[str, DecodeMux] = {}
+        self._no_decode_stream: set[str] = set()
         self._credentials = credentials
         self._options = [*_CHANNEL_OPTIONS, *(options or [])]
         self._channels: dict[str, grpc.aio.Channel] = {}
@@ -81,9 +89,34 @@ class InstancePool:
         return await self.prefill_stub(address).Prefill(req, metadata=metadata)
 
     def decode(self, address: str, req: decode_pb2.DecodeRequest,
-               metadata: tuple[tuple[str, str], ...] = ()) -> grpc.aio.UnaryStreamCall:
-        """Start a Decode stream; iterate it, and ``cancel()`` it to abort the request."""
-        return self.decode_stub(address).Decode(req, metadata=metadata)
+               metadata: tuple[tuple[str, str], ...] = ()
+               ) -> grpc.aio.UnaryStreamCall | MuxedDecode:
+        """Start a Decode stream; iterate it, and ``cancel()`` it to abort the request.
+
+        With ``multiplex_decode`` (the default) it travels on the instance's one
+        ``DecodeStream`` call (:mod:`services.router.decode_mux`; ``req.request_id`` must
+        then be unique among this router's requests), else as its own ``Decode`` call,
+        as it does to an instance that has no DecodeStream.
+        """
+        stub = self.decode_stub(address)
+
+        def direct() -> grpc.aio.UnaryStreamCall:
+            return stub.Decode(req, metadata=metadata)
+
+        if not self._multiplex_decode or address in self._no_decode_stream:
+            return direct()
+        mux = self._muxes.get(address)
+        if mux is None:
+            mux = self._muxes[address] = DecodeMux(address, stub, self._mux_closed)
+        return mux.start(req, direct)
+
+    def _mux_closed(self, mux: DecodeMux, error: grpc.aio.AioRpcError) -> None:
+        if self._muxes.get(mux.address) is mux:
+            del self._muxes[mux.address]
+        if error.code() == grpc.StatusCode.UNIMPLEMENTED:
+            logger.warning("%s has no DecodeStream (an older engine): one Decode call per "
+                           "request to it", mux.address)
+            self._no_decode_stream.add(mux.address)
 
     async def get_load(self, address: str, role: Role, timeout_s: float = 2.0
                        ) -> common_pb2.GetLoadResponse:
@@ -119,5 +152,7 @@ class InstancePool:
     async def close(self) -> None:
         await stop_periodic(self._task)
         self._task = None
+        muxes, self._muxes = self._muxes, {}
+        await asyncio.gather(*(m.close() for m in muxes.values()), return_exceptions=True)
         channels, self._channels = self._channels, {}
         await asyncio.gather(*(ch.close() for ch in channels.values()), return_exceptions=True)

@@ -62,6 +62,8 @@ class RouterConfig:
         disagg_prefill_fallback: with no prefill instance able to serve, decode instances
             prefill prompts themselves instead of requests failing with a 503
             (``--[no-]disagg-prefill-fallback``, on by default).
+        multiplex_decode: every Decode to an instance travels on its one ``DecodeStream``
+            call (``--[no-]multiplex-decode``, on by default).
         log_level: Python logging level name.
         loop: the event loop (``--loop``, uvicorn's name): ``uvloop`` when installed for
             ``auto``, else ``asyncio``.
@@ -98,6 +100,7 @@ class RouterConfig:
     disagg_min_uncached_tokens: int = 0
     disagg_max_prefill_queue: int = 0
     disagg_prefill_fallback: bool = True
+    multiplex_decode: bool = True
     log_level: str = "info"
     loop: str = "auto"
     http: str = "auto"
@@ -167,5 +170,6 @@ class RouterConfig:
                    disagg_min_uncached_tokens=getattr(ns, "disagg_min_uncached_tokens", 0),
                    disagg_max_prefill_queue=getattr(ns, "disagg_max_prefill_queue", 0),
                    disagg_prefill_fallback=getattr(ns, "disagg_prefill_fallback", True),
+                   multiplex_decode=getattr(ns, "multiplex_decode", True),
                    log_level=ns.log_level, loop=getattr(ns, "loop", "auto"),
                    http=getattr(ns, "http", "auto"))

@@ -193,3 +193,45 @@ def test_bench_serve_sends_the_temperature_it_is_given(capsys) -> None:
     assert "--temperature: must be >= 0" in capsys.readouterr().err
     assert main(["--temperature", "0.5", "--dataset-name", "multi-turn"]) == 2
     assert "--temperature: the multi-turn dataset is greedy" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kind", ["completion", "chat", "chat-usage"])
+def test_sse_template_chunks_equal_the_models_chunks(kind: str) -> None:
+    """A streamed text chunk rendered from its template (``SSETemplate``) is the very text
+    the chunk's model gives through ``sse``: the same deltas through a streamer whose
+    templates are off give the same SSE lines, whatever the text holds."""
+    from types import SimpleNamespace
+
+    from tandem.services.router import app as A
+    from tandem.services.router import protocol as P
+
+    fe = SimpleNamespace(model_name="m")
+
+    def streamer() -> A._Streamer:
+        if kind == "completion":
+            req = P.CompletionRequest(model="m", prompt="x", stream=True, n=2)
+            return A._CompletionStreamer(fe, req, "cmpl-1", 2, ["x"], 1)  # type: ignore[arg-type]
+        opts = {"include_usage": True, "continuous_usage_stats": True}
+        creq = P.ChatCompletionRequest(
+            model="m", messages=[{"role": "user", "content": "x"}], stream=True, n=2,
+            stream_options=opts if kind == "chat-usage" else None)
+        return A._ChatStreamer(fe, creq, "chat-1", 1)  # type: ignore[arg-type]
+
+    fast, slow = streamer(), streamer()
+    slow.created = fast.created
+    slow._templates = {0: None, 1: None}
+    texts = ["Hello", ' "quoted"\n\\', "é😀", "\x00 nul", "", "end"]
+    lines: list[tuple[list[str], list[str]]] = []
+    for i, text in enumerate(texts):
+        for idx in (0, 1):
+            d = SeqDelta(index=idx, text=text, token_ids=[i],
+                         finish_reason="stop" if i == len(texts) - 1 else None)
+            got = [c if isinstance(c, str) else c() for c in fast.chunks(idx, d)]
+            want = [c if isinstance(c, str) else c() for c in slow.chunks(idx, d)]
+            lines.append((got, want))
+    assert all(got == want for got, want in lines)
+    assert sum(len(got) for got, _ in lines) >= 2 * (len(texts) - 1)
+    if kind != "chat-usage":
+        assert all(t is not None for t in fast._templates.values()) and fast._templates
+    else:
+        assert not fast._templates  # running usage: every chunk through its model

@@ -40,6 +40,11 @@ class DecodeServiceStub:
                 request_serializer=tandem_dot_v1_dot_decode__pb2.DecodeRequest.SerializeToString,
                 response_deserializer=tandem_dot_v1_dot_decode__pb2.DecodeResponse.FromString,
                 _registered_method=True)
+        self.DecodeStream = channel.stream_stream(
+                '/tandem.v1.DecodeService/DecodeStream',
+                request_serializer=tandem_dot_v1_dot_decode__pb2.DecodeStreamRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_decode__pb2.DecodeStreamResponse.FromString,
+                _registered_method=True)
         self.GetLoad = channel.unary_unary(
                 '/tandem.v1.DecodeService/GetLoad',
                 request_serializer=tandem_dot_v1_dot_common__pb2.GetLoadRequest.SerializeToString,
@@ -61,6 +66,19 @@ class DecodeServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DecodeStream(self, request_iterator, context):
+        """Many Decode streams over one call (the router's form): the caller starts
+        and cancels requests on its side of the call; each message this side
+        sends holds every request's DecodeResponse that was ready together (one
+        engine step's outputs, in the engine's order), so a step costs one
+        message, not one per request. Each request means what it means in Decode;
+        its errors come as an item's error (the call itself stays up). Ending the
+        call cancels every request still running on it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetLoad(self, request, context):
         """Current load of this instance.
         """
@@ -75,6 +93,11 @@ def add_DecodeServiceServicer_to_server(servicer, server):
                     servicer.Decode,
                     request_deserializer=tandem_dot_v1_dot_decode__pb2.DecodeRequest.FromString,
                     response_serializer=tandem_dot_v1_dot_decode__pb2.DecodeResponse.SerializeToString,
+            ),
+            'DecodeStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.DecodeStream,
+                    request_deserializer=tandem_dot_v1_dot_decode__pb2.DecodeStreamRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_decode__pb2.DecodeStreamResponse.SerializeToString,
             ),
             'GetLoad': grpc.unary_unary_rpc_method_handler(
                     servicer.GetLoad,
@@ -109,6 +132,33 @@ class DecodeService:
             '/tandem.v1.DecodeService/Decode',
             tandem_dot_v1_dot_decode__pb2.DecodeRequest.SerializeToString,
             tandem_dot_v1_dot_decode__pb2.DecodeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DecodeStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/tandem.v1.DecodeService/DecodeStream',
+            tandem_dot_v1_dot_decode__pb2.DecodeStreamRequest.SerializeToString,
+            tandem_dot_v1_dot_decode__pb2.DecodeStreamResponse.FromString,
             options,
             channel_credentials,
             insecure,

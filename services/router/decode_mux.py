@@ -1,0 +1,207 @@
+"""``DecodeStream``, the router's side: every Decode of this router on one instance over
+one bidirectional call.
+
+One :class:`DecodeMux` per decode (or colocated) instance holds the call: requests start
+and cancel with small messages on it, and each message from the instance carries every
+request's tokens of an engine step (``services.decode.stream``). A reader task hands
+each item to its request's :class:`MuxedDecode`, which the pipeline iterates as it would
+a ``Decode`` call: ``async for msg in call``, ``call.cancel()``, ``call.done()``, and
+failures raised as ``grpc.aio.AioRpcError`` with the code, details and field (trailing
+metadata ``FIELD_METADATA_KEY``) that ``Decode`` would have ended with. So retries,
+migration and the 400/503 rules of the pipeline hold unchanged.
+
+Why: per streamed token, a call per request costs the router a gRPC message read
+(completion-queue poll, a callback into the event loop, a read future) and the instance a
+write; with 64 streams an engine step's tokens arrived as 64 messages in an order that
+changed from step to step, and that order was most of the inter-token jitter the router
+added (docs/benchmarks.md, "The router's own ceiling"). One message per step, in the
+engine's order, costs one read and keeps each stream's place.
+
+When the call breaks (the instance died, the channel failed) every request on it fails
+with the call's status, as their own calls would have; the next request opens a new
+call. An instance without ``DecodeStream`` (UNIMPLEMENTED: an older engine) is served
+with one ``Decode`` call per request from then on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
+
+import grpc
+
+from tandem.services.common.errors import FIELD_METADATA_KEY
+from tandem.v1 import decode_pb2, decode_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+_Item = decode_pb2.DecodeResponse | grpc.aio.AioRpcError
+
+
+class MuxedDecode:
+    """One request's Decode stream over a :class:`DecodeMux` (the ``grpc.aio`` call
+    surface the pipeline uses). Iterate it once; ``cancel()`` aborts the request."""
+
+    def __init__(self, mux: DecodeMux, request: decode_pb2.DecodeRequest,
+                 fallback: Callable[[], grpc.aio.UnaryStreamCall]) -> None:
+        self._mux = mux
+        self._request_id = request.request_id
+        self._queue: asyncio.Queue[_Item] = asyncio.Queue()
+        self._fallback = fallback
+        self._direct: grpc.aio.UnaryStreamCall | None = None
+        self._done = False
+
+    def done(self) -> bool:
+        """The request is over: finished, failed or cancelled."""
+        if self._direct is not None:
+            return self._direct.done()
+        return self._done
+
+    def cancel(self) -> bool:
+        """Abort the request on the instance (nothing when it is over already)."""
+        if self._direct is not None:
+            return self._direct.cancel()
+        if self._done:
+            return False
+        self._done = True
+        self._mux.cancel(self._request_id)
+        return True
+
+    def _put(self, item: _Item) -> None:
+        self._queue.put_nowait(item)
+
+    def __aiter__(self) -> AsyncIterator[decode_pb2.DecodeResponse]:
+        return self._iter()
+
+    async def _iter(self) -> AsyncIterator[decode_pb2.DecodeResponse]:
+        num = 0
+        while not self._done:
+            item = await self._queue.get()
+            if isinstance(item, grpc.aio.AioRpcError):
+                self._done = True
+                if item.code() == grpc.StatusCode.UNIMPLEMENTED and num == 0:
+                    # an instance without DecodeStream: its own call, nothing sent yet
+                    self._direct = self._fallback()
+                    async for msg in self._direct:
+                        yield msg
+                    return
+                raise item
+            num += 1
+            if item.finish_reason:
+                self._done = True
+            yield item
+
+
+class DecodeMux:
+    """The one ``DecodeStream`` call to an instance; :meth:`start` a request on it.
+
+    Args:
+        address: the instance's address.
+        stub: its DecodeService stub.
+        on_closed: ``on_closed(mux, error)``, once, when the call is over (``error``: its
+            status as a ``grpc.aio.AioRpcError``); the pool then forgets the mux.
+    """
+
+    def __init__(self, address: str, stub: decode_pb2_grpc.DecodeServiceStub,
+                 on_closed: Callable[[DecodeMux, grpc.aio.AioRpcError], None]) -> None:
+        self.address = address
+        self._call = stub.DecodeStream()
+        self._on_closed = on_closed
+        self._handles: dict[str, MuxedDecode] = {}
+        self._outgoing: asyncio.Queue[decode_pb2.DecodeStreamRequest] = asyncio.Queue()
+        self.closed = False
+        self._reader = asyncio.create_task(self._read())
+        self._writer = asyncio.create_task(self._write())
+
+    def start(self, request: decode_pb2.DecodeRequest,
+              fallback: Callable[[], grpc.aio.UnaryStreamCall]) -> MuxedDecode:
+        """Start ``request`` (its ``request_id`` unique among this router's requests)
+        and return its stream; ``fallback()`` starts it as a plain ``Decode`` call instead
+        (used when the instance has no DecodeStream).
+
+        Raises:
+            ValueError: the mux is closed, or ``request_id`` is empty or running here.
+        """
+        rid = request.request_id
+        if self.closed:
+            raise ValueError("this DecodeStream call is closed")
+        if not rid or rid in self._handles:
+            raise ValueError(f"request_id {rid!r}: empty or already running on this call")
+        handle = MuxedDecode(self, request, fallback)
+        self._handles[rid] = handle
+        self._outgoing.put_nowait(decode_pb2.DecodeStreamRequest(start=request))
+        return handle
+
+    def cancel(self, request_id: str) -> None:
+        """Abort ``request_id`` on the instance (a request over already is ignored)."""
+        if self._handles.pop(request_id, None) is not None and not self.closed:
+            self._outgoing.put_nowait(decode_pb2.DecodeStreamRequest(cancel=request_id))
+
+    @property
+    def num_requests(self) -> int:
+        """Requests running on this call."""
+        return len(self._handles)
+
+    async def close(self) -> None:
+        """End the call: the instance cancels every request still on it."""
+        self._call.cancel()
+        for task in (self._writer, self._reader):
+            task.cancel()
+        await asyncio.gather(self._writer, self._reader, return_exceptions=True)
+
+    async def _write(self) -> None:
+        try:
+            while True:
+                await self._call.write(await self._outgoing.get())
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the call is over: the reader reports how
+            logger.debug("DecodeStream to %s: write failed: %r", self.address, exc)
+
+    async def _read(self) -> None:
+        error = grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, details=(
+            f"{self.address} ended the DecodeStream call"))
+        try:
+            async for resp in self._call:
+                for item in resp.items:
+                    self._dispatch(item)
+        except grpc.aio.AioRpcError as exc:
+            error = exc
+        except asyncio.CancelledError:
+            error = grpc.aio.AioRpcError(grpc.StatusCode.CANCELLED,
+                                         details="the router closed the DecodeStream call")
+            raise
+        except Exception as exc:
+            logger.exception("DecodeStream to %s failed", self.address)
+            error = grpc.aio.AioRpcError(grpc.StatusCode.INTERNAL, details=(
+                f"DecodeStream to {self.address}: {type(exc).__name__}: {exc}"))
+        finally:
+            self.closed = True
+            self._writer.cancel()
+            handles, self._handles = self._handles, {}
+            for handle in handles.values():
+                handle._put(error)
+            self._on_closed(self, error)
+
+    def _dispatch(self, item: decode_pb2.DecodeStreamItem) -> None:
+        rid = item.request_id
+        handle = self._handles.get(rid)
+        if handle is None:
+            return  # cancelled here while its last messages were on the way
+        if item.HasField("error"):
+            del self._handles[rid]
+            err = item.error
+            trailing = grpc.aio.Metadata()
+            if err.field:
+                trailing.add(FIELD_METADATA_KEY, err.field)
+            handle._put(grpc.aio.AioRpcError(_STATUS.get(err.code, grpc.StatusCode.UNKNOWN),
+                                             grpc.aio.Metadata(), trailing, err.message))
+            return
+        if item.response.finish_reason:
+            del self._handles[rid]
+        handle._put(item.response)
+
+
+#: gRPC status codes by their number (DecodeStreamError.code).
+_STATUS = {code.value[0]: code for code in grpc.StatusCode}

@@ -1,0 +1,321 @@
+"""``DecodeStream``: many Decode requests over one call. The server side
+(``services.decode.stream``) groups what is ready together, reports each request's failure
+as its item and stops what is cancelled; the router side (``services.router.decode_mux``,
+through ``InstancePool.decode``) hands each request its messages and errors as a Decode
+call would, over real gRPC, and falls back to a call per request where an instance has no
+DecodeStream."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+import pytest
+
+from tandem.bench.router_ceiling import StubDecodeServicer
+from tandem.engine.validation import RequestError
+from tandem.launch import free_port
+from tandem.services.common.errors import FIELD_METADATA_KEY
+from tandem.services.decode.stream import serve_decode_stream
+from tandem.services.router.client import InstancePool
+from tandem.services.router.discovery import StaticDiscovery
+from tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc
+
+
+def _start(rid: str, max_tokens: int = 3) -> decode_pb2.DecodeStreamRequest:
+    return decode_pb2.DecodeStreamRequest(start=_req(rid, max_tokens))
+
+
+def _req(rid: str, max_tokens: int = 3) -> decode_pb2.DecodeRequest:
+    return decode_pb2.DecodeRequest(
+        request_id=rid, prompt_token_ids=[1],
+        sampling_params=common_pb2.SamplingParams(max_tokens=max_tokens))
+
+
+async def _poll(cond: Callable[[], bool], what: str, timeout_s: float = 10.0) -> None:
+    """Wait for an observable condition (the tests' polling rule, in asyncio)."""
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.01)
+
+
+class _Requests:
+    """The caller's side of a DecodeStream: messages put in, ``close()`` half-closes."""
+
+    def __init__(self) -> None:
+        self._q: asyncio.Queue[decode_pb2.DecodeStreamRequest | None] = asyncio.Queue()
+
+    def put(self, msg: decode_pb2.DecodeStreamRequest) -> None:
+        self._q.put_nowait(msg)
+
+    def close(self) -> None:
+        self._q.put_nowait(None)
+
+    async def __aiter__(self) -> AsyncIterator[decode_pb2.DecodeStreamRequest]:
+        while (msg := await self._q.get()) is not None:
+            yield msg
+
+
+def test_outputs_ready_together_travel_as_one_message_in_order() -> None:
+    """Two requests woken by one "engine step" each put a message: they go out as one
+    DecodeStreamResponse, in the order the step woke them; the call ends once the
+    caller closed its side and both requests are over."""
+    async def run() -> list[list[tuple[str, list[int]]]]:
+        step = asyncio.Event()
+        started: list[str] = []
+
+        async def responses(req: decode_pb2.DecodeRequest
+                            ) -> AsyncIterator[decode_pb2.DecodeResponse]:
+            started.append(req.request_id)
+            await step.wait()
+            yield decode_pb2.DecodeResponse(token_ids=[ord(req.request_id)],
+                                            finish_reason=common_pb2.FINISH_REASON_LENGTH)
+
+        reqs = _Requests()
+        reqs.put(_start("a"))
+        reqs.put(_start("b"))
+        reqs.close()
+        out = []
+        gen = serve_decode_stream(reqs, responses)
+        first = asyncio.ensure_future(gen.__anext__())
+        await _poll(lambda: started == ["a", "b"], "both requests running")
+        step.set()
+        resp = await first
+        out.append([(i.request_id, list(i.response.token_ids)) for i in resp.items])
+        async for resp in gen:
+            out.append([(i.request_id, list(i.response.token_ids)) for i in resp.items])
+        return out
+
+    assert asyncio.run(run()) == [[("a", [97]), ("b", [98])]]
+
+
+def test_a_failed_request_is_its_item_and_the_others_go_on() -> None:
+    async def run() -> list[decode_pb2.DecodeStreamItem]:
+        async def responses(req: decode_pb2.DecodeRequest
+                            ) -> AsyncIterator[decode_pb2.DecodeResponse]:
+            if req.request_id == "bad":
+                raise RequestError("sampling_params.top_p", "sampling_params.top_p: must be "
+                                   "in (0, 1]")
+            yield decode_pb2.DecodeResponse(token_ids=[7],
+                                            finish_reason=common_pb2.FINISH_REASON_STOP)
+
+        reqs = _Requests()
+        for rid in ("bad", "good", ""):
+            reqs.put(_start(rid))
+        reqs.close()
+        return [i async for r in serve_decode_stream(reqs, responses) for i in r.items]
+
+    items = {i.request_id: i for i in asyncio.run(run())}
+    bad, good, unnamed = items["bad"], items["good"], items[""]
+    assert bad.error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert bad.error.field == "sampling_params.top_p"
+    assert "must be in (0, 1]" in bad.error.message
+    assert not bad.HasField("response")
+    assert list(good.response.token_ids) == [7] and not good.HasField("error")
+    assert unnamed.error.field == "request_id"
+
+
+def test_cancel_stops_a_request_and_a_running_id_is_refused() -> None:
+    """A cancel ends the request's generator at once (its ``finally`` frees the engine's
+    request); a second start with a running id is refused, naming ``request_id``; the
+    call ending cancels what still runs."""
+    async def run() -> tuple[list[str], list[decode_pb2.DecodeStreamItem]]:
+        ended: list[str] = []
+        forever = asyncio.Event()
+
+        async def responses(req: decode_pb2.DecodeRequest
+                            ) -> AsyncIterator[decode_pb2.DecodeResponse]:
+            try:
+                yield decode_pb2.DecodeResponse(token_ids=[1])
+                await forever.wait()
+                yield decode_pb2.DecodeResponse(token_ids=[2])
+            finally:
+                ended.append(req.request_id)
+
+        reqs = _Requests()
+        reqs.put(_start("a"))
+        reqs.put(_start("b"))
+        gen = serve_decode_stream(reqs, responses)
+        items: list[decode_pb2.DecodeStreamItem] = []
+        while len(items) < 2:
+            items += (await gen.__anext__()).items
+        reqs.put(_start("a"))
+        items += (await gen.__anext__()).items
+        reqs.put(decode_pb2.DecodeStreamRequest(cancel="a"))
+        reqs.put(decode_pb2.DecodeStreamRequest(cancel="unknown"))
+        await _poll(lambda: ended == ["a"], "request a to end")
+        await gen.aclose()  # the call ends with b still running
+        assert ended == ["a", "b"]
+        return ended, items
+
+    _, items = asyncio.run(run())
+    assert [i.request_id for i in items] == ["a", "b", "a"]
+    assert items[2].error.field == "request_id" and "already running" in items[2].error.message
+
+
+class _Counting(StubDecodeServicer):
+    """The router-ceiling stub, counting its calls; ``bad*`` ids fail with a field error."""
+
+    def __init__(self, interval_s: float = 0.0) -> None:
+        super().__init__([5, 6], interval_s, "m")
+        self.calls = {"Decode": 0, "DecodeStream": 0}
+
+    async def Decode(self, request: Any, context: Any) -> Any:  # noqa: N802
+        if request.request_id.startswith("bad"):
+            raise RequestError("sampling_params.top_p", "sampling_params.top_p: must be in "
+                               "(0, 1]")
+        if context is not None and not isinstance(context, _Direct):
+            self.calls["Decode"] += 1
+        async for msg in super().Decode(request, context):
+            yield msg
+
+    async def DecodeStream(self, request_iterator: Any, context: Any) -> Any:  # noqa: N802
+        self.calls["DecodeStream"] += 1
+        async for resp in serve_decode_stream(request_iterator,
+                                              lambda req: self.Decode(req, _Direct())):
+            yield resp
+
+
+class _Direct:
+    """Marks the per-request logic run inside DecodeStream (not a Decode call)."""
+
+
+class _NoDecodeStream(_Counting):
+    """An instance of an older engine: DecodeStream answers UNIMPLEMENTED."""
+
+    async def DecodeStream(self, request_iterator: Any, context: Any) -> Any:  # noqa: N802
+        self.calls["DecodeStream"] += 1
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not implemented!")
+        yield  # an async generator, as the generated base's handler kinds need
+
+
+def _with_server(servicer: Any, body: Callable[[str, InstancePool, grpc.aio.Server],
+                                               Awaitable[None]]) -> None:
+    async def run() -> None:
+        server = grpc.aio.server()
+        decode_pb2_grpc.add_DecodeServiceServicer_to_server(servicer, server)
+        address = f"127.0.0.1:{free_port()}"
+        server.add_insecure_port(address)
+        await server.start()
+        pool = InstancePool(StaticDiscovery(decode=[address]))
+        try:
+            await body(address, pool, server)
+        finally:
+            await pool.close()
+            await server.stop(None)
+
+    asyncio.run(run())
+
+
+def test_router_requests_share_one_call_and_get_their_own_messages() -> None:
+    servicer = _Counting()
+
+    async def body(address: str, pool: InstancePool, server: grpc.aio.Server) -> None:
+        async def collect(rid: str, n: int) -> list[list[int]]:
+            return [list(m.token_ids) async for m in pool.decode(address, _req(rid, n))]
+
+        got = await asyncio.gather(collect("x", 3), collect("y", 5), collect("z", 1))
+        assert got == [[[5], [6], [5]], [[5], [6], [5], [6], [5]], [[5]]]
+        assert servicer.calls == {"Decode": 0, "DecodeStream": 1}
+
+    _with_server(servicer, body)
+
+
+def test_router_cancel_aborts_on_the_instance_and_errors_keep_their_field() -> None:
+    servicer = _Counting(interval_s=0.005)
+
+    async def body(address: str, pool: InstancePool, server: grpc.aio.Server) -> None:
+        call = pool.decode(address, _req("long", 10_000))
+        seen = 0
+        async for _ in call:
+            seen += 1
+            if seen == 2:
+                break
+        assert not call.done()
+        call.cancel()
+        assert call.done()
+        await _poll(lambda: servicer._num_open == 0, "the instance to drop the request")
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            async for _ in pool.decode(address, _req("bad-1")):
+                pass
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert (FIELD_METADATA_KEY, "sampling_params.top_p") in list(
+            err.value.trailing_metadata())
+        # the call is still up for the next request
+        assert [list(m.token_ids) async for m in pool.decode(address, _req("after", 2))] \
+            == [[5], [6]]
+        assert servicer.calls["DecodeStream"] == 1
+
+    _with_server(servicer, body)
+
+
+def test_a_broken_call_fails_every_request_on_it_and_the_next_opens_a_new_one() -> None:
+    servicer = _Counting(interval_s=0.005)
+    port = free_port()
+
+    async def run() -> None:
+        address = f"127.0.0.1:{port}"
+
+        async def serve() -> grpc.aio.Server:
+            server = grpc.aio.server()
+            decode_pb2_grpc.add_DecodeServiceServicer_to_server(servicer, server)
+            server.add_insecure_port(address)
+            await server.start()
+            return server
+
+        server = await serve()
+        pool = InstancePool(StaticDiscovery(decode=[address]))
+        try:
+            calls = [pool.decode(address, _req(f"r{i}", 10_000)) for i in range(3)]
+            iters = [c.__aiter__() for c in calls]
+            for it in iters:
+                await it.__anext__()
+            await server.stop(None)  # the instance goes away mid-stream
+            for it in iters:
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    while True:
+                        await it.__anext__()
+                assert err.value.code() in (grpc.StatusCode.UNAVAILABLE,
+                                            grpc.StatusCode.CANCELLED)
+            assert all(c.done() for c in calls)
+            server = await serve()  # restarted on its address
+            got = [list(m.token_ids) async for m in pool.decode(address, _req("again", 2))]
+            assert got == [[5], [6]]
+            assert servicer.calls["DecodeStream"] == 2
+        finally:
+            await pool.close()
+            await server.stop(None)
+
+    asyncio.run(run())
+
+
+def test_an_instance_without_decode_stream_gets_a_call_per_request() -> None:
+    servicer = _NoDecodeStream()
+
+    async def body(address: str, pool: InstancePool, server: grpc.aio.Server) -> None:
+        for rid in ("a", "b"):
+            got = [list(m.token_ids) async for m in pool.decode(address, _req(rid, 2))]
+            assert got == [[5], [6]]
+        assert servicer.calls == {"Decode": 2, "DecodeStream": 1}
+
+    _with_server(servicer, body)
+
+
+def test_no_multiplex_uses_a_call_per_request() -> None:
+    servicer = _Counting()
+
+    async def body(address: str, pool: InstancePool, server: grpc.aio.Server) -> None:
+        pool = InstancePool(StaticDiscovery(decode=[address]), multiplex_decode=False)
+        try:
+            got = [list(m.token_ids) async for m in pool.decode(address, _req("a", 2))]
+        finally:
+            await pool.close()
+        assert got == [[5], [6]]
+        assert servicer.calls == {"Decode": 1, "DecodeStream": 0}
+
+    _with_server(servicer, body)
