@@ -26,6 +26,7 @@ from tandem.bench.serve import (
     RequestResult,
     _one,
     compute_metrics,
+    http_session,
     model_and_vocab,
     print_result,
     sample_prompts,
@@ -52,14 +53,11 @@ async def run_mixed(url: str, model: str, short: list[tuple[list[int], int]],
     Raises:
         ValueError: a concurrency below 1 or an empty ``long`` list.
     """
-    import httpx
-
     if short_concurrency < 1 or long_concurrency < 1:
         raise ValueError("short_concurrency and long_concurrency must be >= 1")
     if not long:
         raise ValueError("long: at least one long prompt is needed")
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(3600.0), limits=limits) as client:
+    async with http_session() as client:
         long_done: list[RequestResult] = []
 
         async def long_client(first: int) -> None:

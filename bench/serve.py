@@ -104,6 +104,20 @@ def sample_prompts(n: int, input_len: int, output_len: int, range_ratio: float,
     return out
 
 
+def http_session() -> Any:
+    """The load generator's HTTP client: an ``aiohttp.ClientSession`` (vllm bench serve's
+    client) with no connection limit, a 1 h timeout and room for long SSE lines (a last
+    chunk with ``timings``). aiohttp, not httpx: the client shares the machine with the
+    servers it measures, and httpx spent several times aiohttp's CPU per streamed line,
+    which showed as inter-token jitter of the client's own (docs/benchmarks.md, "The
+    router's own ceiling")."""
+    import aiohttp
+
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                 timeout=aiohttp.ClientTimeout(total=3600.0),
+                                 read_bufsize=1 << 20)
+
+
 async def _one(client: Any, url: str, model: str, prompt: list[int], max_tokens: int,
                ignore_eos: bool, extra: dict[str, Any] | None = None,
                temperature: float = 0.0) -> RequestResult:
@@ -115,11 +129,12 @@ async def _one(client: Any, url: str, model: str, prompt: list[int], max_tokens:
     start = time.perf_counter()
     last = start
     try:
-        async with client.stream("POST", url, json=body) as resp:
-            if resp.status_code != 200:
-                res.error = f"HTTP {resp.status_code}: {(await resp.aread())[:300]!r}"
+        async with client.post(url, json=body) as resp:
+            if resp.status != 200:
+                res.error = f"HTTP {resp.status}: {(await resp.read())[:300]!r}"
                 return res
-            async for line in resp.aiter_lines():
+            async for raw in resp.content:
+                line = raw.decode().rstrip("\r\n")
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 data = json.loads(line[6:])
@@ -157,12 +172,9 @@ async def run_rate(url: str, model: str, prompts: list[tuple[list[int], int]],
     ``max_tokens`` completes it, so constrained and unconstrained runs generate the same
     token counts).
     """
-    import httpx
-
     rng = np.random.default_rng(seed)
     sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(3600.0), limits=limits) as client:
+    async with http_session() as client:
         def extra(o: int) -> dict[str, Any] | None:
             if structured is None:
                 return None
