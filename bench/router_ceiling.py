@@ -1,7 +1,7 @@
 """`tandem bench router-ceiling`: what the router itself costs per streamed token.
 
 The router is started in front of a decode stub (:class:`StubDecodeServicer`: the
-DecodeService API, streaming pre-made tokens, no model) and loaded with streamed
+DecodeService API, Decode and DecodeStream, streaming pre-made tokens, no model) and loaded with streamed
 ``/v1/completions`` requests by ``tandem bench serve``'s client (``serve.run_rate``), so
 everything measured is the router's path: gRPC in, detokenization, stop strings, SSE out.
 
