@@ -18,6 +18,7 @@ import argparse
 import asyncio
 import logging
 import os
+import re
 import signal
 import socket
 import sys
@@ -213,6 +214,20 @@ def build_engine_config(ns: argparse.Namespace, role: Role | str) -> EngineConfi
     )
 
 
+def in_flag_words(message: str, ns: argparse.Namespace, parser: argparse.ArgumentParser
+                  ) -> str:
+    """``message`` of a config error with the config field it starts with (the engine's
+    configs name their fields: ``max_num_seqs must be >= 1``) written as the flag the user
+    typed (``--max-num-seqs must be >= 1``); other messages unchanged."""
+    usage = parser.format_usage()
+    for dest in sorted(vars(ns), key=len, reverse=True):
+        flag = "--" + dest.replace("_", "-")
+        if message.startswith((f"{dest} ", f"{dest}:")) and re.search(
+                rf"{re.escape(flag)}(?![\w-])", usage):
+            return flag + message[len(dest):]
+    return message
+
+
 def advertise_address(listen: str, advertise: str | None, bound_port: int) -> str:
     """The address the router should dial: ``advertise`` or ``listen`` with a real host/port."""
     if advertise:
@@ -239,7 +254,8 @@ def run(
         role: the role this entry point serves, or ``None`` to take ``--role``.
         servicers: role -> what adds its servicers; the chosen role must be in it.
     """
-    ns = build_parser(prog, role).parse_args(argv)
+    parser = build_parser(prog, role)
+    ns = parser.parse_args(argv)
     ns.prog = prog
     role = role or Role.parse(ns.role)
     logging.basicConfig(level=ns.log_level.upper(),
@@ -250,7 +266,7 @@ def run(
         if tls.enabled:
             tls.server_credentials()  # a CA alone is no server identity: refuse it now
     except ValueError as exc:
-        print(f"{prog}: error: {exc}", file=sys.stderr)
+        print(f"{prog}: error: {in_flag_words(str(exc), ns, parser)}", file=sys.stderr)
         return 2
     if role not in servicers:
         print(f"{prog}: error: role {role!r} is not served by this entry point", file=sys.stderr)

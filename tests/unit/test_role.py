@@ -77,3 +77,28 @@ def test_deterministic_flag_of_every_engine_role_reaches_the_model_config() -> N
         ModelConfig(deterministic="yes")  # type: ignore[arg-type]
     stack = config_from_args(up_parser().parse_args(["--engine-arg=--deterministic"]))
     assert stack.engine_args == ["--deterministic"]
+
+
+@pytest.mark.parametrize(("argv", "said"), [
+    (["--max-num-seqs", "0"], "--max-num-seqs must be >= 1, got 0"),
+    (["--block-size", "7"], "--block-size must be a power of two"),
+    (["--tensor-parallel-size", "0"], "--tensor-parallel-size must be"),
+])
+def test_a_bad_engine_flag_is_named_as_the_flag(argv: list[str], said: str, capsys) -> None:
+    """The engine's configs name their fields; the service's command line says the flag."""
+    from tandem.services.common.server import run
+
+    assert run(argv, "tandem serve", Role.BOTH, {}) == 2
+    err = capsys.readouterr().err
+    assert f"tandem serve: error: {said}" in err, err
+
+
+def test_flag_words_leave_other_messages_alone() -> None:
+    from tandem.services.common.server import in_flag_words
+
+    parser = build_parser("tandem serve", Role.BOTH)
+    ns = parser.parse_args([])
+    assert in_flag_words("deterministic: x", ns, parser) == "--deterministic: x"
+    assert in_flag_words("the model folder has no config", ns, parser) == \
+        "the model folder has no config"
+    assert in_flag_words("max_num_seqsX must", ns, parser) == "max_num_seqsX must"
