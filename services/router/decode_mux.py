@@ -156,8 +156,11 @@ class DecodeMux:
                 await self._call.write(await self._outgoing.get())
         except asyncio.CancelledError:
             raise
-        except Exception as exc:  # noqa: BLE001 - the call is over: the reader reports how
+        except Exception as exc:  # noqa: BLE001 - the reader reports the call's end
             logger.debug("DecodeStream to %s: write failed: %r", self.address, exc)
+            # a request whose start was not sent must not wait forever: end the call,
+            # so the reader fails every request on it
+            self._call.cancel()
 
     async def _read(self) -> None:
         error = grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, details=(
