@@ -75,6 +75,9 @@ class StackConfig:
         model: model path (``None``: the default model).
         redis_url: use this Redis instead of starting one.
         engine_args: extra flags for every engine (``--dtype float32``...).
+        prefill_engine_args / decode_engine_args: extra flags for the prefill / decode
+            engines only, after ``engine_args`` (so they win where both set a flag);
+            disaggregated stacks only.
         router_args: extra flags for the router.
         speculative_config: ``--speculative-config`` JSON for the engines that decode
             (decode and colocated; prefill samples one token, nothing to speculate on).
@@ -101,6 +104,8 @@ class StackConfig:
     model: str | None = None
     redis_url: str | None = None
     engine_args: list[str] = field(default_factory=list)
+    prefill_engine_args: list[str] = field(default_factory=list)
+    decode_engine_args: list[str] = field(default_factory=list)
     router_args: list[str] = field(default_factory=list)
     speculative_config: str | None = None
     engine_metrics: bool = False
@@ -130,7 +135,7 @@ TURNS_MAX_NUM_BATCHED_TOKENS = 512
 
 def engines_on_gpu(cfg: StackConfig) -> bool:
     """The engines run on a GPU (``--device cuda[:N]`` in ``engine_args``)."""
-    return "cuda" in " ".join(cfg.engine_args)
+    return any("cuda" in " ".join(args) for args in _every_engines_args(cfg))
 
 
 def shares_cpu_cores(cfg: StackConfig) -> bool:
@@ -145,7 +150,17 @@ def takes_cpu_turns(cfg: StackConfig) -> bool:
     step (``--shared-cpu-lock``, ``engine/cpu_turns.py``): unless the user turned it off
     (``--no-cpu-turns``) or the engines run pipeline parallel (their batches in flight
     overlap)."""
-    return shares_cpu_cores(cfg) and cfg.cpu_turns and _pipeline_size(cfg.engine_args) == 1
+    return shares_cpu_cores(cfg) and cfg.cpu_turns and all(
+        _pipeline_size(args) == 1 for args in _every_engines_args(cfg))
+
+
+def _every_engines_args(cfg: StackConfig) -> list[list[str]]:
+    """The extra flags of each kind of engine in the stack (the per-role ones after the
+    common ones)."""
+    if cfg.colocated:
+        return [cfg.engine_args]
+    return [[*cfg.engine_args, *cfg.prefill_engine_args],
+            [*cfg.engine_args, *cfg.decode_engine_args]]
 
 
 def _sets_flag(engine_args: Sequence[str], flag: str) -> bool:
@@ -319,16 +334,19 @@ class Stack:
 
     def _engine_part(self, name: str, cmd: list[str], kvstore: str | None = None) -> Part:
         cfg = self.config
+        role_args = {"prefill": cfg.prefill_engine_args,
+                     "decode": cfg.decode_engine_args}.get(cmd[0], [])
+        extra = [*cfg.engine_args, *role_args]
         port = free_port()
         # NOTE: a random suffix keeps registry keys apart when stacks share one Redis.
         instance_id = f"{name}-{uuid.uuid4().hex[:8]}"
         argv = [*cmd, "--listen", f"127.0.0.1:{port}", "--redis-url", self.redis_url,
-                "--instance-id", instance_id, *kv_cache_args(cfg), *cfg.engine_args]
+                "--instance-id", instance_id, *kv_cache_args(cfg), *extra]
         if takes_cpu_turns(cfg):
-            if not _sets_flag(cfg.engine_args, "--shared-cpu-lock"):
+            if not _sets_flag(extra, "--shared-cpu-lock"):
                 assert self.tmpdir is not None, "start() creates the temp dir first"
                 argv += ["--shared-cpu-lock", str(self.tmpdir / CPU_TURNS_FILE)]
-            if not _sets_flag(cfg.engine_args, "--max-num-batched-tokens"):
+            if not _sets_flag(extra, "--max-num-batched-tokens"):
                 argv += ["--max-num-batched-tokens", str(TURNS_MAX_NUM_BATCHED_TOKENS)]
         if kvstore:
             argv += ["--kvstore", kvstore]
@@ -423,6 +441,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "one colocated engine)")
     p.add_argument("--engine-arg", action="append", default=[],
                    help="extra flag for every engine, e.g. --engine-arg=--dtype=float32")
+    p.add_argument("--prefill-engine-arg", action="append", default=[],
+                   help="extra flag for the prefill engines only, after --engine-arg, e.g. "
+                        "--prefill-engine-arg=--max-num-batched-tokens=1024")
+    p.add_argument("--decode-engine-arg", action="append", default=[],
+                   help="extra flag for the decode engines only, after --engine-arg, e.g. "
+                        "--decode-engine-arg=--max-num-seqs=128")
     p.add_argument("--router-arg", action="append", default=[],
                    help="extra flag for the router, e.g. --router-arg=--api-key=KEY")
     p.add_argument("--speculative-config", default=None, metavar="JSON",
@@ -439,6 +463,9 @@ def build_parser() -> argparse.ArgumentParser:
 def config_from_args(ns: argparse.Namespace) -> StackConfig:
     if ns.prefill < 1 or ns.decode < 1 or ns.replicas < 1:
         raise ValueError("--prefill, --decode and --replicas must be >= 1")
+    if ns.colocated and (ns.prefill_engine_arg or ns.decode_engine_arg):
+        raise ValueError("--prefill-engine-arg / --decode-engine-arg: a colocated stack has "
+                         "no prefill or decode engines; use --engine-arg")
     if ns.speculative_config is not None:
         from tandem.engine.config import SpeculativeConfig
 
@@ -446,7 +473,10 @@ def config_from_args(ns: argparse.Namespace) -> StackConfig:
     return StackConfig(num_prefill=ns.prefill, num_decode=ns.decode, colocated=ns.colocated,
                        replicas=ns.replicas, port=ns.port, grpc_port=ns.grpc_port,
                        host=ns.host, model=ns.model, redis_url=ns.redis_url,
-                       engine_args=list(ns.engine_arg), router_args=list(ns.router_arg),
+                       engine_args=list(ns.engine_arg),
+                       prefill_engine_args=list(ns.prefill_engine_arg),
+                       decode_engine_args=list(ns.decode_engine_arg),
+                       router_args=list(ns.router_arg),
                        speculative_config=ns.speculative_config,
                        kvstore_capacity_bytes=ns.kvstore_capacity,
                        cpus_per_engine=ns.cpus_per_engine, cpu_turns=ns.cpu_turns,

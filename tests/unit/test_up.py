@@ -7,6 +7,8 @@ import socket
 import subprocess
 import sys
 
+import pytest
+
 
 def test_port_in_use_fails_fast_naming_the_flag(tmp_path) -> None:
     """Bug (H9): with the router's port already taken, `tandem up` started redis, the KV
@@ -148,3 +150,30 @@ def test_engines_that_take_turns_get_a_512_token_step_budget(tmp_path) -> None:
         "--max-num-batched-tokens=1024"]
     assert budget(StackConfig(engine_args=["--max-num-batched-tokens", "4096"])) == [
         "--max-num-batched-tokens", "4096"]
+
+
+def test_per_role_engine_args_reach_only_their_engines_after_the_common_ones(
+        tmp_path) -> None:
+    from tandem.up import Stack, StackConfig, build_parser, config_from_args, takes_cpu_turns
+
+    cfg = StackConfig(engine_args=["--dtype=float32"],
+                      prefill_engine_args=["--max-num-batched-tokens=1024"],
+                      decode_engine_args=["--max-num-seqs=8", "--dtype=bfloat16"])
+    stack = Stack(cfg)
+    stack.tmpdir = tmp_path
+    prefill = stack._engine_part("prefill-0", ["prefill"]).argv
+    decode = stack._engine_part("decode-0", ["decode"]).argv
+    assert "--max-num-batched-tokens=1024" in prefill and "--max-num-seqs=8" not in prefill
+    # the prefill engine's own budget stands; the decode engine gets the turns' default
+    assert "--max-num-batched-tokens" not in prefill
+    assert decode[decode.index("--max-num-batched-tokens") + 1] == "512"
+    assert "--max-num-seqs=8" in decode and "--max-num-batched-tokens=1024" not in decode
+    # the role's flag comes after the common one, so it wins
+    assert decode.index("--dtype=bfloat16") > decode.index("--dtype=float32")
+    # a decode engine with pipeline stages takes no turns, so neither does the stack
+    assert not takes_cpu_turns(StackConfig(decode_engine_args=["-pp", "2"]))
+    ns = build_parser().parse_args(["--prefill-engine-arg=--max-num-seqs=4"])
+    assert config_from_args(ns).prefill_engine_args == ["--max-num-seqs=4"]
+    ns = build_parser().parse_args(["--colocated", "--decode-engine-arg=--max-num-seqs=4"])
+    with pytest.raises(ValueError, match="use --engine-arg"):
+        config_from_args(ns)
