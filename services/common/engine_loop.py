@@ -87,6 +87,9 @@ class EngineLoop:
         # request_id -> queue of StampedOutput | BaseException; engine thread only.
         self._queues: dict[str, asyncio.Queue[StampedOutput | BaseException]] = {}
         self._accepting = True
+        #: Set once this loop takes no new requests (draining, shutting down): calls that
+        #: carry many requests (DecodeStream) then end as soon as theirs are over.
+        self.draining = asyncio.Event()
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._stats: Any = None  # last SchedulerStats read; event loop only
@@ -147,6 +150,7 @@ class EngineLoop:
     def stop_accepting(self) -> None:
         """New requests get :class:`ShuttingDownError` (UNAVAILABLE); in-flight ones continue."""
         self._accepting = False
+        self.draining.set()
 
     @property
     def num_in_flight(self) -> int:
@@ -156,6 +160,7 @@ class EngineLoop:
     async def shutdown(self) -> None:
         """Abort what is left, stop the thread and wait for it (blocks the loop at most briefly)."""
         self._accepting = False
+        self.draining.set()
         if self._thread.is_alive():
             await self.call(self._abort_all)
         self._stop = True

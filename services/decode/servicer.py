@@ -140,7 +140,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         self, request_iterator: AsyncIterator[decode_pb2.DecodeStreamRequest],
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[decode_pb2.DecodeStreamResponse]:
-        async for resp in serve_decode_stream(request_iterator, self._responses):
+        async for resp in serve_decode_stream(request_iterator, self._responses,
+                                              self._ctx.engine_loop.draining):
             yield resp
 
     async def _responses(

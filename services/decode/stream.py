@@ -9,10 +9,14 @@ An engine step hands its outputs to every request's task in the engine's order b
 the writer runs again, so one step's tokens travel as one message, in a stable order:
 one gRPC message per step instead of one per request, on both ends.
 
-A request's failure is an item with an ``error`` (:func:`services.common.errors.describe`,
-the status its ``Decode`` would have ended with); the call stays up for the others.
-Ending the call (the router going away, or the server's grace period over) cancels every
-request still running on it, which aborts them in the engine and frees their blocks.
+Streams are numbered by the caller (``DecodeStreamRequest.stream``, never reused on a
+call), so a cancelled stream's last messages cannot reach a later request with the same
+id. A request's failure is an item with an ``error``
+(:func:`services.common.errors.describe`, the status its ``Decode`` would have ended
+with); the call stays up for the others. Ending the call (the router going away, or the
+server's grace period over) cancels every stream still running on it, which aborts its
+request in the engine and frees its blocks; a draining server ends the call itself once
+no stream runs on it.
 """
 
 from __future__ import annotations
@@ -27,65 +31,77 @@ from tandem.v1 import decode_pb2
 #: The per-request logic: a ``DecodeRequest`` to the messages ``Decode`` would stream.
 Responses = Callable[[decode_pb2.DecodeRequest], AsyncIterator[decode_pb2.DecodeResponse]]
 
+#: Items per DecodeStreamResponse at most (each a stream's messages ready together, as
+#: big as that stream's own Decode message would be): a writer held back by flow control
+#: with hundreds of streams behind it must not build one message past gRPC's size limit,
+#: which would fail the call and every stream on it.
+MAX_ITEMS_PER_MESSAGE = 512
 
-def error_item(request_id: str, exc: Exception) -> decode_pb2.DecodeStreamItem:
-    """The item that ends ``request_id`` with ``exc``'s status (``describe``)."""
+
+def error_item(stream: int, exc: Exception) -> decode_pb2.DecodeStreamItem:
+    """The item that ends ``stream`` with ``exc``'s status (``describe``)."""
     code, message, field = describe(exc)
-    return decode_pb2.DecodeStreamItem(request_id=request_id, error=decode_pb2.DecodeStreamError(
+    return decode_pb2.DecodeStreamItem(stream=stream, error=decode_pb2.DecodeStreamError(
         code=code.value[0], message=message, field=field or ""))
 
 
 async def serve_decode_stream(requests: AsyncIterator[decode_pb2.DecodeStreamRequest],
-                              responses: Responses
+                              responses: Responses, draining: asyncio.Event | None = None
                               ) -> AsyncIterator[decode_pb2.DecodeStreamResponse]:
-    """Run the requests started on ``requests`` with ``responses``; yield their messages,
-    those ready together as one ``DecodeStreamResponse``. Ends when the caller has
-    closed its side and every request it started is over.
+    """Run the streams started on ``requests`` with ``responses``; yield their messages,
+    those ready together as one ``DecodeStreamResponse`` (at most
+    ``MAX_ITEMS_PER_MESSAGE`` items). Ends when the caller has closed its side and every
+    stream it started is over, or, once ``draining`` is set, as soon as no stream runs
+    (so a draining server's grace period does not wait for an idle call).
 
-    A ``start`` without a ``request_id``, or with the id of a request still running on
-    this call, gets an INVALID_ARGUMENT item naming ``request_id``; a ``cancel`` of an
-    id not running is ignored (the request may have just finished).
+    A ``start`` with the number of a stream that runs gets an INVALID_ARGUMENT item
+    naming ``stream``; a ``cancel`` of a stream that is not running is ignored (it may
+    have just finished).
     """
     outbox: asyncio.Queue[decode_pb2.DecodeStreamItem | None] = asyncio.Queue()
-    tasks: dict[str, asyncio.Task[None]] = {}
+    tasks: dict[int, asyncio.Task[None]] = {}
 
-    async def run(request_id: str, request: decode_pb2.DecodeRequest) -> None:
+    async def run(stream: int, request: decode_pb2.DecodeRequest) -> None:
         try:
             async for resp in responses(request):
-                outbox.put_nowait(decode_pb2.DecodeStreamItem(request_id=request_id,
-                                                              response=resp))
+                outbox.put_nowait(decode_pb2.DecodeStreamItem(stream=stream, response=resp))
         except Exception as exc:  # noqa: BLE001 - sent to the caller as the item's error
-            outbox.put_nowait(error_item(request_id, exc))
+            outbox.put_nowait(error_item(stream, exc))
         finally:
-            if tasks.get(request_id) is asyncio.current_task():
-                del tasks[request_id]
+            if tasks.get(stream) is asyncio.current_task():
+                del tasks[stream]
 
-    async def read() -> None:
-        try:
-            await read_all()
-        finally:
-            outbox.put_nowait(None)  # the writer ends; a failure is raised by ``await reader``
-
-    async def read_all() -> None:
-        async for msg in requests:
-            kind = msg.WhichOneof("kind")
-            if kind == "start":
-                rid = msg.start.request_id
-                if not rid or rid in tasks:
-                    why = ("request_id: required in DecodeStream" if not rid else
-                           f"request_id: {rid!r} is already running on this call")
-                    outbox.put_nowait(error_item(rid, RequestError("request_id", why)))
-                    continue
-                tasks[rid] = asyncio.create_task(run(rid, msg.start))
-            elif kind == "cancel":
-                task = tasks.pop(msg.cancel, None)
-                if task is not None:
-                    task.cancel()
-        # the caller closed its side: the requests it started still finish
+    async def until_idle() -> None:
         while tasks:
             await asyncio.wait(set(tasks.values()))
 
-    reader = asyncio.create_task(read())
+    async def read() -> None:
+        try:
+            async for msg in requests:
+                kind = msg.WhichOneof("kind")
+                if kind == "start":
+                    if msg.stream in tasks:
+                        outbox.put_nowait(error_item(msg.stream, RequestError(
+                            "stream", f"stream: {msg.stream} is running on this call")))
+                        continue
+                    tasks[msg.stream] = asyncio.create_task(run(msg.stream, msg.start))
+                elif kind == "cancel" and msg.cancel:
+                    task = tasks.pop(msg.stream, None)
+                    if task is not None:
+                        task.cancel()
+            await until_idle()  # the caller closed its side: what it started finishes
+        finally:
+            outbox.put_nowait(None)  # the writer ends
+
+    async def end_when_drained() -> None:
+        assert draining is not None
+        await draining.wait()
+        await until_idle()
+        outbox.put_nowait(None)
+
+    helpers = [asyncio.create_task(read())]
+    if draining is not None:
+        helpers.append(asyncio.create_task(end_when_drained()))
     try:
         done = False
         while not done:
@@ -93,17 +109,15 @@ async def serve_decode_stream(requests: AsyncIterator[decode_pb2.DecodeStreamReq
             if item is None:
                 break
             resp = decode_pb2.DecodeStreamResponse(items=[item])
-            while not outbox.empty():
+            while not outbox.empty() and len(resp.items) < MAX_ITEMS_PER_MESSAGE:
                 nxt = outbox.get_nowait()
                 if nxt is None:
                     done = True
                     break
                 resp.items.append(nxt)
             yield resp
-        await reader  # its failure (the call broke) is this call's
     finally:
-        reader.cancel()
-        running = [reader, *tasks.values()]
+        running = [*helpers, *tasks.values()]
         for task in running:
             task.cancel()
         await asyncio.gather(*running, return_exceptions=True)

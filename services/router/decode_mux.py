@@ -17,9 +17,12 @@ changed from step to step, and that order was most of the inter-token jitter the
 added (docs/benchmarks.md, "The router's own ceiling"). One message per step, in the
 engine's order, costs one read and keeps each stream's place.
 
+Streams are numbered per call and never reused, so a cancelled stream's last messages,
+still on their way, are dropped rather than handed to a later request with the same id.
 When the call breaks (the instance died, the channel failed) every request on it fails
 with the call's status, as their own calls would have; the next request opens a new
-call. An instance without ``DecodeStream`` (UNIMPLEMENTED: an older engine) is served
+call. A draining instance ends the call once no stream runs on it (its grace period then
+ends early), and the router opens a new call for the next request. An instance without ``DecodeStream`` (UNIMPLEMENTED: an older engine) is served
 with one ``Decode`` call per request from then on.
 """
 
@@ -43,10 +46,10 @@ class MuxedDecode:
     """One request's Decode stream over a :class:`DecodeMux` (the ``grpc.aio`` call
     surface the pipeline uses). Iterate it once; ``cancel()`` aborts the request."""
 
-    def __init__(self, mux: DecodeMux, request: decode_pb2.DecodeRequest,
+    def __init__(self, mux: DecodeMux, stream: int,
                  fallback: Callable[[], grpc.aio.UnaryStreamCall]) -> None:
         self._mux = mux
-        self._request_id = request.request_id
+        self._stream = stream
         self._queue: asyncio.Queue[_Item] = asyncio.Queue()
         self._fallback = fallback
         self._direct: grpc.aio.UnaryStreamCall | None = None
@@ -65,7 +68,7 @@ class MuxedDecode:
         if self._done:
             return False
         self._done = True
-        self._mux.cancel(self._request_id)
+        self._mux.cancel(self._stream)
         return True
 
     def _put(self, item: _Item) -> None:
@@ -108,7 +111,8 @@ class DecodeMux:
         self.address = address
         self._call = stub.DecodeStream()
         self._on_closed = on_closed
-        self._handles: dict[str, MuxedDecode] = {}
+        self._handles: dict[int, MuxedDecode] = {}
+        self._next_stream = 0
         self._outgoing: asyncio.Queue[decode_pb2.DecodeStreamRequest] = asyncio.Queue()
         self.closed = False
         self._reader = asyncio.create_task(self._read())
@@ -116,27 +120,29 @@ class DecodeMux:
 
     def start(self, request: decode_pb2.DecodeRequest,
               fallback: Callable[[], grpc.aio.UnaryStreamCall]) -> MuxedDecode:
-        """Start ``request`` (its ``request_id`` unique among this router's requests)
-        and return its stream; ``fallback()`` starts it as a plain ``Decode`` call instead
-        (used when the instance has no DecodeStream).
-
-        Raises:
-            ValueError: the mux is closed, or ``request_id`` is empty or running here.
-        """
-        rid = request.request_id
+        """Start ``request`` on a new stream of the call and return the stream;
+        ``fallback()`` starts it as a plain ``Decode`` call instead (used when the instance
+        has no DecodeStream). The instance judges the request as ``Decode`` would (a
+        request id already in flight there is its INVALID_ARGUMENT, raised when the stream
+        is read); a closed call's stream fails with UNAVAILABLE when read."""
+        stream = self._next_stream
+        self._next_stream += 1
+        handle = MuxedDecode(self, stream, fallback)
         if self.closed:
-            raise ValueError("this DecodeStream call is closed")
-        if not rid or rid in self._handles:
-            raise ValueError(f"request_id {rid!r}: empty or already running on this call")
-        handle = MuxedDecode(self, request, fallback)
-        self._handles[rid] = handle
-        self._outgoing.put_nowait(decode_pb2.DecodeStreamRequest(start=request))
+            handle._put(grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, details=(
+                f"the DecodeStream call to {self.address} is closed")))
+            return handle
+        self._handles[stream] = handle
+        self._outgoing.put_nowait(decode_pb2.DecodeStreamRequest(stream=stream,
+                                                                 start=request))
         return handle
 
-    def cancel(self, request_id: str) -> None:
-        """Abort ``request_id`` on the instance (a request over already is ignored)."""
-        if self._handles.pop(request_id, None) is not None and not self.closed:
-            self._outgoing.put_nowait(decode_pb2.DecodeStreamRequest(cancel=request_id))
+    def cancel(self, stream: int) -> None:
+        """Abort ``stream``'s request on the instance (a stream over already is ignored).
+        Its messages still on their way are dropped: stream numbers are never reused."""
+        if self._handles.pop(stream, None) is not None and not self.closed:
+            self._outgoing.put_nowait(decode_pb2.DecodeStreamRequest(stream=stream,
+                                                                     cancel=True))
 
     @property
     def num_requests(self) -> int:
@@ -188,12 +194,12 @@ class DecodeMux:
             self._on_closed(self, error)
 
     def _dispatch(self, item: decode_pb2.DecodeStreamItem) -> None:
-        rid = item.request_id
-        handle = self._handles.get(rid)
+        stream = item.stream
+        handle = self._handles.get(stream)
         if handle is None:
             return  # cancelled here while its last messages were on the way
         if item.HasField("error"):
-            del self._handles[rid]
+            del self._handles[stream]
             err = item.error
             trailing = grpc.aio.Metadata()
             if err.field:
@@ -202,7 +208,7 @@ class DecodeMux:
                                              grpc.aio.Metadata(), trailing, err.message))
             return
         if item.response.finish_reason:
-            del self._handles[rid]
+            del self._handles[stream]
         handle._put(item.response)
 
 

@@ -451,13 +451,14 @@ class Pipeline:
         state.timings.decode_instance = info.address
         if colocated_form and not resumed:
             state.timings.prefill_instance = info.address
-        self.discovery.acquire(info.address)
-        call = self.pool.decode(info.address, dreq, tuple(metadata))
-        start_ns = time.monotonic_ns()
         timings = state.timings
         num_emitted = 0
         num_messages = 0
+        call = None
+        self.discovery.acquire(info.address)
         try:
+            call = self.pool.decode(info.address, dreq, tuple(metadata))
+            start_ns = time.monotonic_ns()
             async for msg in call:
                 if num_messages == 0:
                     self._first_decode_message(msg, state, start_ns, info, ctx,
@@ -498,9 +499,11 @@ class Pipeline:
             yield _MidStreamFailure(num_emitted, f"{info.address}: {exc}")
         finally:
             # Stop string matched, client gone, or error: abort on the engine.
-            if not call.done():
-                logger.debug("cancelling decode of %s on %s", dreq.request_id, info.address)
-            call.cancel()
+            if call is not None:
+                if not call.done():
+                    logger.debug("cancelling decode of %s on %s", dreq.request_id,
+                                 info.address)
+                call.cancel()
             self.discovery.release(info.address)
 
     def _remember_publish(self, info: InstanceInfo, ctx: RouteContext, request_id: str,

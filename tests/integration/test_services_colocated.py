@@ -173,6 +173,37 @@ def test_sigterm_drains_in_flight_requests_then_exits(tiny, tmp_path, redis_url)
         service.stop()
 
 
+def test_sigterm_ends_an_open_decode_stream_once_its_streams_are_over(tiny, tmp_path,
+                                                                      redis_url):
+    """A router keeps its DecodeStream call open; on SIGTERM the engine finishes the
+    stream in flight, then ends the call itself and exits, instead of waiting out its
+    grace period (600 s here) for a caller that never closes."""
+    import queue
+
+    service = EngineService("both", tiny, tmp_path, redis_url,
+                            [*ARGS, "--shutdown-grace-s", "600"])
+    outgoing: queue.Queue = queue.Queue()
+
+    def requests():
+        while (msg := outgoing.get()) is not None:
+            yield msg
+
+    try:
+        outgoing.put(decode_pb2.DecodeStreamRequest(stream=0, start=decode_pb2.DecodeRequest(
+            request_id="s0", prompt_token_ids=[3, 4, 5],
+            sampling_params=params(40, ignore_eos=True))))
+        responses = service.decode.DecodeStream(requests(), timeout=300)
+        first = next(responses)
+        service.proc.popen.send_signal(signal.SIGTERM)
+        items = [i for r in [first, *responses] for i in r.items]  # ends: the call is over
+        assert sum(len(i.response.token_ids) for i in items) == 40
+        assert items[-1].response.finish_reason == common_pb2.FINISH_REASON_LENGTH
+        assert service.proc.popen.wait(120) == 0
+    finally:
+        outgoing.put(None)
+        service.stop()
+
+
 def test_prometheus_metrics(svc, metrics_port):
     import urllib.request
 

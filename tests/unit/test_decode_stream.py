@@ -25,8 +25,12 @@ from tandem.services.router.discovery import StaticDiscovery
 from tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 
 
-def _start(rid: str, max_tokens: int = 3) -> decode_pb2.DecodeStreamRequest:
-    return decode_pb2.DecodeStreamRequest(start=_req(rid, max_tokens))
+def _start(stream: int, rid: str, max_tokens: int = 3) -> decode_pb2.DecodeStreamRequest:
+    return decode_pb2.DecodeStreamRequest(stream=stream, start=_req(rid, max_tokens))
+
+
+def _cancel(stream: int) -> decode_pb2.DecodeStreamRequest:
+    return decode_pb2.DecodeStreamRequest(stream=stream, cancel=True)
 
 
 def _req(rid: str, max_tokens: int = 3) -> decode_pb2.DecodeRequest:
@@ -77,8 +81,8 @@ def test_outputs_ready_together_travel_as_one_message_in_order() -> None:
                                             finish_reason=common_pb2.FINISH_REASON_LENGTH)
 
         reqs = _Requests()
-        reqs.put(_start("a"))
-        reqs.put(_start("b"))
+        reqs.put(_start(0, "a"))
+        reqs.put(_start(1, "b"))
         reqs.close()
         out = []
         gen = serve_decode_stream(reqs, responses)
@@ -86,12 +90,12 @@ def test_outputs_ready_together_travel_as_one_message_in_order() -> None:
         await _poll(lambda: started == ["a", "b"], "both requests running")
         step.set()
         resp = await first
-        out.append([(i.request_id, list(i.response.token_ids)) for i in resp.items])
+        out.append([(i.stream, list(i.response.token_ids)) for i in resp.items])
         async for resp in gen:
-            out.append([(i.request_id, list(i.response.token_ids)) for i in resp.items])
+            out.append([(i.stream, list(i.response.token_ids)) for i in resp.items])
         return out
 
-    assert asyncio.run(run()) == [[("a", [97]), ("b", [98])]]
+    assert asyncio.run(run()) == [[(0, [97]), (1, [98])]]
 
 
 def test_a_failed_request_is_its_item_and_the_others_go_on() -> None:
@@ -105,25 +109,24 @@ def test_a_failed_request_is_its_item_and_the_others_go_on() -> None:
                                             finish_reason=common_pb2.FINISH_REASON_STOP)
 
         reqs = _Requests()
-        for rid in ("bad", "good", ""):
-            reqs.put(_start(rid))
+        for stream, rid in enumerate(("bad", "good")):
+            reqs.put(_start(stream, rid))
         reqs.close()
         return [i async for r in serve_decode_stream(reqs, responses) for i in r.items]
 
-    items = {i.request_id: i for i in asyncio.run(run())}
-    bad, good, unnamed = items["bad"], items["good"], items[""]
+    items = {i.stream: i for i in asyncio.run(run())}
+    bad, good = items[0], items[1]
     assert bad.error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
     assert bad.error.field == "sampling_params.top_p"
     assert "must be in (0, 1]" in bad.error.message
     assert not bad.HasField("response")
     assert list(good.response.token_ids) == [7] and not good.HasField("error")
-    assert unnamed.error.field == "request_id"
 
 
-def test_cancel_stops_a_request_and_a_running_id_is_refused() -> None:
-    """A cancel ends the request's generator at once (its ``finally`` frees the engine's
-    request); a second start with a running id is refused, naming ``request_id``; the
-    call ending cancels what still runs."""
+def test_cancel_stops_a_stream_and_a_running_stream_number_is_refused() -> None:
+    """A cancel ends the stream's generator at once (its ``finally`` frees the engine's
+    request); a second start with a running stream's number is refused, naming
+    ``stream``; the call ending cancels what still runs."""
     async def run() -> tuple[list[str], list[decode_pb2.DecodeStreamItem]]:
         ended: list[str] = []
         forever = asyncio.Event()
@@ -138,24 +141,24 @@ def test_cancel_stops_a_request_and_a_running_id_is_refused() -> None:
                 ended.append(req.request_id)
 
         reqs = _Requests()
-        reqs.put(_start("a"))
-        reqs.put(_start("b"))
+        reqs.put(_start(0, "a"))
+        reqs.put(_start(1, "b"))
         gen = serve_decode_stream(reqs, responses)
         items: list[decode_pb2.DecodeStreamItem] = []
         while len(items) < 2:
             items += (await gen.__anext__()).items
-        reqs.put(_start("a"))
+        reqs.put(_start(0, "c"))
         items += (await gen.__anext__()).items
-        reqs.put(decode_pb2.DecodeStreamRequest(cancel="a"))
-        reqs.put(decode_pb2.DecodeStreamRequest(cancel="unknown"))
+        reqs.put(_cancel(0))
+        reqs.put(_cancel(7))
         await _poll(lambda: ended == ["a"], "request a to end")
         await gen.aclose()  # the call ends with b still running
         assert ended == ["a", "b"]
         return ended, items
 
     _, items = asyncio.run(run())
-    assert [i.request_id for i in items] == ["a", "b", "a"]
-    assert items[2].error.field == "request_id" and "already running" in items[2].error.message
+    assert [i.stream for i in items] == [0, 1, 0]
+    assert items[2].error.field == "stream" and "is running" in items[2].error.message
 
 
 class _Counting(StubDecodeServicer):
@@ -319,3 +322,107 @@ def test_no_multiplex_uses_a_call_per_request() -> None:
         assert servicer.calls == {"Decode": 1, "DecodeStream": 0}
 
     _with_server(servicer, body)
+
+
+def test_a_draining_server_ends_the_call_once_its_streams_are_over() -> None:
+    """With ``draining`` set, the call ends as soon as no stream runs on it, though the
+    caller never closes its side (a server's grace period must not wait for it)."""
+    async def run() -> tuple[list[int], bool]:
+        draining = asyncio.Event()
+        release = asyncio.Event()
+
+        async def responses(req: decode_pb2.DecodeRequest
+                            ) -> AsyncIterator[decode_pb2.DecodeResponse]:
+            yield decode_pb2.DecodeResponse(token_ids=[1])
+            await release.wait()
+            yield decode_pb2.DecodeResponse(token_ids=[2],
+                                            finish_reason=common_pb2.FINISH_REASON_LENGTH)
+
+        reqs = _Requests()  # never closed
+        reqs.put(_start(0, "a"))
+        gen = serve_decode_stream(reqs, responses, draining)
+        got = [t for i in (await gen.__anext__()).items for t in i.response.token_ids]
+        draining.set()
+        nxt = asyncio.ensure_future(gen.__anext__())
+        release.set()  # the running stream still finishes
+        got += [t for i in (await nxt).items for t in i.response.token_ids]
+        ended = False
+        try:
+            await asyncio.wait_for(gen.__anext__(), 10)
+        except StopAsyncIteration:
+            ended = True
+        return got, ended
+
+    assert asyncio.run(run()) == ([1, 2], True)
+
+
+class _Engine(_Counting):
+    """The stub with two rules of the real engine: a request id in flight is refused
+    (INVALID_ARGUMENT, as ``EngineLoop.add_request``), and each token is the prompt's
+    first token, so a stream's tokens say whose they are."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.in_flight: set[str] = set()
+
+    async def Decode(self, request: Any, context: Any) -> Any:  # noqa: N802
+        rid = request.request_id
+        if rid in self.in_flight:
+            raise ValueError(f"request_id {rid!r} is already in flight")
+        self.in_flight.add(rid)
+        try:
+            n = request.sampling_params.max_tokens
+            for i in range(n):
+                await asyncio.sleep(0)
+                yield decode_pb2.DecodeResponse(
+                    token_ids=[request.prompt_token_ids[0]],
+                    finish_reason=common_pb2.FINISH_REASON_LENGTH if i == n - 1 else 0)
+        finally:
+            self.in_flight.discard(rid)
+
+
+def test_a_request_id_in_flight_is_the_instances_400_not_the_routers_error() -> None:
+    """Two streams with one request id reach the instance, which refuses the second as
+    Decode would (INVALID_ARGUMENT: the router's 400); the router raised a ValueError
+    of its own (a 500) before."""
+    servicer = _Engine()
+
+    async def body(address: str, pool: InstancePool, server: grpc.aio.Server) -> None:
+        first = pool.decode(address, _req("dup", 10_000))
+        it = first.__aiter__()
+        await it.__anext__()
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            async for _ in pool.decode(address, _req("dup", 2)):
+                pass
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "already in flight" in (err.value.details() or "")
+        first.cancel()
+
+    _with_server(servicer, body)
+
+
+def test_a_cancelled_streams_late_messages_never_reach_a_new_stream_of_its_id() -> None:
+    """Cancel a stream while its messages are still arriving and start its request id
+    again at once: the new stream gets only its own tokens (streams are numbered, never
+    reused), many times over."""
+    servicer = _Engine()
+
+    async def body(address: str, pool: InstancePool, server: grpc.aio.Server) -> None:
+        for _ in range(20):
+            old = pool.decode(address, _req_prompt("same", 1, 10_000))
+            it = old.__aiter__()
+            await it.__anext__()
+            time.sleep(0.02)  # the router's loop busy: the old stream's tokens pile up
+            old.cancel()
+            new = [t async for m in pool.decode(address, _req_prompt("same", 2, 3))
+                   for t in m.token_ids]
+            assert new == [2, 2, 2]
+            await _poll(lambda: not servicer.in_flight, "the old request to be over")
+
+    _with_server(servicer, body)
+
+
+def _req_prompt(rid: str, first: int, max_tokens: int) -> decode_pb2.DecodeRequest:
+    req = _req(rid, max_tokens)
+    req.prompt_token_ids[0] = first
+    return req

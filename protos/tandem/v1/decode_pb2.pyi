@@ -62,12 +62,14 @@ class DecodeResponse(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TopLogprobs, _Mapping]]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., stop_token_id: _Optional[int] = ..., kv_pull_ns: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., queue_ns: _Optional[int] = ..., kv_pull_bytes: _Optional[int] = ..., sent_unix_ns: _Optional[int] = ..., engine_decode_ns: _Optional[int] = ..., output_latency_ns: _Optional[int] = ..., num_engine_outputs: _Optional[int] = ...) -> None: ...
 
 class DecodeStreamRequest(_message.Message):
-    __slots__ = ("start", "cancel")
+    __slots__ = ("stream", "start", "cancel")
+    STREAM_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     CANCEL_FIELD_NUMBER: _ClassVar[int]
+    stream: int
     start: DecodeRequest
-    cancel: str
-    def __init__(self, start: _Optional[_Union[DecodeRequest, _Mapping]] = ..., cancel: _Optional[str] = ...) -> None: ...
+    cancel: bool
+    def __init__(self, stream: _Optional[int] = ..., start: _Optional[_Union[DecodeRequest, _Mapping]] = ..., cancel: _Optional[bool] = ...) -> None: ...
 
 class DecodeStreamError(_message.Message):
     __slots__ = ("code", "message", "field")
@@ -80,14 +82,14 @@ class DecodeStreamError(_message.Message):
     def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., field: _Optional[str] = ...) -> None: ...
 
 class DecodeStreamItem(_message.Message):
-    __slots__ = ("request_id", "response", "error")
-    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("stream", "response", "error")
+    STREAM_FIELD_NUMBER: _ClassVar[int]
     RESPONSE_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
-    request_id: str
+    stream: int
     response: DecodeResponse
     error: DecodeStreamError
-    def __init__(self, request_id: _Optional[str] = ..., response: _Optional[_Union[DecodeResponse, _Mapping]] = ..., error: _Optional[_Union[DecodeStreamError, _Mapping]] = ...) -> None: ...
+    def __init__(self, stream: _Optional[int] = ..., response: _Optional[_Union[DecodeResponse, _Mapping]] = ..., error: _Optional[_Union[DecodeStreamError, _Mapping]] = ...) -> None: ...
 
 class DecodeStreamResponse(_message.Message):
     __slots__ = ("items",)

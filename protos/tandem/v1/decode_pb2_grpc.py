@@ -68,12 +68,13 @@ class DecodeServiceServicer:
 
     def DecodeStream(self, request_iterator, context):
         """Many Decode streams over one call (the router's form): the caller starts
-        and cancels requests on its side of the call; each message this side
-        sends holds every request's DecodeResponse that was ready together (one
+        and cancels streams on its side of the call; each message this side
+        sends holds every stream's DecodeResponse that was ready together (one
         engine step's outputs, in the engine's order), so a step costs one
-        message, not one per request. Each request means what it means in Decode;
-        its errors come as an item's error (the call itself stays up). Ending the
-        call cancels every request still running on it.
+        message, not one per request. Each stream's request means what it means
+        in Decode; its errors come as an item's error (the call itself stays up).
+        Ending the call cancels every stream still running on it. A draining
+        instance ends the call itself once no stream runs on it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
