@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
+from typing import TypeAlias
 
 import grpc
 
@@ -39,7 +40,7 @@ from tandem.v1 import decode_pb2, decode_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
-_Item = decode_pb2.DecodeResponse | grpc.aio.AioRpcError
+_Item: TypeAlias = decode_pb2.DecodeResponse | grpc.aio.AioRpcError
 
 
 class MuxedDecode:
