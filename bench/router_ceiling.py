@@ -1,9 +1,10 @@
 """`tandem bench router-ceiling`: what the router itself costs per streamed token.
 
 The router is started in front of a decode stub (:class:`StubDecodeServicer`: the
-DecodeService API, Decode and DecodeStream, streaming pre-made tokens, no model) and loaded with streamed
-``/v1/completions`` requests by ``tandem bench serve``'s client (``serve.run_rate``), so
-everything measured is the router's path: gRPC in, detokenization, stop strings, SSE out.
+DecodeService API, Decode and DecodeStream, streaming pre-made tokens, no model) and
+loaded with streamed ``/v1/completions`` requests by ``tandem bench serve``'s client
+(``serve.run_rate``), so everything measured is the router's path: gRPC in,
+detokenization, stop strings, SSE out.
 
 Two loads, each at ``--max-concurrency`` streams:
 
@@ -195,8 +196,8 @@ def _cpu_list(text: str) -> list[int]:
 
 
 def _pin(cpus: list[int], router: Any, others: list[Any]) -> None:
-    """Run ``router`` (a psutil.Process, its threads included) on ``router_cpus`` and
-    ``others`` on the CPUs left.
+    """Run ``router`` (a psutil.Process, its threads included) on ``cpus`` and ``others``
+    (psutil.Process each) on the CPUs left.
 
     Raises:
         ValueError: a CPU not available to this process, or none left for the others.
@@ -306,9 +307,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the interpreter that runs the router (default: this one); another "
                         "checkout's venv python compares two routers on the same stub")
     p.add_argument("--router-cpus", default=None, metavar="LIST", type=_cpu_list,
-                   help="CPUs (comma-separated ids, e.g. 0) the router runs on; the stub and the load "
-                        "generator then run on the others, so the client's and the stub's "
-                        "own delays do not land in the router's (default: all share)")
+                   help="CPUs (comma-separated ids, e.g. 0) the router runs on; the stub "
+                        "and the load generator then run on the others, so the client's "
+                        "and the stub's own delays do not land in the router's (default: "
+                        "all share)")
     p.add_argument("--json", default=None, help="write the results (a JSON list) here")
     # the stub process (started by the bench itself)
     p.add_argument("--serve-stub", type=int, default=None, metavar="PORT",

@@ -94,9 +94,8 @@ class InstancePool:
         """Start a Decode stream; iterate it, and ``cancel()`` it to abort the request.
 
         With ``multiplex_decode`` (the default) it travels on the instance's one
-        ``DecodeStream`` call (:mod:`services.router.decode_mux`; ``req.request_id`` must
-        then be unique among this router's requests), else as its own ``Decode`` call,
-        as it does to an instance that has no DecodeStream.
+        ``DecodeStream`` call (:mod:`services.router.decode_mux`), else as its own
+        ``Decode`` call, as it does to an instance that has no DecodeStream.
         """
         stub = self.decode_stub(address)
 

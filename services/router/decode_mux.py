@@ -22,8 +22,9 @@ still on their way, are dropped rather than handed to a later request with the s
 When the call breaks (the instance died, the channel failed) every request on it fails
 with the call's status, as their own calls would have; the next request opens a new
 call. A draining instance ends the call once no stream runs on it (its grace period then
-ends early), and the router opens a new call for the next request. An instance without ``DecodeStream`` (UNIMPLEMENTED: an older engine) is served
-with one ``Decode`` call per request from then on.
+ends early), and the router opens a new call for the next request. An instance without
+``DecodeStream`` (UNIMPLEMENTED: an older engine) is served with one ``Decode`` call per
+request from then on.
 """
 
 from __future__ import annotations
@@ -144,11 +145,6 @@ class DecodeMux:
         if self._handles.pop(stream, None) is not None and not self.closed:
             self._outgoing.put_nowait(decode_pb2.DecodeStreamRequest(stream=stream,
                                                                      cancel=True))
-
-    @property
-    def num_requests(self) -> int:
-        """Requests running on this call."""
-        return len(self._handles)
 
     async def close(self) -> None:
         """End the call: the instance cancels every request still on it."""

@@ -197,14 +197,20 @@ class _NoDecodeStream(_Counting):
         yield  # an async generator, as the generated base's handler kinds need
 
 
+async def _serve(servicer: Any, address: str) -> grpc.aio.Server:
+    """A started gRPC server with ``servicer`` as its DecodeService, on ``address``."""
+    server = grpc.aio.server()
+    decode_pb2_grpc.add_DecodeServiceServicer_to_server(servicer, server)
+    server.add_insecure_port(address)
+    await server.start()
+    return server
+
+
 def _with_server(servicer: Any, body: Callable[[str, InstancePool, grpc.aio.Server],
                                                Awaitable[None]]) -> None:
     async def run() -> None:
-        server = grpc.aio.server()
-        decode_pb2_grpc.add_DecodeServiceServicer_to_server(servicer, server)
         address = f"127.0.0.1:{free_port()}"
-        server.add_insecure_port(address)
-        await server.start()
+        server = await _serve(servicer, address)
         pool = InstancePool(StaticDiscovery(decode=[address]))
         try:
             await body(address, pool, server)
@@ -263,15 +269,7 @@ def test_a_broken_call_fails_every_request_on_it_and_the_next_opens_a_new_one() 
 
     async def run() -> None:
         address = f"127.0.0.1:{port}"
-
-        async def serve() -> grpc.aio.Server:
-            server = grpc.aio.server()
-            decode_pb2_grpc.add_DecodeServiceServicer_to_server(servicer, server)
-            server.add_insecure_port(address)
-            await server.start()
-            return server
-
-        server = await serve()
+        server = await _serve(servicer, address)
         pool = InstancePool(StaticDiscovery(decode=[address]))
         try:
             calls = [pool.decode(address, _req(f"r{i}", 10_000)) for i in range(3)]
@@ -286,7 +284,7 @@ def test_a_broken_call_fails_every_request_on_it_and_the_next_opens_a_new_one() 
                 assert err.value.code() in (grpc.StatusCode.UNAVAILABLE,
                                             grpc.StatusCode.CANCELLED)
             assert all(c.done() for c in calls)
-            server = await serve()  # restarted on its address
+            server = await _serve(servicer, address)  # restarted on its address
             got = [list(m.token_ids) async for m in pool.decode(address, _req("again", 2))]
             assert got == [[5], [6]]
             assert servicer.calls["DecodeStream"] == 2
@@ -364,6 +362,8 @@ class _Engine(_Counting):
     def __init__(self) -> None:
         super().__init__()
         self.in_flight: set[str] = set()
+        #: tokens sent, all streams together
+        self.num_sent = 0
 
     async def Decode(self, request: Any, context: Any) -> Any:  # noqa: N802
         rid = request.request_id
@@ -374,6 +374,7 @@ class _Engine(_Counting):
             n = request.sampling_params.max_tokens
             for i in range(n):
                 await asyncio.sleep(0)
+                self.num_sent += 1
                 yield decode_pb2.DecodeResponse(
                     token_ids=[request.prompt_token_ids[0]],
                     finish_reason=common_pb2.FINISH_REASON_LENGTH if i == n - 1 else 0)
@@ -412,7 +413,11 @@ def test_a_cancelled_streams_late_messages_never_reach_a_new_stream_of_its_id() 
             old = pool.decode(address, _req_prompt("same", 1, 10_000))
             it = old.__aiter__()
             await it.__anext__()
-            time.sleep(0.02)  # the router's loop busy: the old stream's tokens pile up
+            # cancel with the old stream's tokens still on their way: the instance has
+            # sent some past the one the router read
+            sent = servicer.num_sent
+            await _poll(lambda sent=sent: servicer.num_sent >= sent + 8,
+                        "more old tokens sent")
             old.cancel()
             new = [t async for m in pool.decode(address, _req_prompt("same", 2, 3))
                    for t in m.token_ids]
