@@ -114,11 +114,12 @@ async def _turn(client: Any, url: str, model: str, messages: list[dict[str, str]
     body = chat_body(model, messages, answer_len, skip_special_tokens)
     start = time.perf_counter()
     try:
-        async with client.stream("POST", url, json=body) as resp:
-            if resp.status_code != 200:
-                res.error = f"HTTP {resp.status_code}: {(await resp.aread())[:300]!r}"
+        async with client.post(url, json=body) as resp:
+            if resp.status != 200:
+                res.error = f"HTTP {resp.status}: {(await resp.read())[:300]!r}"
                 return
-            async for line in resp.aiter_lines():
+            async for raw in resp.content:
+                line = raw.decode().rstrip("\r\n")
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 data = json.loads(line[6:])
@@ -159,13 +160,12 @@ async def run_conversations(url: str, model: str, shape: MultiTurnShape, system:
 
     Returns (every turn's result, wall time in seconds).
     """
-    import httpx
+    from tandem.bench.serve import http_session
 
     rng = np.random.default_rng(seed)
     sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     results: list[TurnResult] = []
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(3600.0), limits=limits) as client:
+    async with http_session() as client:
 
         async def conversation(c: int) -> None:
             messages = [{"role": "system", "content": system}] if system else []

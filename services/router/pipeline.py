@@ -242,16 +242,19 @@ class Pipeline:
                 hint = publish_in_flight_to_proto(found)
                 self.metrics.labels(self.metrics.kv_publish_hints).inc()
         presp = None
-        if mode == "disagg" and not local_prefill:
-            presp = await self._prefill(route, prefill_pb2.PrefillRequest(
-                request_id=seq_id, prompt_token_ids=req.prompt_token_ids,
-                sampling_params=psp, priority=req.priority, kv_publish_in_flight=hint),
-                metadata, timings, req.param_of_field)
-            local_prefill = presp is None
-        if mode == "disagg":
-            m = self.metrics
-            m.disagg_decision.labels(model_name=m.model_name,
-                                     path=timings.disagg_decision).inc()
+        try:
+            if mode == "disagg" and not local_prefill:
+                presp = await self._prefill(route, prefill_pb2.PrefillRequest(
+                    request_id=seq_id, prompt_token_ids=req.prompt_token_ids,
+                    sampling_params=psp, priority=req.priority, kv_publish_in_flight=hint),
+                    metadata, timings, req.param_of_field)
+                local_prefill = presp is None
+        finally:
+            # a prefill that ended the request (400, 503) took its path all the same
+            if mode == "disagg":
+                m = self.metrics
+                m.disagg_decision.labels(model_name=m.model_name,
+                                         path=timings.disagg_decision).inc()
         if presp is not None:
             state.num_cached_tokens = timings.cached_tokens = presp.num_cached_tokens
             lps = [presp.first_logprobs] if presp.HasField("first_logprobs") else None

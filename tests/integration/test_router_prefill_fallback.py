@@ -167,3 +167,5 @@ def test_a_request_that_broke_the_prefill_engine_is_not_replayed_on_decode(
     assert resp.status_code == 503, resp.text
     assert "INTERNAL it broke" in resp.json()["error"]["message"], resp.text
     assert r.metric("tandem:disagg_decision_total", path="local_prefill") == 0
+    # a request that ended at its prefill still took the remote prefill path
+    assert r.metric("tandem:disagg_decision_total", path="remote_prefill") == 1
