@@ -100,29 +100,33 @@ stop_server() {  # $1 = pid of a process group leader; waits until it is gone
 }
 
 run_system() {  # $1 = system; runs under the lock
-    local sys=$1 t0 pid load conc n
+    local sys=$1 t0 pid load conc n seed
     t0=$(python3 -c 'import time; print(time.time())')
     pid=$(start_server "$sys")
     trap 'stop_server '"$pid" EXIT
     wait_ready "$t0" "$pid" > "$OUT/$sys.startup_s"
     echo "$sys: ready after $(cat "$OUT/$sys.startup_s") s"
     # not measured: the first requests of a fresh server also pay one-time costs (first
-    # touch of the KV cache's pages, first-shape set-up) that a long-running server has paid
+    # touch of the KV cache's pages, first-shape set-up) that a long-running server has paid.
+    # NOTE: every run draws its own prompts (--seed): the random dataset of one seed gives
+    # the same prompts to every run (a 32-prompt run's are the first of a 64-prompt run's),
+    # and every server here caches prefixes, so a repeated prompt would skip its prefill.
     if [ "$WARMUP" -gt 0 ]; then
         "$VLLM_VENV/bin/vllm" bench serve --backend openai \
             --base-url "http://127.0.0.1:$PORT" --endpoint /v1/completions \
             --model "$NAME" --tokenizer "$HF_DIR" --dataset-name random \
             --random-input-len "$INPUT_LEN" --random-output-len "$OUTPUT_LEN" \
-            --num-prompts "$WARMUP" --max-concurrency 16 --ignore-eos \
+            --num-prompts "$WARMUP" --max-concurrency 16 --ignore-eos --seed 1000 \
             > "$OUT/$sys-warmup.log" 2>&1
     fi
+    seed=0
     for load in $LOADS; do
-        conc=${load%%:*}; n=${load##*:}
+        conc=${load%%:*}; n=${load##*:}; seed=$((seed + 1))
         "$VLLM_VENV/bin/vllm" bench serve --backend openai \
             --base-url "http://127.0.0.1:$PORT" --endpoint /v1/completions \
             --model "$NAME" --tokenizer "$HF_DIR" --dataset-name random \
             --random-input-len "$INPUT_LEN" --random-output-len "$OUTPUT_LEN" \
-            --num-prompts "$n" --max-concurrency "$conc" --ignore-eos \
+            --num-prompts "$n" --max-concurrency "$conc" --ignore-eos --seed "$seed" \
             --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,99 \
             --save-result --result-dir "$OUT" --result-filename "$sys-c$conc.json" \
             > "$OUT/$sys-c$conc.log" 2>&1
