@@ -22,13 +22,14 @@ merge a few tokens).
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
+from tandem.bench.serve import http_session, sse_events
 
 
 @dataclass(frozen=True)
@@ -118,11 +119,7 @@ async def _turn(client: Any, url: str, model: str, messages: list[dict[str, str]
             if resp.status != 200:
                 res.error = f"HTTP {resp.status}: {(await resp.read())[:300]!r}"
                 return
-            async for raw in resp.content:
-                line = raw.decode().rstrip("\r\n")
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                data = json.loads(line[6:])
+            async for data in sse_events(resp):
                 if "error" in data:
                     res.error = str(data["error"].get("message"))
                     return
@@ -160,8 +157,6 @@ async def run_conversations(url: str, model: str, shape: MultiTurnShape, system:
 
     Returns (every turn's result, wall time in seconds).
     """
-    from tandem.bench.serve import http_session
-
     rng = np.random.default_rng(seed)
     sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     results: list[TurnResult] = []

@@ -39,7 +39,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -118,6 +118,19 @@ def http_session() -> Any:
                                  read_bufsize=1 << 20)
 
 
+async def sse_events(resp: Any) -> AsyncIterator[dict[str, Any]]:
+    """The JSON payload of each ``data:`` event of a streamed OpenAI response (an
+    ``aiohttp.ClientResponse`` from :func:`http_session`), up to ``data: [DONE]``.
+
+    Raises:
+        json.JSONDecodeError: an event whose payload is not JSON.
+    """
+    async for raw in resp.content:
+        line = raw.decode().rstrip("\r\n")
+        if line.startswith("data: ") and line != "data: [DONE]":
+            yield json.loads(line[6:])
+
+
 async def _one(client: Any, url: str, model: str, prompt: list[int], max_tokens: int,
                ignore_eos: bool, extra: dict[str, Any] | None = None,
                temperature: float = 0.0) -> RequestResult:
@@ -133,11 +146,7 @@ async def _one(client: Any, url: str, model: str, prompt: list[int], max_tokens:
             if resp.status != 200:
                 res.error = f"HTTP {resp.status}: {(await resp.read())[:300]!r}"
                 return res
-            async for raw in resp.content:
-                line = raw.decode().rstrip("\r\n")
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                data = json.loads(line[6:])
+            async for data in sse_events(resp):
                 if "error" in data:
                     res.error = str(data["error"].get("message"))
                     return res
