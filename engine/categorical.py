@@ -39,6 +39,8 @@ _M0, _M1 = 0xD2511F53, 0xCD9E8D57  # Philox4x32's multipliers
 _W0, _W1 = 0x9E3779B9, 0xBB67AE85  # and its key increments ("Weyl" constants)
 _LOW32 = 0xFFFFFFFF
 _MASK64 = (1 << 64) - 1
+#: the logits' dtypes :func:`sample_race_logits` races (each widens to float32 exactly)
+_RACE_LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 #: the independent streams of unseeded rows' keys (:func:`key_generator`)
@@ -182,7 +184,8 @@ def race_weights(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tens
     A row of -inf only takes ``m = 0``, so every weight is 0.
 
     Args:
-        logits: ``[rows, vocab]`` float32 or bfloat16 (widened exactly), finite or -inf.
+        logits: ``[rows, vocab]`` float32, bfloat16 or float16 (widened exactly), finite
+            or -inf.
         temperatures: ``[rows]`` float32, each finite and > 0, on ``logits``' device.
 
     Returns:
@@ -206,7 +209,8 @@ def sample_race_logits(
 
     Args:
         logits: ``[num_rows, vocab]`` float32 or bfloat16 (read as they are: no float32
-            copy on the CPU), finite or -inf; not modified.
+            copy on the CPU), or float16 (a ``dtype="float16"`` model's; raced as its
+            exact float32 widening, a copy), finite or -inf; not modified.
         temperatures: ``[num_rows]`` float32, each finite and > 0 (any device).
         keys: ``[num_rows]`` int64 from :func:`row_keys`.
 
@@ -216,13 +220,17 @@ def sample_race_logits(
         returns for a row of zeros).
 
     Raises:
-        ValueError: ``logits`` not 2-D float32 / bfloat16, ``temperatures`` not
-            ``[num_rows]`` float32 of finite values > 0, or ``keys`` not ``[num_rows]``
-            int64.
+        ValueError: ``logits`` not 2-D float32 / bfloat16 / float16, ``temperatures``
+            not ``[num_rows]`` float32 of finite values > 0, or ``keys`` not
+            ``[num_rows]`` int64.
     """
-    if logits.dim() != 2 or logits.dtype not in (torch.float32, torch.bfloat16):
-        raise ValueError(f"sample_race_logits: logits must be 2-D float32 or bfloat16, got "
-                         f"{tuple(logits.shape)} {logits.dtype}")
+    if logits.dim() != 2 or logits.dtype not in _RACE_LOGIT_DTYPES:
+        raise ValueError(f"sample_race_logits: logits must be 2-D float32, bfloat16 or "
+                         f"float16, got {tuple(logits.shape)} {logits.dtype}")
+    if logits.dtype == torch.float16:
+        # NOTE: the native kernel reads float32 and bfloat16 only; float16 widens to
+        # float32 exactly, so the draw is the float32 logits' draw on every path.
+        logits = logits.float()
     cpu_ext.check_row_vectors("sample_race_logits", logits.shape[0], False,
                               temperatures=(temperatures, torch.float32),
                               keys=(keys, torch.int64))

@@ -304,7 +304,20 @@ def test_temperatures_outside_0_inf_are_refused(bad: float) -> None:
 
 def test_logits_of_other_dtypes_are_refused() -> None:
     with pytest.raises(ValueError, match="logits"):
-        sample_race_logits(torch.rand(2, 10).half(), torch.ones(2), torch.tensor([1, 2]))
+        sample_race_logits(torch.rand(2, 10).double(), torch.ones(2), torch.tensor([1, 2]))
+
+
+@pytest.mark.parametrize("vocab", [3, 513])
+def test_float16_logits_race_as_their_float32_widening(vocab: int) -> None:
+    """A float16 model (``dtype="float16"``) hands the race float16 logits: widened to
+    float32 (exact), they draw what the float32 logits draw, masked tokens included."""
+    logits, temps = _masked_logits(32, vocab, torch.float16, seed=vocab)
+    keys = row_keys([None] * 32, np.random.Generator(np.random.PCG64(vocab)))
+    before = logits.clone()
+    got = sample_race_logits(logits, temps, keys)
+    assert torch.equal(logits, before)
+    assert torch.equal(got, sample_race_logits(logits.float(), temps, keys))
+    assert torch.equal(got, _reference_logits_race(logits.float(), temps, keys))
 
 
 def test_each_engine_consumer_has_its_own_key_stream() -> None:

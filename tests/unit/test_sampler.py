@@ -241,6 +241,22 @@ def test_temperature_only_rows_read_bf16_logits_as_their_float32_widening() -> N
     assert got == Sampler()(logits.float(), reqs)
 
 
+def test_float16_logits_give_the_float32_result() -> None:
+    """A float16 model's logits (``LLM(dtype="float16")``) on every path, greedy, fused
+    temperature-only, truncated and logprobs rows in one batch: each row draws what the
+    float32 widening of its logits draws (the widening is exact)."""
+    logits = (torch.randn(8, 500, generator=torch.Generator().manual_seed(5)) * 3).half()
+    kinds = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, seed=1),
+             SamplingParams(temperature=0.7, top_p=0.9, seed=2),
+             SamplingParams(temperature=0.9, top_k=20, min_p=0.05, seed=3),
+             SamplingParams(temperature=0.6, logprobs=2, seed=4),
+             SamplingParams(temperature=1.0, repetition_penalty=1.3, seed=5)]
+    for rows in ([kinds[1]] * 8, [kinds[i % len(kinds)] for i in range(8)]):
+        reqs = [make_request(p, prompt=[5, 7]) for p in rows]
+        got = Sampler()(logits.clone(), reqs)
+        assert got == Sampler()(logits.float(), reqs)
+
+
 def test_a_row_draws_the_same_whichever_paths_the_other_rows_take() -> None:
     """Greedy, fused (temperature only), truncated and logprobs rows in one batch: each
     seeded row gets the token (and logprobs) it gets alone, and the unseeded rows' keys
