@@ -39,19 +39,11 @@ redis:
 lint: install
 	$(VENV)/bin/ruff check .
 
-# mypy over the parts with contracts between them. The tree maps its folders onto the
-# `tandem` namespace (pyproject's package-dir), which mypy cannot read: it checks a farm of
-# links with the installed layout instead.
-TYPECHECK_DIR := build/typecheck
+# mypy over the parts with contracts between them, from the repository root: tandem/ links
+# each folder under its `tandem.*` name (pyproject's [tool.setuptools]).
 TYPED_PACKAGES := contracts engine kvstore services
 typecheck: install
-	@rm -rf $(TYPECHECK_DIR) && mkdir -p $(TYPECHECK_DIR)/tandem
-	@cp tandem/*.py $(TYPECHECK_DIR)/tandem/
-	@for p in contracts engine kernels kvstore services bench; do \
-		ln -s $(CURDIR)/$$p $(TYPECHECK_DIR)/tandem/$$p; done
-	@ln -s $(CURDIR)/protos/tandem/v1 $(TYPECHECK_DIR)/tandem/v1
-	cd $(TYPECHECK_DIR) && $(CURDIR)/$(VENV)/bin/mypy --config-file $(CURDIR)/pyproject.toml \
-		$(foreach p,$(TYPED_PACKAGES),-p tandem.$(p))
+	$(VENV)/bin/mypy --config-file pyproject.toml $(foreach p,$(TYPED_PACKAGES),-p tandem.$(p))
 
 protos: install
 	$(PY) -P -m tandem.v1.generate

@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 from tandem.engine import distributed
 from tandem.engine.config import EngineConfig
 from tandem.engine.executor.abstract import EngineDeadError, Executor
+from tandem.engine.executor.main_guard import check_main_guard
 from tandem.engine.executor.shm_broadcast import Handle, MessageQueue, dequeue_any
 from tandem.engine.executor.step_message import StepEncoder
 from tandem.engine.executor.worker_proc import WorkerSpec, worker_main
@@ -174,6 +175,7 @@ class MultiProcExecutor(Executor):
     # -- start-up -------------------------------------------------------------------------
 
     def _start_workers(self, cpu_sets: list[tuple[int, ...] | None], backend: str) -> None:
+        check_main_guard()
         ctx = multiprocessing.get_context("spawn")
         # NOTE: room for every step in flight plus one command, so submitting never
         # waits for a busy worker to read (nor a worker for the engine to collect).

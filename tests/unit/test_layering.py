@@ -22,7 +22,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
-#: folder -> package it is imported as (pyproject's package-dir).
+#: folder -> package it is imported as (the links under tandem/, pyproject's packages).
 PACKAGES = {
     "tandem": "tandem",
     "contracts": "tandem.contracts",

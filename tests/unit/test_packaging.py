@@ -14,9 +14,10 @@ def test_namespace_maps_card_folders() -> None:
     import tandem.kernels
     import tandem.kvstore
 
-    assert tandem.engine.__file__.endswith("engine/__init__.py")
-    assert tandem.kernels.__file__.endswith("kernels/__init__.py")
-    assert tandem.kvstore.__file__.endswith("kvstore/__init__.py")
+    repo = Path(__file__).resolve().parents[2]
+    for package, folder in ((tandem.engine, "engine"), (tandem.kernels, "kernels"),
+                            (tandem.kvstore, "kvstore")):
+        assert [Path(p).resolve() for p in package.__path__] == [repo / folder]
 
 
 def test_card_folders_not_importable_top_level(tmp_path) -> None:
