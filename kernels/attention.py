@@ -22,7 +22,10 @@ above is the reference and the fallback.
 
 On CUDA (with Triton installed) the decode group runs a Triton kernel that
 reads K/V straight from the blocks (no gather), one program per (sequence, KV
-head) with an online softmax; prefills use SDPA (FlashAttention) as above.
+head) with an online softmax; prefills use SDPA: FlashAttention for a fresh prompt in
+half types, else (a cached prefix, a later chunk, a window, float32) query tiles whose
+score matrix stays within a fixed budget, in the layout SDPA's memory-efficient kernel
+takes (``attention_backend.plan_prefill_attention``).
 
 Batch-invariant mode (``ModelConfig.deterministic``): the metadata puts every query
 token in the decode group, one row each (``build_attention_metadata(...,
@@ -43,7 +46,15 @@ import torch
 import torch.nn.functional as F
 
 from tandem.kernels import backend, cpu_ext
-from tandem.kernels.attention_backend import AttentionBackend
+from tandem.kernels.attention_backend import (
+    FLASH_DTYPES,
+    FLASH_MAX_HEAD_DIM,
+    AttentionBackend,
+    PrefillPath,
+    PrefillPlan,
+    detect_attention_facts,
+    plan_prefill_attention,
+)
 from tandem.kernels.attention_metadata import (
     AttentionMetadata,
     PrefillSeq,
@@ -108,13 +119,12 @@ def _prefill_attention_sdpa(
     scale: float,
     sliding_window: int | None,
 ) -> None:
-    """Every prefill sequence via SDPA (FlashAttention on CUDA), written into ``out``."""
+    """Every prefill sequence via SDPA, written into ``out``: each as its
+    ``_prefill_plan`` says (FlashAttention for an unmasked CUDA prefill in half types,
+    query tiles of bounded score memory for the other CUDA ones, one call on the CPU)."""
     group = query.shape[1] // key.shape[1]
     for i, p in enumerate(meta.prefills):
         s, e = p.token_start, p.token_end
-        # contiguous(): SDPA on CPU runs several times slower on these strided
-        # views than on a [1, heads, n, hd] copy (measured, bf16 and fp32).
-        q = query[s:e].transpose(0, 1).unsqueeze(0).contiguous()  # [1, H, n, hd]
         # Keys before the first one any new query sees are left out: a slot before a
         # sliding window may hold anything, and a masked NaN value still makes NaN.
         lo = max(0, p.num_computed - sliding_window + 1) if sliding_window else 0
@@ -124,6 +134,15 @@ def _prefill_attention_sdpa(
         else:
             k = _gather(k_cache, p.block_ids)[lo : p.seq_len]
             v = _gather(v_cache, p.block_ids)[lo : p.seq_len]
+        plan = _prefill_plan(query, key.shape[1], p.num_new, p.seq_len - lo,
+                             p.needs_mask(sliding_window))
+        if plan.path is PrefillPath.TILED:
+            _prefill_tiled(out[s:e], query[s:e], k, v, p.num_computed, lo, sliding_window,
+                           scale, plan.query_tile)
+            continue
+        # contiguous(): SDPA on CPU runs several times slower on these strided
+        # views than on a [1, heads, n, hd] copy (measured, bf16 and fp32).
+        q = query[s:e].transpose(0, 1).unsqueeze(0).contiguous()  # [1, H, n, hd]
         k = k.transpose(0, 1).unsqueeze(0).contiguous()  # [1, kvh, L, hd]
         v = v.transpose(0, 1).unsqueeze(0).contiguous()
         mask = meta.prefill_mask(i, sliding_window)
@@ -139,6 +158,76 @@ def _prefill_attention_sdpa(
             enable_gqa=group > 1,
         )
         out[s:e] = o[0].transpose(0, 1)
+
+
+@functools.cache
+def _sdpa_flash_enabled() -> bool:
+    return detect_attention_facts().sdpa_flash
+
+
+def _prefill_plan(
+    query: torch.Tensor, num_kv_heads: int, num_queries: int, num_keys: int, masked: bool
+) -> PrefillPlan:
+    """``plan_prefill_attention`` of one prefill of ``query``'s model (``[num_tokens,
+    num_heads, head_dim]``): its device, heads, dtype and whether FlashAttention takes
+    them. Tests replace it to run a GPU's plan on the CPU."""
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    flash = (query.device.type == "cuda" and query.dtype in FLASH_DTYPES
+             and head_dim % 8 == 0 and head_dim <= FLASH_MAX_HEAD_DIM and _sdpa_flash_enabled())
+    return plan_prefill_attention(query.device.type, num_heads, num_kv_heads, head_dim,
+                                  query.element_size(), num_queries, num_keys, masked, flash)
+
+
+def _prefill_tiled(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    num_computed: int,
+    key_start: int,
+    sliding_window: int | None,
+    scale: float,
+    tile: int,
+) -> None:
+    """One prefill by ``PrefillPath.TILED``: SDPA per tile of ``tile`` queries, the
+    ``G = num_heads // num_kv_heads`` query heads of a KV head laid out along the query
+    axis (no ``enable_gqa``: with it no kernel but the math one takes a mask), an
+    explicit causal (and window) mask, and only the keys the tile's queries can see.
+
+    Args:
+        out: ``[n, num_heads, head_dim]``, written.
+        query: ``[n, num_heads, head_dim]`` at positions ``num_computed..``.
+        key, value: ``[L, num_kv_heads, head_dim]`` at positions ``key_start..``, up to
+            the last query's.
+        sliding_window: optional window in tokens; scale: softmax scale.
+        tile: queries per SDPA call (``PrefillPlan.query_tile``).
+    """
+    n, num_heads, head_dim = query.shape
+    num_kv_heads = key.shape[1]
+    group = num_heads // num_kv_heads
+    k = key.permute(1, 0, 2).unsqueeze(0).contiguous()  # [1, kvh, L, hd]
+    v = value.permute(1, 0, 2).unsqueeze(0).contiguous()
+    device = query.device
+    for t0 in range(0, n, tile):
+        t1 = min(n, t0 + tile)
+        rows = t1 - t0
+        first, stop = num_computed + t0, num_computed + t1  # the tile's query positions
+        k_lo = max(key_start, first - sliding_window + 1) if sliding_window else key_start
+        # [kvh, G * rows, hd]: row g * rows + t is query t of head kv * G + g
+        q = query[t0:t1].permute(1, 0, 2).reshape(num_kv_heads, group * rows, head_dim)
+        q_pos = torch.arange(first, stop, device=device)[:, None]
+        k_pos = torch.arange(k_lo, stop, device=device)[None, :]
+        mask = k_pos <= q_pos
+        if sliding_window:
+            mask &= k_pos > q_pos - sliding_window
+        o = F.scaled_dot_product_attention(
+            q.unsqueeze(0),
+            k[:, :, k_lo - key_start : stop - key_start],
+            v[:, :, k_lo - key_start : stop - key_start],
+            attn_mask=mask.repeat(group, 1),
+            scale=scale,
+        )
+        out[t0:t1] = o[0].view(num_heads, rows, head_dim).transpose(0, 1)
 
 
 def _prefill_attention_cpu(

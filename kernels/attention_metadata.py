@@ -42,6 +42,12 @@ class PrefillSeq:
     def seq_len(self) -> int:
         return self.num_computed + self.num_new
 
+    def needs_mask(self, sliding_window: int | None = None) -> bool:
+        """Whether its attention needs an explicit mask rather than plain causal: a
+        cached prefix (prefix-cache hit, later chunk) or a window shorter than it."""
+        return self.num_computed > 0 or (
+            sliding_window is not None and self.seq_len > sliding_window)
+
 
 @dataclass
 class AttentionMetadata:
@@ -125,7 +131,7 @@ class AttentionMetadata:
             return self._masks[key]
         p = self.prefills[i]
         mask = None
-        if p.num_computed > 0 or (sliding_window is not None and p.seq_len > sliding_window):
+        if p.needs_mask(sliding_window):
             device = self.positions.device
             q_pos = torch.arange(p.num_computed, p.seq_len, device=device)[:, None]
             k_pos = torch.arange(p.seq_len, device=device)[None, :]
