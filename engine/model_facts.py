@@ -9,6 +9,7 @@ that only needs the facts (services, tests of the seam) stays light.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -47,3 +48,18 @@ class ModelFacts:
             value = getattr(self, name)
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
+
+
+def rope_params(config: Any) -> tuple[float, dict[str, Any] | None]:
+    """``(rope_theta, rope_scaling | None)`` from a transformers 4.x or 5.x config."""
+    params = getattr(config, "rope_parameters", None)
+    if params:
+        theta = float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
+        rope_type = params.get("rope_type", params.get("type", "default"))
+        return theta, (dict(params) if rope_type != "default" else None)
+    return float(getattr(config, "rope_theta", 10000.0)), getattr(config, "rope_scaling", None)
+
+
+def head_dim_of(config: Any) -> int:
+    """Attention head dimension (explicit ``head_dim`` or hidden / heads)."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads

@@ -30,14 +30,15 @@ import ctypes
 import logging
 import sys
 
-import psutil
 import torch
 
-from tandem.engine import distributed
+from tandem.engine import distributed, kv_budget
 from tandem.engine.config import EngineConfig
+from tandem.engine.cuda_device import on_device, resolve_cuda_index, runs_on_own_device
 from tandem.engine.cuda_graphs import CudaGraphRunner, capture_sizes, graphs_unsupported_reason
+from tandem.engine.model_facts import head_dim_of
 from tandem.engine.model_loader import LoadedModel, load_model
-from tandem.engine.models.llama import IntermediateTensors, head_dim_of
+from tandem.engine.models.interface import IntermediateTensors
 from tandem.engine.request import Request
 from tandem.engine.sampler import Sampler, is_plain_greedy
 from tandem.engine.sched_output import ModelRunnerOutput, SchedulerOutput
@@ -54,11 +55,6 @@ from tandem.kernels.cache import allocate_kv_cache, kv_cache_bytes_per_block
 from tandem.kernels.linear import batch_variant_layers, pack_linear_layers
 
 logger = logging.getLogger(__name__)
-
-# NOTE: on CPU the KV cache shares RAM with everything else on the box (several
-# services may run on one laptop), so the profiled budget is capped like vLLM's
-# CPU backend does (VLLM_CPU_KVCACHE_SPACE, 4 GiB by default).
-CPU_MAX_KV_CACHE_BYTES = 4 << 30
 
 
 def tune_glibc_malloc() -> bool:
@@ -105,11 +101,6 @@ def warn_batch_variant(model: torch.nn.Module, dtype: torch.dtype) -> list[str]:
     return names
 
 
-def _available_memory_bytes() -> int:
-    """Host memory available to new allocations, in bytes."""
-    return int(psutil.virtual_memory().available)
-
-
 class ModelRunner:
     """Runs the model for the scheduler's batches.
 
@@ -120,8 +111,14 @@ class ModelRunner:
             several ranks it must have been built for this rank (after
             ``distributed.init_distributed``).
 
+    Every call that touches the GPU (the load here, the profile, the cache allocation
+    and graph capture, each step) runs with this engine's CUDA device current
+    (``engine/cuda_device.py``), whichever thread makes it.
+
     Attributes:
         loaded: the ``LoadedModel``.
+        cuda_index: the CUDA device index (a bare "cuda": the constructing thread's
+            current device), ``None`` on the CPU.
         vocab_size / eos_token_id / max_model_len: model facts for the engine.
         num_layers / num_kv_heads / head_dim / dtype / device / block_size:
             the layout of this rank's KV cache (its layers and KV heads).
@@ -141,6 +138,15 @@ class ModelRunner:
     """
 
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+        self.cuda_index: int | None = resolve_cuda_index(
+            loaded.device if loaded is not None else config.model.device)
+        self._memory_at_start: kv_budget.MemorySnapshot | None = None
+        with on_device(self.cuda_index):
+            if self.cuda_index is not None:
+                self._memory_at_start = kv_budget.take_snapshot(self.cuda_index)
+            self._build(config, loaded)
+
+    def _build(self, config: EngineConfig, loaded: LoadedModel | None) -> None:
         self.config = config
         self.tp_group = distributed.get_tp_group()
         self.pp_group = distributed.get_pp_group()
@@ -173,9 +179,8 @@ class ModelRunner:
                 f"max_model_len {self.max_model_len} exceeds the model's "
                 f"max_position_embeddings {hf.max_position_embeddings}"
             )
-        if self.max_model_len > self.model.rotary.max_position:
-            # The model was loaded for a shorter context (a shared LoadedModel).
-            self.model.extend_rotary(self.max_model_len)
+        # The model may have been loaded for a shorter context (a shared LoadedModel).
+        self.model.ensure_max_position(self.max_model_len)
         shard = self.model.shard
         tp, pp = self.tp_group, self.pp_group
         if (shard.tp_rank, shard.tp_size, shard.pp_rank, shard.pp_size) != (
@@ -195,7 +200,8 @@ class ModelRunner:
         self.is_driver: bool = tp.is_first_rank and pp.is_last_rank
         self.head_dim: int = int(head_dim_of(hf))
         self.dtype: torch.dtype = self.loaded.dtype
-        self.device: torch.device = self.loaded.device
+        self.device: torch.device = (self.loaded.device if self.cuda_index is None
+                                     else torch.device("cuda", self.cuda_index))
         self.block_size: int = config.cache.block_size
         self.sampler = Sampler(seed=config.model.seed)
         self.kv_cache: torch.Tensor | None = None
@@ -236,21 +242,23 @@ class ModelRunner:
         )
         return own + (self.proposer.block_bytes if self.proposer is not None else 0)
 
+    @runs_on_own_device
     def determine_num_blocks(self) -> int:
         """Number of KV blocks this rank's cache gets (its layers and heads: with
         several ranks each finds its own count and the executor takes the minimum).
 
         Order: ``cache.num_blocks_override``; else ``cache.kv_cache_memory_bytes //
-        block_bytes``; else ``memory_utilization`` of the memory left after the
-        weights and the activations of a ``max_num_batched_tokens`` step (CUDA:
-        measured by a profiling forward, of total device memory, as vLLM does;
-        CPU: estimated, of available host memory, capped at
-        ``CPU_MAX_KV_CACHE_BYTES``). The profiled budget is also capped at what
-        ``max_num_seqs`` full-length sequences could use. Logs blocks, tokens
-        and bytes.
+        block_bytes``; else ``gpu_memory_utilization`` of the device's total memory less
+        this process's weights, profiled activations, non-torch memory and the largest
+        masked prefill's attention temporaries (CUDA, vLLM's rule), or of the available
+        host memory less estimated activations (CPU); see ``engine/kv_budget.py``. The
+        profiled budget is also capped at what ``max_num_seqs`` full-length sequences
+        could use. Logs blocks, tokens and bytes.
 
         Raises:
-            ValueError: when the budget holds less than one block.
+            ValueError: when the budget holds less than one block; naming
+                ``gpu_memory_utilization`` when that fraction of the GPU was not free
+                when the engine started.
         """
         cache_cfg = self.config.cache
         block_bytes = self.block_bytes
@@ -265,7 +273,7 @@ class ModelRunner:
             sched = self.config.scheduler
             blocks_per_seq = -(-self.max_model_len // self.block_size)
             num_blocks = min(budget // block_bytes, blocks_per_seq * sched.max_num_seqs)
-            source = f"memory_utilization={cache_cfg.memory_utilization}"
+            source = f"gpu_memory_utilization={cache_cfg.gpu_memory_utilization}"
         if num_blocks < 1:
             raise ValueError(
                 f"kv_cache_memory_bytes: the KV cache budget holds no block of {block_bytes} bytes"
@@ -281,43 +289,42 @@ class ModelRunner:
         return int(num_blocks)
 
     def _profile_budget_bytes(self) -> int:
-        """KV budget left by the weights and the activations of the largest step.
-
-        CUDA: a real profiling forward; budget = ``util * total - peak allocated``
-        (vLLM's rule). CPU: host memory has no peak counter and a 2048-token
-        forward costs seconds on a small CPU, so the activation peak is
-        estimated instead (``activation_bytes_estimate``) and subtracted from
-        the available memory (the weights are already resident).
-        """
-        util = self.config.cache.memory_utilization
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats(self.device)
-            self.profile_run()
-            torch.cuda.synchronize(self.device)
-            peak = torch.cuda.max_memory_allocated(self.device)
-            _, total = torch.cuda.mem_get_info(self.device)
-            return max(0, int(total * util) - peak)
-        budget = _available_memory_bytes() * util - self.activation_bytes_estimate()
-        return int(max(0, min(budget, CPU_MAX_KV_CACHE_BYTES)))
+        """KV budget left by the weights and the activations of the largest step
+        (``engine/kv_budget.py``): CUDA, a real profiling forward; CPU, an estimate."""
+        util = self.config.cache.gpu_memory_utilization
+        if self.cuda_index is None:
+            return kv_budget.cpu_kv_budget_bytes(
+                util, kv_budget.available_memory_bytes(), self.activation_bytes_estimate())
+        assert self._memory_at_start is not None
+        kv_budget.check_free_memory(util, self._memory_at_start, str(self.device))
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.cuda_index)
+        self.profile_run()
+        torch.cuda.synchronize(self.cuda_index)
+        peak = torch.cuda.max_memory_allocated(self.cuda_index)
+        after = kv_budget.take_snapshot(self.cuda_index)
+        sched = self.config.scheduler
+        unprofiled = kv_budget.unprofiled_prefill_bytes(
+            device_type=self.device.type, num_heads=self.model.shard.num_heads,
+            num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+            elem_bytes=self.dtype.itemsize, max_num_batched_tokens=sched.max_num_batched_tokens,
+            max_model_len=self.max_model_len, flash=self.attention.prefill_flash)
+        return kv_budget.cuda_kv_budget_bytes(util, self._memory_at_start, after, peak,
+                                              unprofiled)
 
     def activation_bytes_estimate(self) -> int:
-        """Upper estimate of one step's live activations at the maximum batch, in bytes.
-
-        Per token: the residual stream and norm output, the fused QKV output, the
-        attention output and the fused gate/up plus SiLU product (this rank's heads
-        and MLP slice), doubled for temporaries; plus float32 logits of
-        ``max_num_seqs`` rows (twice, for the sampler's copies).
-        """
-        hf = self.loaded.hf_config
+        """``kv_budget.activation_bytes_estimate`` of this rank's model and the
+        scheduler's largest step, bytes."""
         shard = self.model.shard
         sched = self.config.scheduler
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        qkv = (shard.num_heads + 2 * self.num_kv_heads) * self.head_dim
-        per_token = (4 * hf.hidden_size + qkv + 3 * shard.intermediate_size) * elem * 2
-        logits = sched.max_num_seqs * self.vocab_size * 4 * 2
-        return sched.max_num_batched_tokens * per_token + logits
+        return kv_budget.activation_bytes_estimate(
+            hidden_size=int(self.loaded.hf_config.hidden_size), num_heads=shard.num_heads,
+            num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+            intermediate_size=shard.intermediate_size, elem_bytes=self.dtype.itemsize,
+            max_num_batched_tokens=sched.max_num_batched_tokens,
+            max_num_seqs=sched.max_num_seqs, vocab_size=self.vocab_size)
 
+    @runs_on_own_device
     @torch.inference_mode()
     def profile_run(self) -> None:
         """One dummy forward at the maximum batch (``max_num_batched_tokens`` tokens
@@ -365,6 +372,7 @@ class ModelRunner:
             return self.model(ids, meta.positions, kv_caches, meta)
         return self.model(ids, meta.positions, kv_caches, meta, intermediate)
 
+    @runs_on_own_device
     def initialize_kv_cache(self, num_blocks: int, shared_file: str | None = None) -> None:
         """Allocate the zeroed KV cache (zeros: padded attention reads stay finite)
         and the per-layer ``(k, v)`` views the model writes into; ``shared_file``: map
@@ -416,6 +424,7 @@ class ModelRunner:
         )
         return kv, [(kv[:, i, 0], kv[:, i, 1]) for i in range(self.num_layers)]
 
+    @runs_on_own_device
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step: forward every scheduled token, sample where due.

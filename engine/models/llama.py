@@ -20,7 +20,6 @@ in a TP all-reduce, the LM head's logits are gathered on TP rank 0. With one ran
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
@@ -28,65 +27,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.engine import distributed
+from tandem.engine.model_facts import head_dim_of, rope_params
+from tandem.engine.models.fused_path import FusedDecodePath
+from tandem.engine.models.interface import IntermediateTensors, KVCacheViews
+from tandem.engine.models.layers import MLP, RMSNorm
 from tandem.engine.models.sharding import ModelShard, PPMissingLayer, VocabParallelEmbedding
-from tandem.kernels import backend, cpu_ext
 from tandem.kernels.attention import AttentionMetadata, paged_attention
-from tandem.kernels.backend import KernelBackend
 from tandem.kernels.cache import reshape_and_cache
-from tandem.kernels.fused_decode import DecodeLayerParams, FusedDecode
-from tandem.kernels.layernorm import rms_norm
+from tandem.kernels.fused_decode import FusedDecode
 from tandem.kernels.rotary import RotaryEmbedding, rotary_embedding
-
-KVCacheViews = tuple[torch.Tensor, torch.Tensor]
-
-
-@dataclass
-class IntermediateTensors:
-    """What a pipeline stage hands the next one: the last layer's output and the
-    residual stream, each ``[num_tokens, hidden_size]`` in the model dtype."""
-
-    hidden: torch.Tensor
-    residual: torch.Tensor
-
-
-def rope_params(config: Any) -> tuple[float, dict[str, Any] | None]:
-    """``(rope_theta, rope_scaling | None)`` from a transformers 4.x or 5.x config."""
-    params = getattr(config, "rope_parameters", None)
-    if params:
-        theta = float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
-        rope_type = params.get("rope_type", params.get("type", "default"))
-        return theta, (dict(params) if rope_type != "default" else None)
-    return float(getattr(config, "rope_theta", 10000.0)), getattr(config, "rope_scaling", None)
-
-
-def head_dim_of(config: Any) -> int:
-    """Attention head dimension (explicit ``head_dim`` or hidden / heads)."""
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-
-
-def _packed_weight(linear: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    """``(vnni_weight, bias)`` of a linear that ``kernels/linear.py`` packed into the
-    VNNI layout, else ``None`` (an ``nn.Linear``, or a packed one whose shape or CPU
-    kept no VNNI weight). ``PackedLinear`` holds both as buffers, which ``nn.Module``
-    types as ``Tensor | Module``; hence the narrowing here."""
-    weight = getattr(linear, "vnni_weight", None)
-    if not isinstance(weight, torch.Tensor):
-        return None
-    bias = getattr(linear, "bias", None)
-    assert bias is None or isinstance(bias, torch.Tensor), "a linear's bias is a tensor or None"
-    return weight, bias
-
-
-class RMSNorm(nn.Module):
-    """RMSNorm module holding its weight; see ``kernels/layernorm.py``."""
-
-    def __init__(self, hidden_size: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        return rms_norm(x, self.weight, self.eps, residual)
 
 
 class Attention(nn.Module):
@@ -141,38 +90,6 @@ class Attention(nn.Module):
         o = paged_attention(q, k, v, kv_cache, meta, self.scale, self.sliding_window)
         out = self.o_proj(o.view(num_tokens, self.q_size))
         return distributed.get_tp_group().all_reduce(out) if self.tp_size > 1 else out
-
-
-class MLP(nn.Module):
-    """SwiGLU feed-forward (Shazeer 2020): ``down(silu(gate(x)) * up(x))`` over this TP
-    rank's ``shard.intermediate_size`` slice (row-parallel ``down``, then the all-reduce)."""
-
-    def __init__(self, config: Any, shard: ModelShard) -> None:
-        super().__init__()
-        bias = bool(getattr(config, "mlp_bias", False))
-        if getattr(config, "hidden_act", "silu") != "silu":
-            raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (only silu)")
-        self.intermediate_size: int = shard.intermediate_size
-        self.tp_size = shard.tp_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(self.intermediate_size, config.hidden_size, bias=bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self._down(x)
-        return distributed.get_tp_group().all_reduce(out) if self.tp_size > 1 else out
-
-    def _down(self, x: torch.Tensor) -> torch.Tensor:
-        fused = getattr(self.gate_up_proj, "forward_swiglu", None)
-        act = fused(x) if fused is not None else None
-        if act is not None:  # packed kernel: projection and SwiGLU in one pass (decode)
-            return self.down_proj(act)
-        gate_up = self.gate_up_proj(x)
-        native = backend.current().for_tensor(gate_up) is KernelBackend.CPU_NATIVE
-        act = cpu_ext.silu_and_mul_cpu(gate_up) if native else None
-        if act is None:
-            gate, up = gate_up.split(self.intermediate_size, dim=-1)
-            act = F.silu(gate) * up
-        return self.down_proj(act)
 
 
 class DecoderLayer(nn.Module):
@@ -295,15 +212,22 @@ class LlamaForCausalLM(nn.Module):
         # and a later pipeline stage enters with a residual stream the kernel does not
         # take (it starts from the embeddings).
         self.fused_decode_enabled = shard.tp_size == 1 and shard.pp_size == 1
-        self._fused: tuple[list[KVCacheViews], FusedDecode] | None = None
-        self._fused_refused: int | None = None
+        self._fused = FusedDecodePath()
         theta, scaling = rope_params(config)
         self.rotary = RotaryEmbedding(
             head_dim_of(config), max_position, theta, scaling, dtype=dtype, device=device
         )
 
-    def extend_rotary(self, max_position: int) -> None:
-        """Rebuild the rotary tables for ``max_position`` tokens (same dtype/device)."""
+    @property
+    def max_position(self) -> int:
+        """Positions (tokens) the rotary tables cover."""
+        return int(self.rotary.max_position)
+
+    def ensure_max_position(self, max_position: int) -> None:
+        """Rebuild the rotary tables for ``max_position`` tokens (same dtype/device) when
+        they cover fewer."""
+        if max_position <= self.rotary.max_position:
+            return
         theta, scaling = rope_params(self.config)
         old = self.rotary
         self.rotary = RotaryEmbedding(
@@ -355,7 +279,9 @@ class LlamaForCausalLM(nn.Module):
             hidden, residual = intermediate.hidden, intermediate.residual
         fused = None
         if self.fused_decode_enabled and FusedDecode.serves(attn_metadata):
-            fused = self._fused_decode(kv_caches, hidden)
+            # NOTE: per-head q/k norms (Qwen3) sit between the kernel's ops.
+            fused = None if self.qk_norm else self._fused.get(
+                self.model.decoder_layers, kv_caches, hidden)
         if fused is not None:
             hidden, residual = fused(hidden, *cos_sin, attn_metadata)
         else:
@@ -366,71 +292,6 @@ class LlamaForCausalLM(nn.Module):
             return IntermediateTensors(hidden, residual)
         hidden, _ = self.model.norm(hidden, residual)
         return hidden
-
-    def _fused_decode(
-        self, kv_caches: list[KVCacheViews], hidden: torch.Tensor
-    ) -> FusedDecode | None:
-        """The one-call decode path for these caches, or ``None`` where it does not
-        apply (not a bf16 CPU model, no AVX512-BF16, unpacked linears, per-head q/k norms...).
-
-        A built path holds the cache views (its kernel has their addresses), so it
-        is kept with the list it was built for; a refusal is remembered by the
-        list's id only, so it keeps no cache alive."""
-        if self._fused is not None and self._fused[0] is kv_caches:
-            return self._fused[1]
-        if self._fused_refused == id(kv_caches):
-            return None
-        fused = None
-        if (
-            hidden.device.type == "cpu"
-            and hidden.dtype == torch.bfloat16
-            and not self.qk_norm
-            and FusedDecode.available()
-        ):
-            layers = self.model.decoder_layers
-            params: list[DecodeLayerParams] = []
-            for layer, (k_cache, v_cache) in zip(layers, kv_caches, strict=True):
-                attn, mlp = layer.self_attn, layer.mlp
-                packed = [
-                    _packed_weight(m)
-                    for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-                ]
-                qkv, o, gate_up, down = packed
-                if qkv is None or o is None or gate_up is None or down is None:
-                    params = []
-                    break
-                params.append(
-                    DecodeLayerParams(
-                        input_norm=layer.input_layernorm.weight.detach(),
-                        post_norm=layer.post_attention_layernorm.weight.detach(),
-                        qkv=qkv,
-                        o=o,
-                        gate_up=gate_up,
-                        down=down,
-                        k_cache=k_cache,
-                        v_cache=v_cache,
-                        sliding_window=attn.sliding_window,
-                    )
-                )
-            if params:
-                attn0 = layers[0].self_attn
-                try:
-                    fused = FusedDecode(
-                        params,
-                        attn0.num_heads,
-                        attn0.num_kv_heads,
-                        attn0.head_dim,
-                        layers[0].mlp.intermediate_size,
-                        layers[0].input_layernorm.eps,
-                        attn0.scale,
-                    )
-                except ValueError:
-                    fused = None  # shapes outside the kernel: the per-op path serves
-        if fused is None:
-            self._fused_refused = id(kv_caches)
-        else:
-            self._fused = (kv_caches, fused)
-        return fused
 
     def _head(self) -> nn.Module | None:
         """The LM head module: ``lm_head``, else the packed tied head, else ``None``

@@ -6,12 +6,14 @@ from typing import Any
 
 import torch
 
+from tandem.engine.models.interface import CausalLM
 from tandem.engine.models.llama import LlamaForCausalLM
 from tandem.engine.models.mistral import MistralForCausalLM
 from tandem.engine.models.qwen2 import Qwen2ForCausalLM
 from tandem.engine.models.qwen3 import Qwen3ForCausalLM
 
-MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
+#: architecture name (``config.architectures[0]``) -> tandem's native implementation
+MODEL_REGISTRY: dict[str, type[torch.nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
@@ -23,7 +25,7 @@ def supported_architectures() -> list[str]:
     return sorted(MODEL_REGISTRY)
 
 
-def get_model_class(config: Any) -> type[LlamaForCausalLM]:
+def get_model_class(config: Any) -> type[torch.nn.Module]:
     """The class for ``config.architectures[0]``.
 
     Raises:
@@ -54,7 +56,7 @@ def build_model(
     dtype: torch.dtype,
     device: torch.device | str,
     max_position: int,
-) -> LlamaForCausalLM:
+) -> CausalLM:
     """Instantiate our model for ``config`` and load ``weights`` into it.
 
     The modules are created on the meta device (no random init, no memory),
@@ -75,5 +77,7 @@ def build_model(
     model = model.to(dtype=dtype).to_empty(device=device)
     if isinstance(weights, dict):
         weights = weights.items()
+    assert isinstance(model, CausalLM), f"{cls.__name__} does not implement CausalLM"
     model.load_weights(weights)
-    return model.eval().requires_grad_(False)
+    model.eval().requires_grad_(False)
+    return model

@@ -41,8 +41,8 @@ import torch
 
 from tandem.engine.categorical import DRAFT_STREAM, key_generator, row_keys, sample_race
 from tandem.engine.config import ModelConfig, SpeculativeConfig
+from tandem.engine.model_facts import head_dim_of
 from tandem.engine.model_loader import LoadedModel, load_model
-from tandem.engine.models.llama import head_dim_of
 from tandem.engine.request import Request, draft_position_seed
 from tandem.engine.sampler import Sampler
 from tandem.engine.spec_decode.proposer import ProposeInput, Proposer
@@ -140,8 +140,7 @@ class DraftModelProposer(Proposer):
             # As the target's runner does: the packed CPU kernels, and the head's argmax.
             pack_linear_layers(self.model, deterministic)
             self.model.pack_tied_lm_head(deterministic)
-        if self.model.rotary.max_position < max_model_len:
-            self.model.extend_rotary(max_model_len)
+        self.model.ensure_max_position(max_model_len)
         hf = loaded.hf_config
         self.num_layers = int(hf.num_hidden_layers)
         self.num_kv_heads = int(hf.num_key_value_heads)

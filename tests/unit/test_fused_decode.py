@@ -63,7 +63,7 @@ def test_fused_decode_is_bit_identical_to_per_op_path(arch, tie, num_seqs):
         prompt = [torch.randint(0, 112, (n,), generator=gen) for n in lens]
         meta = build_attention_metadata(lens, [0] * num_seqs, tables, BLOCK)
         model(torch.cat(prompt), meta.positions, views, meta)
-        assert model._fused is None, "a prefill step must not build the fused path"
+        assert model._fused.built_for is None, "a prefill step must not build the fused path"
         done = list(lens)
         for _ in range(4):  # decode steps
             tokens = torch.randint(0, 112, (num_seqs,), generator=gen)
@@ -76,7 +76,7 @@ def test_fused_decode_is_bit_identical_to_per_op_path(arch, tie, num_seqs):
             model.fused_decode_enabled = True
             assert FusedDecode.serves(meta)
             got = model(tokens, meta.positions, views, meta)
-            assert model._fused is not None and model._fused[0] is views, "fused path not built"
+            assert model._fused.built_for is views, "fused path not built"
             assert torch.equal(got, want)
             assert torch.equal(kv, want_kv)
             assert torch.equal(model.compute_logits(got), model.compute_logits(want))
@@ -90,7 +90,8 @@ def test_fused_decode_declines_prefills_and_big_batches():
     model = make_model("LlamaForCausalLM", False)
     kv = allocate_kv_cache(200, 3, BLOCK, 2, 32, torch.bfloat16)
     views = [(kv[:, i, 0], kv[:, i, 1]) for i in range(3)]
-    fused = model._fused_decode(views, torch.empty(1, 64, dtype=torch.bfloat16))
+    fused = model._fused.get(model.model.decoder_layers, views,
+                             torch.empty(1, 64, dtype=torch.bfloat16))
     assert fused is not None
     mixed = build_attention_metadata([1, 5], [3, 0], [[0], [1]], BLOCK)
     assert not fused.serves(mixed)
@@ -112,7 +113,7 @@ def test_refused_fused_path_keeps_no_cache_alive():
     meta = build_attention_metadata([1, 1], [3, 5], [[0], [1]], BLOCK)
     with torch.inference_mode():
         model(torch.tensor([1, 2]), meta.positions, views, meta)
-    assert model._fused is None
+    assert model._fused.built_for is None
     alive = weakref.ref(kv)
     del kv, views
     assert alive() is None

@@ -190,3 +190,18 @@ def test_bfloat16_model_tracks_float32_logits():
     # bf16 keeps ~3 significant digits: compare relative to the logits' spread.
     assert (logits - ref).abs().max() < 0.05 * ref.abs().max()
     assert (logits.argmax(-1) == ref.argmax(-1)).float().mean() > 0.8
+
+
+@pytest.mark.parametrize("arch", supported_architectures())
+def test_every_registered_model_implements_the_seam(arch):
+    """The runner talks to models only through ``CausalLM`` (engine/models/interface.py)."""
+    from tandem.engine.models.interface import CausalLM
+
+    model = build_model(make_hf_model(arch, tie=False).config,
+                        make_hf_model(arch, tie=False).state_dict(), torch.float32, "cpu", 64)
+    assert isinstance(model, CausalLM)
+    assert model.max_position == 64
+    model.ensure_max_position(32)  # never shrinks
+    assert model.max_position == 64
+    model.ensure_max_position(128)
+    assert model.max_position == 128

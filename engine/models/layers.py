@@ -1,0 +1,62 @@
+"""Building blocks shared by tandem's native decoders: RMSNorm and the SwiGLU MLP,
+written against ``kernels/`` (the packed CPU linears, the native SiLU-and-mul)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tandem.engine import distributed
+from tandem.engine.models.sharding import ModelShard
+from tandem.kernels import backend, cpu_ext
+from tandem.kernels.backend import KernelBackend
+from tandem.kernels.layernorm import rms_norm
+
+__all__ = ["MLP", "RMSNorm"]
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm module holding its weight; see ``kernels/layernorm.py``."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        return rms_norm(x, self.weight, self.eps, residual)
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward (Shazeer 2020): ``down(silu(gate(x)) * up(x))`` over this TP
+    rank's ``shard.intermediate_size`` slice (row-parallel ``down``, then the all-reduce)."""
+
+    def __init__(self, config: Any, shard: ModelShard) -> None:
+        super().__init__()
+        bias = bool(getattr(config, "mlp_bias", False))
+        if getattr(config, "hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (only silu)")
+        self.intermediate_size: int = shard.intermediate_size
+        self.tp_size = shard.tp_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(self.intermediate_size, config.hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self._down(x)
+        return distributed.get_tp_group().all_reduce(out) if self.tp_size > 1 else out
+
+    def _down(self, x: torch.Tensor) -> torch.Tensor:
+        fused = getattr(self.gate_up_proj, "forward_swiglu", None)
+        act = fused(x) if fused is not None else None
+        if act is not None:  # packed kernel: projection and SwiGLU in one pass (decode)
+            return self.down_proj(act)
+        gate_up = self.gate_up_proj(x)
+        native = backend.current().for_tensor(gate_up) is KernelBackend.CPU_NATIVE
+        act = cpu_ext.silu_and_mul_cpu(gate_up) if native else None
+        if act is None:
+            gate, up = gate_up.split(self.intermediate_size, dim=-1)
+            act = F.silu(gate) * up
+        return self.down_proj(act)
