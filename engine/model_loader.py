@@ -36,8 +36,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from tandem.engine.config import ModelConfig
+from tandem.engine.model_facts import model_context_len, resolve_max_model_len
 from tandem.engine.model_files import load_tokenizer, model_id_of, resolve_model_path
-from tandem.engine.models.registry import build_model, get_model_class
+from tandem.engine.models.registry import build_model, resolve_model_impl
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -64,6 +65,7 @@ class LoadedModel:
         dtype / device: of weights and KV cache.
         eos_token_id: the tokenizer's EOS id (``None`` when it has none).
         max_position: rotary table length in tokens (the engine's max_model_len).
+        model_impl: the implementation in ``model``: "tandem" (native) or "transformers".
     """
 
     model: Any
@@ -74,6 +76,7 @@ class LoadedModel:
     device: torch.device
     eos_token_id: int | None
     max_position: int
+    model_impl: str = "tandem"
 
 
 def cpu_supports_bf16() -> bool:
@@ -233,10 +236,11 @@ def load_model(model_config: ModelConfig) -> LoadedModel:
         # re-parses the GGUF metadata (~4 s for the default model's vocabulary).
         hf_model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **kwargs)
         hf_config = hf_model.config
-        get_model_class(hf_config)
-        max_position = model_config.max_model_len or hf_config.max_position_embeddings
+        impl = resolve_model_impl(hf_config, model_config.model_impl)
+        max_position = resolve_max_model_len(model_config.max_model_len,
+                                             model_context_len(hf_config))
         weights: Any = hf_model.state_dict()
-        model = build_model(hf_config, weights, dtype, device, max_position)
+        model = build_model(hf_config, weights, dtype, device, max_position, impl)
         tokenizer = load_tokenizer(model_config.model)
         _write_gguf_cache(os.path.join(folder, gguf), hf_config, weights, tokenizer)
         del hf_model, weights
@@ -244,9 +248,12 @@ def load_model(model_config: ModelConfig) -> LoadedModel:
     else:
         source = cached or folder
         hf_config = AutoConfig.from_pretrained(source, local_files_only=True)
-        get_model_class(hf_config)  # fail on an unsupported architecture before the weights
-        max_position = model_config.max_model_len or hf_config.max_position_embeddings
-        model = build_model(hf_config, _iter_folder_weights(source), dtype, device, max_position)
+        # fail on an unsupported architecture before the weights
+        impl = resolve_model_impl(hf_config, model_config.model_impl)
+        max_position = resolve_max_model_len(model_config.max_model_len,
+                                             model_context_len(hf_config))
+        model = build_model(hf_config, _iter_folder_weights(source), dtype, device, max_position,
+                            impl)
         tokenizer = load_tokenizer(model_config.model) if _has_tokenizer(source, gguf) else None
         if tokenizer is None:
             logger.warning("model %s has no tokenizer files: token-id input only", folder)
@@ -259,12 +266,14 @@ def load_model(model_config: ModelConfig) -> LoadedModel:
         device=device,
         eos_token_id=_eos_of(tokenizer, hf_config),
         max_position=max_position,
+        model_impl=impl,
     )
     num_params = sum(p.numel() for p in model.parameters())
     logger.info(
-        "loaded %s (%s, %.1fM params) as %s on %s",
+        "loaded %s (%s, %s implementation, %.1fM params) as %s on %s",
         loaded.model_id,
         type(model).__name__,
+        impl,
         num_params / 1e6,
         dtype,
         device,

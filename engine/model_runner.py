@@ -36,7 +36,7 @@ from tandem.engine import distributed, kv_budget
 from tandem.engine.config import EngineConfig
 from tandem.engine.cuda_device import on_device, resolve_cuda_index, runs_on_own_device
 from tandem.engine.cuda_graphs import CudaGraphRunner, capture_sizes, graphs_unsupported_reason
-from tandem.engine.model_facts import head_dim_of
+from tandem.engine.model_facts import ModelFacts, resolve_model_facts
 from tandem.engine.model_loader import LoadedModel, load_model
 from tandem.engine.models.interface import IntermediateTensors
 from tandem.engine.request import Request
@@ -171,14 +171,14 @@ class ModelRunner:
         if self.batch_invariant:
             warn_batch_variant(self.model, self.loaded.dtype)
         hf = self.loaded.hf_config
-        self.vocab_size: int = int(hf.vocab_size)
-        self.eos_token_id: int | None = self.loaded.eos_token_id
-        self.max_model_len: int = int(config.model.max_model_len or hf.max_position_embeddings)
-        if self.max_model_len > hf.max_position_embeddings:
-            raise ValueError(
-                f"max_model_len {self.max_model_len} exceeds the model's "
-                f"max_position_embeddings {hf.max_position_embeddings}"
-            )
+        self.facts: ModelFacts = resolve_model_facts(
+            hf, config.model.max_model_len, model_id=str(self.loaded.model_id),
+            eos_token_id=self.loaded.eos_token_id, dtype=str(self.loaded.dtype),
+            device=str(self.loaded.device), model_impl=self.loaded.model_impl,
+        )
+        self.vocab_size: int = self.facts.vocab_size
+        self.eos_token_id: int | None = self.facts.eos_token_id
+        self.max_model_len: int = self.facts.max_model_len
         # The model may have been loaded for a shorter context (a shared LoadedModel).
         self.model.ensure_max_position(self.max_model_len)
         shard = self.model.shard
@@ -193,12 +193,12 @@ class ModelRunner:
             )
         self.layer_range: range = shard.layers
         self.kv_head_range: range = shard.kv_heads
-        self.total_num_layers: int = int(hf.num_hidden_layers)
-        self.total_num_kv_heads: int = int(hf.num_key_value_heads)
+        self.total_num_layers: int = self.facts.num_layers
+        self.total_num_kv_heads: int = self.facts.num_kv_heads
         self.num_layers: int = len(self.layer_range)
         self.num_kv_heads: int = len(self.kv_head_range)
         self.is_driver: bool = tp.is_first_rank and pp.is_last_rank
-        self.head_dim: int = int(head_dim_of(hf))
+        self.head_dim: int = self.facts.head_dim
         self.dtype: torch.dtype = self.loaded.dtype
         self.device: torch.device = (self.loaded.device if self.cuda_index is None
                                      else torch.device("cuda", self.cuda_index))

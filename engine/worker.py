@@ -79,18 +79,7 @@ class Worker:
         """The loaded model's facts (vocabulary, context length, EOS id, KV geometry):
         the full model's layers and KV heads on every rank, whatever part of them this
         rank holds (they define the KV layout fingerprint)."""
-        r = self.model_runner
-        return ModelFacts(
-            model_id=str(r.loaded.model_id),
-            vocab_size=r.vocab_size,
-            max_model_len=r.max_model_len,
-            eos_token_id=r.eos_token_id,
-            num_layers=r.total_num_layers,
-            num_kv_heads=r.total_num_kv_heads,
-            head_dim=r.head_dim,
-            dtype=str(r.dtype).removeprefix("torch."),
-            device=str(r.device),
-        )
+        return self.model_runner.facts
 
     @property
     def is_driver(self) -> bool:

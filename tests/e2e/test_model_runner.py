@@ -184,6 +184,7 @@ def test_uni_executor_equals_model_runner(tiny):
         model_id="tiny", vocab_size=runner.vocab_size, max_model_len=runner.max_model_len,
         eos_token_id=None, num_layers=runner.num_layers, num_kv_heads=runner.num_kv_heads,
         head_dim=runner.head_dim, dtype="float32", device="cpu",
+        architecture="LlamaForCausalLM", model_impl="tandem",
     )
 
     gen = torch.Generator().manual_seed(3)
