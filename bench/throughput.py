@@ -80,6 +80,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="tandem and hf: cpu | cuda | cuda:N (llama.cpp: CPU only)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="tandem on CUDA: no CUDA graphs (LLM(enforce_eager=True))")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9, metavar="FRACTION",
+                   help="tandem on CUDA: the fraction of the GPU's total memory the engine "
+                        "may take (vLLM's flag; default 0.9)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
     p.add_argument("--max-num-seqs", type=int, default=128, help="tandem: running requests")
     p.add_argument(
@@ -292,6 +295,7 @@ def run_tandem(
         dtype=args.dtype,
         device=getattr(args, "device", "cpu"),
         enforce_eager=getattr(args, "enforce_eager", False),
+        gpu_memory_utilization=getattr(args, "gpu_memory_utilization", 0.9),
         max_model_len=args.input_len + args.output_len + 16,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,

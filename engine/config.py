@@ -74,6 +74,10 @@ class ModelConfig:
             )
 
 
+#: vLLM's default ``gpu_memory_utilization``: what one engine alone on a GPU takes.
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """Paged KV cache.
@@ -81,16 +85,19 @@ class CacheConfig:
     Attributes:
         block_size: tokens per KV block.
         kv_cache_memory_bytes: explicit KV cache budget in bytes; when ``None``,
-            ``memory_utilization`` of the memory left after loading weights and
-            a profiling forward pass is used.
-        memory_utilization: fraction in (0, 1] (vLLM's gpu_memory_utilization).
+            ``gpu_memory_utilization`` sizes it (``engine/kv_budget.py``).
+        gpu_memory_utilization: vLLM's name and rule: the fraction in (0, 1] of the
+            GPU's TOTAL memory this engine process may use (weights, activations and
+            KV cache together); engines sharing a GPU must split it (``tandem up``
+            gives each its share). On the CPU: the fraction of the host memory
+            available at start that the KV cache and a step's activations may take.
         num_blocks_override: force this many blocks (tests of preemption).
         enable_prefix_caching: reuse cached full blocks across requests.
     """
 
     block_size: int = 16
     kv_cache_memory_bytes: int | None = None
-    memory_utilization: float = 0.9
+    gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
     num_blocks_override: int | None = None
     enable_prefix_caching: bool = True
 
@@ -99,8 +106,9 @@ class CacheConfig:
             raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
             raise ValueError(f"kv_cache_memory_bytes must be > 0, got {self.kv_cache_memory_bytes}")
-        if not 0.0 < self.memory_utilization <= 1.0:
-            raise ValueError(f"memory_utilization must be in (0, 1], got {self.memory_utilization}")
+        util = self.gpu_memory_utilization
+        if isinstance(util, bool) or not isinstance(util, (int, float)) or not 0.0 < util <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {util!r}")
         if self.num_blocks_override is not None and self.num_blocks_override < 1:
             raise ValueError(f"num_blocks_override must be >= 1, got {self.num_blocks_override}")
 

@@ -16,6 +16,7 @@ from dataclasses import replace
 from typing import Any, cast
 
 from tandem.engine.config import (
+    DEFAULT_GPU_MEMORY_UTILIZATION,
     CacheConfig,
     CompilationConfig,
     EngineConfig,
@@ -44,6 +45,9 @@ class LLM:
         max_model_len: context length in tokens (``None``: the model's).
         block_size: tokens per KV block.
         kv_cache_memory: KV cache budget in bytes (``None``: measured).
+        gpu_memory_utilization: the fraction of the GPU's total memory this engine may
+            take, weights and activations included (vLLM's name; default 0.9); engines
+            sharing a GPU split it. See ``CacheConfig``.
         num_blocks: force this many KV blocks (tests of preemption).
         max_num_batched_tokens: token budget of one engine step.
         max_num_seqs: most requests running at once.
@@ -83,6 +87,7 @@ class LLM:
         max_model_len: int | None = None,
         block_size: int = 16,
         kv_cache_memory: int | None = None,
+        gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION,
         num_blocks: int | None = None,
         max_num_batched_tokens: int = 2048,
         max_num_seqs: int = 128,
@@ -118,6 +123,7 @@ class LLM:
             cache=CacheConfig(
                 block_size=block_size,
                 kv_cache_memory_bytes=kv_cache_memory,
+                gpu_memory_utilization=gpu_memory_utilization,
                 num_blocks_override=num_blocks,
                 enable_prefix_caching=enable_prefix_caching,
             ),

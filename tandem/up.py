@@ -3,7 +3,10 @@
 Disaggregated (default): redis-server (unless ``--redis-url``), one KV store node,
 ``--prefill N`` prefill and ``--decode M`` decode services, and the router.
 ``--colocated [--replicas K]``: K engines in the colocated role (no store) behind the same
-router. Waits until every part reports healthy, prints the URLs, then supervises: a part
+router. ``--device cuda[:N]`` puts every engine on that GPU; engines that share a GPU split
+``--gpu-memory-utilization`` between them and start one after another (each sizes its KV
+cache from its own share, measured while the others stand still). Waits until every part
+reports healthy, prints the URLs, then supervises: a part
 that exits is started again with backoff while the rest keeps serving
 (``tandem.supervise``), and each event is printed. On Ctrl-C or SIGTERM it stops
 everything: the children share one process group that is terminated (then killed), each
@@ -33,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tandem.contracts.role import Role
+from tandem.engine.config import DEFAULT_GPU_MEMORY_UTILIZATION
 from tandem.launch import (
     Launcher,
     Part,
@@ -89,6 +93,10 @@ class StackConfig:
         cpu_turns: unpinned CPU engines take turns for each model step
             (:func:`takes_cpu_turns`); ``False``: they run their steps at the same time.
         startup_timeout_s: how long every part gets to become healthy.
+        gpu_memory_utilization: the fraction of one GPU's total memory that the engines
+            sharing it take together, split evenly between them
+            (:func:`gpu_memory_utilization_args`); an engine alone on its GPU takes it
+            whole.
         verbose: children write to this terminal instead of log files.
         log_dir: folder for the children's logs, kept after the stack stops (``None``:
             the stack's temporary folder, removed with it).
@@ -113,6 +121,7 @@ class StackConfig:
     cpus_per_engine: int = 0
     cpu_turns: bool = True
     startup_timeout_s: float = 600.0
+    gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
     verbose: bool = False
     log_dir: Path | None = None
 
@@ -179,6 +188,79 @@ def _pipeline_size(engine_args: Sequence[str]) -> int:
             elif a.startswith(flag + "="):
                 size = a[len(flag) + 1:]
     return int(size) if size.isdigit() else 1
+
+
+def _flag_value(engine_args: Sequence[str], flags: Sequence[str], default: str) -> str:
+    """The last value of any of ``flags`` among the engines' flags (``--flag value`` or
+    ``--flag=value``), else ``default``."""
+    value = default
+    for i, a in enumerate(engine_args):
+        for flag in flags:
+            if a == flag and i + 1 < len(engine_args):
+                value = engine_args[i + 1]
+            elif a.startswith(flag + "="):
+                value = a[len(flag) + 1:]
+    return value
+
+
+def engine_cuda_devices(engine_args: Sequence[str]) -> frozenset[int]:
+    """The CUDA devices an engine with these flags runs on (empty on the CPU): its
+    ``--device`` index ("cuda": 0, the device a fresh process starts on); with several
+    ranks, devices ``0..ranks-1`` (the workers' rule: rank ``r`` on device ``r %
+    device_count``, ``engine/distributed.py``). A bad value is left for the engine to
+    refuse."""
+    device = _flag_value(engine_args, ("--device",), "cpu")
+    if not device.startswith("cuda"):
+        return frozenset()
+    ranks = 1
+    for flags in (("--tensor-parallel-size", "-tp"), ("--pipeline-parallel-size", "-pp")):
+        size = _flag_value(engine_args, flags, "1")
+        ranks *= int(size) if size.isdigit() and int(size) > 0 else 1
+    if ranks > 1:
+        return frozenset(range(ranks))
+    index = device.partition(":")[2]
+    return frozenset({int(index) if index.isdigit() else 0})
+
+
+def _engine_instances(cfg: StackConfig) -> list[list[str]]:
+    """The extra flags of every engine instance of the stack, one list each."""
+    if cfg.colocated:
+        return [cfg.engine_args] * cfg.replicas
+    prefill, decode = _every_engines_args(cfg)
+    return [prefill] * cfg.num_prefill + [decode] * cfg.num_decode
+
+
+def engines_share_a_gpu(cfg: StackConfig) -> bool:
+    """Two or more engines of the stack run on one CUDA device."""
+    seen: set[int] = set()
+    for args in _engine_instances(cfg):
+        devices = engine_cuda_devices(args)
+        if seen & devices:
+            return True
+        seen |= devices
+    return False
+
+
+def gpu_memory_utilization_args(cfg: StackConfig, engine_args: Sequence[str]) -> list[str]:
+    """``--gpu-memory-utilization`` for an engine of the stack with these flags: its share
+    of the GPUs it runs on, ``cfg.gpu_memory_utilization`` divided by the most engines
+    of the stack on any one of them (rounded down to 1/1000: the shares never add up
+    to more), so that two engines on one GPU take 0.45 of it each instead of 0.9 each.
+
+    Nothing is added on the CPU, for an engine alone on its GPUs that keeps the
+    default (0.9), or where the user set the flag for this engine.
+    """
+    if _sets_flag(engine_args, "--gpu-memory-utilization"):
+        return []
+    mine = engine_cuda_devices(engine_args)
+    if not mine:
+        return []
+    sharing = max(sum(1 for args in _engine_instances(cfg) if d in engine_cuda_devices(args))
+                  for d in mine)
+    if sharing <= 1 and cfg.gpu_memory_utilization == DEFAULT_GPU_MEMORY_UTILIZATION:
+        return []
+    share = int(cfg.gpu_memory_utilization * 1000 / max(1, sharing)) / 1000
+    return ["--gpu-memory-utilization", str(share)]
 
 
 def parts_env(cfg: StackConfig, base: Mapping[str, str]) -> dict[str, str]:
@@ -316,7 +398,14 @@ class Stack:
             for i in range(cfg.num_decode):
                 engines.append(self._engine_part(f"decode-{i}", ["decode", *self._spec_args()],
                                                  kvstore=f"127.0.0.1:{kv_port}"))
-        self._launch(engines)
+        if engines_share_a_gpu(cfg):
+            # NOTE: an engine's memory profile charges it the device memory that rose
+            # while it profiled; engines sharing a GPU profile one after another, so
+            # none is charged another's weights.
+            for engine in engines:
+                self._launch([engine])
+        else:
+            self._launch(engines)
         port = cfg.port or free_port()
         grpc_port = cfg.grpc_port or free_port()
         router_argv = ["router", "--host", cfg.host, "--port", str(port), "--grpc-port",
@@ -341,7 +430,8 @@ class Stack:
         # NOTE: a random suffix keeps registry keys apart when stacks share one Redis.
         instance_id = f"{name}-{uuid.uuid4().hex[:8]}"
         argv = [*cmd, "--listen", f"127.0.0.1:{port}", "--redis-url", self.redis_url,
-                "--instance-id", instance_id, *kv_cache_args(cfg), *extra]
+                "--instance-id", instance_id, *kv_cache_args(cfg),
+                *gpu_memory_utilization_args(cfg, extra), *extra]
         if takes_cpu_turns(cfg):
             if not _sets_flag(extra, "--shared-cpu-lock"):
                 assert self.tmpdir is not None, "start() creates the temp dir first"
@@ -430,6 +520,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grpc-port", type=int, default=50051, help="router gRPC port")
     p.add_argument("--host", default="127.0.0.1", help="router bind address")
     p.add_argument("--model", default=None, help="model path (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--device", default=None,
+                   help="cpu | cuda | cuda:N for every engine (default: the engine's, cpu); "
+                        "an --engine-arg=--device=... after it wins")
+    p.add_argument("--gpu-memory-utilization", type=float,
+                   default=DEFAULT_GPU_MEMORY_UTILIZATION, metavar="FRACTION",
+                   help="the fraction of one GPU's total memory that the engines on it take "
+                        "together, split evenly (vLLM's flag; default 0.9: 0.45 each for a "
+                        "prefill and a decode engine on one GPU); an "
+                        "--engine-arg=--gpu-memory-utilization=... sets one engine's own")
     p.add_argument("--redis-url", default=None, help="use this Redis instead of starting one")
     p.add_argument("--kvstore-capacity", type=int, default=1 << 30, help="KV store bytes")
     p.add_argument("--cpus-per-engine", type=int, default=0,
@@ -466,6 +565,9 @@ def config_from_args(ns: argparse.Namespace) -> StackConfig:
     if ns.colocated and (ns.prefill_engine_arg or ns.decode_engine_arg):
         raise ValueError("--prefill-engine-arg / --decode-engine-arg: a colocated stack has "
                          "no prefill or decode engines; use --engine-arg")
+    if not 0.0 < ns.gpu_memory_utilization <= 1.0:
+        raise ValueError("--gpu-memory-utilization must be in (0, 1], got "
+                         f"{ns.gpu_memory_utilization}")
     if ns.speculative_config is not None:
         from tandem.engine.config import SpeculativeConfig
 
@@ -473,7 +575,8 @@ def config_from_args(ns: argparse.Namespace) -> StackConfig:
     return StackConfig(num_prefill=ns.prefill, num_decode=ns.decode, colocated=ns.colocated,
                        replicas=ns.replicas, port=ns.port, grpc_port=ns.grpc_port,
                        host=ns.host, model=ns.model, redis_url=ns.redis_url,
-                       engine_args=list(ns.engine_arg),
+                       engine_args=([] if ns.device is None else ["--device", ns.device])
+                       + list(ns.engine_arg),
                        prefill_engine_args=list(ns.prefill_engine_arg),
                        decode_engine_args=list(ns.decode_engine_arg),
                        router_args=list(ns.router_arg),
@@ -481,6 +584,7 @@ def config_from_args(ns: argparse.Namespace) -> StackConfig:
                        kvstore_capacity_bytes=ns.kvstore_capacity,
                        cpus_per_engine=ns.cpus_per_engine, cpu_turns=ns.cpu_turns,
                        startup_timeout_s=ns.startup_timeout,
+                       gpu_memory_utilization=ns.gpu_memory_utilization,
                        verbose=ns.verbose, log_dir=ns.log_dir, engine_metrics=True)
 
 

@@ -78,7 +78,7 @@ class Executor(ABC):
     @abstractmethod
     def determine_num_blocks(self) -> int:
         """Number of KV blocks the cache gets: ``CacheConfig.num_blocks_override``, else
-        the memory budget (``kv_cache_memory_bytes``, or ``memory_utilization`` of what
+        the memory budget (``kv_cache_memory_bytes``, or ``gpu_memory_utilization`` of what
         the weights and the largest step leave) divided by one block's bytes; the
         minimum over workers. Allocates nothing that outlives the call; may run a
         profiling forward (blocks for it).

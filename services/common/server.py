@@ -32,6 +32,7 @@ from grpc_reflection.v1alpha import reflection
 
 from tandem.contracts.role import ROLES, Role
 from tandem.engine.config import (
+    DEFAULT_GPU_MEMORY_UTILIZATION,
     CacheConfig,
     CompilationConfig,
     EngineConfig,
@@ -102,6 +103,11 @@ def build_parser(prog: str, role: Role | None) -> argparse.ArgumentParser:
                    help="KV cache budget in bytes (default: profiled)")
     p.add_argument("--num-kv-blocks", type=int, default=None,
                    help="force this many KV blocks (tests)")
+    p.add_argument("--gpu-memory-utilization", type=float,
+                   default=DEFAULT_GPU_MEMORY_UTILIZATION, metavar="FRACTION",
+                   help="CUDA: the fraction of the GPU's total memory this engine may take "
+                        "(weights, activations and KV cache; vLLM's flag); engines sharing "
+                        "a GPU must split it (`tandem up` does) (default 0.9)")
     p.add_argument("--kvstore", default=None,
                    help="HOST:PORT of a KV store node (default: nodes found in Redis)")
     p.add_argument("--kv-load-from-store", type=parse_bool_flag, default=True, metavar="BOOL",
@@ -193,6 +199,7 @@ def build_engine_config(ns: argparse.Namespace, role: Role | str) -> EngineConfi
                           max_model_len=ns.max_model_len, seed=ns.seed,
                           deterministic=ns.deterministic, enforce_eager=ns.enforce_eager),
         cache=CacheConfig(block_size=ns.block_size, kv_cache_memory_bytes=ns.kv_cache_memory,
+                          gpu_memory_utilization=ns.gpu_memory_utilization,
                           num_blocks_override=ns.num_kv_blocks),
         scheduler=SchedulerConfig(max_num_batched_tokens=ns.max_num_batched_tokens,
                                   max_num_seqs=ns.max_num_seqs,
