@@ -280,22 +280,26 @@ class CudaGraphRunner:
             raise ValueError(f"CUDA graphs need a CUDA device, got {self.device}")
         self.graphs.clear()
         self.outputs.clear()
-        pool = torch.cuda.graph_pool_handle()
-        backend = AttentionBackend.TRITON_PAGED
-        for size in reversed(self.sizes):
-            self.inputs.fill([], [], [], size)
-            self.inputs.upload(size)
-            meta = self.inputs.metadata(size, backend)
-            ids = self.inputs.input_ids(size)
-            for _ in range(NUM_WARMUP_RUNS):
-                self.model(ids, meta.positions, kv_caches, meta)
+        # NOTE: a capture runs on the current device's stream and the Triton kernels
+        # launch on the current device: both must be the model's (cuda:1 is not the
+        # default of a thread that never switched).
+        with torch.cuda.device(self.device):
+            pool = torch.cuda.graph_pool_handle()
+            backend = AttentionBackend.TRITON_PAGED
+            for size in reversed(self.sizes):
+                self.inputs.fill([], [], [], size)
+                self.inputs.upload(size)
+                meta = self.inputs.metadata(size, backend)
+                ids = self.inputs.input_ids(size)
+                for _ in range(NUM_WARMUP_RUNS):
+                    self.model(ids, meta.positions, kv_caches, meta)
+                torch.cuda.synchronize(self.device)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    out = self.model(ids, meta.positions, kv_caches, meta)
+                self.graphs[size] = graph
+                self.outputs[size] = out
             torch.cuda.synchronize(self.device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                out = self.model(ids, meta.positions, kv_caches, meta)
-            self.graphs[size] = graph
-            self.outputs[size] = out
-        torch.cuda.synchronize(self.device)
         logger.info("captured CUDA graphs for %d decode batch sizes (%d..%d)",
                     len(self.sizes), self.sizes[0], self.sizes[-1])
 
