@@ -94,3 +94,44 @@ def test_the_cpu_budget_is_capped():
 def test_the_fraction_is_checked_naming_the_field(bad):
     with pytest.raises(ValueError, match="gpu_memory_utilization must be in"):
         CacheConfig(gpu_memory_utilization=bad)
+
+
+def test_the_runner_sizes_a_cuda_cache_by_the_rule(monkeypatch):
+    """A CPU runner told it is on cuda:0, its CUDA memory counters faked: the profile
+    runs, and the budget is the rule's (the fraction of the total less the torch peak,
+    the non-torch growth and the largest masked prefill's temporaries)."""
+    import contextlib
+
+    import torch
+    from tiny_models import as_loaded_model, tiny_config, tiny_hf_model
+
+    from tandem.engine.config import EngineConfig, ModelConfig, SchedulerConfig
+    from tandem.engine.model_runner import ModelRunner
+
+    hf = tiny_hf_model(tiny_config("LlamaForCausalLM", vocab=64, hidden=32, ffn=48, layers=1,
+                                   max_len=64, special_tokens=False), std=0.2)
+    config = EngineConfig(model=ModelConfig(dtype="float32", max_model_len=64),
+                          cache=CacheConfig(block_size=4, gpu_memory_utilization=0.5),
+                          scheduler=SchedulerConfig(max_num_batched_tokens=32, max_num_seqs=1000))
+    runner = ModelRunner(config, as_loaded_model(hf, "tiny", 64))
+    runner.cuda_index = 0
+    monkeypatch.setattr(torch.cuda, "device", lambda index: contextlib.nullcontext())
+    total = 8 * GIB
+    runner._memory_at_start = MemorySnapshot(total, total, 0)
+    profiled: list[int] = []
+    real_profile = runner.profile_run
+    monkeypatch.setattr(runner, "profile_run", lambda: profiled.append(1) or real_profile())
+    for name in ("empty_cache", "reset_peak_memory_stats", "synchronize"):
+        monkeypatch.setattr(torch.cuda, name, lambda *a, **k: None)
+    extra = unprofiled_prefill_bytes(device_type="cpu", num_heads=4, num_kv_heads=2,
+                                      head_dim=8, elem_bytes=4, max_num_batched_tokens=32,
+                                      max_model_len=64, flash=False)
+    peak = total // 2 - extra - 100 - (1 << 20)  # leaves 1 MiB: below the max_num_seqs cap
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda index: peak)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda index: (total - peak - 100, total))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda index: peak)
+    want = (1 << 20) // runner.block_bytes
+    assert runner.determine_num_blocks() == want and profiled == [1]
+    runner._memory_at_start = MemorySnapshot(total // 4, total, 0)
+    with pytest.raises(ValueError, match="gpu_memory_utilization: 0.5 of cpu"):
+        runner.determine_num_blocks()
