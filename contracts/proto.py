@@ -130,8 +130,8 @@ def sampling_params_to_proto(params: SamplingParams) -> common_pb2.SamplingParam
 
 
 def structured_outputs_to_proto(so: StructuredOutputsParams) -> common_pb2.StructuredOutputs:
-    """The proto form of a constraint: its kind in the ``oneof`` (a schema as its canonical
-    JSON text, ``StructuredOutputsParams.spec``)."""
+    """The proto form of a constraint: its kind in the ``oneof`` (a schema as its JSON text
+    in the schema's own key order, ``StructuredOutputsParams.spec``)."""
     msg = common_pb2.StructuredOutputs(disable_any_whitespace=so.disable_any_whitespace)
     kind = so.kind
     if kind == "json":

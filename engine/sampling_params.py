@@ -125,12 +125,16 @@ class StructuredOutputsParams:
         return f"structured_outputs.{self.kind}"
 
     def spec(self) -> str:
-        """The constraint as one canonical string (the compile cache's key with ``kind``,
-        and what travels in the protobuf): a schema as compact sorted JSON, a choice list
-        as a JSON array, the others as given."""
+        """The constraint as one string: what the grammar is compiled from, what travels in
+        the protobuf, and (with ``kind``) the compile cache's key. A schema is compact JSON
+        with its keys in the schema's own order, a choice list a JSON array, the others as
+        given.
+
+        NOTE: never sort a schema's keys: xgrammar emits an object's properties in the order
+        of its ``properties``, and clients rely on that order (reason, then answer)."""
         kind = self.kind
         if kind == "json":
-            return json.dumps(self.json, sort_keys=True, separators=(",", ":"))
+            return json.dumps(self.json, separators=(",", ":"))
         if kind == "json_object":
             return ""
         if kind == "choice":
@@ -140,7 +144,10 @@ class StructuredOutputsParams:
         return value
 
     def cache_key(self) -> tuple[str, str, bool]:
-        """``(kind, spec, disable_any_whitespace)``: equal keys compile to equal grammars."""
+        """``(kind, spec, disable_any_whitespace)``: equal keys compile to equal grammars.
+
+        Order-sensitive, as ``spec``: two schemas that differ only in the order of their
+        properties compile to grammars that emit them in different orders."""
         return (self.kind, self.spec(), self.disable_any_whitespace)
 
 

@@ -1,13 +1,15 @@
 """The router's FastAPI app: OpenAI routes, health, metrics.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream`` as server-sent
-events or not), ``GET /v1/models``, ``GET /health`` (the router is up; body counts the
-instances), ``GET /ready`` (200 only when some instance path can serve), ``GET /metrics``.
+events or not), ``GET /v1/models`` and ``GET /v1/models/{model}`` (``models_api``),
+``GET /health`` (the router is up; body counts the instances), ``GET /ready`` (200 only
+when some instance path can serve), ``GET /metrics``; any other path is a 404 naming it.
 
 A streamed response starts only once the first token exists: errors found before it
 (engine rejects the prompt, no instance, overload) are plain HTTP errors with their status;
-the first chat chunk carries the role together with the first token. A failure after that
-is sent as ``data: {"error": ...}`` followed by ``data: [DONE]``. A client that leaves
+the first chat chunk carries the role together with the first token, and a chat choice's
+finish reason comes in a chunk of its own with an empty delta, as OpenAI's. A failure after
+that is sent as ``data: {"error": ...}`` followed by ``data: [DONE]``. A client that leaves
 before its answer is complete cancels the generation; that is logged at debug level.
 
 Bodies are read by ``body.read_json_body`` (size limit, UTF-8, valid Unicode) and
@@ -31,7 +33,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from tandem.contracts.role import ROLES, Role
-from tandem.services.router import openapi
+from tandem.services.router import models_api, openapi
 from tandem.services.router import protocol as P
 from tandem.services.router.body import read_json_body
 from tandem.services.router.drain import Drain, shutting_down_error
@@ -144,13 +146,7 @@ def create_app(fe: Frontend, lifespan: Any = None, *,
         fe.pipeline.metrics.set_instances(fe.pipeline.discovery.all_instances())
         return Response(fe.pipeline.metrics.render(), media_type=CONTENT_TYPE)
 
-    @app.get("/v1/models", response_model=P.ModelList,
-             responses={401: openapi.GENERATION_ERRORS[401]})
-    async def models(request: Request) -> JSONResponse:
-        check_auth(request)
-        cards = [P.ModelCard(id=name, root=fe.served_model_names[0],
-                             max_model_len=fe.max_model_len) for name in fe.served_model_names]
-        return JSONResponse(P.ModelList(data=cards).model_dump(mode="json"))
+    models_api.install(app, fe, check_auth)
 
     async def accept(request: Request, model: type[_Req]) -> tuple[str, int, _Req]:
         """Authenticate, name and parse one generation request: ``(request id, arrival
@@ -509,13 +505,13 @@ class _Streamer:
         """Choice ``idx``'s chunk with ``text`` and nothing else (not the first)."""
         raise NotImplementedError
 
-    def _finish(self, chunk: P.ChatCompletionChunk | P.CompletionChunk, d: SeqDelta
-                ) -> _Chunk:
+    def _finish(self, chunk: P.ChatCompletionChunk | P.CompletionChunk, d: SeqDelta,
+                last: bool = True) -> _Chunk:
         """The chunk's SSE text, with running usage (``continuous_usage_stats``); a
-        choice's last chunk gets its timings when it is written."""
+        choice's ``last`` chunk of its final delta gets its timings when it is written."""
         if self._continuous_usage:
             chunk.usage = usage(self.num_prompt_tokens, self.states, self.n)
-        timings = d.timings if d.finish_reason is not None else None
+        timings = d.timings if d.finish_reason is not None and last else None
         if timings is None:
             return sse(chunk)
 
@@ -599,22 +595,31 @@ class _ChatStreamer(_Streamer):
         finish = d.finish_reason
         if self.parsers is not None:
             content, tool_calls, finish = self._tool_delta(idx, d)
-        if not (content or tool_calls or finish or first or (self.req.logprobs and d.logprobs)):
-            return []
-        if content and not (first or tool_calls or finish or (self.req.logprobs and d.logprobs)):
+        lps = chat_logprobs(self.fe, d.logprobs) if self.req.logprobs and d.logprobs else None
+        out: list[_Chunk] = []
+        if content and not (first or tool_calls or lps):
             text = self._text_chunk(idx, content)
             if text is not None:
-                return [text]
-        st.sent_role = True
-        choice = P.ChatStreamChoice(
-            index=idx, delta=P.DeltaMessage(role="assistant" if first else None,
-                                            content=content, tool_calls=tool_calls),
-            logprobs=chat_logprobs(self.fe, d.logprobs) if self.req.logprobs and d.logprobs
-            else None,
-            finish_reason=finish, stop_reason=d.stop_reason)
-        chunk = P.ChatCompletionChunk(id=self.resp_id, created=self.created, model=self.model,
-                                      choices=[choice])
-        return [self._finish(chunk, d)]
+                out.append(text)
+                content = None
+        if content or tool_calls or first or lps:
+            st.sent_role = True
+            out.append(self._finish(self._chunk(P.ChatStreamChoice(
+                index=idx, delta=P.DeltaMessage(role="assistant" if first else None,
+                                                content=content, tool_calls=tool_calls),
+                logprobs=lps)), d, last=finish is None))
+        if finish is not None:
+            # NOTE: OpenAI sends the finish reason in a chunk of its own, with an empty
+            # delta: the openai SDK's stream helpers fire the `.done` event of a choice's
+            # last tool call only on a chunk after the one that carries that call.
+            out.append(self._finish(self._chunk(P.ChatStreamChoice(
+                index=idx, delta=P.DeltaMessage(), finish_reason=finish,
+                stop_reason=d.stop_reason)), d))
+        return out
+
+    def _chunk(self, choice: P.ChatStreamChoice) -> P.ChatCompletionChunk:
+        return P.ChatCompletionChunk(id=self.resp_id, created=self.created, model=self.model,
+                                     choices=[choice])
 
     def _usage_chunk(self, u: P.UsageInfo) -> P.BaseModel:
         return P.ChatCompletionChunk(id=self.resp_id, created=self.created, model=self.model,

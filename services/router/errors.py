@@ -17,6 +17,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -144,6 +145,30 @@ def from_request_error(exc: RequestError) -> OpenAIError:
     return OpenAIError(str(exc), param=exc.field)
 
 
+def model_not_found(model: str) -> OpenAIError:
+    """The 404 ``model_not_found`` of a model this router does not serve (OpenAI's words)."""
+    return OpenAIError(f"The model `{model}` does not exist.", status_code=404, param="model",
+                       code="model_not_found")
+
+
+def unknown_route(request: Request, exc: StarletteHTTPException) -> OpenAIError | None:
+    """The error of a request no route serves, naming its method and path as OpenAI's
+    "Invalid URL (POST /v1/...)" does: a 404 that lists the API tandem serves, or a 405
+    that names the methods the path takes. ``None`` for any other HTTP error."""
+    where = f"{request.method} {request.url.path}"
+    if exc.status_code == 405:
+        allowed = (exc.headers or {}).get("Allow", "")
+        return OpenAIError(f"Method not allowed ({where}): this route takes {allowed}",
+                           status_code=405)
+    if exc.status_code != 404 or request.scope.get("endpoint") is not None:
+        return None  # a route's own 404
+    served = sorted(f"{method} {route.path_format}" for route in request.app.routes
+                    if isinstance(route, APIRoute) and route.path_format.startswith("/v1/")
+                    for method in route.methods)
+    return OpenAIError(f"Invalid URL ({where}): tandem does not serve this route; its API is "
+                       f"{', '.join(served)}", status_code=404)
+
+
 def to_openai_error(exc: Exception) -> OpenAIError:
     """Map any exception the HTTP layer sees to an ``OpenAIError``."""
     if isinstance(exc, OpenAIError):
@@ -172,4 +197,8 @@ def error_response(err: OpenAIError, request_id: str | None = None) -> JSONRespo
 
 async def openai_error_handler(request: Request, exc: Exception) -> JSONResponse:
     """The one exception handler: any exception -> OpenAI error JSON with its status."""
-    return error_response(to_openai_error(exc), request.headers.get("x-request-id"))
+    err = unknown_route(request, exc) if isinstance(exc, StarletteHTTPException) else None
+    response = error_response(err or to_openai_error(exc), request.headers.get("x-request-id"))
+    if isinstance(exc, StarletteHTTPException) and exc.headers:
+        response.headers.update(exc.headers)  # e.g. a 405's Allow
+    return response

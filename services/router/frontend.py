@@ -17,7 +17,7 @@ import jinja2
 
 from tandem.engine.sampling_params import SamplingDefaults, SamplingParams
 from tandem.engine.validation import RequestError, check_prompt_token_ids, check_vocab_params
-from tandem.services.router.errors import OpenAIError, from_request_error
+from tandem.services.router.errors import OpenAIError, from_request_error, model_not_found
 from tandem.services.router.pipeline import Pipeline
 from tandem.services.router.protocol import CHAT_ROLES
 
@@ -68,8 +68,7 @@ class Frontend:
     def check_model(self, model: str | None) -> None:
         """Raises: OpenAIError 404 ``model_not_found`` when ``model`` is not served here."""
         if model and model not in self.served_model_names:
-            raise OpenAIError(f"The model `{model}` does not exist.", status_code=404,
-                              param="model", code="model_not_found")
+            raise model_not_found(model)
 
     @staticmethod
     def new_request_id(given: str | None) -> str:

@@ -373,21 +373,17 @@ class ToolCallParser:
         mode = self.choice.mode
         out = ParsedDelta()
         if mode == "required":
-            try:
-                items = json.loads(self._text)
-            except ValueError:
-                items = None
-            if isinstance(items, list) and all(
-                isinstance(it, dict) and isinstance(it.get("name"), str) for it in items
-            ):
-                for it in items:
-                    call = ToolCall(
-                        it["name"], json.dumps(it.get("parameters", {}), ensure_ascii=False)
-                    )
-                    self.calls.append(call)
-                    out.calls.append(call)
-            else:
-                out.content = self._text  # cut short (length): the text as it is
+            # NOTE: a list cut short (length) keeps the calls it completed; the rest of
+            # the text is half a call, which is neither content nor a call. The finish
+            # reason ("length") says the answer was cut, as OpenAI's does.
+            for it in complete_array_items(self._text):
+                if not isinstance(it, dict) or not isinstance(it.get("name"), str):
+                    break
+                call = ToolCall(
+                    it["name"], json.dumps(it.get("parameters", {}), ensure_ascii=False)
+                )
+                self.calls.append(call)
+                out.calls.append(call)
             return out
         if mode == "auto":
             if self._inside:
@@ -402,6 +398,41 @@ class ToolCallParser:
                 out.content = self._buf
             self._buf = ""
         return out
+
+
+_DECODER = json.JSONDecoder()
+_JSON_SPACE = re.compile(r"[ \t\n\r]*")
+
+
+def complete_array_items(text: str) -> list[Any]:
+    """The items of the JSON array ``text`` up to the first incomplete one: all of them
+    for a whole array, those before the cut for one cut short (``[]`` when not even its
+    first item is complete, or when ``text`` is no array)."""
+
+    def skip_space(at: int) -> int:
+        match = _JSON_SPACE.match(text, at)
+        assert match is not None, "the pattern matches the empty string"
+        return match.end()
+
+    at = skip_space(0)
+    if not text.startswith("[", at):
+        return []
+    items: list[Any] = []
+    at = skip_space(at + 1)
+    while not text.startswith("]", at):
+        if items:
+            if not text.startswith(",", at):
+                return items
+            at = skip_space(at + 1)
+        try:
+            item, at = _DECODER.raw_decode(text, at)
+        except ValueError:
+            return items
+        if at == len(text) and isinstance(item, (int, float)):
+            return items  # a number at the cut may have lost digits
+        items.append(item)
+        at = skip_space(at)
+    return items
 
 
 def _partial_suffix(text: str, tag: str) -> int:

@@ -262,9 +262,51 @@ def test_no_instance_is_503_with_retry_after_and_request_id_echoed(http) -> None
     assert http.get("/ready").status_code == 503
 
 
-def test_unknown_route_and_method(http) -> None:
-    _error(http.get("/v1/nothing-here"), 404)
-    _error(http.get("/v1/chat/completions"), 405)
+def test_models_retrieve(router) -> None:
+    """Bug: ``GET /v1/models/{id}`` (the openai client's ``models.retrieve``) was a bare
+    404 for every id."""
+    client = openai.OpenAI(base_url=f"{router[0]}/v1", api_key=API_KEY, max_retries=0)
+    names = [m.id for m in client.models.list().data]
+    assert any("/" in name for name in names), names  # the model folder's path
+    for name in names:
+        model = client.models.retrieve(name)
+        assert (model.id, model.object, model.owned_by) == (name, "model", "tandem")
+    with pytest.raises(openai.NotFoundError) as info:
+        client.models.retrieve("gpt-17")
+    err = info.value.body
+    assert isinstance(err, dict) and (err["code"], err["param"]) == ("model_not_found", "model")
+    assert "gpt-17" in err["message"]
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{router[0]}/v1", api_key="wrong",
+                      max_retries=0).models.retrieve(MODEL)
+
+
+@pytest.mark.parametrize(("method", "path"), [
+    ("POST", "/v1/responses"), ("POST", "/v1/embeddings"), ("GET", "/v1/nothing-here"),
+    ("GET", "/"), ("GET", "/v1/files")])
+def test_an_unknown_route_is_a_404_naming_it(http, method, path) -> None:
+    """Bug: a bare ``404 Not Found`` that named neither the route nor that tandem does not
+    serve it."""
+    err = _error(http.request(method, path, json={}), 404)
+    assert err["type"] == "not_found_error"
+    message = err["message"]
+    assert f"({method} {path})" in message and "tandem does not serve" in message, message
+    assert "POST /v1/chat/completions" in message and "GET /v1/models/{model}" in message
+
+
+def test_a_known_route_with_another_method_is_a_405_naming_it(http) -> None:
+    resp = http.get("/v1/chat/completions")
+    err = _error(resp, 405)
+    assert "GET /v1/chat/completions" in err["message"]
+    assert resp.headers["Allow"] == "POST"
+
+
+def test_the_openai_client_sees_which_api_tandem_lacks(router) -> None:
+    client = openai.OpenAI(base_url=f"{router[0]}/v1", api_key=API_KEY, max_retries=0)
+    with pytest.raises(openai.NotFoundError, match=r"POST /v1/responses"):
+        client.responses.create(model=MODEL, input="hi")
+    with pytest.raises(openai.NotFoundError, match=r"POST /v1/embeddings"):
+        client.embeddings.create(model=MODEL, input="hi")
 
 
 def test_openai_client_sees_bad_request(router) -> None:

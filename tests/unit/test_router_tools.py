@@ -17,7 +17,12 @@ from tandem.services.router.frontend import load_shipped_template, read_chat_tem
 from tandem.services.router.main import build_parser
 from tandem.services.router.protocol import ChatCompletionRequest
 from tandem.services.router.structured import build_constraint
-from tandem.services.router.tools import ToolCallParser, finish_reason_with_calls, parse_tool_choice
+from tandem.services.router.tools import (
+    ToolCallParser,
+    complete_array_items,
+    finish_reason_with_calls,
+    parse_tool_choice,
+)
 
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 TOOLS = [
@@ -230,8 +235,8 @@ def test_required_and_named_outputs_become_calls() -> None:
     text = json.dumps([{"name": "add", "parameters": {"a": 1, "b": 2}}])
     content, calls, _ = _parse(required, [text[:5], text[5:]])
     assert calls == [("add", {"a": 1, "b": 2})] and content == ""
-    content, calls, _ = _parse(required, ['[{"name": "ad'])  # cut short: text as it is
-    assert calls == [] and content == '[{"name": "ad'
+    content, calls, _ = _parse(required, ['[{"name": "ad'])  # cut short: no call, no text
+    assert calls == [] and content == ""
     named = parse_tool_choice(TOOLS, {"type": "function", "function": {"name": "add"}}, None)
     content, calls, deltas = _parse(named, ['{"a": 1,', ' "b": 2}'])
     assert calls == [("add", {"a": 1, "b": 2})] and content == ""
@@ -239,6 +244,31 @@ def test_required_and_named_outputs_become_calls() -> None:
     assert finish_reason_with_calls("stop", True) == "tool_calls"
     assert finish_reason_with_calls("length", True) == "length"
     assert finish_reason_with_calls("stop", False) == "stop"
+
+
+@pytest.mark.parametrize("cut", ["", ",", ", ", ', {"name": "add", "param', ", {", ",\n"])
+def test_a_required_list_cut_short_keeps_its_complete_calls(cut) -> None:
+    """Bug: a call list cut by max_tokens answered no calls and its partial JSON as
+    content, dropping the calls it had completed."""
+    required = parse_tool_choice(TOOLS, "required", None)
+    done = [{"name": "add", "parameters": {"b": 2, "a": 1}},
+            {"name": "get_weather", "parameters": {"city": "Paris"}}]
+    text = " [" + ", ".join(json.dumps(c) for c in done) + cut
+    content, calls, _ = _parse(required, [text])
+    assert content == ""
+    assert calls == [(c["name"], c["parameters"]) for c in done]
+    parser = ToolCallParser(required)
+    parser.feed(text)
+    parser.finish()
+    assert [c.arguments for c in parser.calls] == ['{"b": 2, "a": 1}', '{"city": "Paris"}']
+
+
+def test_complete_array_items() -> None:
+    assert complete_array_items('[{"a": 1}, {"b": 2}]') == [{"a": 1}, {"b": 2}]
+    assert complete_array_items('\n[ {"a": 1} ,\n{"b": 2') == [{"a": 1}]
+    assert complete_array_items("[1, 23") == [1]  # the cut number may be longer
+    for text in ("", "[", "[]", '[{"a"', "{}", "no"):
+        assert complete_array_items(text) == [], text
 
 
 # -- chat template -----------------------------------------------------------------------------

@@ -187,15 +187,38 @@ def test_min_tokens_with_a_constraint_is_refused_naming_min_tokens() -> None:
     SamplingParams(min_tokens=2)  # without a constraint it is fine
 
 
-def test_cache_key_is_canonical() -> None:
+def test_spec_and_cache_key_keep_the_schemas_key_order() -> None:
+    """Bug: the spec was sorted JSON, so `reasoning` then `answer` compiled to a grammar
+    that emits `answer` first; and a sorted cache key would hand one order's grammar to
+    a request with the other order."""
     a = SO(json={"b": 1, "a": 2})
-    b = SO(json='{"a": 2, "b": 1}')
-    assert a.cache_key() == b.cache_key() == ("json", '{"a":2,"b":1}', False)
+    b = SO(json='{"b": 1, "a": 2}')
+    assert a.spec() == b.spec() == '{"b":1,"a":2}'
+    assert a.cache_key() == b.cache_key() == ("json", '{"b":1,"a":2}', False)
+    assert SO(json={"a": 2, "b": 1}).cache_key() != a.cache_key()
     assert SO(json_object=True, disable_any_whitespace=True).cache_key() == (
         "json_object",
         "",
         True,
     )
+
+
+def _accepts(backend: XgrammarBackend, so: SO, text: str) -> bool:
+    """Whether the grammar of ``so`` takes ``text`` (one character token at a time) whole."""
+    matcher = backend.compile(so, 30.0).new_matcher()
+    return all(matcher.accept_token(VOCAB.index(c)) for c in text) and matcher.accept_token(STOP)
+
+
+def test_the_grammar_emits_properties_in_the_schemas_order(shared_backend) -> None:
+    ordered = {
+        "type": "object",
+        "properties": {"b": {"type": "boolean"}, "a": {"type": "integer"}},
+        "required": ["b", "a"],
+        "additionalProperties": False,
+    }
+    so = SO(json=ordered, disable_any_whitespace=True)
+    assert _accepts(shared_backend, so, '{"b": true, "a": 12}')
+    assert not _accepts(shared_backend, so, '{"a": 12, "b": true}')
 
 
 # -- backend -----------------------------------------------------------------------------------
