@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 DType = Literal["auto", "float32", "bfloat16", "float16"]
+ModelImpl = Literal["auto", "tandem", "transformers"]
 
 
 @dataclass(frozen=True)
@@ -41,9 +42,14 @@ class ModelConfig:
             runs eagerly. Without it, a CUDA engine captures graphs of decode-only
             steps at start-up (``CompilationConfig``, ``engine/cuda_graphs.py``); the
             CPU never captures, so there it changes nothing.
+        model_impl: which implementation runs the model (vLLM's ``--model-impl``):
+            "tandem" the native one (``engine/models``), "transformers" transformers'
+            own modeling code over tandem's paged attention
+            (``engine/models/transformers_backend.py``), "auto" the native one where
+            the architecture has one, else transformers.
 
     Raises:
-        ValueError: naming the field: an unknown ``dtype``, a bad ``device``,
+        ValueError: naming the field: an unknown ``dtype`` or ``model_impl``, a bad ``device``,
             ``max_model_len < 1``, ``deterministic`` on CUDA.
     """
 
@@ -54,11 +60,16 @@ class ModelConfig:
     seed: int = 0
     deterministic: bool = False
     enforce_eager: bool = False
+    model_impl: ModelImpl = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(
                 f"dtype must be one of auto, float32, bfloat16, float16, got {self.dtype!r}"
+            )
+        if self.model_impl not in ("auto", "tandem", "transformers"):
+            raise ValueError(
+                f"model_impl must be one of auto, tandem, transformers, got {self.model_impl!r}"
             )
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")

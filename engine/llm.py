@@ -68,6 +68,8 @@ class LLM:
             one worker (see ``ParallelConfig``). Call ``shutdown()`` (or use the ``LLM``
             as a context manager) to stop worker processes before the interpreter exits.
         enforce_eager: never replay CUDA graphs (``ModelConfig.enforce_eager``).
+        model_impl: "auto", "tandem" or "transformers" (vLLM's name; see
+            ``ModelConfig.model_impl``).
         compilation_config: the CUDA graph capture sizes, a ``CompilationConfig`` or
             its fields as a mapping (vLLM's ``cudagraph_capture_sizes``,
             ``max_cudagraph_capture_size``); ``None``: the defaults. CUDA only.
@@ -105,6 +107,7 @@ class LLM:
         enforce_eager: bool = False,
         compilation_config: dict[str, Any] | CompilationConfig | None = None,
         generation_config: str = "auto",
+        model_impl: str = "auto",
     ) -> None:
         folder, gguf = resolve_model_path(model)
         # read first: a bad file fails before the model loads
@@ -119,6 +122,7 @@ class LLM:
                 seed=seed,
                 deterministic=deterministic,
                 enforce_eager=enforce_eager,
+                model_impl=model_impl,  # type: ignore[arg-type]
             ),
             cache=CacheConfig(
                 block_size=block_size,

@@ -55,6 +55,7 @@ from tandem.kernels.attention_backend import (
     detect_attention_facts,
     plan_prefill_attention,
 )
+from tandem.kernels.attention_math import paged_attention_math
 from tandem.kernels.attention_metadata import (
     AttentionMetadata,
     PrefillSeq,
@@ -535,10 +536,13 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     sliding_window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Checked paged attention: ``meta.attention_backend``'s implementation when the
     runner chose one, else by the tensors' kernel backend (Triton on CUDA, the native
-    kernel or the torch reference on CPU).
+    kernel or the torch reference on CPU). With a ``softcap`` or ``sinks``, which no
+    fused path computes, the explicit-score path (``kernels/attention_math.py``).
 
     Args:
         query: ``[num_tokens, num_heads, head_dim]``.
@@ -546,6 +550,8 @@ def paged_attention(
         kv_cache_layer_views: ``(k_cache, v_cache)`` of this layer, each
             ``[num_blocks, block_size, num_kv_heads, head_dim]``.
         meta, scale, sliding_window: see ``paged_attention_ref``.
+        softcap, sinks: see ``paged_attention_math`` (Gemma 2's logit softcapping,
+            gpt-oss's per-head sink logits ``[num_heads]``).
 
     Returns:
         ``[num_tokens, num_heads, head_dim]``.
@@ -569,6 +575,11 @@ def paged_attention(
         raise ValueError(f"cache view {tuple(k_cache.shape)} does not fit key {tuple(key.shape)}")
     if not (query.dtype == key.dtype == k_cache.dtype == v_cache.dtype):
         raise ValueError("query, key and the cache must share a dtype")
+    if softcap or sinks is not None:
+        if sinks is not None and sinks.shape != (query.shape[1],):
+            raise ValueError(f"sinks must be [num_heads={query.shape[1]}], got {tuple(sinks.shape)}")
+        return paged_attention_math(query, key, value, k_cache, v_cache, meta, scale,
+                                    sliding_window, softcap, sinks)
     chosen = meta.attention_backend
     if chosen is not None:
         impl = _IMPLEMENTATIONS[chosen]

@@ -1,8 +1,14 @@
-"""Model registry: ``config.architectures[0]`` -> our implementation."""
+"""Model registry: ``config.architectures[0]`` -> the implementation that runs it.
+
+Two implementations (vLLM's ``--model-impl``): tandem's native ones (``MODEL_REGISTRY``)
+and the Transformers modeling backend (``transformers_backend.py``: transformers' own
+modeling code over tandem's paged attention). ``model_impl="auto"`` takes the native one
+where the architecture has one, else transformers (``resolve_model_impl``).
+"""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -23,6 +29,54 @@ MODEL_REGISTRY: dict[str, type[torch.nn.Module]] = {
 
 def supported_architectures() -> list[str]:
     return sorted(MODEL_REGISTRY)
+
+
+#: ``ModelConfig.model_impl`` values
+ModelImpl = Literal["auto", "tandem", "transformers"]
+MODEL_IMPLS: tuple[str, ...] = ("auto", "tandem", "transformers")
+
+
+def _arch_of(config: Any) -> str:
+    archs = getattr(config, "architectures", None) or []
+    return str(archs[0]) if archs else str(getattr(config, "model_type", None))
+
+
+def resolve_model_impl(config: Any, model_impl: str = "auto") -> str:
+    """Which implementation runs ``config``: "tandem" (native) or "transformers".
+
+    ``auto``: native where ``MODEL_REGISTRY`` has the architecture, else the Transformers
+    backend where it can serve the config; ``tandem`` / ``transformers``: that one.
+
+    Raises:
+        ValueError: naming ``model_impl`` for an unknown value; naming the architecture
+            (and both implementations, with the Transformers backend's reason) when
+            neither serves it.
+    """
+    if model_impl not in MODEL_IMPLS:
+        raise ValueError(f"model_impl must be one of {', '.join(MODEL_IMPLS)}, got {model_impl!r}")
+    native = ", ".join(supported_architectures())
+    if model_impl in ("auto", "tandem"):
+        try:
+            get_model_class(config)
+            return "tandem"
+        except ValueError:
+            if model_impl == "tandem":
+                raise ValueError(
+                    f"model architecture {_arch_of(config)!r} has no native tandem "
+                    f"implementation (model_impl='tandem'; native: {native}); "
+                    "model_impl='auto' or 'transformers' runs transformers' modeling code"
+                ) from None
+    from tandem.engine.models.transformers_backend import check_supported
+
+    try:
+        check_supported(config)
+    except ValueError as e:
+        raise ValueError(
+            f"model architecture {_arch_of(config)!r} is not supported: tandem's native "
+            f"implementations cover {native}, and the Transformers modeling backend "
+            f"(model_impl='transformers') refuses it: {e}"
+        ) from None
+    return "transformers"
 
 
 def get_model_class(config: Any) -> type[torch.nn.Module]:
@@ -56,6 +110,7 @@ def build_model(
     dtype: torch.dtype,
     device: torch.device | str,
     max_position: int,
+    model_impl: str = "auto",
 ) -> CausalLM:
     """Instantiate our model for ``config`` and load ``weights`` into it.
 
@@ -67,11 +122,18 @@ def build_model(
         weights: iterable of ``(hf_name, tensor)`` or a state dict.
         dtype / device: of the parameters.
         max_position: rotary table length in tokens.
+        model_impl: "auto", "tandem" or "transformers" (``resolve_model_impl``).
 
     Raises:
         ValueError: unsupported architecture, or weights that do not fit.
     """
-    cls = get_model_class(config)
+    cls: type[torch.nn.Module]
+    if resolve_model_impl(config, model_impl) == "tandem":
+        cls = get_model_class(config)
+    else:
+        from tandem.engine.models.transformers_backend import TransformersForCausalLM
+
+        cls = TransformersForCausalLM
     with torch.device("meta"):
         model = cls(config, max_position=max_position, dtype=dtype, device=device)
     model = model.to(dtype=dtype).to_empty(device=device)

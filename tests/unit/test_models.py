@@ -134,8 +134,9 @@ def test_unsupported_architecture_fails_at_load(tmp_path):
     transformers.GPT2Config(
         n_layer=1, n_embd=16, n_head=2, architectures=["GPT2LMHeadModel"]
     ).save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match="GPT2LMHeadModel"):
-        load_model(ModelConfig(model=str(tmp_path)))
+    # No native GPT-2: model_impl="tandem" refuses it, naming the other implementation.
+    with pytest.raises(ValueError, match="GPT2LMHeadModel.*model_impl='auto' or 'transformers'"):
+        load_model(ModelConfig(model=str(tmp_path), model_impl="tandem"))
 
 
 def test_resolve_dtype():
