@@ -36,15 +36,14 @@ from tandem.engine import distributed, kv_budget
 from tandem.engine.config import EngineConfig
 from tandem.engine.cuda_device import on_device, resolve_cuda_index, runs_on_own_device
 from tandem.engine.cuda_graphs import CudaGraphRunner, capture_sizes, graphs_unsupported_reason
+from tandem.engine.input_batch import build_input_batch
 from tandem.engine.model_facts import ModelFacts, resolve_model_facts
 from tandem.engine.model_loader import LoadedModel, load_model
 from tandem.engine.models.interface import IntermediateTensors
-from tandem.engine.request import Request
-from tandem.engine.sampler import Sampler, is_plain_greedy
+from tandem.engine.sampler import Sampler
 from tandem.engine.sched_output import ModelRunnerOutput, SchedulerOutput
-from tandem.engine.spec_decode.proposer import ProposeInput, Proposer, create_proposer
-from tandem.engine.spec_decode.rejection_sampler import greedy_accept
-from tandem.engine.spec_decode.verify import draft_positions, verify
+from tandem.engine.spec_decode.proposer import Proposer, create_proposer
+from tandem.engine.step_outputs import propose_into, sample_into, verify_into
 from tandem.kernels.attention import AttentionMetadata, build_attention_metadata
 from tandem.kernels.attention_backend import (
     AttentionBackend,
@@ -457,51 +456,21 @@ class ModelRunner:
         reqs = sched.scheduled_requests
         if not reqs:
             return out
-        input_ids: list[int] = []
-        query_lens: list[int] = []
-        num_computed: list[int] = []
-        tables: list[list[int]] = []
-        sample_rows: list[int] = []
-        sample_reqs: list[Request] = []
-        spec_rows: list[int] = []
-        spec_reqs: list[Request] = []
-        num_tokens = 0
-        for req in reqs:
-            n = sched.num_scheduled_tokens[req.request_id]
-            drafts = sched.scheduled_spec_token_ids.get(req.request_id, [])
-            known = n - len(drafts)
-            c = req.num_computed_tokens
-            if known == 1:
-                input_ids.append(req.all_token_ids[c])
-            else:
-                input_ids.extend(req.all_token_ids[c : c + known])
-            input_ids.extend(drafts)
-            query_lens.append(n)
-            num_computed.append(c)
-            tables.append(sched.block_tables[req.request_id])
-            num_tokens += n
-            if c + known == req.num_tokens:
-                if drafts:
-                    # The last known token and every draft: k + 1 positions to verify.
-                    spec_rows.extend(range(num_tokens - len(drafts) - 1, num_tokens))
-                    spec_reqs.append(req)
-                else:
-                    sample_rows.append(num_tokens - 1)
-                    sample_reqs.append(req)
+        batch = build_input_batch(sched)
         hidden: torch.Tensor | IntermediateTensors | None = None
-        if self.cuda_graphs is not None and num_tokens == len(reqs):
+        if self.cuda_graphs is not None and batch.is_decode_only:
             # decode-only (one token per request): a captured graph, if one holds it
-            hidden = self.cuda_graphs.run(input_ids, num_computed, tables)
+            hidden = self.cuda_graphs.run(batch.input_ids, batch.num_computed, batch.tables)
         if hidden is None:
             meta = build_attention_metadata(
-                query_lens, num_computed, tables, self.block_size, self.device,
-                self.batch_invariant,
+                batch.query_lens, batch.num_computed, batch.tables, self.block_size,
+                self.device, self.batch_invariant,
             )
             meta.attention_backend = self._attention_backend
-            ids = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
+            ids = torch.tensor(batch.input_ids, dtype=torch.int64, device=self.device)
             intermediate = None
             if not self.pp_group.is_first_rank:
-                shape = (num_tokens, int(self.loaded.hf_config.hidden_size))
+                shape = (batch.num_tokens, int(self.loaded.hf_config.hidden_size))
                 got = self.pp_group.recv({"hidden": shape, "residual": shape}, self.dtype,
                                          self.device)
                 intermediate = IntermediateTensors(got["hidden"], got["residual"])
@@ -509,116 +478,18 @@ class ModelRunner:
         if isinstance(hidden, IntermediateTensors):
             self.pp_group.send({"hidden": hidden.hidden, "residual": hidden.residual})
             return out
-        if sample_reqs:
-            if len(sample_rows) == num_tokens:
+        if batch.sample_reqs:
+            if len(batch.sample_rows) == batch.num_tokens:
                 last = hidden
             else:
-                last = hidden[torch.tensor(sample_rows, dtype=torch.int64, device=self.device)]
-            self._sample(last, sample_reqs, sched, out)
-        if spec_reqs:
-            rows = hidden[torch.tensor(spec_rows, dtype=torch.int64, device=self.device)]
-            self._verify(rows, spec_reqs, sched, out)
+                last = hidden[torch.tensor(batch.sample_rows, dtype=torch.int64,
+                                           device=self.device)]
+            sample_into(self.model, self.sampler, last, batch.sample_reqs, sched, out)
+        if batch.spec_reqs:
+            rows = hidden[torch.tensor(batch.spec_rows, dtype=torch.int64, device=self.device)]
+            verify_into(self.model, self.sampler, self.proposer, rows, batch.spec_reqs, sched,
+                        out)
         if self.proposer is not None and sched.num_lookahead_tokens:
-            rows_of: dict[str, list[int]] = {}
-            if self.proposer.uses_hidden_states:
-                for req, row in zip(sample_reqs, sample_rows, strict=True):
-                    rows_of[req.request_id] = [row]
-                start = 0
-                for req in spec_reqs:
-                    n = len(sched.scheduled_spec_token_ids[req.request_id]) + 1
-                    rows_of[req.request_id] = spec_rows[start : start + n]
-                    start += n
-            self._propose(sched, out, hidden, rows_of)
+            rows_of = batch.hidden_rows_of(sched) if self.proposer.uses_hidden_states else {}
+            propose_into(self.proposer, sched, out, hidden, rows_of)
         return out if self.is_driver else ModelRunnerOutput()
-
-    def _sample(
-        self,
-        last: torch.Tensor,
-        reqs: list[Request],
-        sched: SchedulerOutput,
-        out: ModelRunnerOutput,
-    ) -> None:
-        """Sample one token per request from ``last`` (``[len(reqs), hidden]``)."""
-        if all(is_plain_greedy(r) for r in reqs):
-            # Greedy without processors or logprobs: the head's argmax pass, no logits.
-            ids = self.model.compute_greedy(last)
-            if ids is not None:
-                for req, token_id in zip(reqs, ids.tolist(), strict=True):
-                    out.sampled_token_ids[req.request_id] = token_id
-                return
-        logits = self.model.compute_logits(last, upcast=False)
-        if logits is None:
-            return  # another TP rank holds the gathered logits and samples
-        results = self.sampler(logits, reqs, sched.grammar_bitmask)
-        for req, (token_id, logprobs) in zip(reqs, results, strict=True):
-            out.sampled_token_ids[req.request_id] = token_id
-            if logprobs is not None:
-                out.logprobs[req.request_id] = logprobs
-
-    def _verify(
-        self,
-        rows: torch.Tensor,
-        reqs: list[Request],
-        sched: SchedulerOutput,
-        out: ModelRunnerOutput,
-    ) -> None:
-        """Verify the draft tokens of ``reqs`` from the hidden states of their positions
-        (``rows``: ``[sum(k_i + 1), hidden]``) with the rejection sampler."""
-        drafts = [sched.scheduled_spec_token_ids[r.request_id] for r in reqs]
-        positions = [p for r, d in zip(reqs, drafts, strict=True) for p in draft_positions(r, d)]
-        if all(is_plain_greedy(p) for p in positions):
-            ids = self.model.compute_greedy(rows)
-            if ids is not None:
-                argmax = ids.tolist()
-                start = 0
-                for req, d in zip(reqs, drafts, strict=True):
-                    out.verified_token_ids[req.request_id] = greedy_accept(
-                        d, argmax[start : start + len(d) + 1]
-                    )
-                    start += len(d) + 1
-                return
-        logits = self.model.compute_logits(rows, upcast=False)
-        assert logits is not None, "speculative decoding runs on one rank only"
-        draft_probs = None
-        if self.proposer is not None:
-            draft_probs = [self.proposer.draft_probs(r.request_id, d)
-                           for r, d in zip(reqs, drafts, strict=True)]
-        results = verify(self.sampler, logits, reqs, drafts, sched.grammar_bitmask, draft_probs)
-        for req, (tokens, logprobs) in zip(reqs, results, strict=True):
-            out.verified_token_ids[req.request_id] = tokens
-            if logprobs is not None:
-                out.verified_logprobs[req.request_id] = logprobs
-
-    def _propose(
-        self,
-        sched: SchedulerOutput,
-        out: ModelRunnerOutput,
-        hidden: torch.Tensor,
-        rows_of: dict[str, list[int]],
-    ) -> None:
-        """Draft tokens for the next step of the requests the scheduler gave a lookahead.
-
-        ``rows_of``: request id -> the rows of ``hidden`` (``[num_tokens, hidden_size]``)
-        at the positions that produced its tokens this step, for a proposer that takes
-        the target's hidden states (empty otherwise)."""
-        assert self.proposer is not None
-        inputs: list[ProposeInput] = []
-        by_id = {r.request_id: r for r in sched.scheduled_requests}
-        for rid, k in sched.num_lookahead_tokens.items():
-            new = out.verified_token_ids.get(rid)
-            if new is None:
-                token = out.sampled_token_ids.get(rid)
-                if token is None:
-                    continue
-                new = [token]
-            states = None
-            if rid in rows_of:
-                # The positions whose outputs were emitted: one per new token.
-                index = torch.tensor(rows_of[rid][: len(new)], device=self.device)
-                states = hidden[index]
-            inputs.append(ProposeInput(by_id[rid], new, k, sched.block_tables[rid], states))
-        if not inputs:
-            return
-        for inp, drafts in zip(inputs, self.proposer.propose(inputs), strict=True):
-            if drafts:
-                out.draft_token_ids[inp.request.request_id] = drafts[: inp.max_num_tokens]

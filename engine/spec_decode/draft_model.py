@@ -41,7 +41,7 @@ import torch
 
 from tandem.engine.categorical import DRAFT_STREAM, key_generator, row_keys, sample_race
 from tandem.engine.config import ModelConfig, SpeculativeConfig
-from tandem.engine.model_facts import head_dim_of
+from tandem.engine.model_facts import head_dim_of, model_context_len
 from tandem.engine.model_loader import LoadedModel, load_model
 from tandem.engine.request import Request, draft_position_seed
 from tandem.engine.sampler import Sampler
@@ -85,7 +85,7 @@ def check_draft_fits(
             f"speculative_config.max_model_len ({draft_max_model_len}) is below the "
             f"target's max_model_len ({target_max_model_len})"
         )
-    context = int(draft.hf_config.max_position_embeddings)
+    context = model_context_len(draft.hf_config)
     if context < target_max_model_len:
         raise ValueError(
             f"speculative_config.model: the draft's context ({context} tokens) is shorter "
@@ -128,9 +128,11 @@ class DraftModelProposer(Proposer):
         if loaded is None:
             name = str(dtype).removeprefix("torch.")
             try:
+                # NOTE: loaded at its own context; check_draft_fits then says when that
+                # is shorter than the target's, naming the field to change.
                 loaded = load_model(ModelConfig(
                     model=config.model, dtype=name,  # type: ignore[arg-type]
-                    device=str(device), max_model_len=max_model_len))
+                    device=str(device)))
             except ValueError as exc:
                 raise ValueError(f"speculative_config.{exc}") from exc
         check_draft_fits(loaded, vocab_size, max_model_len, tokenizer, config.max_model_len)
