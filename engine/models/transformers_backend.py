@@ -228,7 +228,9 @@ class TransformersForCausalLM(nn.Module):
         try:
             hf, info = cls.from_pretrained(
                 None, config=config, state_dict=state, dtype=self._dtype,
-                attn_implementation=tattn.ATTN_IMPLEMENTATION, output_loading_info=True)
+                attn_implementation=tattn.ATTN_IMPLEMENTATION, output_loading_info=True,
+                # reported in ``info`` (below), to raise naming the tensors
+                ignore_mismatched_sizes=True)
         except (RuntimeError, ValueError) as e:
             raise ValueError(f"weights do not fit {self.arch}: {e}") from e
         del state
