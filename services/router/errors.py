@@ -164,7 +164,7 @@ def unknown_route(request: Request, exc: StarletteHTTPException) -> OpenAIError 
         return None  # a route's own 404
     served = sorted(f"{method} {route.path_format}" for route in request.app.routes
                     if isinstance(route, APIRoute) and route.path_format.startswith("/v1/")
-                    for method in route.methods)
+                    for method in (route.methods or ()))
     return OpenAIError(f"Invalid URL ({where}): tandem does not serve this route; its API is "
                        f"{', '.join(served)}", status_code=404)
 
