@@ -76,6 +76,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--input-len", type=int, default=256, help="prompt tokens per request")
     p.add_argument("--output-len", type=int, default=128, help="generated tokens per request")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    p.add_argument("--model-impl", default="auto", choices=["auto", "tandem", "transformers"],
+                   help="tandem: which implementation runs the model (LLM(model_impl=...))")
     p.add_argument("--device", default="cpu",
                    help="tandem and hf: cpu | cuda | cuda:N (llama.cpp: CPU only)")
     p.add_argument("--enforce-eager", action="store_true",
@@ -296,6 +298,7 @@ def run_tandem(
         device=getattr(args, "device", "cpu"),
         enforce_eager=getattr(args, "enforce_eager", False),
         gpu_memory_utilization=getattr(args, "gpu_memory_utilization", 0.9),
+        model_impl=getattr(args, "model_impl", "auto"),
         max_model_len=args.input_len + args.output_len + 16,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,

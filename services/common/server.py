@@ -92,6 +92,10 @@ def build_parser(prog: str, role: Role | None) -> argparse.ArgumentParser:
     p.add_argument("--advertise-address", default=None,
                    help="HOST:PORT the router dials (default: --listen, wildcard host -> hostname)")
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
+    p.add_argument("--model-impl", default="auto", choices=("auto", "tandem", "transformers"),
+                   help="which implementation runs the model (vLLM's flag): tandem's native "
+                        "one, transformers' modeling code over tandem's paged attention, or "
+                        "auto (native where the architecture has one, else transformers)")
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
     p.add_argument("--max-model-len", type=int, default=None, help="context length in tokens")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
@@ -197,7 +201,8 @@ def build_engine_config(ns: argparse.Namespace, role: Role | str) -> EngineConfi
     return EngineConfig(
         model=ModelConfig(model=ns.model, dtype=ns.dtype, device=ns.device,
                           max_model_len=ns.max_model_len, seed=ns.seed,
-                          deterministic=ns.deterministic, enforce_eager=ns.enforce_eager),
+                          deterministic=ns.deterministic, enforce_eager=ns.enforce_eager,
+                          model_impl=ns.model_impl),
         cache=CacheConfig(block_size=ns.block_size, kv_cache_memory_bytes=ns.kv_cache_memory,
                           gpu_memory_utilization=ns.gpu_memory_utilization,
                           num_blocks_override=ns.num_kv_blocks),

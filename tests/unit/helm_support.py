@@ -63,6 +63,7 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
             "pvc": {"claimName": "weights", "subPath": "Llama-3.1-8B-Instruct"},
             "servedModelName": "llama-3.1-8b",
             "dtype": "bfloat16",
+            "modelImpl": "transformers",
             "maxModelLen": 32768,
         },
         "cache": {"blockSize": 32},

@@ -179,3 +179,16 @@ def test_paged_attention_softcap_and_sinks_match_dense(head_dim, softcap, with_s
                                window, softcap, sinks)
         torch.testing.assert_close(out[start : start + n], want, rtol=1e-4, atol=1e-5)
         start += n
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode", "both"])
+def test_model_impl_flag_on_every_engine_command(role) -> None:
+    from tandem.services.common.server import build_engine_config, build_parser
+
+    parser = build_parser(f"tandem {role}", None)
+    ns = parser.parse_args(["--role", role, "--model-impl", "transformers"]
+                           + ([] if role == "both" else ["--redis-url", "redis://x:1/0"]))
+    assert build_engine_config(ns, role).model.model_impl == "transformers"
+    assert parser.parse_args(["--role", role]).model_impl == "auto"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--model-impl", "vllm"])

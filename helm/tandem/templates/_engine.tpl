@@ -22,6 +22,9 @@ Called with (dict "root" $ "role" "prefill"|"decode").
 - --tensor-parallel-size={{ $v.tensorParallelSize | int64 }}
 - --pipeline-parallel-size={{ $v.pipelineParallelSize | int64 }}
 - --dtype={{ $root.Values.model.dtype }}
+{{- with $root.Values.model.modelImpl }}
+- --model-impl={{ . }}
+{{- end }}
 - --block-size={{ $root.Values.cache.blockSize | int64 }}
 {{- with $root.Values.model.maxModelLen }}
 - --max-model-len={{ . | int64 }}
