@@ -60,13 +60,16 @@ demo: install redis
 bench: install
 	$(VENV)/bin/tandem bench throughput --backend tandem --backend hf
 
-# On a machine with a CUDA GPU: the Triton kernel tests on the GPU, greedy tokens vs
-# transformers in float32 and bfloat16 (CUDA graphs on and off), the KV store's host
-# staging of GPU blocks and `tandem bench throughput` against transformers; one JSON
-# report (bench/gpu_check.py). Elsewhere it says so and fails (exit status 2).
+# On a machine with a CUDA GPU: the checks of the CUDA path (bench/gpu_check.py), one JSON
+# report, under 8 minutes; elsewhere it says so and fails (exit status 2). It installs
+# nothing (a lent GPU box may have no package registry): it runs with PYTHON, by default
+# this checkout's venv when `make install` made one, else python3, which needs torch,
+# Triton, transformers, safetensors and pytest (docs/deploy.md, "Check a GPU machine first"):
+#   make gpu-check PYTHON=/opt/torch/.venv/bin/python3
 GPU_CHECK_OUT ?= build/gpu-check/report.json
-gpu-check: install
-	$(PY) -P -m tandem.bench.gpu_check --out $(GPU_CHECK_OUT)
+PYTHON ?= $(if $(wildcard $(PY)),$(PY),python3)
+gpu-check:
+	PYTHON=$(PYTHON) bash bench/gpu_check.sh --out $(GPU_CHECK_OUT)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -1,43 +1,53 @@
 """``make gpu-check``: the checks of tandem's CUDA path, on a machine with a CUDA GPU.
 
-Runs, each on its own (a failing check is recorded and the next one still runs):
+Run it with ``bash bench/gpu_check.sh`` (or ``make gpu-check``): it needs torch, Triton,
+transformers, safetensors, psutil, numpy and pytest, installs nothing, and imports
+``tandem`` from the checkout (bench/checkout_site.py); docs/deploy.md says how, with and
+without a registry.
+The models are random-weight Hugging Face folders built on the spot
+(bench/gpu_check_models.py), not the default model's GGUF.
 
-1. ``kernels``: the Triton kernel tests natively on the GPU (``TANDEM_TEST_DEVICE=cuda``
-   makes tests/unit/test_kernels_triton.py put its tensors on CUDA instead of using
-   Triton's interpreter), with the CPU-side CUDA-graph, attention-backend and
-   transfer-path tests;
-2. ``greedy``: greedy tokens of the default model (SmolLM2-135M) on the GPU, tandem
-   vs transformers, in float32 and bfloat16, with CUDA graphs (decode batches that
-   shrink as requests finish, so several captured sizes replay), and float32 once
-   more with ``enforce_eager`` (graphs vs eager);
-3. ``kv_staging``: a CUDA cache's blocks through the KV store's pinned host staging
-   (``ShardedKVCache.read_blocks`` / ``write_blocks``) and back, bytes compared;
-4. ``throughput``: ``tandem bench throughput --backend tandem --backend hf --device
-   cuda`` in bfloat16;
-5. ``parallel``: bench/gpu_parallel.sh (TP/PP) when there are two GPUs or more.
+Each check runs in a process of its own under a time budget (``BUDGETS``; all together
+under ``TOTAL_BUDGET_S``, 7.5 minutes): a check that fails, crashes or runs out of time is
+recorded and the next one still runs.
 
-Writes one JSON report (``--out``) and exits 0 when every check passed, 1 when one
-failed, 2 (writing nothing) on a machine without CUDA.
+1. ``kernels``: the Triton kernel tests natively on the GPU (``TANDEM_TEST_DEVICE=cuda``),
+   the CPU-side CUDA-graph, attention-backend and transfer-path tests, and the CUDA-gated
+   e2e test ``test_cuda_runner_matches_hf``; passes when pytest passes, the e2e test ran
+   (not skipped) and at least one Triton test ran natively;
+2. ``greedy``: tandem vs transformers greedy tokens in float32 and bfloat16 with CUDA
+   graphs (replays per captured size), and float32 graphs vs ``enforce_eager``; a prompt's
+   tokens may leave transformers' only at a near-tie (bench/gpu_check_rules.py);
+3. ``masked_gqa``: masked GQA prefills at a 32k context (later chunks, a prefix-cache hit)
+   in float32 and bfloat16; the peak allocation stays within ``gpu_memory_utilization``;
+4. ``kv_staging``: a CUDA cache's blocks through the KV store's host staging and back,
+   bit-equal;
+5. ``decode_steps``: decode step times at batch 1, 32 and 128, each size's graph replayed;
+6. ``two_engines``: two engine processes on the GPU at ``gpu_memory_utilization=0.4``
+   each, both generating, each within its share;
+7. ``parallel``: bench/gpu_parallel.sh (TP/PP), only with two GPUs or more (its budget
+   comes on top of the 7.5 minutes).
 
-Pass rules: kernel tests pass; greedy tokens equal transformers' for every prompt, or
-leave them only at a near-tie: where they first differ, transformers' top-2 logit gap
-(teacher-forced on the common prefix) is under ``TIE_GAP`` for the dtype and tandem
-took transformers' second choice (another kernel order rounds differently; bf16 rounds
-far more); at least one CUDA graph replayed; graphs vs eager in float32 differ in at
-most 1/10 of the prompts (padded batches change GEMM shapes, hence reduction orders);
-the staged blocks come back bit-equal.
+Writes one JSON report (``--out``; logs and the models beside it) and exits 0 when every
+check passed, 1 when one did not, 2 (writing nothing) where torch sees no CUDA GPU.
+``--device cpu`` is a dry run of the script's own logic on the CPU (smaller sizes; memory
+rules and graph replays not measured; the report says ``"dry_run": true``).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import platform
+import shutil
+import signal
 import subprocess
 import sys
 import time
 import traceback
+import xml.etree.ElementTree as ET
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -49,278 +59,255 @@ KERNEL_TESTS = [
     "tests/unit/test_attention_backend.py",
     "tests/unit/test_kv_transfer_path.py",
 ]
-#: where the model checks run (a dry run of the script's own logic may point it elsewhere)
+E2E_TEST = "tests/e2e/test_model_runner.py::test_cuda_runner_matches_hf"
+#: where the checks run by default (``--device cpu``: a dry run of the logic)
 DEVICE = "cuda"
-NUM_PROMPTS = 20
-#: logit gap under which two top candidates count as a near-tie, per dtype
-TIE_GAP = {"float32": 1e-3, "bfloat16": 0.5}
-#: a new request's output length: 8, 9, ... tokens, so the decode batch shrinks by one
-#: request per step at the end and several captured sizes (16, 8, 4, 2, 1) replay
-MIN_NEW_TOKENS = 8
+#: seconds per check, in the order they run (a one-GPU machine: 450 s in all)
+BUDGETS = {"kernels": 130, "greedy": 120, "masked_gqa": 50, "kv_staging": 20,
+           "decode_steps": 60, "two_engines": 70}
+TOTAL_BUDGET_S = 450
+PARALLEL_BUDGET_S = 300
+#: packages the engine can run without; the report says which are there
+OPTIONAL = ("gguf", "xgrammar", "redis", "ucxx", "uvloop", "fastapi", "jsonschema")
 
 
-def _environment() -> dict[str, Any]:
+def cuda_status() -> tuple[bool, str]:
+    """(whether torch sees a CUDA GPU, what it found): torch itself, not ``nvidia-smi``,
+    which a machine may have without a CUDA build of torch (or lack with one)."""
+    try:
+        import torch
+    except ImportError as exc:
+        return False, f"torch cannot be imported ({exc})"
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 1:
+        return False, (f"torch {torch.__version__} (CUDA build {torch.version.cuda}) sees no "
+                       "CUDA GPU")
+    names = ", ".join(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count()))
+    return True, f"torch {torch.__version__} sees {names}"
+
+
+def nvidia_smi_list() -> str | None:
+    """``nvidia-smi -L``'s output, or None where it is missing, fails or hangs."""
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return None
+    try:
+        proc = subprocess.run([exe, "-L"], capture_output=True, text=True, timeout=15,
+                              check=False)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return proc.stdout.strip() if proc.returncode == 0 else None
+
+
+def _importable(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def environment(device: str) -> dict[str, Any]:
+    """Versions and devices, for the report."""
     import torch
 
     info: dict[str, Any] = {
-        "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
-        "torch": torch.__version__,
+        "python": platform.python_version(), "executable": sys.executable,
+        "platform": platform.platform(), "torch": torch.__version__,
         "cuda": torch.version.cuda,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
+        "gpus": ([torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+                 if device.startswith("cuda") else []),
+        "nvidia_smi": nvidia_smi_list(),
+        "optional_packages": {n: _importable(n) for n in OPTIONAL},
     }
-    try:
-        import triton
-
-        info["triton"] = triton.__version__
-    except ImportError:
-        info["triton"] = None
-    smi = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, check=False)
-    info["nvidia_smi"] = smi.stdout.strip()
+    for name in ("triton", "transformers"):
+        try:
+            info[name] = __import__(name).__version__
+        except ImportError:
+            info[name] = None
     return info
 
 
-def check_kernels(out_dir: Path) -> dict[str, Any]:
-    """The kernel tests on the GPU (pytest in a subprocess)."""
-    env = dict(os.environ, TANDEM_TEST_DEVICE="cuda")
+# -- the checks that are not engine runs ---------------------------------------------------------
+
+
+def test_outcomes(junit_xml: str) -> dict[str, str]:
+    """pytest's JUnit XML as ``{"<classname>.<name>": outcome}``, outcome one of
+    passed, failed, error, skipped."""
+    outcomes = {}
+    for case in ET.fromstring(junit_xml).iter("testcase"):
+        tags = {child.tag for child in case}
+        outcome = next((t for t in ("failure", "error", "skipped") if t in tags), "passed")
+        outcome = {"failure": "failed"}.get(outcome, outcome)
+        outcomes[f"{case.get('classname')}.{case.get('name')}"] = outcome
+    return outcomes
+
+
+def kernel_tests_passed(returncode: int, outcomes: dict[str, str], device: str) -> bool:
+    """The kernel check's rule: pytest passed and, on CUDA, the e2e test ran and passed
+    and at least one Triton test ran natively (a skip there means the GPU path was not
+    tested)."""
+    if returncode != 0 or not outcomes:
+        return False
+    if not device.startswith("cuda"):
+        return True
+    e2e = [o for k, o in outcomes.items() if k.endswith("test_model_runner.test_cuda_runner_"
+                                                        "matches_hf")]
+    triton = [o for k, o in outcomes.items() if ".test_kernels_triton." in f".{k}"]
+    return e2e == ["passed"] and "passed" in triton
+
+
+def check_kernels(ctx: Any) -> dict[str, Any]:
+    """The kernel tests and the CUDA e2e test (pytest, ``python -P``, in a subprocess)."""
+    env = dict(os.environ, PYTHONSAFEPATH="1")
     env.pop("TRITON_INTERPRET", None)
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *KERNEL_TESTS]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=1200, check=False)
-    (out_dir / "kernel_tests.log").write_text(proc.stdout + proc.stderr)
-    lines = proc.stdout.strip().splitlines()
-    return {"passed": proc.returncode == 0, "returncode": proc.returncode,
+    if ctx.device.startswith("cuda"):
+        env["TANDEM_TEST_DEVICE"] = "cuda"
+    junit = ctx.out_dir / "kernel_tests.xml"
+    cmd = [sys.executable, "-P", "-m", "pytest", "-q", "-p", "no:cacheprovider",
+           f"--junitxml={junit}", *KERNEL_TESTS, E2E_TEST]
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
+                              timeout=max(10.0, ctx.budget_s - 10), check=False)
+        rc, log = proc.returncode, proc.stdout + proc.stderr
+    except subprocess.TimeoutExpired as exc:
+        partial = exc.stdout.decode(errors="replace") if isinstance(exc.stdout, bytes) else ""
+        rc, log = -1, f"timed out after {exc.timeout:.0f} s\n{partial}"
+    (ctx.out_dir / "kernel_tests.log").write_text(log)
+    outcomes = test_outcomes(junit.read_text()) if junit.exists() else {}
+    counts = {o: sum(v == o for v in outcomes.values())
+              for o in ("passed", "failed", "error", "skipped")}
+    lines = log.strip().splitlines()
+    return {"passed": kernel_tests_passed(rc, outcomes, ctx.device), "returncode": rc,
+            "counts": counts, "not_passed": {k: v for k, v in outcomes.items() if v != "passed"},
             "summary": lines[-1] if lines else "", "command": " ".join(cmd)}
 
 
-def _prompts(tokenizer: Any) -> list[list[int]]:
-    texts = [
-        "The capital of France is", "def fibonacci(n):\n    ", "Once upon a time,",
-        "The three primary colors are", "import numpy as np\n", "Water boils at",
-        "A haiku about autumn:\n", "The largest planet in the solar system is",
-        "SELECT name FROM users WHERE", "In 1969, the first person to walk on the moon",
-    ]
-    prompts = [tokenizer.encode(t) for t in texts]
-    long = " ".join(texts) * 6
-    prompts += [tokenizer.encode(long)[: 40 + 37 * i] for i in range(NUM_PROMPTS - len(texts))]
-    return prompts
-
-
-def _hf_greedy(model: Any, prompt: list[int], n: int, eos: int | None) -> list[int]:
-    """transformers' greedy tokens, up to ``n`` or through EOS (as tandem's output)."""
-    import torch
-
-    ids = torch.tensor([prompt], device=model.device)
-    with torch.inference_mode():
-        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                             max_new_tokens=n, eos_token_id=eos, pad_token_id=eos)
-    return list(out[0, len(prompt):].tolist())
-
-
-def _tandem_greedy(dtype: str, prompts: list[list[int]], lens: list[int],
-                   enforce_eager: bool) -> tuple[list[list[int]], dict[int, int]]:
-    from tandem import LLM, SamplingParams
-
-    with LLM(device=DEVICE, dtype=dtype, max_model_len=1024, max_num_seqs=32,
-             enforce_eager=enforce_eager) as llm:
-        params = [SamplingParams(temperature=0.0, max_tokens=n) for n in lens]
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        runner = llm.llm_engine.engine_core.executor.driver_worker.model_runner
-        graphs = runner.cuda_graphs
-        replays = dict(graphs.num_replays) if graphs is not None else {}
-    return [list(o.outputs[0].token_ids) for o in outs], replays
-
-
-def _agreement(a: list[list[int]], b: list[list[int]]) -> dict[str, Any]:
-    def prefix(x: list[int], y: list[int]) -> int:
-        return next((i for i, (p, q) in enumerate(zip(x, y, strict=False)) if p != q),
-                    min(len(x), len(y)))
-
-    same = [x == y for x, y in zip(a, b, strict=True)]
-    return {"num_prompts": len(a), "num_equal": sum(same),
-            "first_token_equal": all(x[:1] == y[:1] for x, y in zip(a, b, strict=True)),
-            "common_prefix_tokens": [prefix(x, y) for x, y in zip(a, b, strict=True)]}
-
-
-def _divergences(hf: Any, prompts: list[list[int]], ref: list[list[int]],
-                 got: list[list[int]]) -> list[dict[str, Any]]:
-    """Where tandem's greedy tokens leave transformers', per prompt that differs: the
-    index, transformers' top-2 logit gap there (teacher-forced on the common prefix)
-    and whether tandem's token is transformers' second choice."""
-    import torch
-
-    found = []
-    for k, (prompt, a, b) in enumerate(zip(prompts, ref, got, strict=True)):
-        i = next((j for j, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
-        if i is None:
-            continue
-        ids = torch.tensor([prompt + a[:i]], device=hf.device)
-        with torch.inference_mode():
-            logits = hf(input_ids=ids).logits[0, -1].float()
-        top = logits.topk(2)
-        found.append({"prompt": k, "index": i,
-                      "top2_gap": float(top.values[0] - top.values[1]),
-                      "ours_is_second": int(top.indices[1]) == b[i]})
-    return found
-
-
-def check_greedy(out_dir: Path) -> dict[str, Any]:
-    """tandem vs transformers greedy on the GPU in float32 and bfloat16; graphs vs eager."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from tandem.engine.model_files import default_model_path, load_tokenizer
-
-    tok = load_tokenizer(None)
-    prompts = _prompts(tok)
-    lens = [MIN_NEW_TOKENS + i for i in range(len(prompts))]
-    path = default_model_path()
-    result: dict[str, Any] = {"output_lens": lens, "prompt_lens": [len(p) for p in prompts],
-                              "tie_gap": TIE_GAP}
-    passed = True
-    fp32_graphs: list[list[int]] = []
-    for dtype in ("float32", "bfloat16"):
-        hf = AutoModelForCausalLM.from_pretrained(
-            os.path.dirname(path), gguf_file=os.path.basename(path),
-            dtype=getattr(torch, dtype)).eval().to(DEVICE)
-        ref = [_hf_greedy(hf, p, n, tok.eos_token_id) for p, n in zip(prompts, lens, strict=True)]
-        got, replays = _tandem_greedy(dtype, prompts, lens, enforce_eager=False)
-        agree = _agreement(got, ref)
-        agree["graph_replays_by_size"] = replays
-        agree["divergences"] = _divergences(hf, prompts, ref, got)
-        del hf
-        if DEVICE == "cuda":
-            torch.cuda.empty_cache()
-        if dtype == "float32":
-            fp32_graphs = got
-        near_ties = all(d["top2_gap"] < TIE_GAP[dtype] and d["ours_is_second"]
-                        for d in agree["divergences"])
-        agree["passed"] = near_ties and bool(replays)
-        passed &= agree["passed"]
-        result[dtype] = agree
-    eager, _ = _tandem_greedy("float32", prompts, lens, enforce_eager=True)
-    vs = _agreement(fp32_graphs, eager)
-    vs["passed"] = 10 * (len(prompts) - vs["num_equal"]) <= len(prompts)
-    passed &= vs["passed"]
-    result["float32_graphs_vs_eager"] = vs
-    result["passed"] = passed
-    return result
-
-
-def check_kv_staging(out_dir: Path) -> dict[str, Any]:
-    """A CUDA cache's blocks through pinned host staging and back into another cache."""
-    return staging_round_trip(DEVICE)
-
-
-def staging_round_trip(device: str) -> dict[str, Any]:
-    """Blocks of a cache on ``device`` through the KV store's host staging (planned as
-    for a sharded cache, so a CPU cache stages too) into another cache; ``passed``:
-    they arrive bit-equal and nothing else is written."""
-    import torch
-
-    from tandem.engine.kv_shards import ShardedKVCache
-    from tandem.kvstore.transfer_path import plan_kv_transfer
-
-    src = torch.randn(64, 4, 2, 16, 2, 64, device=device, dtype=torch.bfloat16)
-    dst = torch.zeros_like(src)
-    plan = plan_kv_transfer({torch.device(device).type}, False)
-    ids = [3, 4, 5, 9, 40, 63]
-    a, b = ShardedKVCache.from_tensor(src), ShardedKVCache.from_tensor(dst)
-    buf = torch.empty((len(ids), *a.block_shape), dtype=src.dtype, pin_memory=plan.pinned)
-    start = time.perf_counter()
-    a.read_blocks(ids, buf)
-    b.write_blocks(ids, buf)
-    if src.is_cuda:
-        torch.cuda.synchronize()
-    elapsed = time.perf_counter() - start
-    ok = bool(torch.equal(dst[ids], src[ids])) and int(dst.count_nonzero()) == int(
-        src[ids].count_nonzero())
-    return {"passed": ok, "plan": {"path": plan.path.value, "pinned": plan.pinned,
-                                   "reason": plan.reason},
-            "num_blocks": len(ids), "block_bytes": a.block_bytes, "round_trip_s": elapsed}
-
-
-def check_throughput(out_dir: Path) -> dict[str, Any]:
-    """``tandem bench throughput`` against transformers on CUDA (bfloat16)."""
-    path = out_dir / "throughput.json"
-    script = Path(sys.executable).with_name("tandem")
-    entry = [str(script)] if script.exists() else [sys.executable, "-m", "tandem.bench.main"]
-    cmd = [*entry, *(["bench"] if script.exists() else []), "throughput", "--backend", "tandem",
-           "--backend", "hf", "--device", DEVICE, "--dtype", "bfloat16",
-           "--hf-batch-size", "64", "--json", str(path)]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800,
-                          check=False)
-    (out_dir / "throughput.log").write_text(proc.stdout + proc.stderr)
-    result: dict[str, Any] = {"passed": proc.returncode == 0, "command": " ".join(cmd)}
-    if path.exists():
-        doc = json.loads(path.read_text())
-        result["results"] = {
-            k: {"elapsed_s": v["elapsed_s"], "num_output_tokens": v["num_output_tokens"],
-                "output_tokens_per_s": v["num_output_tokens"] / v["elapsed_s"]}
-            for k, v in doc.get("results", {}).items()
-            if "elapsed_s" in v and "num_output_tokens" in v}
-        result["ratios"] = doc.get("ratios")
-    return result
-
-
-def check_parallel(out_dir: Path) -> dict[str, Any]:
-    """bench/gpu_parallel.sh (TP and PP over two GPUs); skipped with fewer."""
-    import torch
-
-    n = torch.cuda.device_count()
-    if n < 2:
-        return {"passed": True, "skipped": f"{n} GPU (TP/PP needs 2)"}
-    env = dict(os.environ, PYTHON=sys.executable)
-    proc = subprocess.run(["bash", "bench/gpu_parallel.sh", str(out_dir / "parallel"), "2"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=3600,
-                          check=False)
-    (out_dir / "parallel.log").write_text(proc.stdout + proc.stderr)
-    report = out_dir / "parallel" / "gpu_parallel.json"
+def check_parallel(ctx: Any) -> dict[str, Any]:
+    """bench/gpu_parallel.sh (TP and PP over two GPUs)."""
+    env = dict(os.environ, PYTHON=sys.executable, PYTHONSAFEPATH="1")
+    proc = subprocess.run(["bash", "bench/gpu_parallel.sh", str(ctx.out_dir / "parallel"), "2"],
+                          cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=max(10.0, ctx.budget_s - 10), check=False)
+    (ctx.out_dir / "parallel.log").write_text(proc.stdout + proc.stderr)
+    report = ctx.out_dir / "parallel" / "gpu_parallel.json"
     return {"passed": proc.returncode == 0,
             "report": json.loads(report.read_text()) if report.exists() else None}
 
 
-CHECKS: dict[str, Callable[[Path], dict[str, Any]]] = {
-    "kernels": check_kernels,
-    "greedy": check_greedy,
-    "kv_staging": check_kv_staging,
-    "throughput": check_throughput,
-    "parallel": check_parallel,
-}
+def _checks() -> dict[str, Callable[[Any], dict[str, Any]]]:
+    from tandem.bench import gpu_check_runs
+
+    return {"kernels": check_kernels, **gpu_check_runs.CHECKS, "parallel": check_parallel}
+
+
+# -- running the checks ------------------------------------------------------------------------
+
+
+def run_child(name: str, device: str, out_dir: Path, budget_s: float) -> dict[str, Any]:
+    """Check ``name`` in a child process (``--child``) killed at ``budget_s``; its result,
+    or a failure saying why there is none (the log's tail)."""
+    result_path = out_dir / f"{name}.result.json"
+    result_path.unlink(missing_ok=True)
+    log_path = out_dir / f"{name}.log"
+    cmd = [sys.executable, "-P", "-m", "tandem.bench.gpu_check", "--child", name,
+           "--device", device, "--out", str(result_path), "--budget", str(budget_s)]
+    with open(log_path, "w") as log:
+        # its own session: a timeout ends its subprocesses (pytest, engine workers) too
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                env=dict(os.environ, PYTHONSAFEPATH="1"),
+                                start_new_session=True)
+        try:
+            rc = proc.wait(timeout=budget_s)
+            timed_out = False
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            rc, timed_out = proc.wait(), True
+    if result_path.exists() and not timed_out:
+        return json.loads(result_path.read_text())
+    why = f"timed out after its {budget_s:.0f} s budget" if timed_out else f"exit status {rc}"
+    return {"passed": False, "timed_out": timed_out, "error": f"no result: {why}",
+            "log_tail": log_path.read_text(errors="replace")[-3000:]}
+
+
+def plan(only: list[str] | None, num_gpus: int) -> list[tuple[str, float]]:
+    """The checks to run and their budgets, in order: ``BUDGETS``'s, plus ``parallel``
+    with two GPUs or more (or when asked for by name)."""
+    budgets = dict(BUDGETS, parallel=PARALLEL_BUDGET_S)
+    names = list(only) if only else [*BUDGETS, *(["parallel"] if num_gpus >= 2 else [])]
+    return [(n, float(budgets[n])) for n in names]
+
+
+def child_main(args: argparse.Namespace) -> int:
+    """One check in this process; writes its result to ``args.out``."""
+    from tandem.bench.gpu_check_runs import Context
+
+    out = Path(args.out)
+    ctx = Context(device=args.device, out_dir=out.parent, budget_s=args.budget)
+    try:
+        result = _checks()[args.child](ctx)
+    except Exception as exc:  # noqa: BLE001 - recorded in the report
+        result = {"passed": False, "error": f"{type(exc).__name__}: {exc}",
+                  "traceback": traceback.format_exc()}
+    out.write_text(json.dumps(result, indent=2))
+    return 0 if result["passed"] else 1
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The ``make gpu-check`` command line (see the module docstring); returns the exit
+    status."""
     p = argparse.ArgumentParser(prog="gpu_check", description=__doc__.split("\n")[0])
     p.add_argument("--out", default="build/gpu-check/report.json",
-                   help="the JSON report's path (logs go beside it)")
-    p.add_argument("--only", action="append", choices=sorted(CHECKS),
+                   help="the JSON report's path (logs and models go beside it)")
+    p.add_argument("--only", action="append", choices=[*BUDGETS, "parallel"],
                    help="run this check only; repeat for several (default: all)")
+    p.add_argument("--device", default=DEVICE,
+                   help="cuda (default), or cpu for a dry run of the script's logic")
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    p.add_argument("--budget", type=float, default=0.0, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.child:
+        return child_main(args)
+    dry_run = not args.device.startswith("cuda")
+    if not dry_run:
+        ok, found = cuda_status()
+        if not ok:
+            print(f"gpu-check: no CUDA GPU here: {found}; nothing was run "
+                  "(--device cpu dry-runs the script's logic)", file=sys.stderr)
+            return 2
+        print(f"gpu-check: {found}", file=sys.stderr, flush=True)
     import torch
 
-    if not torch.cuda.is_available():
-        print(f"gpu-check: no CUDA GPU here (torch {torch.__version__}, CUDA build "
-              f"{torch.version.cuda}): nothing was run", file=sys.stderr)
-        return 2
-    out = Path(args.out)
+    out = Path(args.out).resolve()
     out.parent.mkdir(parents=True, exist_ok=True)
-    report: dict[str, Any] = {"environment": _environment(), "checks": {}}
-    for name in args.only or list(CHECKS):
-        print(f"gpu-check: {name} ...", file=sys.stderr, flush=True)
-        start = time.perf_counter()
-        try:
-            result = CHECKS[name](out.parent)
-        except Exception as exc:  # noqa: BLE001 - recorded; the other checks still run
-            result = {"passed": False, "error": f"{type(exc).__name__}: {exc}",
-                      "traceback": traceback.format_exc()}
-        result["elapsed_s"] = time.perf_counter() - start
+    start = time.monotonic()
+    num_gpus = torch.cuda.device_count() if not dry_run else 0
+    todo = plan(args.only, num_gpus)
+    total_budget = TOTAL_BUDGET_S + (PARALLEL_BUDGET_S if num_gpus >= 2 else 0)
+    deadline = start + total_budget
+    report: dict[str, Any] = {"passed": False, "device": args.device, "dry_run": dry_run,
+                              "environment": environment(args.device),
+                              "budget_s": total_budget, "checks": {}}
+    if num_gpus == 1 and not args.only:
+        report["checks"]["parallel"] = {"passed": True, "skipped": "1 GPU (TP/PP needs 2)"}
+    for name, budget in todo:
+        left = deadline - time.monotonic()
+        print(f"gpu-check: {name} (budget {min(budget, left):.0f} s) ...", file=sys.stderr,
+              flush=True)
+        t0 = time.monotonic()
+        if left < 10:
+            result = {"passed": False, "error": "not run: the total time budget was spent"}
+        else:
+            result = run_child(name, args.device, out.parent, min(budget, left))
+        result["elapsed_s"] = time.monotonic() - t0
+        result["budget_s"] = budget
         report["checks"][name] = result
-        print(f"gpu-check: {name}: {'passed' if result['passed'] else 'FAILED'}",
-              file=sys.stderr, flush=True)
+        print(f"gpu-check: {name}: {'passed' if result['passed'] else 'FAILED'} "
+              f"({result['elapsed_s']:.0f} s)", file=sys.stderr, flush=True)
         out.write_text(json.dumps(report, indent=2))  # partial results survive a crash
+    report["elapsed_s"] = time.monotonic() - start
     report["passed"] = all(r["passed"] for r in report["checks"].values())
     out.write_text(json.dumps(report, indent=2))
-    print(f"gpu-check: wrote {out}", file=sys.stderr)
+    print(f"gpu-check: {'passed' if report['passed'] else 'FAILED'}; wrote {out}",
+          file=sys.stderr)
     return 0 if report["passed"] else 1
 
 

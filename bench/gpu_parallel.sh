@@ -5,18 +5,24 @@
 # For each case, greedy tokens (float32, EOS ignored) of LLM(device="cuda") at
 # TP x PP are compared with one in-process engine on cuda:0, and both engines are
 # timed on the same batch (one pass each, sequentially: the in-process engine is shut
-# down first). Cases: the default model (SmolLM2-135M, 9 heads: PP=N only) and a
-# random-weight model of its size with 12 heads / 4 KV heads (bench/make_tp_model.py):
-# TP=N. Writes OUT_DIR/gpu_parallel.json; exits 1 when a case's tokens differ in more
-# than a tenth of the requests (near-ties under another reduction order are counted).
+# down first). Cases: random-weight models of SmolLM2-135M's size (bench/make_tp_model.py;
+# no GGUF, which a bare GPU box lacks): its own 9 heads / 3 KV heads at PP=N, and 12
+# heads / 4 KV heads at TP=N. Writes OUT_DIR/gpu_parallel.json; exits 1 when a case's
+# tokens differ in more than a tenth of the requests (near-ties under another reduction
+# order are counted).
 set -euo pipefail
 out=${1:?usage: bench/gpu_parallel.sh OUT_DIR [N]}
 n=${2:-2}
 py=${PYTHON:-python}
+# -P (and PYTHONSAFEPATH for the worker processes): the working directory never goes on
+# sys.path, where the repository root's kernels/ folder would shadow the `kernels`
+# distribution that transformers imports.
+export PYTHONSAFEPATH=1
 mkdir -p "$out"
-"$py" -m tandem.bench.make_tp_model "$out/tp-model"
-"$py" - "$out" "$n" <<'EOF'
-import json, subprocess, sys, time
+"$py" -P -m tandem.bench.make_tp_model "$out/tp-model"
+"$py" -P -m tandem.bench.make_tp_model "$out/pp-model" --heads 9 --kv-heads 3
+"$py" -P - "$out" "$n" <<'EOF'
+import json, shutil, subprocess, sys, time
 import torch
 from tandem import LLM, SamplingParams
 
@@ -49,7 +55,7 @@ def run(model, tp, pp):
 def main():
     out, n = sys.argv[1], int(sys.argv[2])
     assert torch.cuda.device_count() >= n, f"needs {n} CUDA devices"
-    cases = [("default", None, 1, n), ("tp-model", f"{out}/tp-model", n, 1)]
+    cases = [("pp-model", f"{out}/pp-model", 1, n), ("tp-model", f"{out}/tp-model", n, 1)]
     report = {"gpus": [torch.cuda.get_device_name(i) for i in range(n)],
               "torch": torch.__version__, "num_prompts": NUM, "input_len": IN,
               "output_len": NEW, "cases": {}}
@@ -65,8 +71,9 @@ def main():
             "requests_with_other_tokens": diff}
         print(f"{name}: TP={tp} PP={pp} {report['cases'][name]['ratio']:.2f}x of TP=1, "
               f"{diff}/{NUM} requests with other tokens", flush=True)
-    report["nvidia_smi"] = subprocess.run(["nvidia-smi", "-L"], capture_output=True,
-                                          text=True).stdout
+    smi = shutil.which("nvidia-smi")  # torch found the GPUs; nvidia-smi may be missing
+    report["nvidia_smi"] = (subprocess.run([smi, "-L"], capture_output=True, text=True,
+                                           timeout=15).stdout if smi else None)
     with open(f"{out}/gpu_parallel.json", "w") as f:
         json.dump(report, f, indent=2)
     sys.exit(0 if ok else 1)

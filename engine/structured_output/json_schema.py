@@ -9,8 +9,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import jsonschema
-
 from tandem.engine.validation import RequestError
 
 #: JSON-schema keywords xgrammar compiles without enforcing (found by matching outputs that
@@ -75,6 +73,11 @@ def check_json_schema(schema: Any, field: str, *, enforced: bool = True) -> None
     Raises:
         RequestError: naming ``field``, with jsonschema's message for a metaschema error.
     """
+    # Imported here: the offline engine imports this module with SamplingParams, and an
+    # image without jsonschema (the GPU check's) still runs requests that carry no schema;
+    # one that does fails here, naming the missing package.
+    import jsonschema
+
     if not isinstance(schema, dict):
         raise RequestError(field, f"{field} must be a JSON schema object")
     try:
