@@ -73,7 +73,7 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
             "autoscaling": {"enabled": True, "minReplicas": 2, "maxReplicas": 6},
         },
         "prefill": {
-            "cache": {"kvCacheMemoryBytes": 40 * 2**30},
+            "cache": {"kvCacheMemoryBytes": 40 * 2**30, "gpuMemoryUtilization": 0.85},
             "scheduler": {"maxNumBatchedTokens": 16384, "maxNumSeqs": 32},
             "nodeSelector": {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"},
             "autoscaling": {"enabled": True, "minReplicas": 2, "maxReplicas": 10},

@@ -247,6 +247,8 @@ def test_engine_flags_mirror_values() -> None:
     assert prefill["--max-num-batched-tokens"] == "16384"
     assert prefill["--max-num-seqs"] == "48"  # extraArgs come last and win
     assert "--kv-cache-memory" not in decode  # null leaves the service's default
+    assert prefill["--gpu-memory-utilization"] == "0.85"
+    assert "--gpu-memory-utilization" not in decode
     router = flag_values(containers(workload_of(docs, "router"))[0])
     assert router["--served-model-name"] == "llama-3.1-8b"
     assert router["--api-key"] == "$(TANDEM_API_KEY)"

@@ -32,6 +32,9 @@ Called with (dict "root" $ "role" "prefill"|"decode").
 {{- with $v.cache.kvCacheMemoryBytes }}
 - --kv-cache-memory={{ . | int64 }}
 {{- end }}
+{{- with $v.cache.gpuMemoryUtilization }}
+- --gpu-memory-utilization={{ . }}
+{{- end }}
 {{- with $v.scheduler.maxNumBatchedTokens }}
 - --max-num-batched-tokens={{ . | int64 }}
 {{- end }}
