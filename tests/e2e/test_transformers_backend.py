@@ -62,6 +62,13 @@ ARCHS: dict[str, tuple[str, dict[str, Any], float]] = {
 }
 
 
+def test_verified_list_is_what_this_module_checks() -> None:
+    """docs/models.md lists ``TRANSFORMERS_VERIFIED`` as checked here: the same set."""
+    from tandem.engine.models.support import TRANSFORMERS_VERIFIED
+
+    assert sorted(ARCHS) == sorted(TRANSFORMERS_VERIFIED)
+
+
 def tiny_transformers_config(arch: str) -> transformers.PretrainedConfig:
     """The tiny config of ``arch``: 2 layers, hidden 64, 4 heads (2 KV), vocabulary 256,
     no special tokens, with ``ARCHS``' overrides (a ``None`` drops the field)."""
