@@ -204,7 +204,8 @@ def _checks() -> dict[str, Callable[[Any], dict[str, Any]]]:
 
 def run_child(name: str, device: str, out_dir: Path, budget_s: float) -> dict[str, Any]:
     """Check ``name`` in a child process (``--child``) killed at ``budget_s``; its result,
-    or a failure saying why there is none (the log's tail)."""
+    or a failure saying why there is none, with what it saved before it was cut off
+    (``Context.save_partial``) and the log's tail."""
     result_path = out_dir / f"{name}.result.json"
     result_path.unlink(missing_ok=True)
     log_path = out_dir / f"{name}.log"
@@ -221,10 +222,20 @@ def run_child(name: str, device: str, out_dir: Path, budget_s: float) -> dict[st
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             rc, timed_out = proc.wait(), True
-    if result_path.exists() and not timed_out:
-        return json.loads(result_path.read_text())
-    why = f"timed out after its {budget_s:.0f} s budget" if timed_out else f"exit status {rc}"
-    return {"passed": False, "timed_out": timed_out, "error": f"no result: {why}",
+    return collect_result(result_path, log_path, rc, timed_out, budget_s)
+
+
+def collect_result(result_path: Path, log_path: Path, returncode: int, timed_out: bool,
+                   budget_s: float) -> dict[str, Any]:
+    """A finished child's result; or, where it has none or only a partial one (it was cut
+    off, or died), a failure saying why, with the partial result and the log's tail."""
+    result = json.loads(result_path.read_text()) if result_path.exists() else None
+    if result is not None and not result.get("incomplete") and not timed_out:
+        return result
+    why = (f"timed out after its {budget_s:.0f} s budget" if timed_out
+           else f"exit status {returncode}")
+    return {**(result or {}), "passed": False, "timed_out": timed_out,
+            "error": f"{'incomplete' if result else 'no'} result: {why}",
             "log_tail": log_path.read_text(errors="replace")[-3000:]}
 
 
@@ -241,7 +252,8 @@ def child_main(args: argparse.Namespace) -> int:
     from tandem.bench.gpu_check_runs import Context
 
     out = Path(args.out)
-    ctx = Context(device=args.device, out_dir=out.parent, budget_s=args.budget)
+    ctx = Context(device=args.device, out_dir=out.parent, budget_s=args.budget,
+                  result_path=out)
     try:
         result = _checks()[args.child](ctx)
     except Exception as exc:  # noqa: BLE001 - recorded in the report

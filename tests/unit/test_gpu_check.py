@@ -236,6 +236,25 @@ def test_a_check_past_its_budget_is_cut_off(tmp_path):
     assert "budget" in result["error"]
 
 
+def test_a_check_cut_off_keeps_what_it_saved(tmp_path):
+    """``Context.save_partial`` before the cut: the report keeps those figures, marked
+    failed and incomplete; a finished result is taken as it is."""
+    result, log = tmp_path / "greedy.result.json", tmp_path / "greedy.log"
+    log.write_text("loading...\n")
+    ctx = gpu_check_runs.Context("cpu", tmp_path, 10.0, result_path=result)
+    ctx.save_partial({"float32": {"passed": True}})
+    got = gpu_check.collect_result(result, log, -9, True, 10.0)
+    assert got["float32"] == {"passed": True} and got["incomplete"] is True
+    assert got["passed"] is False and got["timed_out"] is True
+    assert got["error"] == "incomplete result: timed out after its 10 s budget"
+    assert got["log_tail"] == "loading...\n"
+    result.write_text(json.dumps({"passed": True, "x": 1}))
+    assert gpu_check.collect_result(result, log, 0, False, 10.0) == {"passed": True, "x": 1}
+    result.unlink()
+    assert gpu_check.collect_result(result, log, 1, False, 10.0)["error"] == (
+        "no result: exit status 1")
+
+
 def test_a_check_that_raises_is_recorded(tmp_path, monkeypatch):
     def broken(ctx):
         raise RuntimeError("boom")
