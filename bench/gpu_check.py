@@ -15,9 +15,10 @@ recorded and the next one still runs.
    the CPU-side CUDA-graph, attention-backend and transfer-path tests, and the CUDA-gated
    e2e test ``test_cuda_runner_matches_hf``; passes when pytest passes, the e2e test ran
    (not skipped) and at least one Triton test ran natively;
-2. ``greedy``: tandem vs transformers greedy tokens in float32 and bfloat16 with CUDA
-   graphs (replays per captured size), and float32 graphs vs ``enforce_eager``; a prompt's
-   tokens may leave transformers' only at a near-tie (bench/gpu_check_rules.py);
+2. ``greedy``: tandem vs transformers greedy tokens in float32 and bfloat16, with CUDA
+   graphs (replays per captured size) and with ``enforce_eager``, and float32 graphs vs
+   eager; a prompt's tokens may leave the reference's only at a near-tie
+   (bench/gpu_check_rules.py);
 3. ``masked_gqa``: masked GQA prefills at a 32k context (later chunks, a prefix-cache hit)
    in float32 and bfloat16; the peak allocation stays within ``gpu_memory_utilization``;
 4. ``kv_staging``: a CUDA cache's blocks through the KV store's host staging and back,
