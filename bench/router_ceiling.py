@@ -336,14 +336,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import tempfile
 
-    from tandem.engine.model_files import load_tokenizer_and_facts
+    from tandem.engine.model_files import load_tokenizer, model_id_of
 
-    tokenizer, facts = load_tokenizer_and_facts(args.model)
+    tokenizer = load_tokenizer(args.model)
     token_ids = tokenizer.encode(_TEXT, add_special_tokens=False)
     results = []
     with tempfile.TemporaryDirectory(prefix="tandem-ceiling-") as tmp:
         for interval_ms in args.interval_ms:
-            r = run_one(args, interval_ms, token_ids, facts.model_id, Path(tmp))
+            r = run_one(args, interval_ms, token_ids, model_id_of(args.model), Path(tmp))
             print_one(r)
             results.append(r)
     if args.json:

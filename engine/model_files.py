@@ -1,17 +1,20 @@
-"""Where a model lives and what its files say, without torch: path, id, facts, tokenizer.
+"""Where a model lives and what its files say, without torch: path, id, tokenizer.
 
-The router needs the tokenizer, the chat template and a few facts (context length, vocabulary
-size, EOS) but runs no model, so this module imports neither torch nor any transformers module
-that loads it (``AutoTokenizer`` and ``AutoConfig`` do, through ``modeling_rope_utils``):
+The router needs the tokenizer and the chat template but runs no model, so this module
+imports neither torch nor any transformers module that loads it (``AutoTokenizer`` and
+``AutoConfig`` do, through ``modeling_rope_utils``). What the model is (context length,
+vocabulary size, architecture) the router learns from the engines (``GetLoad``), which
+resolve it once (``engine.model_facts.resolve_model_facts``); nothing here derives it.
 
 * a ``.gguf`` file (the default model included): the metadata section is read by
   ``engine.gguf_metadata``; the tokenizer is built from it by transformers' own GGUF tokenizer
   conversion (``transformers.integrations.gguf.convert_gguf_tokenizer``, the step
   ``AutoTokenizer.from_pretrained(..., gguf_file=...)`` runs) and wrapped in
   ``PreTrainedTokenizerFast``, so token ids are those of the transformers path;
-* a Hugging Face folder: facts from ``config.json``, the tokenizer from ``tokenizer.json``
-  through the class its ``tokenizer_config.json`` names (as ``AutoTokenizer`` picks it). A folder with only a slow tokenizer (no
-  ``tokenizer.json``) goes through ``AutoTokenizer``, which imports torch (logged).
+* a Hugging Face folder: the tokenizer from ``tokenizer.json`` through the class its
+  ``tokenizer_config.json`` names (as ``AutoTokenizer`` picks it). A folder with only a slow
+  tokenizer (no ``tokenizer.json``) goes through ``AutoTokenizer``, which imports torch
+  (logged).
 
 Nothing is downloaded.
 """
@@ -22,11 +25,9 @@ import importlib.util
 import json
 import logging
 import os
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from tandem.engine.gguf_metadata import MetadataValue, read_gguf_metadata
-from tandem.engine.model_facts import DEFAULT_MAX_MODEL_LEN, model_context_len
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -43,24 +44,6 @@ _GGUF_SPECIAL_TOKENS = {
     "unk_token": "tokenizer.ggml.unknown_token_id",
     "pad_token": "tokenizer.ggml.padding_token_id",
 }
-
-
-@dataclass(frozen=True)
-class ModelFacts:
-    """What the model's files say, as the router needs it.
-
-    Attributes:
-        model_id: stable name (GGUF file stem or folder name).
-        max_model_len: context length in tokens (``{arch}.context_length`` of a GGUF,
-            ``max_position_embeddings`` of ``config.json``; ``DEFAULT_MAX_MODEL_LEN`` when absent).
-        vocab_size: rows of the embedding (tokens of the model, added ones excluded).
-        eos_token_id: the end-of-sequence id, ``None`` when the files name none.
-    """
-
-    model_id: str
-    max_model_len: int
-    vocab_size: int
-    eos_token_id: int | None
 
 
 def default_model_path() -> str:
@@ -107,44 +90,18 @@ def model_id_of(model: str | None) -> str:
 
 
 def load_tokenizer(model: str | None = None) -> PreTrainedTokenizerBase:
-    """The model's tokenizer only (no weights, no torch for a GGUF or a ``tokenizer.json``).
+    """The model's tokenizer with its chat template (no weights, no torch for a GGUF or a
+    ``tokenizer.json``).
 
     Raises:
-        ValueError: naming ``model`` when the path is unknown; the GGUF conversion's
-            ValueError for a tokenizer type transformers cannot build.
-    """
-    return load_tokenizer_and_facts(model)[0]
-
-
-def load_tokenizer_and_facts(
-    model: str | None = None,
-) -> tuple[PreTrainedTokenizerBase, ModelFacts]:
-    """The tokenizer (with its chat template) and the facts, reading the files once.
-
-    Raises:
-        ValueError: as ``load_tokenizer``; also naming the file when a GGUF's metadata is
-            malformed or ``config.json`` is not a JSON object.
+        ValueError: naming ``model`` when the path is unknown; naming the file when a GGUF's
+            metadata is malformed; the GGUF conversion's ValueError for a tokenizer type
+            transformers cannot build.
     """
     folder, gguf = resolve_model_path(model)
-    model_id = model_id_of(model)
     if gguf is not None:
-        metadata = read_gguf_metadata(os.path.join(folder, gguf))
-        return _gguf_tokenizer(metadata, folder), _gguf_facts(metadata, model_id)
-    return _folder_tokenizer(folder), _folder_facts(folder, model_id)
-
-
-def _gguf_facts(metadata: dict[str, MetadataValue], model_id: str) -> ModelFacts:
-    arch = metadata.get("general.architecture")
-    context = metadata.get(f"{arch}.context_length")
-    tokens = metadata.get("tokenizer.ggml.tokens")
-    vocab = metadata.get(f"{arch}.vocab_size", len(tokens) if isinstance(tokens, list) else 0)
-    eos = metadata.get("tokenizer.ggml.eos_token_id")
-    return ModelFacts(
-        model_id=model_id,
-        max_model_len=int(context) if isinstance(context, int) else DEFAULT_MAX_MODEL_LEN,
-        vocab_size=int(vocab) if isinstance(vocab, int) else 0,
-        eos_token_id=int(eos) if isinstance(eos, int) else None,
-    )
+        return _gguf_tokenizer(read_gguf_metadata(os.path.join(folder, gguf)), folder)
+    return _folder_tokenizer(folder)
 
 
 def _gguf_tokenizer(metadata: dict[str, MetadataValue], folder: str) -> PreTrainedTokenizerBase:
@@ -182,31 +139,6 @@ def _gguf_tokenizer(metadata: dict[str, MetadataValue], folder: str) -> PreTrain
     backend, extra = convert_gguf_tokenizer(str(metadata.get("general.architecture")), spec)
     return PreTrainedTokenizerFast(tokenizer_object=backend, name_or_path=folder,
                                    **kwargs, **extra)
-
-
-def _read_config(folder: str) -> dict[str, object]:
-    path = os.path.join(folder, "config.json")
-    with open(path) as f:
-        config = json.load(f)
-    if not isinstance(config, dict):
-        raise ValueError(f"model {folder!r}: config.json is not a JSON object")
-    # Multimodal configs keep the language model's facts in a nested text config.
-    text = config.get("text_config")
-    return {**text, **config} if isinstance(text, dict) else config
-
-
-def _folder_facts(folder: str, model_id: str) -> ModelFacts:
-    config = _read_config(folder)
-    vocab = config.get("vocab_size")
-    eos = config.get("eos_token_id")
-    if isinstance(eos, list):
-        eos = eos[0] if eos else None
-    return ModelFacts(
-        model_id=model_id,
-        max_model_len=model_context_len(config),
-        vocab_size=int(vocab) if isinstance(vocab, int) else 0,
-        eos_token_id=int(eos) if isinstance(eos, int) else None,
-    )
 
 
 def _folder_tokenizer(folder: str) -> PreTrainedTokenizerBase:

@@ -134,6 +134,10 @@ class ServiceContext:
         self.limits: RequestLimits = engine.limits
         self.eos_token_id: int | None = facts.eos_token_id
         self.model_id: str = facts.model_id
+        # NOTE: reported in GetLoad and the registry: the router validates requests against
+        # what its engines serve instead of reading the model's files itself.
+        self.architecture: str = facts.architecture
+        self.model_impl: str = facts.model_impl
         self.kv_layout_fingerprint: bytes = engine.layout.fingerprint
         self.hash_algorithm = HASH_ALGORITHM
         # NOTE: what GetLoad tells the router: it then hints a chat's next turn to wait
@@ -247,6 +251,10 @@ class ServiceContext:
             kv_layout_fingerprint=self.kv_layout_fingerprint,
             num_kv_load_failures=self.num_kv_load_failures,
             kv_publish_output=self.kv_publish_output,
+            max_model_len_tokens=self.max_model_len,
+            vocab_size_tokens=self.vocab_size,
+            architecture=self.architecture,
+            model_impl=self.model_impl,
         )
 
     def _observe(self, stats: Any) -> None:
@@ -261,8 +269,19 @@ class ServiceContext:
     def num_kv_load_failures(self) -> int:
         return 0 if self._connector is None else self._connector.num_load_failures
 
-    async def registry_load(self) -> dict[str, float | int]:
-        """Load fields of the Redis registry entry (also refreshes the Prometheus gauges)."""
+    def registry_facts(self) -> dict[str, str | int]:
+        """The model's facts in the Redis registry entry (names as in ``GetLoadResponse``),
+        so the router knows an instance's limits from its registration, before a poll."""
+        return {
+            "max_model_len_tokens": self.max_model_len,
+            "vocab_size_tokens": self.vocab_size,
+            "architecture": self.architecture,
+            "model_impl": self.model_impl,
+        }
+
+    async def registry_load(self) -> dict[str, float | int | str]:
+        """Fields of the Redis registry entry: the load (also refreshes the Prometheus
+        gauges) and :meth:`registry_facts`."""
         s = await self.stats()
         self._observe(s)
         return {
@@ -270,6 +289,7 @@ class ServiceContext:
             "waiting": s.num_waiting,
             "kv_usage": s.kv_cache_usage,
             "num_free_blocks": s.num_free_blocks,
+            **self.registry_facts(),
         }
 
 

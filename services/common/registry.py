@@ -2,7 +2,9 @@
 
 Key ``tandem:instance:<role>:<instance_id>``: a hash with fields ``role``
 (prefill|decode|both), ``address`` (host:port of the gRPC server), ``model``,
-``running``, ``waiting``, ``kv_usage`` (0..1), ``num_free_blocks`` and
+``running``, ``waiting``, ``kv_usage`` (0..1), ``num_free_blocks``, the model's facts
+as ``GetLoadResponse`` names them (``max_model_len_tokens``, ``vocab_size_tokens``,
+``architecture``, ``model_impl``: ``ServiceContext.registry_facts``) and
 ``updated_at`` (Unix seconds). The key expires ``ttl_s`` (10 s) after the last
 heartbeat, which comes every ``interval_s`` (2 s): a crashed instance vanishes
 from the registry within 10 s; a stopped one deletes its key at once.
@@ -44,7 +46,7 @@ class InstanceRegistration:
         address: gRPC ``host:port`` the router should dial.
         model: model id served.
         load_fn: async callable returning the load fields (``running``,
-            ``waiting``, ``kv_usage``, ``num_free_blocks``) as a dict.
+            ``waiting``, ``kv_usage``, ``num_free_blocks``) and the model's facts as a dict.
     """
 
     def __init__(
@@ -54,7 +56,7 @@ class InstanceRegistration:
         instance_id: str,
         address: str,
         model: str,
-        load_fn: Callable[[], Awaitable[dict[str, float | int]]],
+        load_fn: Callable[[], Awaitable[dict[str, float | int | str]]],
         ttl_s: int = TTL_S,
         interval_s: float = INTERVAL_S,
     ) -> None:
@@ -65,7 +67,7 @@ class InstanceRegistration:
         self._ttl_s = ttl_s
         self._interval_s = interval_s
         self._task: asyncio.Task[None] | None = None
-        self._last_load: dict[str, float | int] = {}
+        self._last_load: dict[str, float | int | str] = {}
 
     async def beat(self) -> None:
         """Write the entry once (fields + TTL) in one transaction.

@@ -30,6 +30,12 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 
 
+#: The context length (tokens) the default body limit is sized for when the router has no
+#: --max-model-len: it starts before any engine reports its own, so it assumes a 128K
+#: context (a larger one needs --max-model-len or --max-request-body-bytes).
+UNKNOWN_CONTEXT_TOKENS = 128 * 1024
+
+
 def default_max_request_body_bytes(max_model_len: int) -> int:
     """The default body limit for a context of ``max_model_len`` tokens: 8 MiB plus 32
     bytes per token, room for a whole-context prompt as token ids (``"151935, "``: up to

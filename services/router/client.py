@@ -123,7 +123,8 @@ class InstancePool:
         return await stub.GetLoad(common_pb2.GetLoadRequest(), timeout=timeout_s)
 
     async def poll_loads(self) -> None:
-        """GetLoad from every known instance; copies the results into discovery's view."""
+        """GetLoad from every known instance; copies the results into discovery's view
+        and recomputes what the instances serve (``Discovery.reconcile``)."""
         infos = self._discovery.all_instances()
         results = await asyncio.gather(
             *(self.get_load(i.address, i.role) for i in infos), return_exceptions=True
@@ -141,6 +142,12 @@ class InstancePool:
             info.kv_layout_fingerprint = res.kv_layout_fingerprint or info.kv_layout_fingerprint
             info.kv_publish_output = res.kv_publish_output
             info.model = res.model or info.model
+            # NOTE: 0 / "" is an engine older than these fields: keep what the registry said
+            info.max_model_len = res.max_model_len_tokens or info.max_model_len
+            info.vocab_size = res.vocab_size_tokens or info.vocab_size
+            info.architecture = res.architecture or info.architecture
+            info.model_impl = res.model_impl or info.model_impl
+        self._discovery.reconcile()
 
     async def start(self, interval_s: float = 1.0) -> None:
         """Poll loads now and then every ``interval_s`` in the background (load reports

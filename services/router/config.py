@@ -29,7 +29,8 @@ class RouterConfig:
         prefill / decode / colocated: static instance addresses.
         routing_policy: how instances are chosen.
         api_key: required bearer token (``--api-key``, else ``$TANDEM_API_KEY``), or ``None``.
-        max_model_len: context length in tokens, ``None`` for the model's own.
+        max_model_len: cap on the context length in tokens, ``None`` for none: requests
+            are validated against the smallest context length the engines report.
         max_running_requests / max_queued_requests: admission limits (requests).
         max_attempts: tries per stage on different instances.
         max_migrations: times one completion may move to another instance after the one
@@ -44,7 +45,8 @@ class RouterConfig:
             (``tandem.engine.generation_config``).
         max_request_body_bytes: largest HTTP request body and gRPC request message
             accepted (``--max-request-body-bytes``; 413 / RESOURCE_EXHAUSTED beyond),
-            ``None`` for ``body.default_max_request_body_bytes`` of the context length.
+            ``None`` for ``body.default_max_request_body_bytes`` of ``max_model_len`` (of
+            ``body.UNKNOWN_CONTEXT_TOKENS`` without it).
         tls: TLS of the router's channels to the engines (``--tls-cert``/``--tls-key``/
             ``--tls-ca``: ``services/common/tls.py``), read from the files here.
         shutdown_grace_s: on SIGTERM, seconds open requests get to finish before they are

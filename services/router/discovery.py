@@ -3,7 +3,9 @@
 The registry contract (written by the prefill/decode/colocated services): one hash per
 instance at ``tandem:instance:<role>:<instance_id>`` with fields ``role`` (prefill | decode |
 both), ``address`` (gRPC host:port), ``model``, ``running``, ``waiting``, ``kv_usage``,
-``num_free_blocks``, ``updated_at``; TTL 10 s, refreshed every 2 s. A dead instance's key
+``num_free_blocks``, ``updated_at`` and the model's facts (``max_model_len_tokens``,
+``vocab_size_tokens``, ``architecture``, ``model_impl``, as GetLoad reports them); TTL 10 s,
+refreshed every 2 s. A dead instance's key
 expires, so it drops out of routing within 10 s; the router also benches an instance for
 :data:`FAILURE_COOLDOWN_S` as soon as a call to it fails, so new requests go to the
 survivors at once. When Redis itself restarts empty (its ``run_id`` changes), the instances
@@ -12,6 +14,11 @@ one registry TTL: the registry's loss is not theirs.
 
 :class:`Discovery` refreshes in a background task (never blocking I/O on the request
 path); :meth:`Discovery.instances` is a cheap in-memory read.
+
+What the model is (its context length, vocabulary, architecture, implementation) comes
+from the instances too (:attr:`Discovery.facts`, :class:`ServedFacts`): the router reads no
+limit from the model's files. An instance whose vocabulary differs from its peers' serves
+another model under this name and is never routed to (logged as an error).
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ import asyncio
 import logging
 import time
 from abc import ABC, abstractmethod
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -50,6 +58,10 @@ class InstanceInfo:
             until known): the store keys of its blocks carry it.
         kv_publish_output: it publishes finished requests' prompt + output blocks and
             marks each publish's end (from GetLoad; False until known).
+        max_model_len: context length in tokens it serves (GetLoad or registry; 0 unknown).
+        vocab_size: token ids of its model (GetLoad or registry; 0 unknown).
+        architecture: its model's architecture, e.g. "LlamaForCausalLM" ("" unknown).
+        model_impl: the implementation running it, "tandem" or "transformers" ("" unknown).
         updated_at: wall-clock seconds of the last report.
         alive: the last GetLoad answered (``None``: not polled yet).
         inflight: requests this router has in flight on it (fresher than reports).
@@ -66,6 +78,10 @@ class InstanceInfo:
     block_size: int = 16
     kv_layout_fingerprint: bytes = b""
     kv_publish_output: bool = False
+    max_model_len: int = 0
+    vocab_size: int = 0
+    architecture: str = ""
+    model_impl: str = ""
     updated_at: float = 0.0
     alive: bool | None = None
     inflight: int = 0
@@ -76,11 +92,40 @@ class InstanceInfo:
         return max(self.running + self.waiting, self.inflight)
 
 
+#: The fields an instance reports about its model, copied from GetLoad and the registry.
+MODEL_FACT_FIELDS = ("max_model_len", "vocab_size", "architecture", "model_impl")
+
+
+@dataclass(frozen=True)
+class ServedFacts:
+    """What the instances serving the model report about it (:meth:`Discovery.reconcile`).
+
+    Attributes:
+        max_model_len: the smallest context length in tokens among the live instances
+            routed to, ``None`` while none has reported one.
+        vocab_size: the vocabulary size (token ids) most instances report; an instance
+            reporting another is not routed to. ``None`` while none has reported one.
+        architecture: the architectures the instances report, sorted, comma-separated
+            ("" while none has reported).
+        model_impl: the implementations running them ("tandem", "transformers"), sorted,
+            comma-separated: a prefill and a decode instance may run different ones.
+    """
+
+    max_model_len: int | None = None
+    vocab_size: int | None = None
+    architecture: str = ""
+    model_impl: str = ""
+
+
 class Discovery(ABC):
     """Source of instances. Subclasses fill ``self._by_address`` in :meth:`refresh`."""
 
     def __init__(self) -> None:
         self._by_address: dict[str, InstanceInfo] = {}
+        #: what the instances report about the model (:meth:`reconcile`)
+        self.facts = ServedFacts()
+        # address -> why it is not routed to (another vocabulary than its peers')
+        self._refused: dict[str, str] = {}
         self._failed_until: dict[str, float] = {}
         # Requests this router has in flight per address; kept apart from InstanceInfo
         # because a Redis refresh replaces those objects.
@@ -99,8 +144,11 @@ class Discovery(ABC):
         Never blocks; never raises.
         """
         now = time.monotonic()
+        # NOTE: a refused instance is left out even when nothing else is left: it serves
+        # another model, so a 503 is the right answer, not its tokens.
         cands = [i for i in self._by_address.values()
-                 if i.role == role and i.address not in exclude]
+                 if i.role == role and i.address not in exclude
+                 and i.address not in self._refused]
         for i in cands:
             i.inflight = self._inflight.get(i.address, 0)
         healthy = [i for i in cands if self._failed_until.get(i.address, 0.0) <= now
@@ -109,7 +157,52 @@ class Discovery(ABC):
 
     def has_live(self, role: Role) -> bool:
         """Some instance of ``role`` answered its last load poll (readiness)."""
-        return any(i.alive for i in self._by_address.values() if i.role == role)
+        return any(i.alive for i in self._by_address.values()
+                   if i.role == role and i.address not in self._refused)
+
+    def refused(self, address: str) -> str | None:
+        """Why ``address`` is not routed to, ``None`` when it is."""
+        return self._refused.get(address)
+
+    def reconcile(self) -> None:
+        """Recompute :attr:`facts` from the instances' reports and refuse those whose
+        vocabulary differs from the one most report (ties: the one accepted so far, else
+        the smallest). Called after every load poll and registry refresh; never raises.
+
+        A refused instance is logged as an error once (and again, at INFO, when it reports
+        the accepted vocabulary and is routed to again).
+        """
+        infos = list(self._by_address.values())
+        # NOTE: an instance whose last poll failed does not vote: a dead engine's report
+        # must not decide which live one is refused.
+        counts = Counter(i.vocab_size for i in infos if i.alive is not False and i.vocab_size)
+        accepted = self.facts.vocab_size
+        if counts:
+            top = max(counts.values())
+            tied = sorted(v for v, c in counts.items() if c == top)
+            if accepted not in tied:
+                accepted = tied[0]
+        refused: dict[str, str] = {}
+        for i in infos:
+            if accepted is not None and i.vocab_size and i.vocab_size != accepted:
+                refused[i.address] = (f"its vocabulary has {i.vocab_size} tokens, the other "
+                                      f"instances' {accepted}: another model")
+        for address, why in refused.items():
+            if self._refused.get(address) != why:
+                logger.error("not routing to %s: %s (check the model it was started with)",
+                             address, why)
+        for address in self._refused.keys() - refused.keys():
+            if address in self._by_address:
+                logger.info("%s reports the accepted vocabulary again: routing to it", address)
+        self._refused = refused
+        serving = [i for i in infos if i.alive is not False and i.address not in refused]
+        lens = [i.max_model_len for i in serving if i.max_model_len > 0]
+        self.facts = ServedFacts(
+            max_model_len=min(lens) if lens else None,
+            vocab_size=accepted,
+            architecture=",".join(sorted({i.architecture for i in serving if i.architecture})),
+            model_impl=",".join(sorted({i.model_impl for i in serving if i.model_impl})),
+        )
 
     def acquire(self, address: str) -> None:
         """Count one more request of ours in flight on ``address``."""
@@ -238,6 +331,11 @@ class RedisDiscovery(Discovery):
                     info.block_size = old.block_size
                     info.kv_layout_fingerprint = old.kv_layout_fingerprint
                     info.kv_publish_output = old.kv_publish_output
+                    # an entry without the facts (an older engine, or a first heartbeat
+                    # whose load report was late) keeps what GetLoad said
+                    for name in MODEL_FACT_FIELDS:
+                        if not getattr(info, name):
+                            setattr(info, name, getattr(old, name))
                 seen[info.address] = info
         # NOTE: asked after the reads: a restart before or during them shows here, in this
         # refresh, rather than in the next one (whose reads would look like deregistrations).
@@ -254,6 +352,7 @@ class RedisDiscovery(Discovery):
                 seen[address] = kept
         # NOTE: replace the dict wholesale (not in place) so readers never see a half update.
         self._by_address = seen
+        self.reconcile()
 
     def _keep_through_restart(self, seen: dict[str, InstanceInfo]) -> None:
         """Start the grace of the live instances missing from ``seen`` after a restart
@@ -306,6 +405,10 @@ def _parse_entry(key: str, fields: dict[str, str]) -> InstanceInfo | None:
             waiting=int(float(fields.get("waiting", 0))),
             kv_usage=float(fields.get("kv_usage", 0.0)),
             num_free_blocks=int(float(fields.get("num_free_blocks", -1))),
+            max_model_len=int(float(fields.get("max_model_len_tokens", 0))),
+            vocab_size=int(float(fields.get("vocab_size_tokens", 0))),
+            architecture=fields.get("architecture", ""),
+            model_impl=fields.get("model_impl", ""),
             updated_at=float(fields.get("updated_at", 0.0)),
         )
     except ValueError:

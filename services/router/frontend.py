@@ -29,7 +29,9 @@ class Frontend:
         tokenizer: HF tokenizer of the served model.
         pipeline: the request pipeline.
         served_model_names: names accepted in ``model`` (the first is reported).
-        max_model_len: context length in tokens.
+        max_model_len: the router's cap on the context length in tokens
+            (``--max-model-len``), ``None`` for none: requests are validated against the
+            smallest context length the instances report (:attr:`max_model_len`).
         api_key: required bearer token for ``/v1`` routes, or ``None``.
         chat_template: a Jinja chat template used instead of the model's for every
             request (``--chat-template``), or ``None``.
@@ -40,7 +42,7 @@ class Frontend:
     """
 
     def __init__(self, *, tokenizer: Any, pipeline: Pipeline, served_model_names: Sequence[str],
-                 max_model_len: int, api_key: str | None = None,
+                 max_model_len: int | None = None, api_key: str | None = None,
                  chat_template: str | None = None, tool_call_parser: str = "hermes",
                  sampling_defaults: SamplingDefaults | None = None) -> None:
         if not served_model_names:
@@ -56,10 +58,28 @@ class Frontend:
         self.tokenizer = tokenizer
         self.pipeline = pipeline
         self.served_model_names = list(served_model_names)
-        self.max_model_len = max_model_len
+        self.max_model_len_cap = max_model_len
         self.api_key = api_key
-        self.vocab_size = len(tokenizer)
+        self._tokenizer_vocab_size = len(tokenizer)
         self._token_text: dict[int, str] = {}
+
+    @property
+    def max_model_len(self) -> int | None:
+        """Context length in tokens requests are validated against: the smallest one the
+        instances serving the model report, capped by ``--max-model-len``; ``None`` while
+        neither is known (the engine then validates; with no instance up a request gets
+        the pipeline's 503)."""
+        reported = self.pipeline.discovery.facts.max_model_len
+        known = [n for n in (self.max_model_len_cap, reported) if n is not None]
+        return min(known) if known else None
+
+    @property
+    def vocab_size(self) -> int:
+        """Token ids accepted: ``[0, vocab_size)``, past both the tokenizer's ids and the
+        vocabulary the instances report (vLLM's rule: a model may hold more ids than its
+        tokenizer, Qwen's padded embedding, or fewer)."""
+        reported = self.pipeline.discovery.facts.vocab_size or 0
+        return max(self._tokenizer_vocab_size, reported)
 
     @property
     def model_name(self) -> str:

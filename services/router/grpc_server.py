@@ -22,6 +22,7 @@ from tandem.contracts.proto import finish_reason_to_proto, sampling_params_from_
 from tandem.engine.validation import RequestError, check_context_length
 from tandem.services.router.errors import OpenAIError, from_request_error
 from tandem.services.router.frontend import Frontend
+from tandem.services.router.protocol import default_max_tokens
 from tandem.services.router.sequence import GenerationRequest
 from tandem.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
@@ -119,11 +120,14 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         max_tokens = msg.max_tokens if msg.HasField("max_tokens") else None
         defaults = fe.sampling_defaults
         try:
-            check_context_length(len(ids), fe.max_model_len, max_tokens, field=which)
-            room = fe.max_model_len - len(ids)
+            max_model_len = fe.max_model_len
+            room = None
+            # NOTE: unknown until an instance reports it: the engine checks it then
+            if max_model_len is not None:
+                check_context_length(len(ids), max_model_len, max_tokens, field=which)
+                room = max_model_len - len(ids)
             sp = sampling_params_from_proto(
-                msg, max_tokens_if_unset=(room if defaults.max_tokens is None
-                                          else min(room, defaults.max_tokens)),
+                msg, max_tokens_if_unset=default_max_tokens(defaults.max_tokens, room),
                 stop=list(request.stop),
                 include_stop_str_in_output=request.include_stop_str_in_output,
                 skip_special_tokens=(request.skip_special_tokens

@@ -44,7 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=None,
                    help="require `Authorization: Bearer KEY` (default: $TANDEM_API_KEY)")
     p.add_argument("--max-model-len", type=int, default=None,
-                   help="context length in tokens (default: the model config's)")
+                   help="cap on the context length in tokens (default: the smallest "
+                        "--max-model-len of the engines serving the model, as they report it)")
     p.add_argument("--max-running-requests", type=int, default=256,
                    help="requests in flight through the router at once")
     p.add_argument("--max-queued-requests", type=int, default=1024,
@@ -64,8 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "<tool_call>{json}</tool_call>)")
     p.add_argument("--max-request-body-bytes", type=int, default=None,
                    help="largest request accepted, in bytes: HTTP bodies (413 beyond) and "
-                        "public gRPC messages (default: 8 MiB + 32 bytes per token of the "
-                        "context length)")
+                        "public gRPC messages (default: 8 MiB + 32 bytes per token of "
+                        "--max-model-len, or of a 128K context without it)")
     p.add_argument("--max-migrations", type=int, default=3,
                    help="times one completion may continue on another decode instance after "
                         "the one streaming it failed mid-stream (0: end it with an error "
@@ -132,9 +133,9 @@ async def serve(cfg: RouterConfig, defaults: SamplingDefaults | None = None) -> 
     ``defaults``: requests' default sampling values (``--generation-config``)."""
     import uvicorn
 
-    from tandem.engine.model_files import load_tokenizer_and_facts
+    from tandem.engine.model_files import load_tokenizer, model_id_of
     from tandem.services.router.app import create_app
-    from tandem.services.router.body import default_max_request_body_bytes
+    from tandem.services.router.body import UNKNOWN_CONTEXT_TOKENS, default_max_request_body_bytes
     from tandem.services.router.client import InstancePool
     from tandem.services.router.discovery import Discovery, RedisDiscovery, StaticDiscovery
     from tandem.services.router.drain import Drain
@@ -144,10 +145,11 @@ async def serve(cfg: RouterConfig, defaults: SamplingDefaults | None = None) -> 
     from tandem.services.router.pipeline import Pipeline
     from tandem.services.router.routing import CacheView, make_router
 
-    # NOTE: the tokenizer and facts come from the model's files without torch: the router
-    # runs no model (tests/unit/test_model_files.py holds its start-up to that).
-    tokenizer, facts = load_tokenizer_and_facts(cfg.model)
-    name = facts.model_id
+    # NOTE: the tokenizer comes from the model's files without torch: the router runs no
+    # model (tests/unit/test_model_files.py holds its start-up to that). The context length
+    # and vocabulary come from the engines (GetLoad), which serve what they loaded.
+    tokenizer = load_tokenizer(cfg.model)
+    name = model_id_of(cfg.model)
     served = [cfg.served_model_name or name]
     # Also accept the model's base name without a quantization suffix, and its path.
     for alias in (name, name.split(".")[0], cfg.model):
@@ -179,11 +181,14 @@ async def serve(cfg: RouterConfig, defaults: SamplingDefaults | None = None) -> 
                         disagg_max_prefill_queue=cfg.disagg_max_prefill_queue,
                         disagg_prefill_fallback=cfg.disagg_prefill_fallback)
     fe = Frontend(tokenizer=tokenizer, pipeline=pipeline, served_model_names=served,
-                  max_model_len=cfg.max_model_len or facts.max_model_len, api_key=cfg.api_key,
+                  max_model_len=cfg.max_model_len, api_key=cfg.api_key,
                   chat_template=read_chat_template(cfg.chat_template) if cfg.chat_template
                   else None, tool_call_parser=cfg.tool_call_parser,
                   sampling_defaults=defaults or SamplingDefaults())
-    max_body = cfg.max_request_body_bytes or default_max_request_body_bytes(fe.max_model_len)
+    # NOTE: fixed at start-up, before any engine reported its context length: sized for
+    # --max-model-len where given, else for the largest context an engine may serve.
+    max_body = cfg.max_request_body_bytes or default_max_request_body_bytes(
+        cfg.max_model_len or UNKNOWN_CONTEXT_TOKENS)
     await discovery.start()
     await pool.start()
     grpc_server: Any = None

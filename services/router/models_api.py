@@ -23,12 +23,17 @@ def install(app: FastAPI, fe: Frontend, check_auth: Callable[[Request], None]) -
     """Add the Models API routes to ``app``.
 
     Args:
-        fe: the served model names and context length.
+        fe: the served model names, context length and what the engines report.
         check_auth: raises the 401 of a request without the API key.
     """
 
     def card(name: str) -> P.ModelCard:
-        return P.ModelCard(id=name, root=fe.served_model_names[0], max_model_len=fe.max_model_len)
+        # NOTE: what the engines report (``Discovery.facts``), not the model's files: the
+        # context length a client may use and what runs the model, None until one reports.
+        facts = fe.pipeline.discovery.facts
+        return P.ModelCard(id=name, root=fe.served_model_names[0], max_model_len=fe.max_model_len,
+                           architecture=facts.architecture or None,
+                           model_impl=facts.model_impl or None)
 
     @app.get("/v1/models", response_model=P.ModelList,
              responses={401: openapi.GENERATION_ERRORS[401]})

@@ -50,6 +50,15 @@ CHAT_ROLES: frozenset[str] = frozenset(get_args(ChatRole))
 _STRICT = ConfigDict(strict=True)
 
 
+def default_max_tokens(default: int | None, room: int | None) -> int | None:
+    """``max_tokens`` of a request that leaves it unset: ``default`` (the generation
+    config's) within the ``room`` left in the context, or that room; ``None`` (up to the
+    context length, as the engine caps it) when both are unknown."""
+    if default is None or room is None:
+        return default if room is None else room
+    return min(default, room)
+
+
 class StreamOptions(BaseModel):
     """``stream_options``: ``include_usage`` adds a final chunk with token counts."""
 
@@ -136,14 +145,15 @@ class _SamplingRequest(BaseModel):
                                 structured_outputs=self.structured_outputs, legacy=legacy,
                                 extra=extra)
 
-    def to_sampling_params(self, *, num_prompt_tokens: int, max_model_len: int,
+    def to_sampling_params(self, *, num_prompt_tokens: int, max_model_len: int | None,
                            constraint: Constraint | None = None,
                            defaults: SamplingDefaults | None = None) -> SamplingParams:
         """Build the engine's sampling parameters and check the context length.
 
         Args:
             num_prompt_tokens: tokens in the (templated) prompt.
-            max_model_len: the model's context length in tokens.
+            max_model_len: the model's context length in tokens, ``None`` while unknown
+                (not checked here then: the engine checks it).
             constraint: the output constraint (``None``: :meth:`constraint`).
             defaults: values of the sampling fields the request leaves unset
                 (``--generation-config``; ``None``: the API's).
@@ -158,13 +168,16 @@ class _SamplingRequest(BaseModel):
         """
         d = defaults or SamplingDefaults()
         max_tokens = self._requested_max_tokens()
-        try:
-            check_context_length(num_prompt_tokens, max_model_len, max_tokens, field="messages")
-        except RequestError as exc:
-            raise from_request_error(exc) from exc
-        room = max_model_len - num_prompt_tokens
-        if max_tokens is None and d.max_tokens is not None:
-            max_tokens = min(d.max_tokens, room)
+        room = None
+        if max_model_len is not None:
+            try:
+                check_context_length(num_prompt_tokens, max_model_len, max_tokens,
+                                     field="messages")
+            except RequestError as exc:
+                raise from_request_error(exc) from exc
+            room = max_model_len - num_prompt_tokens
+        if max_tokens is None:
+            max_tokens = default_max_tokens(d.max_tokens, room)
         if not 1 <= self.n <= MAX_N:
             raise OpenAIError(f"n must be in [1, {MAX_N}], got {self.n}", param="n")
         logit_bias = None
@@ -188,7 +201,7 @@ class _SamplingRequest(BaseModel):
                 frequency_penalty=self.frequency_penalty,
                 logit_bias=logit_bias,
                 min_tokens=self.min_tokens,
-                max_tokens=room if max_tokens is None else max_tokens,
+                max_tokens=max_tokens,
                 ignore_eos=self.ignore_eos,
                 stop_token_ids=list(self.stop_token_ids or []),
                 stop=stop,
@@ -449,7 +462,13 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "tandem"
     root: str | None = None
+    #: context length in tokens: the smallest the engines serving it report (vLLM's field)
     max_model_len: int | None = None
+    #: the model's architecture, e.g. "LlamaForCausalLM" (from the engines; tandem's field)
+    architecture: str | None = None
+    #: the implementation(s) running it: "tandem" (native), "transformers", or both
+    #: comma-separated when prefill and decode instances differ (tandem's field)
+    model_impl: str | None = None
 
 
 class ModelList(BaseModel):

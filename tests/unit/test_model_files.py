@@ -1,5 +1,5 @@
-"""engine/model_files.py and engine/gguf_metadata.py: the router's model facts and tokenizer
-without torch, and `tandem router`'s start-up importing no torch, kernels or models."""
+"""engine/model_files.py and engine/gguf_metadata.py: the router's tokenizer without torch,
+and `tandem router`'s start-up importing no torch, kernels or models."""
 
 from __future__ import annotations
 
@@ -15,11 +15,7 @@ import numpy as np
 import pytest
 
 from tandem.engine.gguf_metadata import read_gguf_metadata
-from tandem.engine.model_files import (
-    ModelFacts,
-    default_model_path,
-    load_tokenizer_and_facts,
-)
+from tandem.engine.model_files import default_model_path, load_tokenizer, model_id_of
 
 _TESTS = str(Path(__file__).resolve().parents[1])
 
@@ -132,10 +128,10 @@ def test_gguf_metadata_rejects_bad_files(tmp_path: Path) -> None:
         read_gguf_metadata(str(old))
 
 
-def test_default_model_facts() -> None:
-    _, facts = load_tokenizer_and_facts(None)
-    assert facts == ModelFacts(model_id="SmolLM2-135M-Instruct.Q4_1", max_model_len=8192,
-                               vocab_size=49152, eos_token_id=2)
+def test_default_model_id_and_tokenizer() -> None:
+    tokenizer = load_tokenizer(None)
+    assert model_id_of(None) == "SmolLM2-135M-Instruct.Q4_1"
+    assert (len(tokenizer), tokenizer.eos_token_id) == (49152, 2)
 
 
 def _assert_same_tokenizer(ours: object, theirs: object) -> None:
@@ -167,26 +163,25 @@ def test_default_model_tokenizer_matches_transformers_gguf_path() -> None:
     path = default_model_path()
     theirs = AutoTokenizer.from_pretrained(os.path.dirname(path), local_files_only=True,
                                            gguf_file=os.path.basename(path))
-    ours, _ = load_tokenizer_and_facts(None)
+    ours = load_tokenizer(None)
     _assert_same_tokenizer(ours, theirs)
 
 
-def test_hf_folder_tokenizer_and_facts(tmp_path: Path) -> None:
-    """A Hugging Face folder: facts from config.json, the tokenizer its
-    tokenizer_config.json names, the same as ``AutoTokenizer`` gives."""
+def test_hf_folder_tokenizer(tmp_path: Path) -> None:
+    """A Hugging Face folder: the tokenizer its tokenizer_config.json names, the same as
+    ``AutoTokenizer`` gives."""
     from transformers import AutoTokenizer
 
-    default, _ = load_tokenizer_and_facts(None)
+    default = load_tokenizer(None)
     default.save_pretrained(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({
         "model_type": "llama", "max_position_embeddings": 1024, "vocab_size": 49152,
         "eos_token_id": [2, 0]}))
-    ours, facts = load_tokenizer_and_facts(str(tmp_path))
-    assert facts == ModelFacts(model_id=tmp_path.name, max_model_len=1024, vocab_size=49152,
-                               eos_token_id=2)
+    ours = load_tokenizer(str(tmp_path))
+    assert model_id_of(str(tmp_path)) == tmp_path.name
     _assert_same_tokenizer(ours, AutoTokenizer.from_pretrained(tmp_path, local_files_only=True))
 
 
 def test_unknown_model_is_a_value_error(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="model .* not found"):
-        load_tokenizer_and_facts(str(tmp_path / "missing"))
+        load_tokenizer(str(tmp_path / "missing"))

@@ -140,7 +140,7 @@ class GetLoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetLoadResponse(_message.Message):
-    __slots__ = ("num_running_requests", "num_waiting_requests", "kv_cache_usage", "num_free_blocks", "num_total_blocks", "prefix_cache_hit_rate", "role", "model", "block_size", "kv_layout_fingerprint", "num_kv_load_failures", "kv_publish_output")
+    __slots__ = ("num_running_requests", "num_waiting_requests", "kv_cache_usage", "num_free_blocks", "num_total_blocks", "prefix_cache_hit_rate", "role", "model", "block_size", "kv_layout_fingerprint", "num_kv_load_failures", "kv_publish_output", "max_model_len_tokens", "vocab_size_tokens", "architecture", "model_impl")
     NUM_RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_USAGE_FIELD_NUMBER: _ClassVar[int]
@@ -153,6 +153,10 @@ class GetLoadResponse(_message.Message):
     KV_LAYOUT_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_LOAD_FAILURES_FIELD_NUMBER: _ClassVar[int]
     KV_PUBLISH_OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_IMPL_FIELD_NUMBER: _ClassVar[int]
     num_running_requests: int
     num_waiting_requests: int
     kv_cache_usage: float
@@ -165,7 +169,11 @@ class GetLoadResponse(_message.Message):
     kv_layout_fingerprint: bytes
     num_kv_load_failures: int
     kv_publish_output: bool
-    def __init__(self, num_running_requests: _Optional[int] = ..., num_waiting_requests: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., block_size: _Optional[int] = ..., kv_layout_fingerprint: _Optional[bytes] = ..., num_kv_load_failures: _Optional[int] = ..., kv_publish_output: _Optional[bool] = ...) -> None: ...
+    max_model_len_tokens: int
+    vocab_size_tokens: int
+    architecture: str
+    model_impl: str
+    def __init__(self, num_running_requests: _Optional[int] = ..., num_waiting_requests: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., block_size: _Optional[int] = ..., kv_layout_fingerprint: _Optional[bytes] = ..., num_kv_load_failures: _Optional[int] = ..., kv_publish_output: _Optional[bool] = ..., max_model_len_tokens: _Optional[int] = ..., vocab_size_tokens: _Optional[int] = ..., architecture: _Optional[str] = ..., model_impl: _Optional[str] = ...) -> None: ...
 
 class PublishInFlight(_message.Message):
     __slots__ = ("request_id", "kv_layout_fingerprint", "block_size", "first_block", "end_block")
