@@ -263,17 +263,23 @@ class ParallelConfig:
         shared_cpu_lock: a lock file the engines that share this host's CPU cores all
             name: each model step waits for its turn (``engine/cpu_turns.py``).
             ``None``: the engine has its cores to itself.
+        enable_expert_parallel: MoE layers split their experts whole over the tensor-
+            parallel ranks, ``num_experts / tensor_parallel_size`` each (vLLM's
+            ``--enable-expert-parallel``), instead of a slice of every expert; the model
+            checks that the experts divide (``engine/models/moe.py``).
 
     Raises:
         ValueError: a size < 1, an unknown backend, "uni" with more than one worker, or
             a ``shared_cpu_lock`` that is empty or set with pipeline parallelism (its
-            batches in flight overlap, they cannot take turns) (each naming the field).
+            batches in flight overlap, they cannot take turns), ``enable_expert_parallel``
+            with one tensor-parallel rank (each naming the field).
     """
 
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     distributed_executor_backend: ExecutorBackend | None = None
     shared_cpu_lock: str | None = None
+    enable_expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "pipeline_parallel_size"):
@@ -305,6 +311,11 @@ class ParallelConfig:
                     "shared_cpu_lock cannot be used with pipeline_parallel_size > 1: its "
                     "batches in flight overlap and cannot take turns"
                 )
+        if self.enable_expert_parallel and self.tensor_parallel_size < 2:
+            raise ValueError(
+                "enable_expert_parallel needs tensor_parallel_size >= 2 (the experts are "
+                f"split over the tensor-parallel ranks), got {self.tensor_parallel_size}"
+            )
 
     @property
     def world_size(self) -> int:

@@ -154,6 +154,15 @@ _WORLD: GroupCoordinator | None = None
 _TP: GroupCoordinator | None = None
 _PP: GroupCoordinator | None = None
 _SINGLE = _single()
+# ParallelConfig.enable_expert_parallel of this process's engine (set by init_distributed):
+# MoE blocks then split their experts whole over the TP group instead of slicing each.
+_EXPERT_PARALLEL = False
+
+
+def expert_parallel_enabled() -> bool:
+    """Whether this process's MoE layers hold whole experts, ``num_experts / tp_size`` per
+    TP rank (``ParallelConfig.enable_expert_parallel``); False before ``init_distributed``."""
+    return _EXPERT_PARALLEL
 
 
 def is_initialized() -> bool:
@@ -190,6 +199,7 @@ def init_distributed(
     init_method: str,
     backend: str,
     timeout: timedelta | None = None,
+    enable_expert_parallel: bool = False,
 ) -> None:
     """Join the engine's process group and build this rank's TP and PP groups.
 
@@ -206,12 +216,14 @@ def init_distributed(
         backend: ``"gloo"`` (CPU) or ``"nccl"`` (CUDA).
         timeout: how long a collective (and the rendezvous) waits for the other
             ranks before it raises; ``None``: ``torch.distributed``'s default.
+        enable_expert_parallel: MoE layers split their experts over the TP group
+            (``expert_parallel_enabled``).
 
     Raises:
         ValueError: a size below 1, ``rank`` outside the world, an unknown backend.
         RuntimeError: when this process already joined a group.
     """
-    global _WORLD, _TP, _PP
+    global _WORLD, _TP, _PP, _EXPERT_PARALLEL
     _check_sizes(tp_size, pp_size)
     world = tp_size * pp_size
     if not 0 <= rank < world:
@@ -235,13 +247,15 @@ def init_distributed(
     _WORLD = GroupCoordinator(list(range(world)), rank, dist.group.WORLD)
     _TP = GroupCoordinator(tp_ranks[pp_rank], rank, tp_groups[pp_rank])
     _PP = GroupCoordinator(pp_ranks[tp_rank], rank, pp_groups[tp_rank])
+    _EXPERT_PARALLEL = bool(enable_expert_parallel)
 
 
 def destroy_distributed() -> None:
     """Leave the process group and forget the groups (back to a world of one).
     Idempotent; a no-op where ``init_distributed`` never ran."""
-    global _WORLD, _TP, _PP
+    global _WORLD, _TP, _PP, _EXPERT_PARALLEL
     _WORLD = _TP = _PP = None
+    _EXPERT_PARALLEL = False
     if dist.is_initialized():
         dist.destroy_process_group()
 

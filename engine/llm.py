@@ -64,6 +64,8 @@ class LLM:
             ``ModelConfig.deterministic`` (CPU only, costs throughput).
         tensor_parallel_size: worker processes that split each layer (vLLM's name).
         pipeline_parallel_size: worker processes that split the layer stack.
+        enable_expert_parallel: MoE models hold whole experts per tensor-parallel rank
+            (``ParallelConfig.enable_expert_parallel``).
         distributed_executor_backend: "uni" or "mp"; ``None`` picks "mp" for more than
             one worker (see ``ParallelConfig``). Call ``shutdown()`` (or use the ``LLM``
             as a context manager) to stop worker processes before the interpreter exits.
@@ -103,6 +105,7 @@ class LLM:
         deterministic: bool = False,
         tensor_parallel_size: int = 1,
         pipeline_parallel_size: int = 1,
+        enable_expert_parallel: bool = False,
         distributed_executor_backend: str | None = None,
         enforce_eager: bool = False,
         compilation_config: dict[str, Any] | CompilationConfig | None = None,
@@ -141,6 +144,7 @@ class LLM:
             parallel=ParallelConfig(
                 tensor_parallel_size=tensor_parallel_size,
                 pipeline_parallel_size=pipeline_parallel_size,
+                enable_expert_parallel=enable_expert_parallel,
                 distributed_executor_backend=distributed_executor_backend,  # type: ignore[arg-type]
             ),
             speculative=(

@@ -106,7 +106,8 @@ def worker_main(spec: WorkerSpec, startup: Connection) -> None:
                                        is_alive=parent_alive)
         distributed.init_distributed(spec.rank, par.tensor_parallel_size,
                                      par.pipeline_parallel_size, spec.dist_init_method,
-                                     spec.dist_backend)
+                                     spec.dist_backend,
+                                     enable_expert_parallel=par.enable_expert_parallel)
         worker = Worker(_config_for_rank(spec.config), rank=spec.rank)
         worker.load_model()
         info = worker.shard_info()

@@ -19,7 +19,7 @@ in a TP all-reduce, the LM head's logits are gathered on TP rank 0. With one ran
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, cast
 
 import torch
@@ -28,7 +28,7 @@ from torch import nn
 
 from tandem.engine import distributed
 from tandem.engine.model_facts import head_dim_of, rope_params
-from tandem.engine.models.fused_path import FusedDecodePath
+from tandem.engine.models.fused_path import FusedDecodePath, FusedLayer
 from tandem.engine.models.interface import IntermediateTensors, KVCacheViews
 from tandem.engine.models.layers import MLP, RMSNorm
 from tandem.engine.models.sharding import ModelShard, PPMissingLayer, VocabParallelEmbedding
@@ -67,6 +67,9 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=out_bias)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        # Per-head sink logits ``[num_heads]`` of this rank's heads (gpt-oss sets them).
+        self.sinks: nn.Parameter | None = None
+        self.softcap: float | None = None  # Gemma 2's attention logit softcapping
 
     def forward(
         self,
@@ -87,7 +90,8 @@ class Attention(nn.Module):
         cos, sin = cos_sin
         q, k = rotary_embedding(q, k, cos, sin)
         reshape_and_cache(k, v, kv_cache, meta.slot_mapping, (meta.block_idx, meta.block_offset))
-        o = paged_attention(q, k, v, kv_cache, meta, self.scale, self.sliding_window)
+        o = paged_attention(q, k, v, kv_cache, meta, self.scale, self.sliding_window,
+                            sinks=self.sinks, softcap=self.softcap)
         out = self.o_proj(o.view(num_tokens, self.q_size))
         return distributed.get_tp_group().all_reduce(out) if self.tp_size > 1 else out
 
@@ -100,10 +104,13 @@ class DecoderLayer(nn.Module):
         qkv_bias: bool,
         qk_norm: bool,
         sliding_window: int | None,
+        mlp: nn.Module | None = None,
     ) -> None:
         super().__init__()
         self.self_attn = Attention(config, shard, qkv_bias, qk_norm, sliding_window)
-        self.mlp = MLP(config, shard)
+        # ``mlp``: a feed-forward other than the dense SwiGLU (a MoE block, which
+        # all-reduces its own output under TP); ``[num_tokens, hidden]`` in and out.
+        self.mlp = mlp if mlp is not None else MLP(config, shard)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -129,7 +136,8 @@ class DecoderModel(nn.Module):
     """Embedding, decoder layers and the final norm (HF's ``model.*`` prefix), of this
     rank's shard: the embedding on the first pipeline stage only, the norm on the
     last; ``layers`` has an entry per layer of the full model, a ``PPMissingLayer``
-    for those another stage runs."""
+    for those another stage runs. ``make_layer`` / ``norm_cls``: a family's own decoder
+    layer ``i`` and norm class in place of ``DecoderLayer`` and ``RMSNorm`` (Gemma)."""
 
     def __init__(
         self,
@@ -138,18 +146,25 @@ class DecoderModel(nn.Module):
         qkv_bias: bool,
         qk_norm: bool,
         windows: list[int | None],
+        make_mlp: Callable[[int], nn.Module | None] | None = None,
+        make_layer: Callable[[int], nn.Module] | None = None,
+        norm_cls: type[RMSNorm] = RMSNorm,
     ):
         super().__init__()
         self.embed_tokens = (
             VocabParallelEmbedding(shard, config.hidden_size) if shard.is_first_stage else None
         )
         self.layers = nn.ModuleList(
-            DecoderLayer(config, shard, qkv_bias, qk_norm, windows[i])
+            (make_layer(i) if make_layer is not None else DecoderLayer(
+                config, shard, qkv_bias, qk_norm, windows[i],
+                make_mlp(i) if make_mlp is not None else None))
             if i in shard.layers
             else PPMissingLayer()
             for i in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if shard.is_last_stage else None
+        self.norm = (
+            norm_cls(config.hidden_size, config.rms_norm_eps) if shard.is_last_stage else None
+        )
         self._local = shard.layers
 
     @property
@@ -184,6 +199,9 @@ class LlamaForCausalLM(nn.Module):
 
     qkv_bias = False
     qk_norm = False
+    #: served with several ranks (engine/models/support.py; tests/e2e/test_llm_parallel.py)
+    supports_tensor_parallel = True
+    supports_pipeline_parallel = True
 
     def __init__(
         self,
@@ -195,9 +213,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.shard = shard = ModelShard.current(config)
-        self.model = DecoderModel(
-            config, shard, self.qkv_bias, self.qk_norm, self.sliding_windows(config)
-        )
+        self.model = self.build_decoder(config, shard)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         # A tied head reads the embedding, unless the embedding lives on another
         # pipeline stage: then the last stage holds its own copy of the matrix.
@@ -213,8 +229,27 @@ class LlamaForCausalLM(nn.Module):
         # take (it starts from the embeddings).
         self.fused_decode_enabled = shard.tp_size == 1 and shard.pp_size == 1
         self._fused = FusedDecodePath()
+        self.rotary = self.make_rotary(config, max_position, dtype, device)
+
+    def build_decoder(self, config: Any, shard: ModelShard) -> DecoderModel:
+        """This rank's ``DecoderModel`` (a hook: Gemma builds its own layers and norms)."""
+        return DecoderModel(config, shard, self.qkv_bias, self.qk_norm,
+                            self.sliding_windows(config), lambda i: self.make_mlp(config, shard, i))
+
+    def make_mlp(self, config: Any, shard: ModelShard, layer: int) -> nn.Module | None:
+        """Layer ``layer``'s feed-forward module, or ``None`` for the dense SwiGLU ``MLP``
+        (a hook: the MoE families return their sparse block). Called during ``__init__``,
+        before the subclass's own attributes are set: reads ``config`` and ``shard`` only."""
+        return None
+
+    @staticmethod
+    def make_rotary(
+        config: Any, max_position: int, dtype: torch.dtype, device: torch.device | str
+    ) -> RotaryEmbedding:
+        """The rotary tables for ``max_position`` tokens (a hook for RoPE variants that
+        ``kernels/rotary.py`` does not compute, e.g. gpt-oss's YaRN)."""
         theta, scaling = rope_params(config)
-        self.rotary = RotaryEmbedding(
+        return RotaryEmbedding(
             head_dim_of(config), max_position, theta, scaling, dtype=dtype, device=device
         )
 
@@ -228,11 +263,8 @@ class LlamaForCausalLM(nn.Module):
         they cover fewer."""
         if max_position <= self.rotary.max_position:
             return
-        theta, scaling = rope_params(self.config)
         old = self.rotary
-        self.rotary = RotaryEmbedding(
-            old.head_dim, max_position, theta, scaling, dtype=old.cos.dtype, device=old.cos.device
-        )
+        self.rotary = self.make_rotary(self.config, max_position, old.cos.dtype, old.cos.device)
 
     @staticmethod
     def sliding_windows(config: Any) -> list[int | None]:
@@ -280,8 +312,9 @@ class LlamaForCausalLM(nn.Module):
         fused = None
         if self.fused_decode_enabled and FusedDecode.serves(attn_metadata):
             # NOTE: per-head q/k norms (Qwen3) sit between the kernel's ops.
+            # cast: layers whose ``mlp`` is not the dense MLP (MoE) turn the path off.
             fused = None if self.qk_norm else self._fused.get(
-                self.model.decoder_layers, kv_caches, hidden)
+                cast("list[FusedLayer]", self.model.decoder_layers), kv_caches, hidden)
         if fused is not None:
             hidden, residual = fused(hidden, *cos_sin, attn_metadata)
         else:

@@ -12,9 +12,15 @@ from typing import Any, Literal
 
 import torch
 
+from tandem.engine.models.gpt_oss import GptOssForCausalLM
 from tandem.engine.models.interface import CausalLM
 from tandem.engine.models.llama import LlamaForCausalLM
 from tandem.engine.models.mistral import MistralForCausalLM
+from tandem.engine.models.moe_models import (
+    MixtralForCausalLM,
+    Qwen2MoeForCausalLM,
+    Qwen3MoeForCausalLM,
+)
 from tandem.engine.models.qwen2 import Qwen2ForCausalLM
 from tandem.engine.models.qwen3 import Qwen3ForCausalLM
 
@@ -24,6 +30,10 @@ MODEL_REGISTRY: dict[str, type[torch.nn.Module]] = {
     "MistralForCausalLM": MistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "GptOssForCausalLM": GptOssForCausalLM,
 }
 
 

@@ -159,6 +159,9 @@ def build_parser(prog: str, role: Role | None) -> argparse.ArgumentParser:
                         "vocabulary) and all-reduce (gloo on CPU, NCCL on CUDA)")
     p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
                    help="worker processes that split the layer stack into stages")
+    p.add_argument("--enable-expert-parallel", action="store_true",
+                   help="MoE models: each tensor-parallel rank holds num_experts / "
+                        "--tensor-parallel-size experts whole (vLLM's flag)")
     p.add_argument("--distributed-executor-backend", choices=["uni", "mp"], default=None,
                    help="'uni': one in-process worker; 'mp': one process per rank "
                         "(default: 'mp' when tensor x pipeline parallel size > 1)")
@@ -211,6 +214,7 @@ def build_engine_config(ns: argparse.Namespace, role: Role | str) -> EngineConfi
                                   long_prefill_token_threshold=ns.long_prefill_token_threshold),
         parallel=ParallelConfig(tensor_parallel_size=ns.tensor_parallel_size,
                                 pipeline_parallel_size=ns.pipeline_parallel_size,
+                                enable_expert_parallel=ns.enable_expert_parallel,
                                 distributed_executor_backend=ns.distributed_executor_backend,
                                 shared_cpu_lock=ns.shared_cpu_lock),
         kv_transfer=kv,

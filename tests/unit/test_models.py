@@ -24,6 +24,14 @@ ARCHS = {
     "MistralForCausalLM": {"sliding_window": 12},
     "Qwen2ForCausalLM": {},
     "Qwen3ForCausalLM": {"head_dim": 24},
+    # The native MoE families (engine/models/moe_models.py, gpt_oss.py): 8 experts, top-2.
+    "Qwen3MoeForCausalLM": {"num_experts": 8, "num_experts_per_tok": 2,
+                            "moe_intermediate_size": 16, "norm_topk_prob": True},
+    "Qwen2MoeForCausalLM": {"num_experts": 8, "num_experts_per_tok": 2,
+                            "moe_intermediate_size": 16, "shared_expert_intermediate_size": 24},
+    "MixtralForCausalLM": {"num_local_experts": 8, "num_experts_per_tok": 2},
+    "GptOssForCausalLM": {"num_local_experts": 8, "num_experts_per_tok": 2,
+                          "sliding_window": 12},
 }
 SIZES = {"vocab": 97, "hidden": 48, "ffn": 80, "heads": 6, "max_len": 128}
 
