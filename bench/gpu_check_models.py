@@ -40,7 +40,7 @@ def _config(sizes: dict[str, Any], dtype: str) -> Any:
 
     return LlamaConfig(**sizes, rms_norm_eps=1e-5, tie_word_embeddings=False,
                        bos_token_id=None, eos_token_id=None, pad_token_id=None,
-                       architectures=["LlamaForCausalLM"], torch_dtype=dtype)
+                       architectures=["LlamaForCausalLM"], dtype=dtype)
 
 
 def _write(config: Any, folder: Path, dtype: str, std: float | None, seed: int) -> None:

@@ -90,7 +90,7 @@ def divergences(judge: Any, hf: Any, prompts: list[list[int]], ref: list[list[in
     itself for float32)."""
     import torch
 
-    found = []
+    found: list[dict[str, Any]] = []
     for k, (prompt, a, b) in enumerate(zip(prompts, ref, got, strict=True)):
         i = next((j for j, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
         if i is None:
