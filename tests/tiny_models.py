@@ -16,6 +16,9 @@ import transformers
 from tandem.engine.model_loader import LoadedModel
 from tandem.engine.models.registry import build_model
 
+#: architectures whose config class is not ``<Name>Config``
+TEXT_CONFIGS = {"Gemma3ForCausalLM": "Gemma3TextConfig"}
+
 
 def tiny_config(
     arch: str,
@@ -44,7 +47,9 @@ def tiny_config(
     """
     if not special_tokens:
         extra = {"bos_token_id": None, "eos_token_id": None, "pad_token_id": None, **extra}
-    config_cls = getattr(transformers, arch.replace("ForCausalLM", "Config"))
+    # Gemma3ForCausalLM is the text-only model; "Gemma3Config" is the multimodal one's.
+    name = TEXT_CONFIGS.get(arch, arch.replace("ForCausalLM", "Config"))
+    config_cls = getattr(transformers, name)
     return config_cls(vocab_size=vocab, hidden_size=hidden, intermediate_size=ffn,
                       num_hidden_layers=layers, num_attention_heads=heads,
                       num_key_value_heads=kv_heads, max_position_embeddings=max_len,

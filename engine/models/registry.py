@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 import torch
 
+from tandem.engine.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from tandem.engine.models.gpt_oss import GptOssForCausalLM
 from tandem.engine.models.interface import CausalLM
 from tandem.engine.models.llama import LlamaForCausalLM
@@ -21,6 +22,7 @@ from tandem.engine.models.moe_models import (
     Qwen2MoeForCausalLM,
     Qwen3MoeForCausalLM,
 )
+from tandem.engine.models.phi3 import Phi3ForCausalLM
 from tandem.engine.models.qwen2 import Qwen2ForCausalLM
 from tandem.engine.models.qwen3 import Qwen3ForCausalLM
 
@@ -34,6 +36,9 @@ MODEL_REGISTRY: dict[str, type[torch.nn.Module]] = {
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
 }
 
 
@@ -104,6 +109,9 @@ def get_model_class(config: Any) -> type[torch.nn.Module]:
             "mistral": "MistralForCausalLM",
             "qwen2": "Qwen2ForCausalLM",
             "qwen3": "Qwen3ForCausalLM",
+            "gemma2": "Gemma2ForCausalLM",
+            "gemma3_text": "Gemma3ForCausalLM",
+            "phi3": "Phi3ForCausalLM",
         }.get(getattr(config, "model_type", ""), str(getattr(config, "model_type", None)))
     cls = MODEL_REGISTRY.get(arch)
     if cls is None:

@@ -13,10 +13,11 @@ import transformers
 from tiny_models import tiny_config, tiny_hf_model
 
 from tandem.engine.config import ModelConfig
+from tandem.engine.model_facts import kv_cache_spec
 from tandem.engine.model_loader import load_model, resolve_dtype
 from tandem.engine.models.registry import build_model, get_model_class, supported_architectures
 from tandem.kernels.attention import build_attention_metadata
-from tandem.kernels.cache import allocate_kv_cache
+from tandem.kernels.cache import allocate_kv_cache, kv_cache_layer_views
 
 #: architecture -> its config's extra settings
 ARCHS = {
@@ -32,6 +33,22 @@ ARCHS = {
     "MixtralForCausalLM": {"num_local_experts": 8, "num_experts_per_tok": 2},
     "GptOssForCausalLM": {"num_local_experts": 8, "num_experts_per_tok": 2,
                           "sliding_window": 12},
+    # engine/models/gemma.py, phi3.py (their own tests: tests/unit/test_models_gemma_phi3.py)
+    "Gemma2ForCausalLM": {"head_dim": 8, "sliding_window": 12, "query_pre_attn_scalar": 12},
+    "Gemma3ForCausalLM": {"head_dim": 8, "sliding_window": 12,
+                          "layer_types": ["sliding_attention", "full_attention"]},
+    "Phi3ForCausalLM": {"partial_rotary_factor": 0.5, "pad_token_id": None},
+    # engine/models/deepseek.py (MLA; its own tests: tests/e2e/test_llm_mla.py): a dense
+    # layer, then a MoE one
+    "DeepseekV3ForCausalLM": {"kv_heads": 6, "kv_lora_rank": 16, "q_lora_rank": 12,
+                              "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 6,
+                              "n_routed_experts": 4, "num_experts_per_tok": 2, "n_group": 2,
+                              "topk_group": 1, "moe_intermediate_size": 16,
+                              "first_k_dense_replace": 1},
+    "DeepseekV2ForCausalLM": {"kv_heads": 6, "kv_lora_rank": 16, "q_lora_rank": None,
+                              "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 6,
+                              "n_routed_experts": 4, "num_experts_per_tok": 2,
+                              "moe_intermediate_size": 16, "first_k_dense_replace": 1},
 }
 SIZES = {"vocab": 97, "hidden": 48, "ffn": 80, "heads": 6, "max_len": 128}
 
@@ -45,11 +62,10 @@ def make_hf_model(arch: str, tie: bool, seed: int = 0):
 def run_ours(model, token_ids: list[int], chunks: list[int], block_size: int = 4):
     """Feed ``token_ids`` in chunks through the paged cache; logits of every token."""
     cfg = model.config
-    head_dim = model.model.layers[0].self_attn.head_dim
-    kv = allocate_kv_cache(
-        32, cfg.num_hidden_layers, block_size, cfg.num_key_value_heads, head_dim, torch.float32
-    )
-    views = [(kv[:, i, 0], kv[:, i, 1]) for i in range(cfg.num_hidden_layers)]
+    spec = kv_cache_spec(cfg)  # per-head K/V, or an MLA model's latent
+    kv = allocate_kv_cache(32, cfg.num_hidden_layers, block_size, spec.num_kv_heads,
+                           spec.head_dim, torch.float32, num_components=spec.num_components)
+    views = kv_cache_layer_views(kv)
     table = [31 - i for i in range(32)]  # reversed physical order on purpose
     logits, done = [], 0
     with torch.inference_mode():
