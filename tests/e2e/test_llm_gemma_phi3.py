@@ -6,7 +6,8 @@ Hugging Face folder and loaded by path. Oracle: transformers' ``generate(do_samp
 in float32, token for token, on prompts that go through chunked prefill (16-token steps)
 in a KV cache small enough to preempt, then again with prefix-cache hits. Sliding windows
 of 8 tokens, so both layer kinds matter within the prompts. Also: PP=2 on a tiny Gemma 2,
-and bf16 native against the Transformers modeling backend on the same checkpoint.
+TP=2 on Gemma 3 and Phi-3, and bf16 native against the Transformers modeling backend on
+the same checkpoint.
 """
 
 from __future__ import annotations
@@ -116,15 +117,22 @@ def test_greedy_matches_transformers_with_chunks_preemption_and_prefix_hits(tiny
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs")
-def test_gemma2_pipeline_parallel_equals_transformers(tmp_path) -> None:
-    """PP=2 (one worker process per stage, gloo): the residual stream crosses the stage
-    boundary between a sliding and a global layer; a tied head on the last stage keeps its
-    own copy of the (unscaled) embedding."""
+@pytest.mark.parametrize(("name", "tp", "pp"), [("gemma2", 1, 2), ("gemma3", 2, 1),
+                                                ("phi3-longrope", 2, 1)],
+                         ids=["gemma2-pp2", "gemma3-tp2", "phi3-longrope-tp2"])
+def test_parallel_equals_transformers(tmp_path, name: str, tp: int, pp: int) -> None:
+    """Two ranks (one worker process each, gloo). PP=2: the residual stream crosses the
+    stage boundary between a sliding and a global layer, and a tied head on the last stage
+    keeps its own copy of the (unscaled) embedding. TP=2: each rank its heads, MLP slice
+    and vocabulary shard, the final softcap after the gather; Phi-3's fused checkpoint
+    tensors cut into each rank's q/k/v and gate/up rows."""
     folder = str(tmp_path)
-    hf = save_tiny("gemma2", folder, tie_word_embeddings=True, std=0.1)
-    lens = [1, 17, 45, 30]
-    with LLM(model=folder, dtype="float32", max_model_len=MAX_LEN, num_blocks=10,
-             max_num_batched_tokens=32, pipeline_parallel_size=2) as llm:
+    tied = {"tie_word_embeddings": True, "std": 0.1} if pp > 1 else {}
+    hf = save_tiny(name, folder, **tied)
+    lens = MODELS[name][3]
+    with LLM(model=folder, dtype="float32", max_model_len=MAX_LEN, num_blocks=24,
+             max_num_batched_tokens=32, tensor_parallel_size=tp,
+             pipeline_parallel_size=pp) as llm:
         assert len(llm.llm_engine.engine_core.executor.worker_pids) == 2
         params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
         ps = prompts(lens)
