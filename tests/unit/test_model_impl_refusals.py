@@ -53,12 +53,13 @@ def test_refused_at_load_naming_architecture_and_reason(config, reason) -> None:
 
 def test_resolve_model_impl() -> None:
     llama = tiny("LlamaConfig", "LlamaForCausalLM")
-    gemma = tiny("Gemma2Config", "Gemma2ForCausalLM", head_dim=16)
+    # OLMo 2: no native implementation (Gemma 2, once the example, has one now)
+    olmo = tiny("Olmo2Config", "Olmo2ForCausalLM")
     assert resolve_model_impl(llama, "auto") == "tandem"
     assert resolve_model_impl(llama, "transformers") == "transformers"
-    assert resolve_model_impl(gemma, "auto") == "transformers"
-    with pytest.raises(ValueError, match="Gemma2ForCausalLM.*no native tandem implementation"):
-        resolve_model_impl(gemma, "tandem")
+    assert resolve_model_impl(olmo, "auto") == "transformers"
+    with pytest.raises(ValueError, match="Olmo2ForCausalLM.*no native tandem implementation"):
+        resolve_model_impl(olmo, "tandem")
     with pytest.raises(ValueError, match="model_impl must be one of"):
         resolve_model_impl(llama, "vllm")
     with pytest.raises(ValueError, match="model_impl must be one of auto, tandem, transformers"):
