@@ -153,14 +153,8 @@ class EngineCore:
     def layout(self) -> KVCacheLayout:
         """Layout of this engine's KV blocks (for the KV store's key fingerprint)."""
         f = self.model_facts
-        return KVCacheLayout(
-            model_id=f.model_id,
-            num_layers=f.num_layers,
-            num_kv_heads=f.num_kv_heads,
-            head_dim=f.head_dim,
-            dtype=f.dtype,
-            block_size=self.config.cache.block_size,
-        )
+        return KVCacheLayout.of_spec(f.kv_spec, model_id=f.model_id, num_layers=f.num_layers,
+                                     dtype=f.dtype, block_size=self.config.cache.block_size)
 
     def _make_grammar_backend(self) -> XgrammarBackend:
         """The xgrammar backend over this model's tokenizer (first constrained request).

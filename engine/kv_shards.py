@@ -77,7 +77,7 @@ class ShardedKVCache:
         num_layers, num_kv_heads: the full model's; default the largest range stop.
 
     Raises:
-        ValueError: no shard; a tensor not 6-d or not ``2`` in dim 2; dims of a tensor
+        ValueError: no shard; a tensor not 6-d or not 1 or 2 in dim 2; dims of a tensor
             not matching its ranges; ``num_blocks``, ``block_size``, ``head_dim`` or dtype
             differing between shards; a range empty, of step != 1, negative or past the
             full model; a (layer, head) of the full block that no shard holds. The
@@ -92,10 +92,11 @@ class ShardedKVCache:
         ref = shards[0].tensor
         for i, s in enumerate(shards):
             t = s.tensor
-            if t.dim() != 6 or t.shape[2] != 2:
+            # dim 2: K and V (2), or an MLA model's latent entry (1)
+            if t.dim() != 6 or t.shape[2] not in (1, 2):
                 raise ValueError(
-                    f"shards[{i}].tensor must be [num_blocks, layers, 2, block_size, heads, "
-                    f"head_dim], got shape {tuple(t.shape)}")
+                    f"shards[{i}].tensor must be [num_blocks, layers, 2 (or 1), block_size, "
+                    f"heads, head_dim], got shape {tuple(t.shape)}")
             for name, r, dim in (("layer_range", s.layer_range, 1),
                                  ("head_range", s.head_range, 4)):
                 if r.step != 1 or len(r) == 0 or r.start < 0:
@@ -106,7 +107,8 @@ class ShardedKVCache:
                     raise ValueError(
                         f"shards[{i}].tensor has {t.shape[dim]} in dim {dim}, its {name} "
                         f"{r} has {len(r)}")
-            for name, dim in (("num_blocks", 0), ("block_size", 3), ("head_dim", 5)):
+            for name, dim in (("num_blocks", 0), ("components", 2), ("block_size", 3),
+                              ("head_dim", 5)):
                 if t.shape[dim] != ref.shape[dim]:
                     raise ValueError(
                         f"shards[{i}] has {name}={t.shape[dim]}, shards[0] has {ref.shape[dim]}")
@@ -125,9 +127,9 @@ class ShardedKVCache:
         self.shards: tuple[KVShard, ...] = tuple(shards)
         self.num_blocks: int = int(ref.shape[0])
         self.dtype: torch.dtype = ref.dtype
-        #: ``(num_layers, 2, block_size, num_kv_heads, head_dim)`` of a full block
+        #: ``(num_layers, 2 or 1, block_size, num_kv_heads, head_dim)`` of a full block
         self.block_shape: tuple[int, int, int, int, int] = (
-            n_layers, 2, int(ref.shape[3]), n_heads, int(ref.shape[5]))
+            n_layers, int(ref.shape[2]), int(ref.shape[3]), n_heads, int(ref.shape[5]))
         self._pieces = self._plan_reads()
 
     @classmethod

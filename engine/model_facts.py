@@ -14,6 +14,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from tandem.contracts.kv_layout import KVCacheSpec
+
 #: context length (tokens) of a model whose config states none
 DEFAULT_MAX_MODEL_LEN = 2048
 
@@ -30,15 +32,20 @@ class ModelFacts:
             ``ModelConfig.max_model_len`` or the model's ``max_position_embeddings``.
         eos_token_id: the tokenizer's end-of-sequence id, ``None`` when it has none.
         num_layers: transformer layers, each with its own K and V cache.
-        num_kv_heads: KV heads per layer (of the whole model, before any sharding).
-        head_dim: elements of one attention head.
+        num_kv_heads: KV heads per layer (of the whole model, before any sharding); 1 for
+            an "mla" cache.
+        head_dim: elements of one cached head: the attention head, or for an "mla" cache
+            the latent entry's ``kv_lora_rank + qk_rope_head_dim``.
         dtype: dtype name of weights and KV cache, e.g. "bfloat16" (no "torch." prefix).
         device: device of weights and KV cache, e.g. "cpu" or "cuda:0".
         architecture: ``config.architectures[0]``, e.g. "LlamaForCausalLM" ("" if unknown).
         model_impl: the implementation serving it: "tandem" (native) or "transformers".
+        kv_kind: the cache kind, "mha" (per-head K and V) or "mla" (DeepSeek's latent), see
+            ``contracts.kv_layout.KVCacheSpec``.
+        kv_rope_dim: "mla": the rotary elements at the end of the latent entry (else 0).
 
     Raises:
-        ValueError: naming the field, for a count below 1.
+        ValueError: naming the field, for a count below 1 or an inconsistent KV spec.
     """
 
     model_id: str
@@ -52,12 +59,40 @@ class ModelFacts:
     device: str
     architecture: str = ""
     model_impl: str = "tandem"
+    kv_kind: str = "mha"
+    kv_rope_dim: int = 0
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "max_model_len", "num_layers", "num_kv_heads", "head_dim"):
             value = getattr(self, name)
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
+        # kind, heads and rope_dim are valid only together: the spec checks them
+        KVCacheSpec(self.kv_kind, self.num_kv_heads, self.head_dim, self.kv_rope_dim)
+
+    @property
+    def kv_spec(self) -> KVCacheSpec:
+        """What each layer caches per token (the whole model's heads)."""
+        return KVCacheSpec(self.kv_kind, self.num_kv_heads, self.head_dim, self.kv_rope_dim)
+
+
+def kv_cache_spec(config: Any, model_impl: str = "tandem") -> KVCacheSpec:
+    """The KV cache a model's implementation keeps per token and layer.
+
+    A config with ``kv_lora_rank`` (DeepSeek-V2/V3, Kimi-K2: multi-head latent attention)
+    served natively caches the latent: ``KVCacheSpec.mla(kv_lora_rank, qk_rope_head_dim)``.
+    Everything else, MLA models through the Transformers backend included (its attention
+    sees K and V expanded to every head), caches per-head K and V of ``num_key_value_heads``
+    (else ``num_attention_heads``) heads of ``head_dim_of(config)``.
+
+    Raises:
+        ValueError: a count below 1 (``KVCacheSpec``).
+    """
+    rank = getattr(config, "kv_lora_rank", None)
+    if model_impl == "tandem" and rank:
+        return KVCacheSpec.mla(int(rank), int(config.qk_rope_head_dim))
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    return KVCacheSpec.mha(int(heads), int(head_dim_of(config)))
 
 
 def rope_params(config: Any) -> tuple[float, dict[str, Any] | None]:
@@ -136,17 +171,19 @@ def resolve_model_facts(
     Raises:
         ValueError: ``max_model_len`` beyond the model's context, or a count below 1.
     """
+    spec = kv_cache_spec(hf_config, model_impl)
     return ModelFacts(
         model_id=model_id,
         vocab_size=int(hf_config.vocab_size),
         max_model_len=resolve_max_model_len(max_model_len, model_context_len(hf_config)),
         eos_token_id=eos_token_id,
         num_layers=int(hf_config.num_hidden_layers),
-        num_kv_heads=int(getattr(hf_config, "num_key_value_heads", None)
-                         or hf_config.num_attention_heads),
-        head_dim=int(head_dim_of(hf_config)),
+        num_kv_heads=spec.num_kv_heads,
+        head_dim=spec.head_dim,
         dtype=dtype.removeprefix("torch."),
         device=device,
         architecture=architecture_of(hf_config),
         model_impl=model_impl,
+        kv_kind=spec.kind,
+        kv_rope_dim=spec.rope_dim,
     )

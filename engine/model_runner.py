@@ -10,7 +10,8 @@ The runner owns the KV cache tensor (binding layout)::
 
     kv_cache: [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
 
-so ``kv_cache[b]`` is block ``b`` of every layer (what the KV connector moves).
+(1 instead of 2, one head, for an MLA model's latent: ``ModelFacts.kv_spec``), so
+``kv_cache[b]`` is block ``b`` of every layer (what the KV connector moves).
 A ``Worker`` (engine/worker.py) owns the runner and an executor drives the worker;
 KV connector calls (load before, save after the forward) belong to the engine
 core, to which ``Executor.register_kv_caches`` hands this tensor.
@@ -50,7 +51,11 @@ from tandem.kernels.attention_backend import (
     choose_attention_backend,
     detect_attention_facts,
 )
-from tandem.kernels.cache import allocate_kv_cache, kv_cache_bytes_per_block
+from tandem.kernels.cache import (
+    allocate_kv_cache,
+    kv_cache_bytes_per_block,
+    kv_cache_layer_views,
+)
 from tandem.kernels.linear import batch_variant_layers, pack_linear_layers
 
 logger = logging.getLogger(__name__)
@@ -198,6 +203,8 @@ class ModelRunner:
         self.num_kv_heads: int = len(self.kv_head_range)
         self.is_driver: bool = tp.is_first_rank and pp.is_last_rank
         self.head_dim: int = self.facts.head_dim
+        # K and V per token (2), or an MLA model's one latent entry (1): KVCacheSpec
+        self.kv_components: int = self.facts.kv_spec.num_components
         self.dtype: torch.dtype = self.loaded.dtype
         self.device: torch.device = (self.loaded.device if self.cuda_index is None
                                      else torch.device("cuda", self.cuda_index))
@@ -237,7 +244,8 @@ class ModelRunner:
         """Bytes of one KV block across all layers (K and V), plus the proposer's own
         cache for that block (a draft model's)."""
         own = kv_cache_bytes_per_block(
-            self.num_layers, self.block_size, self.num_kv_heads, self.head_dim, self.dtype
+            self.num_layers, self.block_size, self.num_kv_heads, self.head_dim, self.dtype,
+            self.kv_components,
         )
         return own + (self.proposer.block_bytes if self.proposer is not None else 0)
 
@@ -410,7 +418,7 @@ class ModelRunner:
     ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
         """A zeroed KV cache of ``num_blocks`` blocks in this model's layout (see
         ``allocate_kv_cache``) and its per-layer ``(key, value)`` views, each
-        ``[num_blocks, block_size, num_kv_heads, head_dim]``."""
+        ``[num_blocks, block_size, num_kv_heads, head_dim]`` (``kv_cache_layer_views``)."""
         kv = allocate_kv_cache(
             num_blocks,
             self.num_layers,
@@ -420,8 +428,9 @@ class ModelRunner:
             self.dtype,
             self.device,
             shared_file,
+            self.kv_components,
         )
-        return kv, [(kv[:, i, 0], kv[:, i, 1]) for i in range(self.num_layers)]
+        return kv, kv_cache_layer_views(kv)
 
     @runs_on_own_device
     @torch.inference_mode()

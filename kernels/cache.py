@@ -37,8 +37,11 @@ def allocate_kv_cache(
     dtype: torch.dtype,
     device: torch.device | str = "cpu",
     shared_file: str | None = None,
+    num_components: int = 2,
 ) -> torch.Tensor:
-    """Zeroed ``[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]`` cache.
+    """Zeroed ``[num_blocks, num_layers, num_components, block_size, num_kv_heads, head_dim]``
+    cache: ``num_components`` 2 (K and V, the default) or 1 (an MLA model's latent entry,
+    ``contracts.kv_layout.KVCacheSpec``).
 
     On the CPU it lives in transparent huge pages where the OS offers them
     (``kernels/host_memory.py``): decode attention reads it in scattered blocks.
@@ -51,25 +54,41 @@ def allocate_kv_cache(
             ``engine/executor/multiproc.py``).
 
     Raises:
-        ValueError: ``shared_file`` with a non-CPU device.
+        ValueError: ``shared_file`` with a non-CPU device; ``num_components`` not 1 or 2.
     """
-    shape = (num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim)
+    if num_components not in (1, 2):
+        raise ValueError(f"num_components must be 1 or 2, got {num_components}")
+    shape = (num_blocks, num_layers, num_components, block_size, num_kv_heads, head_dim)
     if shared_file is not None:
         if torch.device(device).type != "cpu":
             raise ValueError(f"shared_file: a shared KV cache is host memory, got {device}")
-        numel = num_blocks * num_layers * 2 * block_size * num_kv_heads * head_dim
+        numel = num_blocks * num_layers * num_components * block_size * num_kv_heads * head_dim
         return torch.from_file(shared_file, shared=True, size=numel, dtype=dtype).view(shape)
     if torch.device(device).type == "cpu":
         return empty_huge_page_tensor(shape, dtype)
     return torch.zeros(shape, dtype=dtype, device=device)
 
 
+def kv_cache_layer_views(kv_cache: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each layer's ``(k_cache, v_cache)`` views of ``kv_cache`` (``allocate_kv_cache``),
+    each ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+
+    With one component (an MLA latent cache) both entries are the same view: the latent
+    is MLA's key and, its first ``kv_lora_rank`` elements, its value
+    (``engine/models/mla.py``).
+    """
+    second = 1 if kv_cache.shape[2] == 2 else 0
+    return [(kv_cache[:, i, 0], kv_cache[:, i, second]) for i in range(kv_cache.shape[1])]
+
+
 def kv_cache_bytes_per_block(
-    num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+    num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+    num_components: int = 2,
 ) -> int:
-    """Bytes of one block across all layers, K and V (the unit the KV store moves)."""
+    """Bytes of one block across all layers, every component (K and V, or an MLA model's
+    latent: ``num_components``): the unit the KV store moves."""
     elem = torch.empty((), dtype=dtype).element_size()
-    return num_layers * 2 * block_size * num_kv_heads * head_dim * elem
+    return num_layers * num_components * block_size * num_kv_heads * head_dim * elem
 
 
 def reshape_and_cache_ref(

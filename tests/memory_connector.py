@@ -169,10 +169,11 @@ class MemoryConnectorWorker(KVConnectorWorker):
     def register_kv_caches(self, kv_cache: torch.Tensor | ShardedKVCache) -> None:
         """Blocks are stored whole (full-head), so a sharded cache's too."""
         if isinstance(kv_cache, torch.Tensor):
-            if kv_cache.dim() != 6 or kv_cache.shape[2] != 2:
+            # dim 2: K and V, or an MLA model's one latent entry (KVCacheSpec)
+            if kv_cache.dim() != 6 or kv_cache.shape[2] not in (1, 2):
                 raise ValueError(
-                    "kv_cache must be [num_blocks, num_layers, 2, block_size, num_kv_heads, "
-                    f"head_dim], got shape {tuple(kv_cache.shape)}"
+                    "kv_cache must be [num_blocks, num_layers, 2 (or 1), block_size, "
+                    f"num_kv_heads, head_dim], got shape {tuple(kv_cache.shape)}"
                 )
             kv_cache = ShardedKVCache.from_tensor(kv_cache)
         self.kv_cache = kv_cache

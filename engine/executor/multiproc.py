@@ -372,7 +372,8 @@ class MultiProcExecutor(Executor):
         dtype = resolve_dtype(self._facts.dtype, "cpu")
         return allocate_kv_cache(num_blocks, len(info["layer_range"]), self.config.cache.block_size,
                                  len(info["kv_head_range"]), self._facts.head_dim, dtype, "cpu",
-                                 shared_file=path)
+                                 shared_file=path,
+                                 num_components=self._facts.kv_spec.num_components)
 
     def register_kv_caches(self, connector_worker: KVConnectorWorker) -> None:
         if not self.kv_caches:

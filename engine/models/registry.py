@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 import torch
 
+from tandem.engine.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from tandem.engine.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from tandem.engine.models.gpt_oss import GptOssForCausalLM
 from tandem.engine.models.interface import CausalLM
@@ -28,6 +29,8 @@ from tandem.engine.models.qwen3 import Qwen3ForCausalLM
 
 #: architecture name (``config.architectures[0]``) -> tandem's native implementation
 MODEL_REGISTRY: dict[str, type[torch.nn.Module]] = {
+    "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
+    "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,

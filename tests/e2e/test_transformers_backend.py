@@ -162,11 +162,13 @@ def test_transformers_impl_equals_native_llama(tmp_path) -> None:
 
 def test_mla_cache_holds_padded_v(tmp_path) -> None:
     """DeepSeek-V3 through transformers' code: the cache geometry is the probed one (K/V
-    expanded to every head, head size max(24, 12)), and it is the layout fingerprinted."""
+    expanded to every head, head size max(24, 12)), and it is the layout fingerprinted.
+    (``auto`` takes the native MLA implementation, whose cache is the latent:
+    tests/e2e/test_llm_mla.py.)"""
     hf = tiny_hf_model(tiny_transformers_config("DeepseekV3ForCausalLM"), std=0.2, seed=2)
     hf.save_pretrained(tmp_path)
     llm = LLM(model=str(tmp_path), dtype="float32", max_model_len=MAX_LEN,
-              kv_cache_memory=1 << 20, model_impl="auto")
+              kv_cache_memory=1 << 20, model_impl="transformers")
     core = llm.llm_engine.engine_core
     assert (core.model_facts.num_kv_heads, core.model_facts.head_dim) == (4, 24)
     assert core.layout.head_dim == 24 and core.model_facts.model_impl == "transformers"
