@@ -20,7 +20,9 @@ pairs are sorted by expert id (one ``argsort``), the tokens gathered in that ord
 each expert that received tokens runs its packed ``w13`` (gate and up stacked) and ``w2``
 once, as one matmul over its contiguous run of rows; the weighted rows are summed back
 per token with one ``index_add_``. The Python loop is over the experts that received
-tokens (at most ``num_experts`` iterations, two matmuls each), never over tokens.
+tokens (at most ``num_experts`` iterations, two matmuls each), never over tokens; when
+most experts are hit (a decode batch of dozens of tokens, a prefill) each expert's run is
+padded to the longest and all experts go through two ``torch.bmm`` calls instead.
 ``fused_experts_ref`` is the per-token loop, the oracle of the tests.
 
 Under expert parallelism a rank holds experts ``[expert_start, expert_start + E_local)``;
@@ -214,31 +216,71 @@ def fused_experts(
     if rows == 0:
         return out
     order = order[:rows]
-    token_of = order // top_k
-    xs = x.index_select(0, token_of)
+    xs = x.index_select(0, order // top_k)
     inter = w2.shape[2]
+    cap = max(counts[:num_local])
+    active = sum(1 for c in counts[:num_local] if c)
+    # Decode steps read every hit expert's weights whatever the padding (memory bound):
+    # up to 16 rows per expert pad freely; past that the padding's FLOPs count (4x).
+    if 2 * active >= num_local and cap * num_local <= max(4 * rows, 16 * num_local):
+        down = _padded_bmm(xs, flat.index_select(0, order), counts[:num_local], cap, w13, w2,
+                           w13_bias, w2_bias, activation, alpha, limit)
+    else:
+        down = _grouped_loop(xs, counts[:num_local], w13, w2, w13_bias, w2_bias, activation,
+                             alpha, limit, inter)
+    # Each pair's row back at its (token, j) place, then the weighted sum over the k as one
+    # batched matmul (no scatter-add; pairs of other ranks' experts stay zero).
+    pairs = x.new_zeros(num_tokens * top_k, x.shape[1]).index_copy_(0, order, down)
+    w = topk_weights.to(x.dtype).view(num_tokens, 1, top_k)
+    return torch.bmm(w, pairs.view(num_tokens, top_k, -1)).squeeze(1)
+
+
+def _grouped_loop(xs: torch.Tensor, counts: list[int], w13: torch.Tensor, w2: torch.Tensor,
+                  w13_bias: torch.Tensor | None, w2_bias: torch.Tensor | None,
+                  activation: str, alpha: float, limit: float, inter: int) -> torch.Tensor:
+    """``xs [rows, H]`` sorted by expert (``counts`` rows each) -> ``[rows, H]``: one
+    matmul per expert that has rows (few experts hit: only their weights are read)."""
+    rows = xs.shape[0]
     gate_up = xs.new_empty(rows, 2 * inter)
     bounds: list[tuple[int, int, int]] = []
     start = 0
-    for e in range(num_local):
-        n = counts[e]
+    for e, n in enumerate(counts):
         if n:
             bounds.append((e, start, start + n))
-            b = w13_bias[e] if w13_bias is not None else None
             torch.mm(xs[start : start + n], w13[e].t(), out=gate_up[start : start + n])
-            if b is not None:
-                gate_up[start : start + n] += b
+            if w13_bias is not None:
+                gate_up[start : start + n] += w13_bias[e]
             start += n
     # One activation over every expert's rows (elementwise: the grouping does not matter).
     act = _activate(gate_up, activation, alpha, limit)
-    down = xs.new_empty(rows, x.shape[1])
+    down = xs.new_empty(rows, xs.shape[1])
     for e, s, t in bounds:
         torch.mm(act[s:t], w2[e].t(), out=down[s:t])
         if w2_bias is not None:
             down[s:t] += w2_bias[e]
-    weights = topk_weights.reshape(-1).index_select(0, order).to(x.dtype)
-    down.mul_(weights.unsqueeze(1))
-    return out.index_add_(0, token_of, down)
+    return down
+
+
+def _padded_bmm(xs: torch.Tensor, sorted_ids: torch.Tensor, counts: list[int], cap: int,
+                w13: torch.Tensor, w2: torch.Tensor, w13_bias: torch.Tensor | None,
+                w2_bias: torch.Tensor | None, activation: str, alpha: float,
+                limit: float) -> torch.Tensor:
+    """As ``_grouped_loop``, each expert's rows padded to ``cap`` and all experts in two
+    ``torch.bmm`` calls: when most experts are hit (decode batches, prefills) one
+    parallel region per projection instead of one per expert (on a loaded 2-core CPU the
+    per-expert loop's thread fork/joins cost 3-20x the matmuls; docs/benchmarks.md)."""
+    num_local, hidden = w13.shape[0], xs.shape[1]
+    starts = torch.tensor([0, *counts[:-1]], dtype=torch.int64).cumsum(0)
+    slot = sorted_ids * cap + (torch.arange(xs.shape[0]) - starts.index_select(0, sorted_ids))
+    padded = xs.new_zeros(num_local * cap, hidden).index_copy_(0, slot, xs)
+    gate_up = torch.bmm(padded.view(num_local, cap, hidden), w13.transpose(1, 2))
+    if w13_bias is not None:
+        gate_up += w13_bias.unsqueeze(1)
+    act = _activate(gate_up, activation, alpha, limit)
+    down = torch.bmm(act, w2.transpose(1, 2))
+    if w2_bias is not None:
+        down += w2_bias.unsqueeze(1)
+    return down.view(num_local * cap, hidden).index_select(0, slot)
 
 
 def fused_experts_ref(

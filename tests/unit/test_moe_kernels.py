@@ -11,7 +11,7 @@ from tiny_models import tiny_config
 
 from tandem.engine.config import ParallelConfig
 from tandem.engine.models.moe import ExpertShard, MoESpec
-from tandem.kernels.moe import fused_experts, fused_experts_ref, select_experts
+from tandem.kernels.moe import ACTIVATIONS, fused_experts, fused_experts_ref, select_experts
 
 H, I, E, K = 64, 32, 8, 2  # noqa: E741 - hidden, intermediate, experts, top-k
 
@@ -41,6 +41,24 @@ def test_fused_experts_equals_per_token_reference(activation: str, num_tokens: i
     got = fused_experts(x, w13, w2, weights, ids, **kw)
     want = fused_experts_ref(x, w13, w2, weights, ids, **kw)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("routing", ["two-experts-loop", "balanced-bmm"])
+def test_both_grouped_paths_equal_the_reference(routing: str) -> None:
+    """Few experts hit: the per-expert loop; all hit, balanced: the padded ``bmm``."""
+    w13, w2, b13, b2 = _weights(bias=True)
+    t = 24
+    if routing == "two-experts-loop":
+        ids = torch.tensor([[0, 1]] * t)
+    else:
+        ids = torch.arange(t * K).remainder(E).view(t, K)
+    weights = torch.rand(t, K, generator=torch.Generator().manual_seed(4))
+    x = torch.randn(t, H)
+    for act in ACTIVATIONS:
+        kw = dict(w13_bias=b13, w2_bias=b2, activation=act)
+        torch.testing.assert_close(fused_experts(x, w13, w2, weights, ids, **kw),
+                                   fused_experts_ref(x, w13, w2, weights, ids, **kw),
+                                   rtol=1e-5, atol=1e-5)
 
 
 def test_fused_experts_bf16_close_to_reference() -> None:
