@@ -53,6 +53,8 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from tandem.engine.config import QUANTIZATION_CHOICES
+
 BACKENDS = ("tandem", "hf", "llama.cpp")
 
 # llama-cpp-python builds llama.cpp from source on install (minutes), so it is an
@@ -76,6 +78,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--input-len", type=int, default=256, help="prompt tokens per request")
     p.add_argument("--output-len", type=int, default=128, help="generated tokens per request")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    p.add_argument("--quantization", default=None, choices=list(QUANTIZATION_CHOICES),
+                   help="tandem: quantized weights (LLM(quantization=...)); int8 / int4 "
+                        "quantize on load")
     p.add_argument("--model-impl", default="auto", choices=["auto", "tandem", "transformers"],
                    help="tandem: which implementation runs the model (LLM(model_impl=...))")
     p.add_argument("--device", default="cpu",
@@ -299,6 +304,7 @@ def run_tandem(
         enforce_eager=getattr(args, "enforce_eager", False),
         gpu_memory_utilization=getattr(args, "gpu_memory_utilization", 0.9),
         model_impl=getattr(args, "model_impl", "auto"),
+        quantization=getattr(args, "quantization", None),
         max_model_len=args.input_len + args.output_len + 16,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,

@@ -13,6 +13,10 @@ from typing import Any, Literal
 
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 ModelImpl = Literal["auto", "tandem", "transformers"]
+#: ``ModelConfig.quantization`` values (vLLM's names; ``engine/quantization``'s registry,
+#: kept here so the config stays torch-free: tests/unit/test_quant_formats.py checks both).
+QUANTIZATION_CHOICES: tuple[str, ...] = ("gptq", "awq", "compressed-tensors", "fp8", "int8",
+                                         "int4")
 
 
 @dataclass(frozen=True)
@@ -47,10 +51,16 @@ class ModelConfig:
             own modeling code over tandem's paged attention
             (``engine/models/transformers_backend.py``), "auto" the native one where
             the architecture has one, else transformers.
+        quantization: quantized weights (vLLM's ``--quantization``): ``None`` runs the
+            checkpoint as it is (its ``quantization_config``: gptq, awq,
+            compressed-tensors, fp8); one of ``QUANTIZATION_CHOICES``: that method
+            (``engine/quantization``), which must match a quantized checkpoint, while
+            "int8" / "int4" quantize an unquantized one on load.
 
     Raises:
-        ValueError: naming the field: an unknown ``dtype`` or ``model_impl``, a bad ``device``,
-            ``max_model_len < 1``, ``deterministic`` on CUDA.
+        ValueError: naming the field: an unknown ``dtype``, ``model_impl`` or
+            ``quantization``, a bad ``device``, ``max_model_len < 1``, ``deterministic``
+            on CUDA.
     """
 
     model: str | None = None
@@ -61,8 +71,12 @@ class ModelConfig:
     deterministic: bool = False
     enforce_eager: bool = False
     model_impl: ModelImpl = "auto"
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
+        if self.quantization is not None and self.quantization not in QUANTIZATION_CHOICES:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_CHOICES)} "
+                             f"(or None: the checkpoint's own), got {self.quantization!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(
                 f"dtype must be one of auto, float32, bfloat16, float16, got {self.dtype!r}"

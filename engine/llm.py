@@ -72,6 +72,9 @@ class LLM:
         enforce_eager: never replay CUDA graphs (``ModelConfig.enforce_eager``).
         model_impl: "auto", "tandem" or "transformers" (vLLM's name; see
             ``ModelConfig.model_impl``).
+        quantization: quantized weights (vLLM's name; ``ModelConfig.quantization``):
+            ``None`` the checkpoint's own, or gptq, awq, compressed-tensors, fp8, and
+            int8 / int4 (quantized on load).
         compilation_config: the CUDA graph capture sizes, a ``CompilationConfig`` or
             its fields as a mapping (vLLM's ``cudagraph_capture_sizes``,
             ``max_cudagraph_capture_size``); ``None``: the defaults. CUDA only.
@@ -111,6 +114,7 @@ class LLM:
         compilation_config: dict[str, Any] | CompilationConfig | None = None,
         generation_config: str = "auto",
         model_impl: str = "auto",
+        quantization: str | None = None,
     ) -> None:
         folder, gguf = resolve_model_path(model)
         # read first: a bad file fails before the model loads
@@ -126,6 +130,7 @@ class LLM:
                 deterministic=deterministic,
                 enforce_eager=enforce_eager,
                 model_impl=model_impl,  # type: ignore[arg-type]
+                quantization=quantization,
             ),
             cache=CacheConfig(
                 block_size=block_size,

@@ -39,6 +39,7 @@ from tandem.engine.config import ModelConfig
 from tandem.engine.model_facts import model_context_len, resolve_max_model_len
 from tandem.engine.model_files import load_tokenizer, model_id_of, resolve_model_path
 from tandem.engine.models.registry import build_model, resolve_model_impl
+from tandem.engine.quantization import resolve_quantization, weight_bytes
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -237,10 +238,11 @@ def load_model(model_config: ModelConfig) -> LoadedModel:
         hf_model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **kwargs)
         hf_config = hf_model.config
         impl = resolve_model_impl(hf_config, model_config.model_impl)
+        quant = resolve_quantization(model_config.quantization, hf_config)
         max_position = resolve_max_model_len(model_config.max_model_len,
                                              model_context_len(hf_config))
         weights: Any = hf_model.state_dict()
-        model = build_model(hf_config, weights, dtype, device, max_position, impl)
+        model = build_model(hf_config, weights, dtype, device, max_position, impl, quant)
         tokenizer = load_tokenizer(model_config.model)
         _write_gguf_cache(os.path.join(folder, gguf), hf_config, weights, tokenizer)
         del hf_model, weights
@@ -250,10 +252,11 @@ def load_model(model_config: ModelConfig) -> LoadedModel:
         hf_config = AutoConfig.from_pretrained(source, local_files_only=True)
         # fail on an unsupported architecture before the weights
         impl = resolve_model_impl(hf_config, model_config.model_impl)
+        quant = resolve_quantization(model_config.quantization, hf_config)
         max_position = resolve_max_model_len(model_config.max_model_len,
                                              model_context_len(hf_config))
         model = build_model(hf_config, _iter_folder_weights(source), dtype, device, max_position,
-                            impl)
+                            impl, quant)
         tokenizer = load_tokenizer(model_config.model) if _has_tokenizer(source, gguf) else None
         if tokenizer is None:
             logger.warning("model %s has no tokenizer files: token-id input only", folder)
@@ -270,11 +273,13 @@ def load_model(model_config: ModelConfig) -> LoadedModel:
     )
     num_params = sum(p.numel() for p in model.parameters())
     logger.info(
-        "loaded %s (%s, %s implementation, %.1fM params) as %s on %s",
+        "loaded %s (%s, %s implementation, %.1fM params, weights %.1f MB%s) as %s on %s",
         loaded.model_id,
         type(model).__name__,
         impl,
         num_params / 1e6,
+        weight_bytes(model) / 1e6,
+        f", quantization {quant.name}" if quant is not None else "",
         dtype,
         device,
     )

@@ -32,6 +32,7 @@ from tandem.engine.models.fused_path import FusedDecodePath, FusedLayer
 from tandem.engine.models.interface import IntermediateTensors, KVCacheViews
 from tandem.engine.models.layers import MLP, RMSNorm
 from tandem.engine.models.sharding import ModelShard, PPMissingLayer, VocabParallelEmbedding
+from tandem.engine.quantization.base import is_quant_param, load_quant_part
 from tandem.kernels.attention import AttentionMetadata, paged_attention
 from tandem.kernels.cache import reshape_and_cache
 from tandem.kernels.fused_decode import FusedDecode
@@ -438,6 +439,12 @@ class LlamaForCausalLM(nn.Module):
         param = params.get(target)
         if param is None or len(parts) < 2:
             raise ValueError(f"unexpected weight {name!r} for {type(self).__name__}")
+        if is_quant_param(param):  # a quantized layer's packed tensor (engine/quantization)
+            offsets = None if part is None else self._shard_offsets(target.split(".")[-2])
+            load_quant_part(param, part or 0, offsets,
+                            self.shard.shard_hf_tensor(parts[-2], parts[-1], tensor), name)
+            loaded.add(target if part is None else f"{target}#{part}")
+            return
         dst: torch.Tensor = param
         if part is not None:
             offsets = self._shard_offsets(target.split(".")[-2])

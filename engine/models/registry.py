@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 import torch
 
+from tandem.engine import quantization as quant
 from tandem.engine.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from tandem.engine.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from tandem.engine.models.gpt_oss import GptOssForCausalLM
@@ -26,6 +27,7 @@ from tandem.engine.models.moe_models import (
 from tandem.engine.models.phi3 import Phi3ForCausalLM
 from tandem.engine.models.qwen2 import Qwen2ForCausalLM
 from tandem.engine.models.qwen3 import Qwen3ForCausalLM
+from tandem.engine.quantization import QuantizationMethod
 
 #: architecture name (``config.architectures[0]``) -> tandem's native implementation
 MODEL_REGISTRY: dict[str, type[torch.nn.Module]] = {
@@ -132,6 +134,7 @@ def build_model(
     device: torch.device | str,
     max_position: int,
     model_impl: str = "auto",
+    quantization: QuantizationMethod | None = None,
 ) -> CausalLM:
     """Instantiate our model for ``config`` and load ``weights`` into it.
 
@@ -144,6 +147,8 @@ def build_model(
         dtype / device: of the parameters.
         max_position: rotary table length in tokens.
         model_impl: "auto", "tandem" or "transformers" (``resolve_model_impl``).
+        quantization: the method the weights are quantized with (``engine/quantization``;
+            ``resolve_quantization``), or ``None``.
 
     Raises:
         ValueError: unsupported architecture, or weights that do not fit.
@@ -157,10 +162,17 @@ def build_model(
         cls = TransformersForCausalLM
     with torch.device("meta"):
         model = cls(config, max_position=max_position, dtype=dtype, device=device)
-    model = model.to(dtype=dtype).to_empty(device=device)
+    model = model.to(dtype=dtype)
+    if quantization is not None:  # after .to(dtype): it keeps the packed tensors' dtypes
+        quant.prepare_model(model, quantization, dtype)
+    model = model.to_empty(device=device)
     if isinstance(weights, dict):
         weights = weights.items()
     assert isinstance(model, CausalLM), f"{cls.__name__} does not implement CausalLM"
+    if quantization is not None:
+        weights = quant.filter_weights(weights, quantization)
     model.load_weights(weights)
+    if quantization is not None:
+        quant.finish_model(model, quantization)
     model.eval().requires_grad_(False)
     return model

@@ -33,6 +33,7 @@ from grpc_reflection.v1alpha import reflection
 from tandem.contracts.role import ROLES, Role
 from tandem.engine.config import (
     DEFAULT_GPU_MEMORY_UTILIZATION,
+    QUANTIZATION_CHOICES,
     CacheConfig,
     CompilationConfig,
     EngineConfig,
@@ -92,6 +93,9 @@ def build_parser(prog: str, role: Role | None) -> argparse.ArgumentParser:
     p.add_argument("--advertise-address", default=None,
                    help="HOST:PORT the router dials (default: --listen, wildcard host -> hostname)")
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
+    p.add_argument("--quantization", "-q", default=None, choices=QUANTIZATION_CHOICES,
+                   help="quantized weights (vLLM's flag): default the checkpoint's own "
+                        "quantization_config; int8 / int4 quantize an unquantized one on load")
     p.add_argument("--model-impl", default="auto", choices=("auto", "tandem", "transformers"),
                    help="which implementation runs the model (vLLM's flag): tandem's native "
                         "one, transformers' modeling code over tandem's paged attention, or "
@@ -205,7 +209,7 @@ def build_engine_config(ns: argparse.Namespace, role: Role | str) -> EngineConfi
         model=ModelConfig(model=ns.model, dtype=ns.dtype, device=ns.device,
                           max_model_len=ns.max_model_len, seed=ns.seed,
                           deterministic=ns.deterministic, enforce_eager=ns.enforce_eager,
-                          model_impl=ns.model_impl),
+                          model_impl=ns.model_impl, quantization=ns.quantization),
         cache=CacheConfig(block_size=ns.block_size, kv_cache_memory_bytes=ns.kv_cache_memory,
                           gpu_memory_utilization=ns.gpu_memory_utilization,
                           num_blocks_override=ns.num_kv_blocks),

@@ -1,0 +1,88 @@
+"""``GroupQuantLinear``: the layer every integer method (GPTQ, AWQ, compressed-tensors
+``pack-quantized``, on-load int4) ends as, in the canonical layout of
+``kernels/quant/packing.py``; and the act-order permutation from a ``g_idx``."""
+
+from __future__ import annotations
+
+import torch
+
+from tandem.engine.quantization.base import QuantLinear
+from tandem.kernels.quant.grouped import grouped_linear_reference
+from tandem.kernels.quant.packing import to_canonical
+
+
+def act_order_perm(g_idx: torch.Tensor, group_size: int, in_features: int,
+                   name: str) -> torch.Tensor | None:
+    """The input permutation that makes a ``g_idx``'s groups contiguous, or ``None``
+    when it is already the trivial ``arange(in) // group_size``.
+
+    Args:
+        g_idx: ``[in]`` integer group of each input column (GPTQ ``desc_act``).
+        group_size / in_features: of the layer.
+        name: the tensor's name, for errors.
+
+    Raises:
+        ValueError: naming ``name``: a wrong length, a group index out of range, or a
+            group that does not hold exactly ``group_size`` columns.
+    """
+    if g_idx.shape != (in_features,):
+        raise ValueError(f"quantized tensor {name!r} has shape {tuple(g_idx.shape)}, "
+                         f"expected ({in_features},)")
+    groups = in_features // group_size
+    g = g_idx.to(torch.int64)
+    if int(g.min()) < 0 or int(g.max()) >= groups:
+        raise ValueError(f"quantized tensor {name!r}: group indices must lie in "
+                         f"[0, {groups}), got {int(g.min())}..{int(g.max())}")
+    counts = torch.bincount(g, minlength=groups)
+    if not bool((counts == group_size).all()):
+        raise ValueError(f"quantized tensor {name!r} does not match the group size "
+                         f"{group_size}: each group must hold {group_size} columns")
+    trivial = torch.arange(in_features, device=g.device) // group_size
+    if torch.equal(g, trivial):
+        return None
+    return torch.sort(g, stable=True).indices
+
+
+class GroupQuantLinear(QuantLinear):
+    """A linear over canonical group-quantized weights (``kernels/quant/grouped.py``).
+
+    Built from unpacked values by ``set_weights``; holds buffers ``q`` (uint8, see
+    ``packing.to_canonical``), ``scales [out, groups]`` (compute dtype), ``zeros
+    [out, groups]`` float32 or ``None``, ``perm [in]`` int64 or ``None``.
+    """
+
+    q: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor | None
+    perm: torch.Tensor | None
+
+    bits: int = 4
+    group_size: int = 128
+
+    def set_weights(self, values: torch.Tensor, scales: torch.Tensor,
+                    zeros: torch.Tensor | None, bits: int, group_size: int,
+                    perm: torch.Tensor | None) -> None:
+        """Store the weight in the canonical layout.
+
+        Args:
+            values: ``[out, in]`` unsigned integer values in input order.
+            scales / zeros: ``[out, in / group_size]`` (zeros in units of ``values``).
+            bits / group_size: of the values.
+            perm: act-order permutation (``act_order_perm``) or ``None``.
+        """
+        if perm is not None:
+            values = values.index_select(1, perm)
+        self.bits, self.group_size = bits, group_size
+        self.register_buffer("q", to_canonical(values, bits), persistent=False)
+        self.register_buffer("scales", scales.to(self.compute_dtype).contiguous(),
+                             persistent=False)
+        self.register_buffer("zeros", None if zeros is None else zeros.float().contiguous(),
+                             persistent=False)
+        self.register_buffer("perm", perm, persistent=False)
+
+    def finish_loading(self, prefix: str) -> None:
+        """Nothing to repack (built by ``set_weights``)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return grouped_linear_reference(x, self.q, self.scales, self.zeros, self.bits,
+                                        self.group_size, self.perm, self.bias)
