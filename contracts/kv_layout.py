@@ -25,7 +25,9 @@ from tandem.contracts.block_hash import BlockHash
 from tandem.contracts.block_key import BlockKey
 
 #: Bytes per element of the KV cache dtypes the engine supports.
-DTYPE_ITEMSIZE: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
+DTYPE_ITEMSIZE: dict[str, int] = {
+    "float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1,
+}
 
 #: Length of a layout fingerprint in bytes.
 FINGERPRINT_BYTES = 16
@@ -110,12 +112,15 @@ class KVCacheLayout:
         num_kv_heads: KV heads per layer (of this tensor-parallel shard).
         head_dim: size of one head.
         dtype: torch dtype name of the cache without ``torch.``: "float32",
-            "bfloat16" or "float16".
+            "bfloat16", "float16", or an FP8 cache's "float8_e4m3fn" / "float8_e5m2".
         block_size: tokens per block.
         tp_rank: tensor-parallel rank whose shard the block holds.
         tp_size: tensor-parallel world size.
         kind: "mha" or "mla" (``KVCacheSpec.kind``).
         rope_dim: "mla": the rotary elements at the end of ``head_dim`` (0 for "mha").
+        kv_scales: an FP8 cache's scales' identity (``kernels.kv_quant.scales_id``: a hash
+            of every layer's K and V scale), "" for a cache stored unscaled: blocks
+            quantized under other scales are another layout.
 
     Raises:
         ValueError: a field out of range (named in the message).
@@ -131,6 +136,7 @@ class KVCacheLayout:
     tp_size: int = 1
     kind: str = "mha"
     rope_dim: int = 0
+    kv_scales: str = ""
 
     def __post_init__(self) -> None:
         if not self.model_id:
@@ -147,7 +153,8 @@ class KVCacheLayout:
 
     @classmethod
     def of_spec(cls, spec: KVCacheSpec, *, model_id: str, num_layers: int, dtype: str,
-                block_size: int, tp_rank: int = 0, tp_size: int = 1) -> KVCacheLayout:
+                block_size: int, tp_rank: int = 0, tp_size: int = 1,
+                kv_scales: str = "") -> KVCacheLayout:
         """The layout of a cache of ``spec`` per token and layer.
 
         Raises:
@@ -155,7 +162,8 @@ class KVCacheLayout:
         """
         return cls(model_id=model_id, num_layers=num_layers, num_kv_heads=spec.num_kv_heads,
                    head_dim=spec.head_dim, dtype=dtype, block_size=block_size,
-                   tp_rank=tp_rank, tp_size=tp_size, kind=spec.kind, rope_dim=spec.rope_dim)
+                   tp_rank=tp_rank, tp_size=tp_size, kind=spec.kind, rope_dim=spec.rope_dim,
+                   kv_scales=kv_scales)
 
     @property
     def spec(self) -> KVCacheSpec:
@@ -187,7 +195,8 @@ class KVCacheLayout:
         an unsharded layout keeps the fingerprint it had before those fields existed
         (blocks already in a store stay readable); likewise ``kind`` and ``rope_dim`` enter
         only for an "mla" layout, so every "mha" fingerprint is what it was, and no "mla"
-        one can equal an "mha" one of any geometry (its string names ``kind=mla``).
+        one can equal an "mha" one of any geometry (its string names ``kind=mla``);
+        ``kv_scales`` enters only when set (an FP8 cache, whose dtype differs anyway).
         Computed once per object: the store client compares it with every key.
         """
         names = [f.name for f in fields(self)]
@@ -195,6 +204,8 @@ class KVCacheLayout:
             names = [n for n in names if n not in ("tp_rank", "tp_size")]
         if self.kind == "mha":
             names = [n for n in names if n not in ("kind", "rope_dim")]
+        if not self.kv_scales:
+            names.remove("kv_scales")
         canon = "|".join(f"{n}={getattr(self, n)}" for n in names)
         return hashlib.sha256(canon.encode()).digest()[:FINGERPRINT_BYTES]
 

@@ -17,6 +17,9 @@ ModelImpl = Literal["auto", "tandem", "transformers"]
 #: kept here so the config stays torch-free: tests/unit/test_quant_formats.py checks both).
 QUANTIZATION_CHOICES: tuple[str, ...] = ("gptq", "awq", "compressed-tensors", "fp8", "int8",
                                          "int4")
+KVCacheDType = Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"]
+#: vLLM's ``--kv-cache-dtype`` choices (``kernels/kv_quant.py`` maps them to torch dtypes).
+KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 
 @dataclass(frozen=True)
@@ -118,6 +121,15 @@ class CacheConfig:
             available at start that the KV cache and a step's activations may take.
         num_blocks_override: force this many blocks (tests of preemption).
         enable_prefix_caching: reuse cached full blocks across requests.
+        cache_dtype: the KV cache's element type (vLLM's ``--kv-cache-dtype`` /
+            ``LLM(kv_cache_dtype=...)``): "auto" the model's dtype; "fp8" / "fp8_e4m3"
+            (``torch.float8_e4m3fn``) or "fp8_e5m2": one byte per element, about twice
+            the tokens in the same memory and half the bytes through the KV store, with
+            per-tensor K and V scales of each layer (``kernels/kv_quant.py``).
+
+    Raises:
+        ValueError: naming the field: a bad block size, budget, utilization, override
+            or an unknown ``cache_dtype``.
     """
 
     block_size: int = 16
@@ -125,8 +137,12 @@ class CacheConfig:
     gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
     num_blocks_override: int | None = None
     enable_prefix_caching: bool = True
+    cache_dtype: KVCacheDType = "auto"
 
     def __post_init__(self) -> None:
+        if self.cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype (cache_dtype) must be one of "
+                             f"{', '.join(KV_CACHE_DTYPES)}, got {self.cache_dtype!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:

@@ -132,11 +132,14 @@ class EngineCore:
         self.cpu_turns = CpuTurns(lock) if lock is not None else None
         spec = config.speculative
         logger.info(
-            "engine ready: model=%s dtype=%s blocks=%d (%d tokens) max_model_len=%d%s",
+            "engine ready: model=%s dtype=%s kv_cache_dtype=%s blocks=%d (%d tokens, %d KV "
+            "bytes per token) max_model_len=%d%s",
             self.layout.model_id,
+            self.model_facts.dtype,
             self.layout.dtype,
             num_blocks,
             num_blocks * config.cache.block_size,
+            self.kv_cache_bytes_per_token,
             self.max_model_len,
             "" if spec is None
             else f" speculative={spec.method} k={spec.num_speculative_tokens}",
@@ -150,11 +153,19 @@ class EngineCore:
         return self.executor.tokenizer
 
     @property
+    def kv_cache_bytes_per_token(self) -> int:
+        """KV cache bytes one token takes across all layers (this engine's layout: what
+        the store moves per token; half for an FP8 cache of a 16-bit model)."""
+        layout = self.layout
+        return layout.block_bytes // layout.block_size
+
+    @property
     def layout(self) -> KVCacheLayout:
         """Layout of this engine's KV blocks (for the KV store's key fingerprint)."""
         f = self.model_facts
         return KVCacheLayout.of_spec(f.kv_spec, model_id=f.model_id, num_layers=f.num_layers,
-                                     dtype=f.dtype, block_size=self.config.cache.block_size)
+                                     dtype=f.cache_dtype, block_size=self.config.cache.block_size,
+                                     kv_scales=f.kv_scales)
 
     def _make_grammar_backend(self) -> XgrammarBackend:
         """The xgrammar backend over this model's tokenizer (first constrained request).

@@ -45,6 +45,8 @@ class LLM:
         max_model_len: context length in tokens (``None``: the model's).
         block_size: tokens per KV block.
         kv_cache_memory: KV cache budget in bytes (``None``: measured).
+        kv_cache_dtype: the KV cache's element type (vLLM's name): "auto" (the model's
+            dtype), "fp8" / "fp8_e4m3" or "fp8_e5m2" (``CacheConfig.cache_dtype``).
         gpu_memory_utilization: the fraction of the GPU's total memory this engine may
             take, weights and activations included (vLLM's name; default 0.9); engines
             sharing a GPU split it. See ``CacheConfig``.
@@ -115,6 +117,7 @@ class LLM:
         generation_config: str = "auto",
         model_impl: str = "auto",
         quantization: str | None = None,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         folder, gguf = resolve_model_path(model)
         # read first: a bad file fails before the model loads
@@ -138,6 +141,7 @@ class LLM:
                 gpu_memory_utilization=gpu_memory_utilization,
                 num_blocks_override=num_blocks,
                 enable_prefix_caching=enable_prefix_caching,
+                cache_dtype=kv_cache_dtype,  # type: ignore[arg-type]
             ),
             scheduler=SchedulerConfig(
                 max_num_batched_tokens=max_num_batched_tokens,

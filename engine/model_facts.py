@@ -43,6 +43,9 @@ class ModelFacts:
         kv_kind: the cache kind, "mha" (per-head K and V) or "mla" (DeepSeek's latent), see
             ``contracts.kv_layout.KVCacheSpec``.
         kv_rope_dim: "mla": the rotary elements at the end of the latent entry (else 0).
+        kv_cache_dtype: dtype name of the KV cache when it differs from ``dtype`` (an FP8
+            cache: "float8_e4m3fn" or "float8_e5m2"), "" when the cache has ``dtype``.
+        kv_scales: an FP8 cache's scales' identity (``kernels.kv_quant.scales_id``), "".
 
     Raises:
         ValueError: naming the field, for a count below 1 or an inconsistent KV spec.
@@ -61,6 +64,8 @@ class ModelFacts:
     model_impl: str = "tandem"
     kv_kind: str = "mha"
     kv_rope_dim: int = 0
+    kv_cache_dtype: str = ""
+    kv_scales: str = ""
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "max_model_len", "num_layers", "num_kv_heads", "head_dim"):
@@ -69,6 +74,11 @@ class ModelFacts:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         # kind, heads and rope_dim are valid only together: the spec checks them
         KVCacheSpec(self.kv_kind, self.num_kv_heads, self.head_dim, self.kv_rope_dim)
+
+    @property
+    def cache_dtype(self) -> str:
+        """dtype name of the KV cache: ``kv_cache_dtype`` or, when unset, ``dtype``."""
+        return self.kv_cache_dtype or self.dtype
 
     @property
     def kv_spec(self) -> KVCacheSpec:

@@ -28,6 +28,7 @@ samples and returns the step's output, the others an empty one.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import logging
 import sys
 
@@ -55,6 +56,12 @@ from tandem.kernels.cache import (
     allocate_kv_cache,
     kv_cache_bytes_per_block,
     kv_cache_layer_views,
+)
+from tandem.kernels.kv_quant import (
+    check_fp8_kv_cache_supported,
+    is_fp8,
+    resolve_kv_cache_dtype,
+    scales_id,
 )
 from tandem.kernels.linear import batch_variant_layers, pack_linear_layers
 
@@ -208,6 +215,7 @@ class ModelRunner:
         self.dtype: torch.dtype = self.loaded.dtype
         self.device: torch.device = (self.loaded.device if self.cuda_index is None
                                      else torch.device("cuda", self.cuda_index))
+        self._init_kv_cache_dtype(config.cache.cache_dtype)
         self.block_size: int = config.cache.block_size
         self.sampler = Sampler(seed=config.model.seed)
         self.kv_cache: torch.Tensor | None = None
@@ -239,12 +247,36 @@ class ModelRunner:
                 seed=config.model.seed,
             )
 
+    def _init_kv_cache_dtype(self, name: str) -> None:
+        """The cache's element type (``kv_cache_dtype``) and, for an FP8 cache, every
+        attention layer's ``(k_scale, v_scale)`` (1.0 unless the model set calibrated ones,
+        vLLM's default), whose identity joins the facts and so the layout fingerprint.
+
+        Raises:
+            ValueError: naming ``kv_cache_dtype``: unknown, or FP8 on a GPU that cannot
+                convert it.
+        """
+        self.kv_cache_dtype: torch.dtype = resolve_kv_cache_dtype(name, self.dtype)
+        capability = (torch.cuda.get_device_capability(self.device)
+                      if self.device.type == "cuda" else None)
+        check_fp8_kv_cache_supported(self.kv_cache_dtype, self.device.type, capability)
+        if not is_fp8(self.kv_cache_dtype):
+            return
+        scales = [(float(m.k_scale), float(m.v_scale)) for m in self.model.modules()
+                  if hasattr(m, "k_scale") and hasattr(m, "v_scale")]
+        self.facts = dataclasses.replace(
+            self.facts, kv_cache_dtype=str(self.kv_cache_dtype).removeprefix("torch."),
+            kv_scales=scales_id(scales))
+        logger.info("KV cache dtype %s (model %s), %d layers' K/V scales %s", self.facts.
+                    kv_cache_dtype, self.facts.dtype, len(scales), self.facts.kv_scales)
+
     @property
     def block_bytes(self) -> int:
         """Bytes of one KV block across all layers (K and V), plus the proposer's own
         cache for that block (a draft model's)."""
         own = kv_cache_bytes_per_block(
-            self.num_layers, self.block_size, self.num_kv_heads, self.head_dim, self.dtype,
+            self.num_layers, self.block_size, self.num_kv_heads, self.head_dim,
+            self.kv_cache_dtype,
             self.kv_components,
         )
         return own + (self.proposer.block_bytes if self.proposer is not None else 0)
@@ -425,7 +457,7 @@ class ModelRunner:
             self.block_size,
             self.num_kv_heads,
             self.head_dim,
-            self.dtype,
+            self.kv_cache_dtype,
             self.device,
             shared_file,
             self.kv_components,

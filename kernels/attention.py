@@ -62,6 +62,7 @@ from tandem.kernels.attention_metadata import (
     build_attention_metadata,
 )
 from tandem.kernels.backend import KernelBackend
+from tandem.kernels.kv_quant import fp8_triton_decode_applies, is_fp8, paged_attention_fp8
 
 __all__ = [
     "AttentionMetadata",
@@ -538,6 +539,8 @@ def paged_attention(
     sliding_window: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Checked paged attention: ``meta.attention_backend``'s implementation when the
     runner chose one, else by the tensors' kernel backend (Triton on CUDA, the native
@@ -552,6 +555,8 @@ def paged_attention(
         meta, scale, sliding_window: see ``paged_attention_ref``.
         softcap, sinks: see ``paged_attention_math`` (Gemma 2's logit softcapping,
             gpt-oss's per-head sink logits ``[num_heads]``).
+        k_scale, v_scale: an FP8 cache's scales (``kernels/kv_quant.py``): the Triton
+            decode kernel reads it in place, every other path its blocks dequantized.
 
     Returns:
         ``[num_tokens, num_heads, head_dim]``.
@@ -573,6 +578,14 @@ def paged_attention(
         )
     if k_cache.shape[1] != meta.block_size or k_cache.shape[2:] != key.shape[1:]:
         raise ValueError(f"cache view {tuple(k_cache.shape)} does not fit key {tuple(key.shape)}")
+    if is_fp8(k_cache.dtype) and query.dtype == key.dtype and v_cache.dtype == k_cache.dtype:
+        in_place = fp8_triton_decode_applies(query, meta, softcap, sinks)
+        return paged_attention_fp8(
+            query, key, value, k_cache, v_cache, meta, scale, k_scale, v_scale,
+            lambda q, k, v, kc, vc, m: paged_attention(q, k, v, (kc, vc), m, scale,
+                                                       sliding_window, softcap, sinks),
+            functools.partial(decode_attention_triton, sliding_window=sliding_window)
+            if in_place else None)
     if not (query.dtype == key.dtype == k_cache.dtype == v_cache.dtype):
         raise ValueError("query, key and the cache must share a dtype")
     if softcap or sinks is not None:

@@ -22,6 +22,7 @@ import torch
 from tandem.kernels import backend, cpu_ext
 from tandem.kernels.backend import KernelBackend
 from tandem.kernels.host_memory import empty_huge_page_tensor
+from tandem.kernels.kv_quant import is_fp8, quantize_kv
 
 #: The slot of a padding row (a CUDA-graph batch padded to a captured size): its K/V
 #: are not written (vLLM's ``PAD_SLOT_ID``).
@@ -191,11 +192,15 @@ def reshape_and_cache(
     kv_cache_layer_views: tuple[torch.Tensor, torch.Tensor],
     slot_mapping: torch.Tensor,
     block_idx_offset: tuple[torch.Tensor, torch.Tensor] | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Write ``key/value: [num_tokens, num_kv_heads, head_dim]`` into their slots.
 
     Args:
-        key, value: new tokens' K/V, the cache's dtype.
+        key, value: new tokens' K/V, the cache's dtype; or, for an FP8 cache
+            (``kernels/kv_quant.py``), the compute dtype: quantized here as
+            ``clamp(key / k_scale)`` (``value / v_scale``).
         kv_cache_layer_views: ``(k_cache, v_cache)`` of one layer, each
             ``[num_blocks, block_size, num_kv_heads, head_dim]``.
         slot_mapping: ``[num_tokens]`` int64, ``block_id * block_size + offset``;
@@ -204,11 +209,16 @@ def reshape_and_cache(
         block_idx_offset: optional precomputed ``(slot // block_size,
             slot % block_size)`` (the model runner computes it once per step
             instead of once per layer).
+        k_scale, v_scale: an FP8 cache's per-tensor scales (ignored otherwise).
 
     Raises:
         ValueError: on shape / dtype mismatches.
     """
     k_cache, v_cache = kv_cache_layer_views
+    if is_fp8(k_cache.dtype) and key.dtype != k_cache.dtype:
+        same = value is key  # an MLA latent: one entry, quantized once
+        key = quantize_kv(key, k_scale, k_cache.dtype)
+        value = key if same else quantize_kv(value, v_scale, v_cache.dtype)
     if key.shape != value.shape or key.dim() != 3:
         raise ValueError(
             f"key and value must both be [num_tokens, num_kv_heads, head_dim], got "

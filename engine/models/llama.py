@@ -71,6 +71,9 @@ class Attention(nn.Module):
         # Per-head sink logits ``[num_heads]`` of this rank's heads (gpt-oss sets them).
         self.sinks: nn.Parameter | None = None
         self.softcap: float | None = None  # Gemma 2's attention logit softcapping
+        # An FP8 KV cache's per-tensor scales (kernels/kv_quant.py): 1.0 unless calibrated.
+        self.k_scale = 1.0
+        self.v_scale = 1.0
 
     def forward(
         self,
@@ -90,9 +93,11 @@ class Attention(nn.Module):
             k = self.k_norm(k)
         cos, sin = cos_sin
         q, k = rotary_embedding(q, k, cos, sin)
-        reshape_and_cache(k, v, kv_cache, meta.slot_mapping, (meta.block_idx, meta.block_offset))
+        reshape_and_cache(k, v, kv_cache, meta.slot_mapping, (meta.block_idx, meta.block_offset),
+                          self.k_scale, self.v_scale)
         o = paged_attention(q, k, v, kv_cache, meta, self.scale, self.sliding_window,
-                            sinks=self.sinks, softcap=self.softcap)
+                            sinks=self.sinks, softcap=self.softcap, k_scale=self.k_scale,
+                            v_scale=self.v_scale)
         out = self.o_proj(o.view(num_tokens, self.q_size))
         return distributed.get_tp_group().all_reduce(out) if self.tp_size > 1 else out
 

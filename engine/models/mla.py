@@ -214,6 +214,8 @@ class MLAAttention(nn.Module):
         self.kv_b_proj = LatentUpProjection(h, self.nope, self.v_dim, self.rank)
         self.o_proj = nn.Linear(h * self.v_dim, hidden, bias=bias)
         self.scale = mla_softmax_scale(config)
+        # An FP8 latent cache's scale (kernels/kv_quant.py), one for the whole entry: 1.0.
+        self.k_scale = self.v_scale = 1.0
 
     def _rotate(self, q_pe: torch.Tensor, k_pe: torch.Tensor, cos: torch.Tensor,
                 sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -241,11 +243,12 @@ class MLAAttention(nn.Module):
         # One component: the same view twice (kv_cache_layer_views), the entry written once
         # per call of the kernel (each view write lands on the same bytes).
         reshape_and_cache(entry, entry, kv_cache, meta.slot_mapping,
-                          (meta.block_idx, meta.block_offset))
+                          (meta.block_idx, meta.block_offset), self.k_scale, self.k_scale)
         w_uk, w_uv_t = self.kv_b_proj.absorbed()
         q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, H, rank]
         query = torch.cat((q_latent, q_pe), dim=-1)
-        out = paged_attention(query, entry, entry, kv_cache, meta, self.scale)
+        out = paged_attention(query, entry, entry, kv_cache, meta, self.scale,
+                              k_scale=self.k_scale, v_scale=self.k_scale)
         # values are the entries' latent part; the rotary columns of the output are dropped
         o = torch.bmm(out[..., : self.rank].transpose(0, 1), w_uv_t)  # [H, T, v]
         return self.o_proj(o.transpose(0, 1).reshape(t, h * self.v_dim))

@@ -146,6 +146,10 @@ class ServiceContext:
             self.role == Role.DECODE
             and bool(getattr(config.kv_transfer.connector_config, "publish_output", False)))
         self.metrics = ServiceMetrics(self.role)
+        self.metrics.labels(self.metrics.kv_cache_bytes_per_token).set(
+            engine.kv_cache_bytes_per_token)
+        self.metrics.labels(self.metrics.kv_cache_capacity_tokens).set(
+            engine.num_blocks * self.block_size)
         self.transfers: TransferEvents | None = None
         self._connector: KVConnectorWorker | None = engine.connector_worker
 

@@ -101,6 +101,13 @@ class ServiceMetrics:
             "tandem:cpu_turn_wait_seconds",
             "Time model steps waited for their turn on CPU cores shared with other engines "
             "(--shared-cpu-lock), s.", labels, registry=r)
+        self.kv_cache_bytes_per_token = Gauge(
+            "tandem:kv_cache_bytes_per_token",
+            "KV cache bytes per token, all layers (what the KV store moves per token; "
+            "--kv-cache-dtype fp8 halves a 16-bit model's).", labels, registry=r)
+        self.kv_cache_capacity_tokens = Gauge(
+            "tandem:kv_cache_capacity_tokens", "Tokens the KV cache holds (blocks x block size).",
+            labels, registry=r)
         self._role = Role(role).value
         self._followed: dict[str, float] = {}
 

@@ -33,6 +33,7 @@ from grpc_reflection.v1alpha import reflection
 from tandem.contracts.role import ROLES, Role
 from tandem.engine.config import (
     DEFAULT_GPU_MEMORY_UTILIZATION,
+    KV_CACHE_DTYPES,
     QUANTIZATION_CHOICES,
     CacheConfig,
     CompilationConfig,
@@ -93,6 +94,10 @@ def build_parser(prog: str, role: Role | None) -> argparse.ArgumentParser:
     p.add_argument("--advertise-address", default=None,
                    help="HOST:PORT the router dials (default: --listen, wildcard host -> hostname)")
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                   help="KV cache element type (vLLM's flag): auto = the model's dtype; fp8 "
+                        "(= fp8_e4m3) or fp8_e5m2 hold about twice the tokens and move half "
+                        "the bytes through the KV store")
     p.add_argument("--quantization", "-q", default=None, choices=QUANTIZATION_CHOICES,
                    help="quantized weights (vLLM's flag): default the checkpoint's own "
                         "quantization_config; int8 / int4 quantize an unquantized one on load")
@@ -212,7 +217,8 @@ def build_engine_config(ns: argparse.Namespace, role: Role | str) -> EngineConfi
                           model_impl=ns.model_impl, quantization=ns.quantization),
         cache=CacheConfig(block_size=ns.block_size, kv_cache_memory_bytes=ns.kv_cache_memory,
                           gpu_memory_utilization=ns.gpu_memory_utilization,
-                          num_blocks_override=ns.num_kv_blocks),
+                          num_blocks_override=ns.num_kv_blocks,
+                          cache_dtype=ns.kv_cache_dtype),
         scheduler=SchedulerConfig(max_num_batched_tokens=ns.max_num_batched_tokens,
                                   max_num_seqs=ns.max_num_seqs,
                                   long_prefill_token_threshold=ns.long_prefill_token_threshold),
