@@ -59,8 +59,10 @@ SOURCES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("bf16_linear_cpu.c", ()),
     ("prefill_attention_cpu.c", ()),
     ("decode_layers_cpu.c", ()),
+    # step-by-step rounding: the scalar GGUF unpacking equals the gguf package's
+    ("gguf_quant_cpu.c", ("-ffp-contract=off",)),
 )
-HEADERS = ("tandem_kernels.h", "team.h", "simd_math.h", "elementwise.h")
+HEADERS = ("tandem_kernels.h", "team.h", "simd_math.h", "elementwise.h", "gguf_quant_simd.h")
 # -Bsymbolic: the library's calls between its own files bind inside it, so the
 # variants loaded side by side in one test process never call into each other.
 _LDFLAGS = ("-shared", "-fopenmp", "-Wl,-Bsymbolic")

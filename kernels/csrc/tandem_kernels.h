@@ -124,4 +124,19 @@ int decode_layers_available(void);
 int decode_layers(const decode_layer *layers, int64_t num_layers, const decode_step *st,
                   int tiles, int num_threads);
 
+/* gguf_quant_cpu.c: linears on GGUF (ggml) quantized blocks, dequantized in registers;
+ * type: ggml's GGMLQuantizationType id (Q4_0 2, Q4_1 3, Q5_0 6, Q5_1 7, Q8_0 8, Q4_K 12,
+ * Q5_K 13, Q6_K 14). Return -1 on an unknown type, -2 on a row length that is not whole
+ * blocks, -3 when memory runs out. gguf_matmul_path() says which path this build runs. */
+#define TANDEM_GGUF_SCALAR 0
+#define TANDEM_GGUF_AVX2 1
+#define TANDEM_GGUF_AVX512 2
+int gguf_block_size(int type);
+int gguf_type_size(int type);
+int gguf_matmul_path(void);
+int gguf_dequant_rows(int type, const void *w, int64_t row_bytes, const int64_t *ids, int64_t n,
+                      int64_t K, void *out, int64_t so, int out_bf16, int num_threads);
+int gguf_matmul(int type, const float *x, int64_t sx, int64_t M, int64_t K, const void *w,
+                int64_t N, float *y, int64_t sy, int num_threads);
+
 #endif
