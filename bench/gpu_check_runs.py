@@ -119,6 +119,28 @@ def tandem_greedy(ctx: Context, folder: Path, dtype: str, prompts: list[list[int
     return [list(o.outputs[0].token_ids) for o in outs], replays
 
 
+def sampled_run(ctx: Context, folder: Path, prompts: list[list[int]], vocab: int,
+                dtype: str = "float16", new_tokens: int = 16) -> dict[str, Any]:
+    """Seeded temperature sampling in ``dtype`` (float16: its logits were once refused by
+    the sampler), through both sampler paths (temperature only: the fused race; with
+    top-k/top-p: the truncated one), twice in one engine; ``passed``: every request got
+    ``new_tokens`` ids inside the vocabulary and the second pass drew what the first did."""
+    from tandem import LLM, SamplingParams
+
+    _release(ctx.device)
+    params = [SamplingParams(temperature=0.8, max_tokens=new_tokens, seed=k,
+                             **({"top_k": 50, "top_p": 0.9} if k % 2 else {}))
+              for k in range(len(prompts))]
+    with LLM(model=str(folder), device=ctx.device, dtype=dtype, max_model_len=1024,
+             max_num_seqs=32, enforce_eager=True) as llm:
+        runs = [[list(o.outputs[0].token_ids) for o in llm.generate(prompts, params,
+                                                                     use_tqdm=False)]
+                for _ in range(2)]
+    shaped = all(len(t) == new_tokens and all(0 <= i < vocab for i in t) for t in runs[0])
+    return {"dtype": dtype, "num_prompts": len(prompts), "new_tokens": new_tokens,
+            "repeatable": runs[0] == runs[1], "passed": shaped and runs[0] == runs[1]}
+
+
 def _runner(llm: Any) -> Any:
     return llm.llm_engine.engine_core.executor.driver_worker.model_runner
 
@@ -126,7 +148,8 @@ def _runner(llm: Any) -> Any:
 def check_greedy(ctx: Context) -> dict[str, Any]:
     """tandem vs transformers greedy in float32 and bfloat16, each with CUDA graphs
     (``<dtype>``) and with ``enforce_eager`` (``<dtype>_eager``), and float32 graphs vs
-    eager directly; divergences judged by ``is_near_tie``."""
+    eager directly; divergences judged by ``is_near_tie``. Then seeded float16 sampling
+    (``float16_sampled``, ``sampled_run``)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -159,6 +182,7 @@ def check_greedy(ctx: Context) -> dict[str, Any]:
     vs["divergences"] = divergences(judge, judge, prompts, fp32[True], fp32[False], "float32")
     vs["passed"] = greedy_passed(vs, "float32", need_replays=False)
     result["float32_graphs_vs_eager"] = vs
+    result["float16_sampled"] = sampled_run(ctx, folder, prompts[:8], judge.config.vocab_size)
     result["passed"] = all(v["passed"] for v in result.values() if isinstance(v, dict)
                            and "passed" in v)
     return result
@@ -254,40 +278,59 @@ def _masked_run(ctx: Context, folder: Path, dtype: str, util: float, budget: int
 
 
 def engine_worker(argv: list[str]) -> int:
-    """One of the two engines of ``check_two_engines`` (a process of its own): builds its
-    engine, waits for the other's, generates, and stays up until the other has generated
-    too; writes its JSON to ``<dir>/<name>.json``. Returns 0, or 1 if the peer never came."""
+    """One of the two engines of ``check_two_engines`` (a process of its own): with
+    ``--after PEER``, waits before touching the GPU until that engine has built its engine
+    and allocated its KV cache (its ``<dir>/<peer>.ready``), as ``tandem up`` starts
+    engines sharing a GPU one after another: an engine's memory profile counts the
+    device-wide rise in used memory since it started as its own. Then builds its engine,
+    waits for the other's, generates, and stays up until the other has generated too;
+    writes its JSON to ``<dir>/<name>.json``. Returns 0, or 1 if the peer never came."""
     import argparse
-
-    import torch
-
-    from tandem import LLM, SamplingParams
 
     p = argparse.ArgumentParser(prog="engine-worker")
     for flag in ("--model", "--device", "--name", "--peer", "--dir"):
         p.add_argument(flag, required=True)
+    p.add_argument("--after", help="build the engine only once this engine is ready")
     p.add_argument("--util", type=float, required=True)
     p.add_argument("--max-len", type=int, required=True)
     p.add_argument("--wait-s", type=float, default=120.0)
     a = p.parse_args(argv)
     d = Path(a.dir)
 
-    def barrier(stage: str) -> bool:
-        (d / f"{a.name}.{stage}").write_text("")
+    def arrived(name: str, stage: str) -> bool:
         deadline = time.monotonic() + a.wait_s
-        while not (d / f"{a.peer}.{stage}").exists():
+        while not (d / f"{name}.{stage}").exists():
             if time.monotonic() > deadline:
                 return False
             time.sleep(0.05)
         return True
 
+    def barrier(stage: str) -> bool:
+        (d / f"{a.name}.{stage}").write_text("")
+        return arrived(a.peer, stage)
+
+    # NOTE: importing torch does not touch the GPU (no CUDA context): the imports overlap
+    # the first engine's start, the engine (and _reset_peak, which creates the context)
+    # does not.
+    import torch
+
+    from tandem import LLM, SamplingParams
+
+    report: dict[str, Any] = {}
+    if a.after:
+        start = time.monotonic()
+        report["started_after"] = a.after
+        if not arrived(a.after, "ready"):
+            report["error"] = f"{a.after} never allocated its KV cache"
+            (d / f"{a.name}.json").write_text(json.dumps(report))
+            return 1
+        report["waited_s"] = time.monotonic() - start
     _reset_peak(a.device)
     with LLM(model=a.model, device=a.device, dtype="bfloat16", max_model_len=a.max_len,
              max_num_seqs=1024, enforce_eager=True, gpu_memory_utilization=a.util) as llm:
         runner = _runner(llm)
-        report: dict[str, Any] = {"kv_cache_bytes": runner.kv_cache.numel()
-                                  * runner.kv_cache.element_size(),
-                                  "num_blocks": runner.num_blocks}
+        report["kv_cache_bytes"] = runner.kv_cache.numel() * runner.kv_cache.element_size()
+        report["num_blocks"] = runner.num_blocks
         report["peer_ready"] = barrier("ready")
         g = torch.Generator().manual_seed(4)
         prompts = torch.randint(0, 1000, (64, 32), generator=g).tolist()
@@ -302,9 +345,11 @@ def engine_worker(argv: list[str]) -> int:
 
 def check_two_engines(ctx: Context) -> dict[str, Any]:
     """Two engines on one GPU, as ``tandem up --device cuda`` starts a prefill and a decode
-    engine: two processes started together, each ``gpu_memory_utilization=0.4``, both
-    generate while the other is up; each one's peak allocation within its share and its
-    KV cache at least half of it (``got_its_share``)."""
+    engine: two processes, each ``gpu_memory_utilization=0.4``, the second building its
+    engine only once the first has allocated its KV cache (``engine_worker``'s
+    ``--after``; ``tandem up`` starts GPU sharers one after another), both generate while
+    the other is up; each one's peak allocation within its share and its KV cache at
+    least half of it (``got_its_share``)."""
     s = ctx.sizes
     folder = ensure_model(s["engine_model"], ctx.models)
     d = ctx.out_dir / "two_engines"
@@ -312,15 +357,18 @@ def check_two_engines(ctx: Context) -> dict[str, Any]:
     for old in d.iterdir():
         old.unlink()
     util = s["engines_util"]
+    # NOTE: before the engines start: reading the total creates this process's CUDA
+    # context, which an engine profiling meanwhile would count as its own.
+    total = _total_memory(ctx.device)
     procs = {}
-    for name, peer in (("a", "b"), ("b", "a")):
+    for name, peer, after in (("a", "b", None), ("b", "a", "a")):
         cmd = [sys.executable, "-P", "-m", "tandem.bench.gpu_check_runs", "engine-worker",
                "--model", str(folder), "--device", ctx.device, "--name", name, "--peer", peer,
                "--dir", str(d), "--util", str(util), "--max-len", str(s["engine_max_len"]),
-               "--wait-s", str(max(10.0, ctx.budget_s - 15))]
+               "--wait-s", str(max(10.0, ctx.budget_s - 15)), *(["--after", after] if after
+                                                                 else [])]
         log = open(d / f"{name}.log", "w")  # noqa: SIM115 - closed below
         procs[name] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), log)
-    total = _total_memory(ctx.device)
     result: dict[str, Any] = {"gpu_memory_utilization": util, "total_bytes": total}
     passed = True
     for name, (proc, log) in procs.items():
@@ -330,6 +378,8 @@ def check_two_engines(ctx: Context) -> dict[str, Any]:
             proc.kill()
             rc = proc.wait()
         log.close()
+        if name == "a" and rc != 0:
+            procs["b"][0].kill()  # it would wait for a's cache until its own deadline
         out = d / f"{name}.json"
         entry: dict[str, Any] = json.loads(out.read_text()) if out.exists() else {}
         entry["returncode"] = rc

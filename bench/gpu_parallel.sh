@@ -72,8 +72,11 @@ def main():
         print(f"{name}: TP={tp} PP={pp} {report['cases'][name]['ratio']:.2f}x of TP=1, "
               f"{diff}/{NUM} requests with other tokens", flush=True)
     smi = shutil.which("nvidia-smi")  # torch found the GPUs; nvidia-smi may be missing
-    report["nvidia_smi"] = (subprocess.run([smi, "-L"], capture_output=True, text=True,
-                                           timeout=15).stdout if smi else None)
+    try:  # or hang, or fail: the report is written regardless
+        report["nvidia_smi"] = (subprocess.run([smi, "-L"], capture_output=True, text=True,
+                                               timeout=15).stdout if smi else None)
+    except (OSError, subprocess.SubprocessError):
+        report["nvidia_smi"] = None
     with open(f"{out}/gpu_parallel.json", "w") as f:
         json.dump(report, f, indent=2)
     sys.exit(0 if ok else 1)

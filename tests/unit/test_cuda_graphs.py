@@ -175,6 +175,7 @@ def test_flags_reach_the_engine_config():
     # The services' stack (grpc's health and reflection packages) is not on every image
     # that runs this module: `make gpu-check` runs it on a bare GPU box without them.
     pytest.importorskip("grpc_health", reason="the services' gRPC packages are not installed")
+    pytest.importorskip("redis", reason="the services' Redis client is not installed")
     from tandem.services.common.server import build_engine_config, build_parser
 
     parse = build_parser("tandem serve", None).parse_args

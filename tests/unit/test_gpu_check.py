@@ -1,7 +1,8 @@
 """``make gpu-check`` (bench/gpu_check.py and its helpers) off a GPU: it refuses clearly,
 its pass rules decide as documented (the greedy near-tie rule on synthetic cases and on a
 tiny model), its report has the documented shape (a ``--device cpu`` dry run), a check
-past its budget is cut off, and ``tandem`` imports from a checkout without pip."""
+past its budget is cut off, and ``tandem`` imports from a checkout without pip (the
+repository root on PYTHONPATH, as bench/gpu_check.sh puts it)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tandem.bench import checkout_site, gpu_check, gpu_check_rules, gpu_check_runs
+from tandem.bench import gpu_check, gpu_check_rules, gpu_check_runs
 from tandem.bench.gpu_check_rules import (
     greedy_passed,
     is_near_tie,
@@ -37,14 +38,22 @@ def test_without_cuda_it_says_so_and_fails(tmp_path, capsys):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA machine runs the real check")
 def test_the_shell_entry_exits_2_without_cuda(tmp_path):
     """bench/gpu_check.sh (what `make gpu-check` runs): no pip, `tandem` from the checkout
-    through a site folder, the same exit status 2."""
-    env = dict(os.environ, PYTHON=sys.executable, TANDEM_CHECKOUT_SITE=str(tmp_path / "site"))
+    (the repository root on PYTHONPATH), the same exit status 2, nothing written."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["PYTHON"] = sys.executable
     proc = subprocess.run(["bash", str(ROOT / "bench" / "gpu_check.sh"), "--out",
-                           str(tmp_path / "r.json")], env=env, capture_output=True, text=True,
-                          timeout=120, check=False)
+                           str(tmp_path / "r.json")], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 2, proc.stderr
     assert "no CUDA GPU here" in proc.stderr
-    assert (tmp_path / "site" / "tandem" / "__init__.py").exists()
+    assert not (tmp_path / "r.json").exists()
+
+
+def test_the_shell_entry_without_a_python_exits_2(tmp_path):
+    env = dict(os.environ, PYTHON=str(tmp_path / "no-python"))
+    proc = subprocess.run(["bash", str(ROOT / "bench" / "gpu_check.sh")], env=env,
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert proc.returncode == 2 and "no Python" in proc.stderr
 
 
 def test_cuda_status_reads_torch_not_nvidia_smi(monkeypatch):
@@ -179,6 +188,40 @@ def test_an_engine_sharing_a_gpu_must_get_its_share():
     assert not gpu_check_rules.got_its_share(None, None, share)
 
 
+
+def test_two_engines_start_one_after_the_other(tmp_path, monkeypatch):
+    """The second engine is told to wait for the first's KV cache (``--after a``), as
+    ``tandem up`` starts engines sharing a GPU: an engine's memory profile counts the
+    device-wide rise in used memory as its own."""
+    cmds = []
+
+    class Proc:
+        def __init__(self, cmd, **kwargs):
+            cmds.append(cmd)
+
+        def wait(self, timeout=None):
+            return 0
+
+        def kill(self):
+            pass
+
+    monkeypatch.setattr(gpu_check_runs, "ensure_model", lambda name, root: tmp_path / name)
+    monkeypatch.setattr(gpu_check_runs.subprocess, "Popen", Proc)
+    result = gpu_check_runs.check_two_engines(gpu_check_runs.Context("cpu", tmp_path, 60.0))
+    assert result["passed"] and [c[c.index("--name") + 1] for c in cmds] == ["a", "b"]
+    assert "--after" not in cmds[0]
+    assert cmds[1][cmds[1].index("--after") + 1] == "a"
+
+
+def test_the_second_engine_builds_nothing_without_the_first(tmp_path):
+    rc = gpu_check_runs.engine_worker([
+        "--model", str(tmp_path / "none"), "--device", "cpu", "--name", "b", "--peer", "a",
+        "--dir", str(tmp_path), "--util", "0.1", "--max-len", "64", "--wait-s", "0.2",
+        "--after", "a"])
+    assert rc == 1 and not (tmp_path / "b.ready").exists()
+    report = json.loads((tmp_path / "b.json").read_text())
+    assert report == {"started_after": "a", "error": "a never allocated its KV cache"}
+
 JUNIT = """<?xml version="1.0"?><testsuites><testsuite>
 <testcase classname="tests.unit.test_kernels_triton" name="test_a"/>
 <testcase classname="tests.unit.test_kernels_triton" name="test_rerun"><skipped/></testcase>
@@ -281,12 +324,14 @@ def test_dry_run_report_shape(tmp_path):
         env)
     assert set(env["optional_packages"]) == set(gpu_check.OPTIONAL)
     check = report["checks"]["kv_staging"]
-    assert check["passed"] and check["budget_s"] == gpu_check.BUDGETS["kv_staging"]
+    assert check["passed"] and check["budget_s"] == (gpu_check.BUDGETS["kv_staging"]
+                                                     * gpu_check.DRY_RUN_BUDGET_SCALE)
+    assert report["budget_s"] == gpu_check.TOTAL_BUDGET_S * gpu_check.DRY_RUN_BUDGET_SCALE
     assert check["elapsed_s"] > 0 and check["plan"]["path"] == "host_staging"
     assert (tmp_path / "kv_staging.log").exists()
 
 
-# -- the models, the checkout site -------------------------------------------------------------
+# -- the models, the checkout on PYTHONPATH -------------------------------------------------------------
 
 
 def test_greedy_model_weights_are_exact_in_bfloat16(tmp_path):
@@ -307,42 +352,23 @@ def test_greedy_model_weights_are_exact_in_bfloat16(tmp_path):
         ensure_model("nope", tmp_path)
 
 
-PACKAGE_DIR = """
-[tool.setuptools.package-dir]
-"tandem" = "tandem"
-"tandem.engine" = "engine"
-"tandem.engine.models" = "engine/models"  # nested
-[tool.other]
-"x" = "y"
-"""
-
-
-def test_checkout_site_reads_package_dir_and_rejects_what_links_cannot_serve():
-    mapping = checkout_site.package_dirs(PACKAGE_DIR)
-    assert mapping == {"tandem": "tandem", "tandem.engine": "engine",
-                       "tandem.engine.models": "engine/models"}
-    assert checkout_site.package_dirs("[project]\nname = 'x'\n") == {}
-    links = checkout_site.site_links(ROOT, mapping)
-    assert links["engine"].resolve() == (ROOT / "engine").resolve()
-    assert "__init__.py" in links
-    with pytest.raises(ValueError, match="not under its parent"):
-        checkout_site.site_links(ROOT, {**mapping, "tandem.engine.models": "models"})
-
-
-def test_checkout_site_imports_tandem_from_an_empty_folder(tmp_path):
-    """From another folder, with -P and only the site on the path, `tandem` and its
-    subpackages come from this checkout, and no top-level `kernels` comes from it."""
-    site = checkout_site.build_site(tmp_path / "site")
+def test_the_checkout_root_on_pythonpath_adds_only_tandem(tmp_path):
+    """What bench/gpu_check.sh does, from another folder: with -P and only the repository
+    root on PYTHONPATH, `tandem` and its subpackages come from this checkout and no
+    top-level `kernels` or `engine` does (a folder without __init__.py is at most a
+    namespace portion, which an installed distribution of that name always beats)."""
     work = tmp_path / "elsewhere"
     work.mkdir()
     code = ("import importlib.util, tandem.engine.config, tandem.bench.gpu_check as g, "
             "tandem.v1; s = importlib.util.find_spec('kernels'); "
             "print(g.ROOT, s.origin if s else None)")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env["PYTHONPATH"] = str(site)
+    env["PYTHONPATH"] = str(ROOT)
     proc = subprocess.run([sys.executable, "-P", "-c", code], cwd=work, env=env,
                           capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 0, proc.stderr
     root, kernels = proc.stdout.split()
     assert Path(root) == ROOT
     assert kernels == "None" or not kernels.startswith(str(ROOT / "kernels"))
+    assert not any((ROOT / d / "__init__.py").exists()
+                   for d in ("engine", "kernels", "kvstore", "services", "contracts", "bench"))
