@@ -26,6 +26,7 @@ Called with (dict "root" $ "role" "prefill"|"decode").
 - --model-impl={{ . }}
 {{- end }}
 - --block-size={{ $root.Values.cache.blockSize | int64 }}
+- --kv-cache-dtype={{ $root.Values.cache.kvCacheDtype | default "auto" }}
 {{- with $root.Values.model.maxModelLen }}
 - --max-model-len={{ . | int64 }}
 {{- end }}
