@@ -16,7 +16,7 @@ ModelImpl = Literal["auto", "tandem", "transformers"]
 #: ``ModelConfig.quantization`` values (vLLM's names; ``engine/quantization``'s registry,
 #: kept here so the config stays torch-free: tests/unit/test_quant_formats.py checks both).
 QUANTIZATION_CHOICES: tuple[str, ...] = ("gptq", "awq", "compressed-tensors", "fp8", "int8",
-                                         "int4")
+                                         "int4", "gguf", "none")
 KVCacheDType = Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"]
 #: vLLM's ``--kv-cache-dtype`` choices (``kernels/kv_quant.py`` maps them to torch dtypes).
 KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
@@ -58,7 +58,9 @@ class ModelConfig:
             checkpoint as it is (its ``quantization_config``: gptq, awq,
             compressed-tensors, fp8); one of ``QUANTIZATION_CHOICES``: that method
             (``engine/quantization``), which must match a quantized checkpoint, while
-            "int8" / "int4" quantize an unquantized one on load.
+            "int8" / "int4" quantize an unquantized one on load. A ``.gguf`` model runs
+            on its quantized blocks ("gguf", implied by its tensor types); "none"
+            dequantizes it to ``dtype`` at load instead.
 
     Raises:
         ValueError: naming the field: an unknown ``dtype``, ``model_impl`` or

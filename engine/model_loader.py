@@ -208,6 +208,63 @@ def _eos_of(tokenizer: Any, hf_config: Any) -> int | None:
     return eos
 
 
+def _resolve_quantization(requested: str | None, hf_config: Any) -> Any:
+    """``resolve_quantization``, with "none" (dequantize a GGUF at load) as no method."""
+    if requested == "none":
+        if getattr(hf_config, "quantization_config", None) is not None:
+            raise ValueError("quantization 'none' dequantizes .gguf models at load; this "
+                             "checkpoint has a quantization_config")
+        return None
+    return resolve_quantization(requested, hf_config)
+
+
+def _load_gguf_native(model_config: ModelConfig, folder: str, gguf: str | None,
+                      cached: str | None, dtype: torch.dtype, device: torch.device
+                      ) -> tuple[Any, Any, str, int, Any, Any] | None:
+    """A ``.gguf`` model on its quantized blocks (``engine/quantization/gguf.py``):
+    ``(model, hf_config, impl, max_position, tokenizer, method)``; ``None`` when the model is
+    not a GGUF with quantized projections, ``quantization`` is "none", or the device is
+    not the CPU (the loader then dequantizes at load).
+
+    Raises:
+        ValueError: ``quantization="gguf"`` asked for a model that cannot run so, or a
+            tensor of an unknown type or corrupted blocks (naming it).
+    """
+    requested = model_config.quantization
+    if requested not in (None, "gguf"):
+        return None
+    if gguf is None or device.type != "cpu":
+        if requested == "gguf":
+            raise ValueError("quantization 'gguf' needs a .gguf model on the CPU")
+        return None
+    from transformers import AutoConfig
+
+    from tandem.engine.quantization.gguf import (
+        GGUFMethod,
+        attach_gguf_head,
+        iter_weights,
+        open_checkpoint,
+    )
+
+    path = os.path.join(folder, gguf)
+    if cached is not None:
+        hf_config = AutoConfig.from_pretrained(cached, local_files_only=True)
+    else:
+        hf_config = AutoConfig.from_pretrained(folder, gguf_file=gguf, local_files_only=True)
+    impl = resolve_model_impl(hf_config, model_config.model_impl)
+    ck = open_checkpoint(path, hf_config)
+    if not ck.types:
+        if requested == "gguf":
+            raise ValueError(f"quantization 'gguf': {gguf} has no quantized projections")
+        return None
+    max_position = resolve_max_model_len(model_config.max_model_len,
+                                         model_context_len(hf_config))
+    method = GGUFMethod(ck)
+    model = build_model(hf_config, iter_weights(ck), dtype, device, max_position, impl, method)
+    attach_gguf_head(model, ck)
+    return model, hf_config, impl, max_position, load_tokenizer(model_config.model), method
+
+
 def load_model(model_config: ModelConfig) -> LoadedModel:
     """Load weights, config and tokenizer into our implementation.
 
@@ -231,14 +288,17 @@ def load_model(model_config: ModelConfig) -> LoadedModel:
         kwargs["gguf_file"] = gguf
     cached = _cached_folder(folder, gguf)
     tokenizer: PreTrainedTokenizerBase | None
-    if gguf is not None and cached is None:
+    native = _load_gguf_native(model_config, folder, gguf, cached, dtype, device)
+    if native is not None:
+        model, hf_config, impl, max_position, tokenizer, quant = native
+    elif gguf is not None and cached is None:
         # transformers dequantizes the GGUF tensors into its own model; we copy
         # them out and free it. NOTE: no separate AutoConfig call: each one
         # re-parses the GGUF metadata (~4 s for the default model's vocabulary).
         hf_model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **kwargs)
         hf_config = hf_model.config
         impl = resolve_model_impl(hf_config, model_config.model_impl)
-        quant = resolve_quantization(model_config.quantization, hf_config)
+        quant = _resolve_quantization(model_config.quantization, hf_config)
         max_position = resolve_max_model_len(model_config.max_model_len,
                                              model_context_len(hf_config))
         weights: Any = hf_model.state_dict()
@@ -252,7 +312,7 @@ def load_model(model_config: ModelConfig) -> LoadedModel:
         hf_config = AutoConfig.from_pretrained(source, local_files_only=True)
         # fail on an unsupported architecture before the weights
         impl = resolve_model_impl(hf_config, model_config.model_impl)
-        quant = resolve_quantization(model_config.quantization, hf_config)
+        quant = _resolve_quantization(model_config.quantization, hf_config)
         max_position = resolve_max_model_len(model_config.max_model_len,
                                              model_context_len(hf_config))
         model = build_model(hf_config, _iter_folder_weights(source), dtype, device, max_position,

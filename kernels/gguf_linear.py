@@ -179,8 +179,9 @@ class GGUFLinear(nn.Module):
                 gguf_matmul(xf, p, y32[:, col : col + p.rows])
                 col += p.rows
             y = y32.to(x.dtype)
-        if self.bias is not None:
-            y = y + self.bias.to(y.dtype)
+        bias = self.bias
+        if isinstance(bias, torch.Tensor):
+            y = y + bias.to(y.dtype)
         return y.view(*lead, self.out_features)
 
     def extra_repr(self) -> str:

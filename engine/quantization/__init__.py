@@ -46,6 +46,7 @@ from tandem.engine.quantization.base import (
     load_quant_part,
 )
 from tandem.engine.quantization.compressed_tensors import CompressedTensorsMethod
+from tandem.engine.quantization.gguf import GGUFMethod, NoQuantization
 from tandem.engine.quantization.gptq import GPTQMethod
 from tandem.engine.quantization.methods import Fp8Method, Int4OnLoad, Int8OnLoad
 
@@ -60,7 +61,7 @@ logger = logging.getLogger(__name__)
 #: ``--quantization`` value -> method (vLLM's names)
 QUANTIZATION_METHODS: dict[str, type[QuantizationMethod]] = {
     m.name: m for m in (GPTQMethod, AWQMethod, CompressedTensorsMethod, Fp8Method,
-                        Int8OnLoad, Int4OnLoad)
+                        Int8OnLoad, Int4OnLoad, GGUFMethod, NoQuantization)
 }
 
 #: Architectures whose projections the methods replace (Llama's layers and loader).
