@@ -219,12 +219,16 @@ class TransformersForCausalLM(nn.Module):
             ValueError: naming the tensors the model lacks, the checkpoint lacks or that
                 have the wrong shape, or a failed conversion; as ``_probe``.
         """
-        from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
+        from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, GgufConfig
 
         tattn.register()
         state = {name: t for name, t in weights if "rotary_emb.inv_freq" not in name}
         cls: Any = MODEL_FOR_CAUSAL_LM_MAPPING[type(self.config)]
         config = copy.deepcopy(self.config)
+        if isinstance(getattr(config, "quantization_config", None), GgufConfig):
+            # NOTE: a GGUF's tensors reach here dequantized by the loader: left on the
+            # config, the GGUF entry makes from_pretrained treat them as pre-quantized.
+            del config.quantization_config
         try:
             hf, info = cls.from_pretrained(
                 None, config=config, state_dict=state, dtype=self._dtype,

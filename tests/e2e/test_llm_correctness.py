@@ -162,6 +162,29 @@ def test_greedy_matches_transformers(real, llm) -> None:
             assert out.outputs[0].finish_reason == expected
 
 
+def test_transformers_model_impl_equals_native(real, llm) -> None:
+    """``model_impl="transformers"`` (transformers' own modeling code over tandem's paged
+    attention) on the real default model gives the native implementation's float32 greedy
+    tokens, prompt for prompt, in one batch with chunked prefill."""
+    from dataclasses import replace
+
+    from tandem.engine.models.registry import build_model
+
+    hf_model = build_model(real.hf.config, real.hf.state_dict(), torch.float32, "cpu",
+                           real.loaded.max_position, model_impl="transformers")
+    loaded = replace(real.loaded, model=hf_model, model_impl="transformers")
+    other = LLM(dtype="float32", loaded=loaded, kv_cache_memory=96 << 20, max_model_len=2048,
+                max_num_batched_tokens=256)
+    real.engines.append(other)
+    assert other.llm_engine.engine_core.model_facts.model_impl == "transformers"
+    prompts = prompts_mixed(real.tok)
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)
+    native = llm.generate(prompts, params, False)
+    through_hf = other.generate(prompts, params, False)
+    for prompt, a, b in zip(prompts, native, through_hf, strict=True):
+        assert list(b.outputs[0].token_ids) == list(a.outputs[0].token_ids), len(prompt)
+
+
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs")
 def test_pipeline_parallel_matches_transformers(real) -> None:
     """The real model split into 2 pipeline stages (worker processes over gloo; its 9
