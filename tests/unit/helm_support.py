@@ -62,6 +62,7 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
             "source": "pvc",
             "pvc": {"claimName": "weights", "subPath": "Llama-3.1-8B-Instruct"},
             "servedModelName": "llama-3.1-8b",
+            "quantization": "int8",
             "dtype": "bfloat16",
             "modelImpl": "transformers",
             "maxModelLen": 32768,

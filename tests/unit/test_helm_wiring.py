@@ -241,6 +241,7 @@ def test_engine_flags_mirror_values() -> None:
     assert prefill["--model"] == decode["--model"] == "/models/llama"
     assert prefill["--dtype"] == decode["--dtype"] == "bfloat16"
     assert prefill["--model-impl"] == decode["--model-impl"] == "transformers"
+    assert prefill["--quantization"] == decode["--quantization"] == "int8"
     assert prefill["--block-size"] == decode["--block-size"] == "32"
     assert prefill["--max-model-len"] == "32768"
     assert prefill["--kv-cache-memory"] == str(40 * 2**30)  # no 4.29e+10 float formatting

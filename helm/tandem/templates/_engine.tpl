@@ -25,6 +25,9 @@ Called with (dict "root" $ "role" "prefill"|"decode").
 {{- with $root.Values.model.modelImpl }}
 - --model-impl={{ . }}
 {{- end }}
+{{- with $root.Values.model.quantization }}
+- --quantization={{ . }}
+{{- end }}
 - --block-size={{ $root.Values.cache.blockSize | int64 }}
 - --kv-cache-dtype={{ $root.Values.cache.kvCacheDtype | default "auto" }}
 {{- with $root.Values.model.maxModelLen }}
