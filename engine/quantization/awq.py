@@ -36,9 +36,9 @@ class AWQLinear(GroupQuantLinear):
         self.group_size = gs
 
     def finish_loading(self, prefix: str) -> None:
-        values = awq_unpack(self.qweight).t()
-        zeros = awq_unpack(self.qzeros).t().float()
-        scales = self.scales.detach().t()
+        values = awq_unpack(self.ckpt("qweight")).t()
+        zeros = awq_unpack(self.ckpt("qzeros")).t().float()
+        scales = self.ckpt("scales").t()
         self.drop_checkpoint_params("qweight", "qzeros", "scales")
         self.set_weights(values, scales, zeros, 4, self.group_size, None)
 

@@ -109,6 +109,12 @@ class QuantLinear(nn.Module):
         self.register_parameter(name, p)
         return p
 
+    def ckpt(self, name: str) -> torch.Tensor:
+        """The loaded checkpoint tensor ``name`` (detached)."""
+        p = self._parameters[name]
+        assert p is not None, name
+        return p.detach()
+
     def drop_checkpoint_params(self, *names: str) -> None:
         """Forget checkpoint tensors once repacked (their memory is freed)."""
         for n in names:

@@ -60,22 +60,23 @@ class PackedLinear4(GroupQuantLinear):
     def finish_loading(self, prefix: str) -> None:
         bits = self.method.bits
         for i, rows in enumerate(self.part_sizes):
-            shape = tuple(int(v) for v in self.weight_shape[i])
+            shape = tuple(int(v) for v in self.ckpt("weight_shape")[i])
             if shape != (rows, self.in_features):
                 raise ValueError(f"quantized tensor '{prefix}.weight_shape' (part {i}) says "
                                  f"{shape}, the layer is {(rows, self.in_features)}")
-        values = unpack_int32(self.weight_packed, bits, 1)
+        values = unpack_int32(self.ckpt("weight_packed"), bits, 1)
         if self.method.symmetric:
-            zeros = torch.full(self.weight_scale.shape, float(1 << (bits - 1)))
+            zeros = torch.full(self.ckpt("weight_scale").shape, float(1 << (bits - 1)))
         else:
-            zeros = unpack_int32(self.weight_zero_point, bits, 0)[: self.out_features].float()
+            zp = unpack_int32(self.ckpt("weight_zero_point"), bits, 0)
+            zeros = zp[: self.out_features].float()
             self.drop_checkpoint_params("weight_zero_point")
         perm = None
         if self.method.actorder:
-            perm = act_order_perm(self.weight_g_idx, self.group_size, self.in_features,
+            perm = act_order_perm(self.ckpt("weight_g_idx"), self.group_size, self.in_features,
                                   f"{prefix}.weight_g_idx")
             self.drop_checkpoint_params("weight_g_idx")
-        scales = self.weight_scale.detach()
+        scales = self.ckpt("weight_scale")
         self.drop_checkpoint_params("weight_packed", "weight_scale", "weight_shape")
         self.set_weights(values, scales, zeros, bits, self.group_size, perm)
 

@@ -41,7 +41,7 @@ class Int8Linear(QuantLinear):
         self.register_buffer("scale", scale.float().reshape(-1).contiguous(), persistent=False)
 
     def finish_loading(self, prefix: str) -> None:
-        q, s = self.weight.detach(), self.weight_scale.detach()
+        q, s = self.ckpt("weight"), self.ckpt("weight_scale")
         self.drop_checkpoint_params("weight", "weight_scale")
         self.set_int8(q, s)
 
@@ -81,7 +81,7 @@ class Fp8Linear(QuantLinear):
                                       out_dim=0, out_pack=b0)
 
     def finish_loading(self, prefix: str) -> None:
-        w = self.weight.detach()
+        w = self.ckpt("weight")
         s = getattr(self, self.scale_name).detach()
         if self.strategy == "tensor":
             s = torch.repeat_interleave(s.reshape(-1), torch.tensor(self.part_sizes))

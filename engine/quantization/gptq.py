@@ -56,14 +56,14 @@ class GPTQLinear(GroupQuantLinear):
 
     def finish_loading(self, prefix: str) -> None:
         m = self.method
-        values = unpack_int32(self.qweight, m.bits, 0).t()  # [out, in]
-        zeros = unpack_int32(self.qzeros, m.bits, 1).t().float()  # [out, groups]
+        values = unpack_int32(self.ckpt("qweight"), m.bits, 0).t()  # [out, in]
+        zeros = unpack_int32(self.ckpt("qzeros"), m.bits, 1).t().float()  # [out, groups]
         if m.checkpoint_format == "gptq":
             zeros += 1  # v1 stores z - 1 (AutoGPTQ's historical offset)
-        perm = act_order_perm(self.g_idx, self.group_size, self.in_features, f"{prefix}.g_idx")
-        self.drop_checkpoint_params("qweight", "qzeros", "g_idx")
-        scales = self.scales.detach().t()
-        del self.scales
+        perm = act_order_perm(self.ckpt("g_idx"), self.group_size, self.in_features,
+                              f"{prefix}.g_idx")
+        scales = self.ckpt("scales").t()
+        self.drop_checkpoint_params("qweight", "qzeros", "g_idx", "scales")
         self.set_weights(values, scales, zeros, m.bits, self.group_size, perm)
 
 
