@@ -58,9 +58,10 @@ class ModelConfig:
             checkpoint as it is (its ``quantization_config``: gptq, awq,
             compressed-tensors, fp8); one of ``QUANTIZATION_CHOICES``: that method
             (``engine/quantization``), which must match a quantized checkpoint, while
-            "int8" / "int4" quantize an unquantized one on load. A ``.gguf`` model runs
-            on its quantized blocks ("gguf", implied by its tensor types); "none"
-            dequantizes it to ``dtype`` at load instead.
+            "int8" / "int4" quantize an unquantized one on load. A ``.gguf`` model is
+            dequantized to ``dtype`` at load (``None`` or "none"), or runs on its own
+            quantized blocks with "gguf" (opt-in: slower than the dequantized copy on the
+            CPUs measured so far, docs/benchmarks.md).
 
     Raises:
         ValueError: naming the field: an unknown ``dtype``, ``model_impl`` or

@@ -222,16 +222,19 @@ def _load_gguf_native(model_config: ModelConfig, folder: str, gguf: str | None,
                       cached: str | None, dtype: torch.dtype, device: torch.device
                       ) -> tuple[Any, Any, str, int, Any, Any] | None:
     """A ``.gguf`` model on its quantized blocks (``engine/quantization/gguf.py``):
-    ``(model, hf_config, impl, max_position, tokenizer, method)``; ``None`` when the model is
-    not a GGUF with quantized projections, ``quantization`` is "none", or the device is
-    not the CPU (the loader then dequantizes at load).
+    ``(model, hf_config, impl, max_position, tokenizer, method)``, when ``quantization`` is
+    "gguf"; ``None`` otherwise (the loader then dequantizes at load).
+
+    NOTE: opt-in, not detected: on the CPUs measured so far the blocks' kernels decode
+    slower than the dequantized bf16 copy's fused step (docs/benchmarks.md), so a .gguf
+    keeps the faster dequantize-at-load path unless ``quantization="gguf"`` is asked.
 
     Raises:
         ValueError: ``quantization="gguf"`` asked for a model that cannot run so, or a
             tensor of an unknown type or corrupted blocks (naming it).
     """
     requested = model_config.quantization
-    if requested not in (None, "gguf"):
+    if requested != "gguf":
         return None
     if gguf is None or device.type != "cpu":
         if requested == "gguf":
