@@ -26,6 +26,7 @@ from torch import nn
 
 from tandem.engine.models.interface import IntermediateTensors, KVCacheViews
 from tandem.engine.models.layers import MLP, RMSNorm
+from tandem.engine.models.llama import DecoderLayer
 from tandem.engine.models.mla import MLAAttention, MLARotary
 from tandem.engine.models.moe import MoESpec, SparseMoeBlock
 from tandem.engine.models.sharding import ModelShard, VocabParallelEmbedding
@@ -38,34 +39,16 @@ def is_moe_layer(config: Any, layer: int) -> bool:
     return layer >= int(getattr(config, "first_k_dense_replace", 0) or 0)
 
 
-class DeepseekDecoderLayer(nn.Module):
-    """One DeepSeek decoder layer: MLA attention and a dense or MoE MLP."""
+class DeepseekDecoderLayer(DecoderLayer):
+    """One DeepSeek decoder layer: Llama's pre-norm residual layout with MLA attention and a
+    dense or MoE MLP."""
 
     def __init__(self, config: Any, shard: ModelShard, layer: int, interleaved: bool,
                  moe: bool) -> None:
-        super().__init__()
-        self.self_attn = MLAAttention(config, interleaved)
-        self.mlp: nn.Module = (SparseMoeBlock(config, shard, MoESpec.deepseek(config)) if moe
-                               else MLP(config, shard))
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(
-        self,
-        hidden: torch.Tensor,
-        residual: torch.Tensor | None,
-        cos_sin: tuple[torch.Tensor, torch.Tensor],
-        kv_cache: KVCacheViews,
-        meta: AttentionMetadata,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(hidden, cos_sin, kv_cache, meta)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        mlp: nn.Module = (SparseMoeBlock(config, shard, MoESpec.deepseek(config)) if moe
+                          else MLP(config, shard))
+        super().__init__(config, shard, qkv_bias=False, qk_norm=False, sliding_window=None,
+                         mlp=mlp, attn=MLAAttention(config, interleaved))
 
 
 class DeepseekModel(nn.Module):

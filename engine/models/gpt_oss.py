@@ -19,12 +19,13 @@ dequantise them to bf16 first.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
 
 from tandem.engine.model_facts import head_dim_of, rope_params
+from tandem.engine.models.llama import Attention
 from tandem.engine.models.moe import MoESpec
 from tandem.engine.models.moe_models import MoeCausalLM
 from tandem.kernels.rotary import RotaryEmbedding
@@ -39,7 +40,7 @@ class GptOssForCausalLM(MoeCausalLM):
                  device: torch.device | str = "cpu") -> None:
         super().__init__(config, max_position, dtype, device)
         for layer in self.model.decoder_layers:
-            attn = layer.self_attn
+            attn = cast(Attention, layer.self_attn)  # gpt-oss layers are GQA
             attn.sinks = nn.Parameter(torch.empty(attn.num_heads))
 
     @staticmethod

@@ -111,9 +111,13 @@ class DecoderLayer(nn.Module):
         qk_norm: bool,
         sliding_window: int | None,
         mlp: nn.Module | None = None,
+        attn: nn.Module | None = None,
     ) -> None:
         super().__init__()
-        self.self_attn = Attention(config, shard, qkv_bias, qk_norm, sliding_window)
+        # ``attn``: an attention other than GQA over K/V heads (DeepSeek's MLA); called as
+        # ``attn(hidden, cos_sin, kv_cache, meta)`` -> ``[num_tokens, hidden]``.
+        self.self_attn = (attn if attn is not None
+                          else Attention(config, shard, qkv_bias, qk_norm, sliding_window))
         # ``mlp``: a feed-forward other than the dense SwiGLU (a MoE block, which
         # all-reduces its own output under TP); ``[num_tokens, hidden]`` in and out.
         self.mlp = mlp if mlp is not None else MLP(config, shard)
