@@ -27,7 +27,6 @@ samples and returns the step's output, the others an empty one.
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import logging
 import sys
@@ -42,6 +41,7 @@ from tandem.engine.input_batch import build_input_batch
 from tandem.engine.model_facts import ModelFacts, resolve_model_facts
 from tandem.engine.model_loader import LoadedModel, load_model
 from tandem.engine.models.interface import IntermediateTensors
+from tandem.engine.runner_env import tune_glibc_malloc, warn_batch_variant
 from tandem.engine.sampler import Sampler
 from tandem.engine.sched_output import ModelRunnerOutput, SchedulerOutput
 from tandem.engine.spec_decode.proposer import Proposer, create_proposer
@@ -63,53 +63,9 @@ from tandem.kernels.kv_quant import (
     resolve_kv_cache_dtype,
     scales_id,
 )
-from tandem.kernels.linear import batch_variant_layers, pack_linear_layers
+from tandem.kernels.linear import pack_linear_layers
 
 logger = logging.getLogger(__name__)
-
-
-def tune_glibc_malloc() -> bool:
-    """Keep freed memory in the process instead of returning it to the OS.
-
-    NOTE: every step allocates and frees activations of 1-30 MiB per op. With
-    glibc's defaults such blocks are mmap'd / trimmed on free, so each new one
-    page-faults on first write; on the 2-core test VMs that made the decode KV
-    gather 8x slower (14 ms vs 1.5 ms per layer at batch 64) and a whole decode
-    step 2x slower. Raising the mmap and trim thresholds makes the heap act as
-    a caching allocator (as PyTorch's CUDA allocator does). Process-wide and
-    idempotent; a no-op (False) where glibc's ``mallopt`` is unavailable.
-    """
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return False
-    m_trim_threshold, m_top_pad, m_mmap_threshold = -1, -2, -3
-    ok = libc.mallopt(m_mmap_threshold, 1 << 30) == 1 or libc.mallopt(m_mmap_threshold, 32 << 20)
-    ok = libc.mallopt(m_trim_threshold, 1 << 30) == 1 and bool(ok)
-    libc.mallopt(m_top_pad, 64 << 20)
-    return ok
-
-
-def warn_batch_variant(model: torch.nn.Module, dtype: torch.dtype) -> list[str]:
-    """Log (warning) what keeps ``ModelConfig.deterministic`` from holding for this
-    model here: a dtype other than bfloat16 (float32 linears stay on torch's GEMM),
-    or linear layers that our packed kernel does not serve (``batch_variant_layers``:
-    a shape it does not take, or no native kernels on this machine). Returns the
-    layer names."""
-    names = batch_variant_layers(model)
-    if dtype != torch.bfloat16:
-        logger.warning(
-            "deterministic: batch-invariant linears exist for bfloat16 only; in %s the "
-            "linears run torch's GEMM, whose result for a row may depend on the batch",
-            str(dtype).removeprefix("torch."),
-        )
-    elif names:
-        logger.warning(
-            "deterministic: %d linear layers have no packed kernel here (%s%s) and run "
-            "torch's GEMM, whose result for a row may depend on the batch",
-            len(names), ", ".join(names[:4]), ", ..." if len(names) > 4 else "",
-        )
-    return names
 
 
 class ModelRunner:

@@ -15,7 +15,7 @@ from tandem.kernels import backend, cpu_ext
 from tandem.kernels.backend import KernelBackend
 from tandem.kernels.layernorm import rms_norm
 
-__all__ = ["MLP", "RMSNorm"]
+__all__ = ["MLP", "RMSNorm", "packed_tied_head"]
 
 
 class RMSNorm(nn.Module):
@@ -60,3 +60,18 @@ class MLP(nn.Module):
             gate, up = gate_up.split(self.intermediate_size, dim=-1)
             act = F.silu(gate) * up
         return self.down_proj(act)
+
+
+def packed_tied_head(weight: torch.Tensor, batch_invariant: bool = False) -> nn.Module | None:
+    """A packed LM head over a tied embedding matrix ``weight`` (``[vocab, hidden]``):
+    ``PackedLinear`` or ``Float32ComputeLinear`` (``tandem.kernels.linear``), bf16 on the CPU
+    only, else ``None``. The embedding is an ``nn.Embedding``, so ``pack_linear_layers``
+    never sees the head; the packed copy costs one more embedding matrix of memory."""
+    from tandem.kernels.linear import replace_cpu_bf16_linear
+
+    if weight.dtype != torch.bfloat16 or weight.device.type != "cpu":
+        return None
+    head = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+    head.weight = nn.Parameter(weight, requires_grad=False) if not isinstance(
+        weight, nn.Parameter) else weight
+    return replace_cpu_bf16_linear(head, batch_invariant)

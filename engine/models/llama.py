@@ -30,7 +30,7 @@ from tandem.engine import distributed
 from tandem.engine.model_facts import head_dim_of, rope_params
 from tandem.engine.models.fused_path import FusedDecodePath, FusedLayer
 from tandem.engine.models.interface import IntermediateTensors, KVCacheViews
-from tandem.engine.models.layers import MLP, RMSNorm
+from tandem.engine.models.layers import MLP, RMSNorm, packed_tied_head
 from tandem.engine.models.sharding import ModelShard, PPMissingLayer, VocabParallelEmbedding
 from tandem.engine.quantization.base import is_quant_param, load_quant_part
 from tandem.kernels.attention import AttentionMetadata, paged_attention
@@ -390,22 +390,12 @@ class LlamaForCausalLM(nn.Module):
         the head; the packed copies cost one more embedding matrix of memory per
         packing. Returns whether a head was packed.
         """
-        from tandem.kernels.linear import replace_cpu_bf16_linear
-
-        if self.model.embed_tokens is None:
+        if self.model.embed_tokens is None or self.lm_head is not None:
             return False
-        weight = self.model.embed_tokens.weight
-        if (
-            self.lm_head is not None
-            or self.tied_lm_head is not None
-            or weight.dtype != torch.bfloat16
-            or weight.device.type != "cpu"
-        ):
-            return False
-        head = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
-        head.weight = weight
-        self.tied_lm_head = replace_cpu_bf16_linear(head, batch_invariant)
-        return True
+        if self.tied_lm_head is None:
+            self.tied_lm_head = packed_tied_head(self.model.embed_tokens.weight, batch_invariant)
+            return self.tied_lm_head is not None
+        return False
 
     # HF name suffix -> (our fused parameter suffix, shard index)
     _stacked = {
