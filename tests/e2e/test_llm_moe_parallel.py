@@ -2,7 +2,8 @@
 TP=2 (each rank a slice of every expert) and EP=2 (``enable_expert_parallel``: each rank
 half the experts whole) equal one rank's output, i.e. transformers' float32 greedy
 ``generate``, token for token, in a batch with chunked prefill, prefix-cache hits and
-preemption; experts that do not divide over the ranks fail at start-up naming the field.
+preemption; PP=2 too; experts that do not divide over the ranks fail at start-up naming
+the field.
 
 Qwen2-MoE covers the shared expert and its gate (TP-sliced like the dense MLP beside the
 routed partial sums); gpt-oss the experts' biases (whole on the rank that holds the
@@ -47,6 +48,18 @@ def test_moe_parallel_equals_one_rank(tiny, ep: bool) -> None:
         stats = llm.llm_engine.engine_core.get_stats()
         assert stats.prefix_cache_hits > 0
         assert stats.num_preemptions > 0, "the test must preempt"
+
+
+def test_moe_pipeline_parallel_equals_one_rank(tiny) -> None:
+    """PP=2: each stage runs its MoE layers whole (docs/models.md says PP for MoE)."""
+    folder, hf = tiny
+    with LLM(model=folder, dtype="float32", max_model_len=MAX_LEN, kv_cache_memory=4 << 20,
+             max_num_batched_tokens=16, pipeline_parallel_size=2) as llm:
+        params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+        outs = llm.generate(prompts(), params, use_tqdm=False)
+    for prompt, out in zip(prompts(), outs, strict=True):
+        want, logits = hf_greedy_steps(hf, prompt, NEW_TOKENS)
+        assert_matches_hf(list(out.outputs[0].token_ids), want, logits)
 
 
 def test_experts_not_divisible_fail_at_start(tmp_path) -> None:
