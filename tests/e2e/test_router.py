@@ -482,3 +482,29 @@ def test_usage_reports_cached_prompt_tokens(client) -> None:
     assert resp.usage.prompt_tokens_details.cached_tokens == \
         resp.model_extra["timings"]["cached_tokens"] >= 32
     check_stream(list(client.chat.completions.create(messages=messages, **kw, **stream)))
+
+
+@pytest.mark.parametrize("where", ["root", "elsewhere"])
+def test_readme_client_examples_run_with_plain_python(stack, where, tmp_path) -> None:
+    """The README's "Talk to it" examples (the openai SDK streaming a chat, the gRPC
+    Generate stream), as a user runs them: plain ``python``, from the repository root and
+    from another folder, against this stack's ports instead of the README's 8000 / 50051."""
+    import os
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    blocks = re.findall(r"```python\n(.*?)```", (root / "README.md").read_text(), flags=re.S)
+    clients = [b for b in blocks if "from openai import OpenAI" in b or "import grpc" in b]
+    assert len(clients) == 2, "README: expected the openai and the gRPC example"
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONSAFEPATH", "PYTHONPATH")}
+    for block in clients:
+        code = (block.replace("http://127.0.0.1:8000/v1", f"{stack.http_url}/v1")
+                .replace("127.0.0.1:50051", stack.grpc_address))
+        proc = subprocess.run([sys.executable, "-c", code], cwd=root if where == "root"
+                              else tmp_path, env=env, capture_output=True, text=True,
+                              timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert proc.stdout.strip(), "the example printed no answer"
