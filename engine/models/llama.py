@@ -114,8 +114,7 @@ class DecoderLayer(nn.Module):
         attn: nn.Module | None = None,
     ) -> None:
         super().__init__()
-        # ``attn``: an attention other than GQA over K/V heads (DeepSeek's MLA); called as
-        # ``attn(hidden, cos_sin, kv_cache, meta)`` -> ``[num_tokens, hidden]``.
+        # ``attn``: another attention (DeepSeek's MLA), called as the GQA ``Attention`` is.
         self.self_attn = (attn if attn is not None
                           else Attention(config, shard, qkv_bias, qk_norm, sliding_window))
         # ``mlp``: a feed-forward other than the dense SwiGLU (a MoE block, which
@@ -209,6 +208,8 @@ class LlamaForCausalLM(nn.Module):
 
     qkv_bias = False
     qk_norm = False
+    #: whether the checkpoint stores q/k/v and gate/up fused (Phi-3) or apart (Llama)
+    fused_in_checkpoint = False
     #: served with several ranks (engine/models/support.py; tests/e2e/test_llm_parallel.py)
     supports_tensor_parallel = True
     supports_pipeline_parallel = True
@@ -483,14 +484,17 @@ class LlamaForCausalLM(nn.Module):
                 self._load_one("lm_head.weight", tensor, params, loaded)
             if self.shard.holds_hf_weight(name):
                 self._load_one(name, tensor, params, loaded)
+        # A missing part of a fused projection is named as the checkpoint names it.
+        parts = {(fused, i): hf for hf, (fused, i) in self._stacked.items()}
         missing = []
         for pname in params:
-            fused = pname.split(".")[-2] if "." in pname else ""
-            if fused in ("qkv_proj", "gate_up_proj"):
-                n = 3 if fused == "qkv_proj" else 2
-                if any(f"{pname}#{s}" not in loaded for s in range(n)):
-                    missing.append(pname)
-            elif pname not in loaded:
+            prefix, _, leaf = pname.rpartition(".")
+            layer, _, fused = prefix.rpartition(".")
+            n = {"qkv_proj": 3, "gate_up_proj": 2}.get(fused, 0)
+            lost = [s for s in range(n) if f"{pname}#{s}" not in loaded]
+            if n and not self.fused_in_checkpoint:
+                missing += [f"{layer}.{parts[(fused, s)]}.{leaf}" for s in lost]
+            elif (n and lost) or (not n and pname not in loaded):
                 missing.append(pname)
         if missing:
             raise ValueError(f"weights missing from the checkpoint: {missing[:8]}")

@@ -77,6 +77,9 @@ class Phi3ForCausalLM(LlamaForCausalLM):
     kernel serves full-rotary configs only (it rotates whole heads).
     """
 
+    #: the checkpoint holds qkv_proj and gate_up_proj fused, as this model does
+    fused_in_checkpoint = True
+
     def __init__(
         self,
         config: Any,

@@ -120,11 +120,18 @@ def test_unsupported_architecture_names_it_and_lists_supported():
         assert arch in str(err.value)
 
 
-def test_missing_weight_is_reported():
+@pytest.mark.parametrize("name", ["model.layers.1.mlp.up_proj.weight",
+                                  "model.layers.1.self_attn.k_proj.weight",
+                                  "model.layers.0.input_layernorm.weight"])
+def test_missing_weight_is_reported(name):
+    """A missing part of a fused projection is named as the checkpoint names it (it was
+    named by tandem's internal fused parameter, ``...qkv_proj.weight``)."""
+    import re
+
     hf = make_hf_model("LlamaForCausalLM", False)
     state = dict(hf.state_dict())
-    del state["model.layers.1.mlp.up_proj.weight"]
-    with pytest.raises(ValueError, match="gate_up_proj"):
+    del state[name]
+    with pytest.raises(ValueError, match=re.escape(f"checkpoint: ['{name}']")):
         build_model(hf.config, state, torch.float32, "cpu", 128)
 
 
