@@ -169,6 +169,7 @@ def resolve_model_facts(
     dtype: str,
     device: str,
     model_impl: str = "tandem",
+    architecture: str | None = None,
 ) -> ModelFacts:
     """The ``ModelFacts`` of a loaded model: the one place its config becomes facts.
 
@@ -177,6 +178,7 @@ def resolve_model_facts(
         max_model_len: the engine's requested context length (``ModelConfig.max_model_len``)
             or None for the model's own.
         model_id / eos_token_id / dtype / device / model_impl: as in ``ModelFacts``.
+        architecture: as in ``ModelFacts``; default ``config.architectures[0]``.
 
     Raises:
         ValueError: ``max_model_len`` beyond the model's context, or a count below 1.
@@ -192,7 +194,7 @@ def resolve_model_facts(
         head_dim=spec.head_dim,
         dtype=dtype.removeprefix("torch."),
         device=device,
-        architecture=architecture_of(hf_config),
+        architecture=architecture if architecture is not None else architecture_of(hf_config),
         model_impl=model_impl,
         kv_kind=spec.kind,
         kv_rope_dim=spec.rope_dim,

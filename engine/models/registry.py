@@ -56,9 +56,40 @@ ModelImpl = Literal["auto", "tandem", "transformers"]
 MODEL_IMPLS: tuple[str, ...] = ("auto", "tandem", "transformers")
 
 
+#: ``model_type`` -> architecture, for configs without ``architectures`` (GGUF-derived and
+#: hand-built ones)
+_ARCH_BY_MODEL_TYPE = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+}
+
+
 def _arch_of(config: Any) -> str:
     archs = getattr(config, "architectures", None) or []
     return str(archs[0]) if archs else str(getattr(config, "model_type", None))
+
+
+def architecture_name(config: Any) -> str:
+    """The architecture ``config`` describes: ``architectures[0]``, else the one its
+    ``model_type`` maps to (tandem's native names, then transformers' causal-LM mapping),
+    else the ``model_type`` itself."""
+    archs = getattr(config, "architectures", None) or []
+    if archs:
+        return str(archs[0])
+    model_type = str(getattr(config, "model_type", None))
+    if model_type in _ARCH_BY_MODEL_TYPE:
+        return _ARCH_BY_MODEL_TYPE[model_type]
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+        return model_type
+    cls: Any = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    return str(cls.__name__)
 
 
 def resolve_model_impl(config: Any, model_impl: str = "auto") -> str:
@@ -106,18 +137,8 @@ def get_model_class(config: Any) -> type[torch.nn.Module]:
         ValueError: naming the architecture and listing the supported ones.
     """
     archs = getattr(config, "architectures", None) or []
-    arch = archs[0] if archs else None
-    if arch is None:
-        # GGUF-derived and hand-built configs may lack `architectures`.
-        arch = {
-            "llama": "LlamaForCausalLM",
-            "mistral": "MistralForCausalLM",
-            "qwen2": "Qwen2ForCausalLM",
-            "qwen3": "Qwen3ForCausalLM",
-            "gemma2": "Gemma2ForCausalLM",
-            "gemma3_text": "Gemma3ForCausalLM",
-            "phi3": "Phi3ForCausalLM",
-        }.get(getattr(config, "model_type", ""), str(getattr(config, "model_type", None)))
+    arch = archs[0] if archs else _ARCH_BY_MODEL_TYPE.get(
+        getattr(config, "model_type", ""), str(getattr(config, "model_type", None)))
     cls = MODEL_REGISTRY.get(arch)
     if cls is None:
         raise ValueError(

@@ -177,6 +177,9 @@ def test_transformers_model_impl_equals_native(real, llm) -> None:
                 max_num_batched_tokens=256)
     real.engines.append(other)
     assert other.llm_engine.engine_core.model_facts.model_impl == "transformers"
+    # The GGUF's config names no architectures: the facts (/v1/models, GetLoad) still do.
+    assert llm.llm_engine.engine_core.model_facts.architecture == "LlamaForCausalLM"
+    assert other.llm_engine.engine_core.model_facts.architecture == "LlamaForCausalLM"
     prompts = prompts_mixed(real.tok)
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)
     native = llm.generate(prompts, params, False)

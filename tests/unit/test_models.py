@@ -237,3 +237,14 @@ def test_every_registered_model_implements_the_seam(arch):
     assert model.max_position == 64
     model.ensure_max_position(128)
     assert model.max_position == 128
+
+
+def test_architecture_name_of_configs_without_architectures():
+    """A GGUF-derived config names no ``architectures``; its facts still name one (they
+    said ``null`` in /v1/models for the default model)."""
+    from tandem.engine.models.registry import architecture_name
+
+    assert architecture_name(transformers.LlamaConfig()) == "LlamaForCausalLM"
+    assert architecture_name(transformers.Olmo2Config()) == "Olmo2ForCausalLM"
+    named = transformers.LlamaConfig(architectures=["MistralForCausalLM"])
+    assert architecture_name(named) == "MistralForCausalLM"
