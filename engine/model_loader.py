@@ -218,6 +218,30 @@ def _resolve_quantization(requested: str | None, hf_config: Any) -> Any:
     return resolve_quantization(requested, hf_config)
 
 
+def check_known_model_type(folder: str) -> None:
+    """Refuse a folder whose ``config.json`` names a ``model_type`` the installed
+    transformers has no config class for, before transformers' own error (which asks for an
+    upgrade) would.
+
+    Raises:
+        ValueError: naming the architecture and its ``model_type``.
+    """
+    from transformers import CONFIG_MAPPING
+
+    try:
+        with open(os.path.join(folder, "config.json")) as f:
+            raw = json.load(f)
+    except (OSError, ValueError):
+        return  # transformers reports a missing or unreadable config itself
+    model_type = raw.get("model_type") if isinstance(raw, dict) else None
+    if isinstance(model_type, str) and model_type not in CONFIG_MAPPING:
+        archs = raw.get("architectures") or [model_type]
+        raise ValueError(
+            f"model architecture {archs[0]!r} (model_type {model_type!r}) is not supported: "
+            "tandem has no native implementation of it and the installed transformers "
+            "implements no such model (docs/models.md lists what tandem serves)")
+
+
 def _load_gguf_native(model_config: ModelConfig, folder: str, gguf: str | None,
                       cached: str | None, dtype: torch.dtype, device: torch.device
                       ) -> tuple[Any, Any, str, int, Any, Any] | None:
@@ -312,6 +336,7 @@ def load_model(model_config: ModelConfig) -> LoadedModel:
         gc.collect()
     else:
         source = cached or folder
+        check_known_model_type(source)
         hf_config = AutoConfig.from_pretrained(source, local_files_only=True)
         # fail on an unsupported architecture before the weights
         impl = resolve_model_impl(hf_config, model_config.model_impl)

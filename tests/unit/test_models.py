@@ -170,6 +170,19 @@ def test_unsupported_architecture_fails_at_load(tmp_path):
         load_model(ModelConfig(model=str(tmp_path), model_impl="tandem"))
 
 
+def test_unknown_model_type_is_one_clear_error(tmp_path):
+    """A model_type transformers has no class for: one error naming the architecture (it
+    was transformers' own, which asks the user to upgrade transformers)."""
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"model_type": "foobar", "architectures": ["FooBarForCausalLM"]}))
+    with pytest.raises(ValueError, match=r"^model architecture 'FooBarForCausalLM' "
+                                         r"\(model_type 'foobar'\) is not supported") as err:
+        load_model(ModelConfig(model=str(tmp_path)))
+    assert "pip install" not in str(err.value)
+
+
 def test_resolve_dtype():
     cpu = torch.device("cpu")
     assert resolve_dtype("float32", cpu) == torch.float32
