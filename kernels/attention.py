@@ -55,7 +55,7 @@ from tandem.kernels.attention_backend import (
     detect_attention_facts,
     plan_prefill_attention,
 )
-from tandem.kernels.attention_math import paged_attention_math
+from tandem.kernels.attention_math import gather_blocks, paged_attention_math
 from tandem.kernels.attention_metadata import (
     AttentionMetadata,
     PrefillSeq,
@@ -76,17 +76,6 @@ __all__ = [
 ]
 
 
-def _gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
-    """``cache[block_ids]`` -> ``[*block_ids.shape[:-1], nb * block_size, kvh, hd]``.
-
-    NOTE: ``index_select`` on dim 0 copies whole blocks with memcpy; advanced
-    indexing (``cache[ids]``) of the strided layer view is slower on CPU
-    (docs/benchmarks.md).
-    """
-    g = cache.index_select(0, block_ids.reshape(-1))
-    return g.view(*block_ids.shape[:-1], -1, *cache.shape[2:])
-
-
 def _decode_attention_sdpa(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -100,8 +89,8 @@ def _decode_attention_sdpa(
     num_kv_heads = k_cache.shape[2]
     bt = meta.decode_block_tables
     assert bt is not None, "decode group without block tables"
-    k = _gather(k_cache, bt).transpose(1, 2)  # [nd, kvh, L, hd]
-    v = _gather(v_cache, bt).transpose(1, 2)
+    k = gather_blocks(k_cache, bt).transpose(1, 2)  # [nd, kvh, L, hd]
+    v = gather_blocks(v_cache, bt).transpose(1, 2)
     # GQA without repeat: the group's query heads play the query-length axis.
     q = q.view(nd, num_kv_heads, num_heads // num_kv_heads, head_dim)
     o = F.scaled_dot_product_attention(
@@ -134,8 +123,8 @@ def _prefill_attention_sdpa(
             k = key[s:e]
             v = value[s:e]
         else:
-            k = _gather(k_cache, p.block_ids)[lo : p.seq_len]
-            v = _gather(v_cache, p.block_ids)[lo : p.seq_len]
+            k = gather_blocks(k_cache, p.block_ids)[lo : p.seq_len]
+            v = gather_blocks(v_cache, p.block_ids)[lo : p.seq_len]
         plan = _prefill_plan(query, key.shape[1], p.num_new, p.seq_len - lo,
                              p.needs_mask(sliding_window))
         if plan.path is PrefillPath.TILED:

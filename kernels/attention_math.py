@@ -73,8 +73,13 @@ def _attend(
     return o.reshape(b, n, h, d).to(q.dtype)
 
 
-def _gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
-    """``cache[block_ids]`` -> ``[*block_ids.shape[:-1], nb * block_size, kvh, hd]``."""
+def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """``cache[block_ids]`` -> ``[*block_ids.shape[:-1], nb * block_size, kvh, hd]``.
+
+    NOTE: ``index_select`` on dim 0 copies whole blocks with memcpy; advanced
+    indexing (``cache[ids]``) of the strided layer view is slower on CPU
+    (docs/benchmarks.md).
+    """
     g = cache.index_select(0, block_ids.reshape(-1))
     return g.view(*block_ids.shape[:-1], -1, *cache.shape[2:])
 
@@ -117,8 +122,8 @@ def paged_attention_math(
         assert bt is not None and lens is not None, "decode group without block tables"
         idx = meta.decode_token_idx
         q = query[:nd] if idx is None else query[idx]
-        k = _gather(k_cache, bt)  # [nd, L, KVH, D]
-        v = _gather(v_cache, bt)
+        k = gather_blocks(k_cache, bt)  # [nd, L, KVH, D]
+        v = gather_blocks(v_cache, bt)
         k_pos = torch.arange(k.shape[1], device=device)
         o = _attend(q[:, None], k, v, (lens - 1)[:, None], k_pos, lens, scale, sliding_window,
                     softcap, sinks)[:, 0]
@@ -131,8 +136,8 @@ def paged_attention_math(
         if p.block_ids is None:
             k, v = key[s:e], value[s:e]
         else:
-            k = _gather(k_cache, p.block_ids)[: p.seq_len]
-            v = _gather(v_cache, p.block_ids)[: p.seq_len]
+            k = gather_blocks(k_cache, p.block_ids)[: p.seq_len]
+            v = gather_blocks(v_cache, p.block_ids)[: p.seq_len]
         # Query tiles keep the float32 scores of a long prompt within
         # QUERY_TILE * seq_len * num_heads elements.
         for t0 in range(0, p.num_new, QUERY_TILE):
