@@ -215,11 +215,11 @@ class ModelRunner:
                 convert it.
         """
         self.kv_cache_dtype: torch.dtype = resolve_kv_cache_dtype(name, self.dtype)
+        if not is_fp8(self.kv_cache_dtype):
+            return
         capability = (torch.cuda.get_device_capability(self.device)
                       if self.device.type == "cuda" else None)
         check_fp8_kv_cache_supported(self.kv_cache_dtype, self.device.type, capability)
-        if not is_fp8(self.kv_cache_dtype):
-            return
         scales = [(float(m.k_scale), float(m.v_scale)) for m in self.model.modules()
                   if hasattr(m, "k_scale") and hasattr(m, "v_scale")]
         self.facts = dataclasses.replace(
