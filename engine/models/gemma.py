@@ -37,7 +37,7 @@ from torch import nn
 from tandem.engine import distributed
 from tandem.engine.model_facts import head_dim_of, rope_params
 from tandem.engine.models.interface import IntermediateTensors, KVCacheViews
-from tandem.engine.models.layers import RMSNorm
+from tandem.engine.models.layers import RMSNorm, stage_end, stage_start
 from tandem.engine.models.llama import Attention, DecoderModel, LlamaForCausalLM
 from tandem.engine.models.sharding import ModelShard
 from tandem.kernels.attention import AttentionMetadata
@@ -221,24 +221,17 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
         ``Gemma2TextScaledWordEmbedding``: the factor is a float32 tensor cast to the
         weight's dtype, so bf16 multiplies by a rounded factor) and each layer's own
         rotary table."""
-        residual: torch.Tensor | None = None
         embed = self.model.embed_tokens
+        embedded = None
         if embed is not None:
             scale = torch.tensor(self.embed_scale, dtype=torch.float32).to(embed.weight.dtype)
-            hidden = embed(input_ids) * scale
-        elif intermediate is None:
-            raise ValueError("intermediate: a later pipeline stage needs the previous one's output")
-        else:
-            hidden, residual = intermediate.hidden, intermediate.residual
+            embedded = embed(input_ids) * scale
+        hidden, residual = stage_start(embedded, intermediate)
         tables = self.rotary_tables(positions)
         for layer, kv_cache in zip(self.gemma_layers, kv_caches, strict=True):
             hidden, residual = layer(hidden, residual, tables[layer.layer_type], kv_cache,
                                      attn_metadata)
-        assert residual is not None, "every stage runs at least one layer"
-        if self.model.norm is None:
-            return IntermediateTensors(hidden, residual)
-        hidden, _ = self.model.norm(hidden, residual)
-        return hidden
+        return stage_end(self.model.norm, hidden, residual)
 
     def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor | None:
         """As ``LlamaForCausalLM.compute_logits``, then ``cap * tanh(logits / cap)`` with

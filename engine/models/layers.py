@@ -10,12 +10,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.engine import distributed
+from tandem.engine.models.interface import IntermediateTensors
 from tandem.engine.models.sharding import ModelShard
 from tandem.kernels import backend, cpu_ext
 from tandem.kernels.backend import KernelBackend
 from tandem.kernels.layernorm import rms_norm
 
-__all__ = ["MLP", "RMSNorm", "packed_tied_head"]
+__all__ = ["MLP", "RMSNorm", "packed_tied_head", "stage_end", "stage_start"]
 
 
 class RMSNorm(nn.Module):
@@ -75,3 +76,32 @@ def packed_tied_head(weight: torch.Tensor, batch_invariant: bool = False) -> nn.
     head.weight = nn.Parameter(weight, requires_grad=False) if not isinstance(
         weight, nn.Parameter) else weight
     return replace_cpu_bf16_linear(head, batch_invariant)
+
+
+def stage_start(
+    embedded: torch.Tensor | None, intermediate: IntermediateTensors | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A pipeline stage's ``(hidden, residual)`` at its first layer: the embeddings on the
+    first stage (``embedded``, ``[num_tokens, hidden_size]``; no residual yet), else what
+    the previous stage returned.
+
+    Raises:
+        ValueError: a later stage (no ``embedded``) called without ``intermediate``.
+    """
+    if embedded is not None:
+        return embedded, None
+    if intermediate is None:
+        raise ValueError("intermediate: a later pipeline stage needs the previous one's output")
+    return intermediate.hidden, intermediate.residual
+
+
+def stage_end(
+    norm: nn.Module | None, hidden: torch.Tensor, residual: torch.Tensor | None
+) -> torch.Tensor | IntermediateTensors:
+    """A stage's result after its last layer: the final-norm hidden states on the last
+    stage (``norm`` given), else the ``IntermediateTensors`` for the next stage."""
+    assert residual is not None, "every stage runs at least one layer"
+    if norm is None:
+        return IntermediateTensors(hidden, residual)
+    hidden, _ = norm(hidden, residual)
+    return hidden

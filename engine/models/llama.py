@@ -30,7 +30,13 @@ from tandem.engine import distributed
 from tandem.engine.model_facts import head_dim_of, rope_params
 from tandem.engine.models.fused_path import FusedDecodePath, FusedLayer
 from tandem.engine.models.interface import IntermediateTensors, KVCacheViews
-from tandem.engine.models.layers import MLP, RMSNorm, packed_tied_head
+from tandem.engine.models.layers import (
+    MLP,
+    RMSNorm,
+    packed_tied_head,
+    stage_end,
+    stage_start,
+)
 from tandem.engine.models.sharding import ModelShard, PPMissingLayer, VocabParallelEmbedding
 from tandem.engine.quantization.base import is_quant_param, load_quant_part
 from tandem.kernels.attention import AttentionMetadata, paged_attention
@@ -313,13 +319,9 @@ class LlamaForCausalLM(nn.Module):
             ValueError: a later stage called without ``intermediate``.
         """
         cos_sin = self.rotary.cos_sin(positions)
-        residual: torch.Tensor | None = None
-        if self.model.embed_tokens is not None:
-            hidden = self.model.embed_tokens(input_ids)
-        elif intermediate is None:
-            raise ValueError("intermediate: a later pipeline stage needs the previous one's output")
-        else:
-            hidden, residual = intermediate.hidden, intermediate.residual
+        embed = self.model.embed_tokens
+        hidden, residual = stage_start(embed(input_ids) if embed is not None else None,
+                                       intermediate)
         fused = None
         if self.fused_decode_enabled and FusedDecode.serves(attn_metadata):
             # NOTE: per-head q/k norms (Qwen3) sit between the kernel's ops.
@@ -331,11 +333,7 @@ class LlamaForCausalLM(nn.Module):
         else:
             for layer, kv_cache in zip(self.model.decoder_layers, kv_caches, strict=True):
                 hidden, residual = layer(hidden, residual, cos_sin, kv_cache, attn_metadata)
-        assert residual is not None, "every stage runs at least one layer"
-        if self.model.norm is None:
-            return IntermediateTensors(hidden, residual)
-        hidden, _ = self.model.norm(hidden, residual)
-        return hidden
+        return stage_end(self.model.norm, hidden, residual)
 
     def _head(self) -> nn.Module | None:
         """The LM head module: ``lm_head``, else the packed tied head, else ``None``

@@ -66,15 +66,16 @@ def test_root_folders_never_shadow_installed_distributions() -> None:
     regular = sorted(p.name for p in ROOT.iterdir() if (p / "__init__.py").is_file())
     assert regular == ["tandem"], regular
     code = textwrap.dedent("""
-        import importlib.util, json, sys
+        import importlib, importlib.util, json, sys
         names = ["kernels", "engine", "services", "kvstore", "contracts", "bench", "protos",
                  "tests"]
         out = {}
         for n in names:
             spec = importlib.util.find_spec(n)
             out[n] = None if spec is None else spec.origin
-        import kernels
-        out["kernels_file"] = kernels.__file__
+        # Hugging Face's `kernels` distribution (a transformers dependency), by its
+        # installed name: what the checkout's kernels/ folder must not shadow.
+        out["kernels_file"] = importlib.import_module("kernels").__file__
         from transformers.integrations import hub_kernels  # imports `kernels`' API
         print(json.dumps(out))
     """)
