@@ -324,6 +324,11 @@ def load_model(model_config: ModelConfig) -> LoadedModel:
         # re-parses the GGUF metadata (~4 s for the default model's vocabulary).
         hf_model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **kwargs)
         hf_config = hf_model.config
+        # transformers tags the config it read from a .gguf with a GGUF quantization_config,
+        # but these weights are now dequantized: the config must say so, as the cached
+        # copy's config.json (written without it) does on every later load.
+        if getattr(hf_config, "quantization_config", None) is not None:
+            del hf_config.quantization_config
         impl = resolve_model_impl(hf_config, model_config.model_impl)
         quant = _resolve_quantization(model_config.quantization, hf_config)
         max_position = resolve_max_model_len(model_config.max_model_len,

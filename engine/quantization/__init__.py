@@ -80,6 +80,13 @@ def checkpoint_quant_config(hf_config: Any) -> dict[str, Any] | None:
     return qcfg
 
 
+def _method_name(value: Any) -> str:
+    """A ``quant_method`` as its lower-case name: transformers' config classes hold a
+    ``QuantizationMethod`` enum (whose ``str()`` is ``'QuantizationMethod.GPTQ'``), a
+    ``config.json`` the plain string."""
+    return str(getattr(value, "value", value)).lower()
+
+
 def resolve_quantization(requested: str | None, hf_config: Any) -> QuantizationMethod | None:
     """The method to run ``hf_config``'s checkpoint with.
 
@@ -94,7 +101,7 @@ def resolve_quantization(requested: str | None, hf_config: Any) -> QuantizationM
             quantized one; or the method's own refusal of a setting.
     """
     qcfg = checkpoint_quant_config(hf_config)
-    found = None if qcfg is None else str(qcfg.get("quant_method", "")).lower()
+    found = None if qcfg is None else _method_name(qcfg.get("quant_method", ""))
     if found is not None and found not in QUANTIZATION_METHODS:
         raise ValueError(f"quantization: the checkpoint's quant_method {found!r} is not "
                          f"supported (supported: {', '.join(QUANTIZATION_METHODS)})")

@@ -72,3 +72,35 @@ def test_default_gguf_native_close_to_dequantized():
             same += 1
     assert same >= len(PROMPTS)  # not a vacuous pass: most first tokens agree
 
+
+
+@pytest.mark.slow
+def test_first_load_of_a_gguf_without_a_cache_dequantizes(tmp_path, monkeypatch):
+    """A fresh machine has no dequantized copy yet: the first load goes through
+    transformers, whose config carries a GGUF quantization_config; the dequantized model
+    must load (it was refused as an unknown 'quantizationmethod.gguf') and write the cache
+    the next load reads."""
+    from tandem.engine import model_loader
+    from tandem.engine.config import ModelConfig
+
+    monkeypatch.setattr(model_loader, "GGUF_CACHE_DIR", str(tmp_path))
+    loaded = model_loader.load_model(ModelConfig(dtype="float32"))
+    assert not isinstance(loaded.model.model.layers[0].self_attn.qkv_proj,
+                          gguf_method.GGUFQuantLinear)
+    assert getattr(loaded.hf_config, "quantization_config", None) is None
+    assert len(list(tmp_path.iterdir())) == 1  # the cache written for the next load
+
+
+def test_quant_method_enum_of_a_transformers_config_is_read_by_its_value():
+    """transformers' quantization config classes hold QuantizationMethod members, whose
+    str() is 'QuantizationMethod.GPTQ', not the method's name."""
+    from types import SimpleNamespace
+
+    from transformers.utils.quantization_config import QuantizationMethod
+
+    from tandem.engine.quantization import resolve_quantization
+
+    cfg = SimpleNamespace(quantization_config={"quant_method": QuantizationMethod.GPTQ,
+                                               "bits": 4, "group_size": 128, "sym": True,
+                                               "desc_act": False})
+    assert resolve_quantization(None, cfg).name == "gptq"
