@@ -303,8 +303,22 @@ def load_model(model_config: ModelConfig) -> LoadedModel:
 
     Raises:
         ValueError: unknown path (names ``model``), unsupported architecture
-            (names it and lists the supported ones), CUDA unavailable.
+            (names it and lists the supported ones), a config.json that transformers'
+            validation rejects (e.g. a hidden size its head count does not divide),
+            CUDA unavailable.
     """
+    from huggingface_hub.errors import StrictDataclassError
+
+    try:
+        return _load_model(model_config)
+    except StrictDataclassError as exc:
+        # transformers validates configs with huggingface_hub's strict dataclasses, whose
+        # errors are not ValueErrors: an inconsistent checkpoint is still bad input.
+        raise ValueError(f"model {model_config.model!r}: its config is invalid: "
+                         f"{exc}") from exc
+
+
+def _load_model(model_config: ModelConfig) -> LoadedModel:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     folder, gguf = resolve_model_path(model_config.model)

@@ -238,9 +238,12 @@ class MultiProcExecutor(Executor):
             conn.close()
         if msg[0] == "error":
             _, type_name, message, tb = msg
-            logger.error("worker %d failed to start:\n%s", rank, tb)
             if type_name == "ValueError":
+                # A setting the model cannot take: the message is the whole story for
+                # the user; the worker's stack helps only whoever debugs tandem itself.
+                logger.debug("worker %d refused its start-up:\n%s", rank, tb)
                 raise ValueError(message)
+            logger.error("worker %d failed to start:\n%s", rank, tb)
             raise RuntimeError(f"worker {rank} failed to start: {type_name}: {message}")
         return dict(msg[1])
 

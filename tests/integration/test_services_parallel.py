@@ -154,3 +154,42 @@ def test_more_workers_than_cpus_is_a_usage_error(tiny):
     assert done.returncode == 2, done.stderr[-2000:]
     assert f"tensor_parallel_size x pipeline_parallel_size = {n} workers exceed" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_heads_tp_does_not_divide_is_a_usage_error_without_a_traceback(tiny, tmp_path):
+    """A worker's start-up ValueError (its shard of the heads) reaches the user as the
+    service's one-line usage error (exit 2), with no worker traceback on stderr."""
+    import shutil
+
+    folder = tmp_path / "one_head"
+    shutil.copytree(tiny, folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg.update(num_attention_heads=1, num_key_value_heads=1, head_dim=cfg["hidden_size"])
+    (folder / "config.json").write_text(json.dumps(cfg))
+    done = subprocess.run(
+        [sys.executable, "-P", "-m", "tandem.cli", "serve", "--role", "both", "--listen",
+         "127.0.0.1:0", "--model", str(folder), "--tensor-parallel-size", "2"],
+        capture_output=True, text=True, timeout=240)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "tensor_parallel_size 2" in done.stderr, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr, done.stderr[-2000:]
+
+
+def test_a_config_transformers_rejects_is_a_usage_error(tiny, tmp_path):
+    """A config.json whose sizes contradict each other (hidden 64 over 3 heads) is refused
+    as bad input naming the model (transformers raises a non-ValueError for it)."""
+    import shutil
+
+    folder = tmp_path / "bad_config"
+    shutil.copytree(tiny, folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg.update(num_attention_heads=3, num_key_value_heads=3)
+    cfg.pop("head_dim", None)
+    (folder / "config.json").write_text(json.dumps(cfg))
+    done = subprocess.run(
+        [sys.executable, "-P", "-m", "tandem.cli", "serve", "--role", "both", "--listen",
+         "127.0.0.1:0", "--model", str(folder)],
+        capture_output=True, text=True, timeout=240)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "its config is invalid" in done.stderr and "Traceback" not in done.stderr, (
+        done.stderr[-2000:])
