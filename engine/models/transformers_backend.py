@@ -19,7 +19,13 @@ own logits.
 Refused at load, naming the architecture and the reason: state that is not a KV cache
 (Mamba, RWKV, linear-attention and hybrid models), encoder-decoders, multimodal
 configs, chunked or other non-window local attention, layers whose KV geometry differs,
-and tensor / pipeline parallelism (not implemented for this backend).
+and pipeline parallelism (not implemented for this backend).
+
+Tensor parallelism follows the config's ``base_model_tp_plan`` where it has only
+``colwise`` / ``rowwise`` splits (``transformers_tp.py``): each rank loads the model,
+keeps its part of the split linears (its attention heads, so its KV cache holds those
+heads only) and all-reduces the rowwise outputs; embedding and LM head stay whole, and
+TP rank 0 computes the logits. Other plan styles, or no plan, are refused.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from torch import nn
 from tandem.engine import distributed
 from tandem.engine.model_facts import head_dim_of
 from tandem.engine.models import transformers_attention as tattn
+from tandem.engine.models import transformers_tp
 from tandem.engine.models.interface import IntermediateTensors, KVCacheViews
 from tandem.engine.models.sharding import ModelShard
 from tandem.kernels.attention import AttentionMetadata
@@ -104,13 +111,14 @@ def check_supported(config: Any) -> None:
                          f"model_type {model_type!r}")
 
 
-def check_parallel(arch: str) -> None:
-    """Raises ValueError naming ``tensor_parallel_size`` / ``pipeline_parallel_size``
-    when this process is one of several ranks (not implemented for this backend)."""
+def check_parallel(config: Any, arch: str) -> None:
+    """Raises ValueError naming ``pipeline_parallel_size`` when this process is one of
+    several pipeline stages (not implemented for this backend), and as
+    ``transformers_tp.check_tp_plan`` (naming ``tensor_parallel_size``) when it is one
+    of several TP ranks and the config's TP plan cannot be served."""
     tp, pp = distributed.get_tp_group().world_size, distributed.get_pp_group().world_size
     if tp > 1:
-        raise ValueError(f"tensor_parallel_size {tp}: the Transformers modeling backend "
-                         f"({arch}) runs on one rank; use tensor_parallel_size=1")
+        transformers_tp.check_tp_plan(config, arch, tp)
     if pp > 1:
         raise ValueError(f"pipeline_parallel_size {pp}: the Transformers modeling backend "
                          f"({arch}) runs on one rank; use pipeline_parallel_size=1")
@@ -130,15 +138,19 @@ def config_windows(config: Any) -> list[int | None]:
     return [int(window)] * n
 
 
-def _shard(config: Any, num_heads: int, num_kv_heads: int, head_dim: int) -> ModelShard:
-    """The whole model as one rank's ``ModelShard`` with the cache geometry given."""
+def _shard(config: Any, num_heads: int, num_kv_heads: int, head_dim: int,
+           tp_rank: int = 0, tp_size: int = 1) -> ModelShard:
+    """TP rank ``tp_rank``'s ``ModelShard`` (every layer, the whole vocabulary) with the
+    cache geometry given: ``num_heads`` / ``num_kv_heads`` held by this rank, which
+    holds the model's KV heads ``[tp_rank * num_kv_heads, (tp_rank + 1) * num_kv_heads)``."""
     hidden = int(config.hidden_size)
-    ffn = getattr(config, "intermediate_size", None) or getattr(config, "ffn_dim", None)
+    ffn = int(getattr(config, "intermediate_size", None) or getattr(config, "ffn_dim", None)
+              or 4 * hidden)
     vocab = int(config.vocab_size)
     return ModelShard(
-        tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, num_heads=num_heads,
-        kv_heads=range(num_kv_heads), head_dim=head_dim,
-        intermediate_size=int(ffn or 4 * hidden),
+        tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, num_heads=num_heads,
+        kv_heads=range(tp_rank * num_kv_heads, (tp_rank + 1) * num_kv_heads), head_dim=head_dim,
+        intermediate_size=ffn // tp_size if ffn % tp_size == 0 else ffn,
         layers=range(int(config.num_hidden_layers)), vocab_size=vocab, vocab_per_rank=vocab,
     )
 
@@ -156,8 +168,8 @@ class TransformersForCausalLM(nn.Module):
         dtype / device: of the weights.
 
     Attributes:
-        shard: the whole model (one rank) with the probed KV geometry: query heads,
-            K/V heads and the cache head size (``max(dk, dv)``).
+        shard: this TP rank's part (every layer) with the probed KV geometry: query
+            heads, K/V heads (this rank's) and the cache head size (``max(dk, dv)``).
         hf: the transformers ``*ForCausalLM`` (after ``load_weights``).
 
     Raises:
@@ -175,14 +187,18 @@ class TransformersForCausalLM(nn.Module):
         super().__init__()
         self.arch = _arch(config)
         check_supported(config)
-        check_parallel(self.arch)
+        check_parallel(config, self.arch)
+        tp = distributed.get_tp_group()
+        self._tp_rank, self._tp_size = tp.rank_in_group, tp.world_size
         self.config = config
         self._dtype, self._device = dtype, torch.device(device)
         self.windows = config_windows(config)
         heads = int(getattr(config, "num_attention_heads", 1) or 1)
         kv = int(getattr(config, "num_key_value_heads", None) or heads)
         head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
-        self.shard = _shard(config, heads, kv, head_dim)  # until the probe knows better
+        # until the probe knows better
+        self.shard = _shard(config, heads // self._tp_size, kv // self._tp_size, head_dim,
+                            self._tp_rank, self._tp_size)
         self._limit = int(getattr(config, "max_position_embeddings", 0) or max_position)
         self.ensure_max_position(max_position)
         self.hf: Any = None
@@ -254,7 +270,17 @@ class TransformersForCausalLM(nn.Module):
         self.hf = hf.to(self._device).eval().requires_grad_(False)
         params = inspect.signature(self.hf.base_model.forward).parameters.values()
         self._pass_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
-        self._probe()
+        if self._tp_size == 1:
+            self._probe()
+            return
+        # NOTE: every rank loads the whole model, then keeps its part of the split modules.
+        transformers_tp.shard_base_model(self.hf.base_model, self.config, self.arch,
+                                         self._tp_rank, self._tp_size)
+        try:
+            self._probe()
+        except RuntimeError as e:  # a module the plan leaves whole saw a split activation
+            raise ValueError(f"tensor_parallel_size {self._tp_size}: {self.arch} split by its "
+                             f"tensor-parallel plan fails to run: {e}") from e
 
     def _probe(self) -> None:
         """Run ``PROBE_TOKENS`` tokens through the model: learn every layer's KV geometry
@@ -279,22 +305,29 @@ class TransformersForCausalLM(nn.Module):
             raise ValueError(f"model architecture {self.arch!r}: layers differ in KV geometry "
                              f"{sorted(geos, key=str)}; tandem's cache has one per model")
         geo = geos.pop()
-        self.shard = _shard(self.config, geo.num_heads, geo.num_kv_heads, geo.head_dim)
+        tp = self._tp_size
+        if tp > 1 and (geo.num_heads, geo.num_kv_heads) != (self.shard.num_heads,
+                                                            len(self.shard.kv_heads)):
+            raise ValueError(f"tensor_parallel_size {tp}: {self.arch} split by its "
+                             f"tensor-parallel plan runs {geo.num_heads} query / "
+                             f"{geo.num_kv_heads} KV heads per rank, not "
+                             f"{self.shard.num_heads} / {len(self.shard.kv_heads)}")
+        self.shard = _shard(self.config, geo.num_heads, geo.num_kv_heads, geo.head_dim,
+                            self._tp_rank, tp)
         # The engine sizes its cache from the config (``model_facts.resolve_model_facts``):
         # where the modeling code's K/V differ from what the config's fields say (MLA
         # expands its latent to every head, K and V of different sizes), the config this
         # model was given is told the cache geometry. The transformers model keeps its
         # own copy of the config.
         cfg_kv = getattr(self.config, "num_key_value_heads", None) or self.config.num_attention_heads
-        if int(cfg_kv) != geo.num_kv_heads:
-            self.config.num_key_value_heads = geo.num_kv_heads
+        if int(cfg_kv) != geo.num_kv_heads * tp:
+            self.config.num_key_value_heads = geo.num_kv_heads * tp
         if head_dim_of(self.config) != geo.head_dim:
             self.config.head_dim = geo.head_dim
         if geo.k_head_dim != geo.v_head_dim:
             logger.info("%s: K head %d, V head %d: V zero-padded to %d in the KV cache",
                         self.arch, geo.k_head_dim, geo.v_head_dim, geo.head_dim)
-        ours = self.compute_logits(hidden)
-        assert ours is not None, "one rank: never None"
+        ours = self._logits(hidden).float()
         ctx2 = tattn.probe_context(PROBE_TOKENS, self._device, self.windows, self._layer_of)
         theirs = self._run(self.hf, ids, pos, ctx2).logits[0].float()
         tol = 1e-3 if self._dtype == torch.float32 else 3e-2
@@ -350,7 +383,16 @@ class TransformersForCausalLM(nn.Module):
         """``[num_seqs, hidden_size]`` -> ``[num_seqs, vocab_size]`` logits by the model's
         LM head, then the transforms transformers' causal LMs apply: Gemma 2/3's
         ``final_logit_softcapping``, Granite's ``logits_scaling`` (divides), Cohere's
-        ``logit_scale`` (multiplies). Float32 unless ``upcast=False``."""
+        ``logit_scale`` (multiplies). Float32 unless ``upcast=False``. Under tensor
+        parallelism TP rank 0 computes them (the head is whole on every rank) and the
+        other ranks return ``None``."""
+        if self._tp_rank != 0:
+            return None
+        logits = self._logits(hidden)
+        return logits.float() if upcast else logits
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``compute_logits`` on any rank, in the head's dtype."""
         logits = self.hf.get_output_embeddings()(hidden)
         cfg = self.config
         scale = getattr(self.hf, "logit_scale", None)
@@ -362,7 +404,7 @@ class TransformersForCausalLM(nn.Module):
         cap = getattr(cfg, "final_logit_softcapping", None)
         if cap:
             logits = torch.tanh(logits / cap) * cap
-        return logits.float() if upcast else logits
+        return logits
 
     def compute_greedy(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """No fused greedy head here: ``None`` (the caller computes logits)."""
