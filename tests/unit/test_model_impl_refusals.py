@@ -105,21 +105,21 @@ def test_weights_that_do_not_fit_name_the_tensor(gemma) -> None:
 
 
 def test_unknown_logit_transform_is_refused(gemma, monkeypatch) -> None:
-    """The load-time probe compares ``compute_logits`` with the model's own logits: a
-    transform tandem does not apply (here Gemma 2's final softcapping, left out) is an
-    error at load, never silently different logits."""
-    plain = transformers_backend.TransformersForCausalLM.compute_logits
+    """The load-time probe compares ``compute_logits``' head and transforms (``_logits``)
+    with the model's own logits: a transform tandem does not apply (here Gemma 2's final
+    softcapping, left out) is an error at load, never silently different logits."""
+    plain = transformers_backend.TransformersForCausalLM._logits
 
-    def without_softcap(self, hidden, upcast=True):
-        return self.hf.get_output_embeddings()(hidden).float()
+    def without_softcap(self, hidden):
+        return self.hf.get_output_embeddings()(hidden)
 
-    monkeypatch.setattr(transformers_backend.TransformersForCausalLM, "compute_logits",
+    monkeypatch.setattr(transformers_backend.TransformersForCausalLM, "_logits",
                         without_softcap)
     config = tiny("Gemma2Config", "Gemma2ForCausalLM", head_dim=16, final_logit_softcapping=0.5)
     hf = tiny_hf_model(config, std=0.5)
     with pytest.raises(ValueError, match="Gemma2ForCausalLM.*unknown logit transform"):
         build_model(hf.config, hf.state_dict(), torch.float32, "cpu", 64, "transformers")
-    monkeypatch.setattr(transformers_backend.TransformersForCausalLM, "compute_logits", plain)
+    monkeypatch.setattr(transformers_backend.TransformersForCausalLM, "_logits", plain)
     build_model(hf.config, hf.state_dict(), torch.float32, "cpu", 64, "transformers")
 
 
