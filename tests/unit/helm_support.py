@@ -40,7 +40,7 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
     "no-gpu": {"prefill": {"gpus": 0}, "decode": {"gpus": 0}},
     "tensor-pipeline-parallel": {
         "prefill": {"gpus": 4, "tensorParallelSize": 2, "pipelineParallelSize": 2},
-        "decode": {"gpus": 2, "tensorParallelSize": 2},
+        "decode": {"gpus": 2, "tensorParallelSize": 2, "enableExpertParallel": True},
     },
     "internal-tls": {"internalTLS": {"enabled": True, "secretName": "tandem-internal-tls"}},
     "ingress": {
@@ -171,12 +171,13 @@ def tandem_containers(docs: tuple[dict[str, Any], ...]) -> Iterator[tuple[str, d
 
 
 def flag_values(container: dict[str, Any]) -> dict[str, str]:
-    """--flag=value args as a dict (the chart always uses the = form); last one wins."""
+    """--flag=value args as a dict (the chart uses the = form for every flag with a
+    value; a switch such as --enable-expert-parallel maps to "true"); last one wins."""
     out: dict[str, str] = {}
     for arg in container.get("args", []):
-        assert arg.startswith("--") and "=" in arg, f"arg {arg!r} is not --flag=value"
-        flag, value = arg.split("=", 1)
-        out[flag] = value
+        assert arg.startswith("--"), f"arg {arg!r} is not --flag=value or a --switch"
+        flag, sep, value = arg.partition("=")
+        out[flag] = value if sep else "true"
     return out
 
 

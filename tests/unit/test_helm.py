@@ -211,3 +211,17 @@ def test_network_policies_let_only_the_callers_of_each_part_in() -> None:
         files = loaded.render({"networkPolicy": {"enabled": False}}, name=RELEASE,
                               namespace=NAMESPACE, is_install=True)
     assert not files.get("tandem/templates/networkpolicy.yaml", "").strip()
+
+
+def test_expert_parallel_needs_tensor_parallel_workers(chart: Any) -> None:
+    with pytest.raises(Exception, match=r"prefill.enableExpertParallel needs "
+                                        r"prefill.tensorParallelSize >= 2"):
+        chart.render({"prefill": {"enableExpertParallel": True}}, name=RELEASE)
+
+
+def test_quantization_enum_is_the_engines(chart: Any) -> None:
+    """The chart's --quantization choices are the engine's (one list, no drift)."""
+    from tandem.engine.quantization import QUANTIZATION_METHODS
+
+    enum = chart.schema["properties"]["model"]["properties"]["quantization"]["enum"]
+    assert set(enum) == {None, *QUANTIZATION_METHODS}

@@ -171,6 +171,8 @@ def test_gpu_only_on_prefill_and_decode(chart: Any, name: str) -> None:
                 assert (tp, pp) == (values[role]["tensorParallelSize"],
                                     values[role]["pipelineParallelSize"])
                 assert tp * pp == want, (role, tp, pp, want)
+                assert (flags.get("--enable-expert-parallel") == "true") == bool(
+                    values[role]["enableExpertParallel"]), role
             else:
                 assert gpu == {"requests": None, "limits": None}, (role, gpu)
                 if role in ENGINE_ROLES:

@@ -21,6 +21,12 @@ Called with (dict "root" $ "role" "prefill"|"decode").
 {{- end }}
 - --tensor-parallel-size={{ $v.tensorParallelSize | int64 }}
 - --pipeline-parallel-size={{ $v.pipelineParallelSize | int64 }}
+{{- if $v.enableExpertParallel }}
+{{- if lt (int $v.tensorParallelSize) 2 }}
+{{- fail (printf "%s.enableExpertParallel needs %s.tensorParallelSize >= 2 (the experts are split over the tensor-parallel workers)" .role .role) }}
+{{- end }}
+- --enable-expert-parallel
+{{- end }}
 - --dtype={{ $root.Values.model.dtype }}
 {{- with $root.Values.model.modelImpl }}
 - --model-impl={{ . }}
