@@ -41,6 +41,7 @@ from tandem.engine.input_batch import build_input_batch
 from tandem.engine.model_facts import ModelFacts, resolve_model_facts
 from tandem.engine.model_loader import LoadedModel, load_model
 from tandem.engine.models.interface import IntermediateTensors
+from tandem.engine.models.kv_scales import check_kv_scales_used
 from tandem.engine.models.registry import architecture_name
 from tandem.engine.runner_env import tune_glibc_malloc, warn_batch_variant
 from tandem.engine.sampler import Sampler
@@ -220,6 +221,7 @@ class ModelRunner:
         capability = (torch.cuda.get_device_capability(self.device)
                       if self.device.type == "cuda" else None)
         check_fp8_kv_cache_supported(self.kv_cache_dtype, self.device.type, capability)
+        check_kv_scales_used(self.model)
         scales = [(float(m.k_scale), float(m.v_scale)) for m in self.model.modules()
                   if hasattr(m, "k_scale") and hasattr(m, "v_scale")]
         self.facts = dataclasses.replace(

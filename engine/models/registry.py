@@ -17,6 +17,7 @@ from tandem.engine.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCa
 from tandem.engine.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from tandem.engine.models.gpt_oss import GptOssForCausalLM
 from tandem.engine.models.interface import CausalLM
+from tandem.engine.models.kv_scales import take_kv_scales
 from tandem.engine.models.llama import LlamaForCausalLM
 from tandem.engine.models.mistral import MistralForCausalLM
 from tandem.engine.models.moe_models import (
@@ -192,7 +193,7 @@ def build_model(
     assert isinstance(model, CausalLM), f"{cls.__name__} does not implement CausalLM"
     if quantization is not None:
         weights = quant.filter_weights(weights, quantization)
-    model.load_weights(weights)
+    model.load_weights(take_kv_scales(model, weights))
     if quantization is not None:
         quant.finish_model(model, quantization)
     model.eval().requires_grad_(False)
