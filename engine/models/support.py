@@ -3,7 +3,9 @@
 Rows come from the registry (every native implementation, with the parallelism its class
 declares) and from ``TRANSFORMERS_VERIFIED``, the architectures the suite runs through
 the Transformers modeling backend against transformers' own ``generate``
-(tests/e2e/test_transformers_backend.py asserts its list is this one). A test compares
+(tests/e2e/test_transformers_backend.py asserts its list is this one), and from
+``TRANSFORMERS_TP_VERIFIED``, those of them the suite also runs at tensor-parallel size 2
+(tests/e2e/test_transformers_tp.py). A test compares
 docs/models.md with ``render_markdown()``, so the page cannot drift from the code.
 
     python -P -m tandem.engine.models.support > docs/models.md
@@ -14,7 +16,8 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 
-__all__ = ["TRANSFORMERS_VERIFIED", "ArchSupport", "render_markdown", "support_table"]
+__all__ = ["TRANSFORMERS_TP_VERIFIED", "TRANSFORMERS_VERIFIED", "ArchSupport",
+           "render_markdown", "support_table"]
 
 #: architectures whose float32 greedy tokens the suite checks through the Transformers
 #: modeling backend (``model_impl="transformers"``), token for token against transformers
@@ -23,6 +26,13 @@ TRANSFORMERS_VERIFIED: tuple[str, ...] = (
     "Olmo2ForCausalLM", "GraniteForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM",
     "GptOssForCausalLM", "StableLmForCausalLM", "GPTNeoXForCausalLM",
     "Starcoder2ForCausalLM", "CohereForCausalLM", "DeepseekV3ForCausalLM",
+)
+
+#: those of ``TRANSFORMERS_VERIFIED`` whose float32 greedy tokens the suite also checks at
+#: ``tensor_parallel_size=2``: their config's ``base_model_tp_plan`` splits only by the
+#: styles ``transformers_tp`` serves (colwise / rowwise)
+TRANSFORMERS_TP_VERIFIED: tuple[str, ...] = (
+    "LlamaForCausalLM", "GPTNeoXForCausalLM", "Starcoder2ForCausalLM", "Qwen3MoeForCausalLM",
 )
 
 
@@ -58,8 +68,9 @@ def support_table() -> list[ArchSupport]:
                     default=True)
         for arch, cls in sorted(MODEL_REGISTRY.items())
     ]
-    # NOTE: the Transformers backend runs on one rank (transformers_backend.check_parallel).
-    rows += [ArchSupport(arch, "transformers", False, False, False,
+    # NOTE: the Transformers backend runs one pipeline stage, and tensor parallelism only
+    # from a plan of colwise / rowwise splits (transformers_tp.check_tp_plan).
+    rows += [ArchSupport(arch, "transformers", arch in TRANSFORMERS_TP_VERIFIED, False, False,
                          default=arch not in MODEL_REGISTRY)
              for arch in sorted(TRANSFORMERS_VERIFIED)]
     return rows
@@ -84,7 +95,12 @@ def render_markdown() -> str:
         "tokens equal transformers' `generate` on tiny random-weight models. Chunked prefill,",
         "prefix caching, preemption, structured outputs, speculative decoding (one rank) and",
         "disaggregated prefill/decode through the KV store sit above the model, the same for",
-        "every row. TP, PP and EP: served with several ranks (`no`: refused at start-up).",
+        "every row. TP, PP and EP: served with several ranks (`no`: refused at start-up,",
+        "but see below for TP on transformers rows). The Transformers backend splits over TP",
+        "ranks by the config's `base_model_tp_plan` where its styles are only `colwise` /",
+        "`rowwise` (embedding and LM head whole on every rank): its `yes` rows are checked at",
+        "TP=2; a `no` row whose plan has only those styles runs unchecked, any other plan (or",
+        "none) is refused at start-up.",
         "Any other decoder-only causal LM that the installed transformers implements may run",
         "through the Transformers backend without being listed; encoder-decoders, multimodal",
         "configs and models whose state is not a KV cache (Mamba, RWKV, linear attention)",

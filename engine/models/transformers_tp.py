@@ -115,7 +115,7 @@ def _shard_rowwise(module: nn.Linear, name: str, tp_rank: int, tp_size: int) -> 
     bias = module.bias
     # NOTE: the bias leaves the linear (each rank's output is a partial sum) and is added
     # after the all-reduce, so every rank's sum equals the unsplit module's output.
-    module.bias = None
+    module.register_parameter("bias", None)
     module.register_buffer("tp_bias", None if bias is None else bias.data.clone())
     module.in_features = cols.stop - cols.start
     module.register_forward_hook(_reduce_then_bias)

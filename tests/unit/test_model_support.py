@@ -6,7 +6,12 @@ from __future__ import annotations
 from pathlib import Path
 
 from tandem.engine.models.registry import MODEL_REGISTRY
-from tandem.engine.models.support import TRANSFORMERS_VERIFIED, render_markdown, support_table
+from tandem.engine.models.support import (
+    TRANSFORMERS_TP_VERIFIED,
+    TRANSFORMERS_VERIFIED,
+    render_markdown,
+    support_table,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -25,4 +30,18 @@ def test_every_native_architecture_has_a_row_that_auto_picks() -> None:
             assert not rows[(arch, "transformers")].default
     for arch in TRANSFORMERS_VERIFIED:
         row = rows[(arch, "transformers")]
-        assert not (row.tensor_parallel or row.pipeline_parallel or row.expert_parallel)
+        assert not (row.pipeline_parallel or row.expert_parallel)
+        assert row.tensor_parallel == (arch in TRANSFORMERS_TP_VERIFIED)
+
+
+def test_transformers_tp_rows_have_a_servable_plan() -> None:
+    """A Transformers-backend row marked TP=yes is one the backend does not refuse at
+    TP=2: its default config's plan splits by colwise / rowwise only."""
+    import transformers
+
+    from tandem.engine.models.transformers_tp import check_tp_plan
+
+    assert set(TRANSFORMERS_TP_VERIFIED) <= set(TRANSFORMERS_VERIFIED)
+    for arch in TRANSFORMERS_TP_VERIFIED:
+        config = getattr(transformers, arch.replace("ForCausalLM", "Config"))()
+        check_tp_plan(config, arch, 2)
