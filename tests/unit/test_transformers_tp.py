@@ -142,3 +142,13 @@ def test_rank_outputs_add_up_to_the_whole_layer(arch) -> None:
         if bias is not None:
             got = got - bias
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_module_the_plan_keeps_whole_that_sees_split_heads_is_refused(monkeypatch) -> None:
+    """Cohere's q/k LayerNorms hold a weight per head of the whole model and the plan
+    does not split them: the split model fails its load-time probe, refused naming
+    ``tensor_parallel_size`` (never silently different numbers)."""
+    hf = tiny_hf_model(config("CohereForCausalLM", use_qk_norm=True), std=0.2, seed=4)
+    as_rank(monkeypatch, 2)
+    with pytest.raises(ValueError, match="tensor_parallel_size 2: CohereForCausalLM split by"):
+        build_model(hf.config, hf.state_dict(), torch.float32, "cpu", 64, "transformers")
