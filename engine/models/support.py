@@ -5,7 +5,7 @@ declares) and from ``TRANSFORMERS_VERIFIED``, the architectures the suite runs t
 the Transformers modeling backend against transformers' own ``generate``
 (tests/e2e/test_transformers_backend.py asserts its list is this one), and from
 ``TRANSFORMERS_TP_VERIFIED``, those of them the suite also runs at tensor-parallel size 2
-(tests/e2e/test_transformers_tp.py). A test compares
+(tests/e2e/test_transformers_backend_tp.py). A test compares
 docs/models.md with ``render_markdown()``, so the page cannot drift from the code.
 
     python -P -m tandem.engine.models.support > docs/models.md

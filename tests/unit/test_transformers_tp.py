@@ -2,7 +2,7 @@
 process: the refusals (no plan, a style it does not serve, heads that do not split), and
 one rank's split of a tiny model under a stand-in TP group of two whose all-reduce
 returns its input, so each rank's partial sums can be added here. The TP=2 token checks
-against transformers run in ``tests/e2e/test_transformers_tp.py``."""
+against transformers run in ``tests/e2e/test_transformers_backend_tp.py``."""
 
 from __future__ import annotations
 
