@@ -61,6 +61,8 @@ SOURCES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("decode_layers_cpu.c", ()),
     # step-by-step rounding: the scalar GGUF unpacking equals the gguf package's
     ("gguf_quant_cpu.c", ("-ffp-contract=off",)),
+    # step-by-step rounding: the epilogue equals the torch reference bit for bit
+    ("int8_linear_cpu.c", ("-ffp-contract=off",)),
 )
 HEADERS = ("tandem_kernels.h", "team.h", "simd_math.h", "elementwise.h", "gguf_quant_simd.h")
 # -Bsymbolic: the library's calls between its own files bind inside it, so the

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from tandem.engine.quantization.base import QuantLinear
 from tandem.kernels.quant.grouped import TILE_ROWS, int8_rowwise_linear
+from tandem.kernels.quant.int8_native import PackedInt8, int8_linear, pack_int8
 
 
 def quantize_int8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -25,9 +26,14 @@ def quantize_int8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 class Int8Linear(QuantLinear):
     """W8A8 linear; checkpoint tensors ``weight [out, in]`` int8 and ``weight_scale
     [out, 1]`` (compressed-tensors' channel strategy). ``set_int8`` fills it directly
-    (on-load). Buffers after loading: ``q [out, in]`` int8, ``scale [out]`` float32."""
+    (on-load). Buffers after loading: ``scale [out]`` float32 and either the native
+    kernel's packing of the weight (``wp``, ``wsum``: ``kernels/quant/int8_native.py``;
+    CPU weights where the native library loads) or ``q [out, in]`` int8 for the torch
+    reference (``int8_rowwise_linear``); one copy of the weight either way."""
 
-    q: torch.Tensor
+    q: torch.Tensor | None
+    wp: torch.Tensor | None
+    wsum: torch.Tensor | None
     scale: torch.Tensor
 
     def add_checkpoint_tensors(self) -> None:
@@ -37,7 +43,11 @@ class Int8Linear(QuantLinear):
                                   out_dim=0)
 
     def set_int8(self, q: torch.Tensor, scale: torch.Tensor) -> None:
-        self.register_buffer("q", q.contiguous(), persistent=False)
+        """Take ``q [out, in]`` int8 and ``scale`` (``[out]`` or ``[out, 1]``) float."""
+        packed = pack_int8(q) if q.device.type == "cpu" else None
+        self.register_buffer("q", None if packed else q.contiguous(), persistent=False)
+        self.register_buffer("wp", packed.wp if packed else None, persistent=False)
+        self.register_buffer("wsum", packed.wsum if packed else None, persistent=False)
         self.register_buffer("scale", scale.float().reshape(-1).contiguous(), persistent=False)
 
     def finish_loading(self, prefix: str) -> None:
@@ -46,7 +56,11 @@ class Int8Linear(QuantLinear):
         self.set_int8(q, s)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return int8_rowwise_linear(x, self.q, self.scale, self.bias)
+        if self.q is not None:
+            return int8_rowwise_linear(x, self.q, self.scale, self.bias)
+        assert self.wp is not None and self.wsum is not None, "set_int8 was not called"
+        packed = PackedInt8(self.wp, self.wsum, self.out_features, self.in_features)
+        return int8_linear(x, packed, self.scale, self.bias)
 
 
 class Fp8Linear(QuantLinear):

@@ -139,4 +139,20 @@ int gguf_dequant_rows(int type, const void *w, int64_t row_bytes, const int64_t 
 int gguf_matmul(int type, const float *x, int64_t sx, int64_t M, int64_t K, const void *w,
                 int64_t N, float *y, int64_t sy, int num_threads);
 
+/* int8_linear_cpu.c: W8A8 linears, int8 weights per output channel and int8
+ * activations per token (both symmetric), int32 dot products (see there).
+ * int8_linear_paths() is a bit mask (1 << path) of the paths this build runs on
+ * this CPU; int8_linear returns -1 on a path outside it or an empty shape, -3
+ * when memory runs out. wp: ceil(N / 16) * 64 * ceil(K / 4) bytes, wsum: ceil(N / 16)
+ * * 16 ints, both from int8_pack_weight. */
+#define TANDEM_INT8_SCALAR 0
+#define TANDEM_INT8_AVX2 1
+#define TANDEM_INT8_AVX_VNNI 2
+#define TANDEM_INT8_AVX512_VNNI 3
+int int8_linear_paths(void);
+void int8_pack_weight(const void *q, int64_t N, int64_t K, void *wp, int *wsum);
+int int8_linear(int path, int is_bf16, const void *x, int64_t sx, const void *wp, const int *wsum,
+                const float *ws, const float *bias, void *y, int64_t sy, int64_t M, int64_t N,
+                int64_t K, int num_threads);
+
 #endif

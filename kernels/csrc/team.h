@@ -53,4 +53,12 @@ int team_bf16_matmul(int tiles, const uint16_t *x, int64_t sx, const uint16_t *w
                      const uint16_t *bias, uint16_t *y, int64_t sy, int64_t M, int64_t N,
                      int64_t K, int swiglu, uint16_t *pad);
 
+/* int8_linear_cpu.c: y = W8A8 linear of x (see int8_linear in tandem_kernels.h);
+ * scratch: int8_scratch_bytes(M, K) bytes shared by the team. Returns -1 on a
+ * path this build or CPU does not run (every thread, and nothing runs). */
+int64_t int8_scratch_bytes(int64_t M, int64_t K);
+int team_int8_matmul(int path, int is_bf16, const void *x, int64_t sx, const void *wp,
+                     const int *wsum, const float *ws, const float *bias, void *y, int64_t sy,
+                     int64_t M, int64_t N, int64_t K, void *scratch);
+
 #endif
