@@ -12,7 +12,9 @@ work unchanged.
 Loading: transformers' ``from_pretrained`` with the checkpoint's state dict (it builds
 the model on the meta device, applies the checkpoint conversions some architectures
 declare, e.g. per-expert MoE weights into fused expert tensors, restores the rotary
-buffers and ties embeddings). Then a probe runs a few tokens through the model to learn
+buffers and ties embeddings). On one rank, sibling projections the modeling code
+applies to one input (q/k/v, gate/up) are fused into one GEMM each
+(``transformers_fusion.py``). Then a probe runs a few tokens through the model to learn
 each layer's KV geometry and to check that ``compute_logits`` reproduces the model's
 own logits.
 
@@ -42,7 +44,7 @@ from torch import nn
 from tandem.engine import distributed
 from tandem.engine.model_facts import head_dim_of
 from tandem.engine.models import transformers_attention as tattn
-from tandem.engine.models import transformers_tp
+from tandem.engine.models import transformers_fusion, transformers_tp
 from tandem.engine.models.interface import IntermediateTensors, KVCacheViews
 from tandem.engine.models.sharding import ModelShard
 from tandem.kernels.attention import AttentionMetadata
@@ -271,6 +273,9 @@ class TransformersForCausalLM(nn.Module):
         params = inspect.signature(self.hf.base_model.forward).parameters.values()
         self._pass_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
         if self._tp_size == 1:
+            # NOTE: one rank only: a tensor-parallel plan splits each projection by itself.
+            fusion = transformers_fusion.fuse_projections(self.hf.base_model, self._probe_run)
+            logger.info("%s: %d projection groups fused", self.arch, len(fusion.fused))
             self._probe()
             return
         # NOTE: every rank loads the whole model, then keeps its part of the split modules.
@@ -281,6 +286,13 @@ class TransformersForCausalLM(nn.Module):
         except RuntimeError as e:  # a module the plan leaves whole saw a split activation
             raise ValueError(f"tensor_parallel_size {self._tp_size}: {self.arch} split by its "
                              f"tensor-parallel plan fails to run: {e}") from e
+
+    def _probe_run(self) -> None:
+        """One forward of the base model over a fresh probe sequence."""
+        ids = torch.arange(PROBE_TOKENS, device=self._device) % int(self.config.vocab_size)
+        pos = torch.arange(PROBE_TOKENS, device=self._device)
+        ctx = tattn.probe_context(PROBE_TOKENS, self._device, self.windows, self._layer_of)
+        self._run(self.hf.base_model, ids, pos, ctx)
 
     def _probe(self) -> None:
         """Run ``PROBE_TOKENS`` tokens through the model: learn every layer's KV geometry
