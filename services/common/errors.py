@@ -12,7 +12,6 @@ exception                          gRPC status
 ``ValueError``                     INVALID_ARGUMENT (the message names the field)
 ``UnknownRequestError``            NOT_FOUND
 ``CapacityError``                  RESOURCE_EXHAUSTED
-``LayoutMismatchError``            FAILED_PRECONDITION
 ``ShuttingDownError``              UNAVAILABLE
 ``EngineDeadError``                UNAVAILABLE (a worker process died: the service exits;
                                    the router retries or migrates the request)
@@ -56,10 +55,6 @@ class CapacityError(RuntimeError):
     """The instance cannot take the request (queue full, or the prompt can never fit)."""
 
 
-class LayoutMismatchError(RuntimeError):
-    """KV blocks of another layout or hash algorithm than this engine's."""
-
-
 class ShuttingDownError(RuntimeError):
     """The instance is draining and takes no new requests."""
 
@@ -72,7 +67,6 @@ _CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
     (UnknownRequestError, grpc.StatusCode.NOT_FOUND),
     (CapacityError, grpc.StatusCode.RESOURCE_EXHAUSTED),
-    (LayoutMismatchError, grpc.StatusCode.FAILED_PRECONDITION),
     (ShuttingDownError, grpc.StatusCode.UNAVAILABLE),
     (EngineDeadError, grpc.StatusCode.UNAVAILABLE),
 )

@@ -21,6 +21,7 @@ the engine computes prompt + them and streams the tokens after them.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import AsyncIterator
 
@@ -39,9 +40,10 @@ from tandem.engine.stop import check_stop
 from tandem.engine.validation import check_context_length, check_token_ids
 from tandem.services.common.context import ServiceContext, cdiv, now_ns
 from tandem.services.common.engine_loop import StampedOutput
-from tandem.services.common.errors import LayoutMismatchError
 from tandem.services.decode.stream import serve_decode_stream
 from tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc
+
+logger = logging.getLogger(__name__)
 
 
 class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
@@ -49,12 +51,14 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
 
     def __init__(self, ctx: ServiceContext) -> None:
         self._ctx = ctx
+        self._foreign_seen: set[str] = set()  # foreign layouts already logged
 
     def _build(self, request: decode_pb2.DecodeRequest) -> Request:
         """Validate the request and build the engine ``Request`` (first token appended).
 
         Raises:
-            ValueError: a bad field (named); LayoutMismatchError: foreign KV layout.
+            ValueError: a bad field (named). Blocks of another KV layout are a miss:
+                the prompt is recomputed here (``_foreign_blocks``).
         """
         ctx = self._ctx
         req = ctx.new_request(
@@ -79,16 +83,17 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                 raise ValueError(
                     "block_hashes: this colocated instance has no KV store; send no block_hashes"
                 )
-            if request.kv_layout_fingerprint != ctx.kv_layout_fingerprint:
-                raise LayoutMismatchError(
-                    "kv_layout_fingerprint differs from this engine's KV layout "
-                    "(another model, dtype or block size)"
-                )
-            if request.hash_algorithm != ctx.hash_algorithm:
-                raise LayoutMismatchError(
-                    f"hash_algorithm {request.hash_algorithm!r} differs from this engine's "
-                    f"{ctx.hash_algorithm!r}"
-                )
+            foreign = self._foreign_blocks(request)
+            if foreign:
+                # Blocks of another layout (an FP8 prefill for an auto decode, another
+                # block size...) are never read as this engine's: the prompt is a miss
+                # here, computed from its tokens (the engine's own store lookup, under
+                # its own fingerprint, is counted as a store-tier query without a hit).
+                if foreign not in self._foreign_seen:
+                    self._foreign_seen.add(foreign)
+                    logger.warning("decode: a prefill sent blocks of another KV layout (%s); "
+                                   "those prompts are recomputed here", foreign)
+                return req
             # Checks each hash's length (ValueError naming block_hashes[i]).
             hashes = tuple(BlockHash(h) for h in request.block_hashes)
             remote = KVTransferParams(hashes, request.kv_layout_fingerprint,
@@ -101,6 +106,18 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                 )
             req.kv_transfer_params = remote
         return req
+
+    def _foreign_blocks(self, request: decode_pb2.DecodeRequest) -> str:
+        """What makes a handoff's blocks another layout's than this engine's (its
+        ``kv_layout_fingerprint`` or ``hash_algorithm``), or "" when they are its own."""
+        ctx = self._ctx
+        if request.kv_layout_fingerprint != ctx.kv_layout_fingerprint:
+            return (f"kv_layout_fingerprint {request.kv_layout_fingerprint.hex()[:16]}, "
+                    f"this engine's {ctx.kv_layout_fingerprint.hex()[:16]}")
+        if request.hash_algorithm != ctx.hash_algorithm:
+            return (f"hash_algorithm {request.hash_algorithm!r}, this engine's "
+                    f"{ctx.hash_algorithm!r}")
+        return ""
 
     def _resume(self, req: Request, output: list[int], request: decode_pb2.DecodeRequest
                 ) -> None:

@@ -59,8 +59,8 @@ class DecodeServiceServicer:
         """Stream the request's generated tokens. Cancelling the stream (or its
         deadline passing) aborts the request and frees its KV blocks at once.
         Errors: INVALID_ARGUMENT (bad field, named in the message),
-        FAILED_PRECONDITION (KV layout or hash algorithm differ from this
-        engine's), RESOURCE_EXHAUSTED (can never fit), UNAVAILABLE (shutting down).
+        RESOURCE_EXHAUSTED (can never fit), UNAVAILABLE (shutting down). Blocks of
+        another KV layout or hash algorithm are a miss: the prompt is recomputed.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
