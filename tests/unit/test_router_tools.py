@@ -336,7 +336,8 @@ _CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_cal
 @pytest.mark.parametrize("step", [1, 3, 1000])
 def test_streamed_tool_answer_equals_the_whole_one(text, step) -> None:
     from tandem.services.router import protocol as P
-    from tandem.services.router.app import _chat_message, _ChatStreamer
+    from tandem.services.router.chat_streamers import ChatStreamer as _ChatStreamer
+    from tandem.services.router.openai_routes import chat_message as _chat_message
     from tandem.services.router.sequence import SeqDelta
 
     choice = parse_tool_choice(TOOLS, "auto", None)
@@ -363,7 +364,7 @@ def test_constraints_and_tools_are_checked_off_the_event_loop() -> None:
     import threading
 
     from tandem.services.router import protocol as P
-    from tandem.services.router.app import _off_loop
+    from tandem.services.router.openai_routes import off_loop as _off_loop
 
     loop_thread: list[int] = []
 

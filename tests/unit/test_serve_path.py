@@ -1,6 +1,6 @@
 """The streamed request path's accounting and batching: engine outputs grouped as they are
 ready (``RequestStream.batches``), the per-token decode timings (``Timings``), SSE chunks
-queued together written at once (``app._take_ready``), the bench's per-token attribution
+queued together written at once (``streaming._take_ready``), the bench's per-token attribution
 (``serve.decode_breakdown``), the router's event loop choice, and the decode stub of
 ``tandem bench router-ceiling`` over real gRPC."""
 
@@ -16,7 +16,7 @@ from tandem.bench.serve import RequestResult, decode_breakdown
 from tandem.engine.outputs import EngineCoreOutput
 from tandem.launch import free_port
 from tandem.services.common.engine_loop import RequestStream
-from tandem.services.router.app import _TAKE, _take_ready
+from tandem.services.router.streaming import _TAKE, _take_ready
 from tandem.services.router.main import event_loop_runner
 from tandem.services.router.sequence import SeqDelta, Timings
 from tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc
@@ -202,20 +202,20 @@ def test_sse_template_chunks_equal_the_models_chunks(kind: str) -> None:
     templates are off give the same SSE lines, whatever the text holds."""
     from types import SimpleNamespace
 
-    from tandem.services.router import app as A
+    from tandem.services.router import chat_streamers as A
     from tandem.services.router import protocol as P
 
     fe = SimpleNamespace(model_name="m")
 
-    def streamer() -> A._Streamer:
+    def streamer() -> A.OpenAIStreamer:
         if kind == "completion":
             req = P.CompletionRequest(model="m", prompt="x", stream=True, n=2)
-            return A._CompletionStreamer(fe, req, "cmpl-1", 2, ["x"], 1)  # type: ignore[arg-type]
+            return A.CompletionStreamer(fe, req, "cmpl-1", 2, ["x"], 1)  # type: ignore[arg-type]
         opts = {"include_usage": True, "continuous_usage_stats": True}
         creq = P.ChatCompletionRequest(
             model="m", messages=[{"role": "user", "content": "x"}], stream=True, n=2,
             stream_options=opts if kind == "chat-usage" else None)
-        return A._ChatStreamer(fe, creq, "chat-1", 1)  # type: ignore[arg-type]
+        return A.ChatStreamer(fe, creq, "chat-1", 1)  # type: ignore[arg-type]
 
     fast, slow = streamer(), streamer()
     slow.created = fast.created

@@ -1,0 +1,62 @@
+"""What every generation route of the HTTP API shares: the API key check, the request id,
+the body's size limit and parsing, the served model check, and the router's drain."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TypeVar
+
+from fastapi import Request
+from pydantic import BaseModel
+
+from tandem.services.router.body import read_json_body
+from tandem.services.router.drain import Drain
+from tandem.services.router.errors import OpenAIError
+from tandem.services.router.frontend import Frontend
+
+_Req = TypeVar("_Req", bound=BaseModel)
+
+
+@dataclass(frozen=True)
+class Door:
+    """The router's state a route needs, and the checks every generation route runs.
+
+    Attributes:
+        fe: tokenizer, pipeline and settings.
+        drain: the router's shutdown (``Drain``).
+        max_body_bytes: largest request body accepted (413 beyond).
+    """
+
+    fe: Frontend
+    drain: Drain
+    max_body_bytes: int
+
+    def check_auth(self, request: Request) -> None:
+        """The router's one API key check: ``Authorization: Bearer KEY`` (OpenAI's
+        clients) or ``x-api-key: KEY`` (Anthropic's) when the router has a key.
+
+        Raises:
+            OpenAIError: 401 ``invalid_api_key`` when neither header holds the key.
+        """
+        key = self.fe.api_key
+        if key is None:
+            return
+        if (request.headers.get("authorization", "") != f"Bearer {key}"
+                and request.headers.get("x-api-key") != key):
+            raise OpenAIError("invalid or missing API key", status_code=401,
+                              code="invalid_api_key")
+
+    async def accept(self, request: Request, model: type[_Req]) -> tuple[str, int, _Req]:
+        """Authenticate, name and parse one generation request: ``(request id, arrival
+        time in ns, the parsed body)``; the body's ``model`` must be served here.
+
+        Raises:
+            OpenAIError: 401 (API key), 400 (body), 413 (size), 404 (``model``).
+        """
+        self.check_auth(request)
+        rid = self.fe.new_request_id(request.headers.get("x-request-id"))
+        arrival_ns = time.monotonic_ns()
+        req = model.model_validate(await read_json_body(request, self.max_body_bytes))
+        self.fe.check_model(getattr(req, "model", None))
+        return rid, arrival_ns, req
