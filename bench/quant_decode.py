@@ -20,7 +20,6 @@ import time
 
 import torch
 
-
 from tandem.engine.llm import LLM
 from tandem.engine.sampling_params import SamplingParams
 

@@ -9,7 +9,8 @@ bit-identical to the per-op path (``tests/unit/test_fused_decode.py``).
 
 Scope: Llama-family layers (pre-norm, fused QKV with optional bias, rotary in
 the GPT-NeoX layout, SwiGLU, optional sliding window; no per-head q/k norm),
-bf16 weights VNNI-packed by ``PackedLinear``, and steps whose every token is
+bf16 weights VNNI-packed by ``PackedLinear`` or W8A8 linears packed by ``Int8Linear``
+(``kernels/quant/int8_native.py``, in any mix), and steps whose every token is
 the one new token of a decode (fewer than ``PACKED_MAX_ROWS``). Anything else runs
 the per-op path.
 """
@@ -24,10 +25,32 @@ import torch
 from tandem.kernels import cpu_ext, native_abi
 from tandem.kernels.attention_metadata import AttentionMetadata
 from tandem.kernels.linear import PACKED_MAX_ROWS
+from tandem.kernels.quant import int8_native
 
 # the header's structs (csrc/tandem_kernels.h), so the fields cannot drift from C
 _Layer = native_abi.struct("decode_layer")
 _Step = native_abi.struct("decode_step")
+_Int8 = native_abi.struct("int8_weight")
+
+
+@dataclass
+class Int8LinearParams:
+    """A W8A8 linear of a fused layer (``kernels/quant/int8_native.py``'s packing).
+
+    Attributes:
+        wp / wsum: the packed int8 weight and its row sums (``pack_int8``).
+        scale: ``[out]`` float32 per-channel weight scales.
+        bias: ``[out]`` float32, or ``None``.
+    """
+
+    wp: torch.Tensor
+    wsum: torch.Tensor
+    scale: torch.Tensor
+    bias: torch.Tensor | None
+
+
+#: One fused linear: ``(vnni_weight, bias | None)`` in bf16, or a W8A8 one.
+LinearParams = tuple[torch.Tensor, torch.Tensor | None] | Int8LinearParams
 
 
 @dataclass
@@ -39,17 +62,17 @@ class DecodeLayerParams:
         qkv / o / gate_up / down: ``(vnni_weight, bias | None)`` of the four
             linears, weights packed by ``cpu_ext.bf16_pack_weight`` from
             ``[(H + 2 KVH) D, E]``, ``[E, H D]``, ``[2 I, E]`` (gate rows, then
-            up rows) and ``[E, I]``.
+            up rows) and ``[E, I]``; or ``Int8LinearParams`` of the same shapes.
         k_cache / v_cache: the layer's ``[num_blocks, block_size, KVH, D]`` views.
         sliding_window: tokens, or ``None``.
     """
 
     input_norm: torch.Tensor
     post_norm: torch.Tensor
-    qkv: tuple[torch.Tensor, torch.Tensor | None]
-    o: tuple[torch.Tensor, torch.Tensor | None]
-    gate_up: tuple[torch.Tensor, torch.Tensor | None]
-    down: tuple[torch.Tensor, torch.Tensor | None]
+    qkv: LinearParams
+    o: LinearParams
+    gate_up: LinearParams
+    down: LinearParams
     k_cache: torch.Tensor
     v_cache: torch.Tensor
     sliding_window: int | None
@@ -109,14 +132,24 @@ class FusedDecode:
         self.eps, self.scale = float(eps), float(scale)
         self.block_size = k0.shape[1]
         self._c_layers = (_Layer * len(layers))()
+        self._int8: list[ctypes.Structure] = []  # keeps the structs the layers point at
         for c, p in zip(self._c_layers, layers, strict=True):
             c.input_norm, c.post_norm = _ptr(p.input_norm), _ptr(p.post_norm)
-            c.wqkv, c.bqkv = _ptr(p.qkv[0]), _ptr(p.qkv[1])
-            c.wo, c.bo = _ptr(p.o[0]), _ptr(p.o[1])
-            c.wgu, c.bgu = _ptr(p.gate_up[0]), _ptr(p.gate_up[1])
-            c.wd, c.bd = _ptr(p.down[0]), _ptr(p.down[1])
+            c.wqkv, c.bqkv, c.qkv8 = self._linear(p.qkv)
+            c.wo, c.bo, c.o8 = self._linear(p.o)
+            c.wgu, c.bgu, c.gu8 = self._linear(p.gate_up)
+            c.wd, c.bd, c.d8 = self._linear(p.down)
             c.k_cache, c.v_cache = _ptr(p.k_cache), _ptr(p.v_cache)
             c.window = p.sliding_window or 0
+        self.has_int8 = bool(self._int8)
+
+    def _linear(self, p: LinearParams) -> tuple[int | None, int | None, int | None]:
+        """``(bf16 weight, bf16 bias, int8_weight*)`` pointers of one linear."""
+        if isinstance(p, Int8LinearParams):
+            w8 = _Int8(_ptr(p.wp), _ptr(p.wsum), _ptr(p.scale), _ptr(p.bias))
+            self._int8.append(w8)
+            return None, None, ctypes.addressof(w8)
+        return _ptr(p[0]), _ptr(p[1]), None
 
     @staticmethod
     def available() -> bool:
@@ -174,6 +207,13 @@ class FusedDecode:
         residual, normed = buf(t, e), buf(t, e)
         qkv, q_rot, attn, act = buf(t, (h + 2 * kvh) * d), buf(t, h * d), buf(t, h * d), buf(t, i)
         pad = buf(16, max(e, h * d, i))
+        int8_path, gate_up, scratch = -1, None, None
+        if self.has_int8:
+            int8_path = int8_native.available_paths(lib)[-1]
+            gate_up = buf(t, 2 * i)
+            size = ctypes.c_int64()
+            lib.int8_scratch_size(t, max(e, h * d, i), ctypes.addressof(size))
+            scratch = torch.empty(size.value, dtype=torch.uint8)
         k0, v0 = self.layers[0].k_cache, self.layers[0].v_cache
         st = _Step(
             t, e, h, kvh, d, i,
@@ -184,6 +224,7 @@ class FusedDecode:
             self.eps, self.scale,
             hidden.data_ptr(), residual.data_ptr(), normed.data_ptr(), qkv.data_ptr(),
             q_rot.data_ptr(), attn.data_ptr(), act.data_ptr(), pad.data_ptr(),
+            int8_path, _ptr(gate_up), _ptr(scratch),
         )  # fmt: skip
         rc = lib.decode_layers(
             self._c_layers,

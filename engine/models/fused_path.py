@@ -3,8 +3,8 @@ layers have the pre-norm RMSNorm -> fused QKV attention -> RMSNorm -> fused SwiG
 
 A model asks ``FusedDecodePath.get`` on each decode-only step; this decides whether the
 kernel serves (bf16 on a CPU with AVX512-BF16, every linear packed into the VNNI layout
-by ``kernels/linear.py``, shapes within the kernel) and keeps the built kernel with the
-KV cache views it was built for. Models only describe their layers (``FusedLayer``).
+by ``kernels/linear.py`` or W8A8 packed by ``Int8Linear``, shapes within the kernel) and
+keeps the built kernel with the KV cache views it was built for. Models only describe their layers (``FusedLayer``).
 """
 
 from __future__ import annotations
@@ -16,9 +16,14 @@ import torch
 from torch import nn
 
 from tandem.engine.models.interface import KVCacheViews
-from tandem.kernels.fused_decode import DecodeLayerParams, FusedDecode
+from tandem.kernels.fused_decode import (
+    DecodeLayerParams,
+    FusedDecode,
+    Int8LinearParams,
+    LinearParams,
+)
 
-__all__ = ["FusedDecodePath", "FusedLayer", "packed_weight"]
+__all__ = ["FusedDecodePath", "FusedLayer", "int8_weight", "packed_weight"]
 
 
 class _Norm(Protocol):
@@ -80,10 +85,26 @@ def packed_weight(linear: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]
     return weight, bias
 
 
+def int8_weight(linear: nn.Module) -> Int8LinearParams | None:
+    """The packed W8A8 weight of an ``Int8Linear`` that holds the native kernel's packing
+    (``wp``, ``wsum``, ``scale`` buffers), else ``None``; the bias widened to float32."""
+    wp, wsum, scale = (getattr(linear, name, None) for name in ("wp", "wsum", "scale"))
+    if not (isinstance(wp, torch.Tensor) and isinstance(wsum, torch.Tensor)
+            and isinstance(scale, torch.Tensor)):
+        return None
+    bias = getattr(linear, "bias", None)
+    assert bias is None or isinstance(bias, torch.Tensor), "a linear's bias is a tensor or None"
+    return Int8LinearParams(wp, wsum, scale, None if bias is None else bias.float().contiguous())
+
+
+def _fused_linear(linear: nn.Module) -> LinearParams | None:
+    return packed_weight(linear) or int8_weight(linear)
+
+
 def _layer_params(layer: FusedLayer, kv_cache: KVCacheViews) -> DecodeLayerParams | None:
     attn, mlp = layer.self_attn, layer.mlp
     qkv, o, gate_up, down = (
-        packed_weight(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        _fused_linear(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
     )
     if qkv is None or o is None or gate_up is None or down is None:
         return None

@@ -4,9 +4,9 @@
 #include "elementwise.h"
 
 #ifdef HAVE_AVX512_BF16
-static void silu_and_mul_bf16(const uint16_t *x, uint16_t *out, int64_t tokens, int64_t inter,
-                              int num_threads) {
-#pragma omp parallel for schedule(static) num_threads(num_threads)
+/* A team body (team.h); the fused decode step runs it after an int8 gate/up projection. */
+void team_silu_and_mul_bf16(const uint16_t *x, uint16_t *out, int64_t tokens, int64_t inter) {
+#pragma omp for schedule(static)
     for (int64_t t = 0; t < tokens; ++t) {
         const uint16_t *g = x + t * 2 * inter, *u = g + inter;
         uint16_t *o = out + t * inter;
@@ -17,6 +17,16 @@ static void silu_and_mul_bf16(const uint16_t *x, uint16_t *out, int64_t tokens, 
             st16(o + i, _mm512_mul_ps(a, ld16(u + i, m)), m);
         }
     }
+}
+
+static void silu_and_mul_bf16(const uint16_t *x, uint16_t *out, int64_t tokens, int64_t inter,
+                              int num_threads) {
+#pragma omp parallel num_threads(num_threads)
+    team_silu_and_mul_bf16(x, out, tokens, inter);
+}
+#else
+void team_silu_and_mul_bf16(const uint16_t *x, uint16_t *out, int64_t tokens, int64_t inter) {
+    (void)x, (void)out, (void)tokens, (void)inter; /* decode_layers_available() is 0 here */
 }
 #endif
 

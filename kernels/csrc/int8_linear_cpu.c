@@ -361,6 +361,8 @@ int64_t int8_scratch_bytes(int64_t M, int64_t K) {
     return ((M * kq_of(K) * 4 + 63) & ~(int64_t)63) + M * 4;
 }
 
+void int8_scratch_size(int64_t M, int64_t K, int64_t *bytes) { *bytes = int8_scratch_bytes(M, K); }
+
 int int8_linear(int path, int is_bf16, const void *x, int64_t sx, const void *wp, const int *wsum,
                 const float *ws, const float *bias, void *y, int64_t sy, int64_t M, int64_t N,
                 int64_t K, int num_threads) {

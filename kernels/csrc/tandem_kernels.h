@@ -22,14 +22,24 @@
 #define TANDEM_MAX_HIDDEN 16384 /* row length of the fused RMSNorm */
 #define TANDEM_VECTOR_WIDTH 16  /* floats per vector; decode head_dim must be a multiple */
 
+/* A W8A8 linear for decode_layers (see int8_linear): the packed weight and row sums
+ * of int8_pack_weight, float32 per-channel scales and bias (NULL: none). */
+typedef struct {
+    const void *wp;
+    const int *wsum;
+    const float *scale, *bias;
+} int8_weight;
+
 /* One decoder layer for decode_layers: packed weights (bf16_pack_weight),
  * optional biases (NULL), norm weights, and this layer's K/V cache views
- * (strides in decode_step: every layer's view shares them). */
+ * (strides in decode_step: every layer's view shares them). A non-NULL
+ * qkv8 / o8 / gu8 / d8 makes that linear W8A8 instead (its bf16 fields unused). */
 typedef struct {
     const uint16_t *input_norm, *post_norm;
     const uint16_t *wqkv, *bqkv, *wo, *bo, *wgu, *bgu, *wd, *bd;
     uint16_t *k_cache, *v_cache;
     int64_t window; /* sliding window in tokens, 0 = none */
+    const int8_weight *qkv8, *o8, *gu8, *d8;
 } decode_layer;
 
 /* One decode step for decode_layers: shapes, the step's metadata and the
@@ -47,6 +57,12 @@ typedef struct {
     uint16_t *q_rot, *attn;             /* [T, H D] */
     uint16_t *act;                      /* [T, I] */
     uint16_t *pad;                      /* [16, max(E, H D, I)] */
+    /* for W8A8 layers only (else any): the int8 path (TANDEM_INT8_*), the gate/up
+     * output [T, 2 I] and the quantized activations (int8_scratch_bytes(T, max(E, H D,
+     * I)) bytes, see int8_linear_cpu.c) */
+    int64_t int8_path;
+    uint16_t *gate_up;
+    void *int8_scratch;
 } decode_step;
 
 /* paged_attention_cpu.c: decode attention straight from the paged cache. */
@@ -150,6 +166,7 @@ int gguf_matmul(int type, const float *x, int64_t sx, int64_t M, int64_t K, cons
 #define TANDEM_INT8_AVX_VNNI 2
 #define TANDEM_INT8_AVX512_VNNI 3
 int int8_linear_paths(void);
+void int8_scratch_size(int64_t M, int64_t K, int64_t *bytes);
 void int8_pack_weight(const void *q, int64_t N, int64_t K, void *wp, int *wsum);
 int int8_linear(int path, int is_bf16, const void *x, int64_t sx, const void *wp, const int *wsum,
                 const float *ws, const float *bias, void *y, int64_t sy, int64_t M, int64_t N,

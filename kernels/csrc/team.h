@@ -39,6 +39,10 @@ void team_rotary_cache_bf16(const uint16_t *qkv, int64_t s_qkv, uint16_t *q_out,
                             int64_t cv_b, int64_t cv_o, int64_t cv_h, const int64_t *slots,
                             int64_t block_size);
 
+/* activation_cpu.c (AVX512-BF16 builds; elsewhere a no-op): out = silu(gate) * up of
+ * x = [T, 2 I] (gate | up), rounded as silu_and_mul. */
+void team_silu_and_mul_bf16(const uint16_t *x, uint16_t *out, int64_t tokens, int64_t inter);
+
 /* bf16_linear_cpu.c: y = x @ W^T (+ bias), or its SwiGLU when swiglu != 0 (see
  * there), on AMX tiles when tiles != 0, else with VDPBF16PS. pad: a 16 x K bf16
  * scratch for a partial last row chunk (any content). With tiles, every thread

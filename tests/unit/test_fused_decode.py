@@ -13,6 +13,9 @@ import torch
 from tiny_models import tiny_config, tiny_hf_model
 
 from tandem.engine.models.registry import build_model
+from tandem.engine.quantization import finish_model
+from tandem.engine.quantization.dense_linear import Int8Linear
+from tandem.engine.quantization.methods import Int8OnLoad
 from tandem.kernels.attention import build_attention_metadata
 from tandem.kernels.cache import allocate_kv_cache
 from tandem.kernels.fused_decode import FusedDecode
@@ -30,23 +33,30 @@ ARCHS = {
 BLOCK = 16
 
 
-def make_model(arch: str, tie: bool, dtype: torch.dtype = torch.bfloat16):
+def make_model(arch: str, tie: bool, dtype: torch.dtype = torch.bfloat16, int8: bool = False):
+    """``int8``: the decoder's linears quantized on load (``--quantization int8``)."""
     # vocab 112, a multiple of 16: the packed head (and its argmax pass) serves
     config = tiny_config(arch, vocab=112, hidden=64, ffn=96, layers=3, head_dim=32, max_len=256,
                          tie_word_embeddings=tie, **ARCHS[arch])
     hf = tiny_hf_model(config, std=0.15, norms=(0.5, 1.5))
     model = build_model(hf.config, hf.state_dict(), dtype, "cpu", 256)
+    if int8:
+        finish_model(model, Int8OnLoad())
+        assert isinstance(model.model.decoder_layers[0].mlp.down_proj, Int8Linear)
     if dtype == torch.bfloat16:
-        assert pack_linear_layers(model) > 0
+        packed = pack_linear_layers(model)
+        assert packed > 0 or (int8 and tie), "int8 + tied: no bf16 linear is left to pack"
         model.pack_tied_lm_head()
     return model
 
 
+@pytest.mark.parametrize("int8", [False, True], ids=["bf16", "int8"])
 @pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
 @pytest.mark.parametrize("arch", sorted(ARCHS))
 @pytest.mark.parametrize("num_seqs", [1, 13, 40])
-def test_fused_decode_is_bit_identical_to_per_op_path(arch, tie, num_seqs):
-    model = make_model(arch, tie)
+def test_fused_decode_is_bit_identical_to_per_op_path(arch, tie, num_seqs, int8):
+    """``int8``: every decoder linear W8A8 (int8_linear_cpu.c inside the fused step)."""
+    model = make_model(arch, tie, int8=int8)
     cfg = model.config
     gen = torch.Generator().manual_seed(num_seqs)
     lens = torch.randint(1, 60, (num_seqs,), generator=gen).tolist()
