@@ -10,8 +10,15 @@ import torch
 import torch.nn.functional as F
 
 from tandem.engine.quantization.base import QuantLinear
+from tandem.kernels.quant.fp8_gemm import (
+    Fp8Path,
+    cuda_capability,
+    fp8_gemm_path,
+    fp8_scaled_mm_linear,
+)
 from tandem.kernels.quant.grouped import TILE_ROWS, int8_rowwise_linear
 from tandem.kernels.quant.int8_native import PackedInt8, int8_linear, pack_int8
+from tandem.kernels.quant.triton_grouped import int8_weight_linear_triton
 
 
 def quantize_int8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -56,6 +63,9 @@ class Int8Linear(QuantLinear):
         self.set_int8(q, s)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:
+            assert self.q is not None, "a CUDA Int8Linear keeps q (set_int8 on CUDA tensors)"
+            return int8_weight_linear_triton(x, self.q, self.scale, self.bias)
         if self.q is not None:
             return int8_rowwise_linear(x, self.q, self.scale, self.bias)
         assert self.wp is not None and self.wsum is not None, "set_int8 was not called"
@@ -116,6 +126,11 @@ class Fp8Linear(QuantLinear):
         return (w * s).to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:
+            path = fp8_gemm_path(cuda_capability(x.get_device()), x.dtype, self.out_features,
+                                 self.in_features, self.block is not None)
+            if path is not Fp8Path.DEQUANT:
+                return fp8_scaled_mm_linear(x, self.w8, self.scale, self.bias, path)
         x2 = x.reshape(-1, self.in_features)
         n = self.out_features
         out = x2.new_empty((x2.shape[0], n))

@@ -9,6 +9,7 @@ import torch
 from tandem.engine.quantization.base import QuantLinear
 from tandem.kernels.quant.grouped import grouped_linear_reference
 from tandem.kernels.quant.packing import to_canonical
+from tandem.kernels.quant.triton_grouped import grouped_linear_triton
 
 
 def act_order_perm(g_idx: torch.Tensor, group_size: int, in_features: int,
@@ -84,5 +85,8 @@ class GroupQuantLinear(QuantLinear):
         """Nothing to repack (built by ``set_weights``)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:
+            return grouped_linear_triton(x, self.q, self.scales, self.zeros, self.bits,
+                                         self.group_size, self.perm, self.bias)
         return grouped_linear_reference(x, self.q, self.scales, self.zeros, self.bits,
                                         self.group_size, self.perm, self.bias)
