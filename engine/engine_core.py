@@ -132,10 +132,11 @@ class EngineCore:
         self.cpu_turns = CpuTurns(lock) if lock is not None else None
         spec = config.speculative
         logger.info(
-            "engine ready: model=%s dtype=%s kv_cache_dtype=%s blocks=%d (%d tokens, %d KV "
-            "bytes per token) max_model_len=%d%s",
+            "engine ready: model=%s dtype=%s weights=%.1f MB kv_cache_dtype=%s blocks=%d (%d "
+            "tokens, %d KV bytes per token) max_model_len=%d%s",
             self.layout.model_id,
             self.model_facts.dtype,
+            self.model_facts.weight_bytes / 1e6,
             self.layout.dtype,
             num_blocks,
             num_blocks * config.cache.block_size,

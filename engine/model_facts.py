@@ -46,6 +46,8 @@ class ModelFacts:
         kv_cache_dtype: dtype name of the KV cache when it differs from ``dtype`` (an FP8
             cache: "float8_e4m3fn" or "float8_e5m2"), "" when the cache has ``dtype``.
         kv_scales: an FP8 cache's scales' identity (``kernels.kv_quant.scales_id``), "".
+        weight_bytes: bytes of this rank's weights as they sit in memory (quantized or
+            packed where they are), 0 when not measured.
 
     Raises:
         ValueError: naming the field, for a count below 1 or an inconsistent KV spec.
@@ -66,6 +68,7 @@ class ModelFacts:
     kv_rope_dim: int = 0
     kv_cache_dtype: str = ""
     kv_scales: str = ""
+    weight_bytes: int = 0
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "max_model_len", "num_layers", "num_kv_heads", "head_dim"):
@@ -170,6 +173,7 @@ def resolve_model_facts(
     device: str,
     model_impl: str = "tandem",
     architecture: str | None = None,
+    weight_bytes: int = 0,
 ) -> ModelFacts:
     """The ``ModelFacts`` of a loaded model: the one place its config becomes facts.
 
@@ -179,6 +183,7 @@ def resolve_model_facts(
             or None for the model's own.
         model_id / eos_token_id / dtype / device / model_impl: as in ``ModelFacts``.
         architecture: as in ``ModelFacts``; default ``config.architectures[0]``.
+        weight_bytes: as in ``ModelFacts``.
 
     Raises:
         ValueError: ``max_model_len`` beyond the model's context, or a count below 1.
@@ -198,4 +203,5 @@ def resolve_model_facts(
         model_impl=model_impl,
         kv_kind=spec.kind,
         kv_rope_dim=spec.rope_dim,
+        weight_bytes=weight_bytes,
     )

@@ -43,6 +43,7 @@ from tandem.engine.model_loader import LoadedModel, load_model
 from tandem.engine.models.interface import IntermediateTensors
 from tandem.engine.models.kv_scales import check_kv_scales_used
 from tandem.engine.models.registry import architecture_name
+from tandem.engine.quantization import weight_bytes
 from tandem.engine.runner_env import tune_glibc_malloc, warn_batch_variant
 from tandem.engine.sampler import Sampler
 from tandem.engine.sched_output import ModelRunnerOutput, SchedulerOutput
@@ -144,7 +145,7 @@ class ModelRunner:
             hf, config.model.max_model_len, model_id=str(self.loaded.model_id),
             eos_token_id=self.loaded.eos_token_id, dtype=str(self.loaded.dtype),
             device=str(self.loaded.device), model_impl=self.loaded.model_impl,
-            architecture=architecture_name(hf),
+            architecture=architecture_name(hf), weight_bytes=weight_bytes(self.model),
         )
         self.vocab_size: int = self.facts.vocab_size
         self.eos_token_id: int | None = self.facts.eos_token_id

@@ -150,6 +150,7 @@ class ServiceContext:
             engine.kv_cache_bytes_per_token)
         self.metrics.labels(self.metrics.kv_cache_capacity_tokens).set(
             engine.num_blocks * self.block_size)
+        self.metrics.labels(self.metrics.model_weight_bytes).set(facts.weight_bytes)
         self.transfers: TransferEvents | None = None
         self._connector: KVConnectorWorker | None = engine.connector_worker
 

@@ -108,6 +108,11 @@ class ServiceMetrics:
         self.kv_cache_capacity_tokens = Gauge(
             "tandem:kv_cache_capacity_tokens", "Tokens the KV cache holds (blocks x block size).",
             labels, registry=r)
+        self.model_weight_bytes = Gauge(
+            "tandem:model_weight_bytes",
+            "Bytes of the model's weights in memory on the driver rank (quantized weights "
+            "count their packed size; what they free goes to the KV cache).", labels,
+            registry=r)
         self._role = Role(role).value
         self._followed: dict[str, float] = {}
 

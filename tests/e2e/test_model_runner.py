@@ -185,6 +185,7 @@ def test_uni_executor_equals_model_runner(tiny):
         eos_token_id=None, num_layers=runner.num_layers, num_kv_heads=runner.num_kv_heads,
         head_dim=runner.head_dim, dtype="float32", device="cpu",
         architecture="LlamaForCausalLM", model_impl="tandem",
+        weight_bytes=sum(p.numel() * p.element_size() for p in loaded.model.parameters()),
     )
 
     gen = torch.Generator().manual_seed(3)

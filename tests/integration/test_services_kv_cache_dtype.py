@@ -44,6 +44,10 @@ def test_fp8_prefill_feeds_fp8_decode_and_never_an_auto_one(tiny, redis_url, eng
     per_token = {n: e.metric("tandem:kv_cache_bytes_per_token") for n, e in engines.items()}
     assert per_token["prefill_fp8"] == per_token["decode_fp8"] > 0
     assert per_token["decode_auto"] == 4 * per_token["decode_fp8"]  # float32 vs one byte
+    tokens = {n: e.metric("tandem:kv_cache_capacity_tokens") for n, e in engines.items()}
+    assert tokens["decode_fp8"] == tokens["decode_auto"] == 256 * 16  # --num-kv-blocks
+    assert prefill.metric("tandem:model_weight_bytes") == auto.metric(
+        "tandem:model_weight_bytes") > 0
 
     rng = random.Random(7)
     prompt = random_prompt(rng, 70)  # 4 full blocks and a partial one, all loaded

@@ -124,6 +124,21 @@ def test_on_load_close_to_unquantized(hf, tmp_path, method) -> None:
                  _run(str(tmp_path / "m"), "bfloat16"))
 
 
+def test_weight_bytes_reported_are_the_quantized_ones(hf, tmp_path) -> None:
+    """The engine's facts (start-up log, ``tandem:model_weight_bytes``) count the weights
+    as they sit in memory: on-load int8 and int4 hold fewer bytes than bf16."""
+    state = {k: v.detach().float() for k, v in hf.state_dict().items()}
+    write_plain(hf, str(tmp_path / "m"), state)
+
+    def facts_bytes(quantization):
+        llm = LLM(model=str(tmp_path / "m"), dtype="bfloat16", kv_cache_memory=1 << 20,
+                  quantization=quantization)
+        return llm.llm_engine.engine_core.model_facts.weight_bytes
+
+    bf16, int8, int4 = facts_bytes(None), facts_bytes("int8"), facts_bytes("int4")
+    assert 0 < int4 < int8 < bf16
+
+
 def test_packing_matches_the_spec() -> None:
     g = torch.Generator().manual_seed(0)
     for bits in (4, 8):
