@@ -59,6 +59,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 KERNEL_TESTS = [
     "tests/unit/test_kernels_triton.py",
+    "tests/unit/test_quant_triton.py",
     "tests/unit/test_cuda_graphs.py",
     "tests/unit/test_attention_backend.py",
     "tests/unit/test_kv_transfer_path.py",
