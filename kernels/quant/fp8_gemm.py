@@ -118,6 +118,8 @@ def fp8_scaled_mm_linear(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor,
     if path is Fp8Path.DEQUANT:
         raise ValueError("path DEQUANT has no _scaled_mm form")
     x2 = x.reshape(-1, k)
+    if x2.shape[0] == 0:
+        return x.new_empty((*x.shape[:-1], n))
     xq, sx = quantize_fp8_per_token(x2)
     wt = w8.contiguous().t()
     s = scale.float().reshape(1, n)

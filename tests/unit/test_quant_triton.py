@@ -8,6 +8,7 @@ run natively and the layers' CUDA dispatch is checked too. See
 
 from __future__ import annotations
 
+import copy
 import os
 import subprocess
 import sys
@@ -268,6 +269,8 @@ def test_fp8_scaled_mm_refuses_the_dequant_path_and_bad_shapes():
         fp8_scaled_mm_linear(x, w8, scale[:8], None, Fp8Path.EPILOGUE)
     with pytest.raises(ValueError, match="bias"):
         fp8_scaled_mm_linear(x, w8, scale, torch.zeros(3), Fp8Path.EPILOGUE)
+    empty = fp8_scaled_mm_linear(x[:0], w8, scale, None, Fp8Path.EPILOGUE)
+    assert empty.shape == (0, 16) and empty.dtype == x.dtype
 
 
 # -- the layers' CUDA dispatch (GPU only) ---------------------------------------------------
@@ -282,7 +285,7 @@ def test_on_load_layers_on_cuda_match_their_cpu_copy(method):
     torch.manual_seed(8)
     linear = nn.Linear(K, N, bias=True, dtype=torch.bfloat16, device="cpu")
     cpu_layer = method.quantize_linear(linear, "layer")
-    gpu_layer = method.quantize_linear(linear.to("cuda"), "layer")
+    gpu_layer = method.quantize_linear(copy.deepcopy(linear).to("cuda"), "layer")
     x = torch.randn(9, K, dtype=torch.bfloat16)
     got = gpu_layer(x.to("cuda")).cpu().float()
     want = cpu_layer(x).float()
