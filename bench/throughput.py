@@ -41,29 +41,25 @@ xgrammar backend's setup over the vocabulary counted apart) and a cached one.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib.util
 import json
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
-from tandem.engine.config import QUANTIZATION_CHOICES
+from tandem.bench.throughput_peers import (
+    LLAMA_CPP_MISSING,
+    RunOne,
+    run_hf,
+    run_llama_cpp,
+)
+from tandem.bench.throughput_report import acceptance, machine_info, parallel_report, spec_stats
+from tandem.engine.config import KV_CACHE_DTYPES, QUANTIZATION_CHOICES
 
 BACKENDS = ("tandem", "hf", "llama.cpp")
-
-# llama-cpp-python builds llama.cpp from source on install (minutes), so it is an
-# optional extra rather than a dependency: only this backend needs it.
-LLAMA_CPP_MISSING = (
-    "--backend llama.cpp needs llama-cpp-python, which is not installed: "
-    "pip install 'tandem-serve[bench]' (from a checkout: pip install -e '.[bench]')"
-)
-
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="tandem bench throughput", description=__doc__.split("\n")[0])
@@ -81,6 +77,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--quantization", default=None, choices=list(QUANTIZATION_CHOICES),
                    help="tandem: quantized weights (LLM(quantization=...)); int8 / int4 "
                         "quantize on load")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
+                   help="tandem: the KV cache's dtype (LLM(kv_cache_dtype=...)); fp8 holds "
+                        "twice a 16-bit model's tokens in the same memory")
+    p.add_argument("--kv-cache-memory", type=int, default=None,
+                   help="tandem: bytes of KV cache (default: profiled), to compare the "
+                        "tokens a fixed budget holds across --kv-cache-dtype")
     p.add_argument("--model-impl", default="auto", choices=["auto", "tandem", "transformers"],
                    help="tandem: which implementation runs the model (LLM(model_impl=...))")
     p.add_argument("--device", default="cpu",
@@ -234,17 +236,6 @@ def make_prompts(
     return allowed[idx].tolist()
 
 
-def _resolve_dtype(dtype: str, device: str = "cpu") -> Any:
-    import torch
-
-    if dtype == "auto":
-        from tandem.engine.model_loader import resolve_dtype
-
-        return resolve_dtype("auto", device)
-    return getattr(torch, dtype)
-
-
-RunOne = Callable[[list[list[int]]], int]
 
 
 def _run_interleaved(
@@ -305,6 +296,8 @@ def run_tandem(
         gpu_memory_utilization=getattr(args, "gpu_memory_utilization", 0.9),
         model_impl=getattr(args, "model_impl", "auto"),
         quantization=getattr(args, "quantization", None),
+        kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
+        kv_cache_memory=getattr(args, "kv_cache_memory", None),
         max_model_len=args.input_len + args.output_len + 16,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
@@ -327,7 +320,12 @@ def run_tandem(
 
     # Every repeat gets fresh prompts, so the prefix cache never serves one run
     # from an earlier one.
-    meta: dict[str, Any] = {"dtype": str(_dtype_of(llm)), "outputs": outputs}
+    core = llm.llm_engine.engine_core
+    meta: dict[str, Any] = {
+        "dtype": str(_dtype_of(llm)), "outputs": outputs,
+        "kv_cache_dtype": core.layout.dtype, "kv_cache_tokens": core.num_blocks * core.layout.
+        block_size, "kv_cache_bytes_per_token": core.kv_cache_bytes_per_token,
+        "weight_bytes": core.model_facts.weight_bytes}
     if deterministic:
         return run_one, meta
     if parallel != (1, 1):
@@ -351,31 +349,6 @@ def run_tandem(
         sizes = (args.tensor_parallel_size, args.pipeline_parallel_size)
         meta["par_runner"] = run_tandem(args, prompt_sets, parallel=sizes)
     return run_one, meta
-
-
-def spec_stats(llm: Any) -> dict[str, Any]:
-    """The engine's cumulative speculative-decoding counters (``SpecDecodeStats``)."""
-    st = llm.llm_engine.engine_core.get_stats().spec_decode
-    return {
-        "num_drafts": st.num_drafts,
-        "num_draft_tokens": st.num_draft_tokens,
-        "num_accepted_tokens": st.num_accepted_tokens,
-        "num_accepted_tokens_per_pos": list(st.num_accepted_tokens_per_pos),
-    }
-
-
-def acceptance(start: dict[str, Any], end: dict[str, Any]) -> dict[str, Any]:
-    """Acceptance over the timed passes (``end - start`` of ``spec_stats``): rate =
-    accepted / draft tokens; mean acceptance length = tokens per verification
-    (accepted + 1, vLLM's definition)."""
-    d = {k: end[k] - start[k] for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}
-    d["num_accepted_tokens_per_pos"] = [
-        b - a for a, b in zip(start["num_accepted_tokens_per_pos"],
-                              end["num_accepted_tokens_per_pos"], strict=True)
-    ]
-    d["acceptance_rate"] = d["num_accepted_tokens"] / max(d["num_draft_tokens"], 1)
-    d["mean_acceptance_length"] = 1 + d["num_accepted_tokens"] / max(d["num_drafts"], 1)
-    return d
 
 
 def structured_schema(output_len: int) -> dict[str, Any]:
@@ -436,136 +409,6 @@ def _dtype_of(llm: Any) -> str:
     return llm.llm_engine.engine_core.model_facts.dtype
 
 
-def _hf_model_args(model: str | None) -> tuple[str, dict[str, Any]]:
-    from tandem.engine.model_files import default_model_path
-
-    path = model or default_model_path()
-    if path.endswith(".gguf"):
-        return os.path.dirname(path), {"gguf_file": os.path.basename(path)}
-    return path, {}
-
-
-def run_hf(
-    args: argparse.Namespace, prompt_sets: list[list[list[int]]]
-) -> tuple[RunOne, dict[str, Any]]:
-    """Load the transformers model and warm it up; returns the timed pass and metadata."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    folder, extra = _hf_model_args(args.model)
-    device = getattr(args, "device", "cpu")
-    dtype = _resolve_dtype(args.dtype, device)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **extra).eval().to(device)
-
-    def generate(batch: list[list[int]], new_tokens: int) -> int:
-        ids = torch.tensor(batch, device=device)
-        out = model.generate(
-            input_ids=ids,
-            attention_mask=torch.ones_like(ids),
-            do_sample=False,
-            min_new_tokens=new_tokens,
-            max_new_tokens=new_tokens,
-            pad_token_id=0,
-        )
-        return (out.shape[1] - ids.shape[1]) * ids.shape[0]
-
-    bs = args.hf_batch_size
-
-    def run_one(prompts: list[list[int]]) -> int:
-        with torch.inference_mode():
-            return sum(
-                generate(prompts[i : i + bs], args.output_len) for i in range(0, len(prompts), bs)
-            )
-
-    with torch.inference_mode():
-        generate([prompt_sets[0][0][:16]], 4)
-    return run_one, {"dtype": str(dtype).removeprefix("torch."), "batch_size": bs}
-
-
-def _cpu_has_amx() -> bool:
-    from tandem.kernels.backend import read_cpu_flags
-
-    return "amx_int8" in read_cpu_flags()
-
-
-@contextlib.contextmanager
-def _llama_cpp_without_extra_buffers() -> Iterator[bool]:
-    """Load llama.cpp models with ``use_extra_bufts = False`` on AMX CPUs.
-
-    Why: on AMX machines ggml repacks quantized weights into its AMX buffer
-    type, and there its batched matmul dies with a general protection fault on
-    some (virtualized) Sapphire/Granite Rapids hosts, ours included
-    (ggml-org/llama.cpp#20824; Ollama's and DSPy's CI hit it too). Q4_1, the
-    default model's type, has no other repacked layout, so this only turns the
-    AMX path off. Yields whether it did.
-    """
-    if not _cpu_has_amx():
-        yield False
-        return
-    import llama_cpp.llama as high_level
-
-    low = high_level.llama_cpp
-    default_params = low.llama_model_default_params
-
-    def no_extra_buffers() -> Any:
-        params = default_params()
-        params.use_extra_bufts = False
-        return params
-
-    low.llama_model_default_params = no_extra_buffers
-    try:
-        yield True
-    finally:
-        low.llama_model_default_params = default_params
-
-
-def run_llama_cpp(
-    args: argparse.Namespace, prompt_sets: list[list[list[int]]]
-) -> tuple[RunOne, dict[str, Any]]:
-    """Load llama.cpp on the GGUF and warm it up; returns the timed pass and metadata.
-
-    Raises ImportError (naming the ``bench`` extra) when llama-cpp-python is not
-    installed, ValueError when ``--model`` is not a ``.gguf`` file.
-    """
-    try:
-        from llama_cpp import Llama
-    except ImportError as e:
-        raise ImportError(LLAMA_CPP_MISSING) from e
-
-    from tandem.engine.model_files import default_model_path
-
-    path = args.model or default_model_path()
-    if not path.endswith(".gguf"):
-        raise ValueError("--backend llama.cpp needs a .gguf --model")
-    threads = args.threads or os.cpu_count()
-    with _llama_cpp_without_extra_buffers() as amx_off:
-        llm = Llama(
-            model_path=path,
-            n_ctx=args.input_len + args.output_len + 16,
-            n_batch=512,
-            n_threads=threads,
-            n_threads_batch=threads,
-            verbose=False,
-        )
-
-    def generate(prompt: list[int], new_tokens: int) -> int:
-        llm.reset()
-        n = 0
-        # temp=0: greedy; generate() never stops by itself (EOS is ignored here).
-        for _ in llm.generate(prompt, temp=0.0, top_k=1, top_p=1.0, min_p=0.0, reset=True):
-            n += 1
-            if n == new_tokens:
-                break
-        return n
-
-    generate(prompt_sets[0][0][:16], 4)
-
-    def run_one(prompts: list[list[int]]) -> int:
-        return sum(generate(p, args.output_len) for p in prompts)
-
-    return run_one, {"dtype": "gguf (its quantization)", "ggml_amx_buffers": not amx_off}
-
-
 RUNNERS: dict[
     str, Callable[[argparse.Namespace, list[list[list[int]]]], tuple[RunOne, dict[str, Any]]]
 ] = {
@@ -573,89 +416,6 @@ RUNNERS: dict[
     "hf": run_hf,
     "llama.cpp": run_llama_cpp,
 }
-
-
-#: The ``lscpu`` flags that decide which kernels run (recorded with the numbers).
-_ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_tile")
-
-
-def parallel_report(par: dict[str, Any], one: dict[str, Any], args: argparse.Namespace,
-                    outputs: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Print and return tandem+par against tandem: the throughput ratio (overall and per
-    pass) and what the workers' collectives cost (``collectives``: per rank, seconds and
-    calls of all-reduce / gather / send / recv over the whole run, warm-up included;
-    ``num_steps``: the engine steps that ran a batch over the same span, and
-    ``ms_per_step``: per rank and op, milliseconds of collectives per such step).
-    With ``outputs`` (runner name -> per pass, per request token ids): how many
-    requests got other tokens at TP/PP than in one process (``requests_with_other_tokens``;
-    counted, not asserted: the sharded sums reduce in another order)."""
-    steps = int(par.get("num_steps", 0))
-    report: dict[str, Any] = {
-        "tensor_parallel_size": args.tensor_parallel_size,
-        "pipeline_parallel_size": args.pipeline_parallel_size,
-        "ratio": par["output_tokens_per_s"] / one["output_tokens_per_s"],
-        "paired_ratios": [
-            (par["num_output_tokens"] / ps) / (one["num_output_tokens"] / ts)
-            for ps, ts in zip(par["runs_s"], one["runs_s"], strict=True)
-        ],
-        "collectives": par.get("collectives", []),
-        "num_steps": steps,
-        "ms_per_step": [
-            {op: v["seconds"] * 1e3 / steps for op, v in stats.items() if v["calls"]}
-            for stats in par.get("collectives", [])
-        ] if steps else [],
-        "max_concurrent_batches": par.get("max_concurrent_batches"),
-        "max_num_batches_in_flight": par.get("max_num_batches_in_flight"),
-    }
-    if outputs and outputs.get("tandem") and outputs.get("tandem+par"):
-        report["requests_with_other_tokens"] = sum(
-            a != b for pa, pb in zip(outputs["tandem"], outputs["tandem+par"], strict=True)
-            for a, b in zip(pa, pb, strict=True)
-        )
-    sizes = (f"TP={args.tensor_parallel_size} PP={args.pipeline_parallel_size} "
-             f"batches in flight<={report['max_concurrent_batches']}")
-    line = f"tandem+par ({sizes}) / tandem: {report['ratio']:.2f}x output tokens/s"
-    if len(report["paired_ratios"]) > 1:
-        line += " (per pass: " + ", ".join(f"{x:.2f}x" for x in report["paired_ratios"]) + ")"
-    print(line)
-    for rank, stats in enumerate(report["collectives"]):
-        parts = [f"{op} {v['calls']} calls {v['seconds'] * 1e3:.0f} ms"
-                 + (f" ({v['seconds'] * 1e3 / steps:.2f} ms/step)" if steps else "")
-                 for op, v in sorted(stats.items()) if v["calls"]]
-        print(f"  rank {rank}: " + (", ".join(parts) or "no collectives"))
-    if steps:
-        print(f"  {steps} engine steps (warm-up included, as the collectives)")
-    if "requests_with_other_tokens" in report:
-        print(f"  {report['requests_with_other_tokens']} of {args.num_prompts * args.repeat} "
-              "requests got other tokens than tandem's")
-    return report
-
-
-def machine_info() -> dict[str, Any]:
-    """CPU model and count, platform, torch version: recorded beside the numbers."""
-    import torch
-
-    cpu = platform.processor() or "unknown"
-    flags: list[str] = []
-    try:
-        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-        for line in lscpu.splitlines():
-            if line.startswith("Model name:"):
-                cpu = line.split(":", 1)[1].strip()
-            if line.startswith("Flags:"):
-                have = set(line.split(":", 1)[1].split())
-                flags = [f for f in _ISA_FLAGS if f in have]
-    except (OSError, subprocess.CalledProcessError):
-        pass  # lscpu missing: keep platform.processor()
-    return {
-        "cpu": cpu,
-        "cpu_flags": flags,
-        "num_cpus": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-    }
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,7 +8,7 @@ import pytest
 from tiny_models import tiny_config, tiny_hf_model
 
 from tandem.bench import main as bench_main
-from tandem.bench import throughput
+from tandem.bench import throughput, throughput_peers
 
 
 def test_bench_dispatch(capsys) -> None:
@@ -90,7 +90,7 @@ def test_throughput_llama_cpp_peer_runs(tmp_path) -> None:
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(out_json.read_text())["results"]["llama.cpp"]
     assert result["num_output_tokens"] == 8
-    assert result["ggml_amx_buffers"] is (not throughput._cpu_has_amx())
+    assert result["ggml_amx_buffers"] is (not throughput_peers._cpu_has_amx())
 
 
 def test_llama_cpp_backend_without_the_extra_names_it(monkeypatch, capsys) -> None:
@@ -114,7 +114,7 @@ def test_llama_cpp_backend_without_the_extra_names_it(monkeypatch, capsys) -> No
     monkeypatch.setitem(sys.modules, "llama_cpp", None)  # makes the import fail
     args = throughput.parse_args(["--backend", "hf"])
     with pytest.raises(ImportError, match=r"tandem-serve\[bench\]"):
-        throughput.run_llama_cpp(args, [[[1, 2, 3]]])
+        throughput_peers.run_llama_cpp(args, [[[1, 2, 3]]])
 
 
 def test_repeats_report_the_median_and_must_agree() -> None:
@@ -192,6 +192,20 @@ def test_throughput_with_deterministic(tmp_path, capsys) -> None:
     det = doc["deterministic"]
     assert len(det["paired_ratios"]) == 2 and det["ratio"] > 0
     assert 0 <= det["requests_with_other_tokens"] <= 6
+
+
+def test_throughput_reports_the_kv_cache_a_budget_holds(tmp_path, capsys) -> None:
+    """--kv-cache-dtype fp8 at a fixed --kv-cache-memory: the report carries the cache's
+    dtype, its tokens and bytes per token (a bf16 model's FP8 cache: one byte per value)."""
+    args = ["--num-prompts", "2", "--input-len", "16", "--output-len", "4", "--dtype",
+            "bfloat16", "--kv-cache-memory", str(1 << 20)]
+    _, auto = _side_by_side(tmp_path / "a", capsys, args)
+    _, fp8 = _side_by_side(tmp_path / "b", capsys, [*args, "--kv-cache-dtype", "fp8"])
+    a, f = auto["results"]["tandem"], fp8["results"]["tandem"]
+    assert (a["kv_cache_dtype"], f["kv_cache_dtype"]) == ("bfloat16", "float8_e4m3fn")
+    assert a["kv_cache_bytes_per_token"] == 2 * f["kv_cache_bytes_per_token"]
+    assert f["kv_cache_tokens"] == 2 * a["kv_cache_tokens"]
+    assert a["weight_bytes"] == f["weight_bytes"] > 0
 
 
 def test_parallel_report_per_step_cost_and_token_check(capsys) -> None:
