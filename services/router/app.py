@@ -1,6 +1,8 @@
 """The router's FastAPI app: the generation routes of each API, health, metrics.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (``openai_routes``),
+``POST /v1/responses`` and ``GET /v1/responses/{id}`` (``responses_api``), ``POST
+/v1/messages`` and ``POST /v1/messages/count_tokens`` (``messages_api``),
 ``GET /v1/models`` and ``GET /v1/models/{model}`` (``models_api``), ``GET /health`` (the
 router is up; body counts the instances), ``GET /ready`` (200 only when some instance path
 can serve), ``GET /metrics``; any other path is a 404 naming it. How a generation is
@@ -20,20 +22,30 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from tandem.contracts.role import ROLES, Role
-from tandem.services.router import models_api, openai_routes, openapi
+from tandem.services.router import (
+    messages_api,
+    models_api,
+    openai_routes,
+    openapi,
+    responses_api,
+)
 from tandem.services.router import protocol as P
 from tandem.services.router.door import Door
 from tandem.services.router.drain import Drain, shutting_down_error
 from tandem.services.router.errors import OpenAIError, error_response, openai_error_handler
 from tandem.services.router.frontend import Frontend
+from tandem.services.router.messages_protocol import CountTokensRequest, MessagesRequest
 from tandem.services.router.metrics import CONTENT_TYPE
+from tandem.services.router.response_store import MemoryResponseStore, ResponseStore
+from tandem.services.router.responses_protocol import ResponsesRequest
 from tandem.services.router.streaming import CLIENT_GONE
 
 logger = logging.getLogger(__name__)
 
 
 #: The routes whose requests a drain waits for and ends (``drain.Drain``).
-GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses",
+                              "/v1/messages"})
 
 
 class _DrainMiddleware:
@@ -50,7 +62,8 @@ class _DrainMiddleware:
             return
         if self.drain.draining:
             rid = dict(scope.get("headers") or ()).get(b"x-request-id")
-            response = error_response(shutting_down_error(), rid.decode() if rid else None)
+            response = error_response(shutting_down_error(), rid.decode() if rid else None,
+                                      anthropic=scope["path"] == "/v1/messages")
             await response(scope, receive, send)
             return
         async with self.drain.request():
@@ -58,7 +71,8 @@ class _DrainMiddleware:
 
 
 def create_app(fe: Frontend, lifespan: Any = None, *,
-               max_request_body_bytes: int, drain: Drain | None = None) -> FastAPI:
+               max_request_body_bytes: int, drain: Drain | None = None,
+               response_store: ResponseStore | None = None) -> FastAPI:
     """Build the FastAPI app around a ready ``Frontend``.
 
     Args:
@@ -66,11 +80,14 @@ def create_app(fe: Frontend, lifespan: Any = None, *,
         lifespan: optional async context manager factory (starts/stops discovery).
         max_request_body_bytes: largest request body accepted (413 beyond).
         drain: the router's shutdown (``Drain.run`` on SIGTERM); a fresh one if ``None``.
+        response_store: where ``/v1/responses`` keeps stored responses; ``None``: this
+            process's memory (``MemoryResponseStore``, an hour's TTL).
     """
     drain = drain if drain is not None else Drain()
     app = FastAPI(title="tandem router", lifespan=lifespan)
     app.add_middleware(_DrainMiddleware, drain=drain)
-    openapi.install(app, [P.CompletionRequest, P.ChatCompletionRequest])
+    openapi.install(app, [P.CompletionRequest, P.ChatCompletionRequest,
+                          ResponsesRequest, MessagesRequest, CountTokensRequest])
     # NOTE: one handler; the ``Exception`` entry only catches router bugs (-> 500, logged).
     for exc_type in (OpenAIError, ValidationError, RequestValidationError,
                      StarletteHTTPException, Exception):
@@ -106,6 +123,9 @@ def create_app(fe: Frontend, lifespan: Any = None, *,
 
     models_api.install(app, fe, door.check_auth)
     openai_routes.install(app, door)
+    responses_api.install(app, door, response_store if response_store is not None
+                          else MemoryResponseStore(ttl_s=3600))
+    messages_api.install(app, door)
     return app
 
 async def _client_gone_while_sending(request: Request, exc: Exception) -> Response:

@@ -66,6 +66,10 @@ class RouterConfig:
             (``--[no-]disagg-prefill-fallback``, on by default).
         multiplex_decode: every Decode to an instance travels on its one ``DecodeStream``
             call (``--[no-]multiplex-decode``, on by default).
+        response_store_url: Redis where ``/v1/responses`` keeps stored responses, so
+            that every replica continues any conversation (``--response-store-url``,
+            default ``redis_url``; ``None``: the router's own memory, one replica only).
+        response_ttl_s: seconds a stored response is kept (``--response-ttl-s``).
         log_level: Python logging level name.
         loop: the event loop (``--loop``, uvicorn's name): ``uvloop`` when installed for
             ``auto``, else ``asyncio``.
@@ -103,6 +107,8 @@ class RouterConfig:
     disagg_max_prefill_queue: int = 0
     disagg_prefill_fallback: bool = True
     multiplex_decode: bool = True
+    response_store_url: str | None = None
+    response_ttl_s: int = 3600
     log_level: str = "info"
     loop: str = "auto"
     http: str = "auto"
@@ -127,6 +133,8 @@ class RouterConfig:
         if self.disagg_max_prefill_queue < 0:
             raise ValueError("--disagg-max-prefill-queue must be >= 0, got "
                              f"{self.disagg_max_prefill_queue}")
+        if self.response_ttl_s < 1:
+            raise ValueError(f"--response-ttl-s must be >= 1, got {self.response_ttl_s}")
         if self.max_queued_requests < 0:
             raise ValueError(f"--max-queued-requests must be >= 0, got "
                              f"{self.max_queued_requests}")
@@ -173,5 +181,8 @@ class RouterConfig:
                    disagg_max_prefill_queue=getattr(ns, "disagg_max_prefill_queue", 0),
                    disagg_prefill_fallback=getattr(ns, "disagg_prefill_fallback", True),
                    multiplex_decode=getattr(ns, "multiplex_decode", True),
+                   response_store_url=(getattr(ns, "response_store_url", None)
+                                       or ns.redis_url or None),
+                   response_ttl_s=getattr(ns, "response_ttl_s", 3600),
                    log_level=ns.log_level, loop=getattr(ns, "loop", "auto"),
                    http=getattr(ns, "http", "auto"))

@@ -4,6 +4,7 @@ the body's size limit and parsing, the served model check, and the router's drai
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -60,3 +61,16 @@ class Door:
         req = model.model_validate(await read_json_body(request, self.max_body_bytes))
         self.fe.check_model(getattr(req, "model", None))
         return rid, arrival_ns, req
+
+
+def renamed(err: OpenAIError, rename: Callable[[str], str]) -> OpenAIError:
+    """``err`` with its ``param`` (and the message's leading field name) in another API's
+    words: a translated request's chat field names become the client's own."""
+    if err.param is None:
+        return err
+    new = rename(err.param)
+    if new == err.param:
+        return err
+    message = err.message.replace(err.param, new, 1)
+    return OpenAIError(message, status_code=err.status_code, param=new, code=err.code,
+                       retry_after_s=err.retry_after_s)

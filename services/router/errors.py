@@ -1,7 +1,8 @@
 """The router's one error type and its one FastAPI exception handler (OpenAI error JSON).
 
 Every failure the HTTP layer reports goes through :func:`openai_error_handler`, which
-renders ``{"error": {"message", "type", "param", "code"}}`` as the OpenAI API does:
+renders ``{"error": {"message", "type", "param", "code"}}`` as the OpenAI API does (and,
+under ``/v1/messages``, Anthropic's ``{"type": "error", "error": {"type", "message"}}``):
 caller mistakes are 4xx (pydantic validation errors and malformed JSON become 400, never
 422 or 500), a full queue is 503 with ``Retry-After``, and only a bug in the router is 500.
 """
@@ -35,6 +36,22 @@ _TYPE_BY_STATUS = {
     503: "service_unavailable_error",
     504: "timeout_error",
 }
+
+
+#: Anthropic's error types (its API reference, "Errors"), by HTTP status.
+_ANTHROPIC_TYPE_BY_STATUS = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    529: "overloaded_error",
+}
+#: The path prefix of the Anthropic Messages API, whose errors take Anthropic's shape.
+ANTHROPIC_PATH_PREFIX = "/v1/messages"
 
 
 class OpenAIError(Exception):
@@ -76,6 +93,16 @@ class OpenAIError(Exception):
         """The error object (``{"message", "type", "param", "code"}``), without the wrapper."""
         return {"message": self.message, "type": self.type, "param": self.param,
                 "code": self.code if self.code is not None else self.status_code}
+
+    def to_anthropic(self) -> dict:
+        """Anthropic's error body: ``{"type": "error", "error": {"type", "message"}}``
+        (the field in error is named in the message, as Anthropic's API does)."""
+        kind = _ANTHROPIC_TYPE_BY_STATUS.get(
+            self.status_code, "api_error" if self.status_code >= 500 else "invalid_request_error")
+        message = self.message
+        if self.param and self.param not in message:
+            message = f"{self.param}: {message}"
+        return {"type": "error", "error": {"type": kind, "message": message}}
 
 
 # pydantic names the member of a union a value failed to match in the error's location
@@ -186,19 +213,25 @@ def to_openai_error(exc: Exception) -> OpenAIError:
     return OpenAIError(f"internal error: {type(exc).__name__}", status_code=500)
 
 
-def error_response(err: OpenAIError, request_id: str | None = None) -> JSONResponse:
+def error_response(err: OpenAIError, request_id: str | None = None, *,
+                   anthropic: bool = False) -> JSONResponse:
+    """The HTTP answer of ``err``: OpenAI's error JSON, or Anthropic's (``anthropic``),
+    with ``Retry-After`` and ``X-Request-Id`` headers where they apply."""
     headers = {}
     if err.retry_after_s is not None:
         headers["Retry-After"] = str(err.retry_after_s)
     if request_id:
         headers["X-Request-Id"] = request_id
-    return JSONResponse({"error": err.to_dict()}, status_code=err.status_code, headers=headers)
+    body = err.to_anthropic() if anthropic else {"error": err.to_dict()}
+    return JSONResponse(body, status_code=err.status_code, headers=headers)
 
 
 async def openai_error_handler(request: Request, exc: Exception) -> JSONResponse:
-    """The one exception handler: any exception -> OpenAI error JSON with its status."""
+    """The one exception handler: any exception -> OpenAI error JSON with its status
+    (Anthropic's error JSON under ``ANTHROPIC_PATH_PREFIX``)."""
     err = unknown_route(request, exc) if isinstance(exc, StarletteHTTPException) else None
-    response = error_response(err or to_openai_error(exc), request.headers.get("x-request-id"))
+    response = error_response(err or to_openai_error(exc), request.headers.get("x-request-id"),
+                              anthropic=request.url.path.startswith(ANTHROPIC_PATH_PREFIX))
     if isinstance(exc, StarletteHTTPException) and exc.headers:
         response.headers.update(exc.headers)  # e.g. a 405's Allow
     return response

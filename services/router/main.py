@@ -95,6 +95,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="every Decode to an instance on one DecodeStream call (one gRPC "
                         "message per engine step for all of them, in the engine's order) "
                         "instead of one call per request (default: on)")
+    p.add_argument("--response-store-url", default=None,
+                   help="Redis where /v1/responses keeps stored responses for "
+                        "previous_response_id, shared by every replica (default: "
+                        "--redis-url; without either: this router's memory only)")
+    p.add_argument("--response-ttl-s", type=int, default=3600,
+                   help="seconds a stored /v1/responses response is kept (default 3600)")
     p.add_argument("--log-level", default="info")
     p.add_argument("--loop", default="auto", choices=["auto", "asyncio", "uvloop"],
                    help="event loop (auto: uvloop when installed)")
@@ -143,6 +149,11 @@ async def serve(cfg: RouterConfig, defaults: SamplingDefaults | None = None) -> 
     from tandem.services.router.grpc_server import start_grpc_server
     from tandem.services.router.metrics import RouterMetrics
     from tandem.services.router.pipeline import Pipeline
+    from tandem.services.router.response_store import (
+        MemoryResponseStore,
+        RedisResponseStore,
+        ResponseStore,
+    )
     from tandem.services.router.routing import CacheView, make_router
 
     # NOTE: the tokenizer comes from the model's files without torch: the router runs no
@@ -189,6 +200,9 @@ async def serve(cfg: RouterConfig, defaults: SamplingDefaults | None = None) -> 
     # --max-model-len where given, else for the largest context an engine may serve.
     max_body = cfg.max_request_body_bytes or default_max_request_body_bytes(
         cfg.max_model_len or UNKNOWN_CONTEXT_TOKENS)
+    response_store: ResponseStore = (
+        RedisResponseStore(cfg.response_store_url, cfg.response_ttl_s)
+        if cfg.response_store_url else MemoryResponseStore(cfg.response_ttl_s))
     await discovery.start()
     await pool.start()
     grpc_server: Any = None
@@ -197,7 +211,8 @@ async def serve(cfg: RouterConfig, defaults: SamplingDefaults | None = None) -> 
             grpc_server = await start_grpc_server(fe, cfg.grpc_port, cfg.host,
                                                   max_message_bytes=max_body)
         drain = Drain()
-        config = uvicorn.Config(create_app(fe, max_request_body_bytes=max_body, drain=drain),
+        config = uvicorn.Config(create_app(fe, max_request_body_bytes=max_body, drain=drain,
+                                           response_store=response_store),
                                 host=cfg.host, port=cfg.port,
                                 log_level=cfg.log_level.lower(), timeout_graceful_shutdown=3,
                                 access_log=False, http=cfg.http)
@@ -227,6 +242,7 @@ async def serve(cfg: RouterConfig, defaults: SamplingDefaults | None = None) -> 
         await discovery.stop()
         if store_index is not None:
             await store_index.aclose()
+        await response_store.aclose()
 
 
 def main(argv: list[str] | None = None) -> int:

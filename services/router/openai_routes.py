@@ -11,7 +11,7 @@ validated by the strict pydantic models of ``protocol``; ``/openapi.json`` docum
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -58,7 +58,7 @@ class PreparedChat:
 
 
 async def prepare_chat(fe: Frontend, req: P.ChatCompletionRequest, rid: str, arrival_ns: int,
-                       rename: Mapping[str, str] | None = None) -> PreparedChat:
+                       rename: Callable[[str], str] | None = None) -> PreparedChat:
     """Template, tokenize and constrain one chat request (tools, ``tool_choice``, response
     format, sampling fields).
 
@@ -66,8 +66,8 @@ async def prepare_chat(fe: Frontend, req: P.ChatCompletionRequest, rid: str, arr
         fe: the router's front end.
         req: the chat request (as sent, or translated from another API's).
         rid: the request id; arrival_ns: its arrival (monotonic ns).
-        rename: chat field prefix -> the client's field, for the fields the engine may
-            name in an error (another API's words for them).
+        rename: a chat field's name -> the client's, for the fields the engine may name
+            in an error (another API's words for them).
 
     Raises:
         OpenAIError: 400 naming the field for anything the request gets wrong.
@@ -90,11 +90,8 @@ async def prepare_chat(fe: Frontend, req: P.ChatCompletionRequest, rid: str, arr
         param_of_field = {f: f"tools[{index}].function.parameters" for f in param_of_field}
     elif tool_choice is not None and tool_choice.mode == "required":
         param_of_field = {f: "tools" for f in param_of_field}
-    for f, param in param_of_field.items():
-        for old, new in (rename or {}).items():
-            if param.startswith(old):
-                param_of_field[f] = new + param[len(old):]
-                break
+    if rename is not None:
+        param_of_field = {f: rename(param) for f, param in param_of_field.items()}
     gen = GenerationRequest(rid, ids, sp, req.priority, arrival_ns,
                             param_of_field=param_of_field)
     parses = tool_choice if tool_choice is not None and tool_choice.parses_calls else None

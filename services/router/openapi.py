@@ -45,6 +45,15 @@ def streamed(description: str) -> dict[int | str, dict[str, Any]]:
         "text/event-stream": {"schema": {"type": "string"}}}}}
 
 
+def typed_events(description: str) -> dict[int | str, dict[str, Any]]:
+    """A ``responses`` entry adding the ``stream: true`` form of an API whose server-sent
+    events are named (``event: <type>`` then ``data: <JSON>``: Responses, Messages)."""
+    event = {"type": "object", "properties": {"event": {"type": "string"},
+                                              "data": {"type": "string"}}}
+    return {200: {"description": description, "content": {
+        "text/event-stream": {"schema": event}}}}
+
+
 def install(app: FastAPI, request_models: Sequence[type[BaseModel]]) -> None:
     """Make ``app.openapi()`` include the JSON schemas of ``request_models`` (and the
     models they use) in ``components.schemas``, where :func:`request_body` points."""

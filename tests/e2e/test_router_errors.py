@@ -282,7 +282,7 @@ def test_models_retrieve(router) -> None:
 
 
 @pytest.mark.parametrize(("method", "path"), [
-    ("POST", "/v1/responses"), ("POST", "/v1/embeddings"), ("GET", "/v1/nothing-here"),
+    ("POST", "/v1/audio/speech"), ("POST", "/v1/embeddings"), ("GET", "/v1/nothing-here"),
     ("GET", "/"), ("GET", "/v1/files")])
 def test_an_unknown_route_is_a_404_naming_it(http, method, path) -> None:
     """Bug: a bare ``404 Not Found`` that named neither the route nor that tandem does not
@@ -303,8 +303,8 @@ def test_a_known_route_with_another_method_is_a_405_naming_it(http) -> None:
 
 def test_the_openai_client_sees_which_api_tandem_lacks(router) -> None:
     client = openai.OpenAI(base_url=f"{router[0]}/v1", api_key=API_KEY, max_retries=0)
-    with pytest.raises(openai.NotFoundError, match=r"POST /v1/responses"):
-        client.responses.create(model=MODEL, input="hi")
+    with pytest.raises(openai.NotFoundError, match=r"POST /v1/moderations"):
+        client.moderations.create(model=MODEL, input="hi")
     with pytest.raises(openai.NotFoundError, match=r"POST /v1/embeddings"):
         client.embeddings.create(model=MODEL, input="hi")
 
