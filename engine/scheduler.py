@@ -58,8 +58,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from tandem.engine.admission import Admission
 from tandem.engine.config import CacheConfig, SchedulerConfig, SpeculativeConfig
-from tandem.engine.kv_cache_manager import KVCacheBlocks, KVCacheManager, PrefixCacheStats
+from tandem.engine.kv_cache_manager import KVCacheManager, PrefixCacheStats
 from tandem.engine.kv_connector import KVConnectorScheduler
 from tandem.engine.outputs import EngineCoreOutput
 from tandem.engine.request import Request, RequestStatus
@@ -121,7 +122,7 @@ class SchedulerStats:
         )
 
 
-class Scheduler:
+class Scheduler(Admission):
     """Decides which tokens of which requests run in each step.
 
     Args:
@@ -403,126 +404,6 @@ class Scheduler:
         for req in done:
             self.finish_requests(req.request_id, RequestStatus.FINISHED_STOPPED)
             self._pending_outputs.append(EngineCoreOutput(req.request_id, [], finish_reason="stop"))
-
-    def _schedule_waiting(
-        self,
-        budget: int,
-        scheduled: list[Request],
-        num_scheduled: dict[str, int],
-        lookahead: dict[str, int],
-    ) -> int:
-        kvm = self.kv_cache_manager
-        skipped: list[Request] = []
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            req = self.waiting.peek()
-            rid = req.request_id
-            if req.status == RequestStatus.WAITING_FOR_REMOTE_KV:
-                skipped.append(self.waiting.pop())  # until update_from_output reports it
-                continue
-            if req.status == RequestStatus.WAITING_FOR_GRAMMAR:
-                skipped.append(self.waiting.pop())  # until _poll_grammars finds it ready
-                continue
-
-            hits, num_hit = KVCacheBlocks(), 0
-            has_blocks = kvm.has_blocks(rid)  # True after a remote load
-            if not has_blocks:
-                hits, num_hit = kvm.get_computed_blocks(req)
-                num_external = 0
-                if self.connector is not None:
-                    matched = self.connector.get_num_new_matched_tokens(req, num_hit)
-                    if matched is None:
-                        skipped.append(self.waiting.pop())  # its lookup runs: ask again
-                        continue
-                    # At least one token must be computed here to produce a sample.
-                    num_external = min(matched, req.num_tokens - 1 - num_hit)
-                if num_external > 0:
-                    # NOTE: blocks for every remaining token, not only the remote ones:
-                    # a loaded request then never waits for one more block while
-                    # holding the others (requests holding blocks in the waiting
-                    # queue cannot be preempted, so that could deadlock).
-                    num_remaining = req.num_tokens - num_hit
-                    new_blocks = kvm.allocate_slots(
-                        req, num_remaining, num_hit, hits, delay_cache_blocks=True
-                    )
-                    if new_blocks is None:
-                        break
-                    self.waiting.pop()
-                    kvm.record_prefix_cache_lookup(req, num_hit)
-                    self._record_connector_lookup(req)
-                    req.num_computed_tokens = num_hit
-                    req.status = RequestStatus.WAITING_FOR_REMOTE_KV
-                    self._remote_requested[rid] = num_external
-                    assert self.connector is not None
-                    self.connector.update_state_after_alloc(
-                        req, kvm.get_block_ids(rid), num_external
-                    )
-                    skipped.append(req)
-                    continue
-
-            num_computed = req.num_computed_tokens + num_hit
-            num_new = req.num_tokens - num_computed
-            # NOTE: with chunking off a prompt waits for a step with room for all of
-            # it; one larger than a whole step (a resumed request, or a remote load
-            # that fell short) is chunked anyway, else it would never run.
-            if (
-                not self.config.enable_chunked_prefill
-                and budget < num_new <= self.config.max_num_batched_tokens
-            ):
-                break
-            num_known = num_new
-            num_new = min(self._prefill_cap(num_new), budget)
-            num_ahead = self._num_lookahead(req, num_computed, num_new, num_known)
-            num_slots = num_new + self._lookahead_slots(num_ahead)
-            if kvm.allocate_slots(req, num_slots, num_hit, hits) is None:
-                break
-            self.waiting.pop()
-            if not has_blocks:
-                kvm.record_prefix_cache_lookup(req, num_hit)
-                self._record_connector_lookup(req)
-            req.num_computed_tokens = num_computed
-            if req.num_cached_tokens < 0:
-                req.num_cached_tokens = num_computed
-            if req.first_scheduled_time is None:
-                req.first_scheduled_time = time.monotonic()
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
-            scheduled.append(req)
-            num_scheduled[rid] = num_new
-            if num_ahead:
-                lookahead[rid] = num_ahead
-            budget -= num_new
-        if skipped:
-            self.waiting.prepend(skipped)
-        return budget
-
-    def _record_connector_lookup(self, req: Request) -> None:
-        """Count an admitted request's tokens as queried of the connector's tier."""
-        if self.connector is not None:
-            self.connector_prefix_cache_stats.num_requests += 1
-            self.connector_prefix_cache_stats.queries += req.num_tokens
-
-    def _prefill_cap(self, num_new: int) -> int:
-        """``num_new`` tokens capped at ``long_prefill_token_threshold`` (if set)."""
-        cap = self.config.long_prefill_token_threshold
-        if cap > 0 and self.config.enable_chunked_prefill and num_new > cap:
-            return cap
-        return num_new
-
-    def _victim_key(self, req: Request) -> tuple[float, ...]:
-        seq = self._arrival_seq[req.request_id]
-        if self.config.policy == "priority":
-            return (req.priority, req.arrival_time, seq)
-        return (req.arrival_time, seq)
-
-    def _preempt(self, req: Request) -> None:
-        self.running.remove(req)
-        self.kv_cache_manager.free(req)  # before resetting num_computed_tokens (see free)
-        req.status = RequestStatus.PREEMPTED
-        req.num_computed_tokens = 0
-        req.spec_token_ids = []
-        req.num_preemptions += 1
-        self.num_preemptions += 1
-        self.waiting.prepend([req])
 
     def _finish_remote_load(self, req: Request, reported: int | None) -> None:
         rid = req.request_id

@@ -1,0 +1,176 @@
+"""Admission of waiting requests and the choice of preemption victims: the scheduler's
+policy half (vLLM v1's ``schedule`` waiting loop and ``_preempt_request``, written anew).
+
+``Admission`` is a base class of ``engine.scheduler.Scheduler`` and works on its state
+(the attributes declared below); it exists so the policy that decides who runs next is
+read, and changed, in one place.
+
+* Waiting requests are admitted in queue order (``engine.request_queue``: FCFS, or
+  ``(priority, arrival)``) while the step's token budget, ``max_num_seqs`` and free
+  blocks last; the first one that does not fit ends admission for the step, so a later
+  (lower-priority) request never overtakes it.
+* A preemption victim is the running request that sorts last: highest ``priority``
+  value, then latest arrival (arrival only under FCFS).
+"""
+
+from __future__ import annotations
+
+import time
+
+from tandem.engine.config import SchedulerConfig
+from tandem.engine.kv_cache_manager import KVCacheBlocks, KVCacheManager, PrefixCacheStats
+from tandem.engine.kv_connector import KVConnectorScheduler
+from tandem.engine.request import Request, RequestStatus
+from tandem.engine.request_queue import RequestQueue
+
+
+class Admission:
+    """Who runs next: waiting-queue admission and preemption (see the module docstring).
+
+    Not constructed on its own: ``Scheduler`` sets every attribute declared here.
+    """
+
+    config: SchedulerConfig
+    kv_cache_manager: KVCacheManager
+    connector: KVConnectorScheduler | None
+    waiting: RequestQueue
+    running: list[Request]
+    connector_prefix_cache_stats: PrefixCacheStats
+    num_preemptions: int
+    _arrival_seq: dict[str, int]
+    _remote_requested: dict[str, int]
+
+    def _num_lookahead(self, req: Request, num_computed: int, num_new: int, num_known: int) -> int:
+        raise NotImplementedError
+
+    def _lookahead_slots(self, num_lookahead: int) -> int:
+        raise NotImplementedError
+
+    def _schedule_waiting(
+        self,
+        budget: int,
+        scheduled: list[Request],
+        num_scheduled: dict[str, int],
+        lookahead: dict[str, int],
+    ) -> int:
+        """Admit waiting requests into the running batch (step 2 of ``schedule``).
+
+        Appends each admitted request to ``scheduled`` and ``self.running``, records its
+        tokens in ``num_scheduled`` (and draft lookahead in ``lookahead``); requests
+        waiting for a remote load or a grammar are skipped and put back in order.
+
+        Returns:
+            The token budget left, in tokens.
+        """
+        kvm = self.kv_cache_manager
+        skipped: list[Request] = []
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting.peek()
+            rid = req.request_id
+            if req.status == RequestStatus.WAITING_FOR_REMOTE_KV:
+                skipped.append(self.waiting.pop())  # until update_from_output reports it
+                continue
+            if req.status == RequestStatus.WAITING_FOR_GRAMMAR:
+                skipped.append(self.waiting.pop())  # until _poll_grammars finds it ready
+                continue
+
+            hits, num_hit = KVCacheBlocks(), 0
+            has_blocks = kvm.has_blocks(rid)  # True after a remote load
+            if not has_blocks:
+                hits, num_hit = kvm.get_computed_blocks(req)
+                num_external = 0
+                if self.connector is not None:
+                    matched = self.connector.get_num_new_matched_tokens(req, num_hit)
+                    if matched is None:
+                        skipped.append(self.waiting.pop())  # its lookup runs: ask again
+                        continue
+                    # At least one token must be computed here to produce a sample.
+                    num_external = min(matched, req.num_tokens - 1 - num_hit)
+                if num_external > 0:
+                    # NOTE: blocks for every remaining token, not only the remote ones:
+                    # a loaded request then never waits for one more block while
+                    # holding the others (requests holding blocks in the waiting
+                    # queue cannot be preempted, so that could deadlock).
+                    num_remaining = req.num_tokens - num_hit
+                    new_blocks = kvm.allocate_slots(
+                        req, num_remaining, num_hit, hits, delay_cache_blocks=True
+                    )
+                    if new_blocks is None:
+                        break
+                    self.waiting.pop()
+                    kvm.record_prefix_cache_lookup(req, num_hit)
+                    self._record_connector_lookup(req)
+                    req.num_computed_tokens = num_hit
+                    req.status = RequestStatus.WAITING_FOR_REMOTE_KV
+                    self._remote_requested[rid] = num_external
+                    assert self.connector is not None
+                    self.connector.update_state_after_alloc(
+                        req, kvm.get_block_ids(rid), num_external
+                    )
+                    skipped.append(req)
+                    continue
+
+            num_computed = req.num_computed_tokens + num_hit
+            num_new = req.num_tokens - num_computed
+            # NOTE: with chunking off a prompt waits for a step with room for all of
+            # it; one larger than a whole step (a resumed request, or a remote load
+            # that fell short) is chunked anyway, else it would never run.
+            if (
+                not self.config.enable_chunked_prefill
+                and budget < num_new <= self.config.max_num_batched_tokens
+            ):
+                break
+            num_known = num_new
+            num_new = min(self._prefill_cap(num_new), budget)
+            num_ahead = self._num_lookahead(req, num_computed, num_new, num_known)
+            num_slots = num_new + self._lookahead_slots(num_ahead)
+            if kvm.allocate_slots(req, num_slots, num_hit, hits) is None:
+                break
+            self.waiting.pop()
+            if not has_blocks:
+                kvm.record_prefix_cache_lookup(req, num_hit)
+                self._record_connector_lookup(req)
+            req.num_computed_tokens = num_computed
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_computed
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = time.monotonic()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            scheduled.append(req)
+            num_scheduled[rid] = num_new
+            if num_ahead:
+                lookahead[rid] = num_ahead
+            budget -= num_new
+        if skipped:
+            self.waiting.prepend(skipped)
+        return budget
+
+    def _record_connector_lookup(self, req: Request) -> None:
+        """Count an admitted request's tokens as queried of the connector's tier."""
+        if self.connector is not None:
+            self.connector_prefix_cache_stats.num_requests += 1
+            self.connector_prefix_cache_stats.queries += req.num_tokens
+
+    def _prefill_cap(self, num_new: int) -> int:
+        """``num_new`` tokens capped at ``long_prefill_token_threshold`` (if set)."""
+        cap = self.config.long_prefill_token_threshold
+        if cap > 0 and self.config.enable_chunked_prefill and num_new > cap:
+            return cap
+        return num_new
+
+    def _victim_key(self, req: Request) -> tuple[float, ...]:
+        seq = self._arrival_seq[req.request_id]
+        if self.config.policy == "priority":
+            return (req.priority, req.arrival_time, seq)
+        return (req.arrival_time, seq)
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.kv_cache_manager.free(req)  # before resetting num_computed_tokens (see free)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.spec_token_ids = []
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.prepend([req])
