@@ -9,9 +9,11 @@ which the other front doors (Responses, Messages) reuse for their own events.
 from __future__ import annotations
 
 import time
+from typing import NamedTuple
 
 from tandem.services.router import protocol as P
 from tandem.services.router.frontend import Frontend
+from tandem.services.router.reasoning import ReasoningMode
 from tandem.services.router.responses import (
     ChoiceState,
     SSETemplate,
@@ -25,29 +27,49 @@ from tandem.services.router.streaming import Chunk, Streamer
 from tandem.services.router.tools import ToolCallParser, ToolChoice, finish_reason_with_calls
 
 
-class ChatDeltaParser:
-    """One chat choice's deltas -> ``(content, tool_calls entries, finish_reason)``.
+class ChatPiece(NamedTuple):
+    """What one delta adds to a chat choice (``None``: nothing of that kind)."""
 
-    Without tools (``tool_choice`` ``None``) the text is the content. With tools, the
-    entries are OpenAI's streamed ``delta.tool_calls`` form: a call's first entry holds
-    ``index``, ``id``, ``type`` and ``function.name`` (and maybe a first piece of
-    ``function.arguments``), later ones ``{"index", "function": {"arguments": <more>}}``.
-    Concatenated, the content equals ``chat_message``'s for the whole text.
+    reasoning: str | None
+    content: str | None
+    tool_calls: list[dict] | None
+    finish_reason: str | None
+
+
+class ChatDeltaParser:
+    """One chat choice's deltas -> ``ChatPiece``s: reasoning, content, tool-call entries,
+    finish reason.
+
+    With a reasoning mode (``reasoning.ReasoningMode``), the thinking is split off first
+    and only the answer after it is parsed for tool calls. Without tools (``tool_choice``
+    ``None``) the answer is the content. With tools, the entries are OpenAI's streamed
+    ``delta.tool_calls`` form: a call's first entry holds ``index``, ``id``, ``type`` and
+    ``function.name`` (and maybe a first piece of ``function.arguments``), later ones
+    ``{"index", "function": {"arguments": <more>}}``. Concatenated, the content equals
+    ``chat_message``'s for the whole text.
     """
 
-    def __init__(self, tool_choice: ToolChoice | None) -> None:
+    def __init__(self, tool_choice: ToolChoice | None,
+                 reasoning: ReasoningMode | None = None) -> None:
         self.parser = ToolCallParser(tool_choice) if tool_choice is not None else None
+        self.splitter = reasoning.splitter() if reasoning is not None else None
         self._num_calls_sent = 0
         self._held_space = ""
         self._content_started = False
 
-    def feed(self, d: SeqDelta) -> tuple[str | None, list[dict] | None, str | None]:
-        """The content, tool-call entries and finish reason ``d`` adds (``None``: none)."""
+    def feed(self, d: SeqDelta) -> ChatPiece:
+        """The reasoning, content, tool-call entries and finish reason ``d`` adds."""
+        text, reasoning = d.text, None
+        if self.splitter is not None:
+            reasoning, text = self.splitter.feed(d.text)
+            if d.finish_reason is not None:
+                more_reasoning, more_text = self.splitter.finish()
+                reasoning, text = reasoning + more_reasoning, text + more_text
         parser = self.parser
         if parser is None:
-            return d.text or None, None, d.finish_reason
+            return ChatPiece(reasoning or None, text or None, None, d.finish_reason)
         named_before = parser.named_call is not None
-        parsed = parser.feed(d.text)
+        parsed = parser.feed(text)
         tail = parser.finish() if d.finish_reason is not None else None
         content = parsed.content + (tail.content if tail else "")
         calls = parsed.calls + (tail.calls if tail else [])
@@ -77,7 +99,7 @@ class ChatDeltaParser:
             content = content.lstrip()
             self._content_started = bool(content)
         finish = finish_reason_with_calls(d.finish_reason, bool(parser.calls))
-        return content or None, entries or None, finish
+        return ChatPiece(reasoning or None, content or None, entries or None, finish)
 
 
 class OpenAIStreamer(Streamer):
@@ -152,38 +174,32 @@ class ChatStreamer(OpenAIStreamer):
     req: P.ChatCompletionRequest
 
     def __init__(self, fe: Frontend, req: P.ChatCompletionRequest, resp_id: str,
-                 num_prompt_tokens: int, tool_choice: ToolChoice | None = None) -> None:
+                 num_prompt_tokens: int, tool_choice: ToolChoice | None = None,
+                 reasoning: ReasoningMode | None = None) -> None:
         super().__init__(fe, req, resp_id, req.n, num_prompt_tokens, req.n)
-        self.parsers = ([ChatDeltaParser(tool_choice) for _ in range(req.n)]
-                        if tool_choice is not None else None)
-
-    def _tool_delta(self, idx: int, d: SeqDelta) -> tuple[str | None, list[dict] | None,
-                                                           str | None]:
-        """(content, tool_calls entries, finish_reason) of one delta with tools."""
-        assert self.parsers is not None
-        return self.parsers[idx].feed(d)
+        self.parsers = ([ChatDeltaParser(tool_choice, reasoning) for _ in range(req.n)]
+                        if tool_choice is not None or reasoning is not None else None)
 
     def chunks(self, idx: int, d: SeqDelta) -> list[Chunk]:
         st = self.states[idx]
         st.add(d)
         first = not st.sent_role
-        content: str | None = d.text
-        tool_calls = None
-        finish = d.finish_reason
+        reasoning, content, tool_calls, finish = None, d.text, None, d.finish_reason
         if self.parsers is not None:
-            content, tool_calls, finish = self._tool_delta(idx, d)
+            reasoning, content, tool_calls, finish = self.parsers[idx].feed(d)
         lps = chat_logprobs(self.fe, d.logprobs) if self.req.logprobs and d.logprobs else None
         out: list[Chunk] = []
-        if content and not (first or tool_calls or lps):
+        if content and not (first or tool_calls or lps or reasoning):
             text = self._text_chunk(idx, content)
             if text is not None:
                 out.append(text)
                 content = None
-        if content or tool_calls or first or lps:
+        if content or tool_calls or first or lps or reasoning:
             st.sent_role = True
             out.append(self._finish(self._chunk(P.ChatStreamChoice(
                 index=idx, delta=P.DeltaMessage(role="assistant" if first else None,
-                                                content=content, tool_calls=tool_calls),
+                                                content=content, reasoning_content=reasoning,
+                                                tool_calls=tool_calls),
                 logprobs=lps)), d, last=finish is None))
         if finish is not None:
             # NOTE: OpenAI sends the finish reason in a chunk of its own, with an empty

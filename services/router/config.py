@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from tandem.services.common.tls import TLSFiles, tls_from_args
+from tandem.services.router.reasoning import REASONING_PARSERS
 from tandem.services.router.routing import RoutingPolicy
 
 
@@ -39,6 +40,8 @@ class RouterConfig:
         chat_template: ``--chat-template`` as given (a path, a shipped template's name or
             the template), ``None`` for the model's.
         tool_call_parser: ``--tool-call-parser`` (``hermes``).
+        reasoning_parser: ``--reasoning-parser`` (``deepseek_r1``, ``qwen3``: vLLM's names),
+            ``None`` for none: chat answers' ``<think>`` text is then plain content.
         generation_config: ``--generation-config``: where requests' default sampling
             values come from (``auto``: the model folder's ``generation_config.json``;
             ``vllm``: the API's own; or a folder), vLLM's flag
@@ -98,6 +101,7 @@ class RouterConfig:
     max_migrations: int = 3
     chat_template: str | None = None
     tool_call_parser: str = "hermes"
+    reasoning_parser: str | None = None
     generation_config: str = "auto"
     max_request_body_bytes: int | None = None
     shutdown_grace_s: float = 8.0
@@ -140,6 +144,9 @@ class RouterConfig:
                              f"{self.max_queued_requests}")
         if self.tool_call_parser not in ("hermes",):
             raise ValueError(f"--tool-call-parser must be hermes, got {self.tool_call_parser!r}")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"--reasoning-parser must be one of {', '.join(REASONING_PARSERS)}"
+                             f", got {self.reasoning_parser!r}")
         if self.max_request_body_bytes is not None and self.max_request_body_bytes < 1:
             raise ValueError(f"--max-request-body-bytes must be >= 1, got "
                              f"{self.max_request_body_bytes}")
@@ -173,6 +180,7 @@ class RouterConfig:
                    max_migrations=ns.max_migrations,
                    chat_template=getattr(ns, "chat_template", None),
                    tool_call_parser=getattr(ns, "tool_call_parser", "hermes"),
+                   reasoning_parser=getattr(ns, "reasoning_parser", None) or None,
                    generation_config=getattr(ns, "generation_config", "auto"),
                    max_request_body_bytes=ns.max_request_body_bytes,
                    shutdown_grace_s=ns.shutdown_grace_s, tls=tls_from_args(ns),

@@ -20,6 +20,7 @@ from tandem.engine.validation import RequestError, check_prompt_token_ids, check
 from tandem.services.router.errors import OpenAIError, from_request_error, model_not_found
 from tandem.services.router.pipeline import Pipeline
 from tandem.services.router.protocol import CHAT_ROLES
+from tandem.services.router.reasoning import REASONING_PARSERS, ReasoningMode, reasoning_mode
 
 
 class Frontend:
@@ -39,14 +40,21 @@ class Frontend:
             (``--tool-call-parser``; ``tools.TOOL_CALL_PARSERS``).
         sampling_defaults: sampling values of fields a request leaves unset
             (``--generation-config``).
+        reasoning_parser: how chat answers' thinking is split off (``--reasoning-parser``;
+            ``reasoning.REASONING_PARSERS``), or ``None``.
     """
 
     def __init__(self, *, tokenizer: Any, pipeline: Pipeline, served_model_names: Sequence[str],
                  max_model_len: int | None = None, api_key: str | None = None,
                  chat_template: str | None = None, tool_call_parser: str = "hermes",
-                 sampling_defaults: SamplingDefaults | None = None) -> None:
+                 sampling_defaults: SamplingDefaults | None = None,
+                 reasoning_parser: str | None = None) -> None:
         if not served_model_names:
             raise ValueError("served_model_names must not be empty")
+        if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"reasoning_parser must be one of {REASONING_PARSERS}, got "
+                             f"{reasoning_parser!r}")
+        self.reasoning_parser = reasoning_parser
         self.chat_template = chat_template
         self.tool_call_parser = tool_call_parser
         self.sampling_defaults = sampling_defaults or SamplingDefaults()
@@ -192,6 +200,16 @@ class Frontend:
         ids = self.tokenizer.encode(text, add_special_tokens=False)
         self.check_token_ids(ids, "messages")
         return ids
+
+    def reasoning_mode(self, prompt_ids: Sequence[int],
+                       chat_template_kwargs: dict[str, Any] | None) -> ReasoningMode | None:
+        """How the answer to the chat prompt ``prompt_ids`` is split into thinking and
+        answer (``reasoning.reasoning_mode``), ``None`` without a reasoning parser."""
+        if self.reasoning_parser is None:
+            return None
+        # a few tokens are enough to hold an open <think> and the whitespace after it
+        tail = self.tokenizer.decode(list(prompt_ids[-8:]), skip_special_tokens=False)
+        return reasoning_mode(self.reasoning_parser, tail, chat_template_kwargs)
 
     def token_text(self, token_id: int) -> str:
         """Text of one token on its own (logprobs entries), cached."""

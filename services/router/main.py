@@ -20,6 +20,7 @@ from typing import Any
 from tandem.engine.sampling_params import SamplingDefaults
 from tandem.services.common.tls import add_tls_flags
 from tandem.services.router.config import RouterConfig
+from tandem.services.router.reasoning import REASONING_PARSERS
 from tandem.services.router.routing import RoutingPolicy
 
 logger = logging.getLogger("tandem.router")
@@ -63,6 +64,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tool-call-parser", default="hermes", choices=["hermes"],
                    help="how tool calls are read from the model's text (hermes: "
                         "<tool_call>{json}</tool_call>)")
+    p.add_argument("--reasoning-parser", default=None, choices=list(REASONING_PARSERS),
+                   help="split <think>...</think> thinking off chat answers into "
+                        "reasoning_content (Responses: a reasoning item; Messages: thinking "
+                        "blocks): deepseek_r1 (the output starts in the thinking) or qwen3 "
+                        "(explicit tags; enable_thinking: false turns it off); default none")
     p.add_argument("--max-request-body-bytes", type=int, default=None,
                    help="largest request accepted, in bytes: HTTP bodies (413 beyond) and "
                         "public gRPC messages (default: 8 MiB + 32 bytes per token of "
@@ -195,7 +201,8 @@ async def serve(cfg: RouterConfig, defaults: SamplingDefaults | None = None) -> 
                   max_model_len=cfg.max_model_len, api_key=cfg.api_key,
                   chat_template=read_chat_template(cfg.chat_template) if cfg.chat_template
                   else None, tool_call_parser=cfg.tool_call_parser,
-                  sampling_defaults=defaults or SamplingDefaults())
+                  sampling_defaults=defaults or SamplingDefaults(),
+                  reasoning_parser=cfg.reasoning_parser)
     # NOTE: fixed at start-up, before any engine reported its context length: sized for
     # --max-model-len where given, else for the largest context an engine may serve.
     max_body = cfg.max_request_body_bytes or default_max_request_body_bytes(

@@ -6,7 +6,9 @@ taken from ``x-api-key`` as from ``Authorization: Bearer`` (``door.Door.check_au
 ``stream: true`` sends Anthropic's events, each as ``event: <type>`` plus its JSON:
 ``message_start`` (the message with empty content and the input usage), per content block
 ``content_block_start``, ``content_block_delta``... (``text_delta`` for text,
-``input_json_delta`` for a ``tool_use`` block's input), ``content_block_stop``; then
+``input_json_delta`` for a ``tool_use`` block's input, ``thinking_delta`` for a
+``thinking`` block, which holds the thinking split off by the router's reasoning parser,
+with an empty ``signature``), ``content_block_stop``; then
 ``message_delta`` (``stop_reason``, ``stop_sequence``, the output usage) and
 ``message_stop``. A failure after the stream began is an ``error`` event.
 """
@@ -53,8 +55,11 @@ def install(app: FastAPI, door: Door) -> None:
         if states is None:
             return Response(status_code=CLIENT_GONE)
         st = states[0]
-        message, _ = chat_message(st.text, st.finish_reason, chat.parses)
+        message, _ = chat_message(st.text, st.finish_reason, chat.parses, chat.reasoning)
         content: list[dict[str, Any]] = []
+        if message.reasoning_content:
+            content.append({"type": "thinking", "thinking": message.reasoning_content,
+                            "signature": ""})
         if message.content:
             content.append({"type": "text", "text": message.content})
         content += [M.tool_use_block(c) for c in message.tool_calls or ()]
@@ -88,11 +93,11 @@ class _MessagesStreamer(Streamer):
         self.num_prompt_tokens = chat.num_prompt_tokens
         self.msg_id = msg_id
         self.model = model
-        self.parser = ChatDeltaParser(chat.parses)
+        self.parser = ChatDeltaParser(chat.parses, chat.reasoning)
         self.state = ChoiceState(index=0)
         self.started = False
         self.num_blocks = 0
-        self.open: str | None = None  # the open block's type: "text" or "tool_use"
+        self.open: str | None = None  # the open block's type: "thinking", "text", "tool_use"
         self.has_calls = False
 
     @staticmethod
@@ -127,7 +132,12 @@ class _MessagesStreamer(Streamer):
                           "cache_read_input_tokens": cached,
                           "cache_creation_input_tokens": 0}}))
         self.state.add(d)
-        content, entries, _ = self.parser.feed(d)
+        reasoning, content, entries, _ = self.parser.feed(d)
+        if reasoning:
+            if self.open != "thinking":
+                out += self._start({"type": "thinking", "thinking": "", "signature": ""})
+            out.append(self._event("content_block_delta", index=self.num_blocks,
+                                   delta={"type": "thinking_delta", "thinking": reasoning}))
         if content:
             if self.open != "text":
                 out += self._start({"type": "text", "text": ""})

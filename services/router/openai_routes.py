@@ -24,6 +24,7 @@ from tandem.services.router import protocol as P
 from tandem.services.router.chat_streamers import ChatStreamer, CompletionStreamer
 from tandem.services.router.door import Door
 from tandem.services.router.frontend import Frontend
+from tandem.services.router.reasoning import ReasoningMode, check_unconstrained
 from tandem.services.router.responses import (
     ChoiceState,
     chat_logprobs,
@@ -46,11 +47,14 @@ class PreparedChat:
         gen: the generation request (prompt token ids, sampling parameters).
         num_prompt_tokens: tokens in the templated prompt.
         parses: the tools whose calls are parsed out of the text, or ``None``.
+        reasoning: how the thinking is split from the answer (``--reasoning-parser``), or
+            ``None``.
     """
 
     gen: GenerationRequest
     num_prompt_tokens: int
     parses: ToolChoice | None
+    reasoning: ReasoningMode | None = None
 
     @property
     def sampling_params(self) -> SamplingParams:
@@ -70,7 +74,9 @@ async def prepare_chat(fe: Frontend, req: P.ChatCompletionRequest, rid: str, arr
             in an error (another API's words for them).
 
     Raises:
-        OpenAIError: 400 naming the field for anything the request gets wrong.
+        OpenAIError: 400 naming the field for anything the request gets wrong; with a
+            reasoning parser, 400 naming the field that sets an output constraint
+            (``reasoning.check_unconstrained``).
     """
     tool_choice = await off_loop(req, req.tool_choice_spec)
     messages = [m.to_template() for m in req.messages]
@@ -81,6 +87,9 @@ async def prepare_chat(fe: Frontend, req: P.ChatCompletionRequest, rid: str, arr
                                  kwargs=req.chat_template_kwargs, tools=tools)
     constraint = await off_loop(
         req, lambda: req.constraint(tool_choice.constraint() if tool_choice else None))
+    reasoning = fe.reasoning_mode(ids, req.chat_template_kwargs)
+    if reasoning is not None:
+        check_unconstrained(constraint)
     sp = req.to_sampling_params(num_prompt_tokens=len(ids), max_model_len=fe.max_model_len,
                                 constraint=constraint, defaults=fe.sampling_defaults)
     fe.check_sampling_params(sp)
@@ -95,7 +104,7 @@ async def prepare_chat(fe: Frontend, req: P.ChatCompletionRequest, rid: str, arr
     gen = GenerationRequest(rid, ids, sp, req.priority, arrival_ns,
                             param_of_field=param_of_field)
     parses = tool_choice if tool_choice is not None and tool_choice.parses_calls else None
-    return PreparedChat(gen, len(ids), parses)
+    return PreparedChat(gen, len(ids), parses, reasoning)
 
 
 def install(app: FastAPI, door: Door) -> None:
@@ -166,14 +175,15 @@ def install(app: FastAPI, door: Door) -> None:
         resp_id = f"chatcmpl-{rid}"
         if req.stream:
             return await stream(request, rid, merged(fe, [chat.gen]), ChatStreamer(
-                fe, req, resp_id, chat.num_prompt_tokens, chat.parses), drain)
+                fe, req, resp_id, chat.num_prompt_tokens, chat.parses, chat.reasoning), drain)
         n = chat.sampling_params.n
         states = await collect(request, rid, merged(fe, [chat.gen]), n, drain)
         if states is None:
             return Response(status_code=CLIENT_GONE)
         choices = []
         for st in states:
-            message, finish = chat_message(st.text, st.finish_reason, chat.parses)
+            message, finish = chat_message(st.text, st.finish_reason, chat.parses,
+                                           chat.reasoning)
             choices.append(P.ChatChoice(
                 index=st.index, message=message,
                 logprobs=chat_logprobs(fe, st.logprobs) if req.logprobs else None,
@@ -192,11 +202,17 @@ async def off_loop(req: P._SamplingRequest, check: Callable[[], _T]) -> _T:
     return await asyncio.to_thread(check)
 
 
-def chat_message(text: str, finish_reason: str | None, tool_choice: ToolChoice | None
+def chat_message(text: str, finish_reason: str | None, tool_choice: ToolChoice | None,
+                 reasoning_mode: ReasoningMode | None = None
                  ) -> tuple[P.ChatResponseMessage, str | None]:
-    """A whole answer's message and finish reason: with tools, its calls parsed out."""
+    """A whole answer's message and finish reason: with a reasoning mode, the thinking
+    split off into ``reasoning_content``; with tools, the calls parsed out of the rest."""
+    reasoning = None
+    if reasoning_mode is not None:
+        reasoning, text = reasoning_mode.split(text)
     if tool_choice is None:
-        return P.ChatResponseMessage(content=text), finish_reason
+        return P.ChatResponseMessage(content=text if reasoning is None else text or None,
+                                     reasoning_content=reasoning), finish_reason
     parser = ToolCallParser(tool_choice)
     first, rest = parser.feed(text), parser.finish()
     # The same rule as the streamed answer (ChatDeltaParser): no leading whitespace, and
@@ -205,7 +221,7 @@ def chat_message(text: str, finish_reason: str | None, tool_choice: ToolChoice |
     calls = parser.calls
     if calls:
         content = content.rstrip()
-    message = P.ChatResponseMessage(content=content or None,
+    message = P.ChatResponseMessage(content=content or None, reasoning_content=reasoning,
                                     tool_calls=[c.to_openai() for c in calls] or None)
     return message, finish_reason_with_calls(finish_reason, bool(calls))
 

@@ -415,6 +415,7 @@ class ChatLogprobs(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None  # vLLM's: the thinking (--reasoning-parser)
     # OpenAI form: [{"id", "type": "function", "function": {"name", "arguments"}}].
     tool_calls: list[dict[str, Any]] | None = None
 
@@ -435,6 +436,7 @@ class ChatCompletionResponse(_Answer[ChatChoice]):
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     # A call's first delta: {"index", "id", "type", "function": {"name", "arguments"}};
     # later ones {"index", "function": {"arguments": <more>}} (as OpenAI streams them).
     tool_calls: list[dict[str, Any]] | None = None

@@ -7,7 +7,11 @@ text item ``response.output_item.added``, ``response.content_part.added``,
 ``response.output_text.delta``..., ``response.output_text.done``,
 ``response.content_part.done``, ``response.output_item.done``; per function call
 ``response.output_item.added``, ``response.function_call_arguments.delta``...,
-``response.function_call_arguments.done``, ``response.output_item.done``; then
+``response.function_call_arguments.done``, ``response.output_item.done``; with a
+reasoning parser, the thinking first as a ``reasoning`` item (``response.output_item.added``,
+``response.content_part.added``, ``response.reasoning_text.delta``...,
+``response.reasoning_text.done``, ``response.content_part.done``,
+``response.output_item.done``); then
 ``response.completed`` (``response.incomplete`` for an answer cut by
 ``max_output_tokens``) with the whole response. A failure after the stream began is an
 ``error`` event. There is no ``[DONE]``.
@@ -89,7 +93,7 @@ def install(app: FastAPI, door: Door, store: ResponseStore) -> None:
         if states is None:
             return Response(status_code=CLIENT_GONE)
         st = states[0]
-        message, _ = chat_message(st.text, st.finish_reason, chat.parses)
+        message, _ = chat_message(st.text, st.finish_reason, chat.parses, chat.reasoning)
         items = R.output_items(message, f"msg_{uuid.uuid4().hex}")
         body = R.response_body(req, resp_id, R.now_s(), model, items, "completed",
                                st.finish_reason, usage(chat.num_prompt_tokens, states, 1))
@@ -118,7 +122,7 @@ class _ResponsesStreamer(Streamer):
         self.model = model
         self.keep = keep
         self.created_at = R.now_s()
-        self.parser = ChatDeltaParser(chat.parses)
+        self.parser = ChatDeltaParser(chat.parses, chat.reasoning)
         self.state = ChoiceState(index=0)
         self.seq = 0
         self.items: list[dict[str, Any]] = []  # finished output items, in order
@@ -146,11 +150,15 @@ class _ResponsesStreamer(Streamer):
         self.items.append(item)
         item["status"] = "completed"
         out = []
-        if item["type"] == "message":
+        if item["type"] in ("message", "reasoning"):
             part = item["content"][0]
             ids = {"item_id": item["id"], "output_index": index, "content_index": 0}
-            out.append(self._event("response.output_text.done", text=part["text"],
-                                   logprobs=[], **ids))
+            if item["type"] == "message":
+                out.append(self._event("response.output_text.done", text=part["text"],
+                                       logprobs=[], **ids))
+            else:
+                out.append(self._event("response.reasoning_text.done", text=part["text"],
+                                       **ids))
             out.append(self._event("response.content_part.done", part=part, **ids))
         else:
             out.append(self._event("response.function_call_arguments.done",
@@ -163,14 +171,15 @@ class _ResponsesStreamer(Streamer):
         out = self._close()
         self.open = item
         added = {**item, "status": "in_progress"}
-        if item["type"] == "message":
+        if item["type"] in ("message", "reasoning"):
             added["content"] = []
         out.append(self._event("response.output_item.added", output_index=len(self.items),
                                item=added))
-        if item["type"] == "message":
+        if item["type"] in ("message", "reasoning"):
+            part = R.output_text("") if item["type"] == "message" else R.reasoning_text("")
             out.append(self._event("response.content_part.added", item_id=item["id"],
                                    output_index=len(self.items), content_index=0,
-                                   part=R.output_text("")))
+                                   part=part))
         return out
 
     def chunks(self, idx: int, d: SeqDelta) -> list[Chunk]:
@@ -180,7 +189,16 @@ class _ResponsesStreamer(Streamer):
             out += [self._lifecycle("response.created", "in_progress"),
                     self._lifecycle("response.in_progress", "in_progress")]
         self.state.add(d)
-        content, entries, finish = self.parser.feed(d)
+        reasoning, content, entries, finish = self.parser.feed(d)
+        if reasoning:
+            if self.open is None or self.open["type"] != "reasoning":
+                out += self._open(R.reasoning_item(f"rs_{uuid.uuid4().hex}", "",
+                                                   "in_progress"))
+            assert self.open is not None
+            self.open["content"][0]["text"] += reasoning
+            out.append(self._event("response.reasoning_text.delta", item_id=self.open["id"],
+                                   output_index=len(self.items), content_index=0,
+                                   delta=reasoning))
         if content:
             if self.open is None or self.open["type"] != "message":
                 out += self._open(R.message_item(f"msg_{uuid.uuid4().hex}", "", "in_progress"))

@@ -237,9 +237,12 @@ def _response_format(text: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def output_items(message: P.ChatResponseMessage, msg_id: str) -> list[dict[str, Any]]:
-    """A whole answer's ``output``: a ``message`` item with its text (when any), then one
-    ``function_call`` item per call."""
+    """A whole answer's ``output``: a ``reasoning`` item with the thinking (when any), a
+    ``message`` item with its text (when any), then one ``function_call`` item per call."""
     items: list[dict[str, Any]] = []
+    if message.reasoning_content:
+        items.append(reasoning_item(f"rs_{msg_id.removeprefix('msg_')}",
+                                    message.reasoning_content, "completed"))
     if message.content:
         items.append(message_item(msg_id, message.content, "completed"))
     for call in message.tool_calls or ():
@@ -253,6 +256,18 @@ def message_item(msg_id: str, text: str | None, status: str) -> dict[str, Any]:
     content = [] if text is None else [output_text(text)]
     return {"type": "message", "id": msg_id, "status": status, "role": "assistant",
             "content": content}
+
+
+def reasoning_item(item_id: str, text: str | None, status: str) -> dict[str, Any]:
+    """A ``reasoning`` output item holding the thinking as one ``reasoning_text`` part
+    (``text`` ``None``: no part yet); no summary and no encrypted content."""
+    content = [] if text is None else [reasoning_text(text)]
+    return {"type": "reasoning", "id": item_id, "status": status, "summary": [],
+            "content": content, "encrypted_content": None}
+
+
+def reasoning_text(text: str) -> dict[str, Any]:
+    return {"type": "reasoning_text", "text": text}
 
 
 def output_text(text: str) -> dict[str, Any]:

@@ -348,7 +348,9 @@ def test_streamed_tool_answer_equals_the_whole_one(text, step) -> None:
     content, names, last = "", [], None
     for i, piece in enumerate(pieces):
         done = "stop" if i == len(pieces) - 1 else None
-        c, entries, last = streamer._tool_delta(0, SeqDelta(0, piece, [], finish_reason=done))
+        assert streamer.parsers is not None
+        _, c, entries, last = streamer.parsers[0].feed(SeqDelta(0, piece, [],
+                                                                finish_reason=done))
         content += c or ""
         names += [e["function"]["name"] for e in entries or [] if "name" in e["function"]]
     assert content == (whole.content or "")
