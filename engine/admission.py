@@ -11,6 +11,11 @@ read, and changed, in one place.
   (lower-priority) request never overtakes it.
 * A preemption victim is the running request that sorts last: highest ``priority``
   value, then latest arrival (arrival only under FCFS).
+* Under the priority policy a full batch (``max_num_seqs`` running) does not keep a
+  more urgent request waiting: before the step, each ready waiting request beyond the
+  free seats that sorts strictly before the batch's victim preempts that victim
+  (:meth:`Admission._preempt_for_priority`; vLLM's priority preemption). KV pressure
+  preempts as under FCFS, lowest priority first.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ class Admission:
     num_preemptions: int
     _arrival_seq: dict[str, int]
     _remote_requested: dict[str, int]
+    _in_flight: set[str]
 
     def _num_lookahead(self, req: Request, num_computed: int, num_new: int, num_known: int) -> int:
         raise NotImplementedError
@@ -158,6 +164,41 @@ class Admission:
         if cap > 0 and self.config.enable_chunked_prefill and num_new > cap:
             return cap
         return num_new
+
+    def _preempt_for_priority(self) -> list[Request]:
+        """Priority policy: free seats in a full batch for more urgent waiting requests.
+
+        Walks the ready waiting requests (not those waiting for a remote load or a
+        grammar) in priority order; the first ``max_num_seqs - len(running)`` of them
+        fit in the free seats, and each later one preempts the running request that
+        sorts last (:meth:`_victim_key`) if it sorts strictly before it, until one does
+        not. Requests in a batch still in flight are never victims. Victims go back to
+        the waiting queue (recomputed later); the waiting requests themselves are
+        admitted by the step's normal admission (:meth:`_schedule_waiting`).
+
+        Returns:
+            The preempted requests, in preemption order (empty under FCFS).
+        """
+        if self.config.policy != "priority":
+            return []
+        ready = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+        seats = self.config.max_num_seqs - len(self.running)
+        preempted: list[Request] = []
+        for req in list(self.waiting):
+            if req.status not in ready:
+                continue
+            if seats > 0:
+                seats -= 1
+                continue
+            victims = [r for r in self.running if r.request_id not in self._in_flight]
+            if not victims:
+                break
+            victim = max(victims, key=self._victim_key)
+            if self._victim_key(req) >= self._victim_key(victim):
+                break  # the queue is in priority order: no later request outranks it
+            self._preempt(victim)
+            preempted.append(victim)
+        return preempted
 
     def _victim_key(self, req: Request) -> tuple[float, ...]:
         seq = self._arrival_seq[req.request_id]

@@ -42,7 +42,12 @@ from tandem.engine.request import Request
 from tandem.engine.sampling_params import StructuredOutputsParams
 from tandem.engine.sched_output import ModelRunnerOutput, SchedulerOutput
 from tandem.engine.structured_output.manager import StructuredOutputManager
-from tandem.engine.validation import RequestError, RequestLimits, validate_request
+from tandem.engine.validation import (
+    RequestError,
+    RequestLimits,
+    check_priority,
+    validate_request,
+)
 
 if TYPE_CHECKING:
     from tandem.engine.kv_connector import KVConnectorScheduler, KVConnectorWorker
@@ -202,9 +207,11 @@ class EngineCore:
         Raises:
             ValueError: naming the field: a rule of ``engine.validation.validate_request``
                 against :attr:`limits` (a ``KVCapacityError`` when the prompt can never
-                fit in the KV cache), or a request id already in the engine.
+                fit in the KV cache), a non-zero ``priority`` under the FCFS policy
+                (``check_priority``), or a request id already in the engine.
         """
         validate_request(request.prompt_token_ids, request.sampling_params, self.limits)
+        check_priority(request.priority, self.config.scheduler.policy)
         self.scheduler.check_request_id(request.request_id)
 
     def add_request(self, request: Request) -> None:

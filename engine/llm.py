@@ -58,6 +58,10 @@ class LLM:
         long_prefill_token_threshold: most prompt tokens one request may take per
             step (0 = no cap); see ``SchedulerConfig``.
         seed: seed of the generator used by unseeded random sampling.
+        scheduling_policy: "fcfs" or "priority" (vLLM's name; ``SchedulerConfig.policy``):
+            under "priority" a request's ``priority`` (lower first) orders the waiting
+            queue and a full batch preempts its lowest-priority request for a more
+            urgent one; under "fcfs" a non-zero ``priority`` is a ``ValueError``.
         loaded: an already loaded model (``model_loader.load_model``) to reuse (not
             with ``deterministic``: a loaded model's linears may already be packed
             for the default, batch-dependent kernels).
@@ -104,7 +108,7 @@ class LLM:
         enable_chunked_prefill: bool = True,
         long_prefill_token_threshold: int = 0,
         seed: int = 0,
-        policy: str = "fcfs",
+        scheduling_policy: str = "fcfs",
         loaded: Any | None = None,
         speculative_config: dict[str, Any] | SpeculativeConfig | None = None,
         deterministic: bool = False,
@@ -119,6 +123,9 @@ class LLM:
         quantization: str | None = None,
         kv_cache_dtype: str = "auto",
     ) -> None:
+        if scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(
+                f"scheduling_policy must be 'fcfs' or 'priority', got {scheduling_policy!r}")
         folder, gguf = resolve_model_path(model)
         # read first: a bad file fails before the model loads
         self.sampling_defaults = load_sampling_defaults(
@@ -146,7 +153,7 @@ class LLM:
             scheduler=SchedulerConfig(
                 max_num_batched_tokens=max_num_batched_tokens,
                 max_num_seqs=max_num_seqs,
-                policy=policy,  # type: ignore[arg-type]
+                policy=scheduling_policy,  # type: ignore[arg-type]
                 enable_chunked_prefill=enable_chunked_prefill,
                 long_prefill_token_threshold=long_prefill_token_threshold,
             ),

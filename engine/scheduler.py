@@ -10,7 +10,9 @@ One step (``schedule``):
    priority first (highest ``priority`` value, then latest arrival; arrival
    only under FCFS): their blocks are freed, ``num_computed_tokens`` goes back
    to 0 and they return to the front of the waiting queue to be recomputed.
-2. If nothing was preempted, waiting requests in policy order while budget,
+   Under the priority policy, before this, a full batch (``max_num_seqs``) gives
+   up its lowest-priority requests to more urgent waiting ones (``engine.admission``).
+2. If nothing was preempted for blocks, waiting requests in policy order while budget,
    ``max_num_seqs`` and blocks last: the longest cached prefix is reused; with
    a connector, tokens available remotely are allocated and loaded first (the
    request waits in ``WAITING_FOR_REMOTE_KV`` without using the budget); a
@@ -276,6 +278,8 @@ class Scheduler(Admission):
         spec_tokens: dict[str, list[int]] = {}
         lookahead: dict[str, int] = {}
         preempted: list[Request] = []
+        # 0. Priority policy: a full batch makes room for more urgent waiting requests.
+        seat_victims = self._preempt_for_priority()
 
         # 1. Running requests, decodes first.
         running = victims = self.running
@@ -344,7 +348,7 @@ class Scheduler(Admission):
             num_scheduled_tokens=num_scheduled,
             block_tables={r.request_id: kvm.get_block_ids(r.request_id) for r in scheduled},
             total_num_scheduled_tokens=sum(num_scheduled.values()),
-            preempted_req_ids={r.request_id for r in preempted},
+            preempted_req_ids={r.request_id for r in preempted + seat_victims},
             finished_req_ids=self.finished_req_ids,
             scheduled_spec_token_ids=spec_tokens,
             num_lookahead_tokens=lookahead,

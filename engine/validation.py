@@ -93,6 +93,22 @@ class RequestLimits:
                 raise ValueError(f"{name} must be >= 1, got {value}")
 
 
+def check_priority(priority: int, scheduling_policy: str) -> None:
+    """A non-zero ``priority`` needs the priority policy (vLLM rejects it under FCFS
+    rather than ignoring it, so a client learns its priority has no effect).
+
+    Raises:
+        RequestError: naming ``priority`` when it is not 0 and ``scheduling_policy`` is
+            not ``"priority"``.
+    """
+    if priority != 0 and scheduling_policy != "priority":
+        raise RequestError(
+            "priority",
+            f"priority {priority} needs --scheduling-policy priority; this engine "
+            f"schedules {scheduling_policy} (send priority 0 or omit it)",
+        )
+
+
 def check_token_ids(token_ids: Sequence[int], vocab_size: int, field: str) -> None:
     """Every id in ``[0, vocab_size)``.
 

@@ -22,7 +22,7 @@ from tandem.contracts.role import Role
 from tandem.engine.config import EngineConfig
 from tandem.engine.kv_connector import KVConnectorWorker, LoadResult, SaveResult
 from tandem.engine.request import Request
-from tandem.engine.validation import RequestLimits, validate_request
+from tandem.engine.validation import RequestLimits, check_priority, validate_request
 from tandem.services.common.engine_loop import EngineLoop
 from tandem.services.common.errors import CapacityError
 from tandem.services.common.metrics import ServiceMetrics
@@ -195,13 +195,15 @@ class ServiceContext:
 
         Raises:
             ValueError: naming the field: a bad sampling parameter, an empty prompt, token
-                ids outside the vocabulary, a prompt that leaves no room in the context.
+                ids outside the vocabulary, a prompt that leaves no room in the context, a
+                non-zero ``priority`` on an FCFS engine.
             KVCapacityError: the prompt can never fit in this instance's KV cache.
             CapacityError: the queue is full.
         """
         prompt = list(prompt_token_ids)
         params = sampling_params_from_proto(params_msg)
         validate_request(prompt, params, self.limits)
+        check_priority(priority, self.config.scheduler.policy)
         if self.engine_loop.num_in_flight >= self.max_waiting + self.config.scheduler.max_num_seqs:
             raise CapacityError(
                 f"instance overloaded: {self.engine_loop.num_in_flight} requests in flight"

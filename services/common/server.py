@@ -110,6 +110,11 @@ def build_parser(prog: str, role: Role | None) -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step")
     p.add_argument("--max-num-seqs", type=int, default=128, help="most requests running at once")
+    p.add_argument("--scheduling-policy", default="fcfs", choices=("fcfs", "priority"),
+                   help="waiting-queue order (vLLM's flag): fcfs, or priority (lower request "
+                        "`priority` first, then arrival; a full batch preempts its "
+                        "lowest-priority request for a more urgent one); under fcfs a "
+                        "non-zero priority is rejected")
     p.add_argument("--long-prefill-token-threshold", type=int, default=0,
                    help="most prompt tokens one request takes per step (0: no cap)")
     p.add_argument("--kv-cache-memory", type=int, default=None,
@@ -221,6 +226,7 @@ def build_engine_config(ns: argparse.Namespace, role: Role | str) -> EngineConfi
                           cache_dtype=ns.kv_cache_dtype),
         scheduler=SchedulerConfig(max_num_batched_tokens=ns.max_num_batched_tokens,
                                   max_num_seqs=ns.max_num_seqs,
+                                  policy=ns.scheduling_policy,
                                   long_prefill_token_threshold=ns.long_prefill_token_threshold),
         parallel=ParallelConfig(tensor_parallel_size=ns.tensor_parallel_size,
                                 pipeline_parallel_size=ns.pipeline_parallel_size,

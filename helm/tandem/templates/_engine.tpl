@@ -51,6 +51,9 @@ Called with (dict "root" $ "role" "prefill"|"decode").
 {{- with $v.scheduler.maxNumSeqs }}
 - --max-num-seqs={{ . | int64 }}
 {{- end }}
+{{- with $v.scheduler.schedulingPolicy }}
+- --scheduling-policy={{ . }}
+{{- end }}
 {{- /* Speculative decoding runs where tokens are decoded (the decode role). */}}
 {{- if and (eq .role "decode") $v.speculative }}
 {{- $s := $v.speculative }}
