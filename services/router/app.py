@@ -3,6 +3,7 @@
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (``openai_routes``),
 ``POST /v1/responses`` and ``GET /v1/responses/{id}`` (``responses_api``), ``POST
 /v1/messages`` and ``POST /v1/messages/count_tokens`` (``messages_api``),
+``POST /tokenize`` and ``POST /detokenize`` (``tokenize_api``, vLLM's bodies),
 ``GET /v1/models`` and ``GET /v1/models/{model}`` (``models_api``), ``GET /health`` (the
 router is up; body counts the instances), ``GET /ready`` (200 only when some instance path
 can serve), ``GET /metrics``; any other path is a 404 naming it. How a generation is
@@ -28,6 +29,7 @@ from tandem.services.router import (
     openai_routes,
     openapi,
     responses_api,
+    tokenize_api,
 )
 from tandem.services.router import protocol as P
 from tandem.services.router.door import Door
@@ -87,7 +89,8 @@ def create_app(fe: Frontend, lifespan: Any = None, *,
     app = FastAPI(title="tandem router", lifespan=lifespan)
     app.add_middleware(_DrainMiddleware, drain=drain)
     openapi.install(app, [P.CompletionRequest, P.ChatCompletionRequest,
-                          ResponsesRequest, MessagesRequest, CountTokensRequest])
+                          ResponsesRequest, MessagesRequest, CountTokensRequest,
+                          *tokenize_api.REQUEST_MODELS])
     # NOTE: one handler; the ``Exception`` entry only catches router bugs (-> 500, logged).
     for exc_type in (OpenAIError, ValidationError, RequestValidationError,
                      StarletteHTTPException, Exception):
@@ -126,6 +129,7 @@ def create_app(fe: Frontend, lifespan: Any = None, *,
     responses_api.install(app, door, response_store if response_store is not None
                           else MemoryResponseStore(ttl_s=3600))
     messages_api.install(app, door)
+    tokenize_api.install(app, door)
     return app
 
 async def _client_gone_while_sending(request: Request, exc: Exception) -> Response:

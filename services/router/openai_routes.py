@@ -79,12 +79,7 @@ async def prepare_chat(fe: Frontend, req: P.ChatCompletionRequest, rid: str, arr
             (``reasoning.check_unconstrained``).
     """
     tool_choice = await off_loop(req, req.tool_choice_spec)
-    messages = [m.to_template() for m in req.messages]
-    tools = ([t.to_template() for t in tool_choice.tools]
-             if tool_choice is not None and tool_choice.render_tools else None)
-    ids = fe.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt,
-                                 continue_final_message=req.continue_final_message,
-                                 kwargs=req.chat_template_kwargs, tools=tools)
+    ids = render_chat(fe, req, tool_choice)
     constraint = await off_loop(
         req, lambda: req.constraint(tool_choice.constraint() if tool_choice else None))
     reasoning = fe.reasoning_mode(ids, req.chat_template_kwargs)
@@ -105,6 +100,22 @@ async def prepare_chat(fe: Frontend, req: P.ChatCompletionRequest, rid: str, arr
                             param_of_field=param_of_field)
     parses = tool_choice if tool_choice is not None and tool_choice.parses_calls else None
     return PreparedChat(gen, len(ids), parses, reasoning)
+
+
+def render_chat(fe: Frontend, req: P.ChatCompletionRequest, tool_choice: ToolChoice | None
+                ) -> list[int]:
+    """The prompt token ids of a chat request: its messages (and tools, unless
+    ``tool_choice`` is ``none``) through the chat template, as ``/tokenize`` counts them.
+
+    Raises:
+        OpenAIError: 400 naming the field (``Frontend.apply_chat_template``).
+    """
+    messages = [m.to_template() for m in req.messages]
+    tools = ([t.to_template() for t in tool_choice.tools]
+             if tool_choice is not None and tool_choice.render_tools else None)
+    return fe.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt,
+                                  continue_final_message=req.continue_final_message,
+                                  kwargs=req.chat_template_kwargs, tools=tools)
 
 
 def install(app: FastAPI, door: Door) -> None:
