@@ -118,16 +118,19 @@ class KVCacheManager:
     def get_block_hashes(self, request: Request) -> list[BlockHash]:
         """Chain hashes of the request's full blocks (prompt and output tokens so far).
 
-        Computed incrementally and cached per request; ``hash_block`` (SHA-256
-        chain) makes them equal across processes, so the KV store and router can
+        Computed incrementally and cached per request, the first one salted with the
+        request's ``cache_salt``; ``hash_block`` (SHA-256 chain) makes them equal
+        across processes, so the KV store and router can
         compare them. The returned list is the manager's; do not mutate it.
         """
         hashes = self.req_to_block_hashes.setdefault(request.request_id, [])
         bs = self.block_size
         tokens = request.all_token_ids
         for i in range(len(hashes), len(tokens) // bs):
-            parent = hashes[-1] if hashes else None
-            hashes.append(hash_block(parent, tokens[i * bs : (i + 1) * bs]))
+            if hashes:
+                hashes.append(hash_block(hashes[-1], tokens[i * bs : (i + 1) * bs]))
+            else:
+                hashes.append(hash_block(None, tokens[:bs], cache_salt=request.cache_salt))
         return hashes
 
     def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:

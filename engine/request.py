@@ -114,6 +114,9 @@ class Request:
         sampling_params: validated ``SamplingParams``.
         arrival_time: ``time.monotonic()`` seconds at arrival.
         priority: lower value is served first under the priority policy.
+        cache_salt: mixed into the first block's hash (vLLM's request field), so only
+            requests with the same salt share prefix-cache and KV-store blocks;
+            ``None`` or ``""``: unsalted.
         eos_token_id: model's EOS id (``None`` when unknown).
         kv_transfer_params: where the prompt's KV lies in the KV store (decode
             side: the prefill's block hashes and layout fingerprint), read by the
@@ -136,6 +139,7 @@ class Request:
     eos_token_id: int | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     priority: int = 0
+    cache_salt: str | None = None
     kv_transfer_params: KVTransferParams | None = None
     kv_publish_in_flight: PublishInFlight | None = None
 

@@ -707,8 +707,10 @@ class StoreConnectorScheduler(KVConnectorScheduler):
         if stop <= 0:
             return
         tokens = list(request.prompt_token_ids[: stop * bs])
+        salt = request.cache_salt
         self._lookups.prefetch(request, stop,
-                               lambda: hash_token_blocks(tokens, bs), self.fingerprint)
+                               lambda: hash_token_blocks(tokens, bs, cache_salt=salt),
+                               self.fingerprint)
 
     def drop_prefetch(self, request: Request) -> None:
         """Forget a prefetched lookup of a request the engine did not take."""
@@ -728,7 +730,8 @@ class StoreConnectorScheduler(KVConnectorScheduler):
             return 0
         tokens = request.all_token_ids
         found = self._lookups.get(request, start, stop,
-                                  lambda: hash_token_blocks(tokens[: stop * bs], bs),
+                                  lambda: hash_token_blocks(tokens[: stop * bs], bs,
+                                                            cache_salt=request.cache_salt),
                                   self.fingerprint)
         return None if found is None else found.num_blocks * bs
 
@@ -783,14 +786,15 @@ class StoreConnectorScheduler(KVConnectorScheduler):
             if request.status == RequestStatus.FINISHED_ABORTED:
                 return False  # the prefill handler waits for no save of an abort
             # The prompt: full blocks, then the partial tail (what a decode loads).
-            hashes = prompt_block_hashes(tokens, self.block_size)
+            hashes = prompt_block_hashes(tokens, self.block_size,
+                                         cache_salt=request.cache_salt)
             if hashes:
                 # what a decode that waits for these blocks polls (kvstore/arrival.py)
                 marker = publish_marker_key(BlockKey(hashes[-1], self.fingerprint), rid)
         elif self.publish_output:
             # NOTE: an abort too (a stop string ends a stream that way): the KV of the
             # computed tokens is right whatever ended the request.
-            hashes = hash_token_blocks(tokens, self.block_size)
+            hashes = hash_token_blocks(tokens, self.block_size, cache_salt=request.cache_salt)
             if hashes and self._transfers.signal is not None:
                 # what the next turn's lookup waits for (PublishInFlight)
                 marker = output_marker_key(self.fingerprint, rid)

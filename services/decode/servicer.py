@@ -64,6 +64,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         req = ctx.new_request(
             request.request_id, request.prompt_token_ids, request.sampling_params, request.priority
         )
+        req.cache_salt = request.cache_salt or None
         if request.HasField("kv_publish_in_flight"):
             if request.HasField("first_token_id") and not request.output_token_ids:
                 raise ValueError("kv_publish_in_flight is for the colocated form (this "

@@ -45,6 +45,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         req = ctx.new_request(
             request.request_id, request.prompt_token_ids, request.sampling_params, request.priority
         )
+        req.cache_salt = request.cache_salt or None
         if request.HasField("kv_publish_in_flight"):
             req.kv_publish_in_flight = publish_in_flight_from_proto(request.kv_publish_in_flight)
         await ctx.check_structured_outputs(req)
@@ -88,7 +89,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             request_id=req.request_id,
             first_token_id=token_id,
             finish_reason=finish_reason_to_proto(reason),
-            block_hashes=prompt_block_hashes(req.prompt_token_ids, ctx.block_size),
+            block_hashes=prompt_block_hashes(req.prompt_token_ids, ctx.block_size,
+                                             cache_salt=req.cache_salt),
             kv_layout_fingerprint=ctx.kv_layout_fingerprint,
             hash_algorithm=ctx.hash_algorithm,
             num_prompt_tokens=req.num_prompt_tokens,

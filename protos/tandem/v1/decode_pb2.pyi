@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "first_token_id", "block_hashes", "sampling_params", "kv_layout_fingerprint", "hash_algorithm", "priority", "output_token_ids", "kv_publish_pending", "kv_publish_in_flight")
+    __slots__ = ("request_id", "prompt_token_ids", "first_token_id", "block_hashes", "sampling_params", "kv_layout_fingerprint", "hash_algorithm", "priority", "output_token_ids", "kv_publish_pending", "kv_publish_in_flight", "cache_salt")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
@@ -20,6 +20,7 @@ class DecodeRequest(_message.Message):
     OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     KV_PUBLISH_PENDING_FIELD_NUMBER: _ClassVar[int]
     KV_PUBLISH_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     first_token_id: int
@@ -31,7 +32,8 @@ class DecodeRequest(_message.Message):
     output_token_ids: _containers.RepeatedScalarFieldContainer[int]
     kv_publish_pending: bool
     kv_publish_in_flight: _common_pb2.PublishInFlight
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., first_token_id: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., kv_layout_fingerprint: _Optional[bytes] = ..., hash_algorithm: _Optional[str] = ..., priority: _Optional[int] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., kv_publish_pending: _Optional[bool] = ..., kv_publish_in_flight: _Optional[_Union[_common_pb2.PublishInFlight, _Mapping]] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., first_token_id: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., kv_layout_fingerprint: _Optional[bytes] = ..., hash_algorithm: _Optional[str] = ..., priority: _Optional[int] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., kv_publish_pending: _Optional[bool] = ..., kv_publish_in_flight: _Optional[_Union[_common_pb2.PublishInFlight, _Mapping]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
     __slots__ = ("token_ids", "logprobs", "finish_reason", "stop_token_id", "kv_pull_ns", "num_cached_tokens", "queue_ns", "kv_pull_bytes", "sent_unix_ns", "engine_decode_ns", "output_latency_ns", "num_engine_outputs")

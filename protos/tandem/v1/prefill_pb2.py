@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from tandem.v1 import common_pb2 as tandem_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17tandem/v1/prefill.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\"\xdc\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x32\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x10\n\x08priority\x18\x04 \x01(\x05\x12=\n\x14kv_publish_in_flight\x18\x05 \x01(\x0b\x32\x1a.tandem.v1.PublishInFlightH\x00\x88\x01\x01\x42\x17\n\x15_kv_publish_in_flight\"\xd3\x03\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\x05\x12\x33\n\x0e\x66irst_logprobs\x18\x03 \x01(\x0b\x32\x16.tandem.v1.TopLogprobsH\x00\x88\x01\x01\x12.\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x14\n\x0c\x62lock_hashes\x18\x05 \x03(\x0c\x12\x1d\n\x15kv_layout_fingerprint\x18\x06 \x01(\x0c\x12\x16\n\x0ehash_algorithm\x18\x07 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x08 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\t \x01(\r\x12\x10\n\x08queue_ns\x18\x0b \x01(\x03\x12\x12\n\ncompute_ns\x18\x0c \x01(\x03\x12\x12\n\npublish_ns\x18\r \x01(\x03\x12\x1a\n\rstop_token_id\x18\x0e \x01(\x05H\x01\x88\x01\x01\x12\x1a\n\x12kv_publish_pending\x18\x0f \x01(\x08\x42\x11\n\x0f_first_logprobsB\x10\n\x0e_stop_token_idJ\x04\x08\n\x10\x0bR\x0fgenerator_state2\x94\x01\n\x0ePrefillService\x12@\n\x07Prefill\x12\x19.tandem.v1.PrefillRequest\x1a\x1a.tandem.v1.PrefillResponse\x12@\n\x07GetLoad\x12\x19.tandem.v1.GetLoadRequest\x1a\x1a.tandem.v1.GetLoadResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17tandem/v1/prefill.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\"\xf0\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x32\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x10\n\x08priority\x18\x04 \x01(\x05\x12=\n\x14kv_publish_in_flight\x18\x05 \x01(\x0b\x32\x1a.tandem.v1.PublishInFlightH\x00\x88\x01\x01\x12\x12\n\ncache_salt\x18\x06 \x01(\tB\x17\n\x15_kv_publish_in_flight\"\xd3\x03\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\x05\x12\x33\n\x0e\x66irst_logprobs\x18\x03 \x01(\x0b\x32\x16.tandem.v1.TopLogprobsH\x00\x88\x01\x01\x12.\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x14\n\x0c\x62lock_hashes\x18\x05 \x03(\x0c\x12\x1d\n\x15kv_layout_fingerprint\x18\x06 \x01(\x0c\x12\x16\n\x0ehash_algorithm\x18\x07 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x08 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\t \x01(\r\x12\x10\n\x08queue_ns\x18\x0b \x01(\x03\x12\x12\n\ncompute_ns\x18\x0c \x01(\x03\x12\x12\n\npublish_ns\x18\r \x01(\x03\x12\x1a\n\rstop_token_id\x18\x0e \x01(\x05H\x01\x88\x01\x01\x12\x1a\n\x12kv_publish_pending\x18\x0f \x01(\x08\x42\x11\n\x0f_first_logprobsB\x10\n\x0e_stop_token_idJ\x04\x08\n\x10\x0bR\x0fgenerator_state2\x94\x01\n\x0ePrefillService\x12@\n\x07Prefill\x12\x19.tandem.v1.PrefillRequest\x1a\x1a.tandem.v1.PrefillResponse\x12@\n\x07GetLoad\x12\x19.tandem.v1.GetLoadRequest\x1a\x1a.tandem.v1.GetLoadResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,9 +33,9 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tandem.v1.prefill_pb2', _gl
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_PREFILLREQUEST']._serialized_start=63
-  _globals['_PREFILLREQUEST']._serialized_end=283
-  _globals['_PREFILLRESPONSE']._serialized_start=286
-  _globals['_PREFILLRESPONSE']._serialized_end=753
-  _globals['_PREFILLSERVICE']._serialized_start=756
-  _globals['_PREFILLSERVICE']._serialized_end=904
+  _globals['_PREFILLREQUEST']._serialized_end=303
+  _globals['_PREFILLRESPONSE']._serialized_start=306
+  _globals['_PREFILLRESPONSE']._serialized_end=773
+  _globals['_PREFILLSERVICE']._serialized_start=776
+  _globals['_PREFILLSERVICE']._serialized_end=924
 # @@protoc_insertion_point(module_scope)
