@@ -97,7 +97,7 @@ async def prepare_chat(fe: Frontend, req: P.ChatCompletionRequest, rid: str, arr
     if rename is not None:
         param_of_field = {f: rename(param) for f, param in param_of_field.items()}
     gen = GenerationRequest(rid, ids, sp, req.priority, arrival_ns,
-                            param_of_field=param_of_field)
+                            param_of_field=param_of_field, cache_salt=req.cache_salt)
     parses = tool_choice if tool_choice is not None and tool_choice.parses_calls else None
     return PreparedChat(gen, len(ids), parses, reasoning)
 
@@ -147,7 +147,8 @@ def install(app: FastAPI, door: Door) -> None:
             fe.check_sampling_params(sp)
             gens.append(GenerationRequest(rid if len(prompts) == 1 else f"{rid}-p{p}", ids, sp,
                                           req.priority, arrival_ns,
-                                          param_of_field=constraint.param_of_field))
+                                          param_of_field=constraint.param_of_field,
+                                          cache_salt=req.cache_salt))
         if isinstance(req.prompt, str):
             echo_texts = [req.prompt]
         elif isinstance(req.prompt[0], str):

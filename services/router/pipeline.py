@@ -246,7 +246,8 @@ class Pipeline:
             if mode == "disagg" and not local_prefill:
                 presp = await self._prefill(route, prefill_pb2.PrefillRequest(
                     request_id=seq_id, prompt_token_ids=req.prompt_token_ids,
-                    sampling_params=psp, priority=req.priority, kv_publish_in_flight=hint),
+                    sampling_params=psp, priority=req.priority, kv_publish_in_flight=hint,
+                    cache_salt=req.cache_salt or ""),
                     metadata, timings, req.param_of_field)
                 local_prefill = presp is None
         finally:
@@ -269,13 +270,14 @@ class Pipeline:
                 first_token_id=presp.first_token_id, block_hashes=presp.block_hashes,
                 sampling_params=psp, kv_layout_fingerprint=presp.kv_layout_fingerprint,
                 hash_algorithm=presp.hash_algorithm, priority=req.priority,
-                kv_publish_pending=presp.kv_publish_pending)
+                kv_publish_pending=presp.kv_publish_pending, cache_salt=req.cache_salt or "")
             stage = Role.DECODE
         else:
             # colocated, or a decode instance's local prefill: no first token
             dreq = decode_pb2.DecodeRequest(
                 request_id=seq_id, prompt_token_ids=req.prompt_token_ids,
-                sampling_params=psp, priority=req.priority, kv_publish_in_flight=hint)
+                sampling_params=psp, priority=req.priority, kv_publish_in_flight=hint,
+                cache_salt=req.cache_salt or "")
             stage = Role.DECODE if local_prefill else Role.BOTH
         ctx = route.for_stage(stage)
         async for delta in self._decode(ctx, dreq, metadata, state, req.param_of_field,
@@ -442,7 +444,7 @@ class Pipeline:
             dreq = decode_pb2.DecodeRequest(
                 request_id=dreq.request_id, prompt_token_ids=dreq.prompt_token_ids,
                 output_token_ids=state.output_token_ids, sampling_params=dreq.sampling_params,
-                priority=dreq.priority)
+                priority=dreq.priority, cache_salt=dreq.cache_salt)
 
     async def _decode_on(self, info: InstanceInfo, ctx: RouteContext,
                          dreq: decode_pb2.DecodeRequest, metadata: Sequence[tuple[str, str]],

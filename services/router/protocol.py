@@ -97,6 +97,9 @@ class _SamplingRequest(BaseModel):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     priority: int = Field(0, ge=_INT32[0], le=_INT32[1])
+    # vLLM's: mixed into the first KV block's hash, so only requests with the same salt
+    # share cached blocks (a tenant's prefix hits reveal nothing about another's prompts).
+    cache_salt: str | None = Field(None, min_length=1)
     # Structured outputs (services/router/structured.py): OpenAI's, vLLM's, vLLM's legacy.
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None

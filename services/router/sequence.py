@@ -28,6 +28,8 @@ class GenerationRequest:
         prompt_token_ids: templated prompt, token ids.
         sampling_params: validated; ``stop`` strings are handled here, not by engines.
         priority: engine scheduling priority (lower first).
+        cache_salt: the client's ``cache_salt``, sent to the engines (mixed into the
+            first block's hash); ``None``: unsalted.
         arrival_ns: ``time.monotonic_ns()`` when the router received it.
         param_of_field: engine field -> the API field the client used for it (e.g.
             ``"structured_outputs.json"`` -> ``"response_format.json_schema.schema"``),
@@ -40,6 +42,7 @@ class GenerationRequest:
     priority: int = 0
     arrival_ns: int = field(default_factory=time.monotonic_ns)
     param_of_field: dict[str, str] = field(default_factory=dict)
+    cache_salt: str | None = None
 
 
 @dataclass
