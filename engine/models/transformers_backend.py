@@ -44,7 +44,7 @@ from torch import nn
 from tandem.engine import distributed
 from tandem.engine.model_facts import head_dim_of
 from tandem.engine.models import transformers_attention as tattn
-from tandem.engine.models import transformers_decode, transformers_fusion, transformers_tp
+from tandem.engine.models import transformers_fusion, transformers_tp
 from tandem.engine.models.interface import IntermediateTensors, KVCacheViews
 from tandem.engine.models.sharding import ModelShard
 from tandem.kernels.attention import AttentionMetadata
@@ -173,9 +173,6 @@ class TransformersForCausalLM(nn.Module):
         shard: this TP rank's part (every layer) with the probed KV geometry: query
             heads, K/V heads (this rank's) and the cache head size (``max(dk, dv)``).
         hf: the transformers ``*ForCausalLM`` (after ``load_weights``).
-        fused_decode: the one-call decode runner of a bf16 Llama-form model
-            (``transformers_decode.py``), else ``None``; set to ``None`` to run every
-            step through transformers' code.
 
     Raises:
         ValueError: as ``check_supported`` and ``check_parallel``; naming
@@ -209,7 +206,6 @@ class TransformersForCausalLM(nn.Module):
         self.hf: Any = None
         self._layer_of: dict[int, int] = {}
         self._pass_kwargs = True
-        self.fused_decode: transformers_decode.TransformersFusedDecode | None = None
 
     @property
     def max_position(self) -> int:
@@ -281,9 +277,6 @@ class TransformersForCausalLM(nn.Module):
             fusion = transformers_fusion.fuse_projections(self.hf.base_model, self._probe_run)
             logger.info("%s: %d projection groups fused", self.arch, len(fusion.fused))
             self._probe()
-            self.fused_decode = transformers_decode.TransformersFusedDecode.for_model(
-                self.config, self.hf.base_model, self.shard.num_heads,
-                len(self.shard.kv_heads), self.windows, self._dtype, self._device)
             return
         # NOTE: every rank loads the whole model, then keeps its part of the split modules.
         transformers_tp.shard_base_model(self.hf.base_model, self.config, self.arch,
@@ -391,13 +384,8 @@ class TransformersForCausalLM(nn.Module):
             intermediate: unused (one pipeline stage).
 
         Returns:
-            ``[num_tokens, hidden_size]`` final (normed) hidden states, model dtype; a
-            bf16 decode-only step of a Llama-form model through ``fused_decode``.
+            ``[num_tokens, hidden_size]`` final (normed) hidden states, model dtype.
         """
-        if self.fused_decode is not None:
-            hidden = self.fused_decode(input_ids, positions, kv_caches, attn_metadata)
-            if hidden is not None:
-                return hidden
         ctx = tattn.StepContext(meta=attn_metadata, kv_caches=kv_caches, windows=self.windows,
                                 layer_of=self._layer_of)
         out = self._run(self.hf.base_model, input_ids, positions, ctx)
