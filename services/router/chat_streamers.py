@@ -184,7 +184,8 @@ class ChatStreamer(OpenAIStreamer):
         st = self.states[idx]
         st.add(d)
         first = not st.sent_role
-        reasoning, content, tool_calls, finish = None, d.text, None, d.finish_reason
+        content: str | None = d.text
+        reasoning, tool_calls, finish = None, None, d.finish_reason
         if self.parsers is not None:
             reasoning, content, tool_calls, finish = self.parsers[idx].feed(d)
         lps = chat_logprobs(self.fe, d.logprobs) if self.req.logprobs and d.logprobs else None

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from http import HTTPStatus
 from typing import Any
@@ -235,3 +236,14 @@ async def openai_error_handler(request: Request, exc: Exception) -> JSONResponse
     if isinstance(exc, StarletteHTTPException) and exc.headers:
         response.headers.update(exc.headers)  # e.g. a 405's Allow
     return response
+
+
+def rename_field(param: str, rules: Sequence[tuple[re.Pattern[str], str]]) -> str:
+    """``param`` (a chat request's field path, as an error names it) in another API's
+    words: the first of ``rules`` (pattern, replacement) that matches rewrites it once;
+    no match leaves it as it is."""
+    for pattern, repl in rules:
+        new, n = pattern.subn(repl, param, count=1)
+        if n:
+            return new
+    return param

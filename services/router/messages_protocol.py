@@ -22,7 +22,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from tandem.services.router import protocol as P
-from tandem.services.router.errors import OpenAIError
+from tandem.services.router.errors import OpenAIError, rename_field
 
 _RENAMES = (
     (re.compile(r"^tools\[(\d+)\]\.function\.parameters"), r"tools[\1].input_schema"),
@@ -34,11 +34,7 @@ _RENAMES = (
 
 def rename(param: str) -> str:
     """A chat request field's name in the Messages request's words."""
-    for pattern, repl in _RENAMES:
-        new, n = pattern.subn(repl, param, count=1)
-        if n:
-            return new
-    return param
+    return rename_field(param, _RENAMES)
 
 
 class MessageParam(BaseModel):

@@ -23,7 +23,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from tandem.services.router import protocol as P
-from tandem.services.router.errors import OpenAIError
+from tandem.services.router.errors import OpenAIError, rename_field
 
 #: Input item types taken (``type`` may be left out of a message item).
 _ITEM_TYPES = ("message", "function_call", "function_call_output")
@@ -41,11 +41,7 @@ _RENAMES = (
 
 def rename(param: str) -> str:
     """A chat request field's name in the Responses request's words."""
-    for pattern, repl in _RENAMES:
-        new, n = pattern.subn(repl, param, count=1)
-        if n:
-            return new
-    return param
+    return rename_field(param, _RENAMES)
 
 
 class ResponsesRequest(BaseModel):

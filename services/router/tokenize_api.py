@@ -74,7 +74,8 @@ REQUEST_MODELS: tuple[type[BaseModel], ...] = (TokenizeCompletionRequest, Tokeni
 def install(app: FastAPI, door: Door) -> None:
     """Add ``/tokenize`` and ``/detokenize`` to ``app``."""
     fe = door.fe
-    errors = {k: v for k, v in openapi.GENERATION_ERRORS.items() if k in (400, 401, 404, 413)}
+    errors: dict[int | str, dict[str, Any]] = {
+        k: v for k, v in openapi.GENERATION_ERRORS.items() if k in (400, 401, 404, 413)}
 
     one_of = [openapi.request_body(m)["requestBody"]["content"]["application/json"]["schema"]
               for m in REQUEST_MODELS[:2]]
