@@ -41,6 +41,7 @@ from tandem.services.router.metrics import CONTENT_TYPE
 from tandem.services.router.response_store import MemoryResponseStore, ResponseStore
 from tandem.services.router.responses_protocol import ResponsesRequest
 from tandem.services.router.streaming import CLIENT_GONE
+from tandem.services.router.tenancy import Tenancy
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +75,8 @@ class _DrainMiddleware:
 
 def create_app(fe: Frontend, lifespan: Any = None, *,
                max_request_body_bytes: int, drain: Drain | None = None,
-               response_store: ResponseStore | None = None) -> FastAPI:
+               response_store: ResponseStore | None = None,
+               tenancy: Tenancy | None = None) -> FastAPI:
     """Build the FastAPI app around a ready ``Frontend``.
 
     Args:
@@ -84,6 +86,7 @@ def create_app(fe: Frontend, lifespan: Any = None, *,
         drain: the router's shutdown (``Drain.run`` on SIGTERM); a fresh one if ``None``.
         response_store: where ``/v1/responses`` keeps stored responses; ``None``: this
             process's memory (``MemoryResponseStore``, an hour's TTL).
+        tenancy: the ``--api-keys`` tenants and their limits (``door.Door``), or ``None``.
     """
     drain = drain if drain is not None else Drain()
     app = FastAPI(title="tandem router", lifespan=lifespan)
@@ -96,7 +99,7 @@ def create_app(fe: Frontend, lifespan: Any = None, *,
                      StarletteHTTPException, Exception):
         app.add_exception_handler(exc_type, openai_error_handler)
     app.add_exception_handler(ClientDisconnect, _client_gone_while_sending)
-    door = Door(fe, drain, max_request_body_bytes)
+    door = Door(fe, drain, max_request_body_bytes, tenancy)
 
     @app.get("/health")
     async def health() -> JSONResponse:

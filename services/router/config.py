@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from tandem.services.common.tls import TLSFiles, tls_from_args
 from tandem.services.router.reasoning import REASONING_PARSERS
 from tandem.services.router.routing import RoutingPolicy
+from tandem.services.router.tenants import KeyTable, load_key_table
 
 
 def _split(value: str) -> tuple[str, ...]:
@@ -30,6 +31,11 @@ class RouterConfig:
         prefill / decode / colocated: static instance addresses.
         routing_policy: how instances are chosen.
         api_key: required bearer token (``--api-key``, else ``$TANDEM_API_KEY``), or ``None``.
+        api_keys: the API keys, their tenants and limits (``--api-keys FILE``, read here
+            once: ``tenants.load_key_table``), or ``None``; exclusive with ``api_key``.
+        rate_limit_url: Redis where the tenants' limits are counted, shared by every
+            replica (``--rate-limit-url``, default ``redis_url``; ``None``: each router
+            counts its own).
         max_model_len: cap on the context length in tokens, ``None`` for none: requests
             are validated against the smallest context length the engines report.
         max_running_requests / max_queued_requests: admission limits (requests).
@@ -80,7 +86,7 @@ class RouterConfig:
             when installed for ``auto``, else ``h11``.
 
     Raises:
-        ValueError: naming the flag, for a port outside 0..65535, a count below 1, both or neither instance sources.
+        ValueError: naming the flag, for a port outside 0..65535, a count below 1, both or neither instance sources, both ``--api-key`` and ``--api-keys``.
     """
 
     host: str = "0.0.0.0"
@@ -94,6 +100,8 @@ class RouterConfig:
     colocated: tuple[str, ...] = ()
     routing_policy: RoutingPolicy = RoutingPolicy.KV_AWARE
     api_key: str | None = None
+    api_keys: KeyTable | None = None
+    rate_limit_url: str | None = None
     max_model_len: int | None = None
     max_running_requests: int = 256
     max_queued_requests: int = 1024
@@ -154,6 +162,9 @@ class RouterConfig:
             raise ValueError(f"--shutdown-grace-s must be >= 0, got {self.shutdown_grace_s}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"--max-model-len must be >= 1, got {self.max_model_len}")
+        if self.api_key is not None and self.api_keys is not None:
+            raise ValueError("--api-keys: give it or --api-key ($TANDEM_API_KEY), not both "
+                             "(list that key in the --api-keys file instead)")
         static = self.prefill or self.decode or self.colocated
         if self.redis_url and static:
             raise ValueError("--redis-url: give it or static lists "
@@ -166,7 +177,8 @@ class RouterConfig:
         """From ``tandem router``'s parsed flags and its environment (read only here).
 
         Raises:
-            ValueError: as the class.
+            ValueError: as the class; for an ``--api-keys`` file that cannot be read or
+                is wrong, naming the entry and field (``tenants.load_key_table``).
         """
         return cls(host=ns.host, port=ns.port, grpc_port=ns.grpc_port, model=ns.model,
                    served_model_name=ns.served_model_name, redis_url=ns.redis_url or None,
@@ -174,6 +186,10 @@ class RouterConfig:
                    colocated=_split(ns.colocated),
                    routing_policy=RoutingPolicy(ns.routing_policy),
                    api_key=ns.api_key or environ.get("TANDEM_API_KEY") or None,
+                   api_keys=(load_key_table(ns.api_keys) if getattr(ns, "api_keys", None)
+                             else None),
+                   rate_limit_url=(getattr(ns, "rate_limit_url", None) or ns.redis_url
+                                   or None),
                    max_model_len=ns.max_model_len,
                    max_running_requests=ns.max_running_requests,
                    max_queued_requests=ns.max_queued_requests, max_attempts=ns.max_attempts,

@@ -2,7 +2,10 @@
 
 Same pipeline as the HTTP routes; text in, text deltas and token ids out. Errors map from
 ``OpenAIError`` status to gRPC codes: 400 -> INVALID_ARGUMENT, 401 -> UNAUTHENTICATED,
-404 -> NOT_FOUND, 503 overloaded -> RESOURCE_EXHAUSTED, 503 no instance -> UNAVAILABLE.
+404 -> NOT_FOUND, 429 (a tenant's limit, ``tenancy``) and 503 overloaded ->
+RESOURCE_EXHAUSTED, 503 no instance -> UNAVAILABLE. The API key is the ``authorization:
+Bearer KEY`` (or ``x-api-key``) metadata; with ``--api-keys`` its tenant's limits apply as
+on the HTTP doors.
 A cancelled client stream cancels the pipeline (and so every engine RPC).
 
 The port also serves ``grpc.health.v1`` (overall and per service) and server reflection,
@@ -12,8 +15,9 @@ list and call ``tandem.v1.GenerationService`` without the .proto files.
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -23,7 +27,9 @@ from tandem.engine.validation import RequestError, check_context_length
 from tandem.services.router.errors import OpenAIError, from_request_error
 from tandem.services.router.frontend import Frontend
 from tandem.services.router.protocol import default_max_tokens
-from tandem.services.router.sequence import GenerationRequest
+from tandem.services.router.sequence import GenerationRequest, SeqDelta
+from tandem.services.router.tenancy import Tenancy
+from tandem.services.router.tenants import Tenant, key_of
 from tandem.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -34,14 +40,17 @@ def _grpc_code(err: OpenAIError) -> grpc.StatusCode:
         return (grpc.StatusCode.RESOURCE_EXHAUSTED if "overloaded" in err.message
                 else grpc.StatusCode.UNAVAILABLE)
     return {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTICATED,
-            404: grpc.StatusCode.NOT_FOUND}.get(err.status_code, grpc.StatusCode.INTERNAL)
+            404: grpc.StatusCode.NOT_FOUND,
+            429: grpc.StatusCode.RESOURCE_EXHAUSTED}.get(err.status_code, grpc.StatusCode.INTERNAL)
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
-    """Thin servicer: protobuf -> pipeline -> protobuf."""
+    """Thin servicer: protobuf -> pipeline -> protobuf. ``tenancy``: the ``--api-keys``
+    tenants, or ``None`` (``fe.api_key`` alone)."""
 
-    def __init__(self, fe: Frontend) -> None:
+    def __init__(self, fe: Frontend, tenancy: Tenancy | None = None) -> None:
         self.fe = fe
+        self.tenancy = tenancy
 
     async def generate_from_bytes(self, raw: bytes, context: grpc.aio.ServicerContext
                                   ) -> AsyncIterator[generation_pb2.GenerateResponse]:
@@ -60,10 +69,15 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                        context: grpc.aio.ServicerContext
                        ) -> AsyncIterator[generation_pb2.GenerateResponse]:
         try:
+            tenant = self._authenticate(context)
             gen = self._to_generation_request(request, context)
             num_tokens = 0
             num_cached = None
-            async for d in self.fe.pipeline.generate(gen):
+            deltas: AsyncGenerator[SeqDelta, None] = self.fe.pipeline.generate(gen)
+            if tenant is not None:
+                assert self.tenancy is not None, "a tenant comes from the tenancy"
+                deltas = _unindexed(self.tenancy.generate(tenant, _indexed(deltas), [gen]))
+            async for d in deltas:
                 num_tokens += len(d.token_ids)
                 if num_cached is None:
                     # the first delta carries it (all completions share the prompt)
@@ -92,6 +106,18 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                 yield out
         except OpenAIError as err:
             await context.abort(_grpc_code(err), err.message)
+
+    def _authenticate(self, context: grpc.aio.ServicerContext) -> Tenant | None:
+        """The caller's tenant with ``--api-keys``, else ``None``.
+
+        Raises:
+            OpenAIError: 401 for a missing or unknown key.
+        """
+        if self.tenancy is None:
+            return None
+        md = {k.lower(): v for k, v in (context.invocation_metadata() or ())
+              if isinstance(v, str)}
+        return self.tenancy.authenticate(key_of(md))
 
     def _to_generation_request(self, request: generation_pb2.GenerateRequest,
                                context: grpc.aio.ServicerContext) -> GenerationRequest:
@@ -139,13 +165,29 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         return GenerationRequest(rid, ids, sp)
 
 
+async def _indexed(deltas: AsyncGenerator[SeqDelta, None]
+                   ) -> AsyncGenerator[tuple[int, SeqDelta], None]:
+    async with contextlib.aclosing(deltas):
+        async for d in deltas:
+            yield d.index, d
+
+
+async def _unindexed(items: AsyncGenerator[tuple[int, SeqDelta], None]
+                     ) -> AsyncGenerator[SeqDelta, None]:
+    async with contextlib.aclosing(items):
+        async for _, d in items:
+            yield d
+
+
 async def start_grpc_server(fe: Frontend, port: int, host: str = "0.0.0.0", *,
-                            max_message_bytes: int = 64 * 1024 * 1024) -> grpc.aio.Server:
+                            max_message_bytes: int = 64 * 1024 * 1024,
+                            tenancy: Tenancy | None = None) -> grpc.aio.Server:
     """Start the public gRPC server (health and reflection included) on ``host:port``.
 
     Args:
         max_message_bytes: largest request message accepted (``--max-request-body-bytes``);
             grpc answers a larger one with RESOURCE_EXHAUSTED.
+        tenancy: the ``--api-keys`` tenants and their limits, or ``None``.
 
     Raises:
         RuntimeError: the port could not be bound.
@@ -155,7 +197,7 @@ async def start_grpc_server(fe: Frontend, port: int, host: str = "0.0.0.0", *,
 
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", max_message_bytes)])
     generation = generation_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name
-    servicer = GenerationServicer(fe)
+    servicer = GenerationServicer(fe, tenancy)
     # NOTE: registered by hand (grpc's public generic-handler API) rather than with the
     # generated add_..._to_server, to parse requests in the servicer (generate_from_bytes).
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(generation, {

@@ -44,6 +44,13 @@ def build_parser() -> argparse.ArgumentParser:
                    choices=[r.value for r in RoutingPolicy])
     p.add_argument("--api-key", default=None,
                    help="require `Authorization: Bearer KEY` (default: $TANDEM_API_KEY)")
+    p.add_argument("--api-keys", default=None, metavar="FILE",
+                   help="YAML/JSON file mapping each API key to {tenant: NAME, "
+                        "requests_per_minute: N, tokens_per_minute: N} (limits optional); "
+                        "over a limit: 429 + Retry-After. Not with --api-key")
+    p.add_argument("--rate-limit-url", default=None,
+                   help="Redis where --api-keys limits are counted, shared by every replica "
+                        "(default: --redis-url; without either: each router counts its own)")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="cap on the context length in tokens (default: the smallest "
                         "--max-model-len of the engines serving the model, as they report it)")
@@ -161,6 +168,7 @@ async def serve(cfg: RouterConfig, defaults: SamplingDefaults | None = None) -> 
         ResponseStore,
     )
     from tandem.services.router.routing import CacheView, make_router
+    from tandem.services.router.tenancy import Tenancy, TenantMetrics
 
     # NOTE: the tokenizer comes from the model's files without torch: the router runs no
     # model (tests/unit/test_model_files.py holds its start-up to that). The context length
@@ -210,16 +218,30 @@ async def serve(cfg: RouterConfig, defaults: SamplingDefaults | None = None) -> 
     response_store: ResponseStore = (
         RedisResponseStore(cfg.response_store_url, cfg.response_ttl_s)
         if cfg.response_store_url else MemoryResponseStore(cfg.response_ttl_s))
+    tenancy = None
+    if cfg.api_keys is not None:
+        from tandem.services.router.rate_limit import (
+            MemoryRateLimiter,
+            RateLimiter,
+            RedisRateLimiter,
+        )
+
+        limiter: RateLimiter = (RedisRateLimiter.from_url(cfg.rate_limit_url)
+                                if cfg.rate_limit_url else MemoryRateLimiter())
+        tenancy = Tenancy(cfg.api_keys, limiter, TenantMetrics(metrics.registry))
+        logger.info("%d API keys of %d tenants; limits counted %s", len(cfg.api_keys.by_key),
+                    len(cfg.api_keys.tenants),
+                    "in Redis" if cfg.rate_limit_url else "by this router alone")
     await discovery.start()
     await pool.start()
     grpc_server: Any = None
     try:
         if cfg.grpc_port:
             grpc_server = await start_grpc_server(fe, cfg.grpc_port, cfg.host,
-                                                  max_message_bytes=max_body)
+                                                  max_message_bytes=max_body, tenancy=tenancy)
         drain = Drain()
         config = uvicorn.Config(create_app(fe, max_request_body_bytes=max_body, drain=drain,
-                                           response_store=response_store),
+                                           response_store=response_store, tenancy=tenancy),
                                 host=cfg.host, port=cfg.port,
                                 log_level=cfg.log_level.lower(), timeout_graceful_shutdown=3,
                                 access_log=False, http=cfg.http)
@@ -250,6 +272,8 @@ async def serve(cfg: RouterConfig, defaults: SamplingDefaults | None = None) -> 
         if store_index is not None:
             await store_index.aclose()
         await response_store.aclose()
+        if tenancy is not None:
+            await tenancy.limiter.aclose()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -27,7 +27,7 @@ from tandem.services.router.chat_streamers import ChatDeltaParser
 from tandem.services.router.door import Door, renamed
 from tandem.services.router.errors import OpenAIError
 from tandem.services.router.openai_routes import PreparedChat, chat_message, prepare_chat
-from tandem.services.router.responses import ChoiceState, merged, usage
+from tandem.services.router.responses import ChoiceState, usage
 from tandem.services.router.sequence import SeqDelta
 from tandem.services.router.streaming import CLIENT_GONE, Chunk, Streamer, collect, stream
 
@@ -49,9 +49,9 @@ def install(app: FastAPI, door: Door) -> None:
         msg_id = f"msg_{rid}"
         model = req.model or fe.model_name
         if req.stream:
-            return await stream(request, rid, merged(fe, [chat.gen]),
+            return await stream(request, rid, door.generate(request, [chat.gen]),
                                 _MessagesStreamer(chat, msg_id, model), door.drain)
-        states = await collect(request, rid, merged(fe, [chat.gen]), 1, door.drain)
+        states = await collect(request, rid, door.generate(request, [chat.gen]), 1, door.drain)
         if states is None:
             return Response(status_code=CLIENT_GONE)
         st = states[0]

@@ -29,7 +29,6 @@ from tandem.services.router.responses import (
     ChoiceState,
     chat_logprobs,
     completion_logprobs,
-    merged,
     usage,
 )
 from tandem.services.router.sequence import GenerationRequest
@@ -159,9 +158,9 @@ def install(app: FastAPI, door: Door) -> None:
         resp_id = f"cmpl-{rid}"
         num_prompt_tokens = sum(len(ids) for ids in prompts)
         if req.stream:
-            return await stream(request, rid, merged(fe, gens), CompletionStreamer(
+            return await stream(request, rid, door.generate(request, gens), CompletionStreamer(
                 fe, req, resp_id, n, echo_texts, num_prompt_tokens), drain)
-        states = await collect(request, rid, merged(fe, gens), len(prompts) * n, drain)
+        states = await collect(request, rid, door.generate(request, gens), len(prompts) * n, drain)
         if states is None:
             return Response(status_code=CLIENT_GONE)
         choices = []
@@ -186,10 +185,10 @@ def install(app: FastAPI, door: Door) -> None:
         chat = await prepare_chat(fe, req, rid, arrival_ns)
         resp_id = f"chatcmpl-{rid}"
         if req.stream:
-            return await stream(request, rid, merged(fe, [chat.gen]), ChatStreamer(
+            return await stream(request, rid, door.generate(request, [chat.gen]), ChatStreamer(
                 fe, req, resp_id, chat.num_prompt_tokens, chat.parses, chat.reasoning), drain)
         n = chat.sampling_params.n
-        states = await collect(request, rid, merged(fe, [chat.gen]), n, drain)
+        states = await collect(request, rid, door.generate(request, [chat.gen]), n, drain)
         if states is None:
             return Response(status_code=CLIENT_GONE)
         choices = []

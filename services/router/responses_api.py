@@ -39,7 +39,7 @@ from tandem.services.router.door import Door, renamed
 from tandem.services.router.errors import OpenAIError
 from tandem.services.router.openai_routes import PreparedChat, chat_message, prepare_chat
 from tandem.services.router.response_store import ResponseStore
-from tandem.services.router.responses import ChoiceState, merged, usage
+from tandem.services.router.responses import ChoiceState, usage
 from tandem.services.router.sequence import SeqDelta
 from tandem.services.router.streaming import CLIENT_GONE, Chunk, Streamer, collect, stream
 
@@ -87,9 +87,10 @@ def install(app: FastAPI, door: Door, store: ResponseStore) -> None:
         resp_id = f"resp_{rid}"
         model = req.model or fe.model_name
         if req.stream:
-            return await stream(request, rid, merged(fe, [chat.gen]), _ResponsesStreamer(
-                req, chat_req, chat, resp_id, model, keep), door.drain)
-        states = await collect(request, rid, merged(fe, [chat.gen]), 1, door.drain)
+            return await stream(request, rid, door.generate(request, [chat.gen]),
+                                _ResponsesStreamer(req, chat_req, chat, resp_id, model, keep),
+                                door.drain)
+        states = await collect(request, rid, door.generate(request, [chat.gen]), 1, door.drain)
         if states is None:
             return Response(status_code=CLIENT_GONE)
         st = states[0]
