@@ -24,13 +24,13 @@ from typing import Any
 
 from tandem.bench.serve import (
     RequestResult,
-    _one,
     compute_metrics,
     http_session,
     model_and_vocab,
     print_result,
     sample_prompts,
 )
+from tandem.bench.serve_client import stream_completion
 
 
 async def run_mixed(url: str, model: str, short: list[tuple[list[int], int]],
@@ -65,13 +65,14 @@ async def run_mixed(url: str, model: str, short: list[tuple[list[int], int]],
             while True:
                 prompt, max_tokens = long[k % len(long)]
                 k += long_concurrency
-                long_done.append(await _one(client, url, model, prompt, max_tokens, True))
+                long_done.append(await stream_completion(client, url, model, prompt,
+                                                         max_tokens, True))
 
         sem = asyncio.Semaphore(short_concurrency)
 
         async def short_request(prompt: list[int], max_tokens: int) -> RequestResult:
             async with sem:
-                return await _one(client, url, model, prompt, max_tokens, True)
+                return await stream_completion(client, url, model, prompt, max_tokens, True)
 
         start = time.perf_counter()
         clients = [asyncio.create_task(long_client(i)) for i in range(long_concurrency)]

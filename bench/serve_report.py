@@ -1,0 +1,249 @@
+"""`tandem bench serve`'s report: vLLM's result dict from the requests' measurements (same
+keys), the TTFT and per-token decode breakdowns from the router's ``timings``, the printed
+result with ``vllm bench serve``'s labels, the latency plot and the side-by-side tables
+of several runs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from tandem.bench.serve_client import RequestResult
+
+_BREAKDOWN = {  # label -> timings keys summed (ns)
+    "router_queue": ("router_queue_ns",),
+    "prefill_queue": ("prefill_queue_ns",),
+    "prefill_compute": ("prefill_compute_ns",),
+    "kv_handoff": ("kv_publish_ns", "kv_pull_ns"),
+    "first_decode_step": ("first_decode_ns",),
+}
+
+# The decode stream's per-token attribution, in a token's order: label -> (timings key
+# summed over the request's tokens, the timings key counting what it is divided by).
+_DECODE_STAGES = {
+    "engine_step": ("decode_engine_ns", "decode_engine_outputs"),
+    "engine_output": ("decode_output_ns", "decode_tokens"),
+    "grpc": ("decode_grpc_ns", "decode_tokens"),
+    "detokenize": ("decode_detokenize_ns", "decode_tokens"),
+    "sse_write": ("decode_sse_ns", "decode_tokens"),
+}
+
+
+
+def _pcts(values_s: list[float], percentiles: list[float], name: str) -> dict[str, float]:
+    arr = np.array(values_s or [0.0]) * 1000.0
+    out = {f"mean_{name}_ms": float(arr.mean()), f"median_{name}_ms": float(np.median(arr)),
+           f"std_{name}_ms": float(arr.std())}
+    for p in percentiles:
+        out[f"p{p:g}_{name}_ms"] = float(np.percentile(arr, p))
+    return out
+
+
+def compute_metrics(results: list[RequestResult], duration_s: float, percentiles: list[float],
+                    slo_ms: dict[str, float]) -> dict[str, Any]:
+    """vLLM's result dict (same keys) plus the TTFT breakdown."""
+    ok = [r for r in results if r.success]
+    tpots = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    total_in = sum(r.prompt_len for r in ok)
+    total_out = sum(r.output_tokens for r in ok)
+    good = 0
+    for r in ok:
+        tpot = (r.latency - r.ttft) / (r.output_tokens - 1) if r.output_tokens > 1 else 0.0
+        if (r.ttft * 1000 <= slo_ms.get("ttft", float("inf"))
+                and tpot * 1000 <= slo_ms.get("tpot", float("inf"))
+                and r.latency * 1000 <= slo_ms.get("e2el", float("inf"))):
+            good += 1
+    m: dict[str, Any] = {
+        "duration": duration_s,
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "total_input_tokens": total_in,
+        "total_output_tokens": total_out,
+        "request_throughput": len(ok) / duration_s,
+        "request_goodput": good / duration_s if slo_ms else None,
+        "output_throughput": total_out / duration_s,
+        "total_token_throughput": (total_in + total_out) / duration_s,
+        # tandem: completions continued on another instance after one failed mid-stream
+        "num_migrations": sum(int(r.timings.get("num_migrations", 0)) for r in ok),
+    }
+    m.update(_pcts([r.ttft for r in ok], percentiles, "ttft"))
+    m.update(_pcts(tpots, percentiles, "tpot"))
+    m.update(_pcts([x for r in ok for x in r.itl], percentiles, "itl"))
+    m.update(_pcts([r.latency for r in ok], percentiles, "e2el"))
+    breakdown = {}
+    for label, keys in _BREAKDOWN.items():
+        vals = [sum(r.timings.get(k, 0) for k in keys) / 1e9 for r in ok
+                if any(k in r.timings for k in keys)]
+        if vals:
+            breakdown.update(_pcts(vals, percentiles, label))
+    m["ttft_breakdown"] = breakdown
+    m["decode_breakdown"] = decode_breakdown(ok, percentiles)
+    m["input_lens"] = [r.prompt_len for r in results]
+    m["output_lens"] = [r.output_tokens for r in results]
+    m["ttfts"] = [r.ttft for r in results]
+    m["itls"] = [r.itl for r in results]
+    m["generated_texts"] = [r.generated_text for r in results]
+    m["errors"] = [r.error for r in results]
+    return m
+
+
+def decode_breakdown(results: list[RequestResult], percentiles: list[float]
+                     ) -> dict[str, float]:
+    """Per-token decode attribution from the router's ``timings``: for each stage of
+    ``_DECODE_STAGES``, the per-request mean per token (ms), as mean / median /
+    percentiles over the requests (keys ``mean_<stage>_ms`` ...).
+
+    ``engine_step`` is the engine's time per step (first to last output's step end over
+    the steps between); the other stages are latencies a token spends on its way from
+    the engine step that made it to the client's socket. ``sse_write`` excludes each
+    request's last chunk (it carries the timings), hence its divisor is one token less.
+    """
+    out: dict[str, float] = {}
+    for label, (key, count_key) in _DECODE_STAGES.items():
+        vals = []
+        for r in results:
+            total, count = r.timings.get(key), r.timings.get(count_key)
+            if total is None or not count:
+                continue
+            # n outputs span n - 1 steps; the last chunk's SSE write is not counted
+            count -= 1 if label in ("engine_step", "sse_write") else 0
+            if count > 0:
+                vals.append(total / count / 1e9)
+        if vals:
+            out.update(_pcts(vals, percentiles, label))
+    return out
+
+
+def print_decode_breakdown(m: dict[str, Any]) -> None:
+    """The per-token attribution (``--profile``): each stage's mean / median / p99 per
+    token in ms, and the path's share of the client's mean inter-token latency."""
+    b = m.get("decode_breakdown") or {}
+    w = 50
+    print("{s:{c}^{n}}".format(s="Per-token decode attribution (tandem)", n=w, c="-"))
+    if not b:
+        print("(no decode timings in the responses)")
+        return
+    path = 0.0
+    for label in _DECODE_STAGES:
+        if f"mean_{label}_ms" not in b:
+            continue
+        if label != "engine_step":
+            path += b[f"mean_{label}_ms"]
+        print(f"{label + ' (ms/token) mean/median/p99:':<40} {b[f'mean_{label}_ms']:.3f} / "
+              f"{b[f'median_{label}_ms']:.3f} / {b.get(f'p99_{label}_ms', float('nan')):.3f}")
+    print(f"{'engine step -> SSE written (ms/token):':<40} {path:.3f}")
+    if "mean_engine_step_ms" in b and m.get("mean_itl_ms"):
+        print(f"{'client mean ITL / engine step:':<40} "
+              f"{m['mean_itl_ms']:.2f} / {b['mean_engine_step_ms']:.2f} ms")
+    cpu = m.get("cpu_seconds")
+    if cpu:
+        for name, sec in cpu.items():
+            print(f"{'CPU s, ' + name + ':':<40} {sec:.2f}")
+        if m.get("router_tokens_per_cpu_s"):
+            print(f"{'router output tok per CPU s:':<40} {m['router_tokens_per_cpu_s']:.0f}")
+
+
+def print_result(m: dict[str, Any], percentiles: list[float], request_rate: float) -> None:
+    """Print with ``vllm bench serve``'s labels."""
+    w = 50
+
+    def row(label: str, value: Any, fmt: str = "<10.2f") -> None:
+        print(f"{label:<40} {value:{fmt}}")
+
+    print("{s:{c}^{n}}".format(s=" Serving Benchmark Result ", n=w, c="="))
+    row("Successful requests:", m["completed"], "<10")
+    row("Failed requests:", m["failed"], "<10")
+    row("Request rate configured (RPS):", request_rate)
+    row("Benchmark duration (s):", m["duration"])
+    row("Total input tokens:", m["total_input_tokens"], "<10")
+    row("Total generated tokens:", m["total_output_tokens"], "<10")
+    row("Request throughput (req/s):", m["request_throughput"])
+    if m["request_goodput"] is not None:
+        row("Request goodput (req/s):", m["request_goodput"])
+    row("Output token throughput (tok/s):", m["output_throughput"])
+    row("Total Token throughput (tok/s):", m["total_token_throughput"])
+    sections = [("ttft", "Time to First Token", "TTFT"),
+                ("tpot", "Time per Output Token (excl. 1st token)", "TPOT"),
+                ("itl", "Inter-token Latency", "ITL"),
+                ("e2el", "End-to-end Latency", "E2EL")]
+    for key, title, short in sections:
+        print("{s:{c}^{n}}".format(s=title, n=w, c="-"))
+        row(f"Mean {short} (ms):", m[f"mean_{key}_ms"])
+        row(f"Median {short} (ms):", m[f"median_{key}_ms"])
+        for p in percentiles:
+            row(f"P{p:g} {short} (ms):", m[f"p{p:g}_{key}_ms"])
+    if m["ttft_breakdown"]:
+        print("{s:{c}^{n}}".format(s="TTFT breakdown (tandem)", n=w, c="-"))
+        for label in _BREAKDOWN:
+            if f"mean_{label}_ms" in m["ttft_breakdown"]:
+                b = m["ttft_breakdown"]
+                print(f"{label + ' (ms) mean/median/p99:':<40} {b[f'mean_{label}_ms']:.2f} / "
+                      f"{b[f'median_{label}_ms']:.2f} / {b.get(f'p99_{label}_ms', float('nan')):.2f}")
+    print("=" * w)
+
+
+def plot(results_by_rate: list[dict[str, Any]], path: str, percentiles: list[float]) -> None:
+    """PNG of TTFT / TPOT / ITL / E2EL percentiles (ms) over the request rate."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = list(dict.fromkeys(r.get("label") for r in results_by_rate))
+    fig, axes = plt.subplots(1, 4, figsize=(18, 4))
+    for ax, key in zip(axes, ("ttft", "tpot", "itl", "e2el"), strict=True):
+        for color, label in enumerate(labels):
+            runs = [r for r in results_by_rate if r.get("label") == label]
+            rates = [r["request_rate"] for r in runs]
+            stats = ["median", *[f"p{p:g}" for p in percentiles if p != 50]]
+            for style, stat in zip(("-", "--", ":", "-."), stats, strict=False):
+                name = stat if label is None else f"{label} {stat}"
+                ax.plot(rates, [r[f"{stat}_{key}_ms"] for r in runs], marker="o",
+                        linestyle=style, color=f"C{color}", label=name)
+        ax.set_title(key.upper())
+        ax.set_xlabel("request rate (req/s)")
+        ax.set_ylabel("ms")
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def print_fault_comparison(results: list[dict[str, Any]], percentiles: list[float]) -> None:
+    """One row per run: goodput (or throughput without an SLO), p99 TTFT / ITL, failures."""
+    p = max(percentiles)
+    print(f"{'run':<22} {'req/s':>8} {'goodput':>8} {'out tok/s':>10} "
+          f"{f'p{p:g} TTFT ms':>13} {f'p{p:g} ITL ms':>12} {'failed':>7} {'migrated':>9}")
+    for m in results:
+        good = m["request_goodput"]
+        print(f"{m['label']!s:<22} {m['request_throughput']:>8.2f} "
+              f"{'-' if good is None else f'{good:.2f}':>8} {m['output_throughput']:>10.1f} "
+              f"{m[f'p{p:g}_ttft_ms']:>13.1f} {m[f'p{p:g}_itl_ms']:>12.1f} "
+              f"{m['failed']:>7} {m['num_migrations']:>9}")
+
+
+def side_by_side(results: list[dict[str, Any]]) -> str:
+    """A markdown table of the runs (one row per label and rate): throughput, median
+    TTFT / TPOT / ITL, and for speculative runs the acceptance rate and mean acceptance
+    length (summed over the engines)."""
+    lines = ["| run | rate (req/s) | output tok/s | median TTFT ms | median TPOT ms | "
+             "median ITL ms | acceptance rate | mean acceptance length |",
+             "|---|---|---|---|---|---|---|---|"]
+    for m in results:
+        rate, accept, length = "", "", ""
+        if "request_rate" in m:
+            rate = f"{m['request_rate']:g}"
+        spec = m.get("speculative")
+        if spec:
+            drafts = sum(c.get("spec_decode_num_drafts", 0.0) for c in spec.values())
+            tokens = sum(c.get("spec_decode_num_draft_tokens", 0.0) for c in spec.values())
+            acc = sum(c.get("spec_decode_num_accepted_tokens", 0.0) for c in spec.values())
+            accept = f"{acc / tokens:.3f}" if tokens else "0"
+            length = f"{1 + acc / drafts:.2f}" if drafts else "1"
+        cells = [f"{m[k]:.1f}" if k in m else "" for k in
+                 ("output_throughput", "median_ttft_ms", "median_tpot_ms", "median_itl_ms")]
+        lines.append(f"| {m.get('label')} | {rate} | " + " | ".join(cells)
+                     + f" | {accept} | {length} |")
+    return "\n".join(lines)
