@@ -31,7 +31,7 @@ from tandem.engine.kv_connector import (
 from tandem.engine.request import Request, RequestStatus
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.sched_output import SchedulerOutput
-from tandem.kvstore import connector
+from tandem.kvstore import connector_transfers
 from tandem.kvstore.connector import (
     StoreConnectorConfig,
     build_store_connector,
@@ -269,7 +269,7 @@ def test_a_sharded_cache_moves_in_chunks_and_a_miss_stops_the_load(
     """The staged path (a TP=2 cache of LAYOUT's one KV head: replicated): a transfer
     larger than the staging buffer moves in chunks, and a miss in a later chunk loads
     the leading blocks only."""
-    monkeypatch.setattr(connector, "STAGING_BYTES", 2 * LAYOUT.block_bytes)
+    monkeypatch.setattr(connector_transfers, "STAGING_BYTES", 2 * LAYOUT.block_bytes)
     events = Recorder()
     ref = torch.randn(8, *LAYOUT.block_shape)
     prompt = list(range(5 * BS))  # 5 full blocks: chunks of 2, 2, 1

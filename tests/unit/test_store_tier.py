@@ -353,7 +353,7 @@ def test_a_prefetch_answers_later_starts_and_never_another_request() -> None:
     """``_Lookups``: a prefetch from block 0 answers a lookup from a later block inside its
     run; past its run a new lookup starts; a second request object with the same id never
     sees the first one's answer; ``pop`` forgets both states."""
-    from tandem.kvstore.connector import _Lookups
+    from tandem.kvstore.connector_lookups import _Lookups
 
     present = 5
     probed: list[int] = []
@@ -511,7 +511,7 @@ def _waiting_lookups(probe: Callable[[Sequence[BlockKey]], int], wait_s: float
                      ) -> tuple[Any, _LookupEvents, _StoreSignal]:
     """``_Lookups`` over ``probe`` with an arrival signal and ``kv_load_wait_s`` of
     ``wait_s``, block size 4: (the lookups, their answer events, the signal)."""
-    from tandem.kvstore.connector import _Lookups
+    from tandem.kvstore.connector_lookups import _Lookups
 
     events = _LookupEvents()
     signal = _StoreSignal(ProbedStore())
@@ -612,7 +612,7 @@ def test_a_request_waits_for_a_publish_at_most_once_across_its_lookups() -> None
     within ``kv_load_wait_s`` when the end marker never comes (the decode died), instead
     of twice that."""
     from tandem.contracts.block_key import PublishInFlight
-    from tandem.kvstore.connector import _Lookups
+    from tandem.kvstore.connector_lookups import _Lookups
 
     events = _LookupEvents()
     signal = _StoreSignal(ProbedStore())  # no marker ever: each wait ends at its deadline
