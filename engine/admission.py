@@ -85,7 +85,8 @@ class Admission:
             if not has_blocks:
                 hits, num_hit = kvm.get_computed_blocks(req)
                 num_external = 0
-                if self.connector is not None:
+                # prompt logprobs need every prompt position computed: no remote load
+                if self.connector is not None and req.sampling_params.prompt_logprobs is None:
                     matched = self.connector.get_num_new_matched_tokens(req, num_hit)
                     if matched is None:
                         skipped.append(self.waiting.pop())  # its lookup runs: ask again

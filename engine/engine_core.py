@@ -239,12 +239,13 @@ class EngineCore:
         """Start the KV connector's lookups for a request about to be added (any thread;
         never blocks): see ``KVConnectorScheduler.prefetch``. A caller that then does
         not add it calls ``drop_prefetch_kv``."""
-        if self.connector_scheduler is not None:
+        # A request asking for prompt logprobs recomputes its prompt: nothing to look up.
+        if self.connector_scheduler is not None and request.sampling_params.prompt_logprobs is None:
             self.connector_scheduler.prefetch(request)
 
     def drop_prefetch_kv(self, request: Request) -> None:
         """Undo ``prefetch_kv`` for a request that was not added (engine thread)."""
-        if self.connector_scheduler is not None:
+        if self.connector_scheduler is not None and request.sampling_params.prompt_logprobs is None:
             self.connector_scheduler.drop_prefetch(request)
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:

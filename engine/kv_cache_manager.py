@@ -140,11 +140,14 @@ class KVCacheManager:
         is left to compute so that the step produces a sample (vLLM recomputes
         the last token the same way).
 
+        A request asking for prompt logprobs gets no hit (vLLM's rule): a cached
+        position has no logits, so its prompt is recomputed.
+
         Returns:
             (cached blocks in order, number of tokens they cover). Mutates no ref
             count: pass the blocks to ``allocate_slots`` to take them.
         """
-        if not self.enable_caching:
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
             return KVCacheBlocks(), 0
         max_blocks = (request.num_tokens - 1) // self.block_size
         hit: list[KVCacheBlock] = []

@@ -65,7 +65,8 @@ class _Child:
 class _Parent:
     """A user request and its children."""
 
-    __slots__ = ("request_id", "prompt", "prompt_token_ids", "children", "kind")
+    __slots__ = ("request_id", "prompt", "prompt_token_ids", "children", "kind",
+                 "prompt_logprobs")
 
     def __init__(
         self, request_id: str, prompt: str | None, prompt_token_ids: list[int], kind: OutputKind
@@ -75,6 +76,7 @@ class _Parent:
         self.prompt_token_ids = prompt_token_ids
         self.children: list[_Child] = []
         self.kind = kind
+        self.prompt_logprobs: list[PositionLogprobs | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -248,6 +250,8 @@ class LLMEngine:
             parent, child = entry
             if out.request_id in self._deferred:
                 self._release_deferred(out.request_id)
+            if out.prompt_logprobs is not None and parent.prompt_logprobs is None:
+                parent.prompt_logprobs = _decoded(out.prompt_logprobs, child)
             if child.finish_reason is not None:
                 continue  # aborted or stopped by a string before this output arrived
             if self._process(child, out):
@@ -319,4 +323,16 @@ class LLMEngine:
             outputs=completions,
             finished=finished,
             num_cached_tokens=max(first.num_cached_tokens, 0),
+            prompt_logprobs=parent.prompt_logprobs,
         )
+
+
+def _decoded(entries: list[PositionLogprobs | None], child: _Child
+             ) -> list[PositionLogprobs | None]:
+    """Prompt logprobs with each ``Logprob.decoded_token`` filled in (the token's text
+    on its own, as for generated tokens)."""
+    for pos in entries:
+        for tid, lp in (pos or {}).items():
+            if lp.decoded_token is None:
+                lp.decoded_token = child.detok.decode_token(tid)
+    return entries

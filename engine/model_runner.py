@@ -40,6 +40,7 @@ from tandem.engine.cuda_graphs import CudaGraphRunner, capture_sizes, graphs_uns
 from tandem.engine.input_batch import build_input_batch
 from tandem.engine.model_facts import ModelFacts, resolve_model_facts
 from tandem.engine.model_loader import LoadedModel, load_model
+from tandem.engine.prompt_logprobs import prompt_logprobs_into
 from tandem.engine.models.interface import IntermediateTensors
 from tandem.engine.models.kv_scales import check_kv_scales_used
 from tandem.engine.models.registry import architecture_name
@@ -480,6 +481,7 @@ class ModelRunner:
         if isinstance(hidden, IntermediateTensors):
             self.pp_group.send({"hidden": hidden.hidden, "residual": hidden.residual})
             return out
+        prompt_logprobs_into(self.model, hidden, sched, out)  # only requests that ask
         if batch.sample_reqs:
             if len(batch.sample_rows) == batch.num_tokens:
                 last = hidden

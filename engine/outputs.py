@@ -17,6 +17,9 @@ class EngineCoreOutput:
         new_token_ids: tokens generated this step (usually one).
         new_logprobs: per new token, the sampled token's and top-N logprobs,
             when the request asked for logprobs; else ``None``.
+        prompt_logprobs: with the request's first token only, when it asked for
+            prompt logprobs: ``None`` for prompt token 0, then per prompt token its
+            logprob (with rank) and the top-k (``engine/prompt_logprobs.py``).
         finish_reason: "stop" | "length" | "abort" once finished, else ``None``.
         stop_reason: the stop token id that finished it, if any.
         num_cached_tokens: prompt tokens served from cache (local or remote).
@@ -27,6 +30,7 @@ class EngineCoreOutput:
     request_id: str
     new_token_ids: list[int]
     new_logprobs: list[PositionLogprobs] | None = None
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
@@ -74,6 +78,10 @@ class RequestOutput:
         outputs: one ``CompletionOutput`` per completion (``n`` of them).
         finished: all completions finished.
         num_cached_tokens: prompt tokens served from the prefix cache.
+        prompt_logprobs: with ``SamplingParams.prompt_logprobs``: ``None`` for the first
+            prompt token, then per prompt token a dict token id -> ``Logprob`` (the
+            token itself, then the top-k, each with its rank and decoded text), as vLLM
+            returns them; ``None`` when not asked for.
     """
 
     request_id: str
@@ -82,3 +90,4 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     num_cached_tokens: int = 0
+    prompt_logprobs: list[PositionLogprobs | None] | None = None

@@ -131,6 +131,9 @@ class Request:
         num_spec_tokens: how many draft tokens the request gets per step now (the
             scheduler's acceptance back-off adapts it); ``-1`` until first scheduled.
         spec_pause_steps: steps left before a backed-off request proposes again.
+        prompt_logprobs: with ``SamplingParams.prompt_logprobs``, the entries computed so
+            far of prompt tokens ``1 ..`` (entry ``i`` is token ``i + 1``'s), until they
+            go out with the first token (``take_prompt_logprobs``).
     """
 
     request_id: str
@@ -159,6 +162,8 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list)
     num_spec_tokens: int = -1
     spec_pause_steps: int = 0
+    prompt_logprobs: list[PositionLogprobs] = field(default_factory=list)
+    prompt_logprobs_taken: bool = False
 
     def __post_init__(self) -> None:
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
@@ -210,6 +215,25 @@ class Request:
         self.all_token_ids.append(token_id)
         if logprobs is not None:
             self.output_logprobs.append(logprobs)
+
+    def add_prompt_logprobs(self, start: int, positions: list[PositionLogprobs]) -> None:
+        """Record one chunk's prompt logprobs: ``positions[i]`` is prompt token
+        ``start + 1 + i``'s entry. Entries from ``start`` on are replaced (a preempted
+        request recomputes its prompt from the start)."""
+        del self.prompt_logprobs[start:]
+        self.prompt_logprobs.extend(positions)
+
+    def take_prompt_logprobs(self) -> list[PositionLogprobs | None] | None:
+        """The prompt logprobs to send with this request's first output: ``None`` for
+        prompt token 0, then one entry per later prompt token (vLLM's form); ``None``
+        when not asked for or already taken."""
+        if self.sampling_params.prompt_logprobs is None or self.prompt_logprobs_taken:
+            return None
+        self.prompt_logprobs_taken = True
+        entries: list[PositionLogprobs | None] = [None]
+        entries.extend(self.prompt_logprobs)
+        self.prompt_logprobs = []
+        return entries
 
     def is_finished(self) -> bool:
         return RequestStatus.is_finished(self.status)

@@ -180,7 +180,9 @@ class SamplingParams:
         include_stop_str_in_output: keep the matched stop string in the text.
         logprobs: number of top logprobs to return per generated token
             (0 returns only the sampled token's logprob); ``None`` returns none.
-        prompt_logprobs: reserved; not supported yet (must be ``None``).
+        prompt_logprobs: per prompt token, its logprob and the top ``k`` alternatives
+            (``k`` in [0, 20]; 0: the token's own only); ``None`` returns none. The
+            prompt is then computed in full (no prefix-cache or KV-store hit), as vLLM.
         skip_special_tokens: drop special tokens from the detokenized text.
         spaces_between_special_tokens: as in vLLM/transformers decode.
         structured_outputs: a constraint on the output (JSON schema, regex, choice,
@@ -256,8 +258,9 @@ class SamplingParams:
             )
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise _bad("logprobs", "be in [0, 20]", self.logprobs)
-        if self.prompt_logprobs is not None:
-            raise RequestError("prompt_logprobs", "prompt_logprobs is not supported")
+        if self.prompt_logprobs is not None and not (
+                isinstance(self.prompt_logprobs, int) and 0 <= self.prompt_logprobs <= 20):
+            raise _bad("prompt_logprobs", "be an integer in [0, 20]", self.prompt_logprobs)
         if self.seed is not None and not isinstance(self.seed, int):
             raise _bad("seed", "be an integer", repr(self.seed))
         if self.logit_bias:

@@ -87,6 +87,9 @@ class ModelRunnerOutput:
             when requested.
         draft_token_ids: request_id -> draft tokens proposed after this step's sample
             (at most ``SchedulerOutput.num_lookahead_tokens``), for the next step.
+        prompt_logprobs: request_id -> ``(start, positions)``: the prompt logprobs this
+            step's chunk computed, ``positions[i]`` for prompt token ``start + 1 + i``
+            (``engine/prompt_logprobs.py``).
     """
 
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
@@ -94,3 +97,4 @@ class ModelRunnerOutput:
     verified_token_ids: dict[str, list[int]] = field(default_factory=dict)
     verified_logprobs: dict[str, list[Any]] = field(default_factory=dict)
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    prompt_logprobs: dict[str, tuple[int, list[Any]]] = field(default_factory=dict)

@@ -466,6 +466,8 @@ class Scheduler(Admission):
                 token_logprobs = [logprobs] if logprobs is not None else None
             num_rejected = len(drafts) - (len(tokens) - 1 if tokens is not None else 0)
             req.num_computed_tokens += sched.num_scheduled_tokens[rid] - num_rejected
+            if rid in out.prompt_logprobs:
+                req.add_prompt_logprobs(*out.prompt_logprobs[rid])
             if tokens is None:
                 continue
             assert req.num_computed_tokens == req.num_tokens + len(tokens) - 1, (
@@ -490,6 +492,7 @@ class Scheduler(Admission):
                     request_id=rid,
                     new_token_ids=new_tokens,
                     new_logprobs=new_logprobs,
+                    prompt_logprobs=req.take_prompt_logprobs(),
                     finish_reason=req.get_finish_reason(),
                     stop_reason=req.stop_reason,
                     num_cached_tokens=max(req.num_cached_tokens, 0),
