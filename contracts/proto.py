@@ -43,6 +43,7 @@ _OPTIONAL_SCALARS = (
     "min_tokens",
     "ignore_eos",
     "logprobs",
+    "prompt_logprobs",
 )
 
 _FINISH_TO_PROTO: dict[str | None, common_pb2.FinishReason] = {
@@ -124,6 +125,8 @@ def sampling_params_to_proto(params: SamplingParams) -> common_pb2.SamplingParam
         msg.max_tokens = params.max_tokens
     if params.logprobs is not None:
         msg.logprobs = params.logprobs
+    if params.prompt_logprobs is not None:
+        msg.prompt_logprobs = params.prompt_logprobs
     if params.structured_outputs is not None:
         msg.structured_outputs.CopyFrom(structured_outputs_to_proto(params.structured_outputs))
     return msg
@@ -213,6 +216,24 @@ def logprobs_to_proto(
         if lp.rank is not None:
             entry.rank = lp.rank
     return msg
+
+
+def prompt_logprobs_to_proto(
+    prompt_token_ids: Sequence[int], entries: Sequence[PositionLogprobs | None], num_top: int
+) -> list[common_pb2.TopLogprobs]:
+    """A request's prompt logprobs (``EngineCoreOutput.prompt_logprobs``: ``None`` for
+    token 0, then one entry per prompt token) as protos, one per prompt token from the
+    second on (``sampled``: that prompt token; ``top``: the ``num_top`` most likely).
+
+    Raises:
+        ValueError: naming ``prompt_logprobs`` when an entry is missing (one per prompt
+            token after the first is expected).
+    """
+    if len(entries) != len(prompt_token_ids) or any(e is None for e in entries[1:]):
+        raise ValueError(f"prompt_logprobs: {len(entries)} entries for "
+                         f"{len(prompt_token_ids)} prompt tokens, or one missing")
+    return [logprobs_to_proto(tok, pos, num_top)  # type: ignore[arg-type]
+            for tok, pos in zip(prompt_token_ids[1:], entries[1:], strict=True)]
 
 
 def publish_in_flight_to_proto(hint: PublishInFlight) -> common_pb2.PublishInFlight:

@@ -21,6 +21,7 @@ the engine computes prompt + them and streams the tokens after them.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -32,6 +33,7 @@ from tandem.contracts.block_key import KVTransferParams
 from tandem.contracts.proto import (
     finish_reason_to_proto,
     logprobs_to_proto,
+    prompt_logprobs_to_proto,
     publish_in_flight_from_proto,
 )
 from tandem.engine.outputs import EngineCoreOutput
@@ -65,6 +67,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             request.request_id, request.prompt_token_ids, request.sampling_params, request.priority
         )
         req.cache_salt = request.cache_salt or None
+        if request.HasField("first_token_id") or request.output_token_ids:
+            # The prompt's logprobs came from the instance that computed it; asking
+            # again would only turn off this instance's KV load (a full recompute).
+            req.sampling_params = dataclasses.replace(req.sampling_params, prompt_logprobs=None)
         if request.HasField("kv_publish_in_flight"):
             if request.HasField("first_token_id") and not request.output_token_ids:
                 raise ValueError("kv_publish_in_flight is for the colocated form (this "
@@ -184,6 +190,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                 )
                 return
         num_top = req.sampling_params.logprobs
+        num_prompt_top = req.sampling_params.prompt_logprobs
         first = True
         clock = _StreamClock()
         try:
@@ -194,6 +201,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                     resp = decode_pb2.DecodeResponse()
                     for out, _ in batch:
                         resp.token_ids.extend(out.new_token_ids)
+                        if out.prompt_logprobs is not None and num_prompt_top is not None:
+                            resp.prompt_logprobs.extend(prompt_logprobs_to_proto(
+                                req.prompt_token_ids, out.prompt_logprobs, num_prompt_top))
                         if out.new_logprobs and num_top is not None:
                             for tok, pos in zip(out.new_token_ids, out.new_logprobs,
                                                 strict=True):

@@ -23,6 +23,7 @@ from tandem.contracts.block_hash import prompt_block_hashes
 from tandem.contracts.proto import (
     finish_reason_to_proto,
     logprobs_to_proto,
+    prompt_logprobs_to_proto,
     publish_in_flight_from_proto,
 )
 from tandem.engine.kv_connector import SaveResult
@@ -104,6 +105,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             resp.first_logprobs.CopyFrom(
                 logprobs_to_proto(token_id, first.new_logprobs[0], full_params.logprobs)
             )
+        if first.prompt_logprobs is not None and full_params.prompt_logprobs is not None:
+            resp.prompt_logprobs.extend(prompt_logprobs_to_proto(
+                req.prompt_token_ids, first.prompt_logprobs, full_params.prompt_logprobs))
         if stop is not None and stop.stop_reason is not None:
             resp.stop_token_id = stop.stop_reason
         m = ctx.metrics

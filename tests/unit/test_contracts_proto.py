@@ -20,14 +20,14 @@ from tandem.engine.sampling_params import StructuredOutputsParams as SO
 from tandem.v1 import common_pb2
 
 # Engine fields the proto does not carry on purpose (the router keeps them).
-NOT_CARRIED = {"n", "stop", "include_stop_str_in_output", "prompt_logprobs",
+NOT_CARRIED = {"n", "stop", "include_stop_str_in_output",
                "skip_special_tokens", "spaces_between_special_tokens"}
 
 # A value other than the default for every field the proto carries.
 NON_DEFAULT = dict(temperature=0.5, top_k=7, top_p=0.875, min_p=0.125, seed=3,
                    presence_penalty=0.5, frequency_penalty=-0.5, repetition_penalty=1.25,
                    logit_bias={5: 2.0}, min_tokens=2, max_tokens=9, ignore_eos=True,
-                   stop_token_ids=[4], logprobs=0,
+                   stop_token_ids=[4], logprobs=0, prompt_logprobs=2,
                    structured_outputs=SO(json={"type": "object"}, disable_any_whitespace=True))
 
 

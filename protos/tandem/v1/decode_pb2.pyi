@@ -36,7 +36,7 @@ class DecodeRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., first_token_id: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., kv_layout_fingerprint: _Optional[bytes] = ..., hash_algorithm: _Optional[str] = ..., priority: _Optional[int] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., kv_publish_pending: _Optional[bool] = ..., kv_publish_in_flight: _Optional[_Union[_common_pb2.PublishInFlight, _Mapping]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
-    __slots__ = ("token_ids", "logprobs", "finish_reason", "stop_token_id", "kv_pull_ns", "num_cached_tokens", "queue_ns", "kv_pull_bytes", "sent_unix_ns", "engine_decode_ns", "output_latency_ns", "num_engine_outputs")
+    __slots__ = ("token_ids", "logprobs", "finish_reason", "stop_token_id", "kv_pull_ns", "num_cached_tokens", "queue_ns", "kv_pull_bytes", "sent_unix_ns", "engine_decode_ns", "output_latency_ns", "num_engine_outputs", "prompt_logprobs")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
@@ -49,6 +49,7 @@ class DecodeResponse(_message.Message):
     ENGINE_DECODE_NS_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_LATENCY_NS_FIELD_NUMBER: _ClassVar[int]
     NUM_ENGINE_OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TopLogprobs]
     finish_reason: _common_pb2.FinishReason
@@ -61,7 +62,8 @@ class DecodeResponse(_message.Message):
     engine_decode_ns: int
     output_latency_ns: int
     num_engine_outputs: int
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TopLogprobs, _Mapping]]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., stop_token_id: _Optional[int] = ..., kv_pull_ns: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., queue_ns: _Optional[int] = ..., kv_pull_bytes: _Optional[int] = ..., sent_unix_ns: _Optional[int] = ..., engine_decode_ns: _Optional[int] = ..., output_latency_ns: _Optional[int] = ..., num_engine_outputs: _Optional[int] = ...) -> None: ...
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TopLogprobs]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TopLogprobs, _Mapping]]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., stop_token_id: _Optional[int] = ..., kv_pull_ns: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., queue_ns: _Optional[int] = ..., kv_pull_bytes: _Optional[int] = ..., sent_unix_ns: _Optional[int] = ..., engine_decode_ns: _Optional[int] = ..., output_latency_ns: _Optional[int] = ..., num_engine_outputs: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TopLogprobs, _Mapping]]] = ...) -> None: ...
 
 class DecodeStreamRequest(_message.Message):
     __slots__ = ("stream", "start", "cancel")

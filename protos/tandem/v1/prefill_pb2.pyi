@@ -24,7 +24,7 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., kv_publish_in_flight: _Optional[_Union[_common_pb2.PublishInFlight, _Mapping]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("request_id", "first_token_id", "first_logprobs", "finish_reason", "block_hashes", "kv_layout_fingerprint", "hash_algorithm", "num_prompt_tokens", "num_cached_tokens", "queue_ns", "compute_ns", "publish_ns", "stop_token_id", "kv_publish_pending")
+    __slots__ = ("request_id", "first_token_id", "first_logprobs", "finish_reason", "block_hashes", "kv_layout_fingerprint", "hash_algorithm", "num_prompt_tokens", "num_cached_tokens", "queue_ns", "compute_ns", "publish_ns", "stop_token_id", "kv_publish_pending", "prompt_logprobs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -39,6 +39,7 @@ class PrefillResponse(_message.Message):
     PUBLISH_NS_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     KV_PUBLISH_PENDING_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     first_token_id: int
     first_logprobs: _common_pb2.TopLogprobs
@@ -53,4 +54,5 @@ class PrefillResponse(_message.Message):
     publish_ns: int
     stop_token_id: int
     kv_publish_pending: bool
-    def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., first_logprobs: _Optional[_Union[_common_pb2.TopLogprobs, _Mapping]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., kv_layout_fingerprint: _Optional[bytes] = ..., hash_algorithm: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., queue_ns: _Optional[int] = ..., compute_ns: _Optional[int] = ..., publish_ns: _Optional[int] = ..., stop_token_id: _Optional[int] = ..., kv_publish_pending: _Optional[bool] = ...) -> None: ...
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TopLogprobs]
+    def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., first_logprobs: _Optional[_Union[_common_pb2.TopLogprobs, _Mapping]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., kv_layout_fingerprint: _Optional[bytes] = ..., hash_algorithm: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., queue_ns: _Optional[int] = ..., compute_ns: _Optional[int] = ..., publish_ns: _Optional[int] = ..., stop_token_id: _Optional[int] = ..., kv_publish_pending: _Optional[bool] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TopLogprobs, _Mapping]]] = ...) -> None: ...
