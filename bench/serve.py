@@ -53,9 +53,11 @@ from tandem.bench.serve_client import (
     sample_prompts,
     sse_events,
 )
+from tandem.bench.serve_doors import DOORS
 from tandem.bench.serve_report import (
     compute_metrics,
     decode_breakdown,
+    doors_table,
     plot,
     print_decode_breakdown,
     print_fault_comparison,
@@ -115,34 +117,50 @@ def _run_all(args: argparse.Namespace, url: str, percentiles: list[float],
     model, vocab = model_and_vocab(base, args.model, args.tokenizer, args.vocab_size)
     if args.dataset_name == "multi-turn":
         return _run_multi_turn(args, base, model, percentiles, label)
+    tokenizer = None
+    if not all(DOORS[t].takes_ids for t in args.endpoint_type):
+        from tandem.engine.model_files import load_tokenizer
+
+        tokenizer = load_tokenizer(args.tokenizer)
     all_results = []
     failed = 0
     for i, rate in enumerate(args.request_rate):
-        # NOTE: fresh prompts per rate: repeating them would hit the prefix cache.
-        prompts = sample_prompts(args.num_prompts, args.random_input_len,
-                                 args.random_output_len, args.random_range_ratio, vocab,
-                                 args.seed + i, mix)
-        print(f"Traffic request rate: {rate}\nBurstiness factor: {args.burstiness}"
-              f"\nMaximum request concurrency: {args.max_concurrency}", flush=True)
-        cpu_before = _cpu_seconds(pids) if pids else {}
-        results, duration = asyncio.run(run_rate(
-            base + args.endpoint, model, prompts, rate, args.burstiness, args.max_concurrency,
-            args.ignore_eos, args.seed, args.structured, args.temperature))
-        m = compute_metrics(results, duration, percentiles, slo)
-        if pids:
-            cpu = {k: v - cpu_before[k] for k, v in _cpu_seconds(pids).items()}
-            m["cpu_seconds"] = cpu
-            if cpu.get("router"):
-                m["router_tokens_per_cpu_s"] = m["total_output_tokens"] / cpu["router"]
-        m.update(date=datetime.now().strftime("%Y%m%d-%H%M%S"), backend="tandem",
-                 model_id=model, tokenizer_id=model, num_prompts=args.num_prompts,
-                 request_rate=rate, burstiness=args.burstiness,
-                 max_concurrency=args.max_concurrency, label=label, structured=args.structured)
-        print_result(m, percentiles, rate)
-        if args.profile:
-            print_decode_breakdown(m)
-        failed += m["failed"]
-        all_results.append(m)
+        for j, endpoint_type in enumerate(args.endpoint_type):
+            door = DOORS[endpoint_type]
+            # NOTE: fresh prompts per rate and door: repeating them would hit the prefix
+            # cache. The first door's seed is the one a single door gets.
+            prompts: list[tuple[Any, int]] = list(sample_prompts(
+                args.num_prompts, args.random_input_len, args.random_output_len,
+                args.random_range_ratio, vocab, args.seed + i + 1000 * j, mix))
+            if not door.takes_ids:
+                assert tokenizer is not None, "loaded for the text doors"
+                prompts = [(tokenizer.decode(ids), o) for ids, o in prompts]
+            print(f"Endpoint type: {endpoint_type}\nTraffic request rate: {rate}"
+                  f"\nBurstiness factor: {args.burstiness}"
+                  f"\nMaximum request concurrency: {args.max_concurrency}", flush=True)
+            cpu_before = _cpu_seconds(pids) if pids else {}
+            results, duration = asyncio.run(run_rate(
+                base + (args.endpoint or door.path), model, prompts, rate, args.burstiness,
+                args.max_concurrency, args.ignore_eos, args.seed, args.structured,
+                args.temperature, door))
+            m = compute_metrics(results, duration, percentiles, slo)
+            if pids:
+                cpu = {k: v - cpu_before[k] for k, v in _cpu_seconds(pids).items()}
+                m["cpu_seconds"] = cpu
+                if cpu.get("router"):
+                    m["router_tokens_per_cpu_s"] = m["total_output_tokens"] / cpu["router"]
+            m.update(date=datetime.now().strftime("%Y%m%d-%H%M%S"), backend="tandem",
+                     endpoint_type=endpoint_type, model_id=model, tokenizer_id=model,
+                     num_prompts=args.num_prompts, request_rate=rate,
+                     burstiness=args.burstiness, max_concurrency=args.max_concurrency,
+                     label=label, structured=args.structured)
+            print_result(m, percentiles, rate)
+            if args.profile:
+                print_decode_breakdown(m)
+            failed += m["failed"]
+            all_results.append(m)
+    if len(args.endpoint_type) > 1:
+        print(doors_table(all_results))
     return all_results, failed
 
 
@@ -264,6 +282,24 @@ def _spec_counters(metrics_urls: dict[str, str]) -> dict[str, dict[str, float]]:
     return out
 
 
+def check_doors(args: argparse.Namespace) -> None:
+    """Raises: ValueError naming the flag when ``--endpoint-type`` does not go with the
+    other flags (a door that refuses ``ignore_eos``, one ``--endpoint`` for several
+    doors, the multi-turn dataset, which speaks chat)."""
+    types = args.endpoint_type
+    if len(set(types)) != len(types):
+        raise ValueError(f"--endpoint-type: each door once, got {' '.join(types)}")
+    if args.endpoint is not None and len(types) > 1:
+        raise ValueError("--endpoint: one path, for one --endpoint-type")
+    refusing = [t for t in types if not DOORS[t].takes_ignore_eos]
+    if args.ignore_eos and refusing:
+        raise ValueError(f"--ignore-eos: the {', '.join(refusing)} door(s) refuse ignore_eos "
+                         "and min_tokens (a 400); --structured json forces every output "
+                         "to its length through every door")
+    if args.dataset_name == "multi-turn" and types != ["completions"] and types != ["chat"]:
+        raise ValueError("--endpoint-type: the multi-turn dataset speaks chat")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `tandem bench serve`. Returns 0 when every request succeeded."""
     args = build_parser().parse_args(argv)
@@ -275,6 +311,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.temperature and args.dataset_name == "multi-turn":
             raise ValueError("--temperature: the multi-turn dataset is greedy (its turns "
                              "are compared across stacks)")
+        check_doors(args)
         mix = None
         if args.input_len_mix:
             mix = [(int(a), float(b)) for a, b in

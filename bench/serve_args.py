@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 
+from tandem.bench.serve_doors import ENDPOINT_TYPES
+
 
 def parse_slo(items: list[str], sep: str) -> dict[str, float]:
     """``ttft=500,tpot=50`` or vLLM's ``ttft:500 tpot:50`` -> {metric: ms}.
@@ -35,7 +37,17 @@ def build_parser() -> argparse.ArgumentParser:
         description="online serving load test against a running router (HTTP, SSE)")
     p.add_argument("--url", "--base-url", dest="url", default="http://127.0.0.1:8000",
                    help="router base URL")
-    p.add_argument("--endpoint", default="/v1/completions")
+    p.add_argument("--endpoint-type", nargs="+", default=["completions"],
+                   choices=ENDPOINT_TYPES,
+                   help="the door the load goes through (bench/serve_doors.py): completions "
+                        "(token-id prompts), chat, responses (OpenAI Responses API) or "
+                        "messages (Anthropic Messages API); the text doors get the random "
+                        "ids' text and count the input tokens the router reports. Several: "
+                        "each rate's load goes through each door in turn (fresh prompts per "
+                        "door, the same lengths) and a table compares them")
+    p.add_argument("--endpoint", default=None,
+                   help="URL path (default: the --endpoint-type's, e.g. /v1/completions; "
+                        "one --endpoint-type only)")
     p.add_argument("--model", default=None, help="model name (default: the router's first)")
     p.add_argument("--dataset-name", default="random", choices=["random", "multi-turn"],
                    help="random: token-id prompts; multi-turn: chat conversations whose "
@@ -64,7 +76,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests/s; several values run one after another")
     p.add_argument("--burstiness", type=float, default=1.0)
     p.add_argument("--max-concurrency", type=int, default=None)
-    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="vLLM's ignore_eos on every request (completions and chat; the "
+                        "responses and messages doors refuse it: --structured json forces "
+                        "their output lengths)")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="sampling temperature of every request (default 0: greedy); "
                         "vllm bench serve sends none, so a server samples at its own "

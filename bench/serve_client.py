@@ -5,14 +5,17 @@ as ``vllm bench serve``)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import random
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
+from tandem.bench.serve_doors import DOORS, Door, DoorError
 
 
 @dataclass
@@ -80,17 +83,16 @@ async def sse_events(resp: Any) -> AsyncIterator[dict[str, Any]]:
             yield json.loads(line[6:])
 
 
-async def stream_completion(client: Any, url: str, model: str, prompt: list[int],
-                            max_tokens: int, ignore_eos: bool,
-                            extra: dict[str, Any] | None = None,
-                            temperature: float = 0.0) -> RequestResult:
-    """One streamed ``/v1/completions`` request of ``prompt`` (token ids); a failure is
-    recorded in the result, never raised."""
-    res = RequestResult(prompt_len=len(prompt))
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens,
-            "temperature": temperature,
-            "stream": True, "ignore_eos": ignore_eos, "stream_options": {"include_usage": True},
-            **(extra or {})}
+async def stream_request(client: Any, url: str, door: Door, model: str,
+                         prompt: list[int] | str, max_tokens: int, ignore_eos: bool,
+                         extra: dict[str, Any] | None = None,
+                         temperature: float = 0.0) -> RequestResult:
+    """One streamed request of ``prompt`` (token ids, or text for a door that takes text)
+    through ``door`` at ``url``, with ``extra`` fields added to the body; a failure is
+    recorded in the result, never raised. TTFT and ITL are seconds to / between the door's
+    token events; ``prompt_len`` is the door's reported input tokens for a text prompt."""
+    res = RequestResult(prompt_len=len(prompt) if door.takes_ids else 0)
+    body = {**door.body(model, prompt, max_tokens, temperature, ignore_eos), **(extra or {})}
     start = time.perf_counter()
     last = start
     try:
@@ -99,40 +101,50 @@ async def stream_completion(client: Any, url: str, model: str, prompt: list[int]
                 res.error = f"HTTP {resp.status}: {(await resp.read())[:300]!r}"
                 return res
             async for data in sse_events(resp):
-                if "error" in data:
-                    res.error = str(data["error"].get("message"))
-                    return res
-                if data.get("usage"):
-                    res.output_tokens = data["usage"]["completion_tokens"]
-                if data.get("timings"):
-                    res.timings = data["timings"]
-                for choice in data.get("choices") or ():
-                    now = time.perf_counter()
-                    if not res.ttft:
-                        res.ttft = now - start
-                    else:
-                        res.itl.append(now - last)
-                    last = now
-                    res.generated_text += choice.get("text") or ""
+                text = door.read(data, res)
+                if text is None:
+                    continue
+                now = time.perf_counter()
+                if not res.ttft:
+                    res.ttft = now - start
+                else:
+                    res.itl.append(now - last)
+                last = now
+                res.generated_text += text
         res.latency = time.perf_counter() - start
         res.success = res.ttft > 0
+    except DoorError as exc:
+        res.error = str(exc)
     except Exception as exc:  # noqa: BLE001 - a failed request is a measurement, not a crash
         res.error = f"{type(exc).__name__}: {exc}"
     return res
 
 
-async def run_rate(url: str, model: str, prompts: list[tuple[list[int], int]],
+async def stream_completion(client: Any, url: str, model: str, prompt: list[int],
+                            max_tokens: int, ignore_eos: bool,
+                            extra: dict[str, Any] | None = None,
+                            temperature: float = 0.0) -> RequestResult:
+    """One streamed ``/v1/completions`` request of ``prompt`` (token ids): see
+    :func:`stream_request`."""
+    return await stream_request(client, url, DOORS["completions"], model, prompt, max_tokens,
+                                ignore_eos, extra, temperature)
+
+
+async def run_rate(url: str, model: str, prompts: Sequence[tuple[list[int] | str, int]],
                    request_rate: float, burstiness: float, max_concurrency: int | None,
                    ignore_eos: bool, seed: int, structured: str | None = None,
-                   temperature: float = 0.0) -> tuple[list[RequestResult], float]:
-    """Send ``prompts`` with gamma-distributed gaps at ``request_rate`` req/s (inf: at once),
-    each sampled at ``temperature`` (0: greedy).
+                   temperature: float = 0.0, door: Door | None = None
+                   ) -> tuple[list[RequestResult], float]:
+    """Send ``prompts`` (``(prompt, max_tokens)``: token ids, or text for a door that takes
+    text) through ``door`` (default: completions) with gamma-distributed gaps at
+    ``request_rate`` req/s (inf: at once), each sampled at ``temperature`` (0: greedy).
 
     ``structured="json"``: every request carries vLLM's ``structured_outputs`` with the JSON
     schema of ``tandem bench throughput --structured json`` (no output of its
     ``max_tokens`` completes it, so constrained and unconstrained runs generate the same
     token counts).
     """
+    door = door or DOORS["completions"]
     rng = np.random.default_rng(seed)
     sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     async with http_session() as client:
@@ -143,13 +155,10 @@ async def run_rate(url: str, model: str, prompts: list[tuple[list[int], int]],
 
             return {"structured_outputs": {"json": structured_schema(o)}}
 
-        async def guarded(p: list[int], o: int) -> RequestResult:
-            if sem is None:
-                return await stream_completion(client, url, model, p, o, ignore_eos, extra(o),
-                                               temperature)
-            async with sem:
-                return await stream_completion(client, url, model, p, o, ignore_eos, extra(o),
-                                               temperature)
+        async def guarded(p: list[int] | str, o: int) -> RequestResult:
+            async with sem or contextlib.nullcontext():
+                return await stream_request(client, url, door, model, p, o, ignore_eos,
+                                            extra(o), temperature)
 
         tasks = []
         start = time.perf_counter()

@@ -247,3 +247,21 @@ def side_by_side(results: list[dict[str, Any]]) -> str:
         lines.append(f"| {m.get('label')} | {rate} | " + " | ".join(cells)
                      + f" | {accept} | {length} |")
     return "\n".join(lines)
+
+
+def doors_table(results: list[dict[str, Any]]) -> str:
+    """A markdown table of one run's doors (``--endpoint-type`` several; one row per rate
+    and door): output tokens, output tok/s and its ratio to the rate's first door, median
+    TTFT / TPOT / ITL (ms), failed requests."""
+    lines = ["| rate (req/s) | door | output tokens | output tok/s | vs first door | "
+             "median TTFT ms | median TPOT ms | median ITL ms | failed |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    first: dict[float, float] = {}
+    for m in results:
+        rate = m["request_rate"]
+        base = first.setdefault(rate, m["output_throughput"])
+        ratio = f"{m['output_throughput'] / base:.3f}" if base else "-"
+        lines.append(f"| {rate:g} | {m['endpoint_type']} | {m['total_output_tokens']} | "
+                     f"{m['output_throughput']:.1f} | {ratio} | {m['median_ttft_ms']:.1f} | "
+                     f"{m['median_tpot_ms']:.1f} | {m['median_itl_ms']:.1f} | {m['failed']} |")
+    return "\n".join(lines)
