@@ -1,28 +1,27 @@
 """A store node's state and request handlers (all on one asyncio loop).
 
 See kvstore/protocol.py for the messages and kvstore/index.py for the Redis schema.
+Parts: this module holds the node's lifecycle, client connections and put/get over UCX;
+kvstore/node_index.py its registry entry and index commits in Redis (the heartbeat);
+kvstore/node_leases.py the leases of same-host shared-memory reads.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import socket
 import time
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
-import redis.asyncio as aioredis
-from redis.exceptions import RedisError
-
 from tandem.contracts.block_key import INDEX_PREFIX, BlockKey
 from tandem.kvstore import protocol as proto
 from tandem.kvstore.config import NodeConfig
-from tandem.kvstore.index import COMMIT_LUA, NODES_SET, IndexEntry, commit_args, node_key
 from tandem.kvstore.metrics import NodeMetrics
+from tandem.kvstore.node_index import NodeIndex
+from tandem.kvstore.node_leases import ShmLeases
 from tandem.kvstore.pool import Entry, PoolFullError, SlotPool
-from tandem.kvstore.shm import Segment, host_id
+from tandem.kvstore.shm import Segment
 from tandem.kvstore.shm_ctl import CtlServer, ctl_address
 from tandem.kvstore.ucx import endpoint_to, init_ucx, within, worker_address, worker_recv
 
@@ -75,29 +74,31 @@ class StoreNode:
                 logger.warning("no shared-memory pool (%s): same-host reads use UCX", exc)
         self.pool = SlotPool(cfg.capacity_bytes, cfg.slot_bytes, prefault=cfg.prefault,
                              buffer=self.segment.array if self.segment else None)
-        # shared-memory reads in progress: (connection id, lease id) -> (blocks pinned,
-        # expiry timer, start); only the connection that got a lease releases it
-        self._leases: dict[tuple[int, int], tuple[list[Entry], asyncio.TimerHandle, float]] = {}
-        self._next_lease = 1
         self.metrics = NodeMetrics()
         self.metrics.capacity_bytes.set(cfg.capacity_bytes)
-        self.redis = aioredis.from_url(cfg.redis_url, socket_timeout=5, socket_connect_timeout=5)
-        self._commit = self.redis.register_script(COMMIT_LUA)
+        # the node's registry entry and index commits in Redis
+        self.index = NodeIndex(cfg, self.pool, self.metrics, self.segment)
+        # shared-memory reads in progress (kvstore/shm_ctl.py's get_shm)
+        self.leases = ShmLeases(self.pool, self.metrics, cfg.shm_lease_s, self.segment)
         self._next_conn = 1
         self._conns: dict[int, _Conn] = {}
         self._fp_sizes: dict[str, int] = {}  # layout fingerprint hex -> block bytes
         self._tasks: set[asyncio.Task[Any]] = set()
-        self.redis_ok = False
-        self.ucx_address = b""
         self.ctl: CtlServer | None = None  # same-host get_shm channel (kvstore/shm_ctl.py)
+
+    @property
+    def redis_ok(self) -> bool:
+        """Whether the last heartbeat reached Redis (the node's health)."""
+        return self.index.redis_ok
 
     # -- lifecycle ----------------------------------------------------------------------------
 
     async def start(self) -> None:
         init_ucx(self.cfg.ucx)
-        self.ucx_address = worker_address()
+        self.index.ucx_address = worker_address()
         if self.segment is not None:
-            ctl = CtlServer(self.pin_shm, self._release_lease, self._release_leases_of)
+            ctl = CtlServer(self.leases.pin_shm, self.leases.release_lease,
+                            self.leases.release_leases_of)
             try:
                 await ctl.start(ctl_address(self.cfg.node_id, self.segment.ident))
                 self.ctl = ctl
@@ -105,7 +106,7 @@ class StoreNode:
                 logger.warning("no shared-memory control socket (%s): clients read over UCX",
                                exc)
         self._spawn(self._hello_loop())
-        await self._heartbeat_once()
+        await self.index.heartbeat_once()
         self._spawn(self._heartbeat_loop())
         self._spawn(self._expiry_loop())
         logger.info("kvstore node %s on %s:%d: %d bytes, heartbeat TTL %.1fs",
@@ -130,75 +131,16 @@ class StoreNode:
             c.abort()
         if self.ctl is not None:
             await self.ctl.stop()
-        # a clean stop withdraws the node and its index entries (a killed node's
-        # entries are misses, removed by the clients that find them)
-        gone = [(k, self._entry(self.pool.entries[k]).owner_prefix) for k in self.pool.lru_keys()]
-        await self._try_commit(gone, [])
-        try:
-            await self.redis.delete(node_key(self.cfg.node_id))
-        except (RedisError, OSError):
-            pass
-        await self.redis.aclose()
+        await self.index.close()
         if self.segment is not None:
             self.segment.close()
 
-    # -- registry -----------------------------------------------------------------------------
-
-    def _registry_fields(self) -> dict[Any, Any]:
-        return {
-            "address": f"{self.cfg.host}:{self.cfg.port}",
-            "ucx_address": self.ucx_address.hex(),
-            "capacity_bytes": self.cfg.capacity_bytes,
-            "used_bytes": self.pool.used_bytes,
-            "num_blocks": self.pool.num_blocks,
-            "slot_bytes": self.pool.slot_bytes or 0,
-            "hostname": socket.gethostname(),
-            "host_id": host_id(),
-            "shm_path": self.segment.path if self.segment else "",
-            "shm_id": self.segment.ident if self.segment else "",
-            "pid": os.getpid(),
-            "updated_at": time.time(),
-        }
-
-    async def _heartbeat_once(self) -> None:
-        key = node_key(self.cfg.node_id)
-        fields = self._registry_fields()
-        ttl_ms = int(self.cfg.heartbeat_ttl_s * 1000)
-        try:
-            async with self.redis.pipeline(transaction=True) as pipe:
-                pipe.exists(key)
-                pipe.hset(key, mapping=fields)
-                pipe.pexpire(key, ttl_ms)
-                pipe.sadd(NODES_SET, self.cfg.node_id)
-                existed, *_ = await pipe.execute()
-        except (RedisError, OSError) as exc:
-            if self.redis_ok:
-                logger.warning("heartbeat failed (Redis unreachable?): %s", exc)
-            self.redis_ok = False
-            return
-        if not existed and self.pool.num_blocks:
-            # Registry entry was gone: Redis restarted (or we were partitioned long
-            # enough to expire). Re-publish what this node holds.
-            await self._republish()
-        self.redis_ok = True
-
-    async def _republish(self) -> None:
-        new = []
-        for key in self.pool.lru_keys():
-            e = self.pool.entries[key]
-            ttl_ms = self._ttl_ms(e)
-            if ttl_ms is None:
-                continue
-            new.append((key, self._entry(e).encode(), ttl_ms))
-        if new:
-            keys, argv = commit_args([], new)
-            await self._commit(keys=keys, args=argv)
-            logger.info("re-published %d index entries after a registry loss", len(new))
+    # -- heartbeat and expiry -----------------------------------------------------------------
 
     async def _heartbeat_loop(self) -> None:
         while True:
             await asyncio.sleep(self.cfg.heartbeat_ttl_s / 3)
-            await self._heartbeat_once()
+            await self.index.heartbeat_once()
             self._update_gauges()
 
     async def _expiry_loop(self) -> None:
@@ -207,36 +149,13 @@ class StoreNode:
             gone = self.pool.expire()
             if gone:
                 self.metrics.expirations.inc(len(gone))
-                await self._try_commit([(e.key, self._entry(e).owner_prefix) for e in gone], [])
+                await self.index.try_commit(
+                    [(e.key, self.index.entry(e).owner_prefix) for e in gone], [])
                 self._update_gauges()
 
     def _update_gauges(self) -> None:
         self.metrics.blocks_stored.set(self.pool.num_blocks)
         self.metrics.bytes_stored.set(self.pool.used_bytes)
-
-    def _entry(self, e: Entry) -> IndexEntry:
-        return IndexEntry(self.cfg.node_id, e.slot, e.size_bytes, e.checksum)
-
-    @staticmethod
-    def _ttl_ms(e: Entry) -> int | None:
-        """Remaining TTL in ms (0: none); ``None`` if already expired."""
-        if e.expires_at is None:
-            return 0
-        left = e.expires_at - time.monotonic()
-        return int(left * 1000) if left > 0.001 else None
-
-    async def _try_commit(self, evicted: list[tuple[str, str]],
-                          new: list[tuple[str, str, int]]) -> bool:
-        keys, argv = commit_args(evicted, new)
-        if not keys:
-            return True
-        try:
-            await self._commit(keys=keys, args=argv)
-            return True
-        except (RedisError, OSError) as exc:
-            logger.warning("index update failed: %s", exc)
-            self.metrics.errors.labels("index").inc()
-            return False
 
     # -- connections --------------------------------------------------------------------------
 
@@ -393,14 +312,15 @@ class StoreNode:
         except (PoolFullError, ValueError) as exc:
             for e in pending:
                 self.pool.abort(e)
-            await self._try_commit([(e.key, self._entry(e).owner_prefix) for e in evicted], [])
+            await self.index.try_commit(
+                [(e.key, self.index.entry(e).owner_prefix) for e in evicted], [])
             raise ValueError(str(exc)) from exc
         for k, n in zip(keys, sizes, strict=True):
             self._fp_sizes.setdefault(k[len(INDEX_PREFIX):].partition(":")[0], n)
         if not formatted:
             # the slot size was just fixed: publish it now (clients use it to post
             # get receives before their request)
-            self._spawn(self._heartbeat_once())
+            self._spawn(self.index.heartbeat_once())
         self.metrics.evictions.inc(len(evicted))
         ok = False
         try:
@@ -423,17 +343,17 @@ class StoreNode:
                 conn.abort()  # cancels the posted receives before the slots are reused
                 for e in pending:
                     self.pool.abort(e)
-                await self._try_commit(
-                    [(e.key, self._entry(e).owner_prefix) for e in evicted], [])
+                await self.index.try_commit(
+                    [(e.key, self.index.entry(e).owner_prefix) for e in evicted], [])
         new = []
         mine = {id(e) for e in pending}
         for k in keys:
             found = self.pool.entries.get(k)
             if found is None or (not found.committed and id(found) not in mine):
                 continue  # another put's pending write commits it
-            ttl_ms = self._ttl_ms(found)
+            ttl_ms = self.index.ttl_ms(found)
             if ttl_ms is not None:
-                new.append((k, self._entry(found).encode(), ttl_ms))
+                new.append((k, self.index.entry(found).encode(), ttl_ms))
         # NOTE: readable here before the index commit: a get that finds a fresh index
         # entry while the commit's reply is on its way must find the bytes too, or it
         # removes the entry as one whose payload is gone. Nobody finds them through
@@ -441,8 +361,8 @@ class StoreNode:
         # in LRU order; a later put of the same key indexes them again).
         for e in pending:
             self.pool.commit(e)
-        committed = await self._try_commit(
-            [(e.key, self._entry(e).owner_prefix) for e in evicted], new)
+        committed = await self.index.try_commit(
+            [(e.key, self.index.entry(e).owner_prefix) for e in evicted], new)
         if not committed:
             raise RuntimeError("index (Redis) unreachable: blocks not stored")
         self.metrics.put_bytes.inc(sum(e.size_bytes for e in pending))
@@ -516,42 +436,6 @@ class StoreNode:
         self.metrics.get_bytes.inc(sum(e.size_bytes for e in held))
         self.metrics.get_latency.observe(time.perf_counter() - t0)
 
-    # -- shared-memory get (served on the control socket, kvstore/shm_ctl.py) ------------------
-
-    def pin_shm(self, conn_id: int, msg: dict[str, Any]) -> dict[str, Any]:
-        """Pin the blocks a ``get_shm`` request names; returns the ``shm`` reply with
-        their offsets in the shared segment (kvstore/protocol.py).
-
-        The blocks stay pinned (not evicted, not overwritten) until connection
-        ``conn_id`` releases the lease, closes, or :attr:`NodeConfig.shm_lease_s`
-        passes.
-
-        Raises:
-            ValueError: malformed request, or this node has no shared segment.
-        """
-        t0 = time.perf_counter()
-        if self.segment is None:
-            raise ValueError("this node's pool is not in shared memory (started with --no-shm)")
-        keys = msg.get("keys")
-        if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
-            raise ValueError("get_shm needs a list of key strings")
-        if len(keys) > proto.MAX_BLOCKS_PER_REQUEST:
-            raise ValueError(f"at most {proto.MAX_BLOCKS_PER_REQUEST} blocks per request")
-        entries = [self.pool.acquire(k) for k in keys]
-        held = [e for e in entries if e is not None]
-        self.metrics.hits.inc(len(held))
-        self.metrics.misses.inc(len(keys) - len(held))
-        lease = 0
-        if held:
-            lease = self._next_lease
-            self._next_lease += 1
-            timer = asyncio.get_running_loop().call_later(
-                self.cfg.shm_lease_s, self._expire_lease, conn_id, lease)
-            self._leases[conn_id, lease] = (held, timer, t0)
-        return {"op": "shm", "lease": lease,
-                "offsets": [self.pool.offset(e.slot) if e else -1 for e in entries],
-                "sizes": [e.size_bytes if e else 0 for e in entries]}
-
     async def _send_or_undo(self, send: Awaitable[Any], undo: Callable[[], None]) -> None:
         """Await a reply or payload send within the transfer timeout; if it fails (or
         is cancelled), run ``undo`` before the error propagates."""
@@ -560,31 +444,3 @@ class StoreNode:
         except BaseException:
             undo()
             raise
-
-    def _release_lease(self, conn_id: int, lease: Any, expired: bool = False) -> None:
-        """Unpin a shared-memory read's blocks (unknown or released leases: no-op)."""
-        if not isinstance(lease, int):
-            return
-        held = self._leases.pop((conn_id, lease), None)
-        if held is None:
-            return
-        entries, timer, t0 = held
-        timer.cancel()
-        for e in entries:
-            self.pool.release(e)
-        if expired:
-            return
-        self.metrics.get_bytes.inc(sum(e.size_bytes for e in entries))
-        self.metrics.get_latency.observe(time.perf_counter() - t0)
-
-    def _release_leases_of(self, conn_id: int) -> None:
-        """Unpin every lease a closed connection still holds."""
-        for cid, lease in [k for k in self._leases if k[0] == conn_id]:
-            self._release_lease(cid, lease, expired=True)
-
-    def _expire_lease(self, conn_id: int, lease: int) -> None:
-        if (conn_id, lease) in self._leases:
-            logger.warning("shared-memory read lease %d of connection %d not released "
-                           "within %.1fs: unpinned", lease, conn_id, self.cfg.shm_lease_s)
-            self.metrics.errors.labels("lease_expired").inc()
-            self._release_lease(conn_id, lease, expired=True)
