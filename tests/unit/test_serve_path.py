@@ -16,9 +16,9 @@ from tandem.bench.serve import RequestResult, decode_breakdown
 from tandem.engine.outputs import EngineCoreOutput
 from tandem.launch import free_port
 from tandem.services.common.engine_loop import RequestStream
-from tandem.services.router.streaming import _TAKE, _take_ready
 from tandem.services.router.main import event_loop_runner
 from tandem.services.router.sequence import SeqDelta, Timings
+from tandem.services.router.streaming import _TAKE, _take_ready
 from tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 
 
