@@ -249,19 +249,22 @@ def side_by_side(results: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def doors_table(results: list[dict[str, Any]]) -> str:
-    """A markdown table of one run's doors (``--endpoint-type`` several; one row per rate
-    and door): output tokens, output tok/s and its ratio to the rate's first door, median
-    TTFT / TPOT / ITL (ms), failed requests."""
-    lines = ["| rate (req/s) | door | output tokens | output tok/s | vs first door | "
-             "median TTFT ms | median TPOT ms | median ITL ms | failed |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    first: dict[float, float] = {}
-    for m in results:
-        rate = m["request_rate"]
-        base = first.setdefault(rate, m["output_throughput"])
+def doors_table(results: list[dict[str, Any]], base_door: str) -> str:
+    """A markdown table of one run's doors (``--endpoint-type`` several): one row per rate
+    and door, in the order run, with output tokens, output tok/s and its ratio to
+    ``base_door``'s at the same rate (the same position in ``--request-rate``, which may
+    repeat a rate), median TTFT / TPOT / ITL (ms) and failed requests."""
+    lines = ["| round | rate (req/s) | door | output tokens | output tok/s | "
+             f"vs {base_door} | median TTFT ms | median TPOT ms | median ITL ms | failed |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    num_doors = len({m["endpoint_type"] for m in results})
+    for k, m in enumerate(results):
+        rnd = k // num_doors
+        base = next(b["output_throughput"] for b in results[rnd * num_doors:][:num_doors]
+                    if b["endpoint_type"] == base_door)
         ratio = f"{m['output_throughput'] / base:.3f}" if base else "-"
-        lines.append(f"| {rate:g} | {m['endpoint_type']} | {m['total_output_tokens']} | "
-                     f"{m['output_throughput']:.1f} | {ratio} | {m['median_ttft_ms']:.1f} | "
-                     f"{m['median_tpot_ms']:.1f} | {m['median_itl_ms']:.1f} | {m['failed']} |")
+        lines.append(f"| {rnd} | {m['request_rate']:g} | {m['endpoint_type']} | "
+                     f"{m['total_output_tokens']} | {m['output_throughput']:.1f} | {ratio} | "
+                     f"{m['median_ttft_ms']:.1f} | {m['median_tpot_ms']:.1f} | "
+                     f"{m['median_itl_ms']:.1f} | {m['failed']} |")
     return "\n".join(lines)
