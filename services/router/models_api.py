@@ -19,7 +19,7 @@ from tandem.services.router.errors import model_not_found
 from tandem.services.router.frontend import Frontend
 
 
-def install(app: FastAPI, fe: Frontend, check_auth: Callable[[Request], None]) -> None:
+def install(app: FastAPI, fe: Frontend, check_auth: Callable[[Request], object]) -> None:
     """Add the Models API routes to ``app``.
 
     Args:
