@@ -13,6 +13,11 @@ from typing import NamedTuple
 
 from tandem.services.router import protocol as P
 from tandem.services.router.frontend import Frontend
+from tandem.services.router.prompt_logprobs import (
+    echo_logprobs,
+    extend_logprobs,
+    vllm_prompt_logprobs,
+)
 from tandem.services.router.reasoning import ReasoningMode
 from tandem.services.router.responses import (
     ChoiceState,
@@ -229,25 +234,39 @@ class CompletionStreamer(OpenAIStreamer):
     req: P.CompletionRequest
 
     def __init__(self, fe: Frontend, req: P.CompletionRequest, resp_id: str, n: int,
-                 echo_texts: list[str], num_prompt_tokens: int) -> None:
+                 echo_texts: list[str], num_prompt_tokens: int,
+                 prompts: list[list[int]] | None = None) -> None:
         super().__init__(fe, req, resp_id, n * len(echo_texts), num_prompt_tokens, n)
         self.echo_texts = echo_texts
+        self.prompts = prompts or [[] for _ in echo_texts]
 
     def chunks(self, idx: int, d: SeqDelta) -> list[Chunk]:
         st = self.states[idx]
         first = not st.sent_role
         st.sent_role = True
         st.add(d)
-        text = d.text
+        # echo with max_tokens 0: the engine's one token is not part of the answer
+        text, gen_lps = ("", None) if self.req.echo_only else (d.text, d.logprobs)
+        if self.req.echo_only:
+            st.num_tokens = 0
+        lps, prompt_lps = None, None
         if first and self.req.echo:
             text = self.echo_texts[idx // self.n] + text
-        lps = None
-        if self.req.logprobs is not None and d.logprobs:
-            lps = completion_logprobs(self.fe, d.logprobs, st.text_offset)
-            st.text_offset += sum(len(t) for t in lps.tokens)
-        if not (text or d.finish_reason or lps):
+            st.text_offset = len(self.echo_texts[idx // self.n])
+            if self.req.logprobs is not None:
+                lps = echo_logprobs(self.fe, self.prompts[idx // self.n], d.prompt_logprobs)
+        if first and self.req.num_prompt_logprobs() is not None:
+            prompt_lps = vllm_prompt_logprobs(self.fe, d.prompt_logprobs)
+        if self.req.logprobs is not None and gen_lps:
+            more = completion_logprobs(self.fe, gen_lps, st.text_offset)
+            st.text_offset += sum(len(t) for t in more.tokens)
+            if lps is None:
+                lps = more
+            else:
+                extend_logprobs(lps, more)
+        if not (text or d.finish_reason or lps or prompt_lps):
             return []
-        if not (lps or d.finish_reason):
+        if not (lps or d.finish_reason or prompt_lps):
             plain = self._text_chunk(idx, text)
             if plain is not None:
                 return [plain]
@@ -255,7 +274,7 @@ class CompletionStreamer(OpenAIStreamer):
                                   choices=[P.CompletionChoice(
                                       index=idx, text=text, logprobs=lps,
                                       finish_reason=d.finish_reason,
-                                      stop_reason=d.stop_reason)])
+                                      stop_reason=d.stop_reason, prompt_logprobs=prompt_lps)])
         return [self._finish(chunk, d)]
 
     def _usage_chunk(self, u: P.UsageInfo) -> P.BaseModel:

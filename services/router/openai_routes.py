@@ -24,11 +24,11 @@ from tandem.services.router import protocol as P
 from tandem.services.router.chat_streamers import ChatStreamer, CompletionStreamer
 from tandem.services.router.door import Door
 from tandem.services.router.frontend import Frontend
+from tandem.services.router.prompt_logprobs import completion_choice, vllm_prompt_logprobs
 from tandem.services.router.reasoning import ReasoningMode, check_unconstrained
 from tandem.services.router.responses import (
     ChoiceState,
     chat_logprobs,
-    completion_logprobs,
     usage,
 )
 from tandem.services.router.sequence import GenerationRequest
@@ -159,18 +159,12 @@ def install(app: FastAPI, door: Door) -> None:
         num_prompt_tokens = sum(len(ids) for ids in prompts)
         if req.stream:
             return await stream(request, rid, door.generate(request, gens), CompletionStreamer(
-                fe, req, resp_id, n, echo_texts, num_prompt_tokens), drain)
+                fe, req, resp_id, n, echo_texts, num_prompt_tokens, prompts), drain)
         states = await collect(request, rid, door.generate(request, gens), len(prompts) * n, drain)
         if states is None:
             return Response(status_code=CLIENT_GONE)
-        choices = []
-        for i, st in enumerate(states):
-            prefix = echo_texts[i // n] if req.echo else ""
-            lps = completion_logprobs(fe, st.logprobs, len(prefix)) if req.logprobs is not None \
-                else None
-            choices.append(P.CompletionChoice(index=i, text=prefix + st.text, logprobs=lps,
-                                              finish_reason=st.finish_reason,
-                                              stop_reason=st.stop_reason))
+        choices = [completion_choice(fe, req, i, st, echo_texts[i // n], prompts[i // n])
+                   for i, st in enumerate(states)]
         body = P.CompletionResponse(id=resp_id, model=req.model or fe.model_name,
                                     choices=choices)
         return reply(body, rid, num_prompt_tokens, states, n)
@@ -201,6 +195,8 @@ def install(app: FastAPI, door: Door) -> None:
                 finish_reason=finish, stop_reason=st.stop_reason))
         body = P.ChatCompletionResponse(id=resp_id, model=req.model or fe.model_name,
                                         choices=choices)
+        if req.prompt_logprobs is not None and states:
+            body.prompt_logprobs = vllm_prompt_logprobs(fe, states[0].prompt_logprobs)
         return reply(body, rid, chat.num_prompt_tokens, states, n)
 
 

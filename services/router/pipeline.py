@@ -258,6 +258,7 @@ class Pipeline:
                                          path=timings.disagg_decision).inc()
         if presp is not None:
             state.num_cached_tokens = timings.cached_tokens = presp.num_cached_tokens
+            state.prompt_logprobs = list(presp.prompt_logprobs) or None
             lps = [presp.first_logprobs] if presp.HasField("first_logprobs") else None
             stop_tok = presp.stop_token_id if presp.HasField("stop_token_id") else None
             delta = state.add([presp.first_token_id], lps, presp.finish_reason, stop_tok)
@@ -478,6 +479,8 @@ class Pipeline:
                                               msg.num_engine_outputs)
                 stop_tok = msg.stop_token_id if msg.HasField("stop_token_id") else None
                 token_ids = list(msg.token_ids)
+                if msg.prompt_logprobs:  # a colocated or local prefill computed the prompt
+                    state.prompt_logprobs = list(msg.prompt_logprobs)
                 delta = state.add(token_ids, list(msg.logprobs) or None,
                                   msg.finish_reason, stop_tok)
                 num_emitted += len(token_ids)

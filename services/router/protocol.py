@@ -22,6 +22,12 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from tandem.engine.sampling_params import SamplingDefaults, SamplingParams
 from tandem.engine.validation import RequestError, check_context_length
+from tandem.services.router.api_models import (  # noqa: F401 - the routes' P.<name>
+    ErrorInfo,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+)
 from tandem.services.router.errors import OpenAIError, from_request_error
 from tandem.services.router.structured import (
     Constraint,
@@ -100,6 +106,8 @@ class _SamplingRequest(BaseModel):
     # vLLM's: mixed into the first KV block's hash, so only requests with the same salt
     # share cached blocks (a tenant's prefix hits reveal nothing about another's prompts).
     cache_salt: str | None = Field(None, min_length=1)
+    # vLLM's: per prompt token, its logprob and this many top alternatives (prompt recomputed).
+    prompt_logprobs: int | None = None
     # Structured outputs (services/router/structured.py): OpenAI's, vLLM's, vLLM's legacy.
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
@@ -126,6 +134,10 @@ class _SamplingRequest(BaseModel):
 
     def _num_logprobs(self) -> int | None:
         raise NotImplementedError
+
+    def num_prompt_logprobs(self) -> int | None:
+        """Top alternatives per prompt token the engine computes (``None``: none)."""
+        return self.prompt_logprobs
 
     def has_constraint_fields(self) -> bool:
         """Whether a field that sets a constraint or tools (JSON schemas to check) is set."""
@@ -210,6 +222,7 @@ class _SamplingRequest(BaseModel):
                 stop=stop,
                 include_stop_str_in_output=self.include_stop_str_in_output,
                 logprobs=self._num_logprobs(),
+                prompt_logprobs=self.num_prompt_logprobs(),
                 skip_special_tokens=self.skip_special_tokens,
                 spaces_between_special_tokens=self.spaces_between_special_tokens,
                 structured_outputs=constraint.params,
@@ -236,6 +249,21 @@ class CompletionRequest(_SamplingRequest):
     def _num_logprobs(self) -> int | None:
         return self.logprobs
 
+    @property
+    def echo_only(self) -> bool:
+        """``echo`` with ``max_tokens: 0`` (vLLM's and OpenAI's): the answer is the prompt
+        and its logprobs; the engine samples one token, which the answer leaves out."""
+        return self.echo and self.max_tokens == 0
+
+    def _requested_max_tokens(self) -> int | None:
+        return 1 if self.echo_only else self.max_tokens
+
+    def num_prompt_logprobs(self) -> int | None:
+        """``prompt_logprobs``, else ``logprobs`` with ``echo`` (the echoed prompt's)."""
+        if self.prompt_logprobs is None and self.echo:
+            return self.logprobs
+        return self.prompt_logprobs
+
     @model_validator(mode="after")
     def _check(self) -> CompletionRequest:
         for name in _CHAT_ONLY_FIELDS:
@@ -249,11 +277,6 @@ class CompletionRequest(_SamplingRequest):
             raise OpenAIError("suffix is not supported", param="suffix")
         if self.best_of is not None and self.best_of != self.n:
             raise OpenAIError("best_of != n is not supported", param="best_of")
-        if self.echo and self.logprobs is not None:
-            raise OpenAIError(
-                "echo together with logprobs needs prompt logprobs, which are not supported",
-                param="echo",
-            )
         return self
 
 
@@ -394,6 +417,8 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # vLLM's: None, then per prompt token {token id: {"logprob", "rank", "decoded_token"}}
+    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None
 
 
 class CompletionResponse(_Answer[CompletionChoice]):
@@ -434,6 +459,7 @@ class ChatChoice(BaseModel):
 class ChatCompletionResponse(_Answer[ChatChoice]):
     object: Literal["chat.completion"] = "chat.completion"
     created: int = Field(default_factory=lambda: int(time.time()))
+    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None  # as CompletionChoice
 
 
 class DeltaMessage(BaseModel):
@@ -459,38 +485,3 @@ class ChatCompletionChunk(_Answer[ChatStreamChoice]):
 
 class CompletionChunk(_Answer[CompletionChoice]):
     object: Literal["text_completion"] = "text_completion"
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    owned_by: str = "tandem"
-    root: str | None = None
-    #: context length in tokens: the smallest the engines serving it report (vLLM's field)
-    max_model_len: int | None = None
-    #: the model's architecture, e.g. "LlamaForCausalLM" (from the engines; tandem's field)
-    architecture: str | None = None
-    #: the implementation(s) running it: "tandem" (native), "transformers", or both
-    #: comma-separated when prefill and decode instances differ (tandem's field)
-    model_impl: str | None = None
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
-
-
-class ErrorInfo(BaseModel):
-    """The error object of OpenAI's error JSON (``errors.OpenAIError.to_dict``)."""
-
-    message: str
-    type: str
-    param: str | None = None
-    code: str | int | None = None
-
-
-class ErrorResponse(BaseModel):
-    """Every non-2xx answer of the HTTP API: ``{"error": {...}}``."""
-
-    error: ErrorInfo

@@ -34,12 +34,16 @@ class ChoiceState:
     timings: Timings | None = None
     #: prompt tokens the prefilling engine did not compute (sent on the first delta)
     num_cached_tokens: int = 0
+    #: the prompt's logprobs when asked for (first delta), one per prompt token after the first
+    prompt_logprobs: list[common_pb2.TopLogprobs] | None = None
 
     def add(self, d: SeqDelta) -> None:
         self.text += d.text
         self.num_tokens += len(d.token_ids)
         if d.num_cached_tokens:
             self.num_cached_tokens = d.num_cached_tokens
+        if d.prompt_logprobs is not None:
+            self.prompt_logprobs = d.prompt_logprobs
         if d.logprobs:
             self.logprobs.extend(d.logprobs)
         if d.finish_reason is not None:

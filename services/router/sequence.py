@@ -138,6 +138,8 @@ class SeqDelta:
         finish_reason: "stop" | "length" on the last delta, else ``None``.
         stop_reason: matched stop string or stop token id.
         num_cached_tokens: prompt tokens served from a cache (first delta).
+        prompt_logprobs: first delta only, with ``SamplingParams.prompt_logprobs``: one
+            ``TopLogprobs`` per prompt token from the second on (``sampled``: that token).
         timings: on the last delta.
         seq_timings: the completion's ``Timings`` while it is filled in, on every delta
             of a Decode stream (the HTTP layer adds its SSE write latency), else ``None``.
@@ -152,6 +154,7 @@ class SeqDelta:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    prompt_logprobs: list[common_pb2.TopLogprobs] | None = None
     timings: Timings | None = None
     seq_timings: Timings | None = None
     ready_ns: int = 0
@@ -185,6 +188,9 @@ class SeqState:
         #: every token passed on so far (what a migrated request resumes from)
         self.output_token_ids: list[int] = []
         self.num_cached_tokens = 0
+        #: the prompt's logprobs, from the engine that computed the prompt (set by the
+        #: pipeline before the first ``add``); they go out on the first delta
+        self.prompt_logprobs: list[common_pb2.TopLogprobs] | None = None
         self._last_token_ns: int | None = None
         self._sent_first = False
 
@@ -219,7 +225,8 @@ class SeqState:
         finished = reason is not None
         text = self.detok.get_next_output_text(finished=finished, delta=True)
         delta = SeqDelta(self.index, text, list(token_ids), logprobs,
-                         num_cached_tokens=self.num_cached_tokens if not self._sent_first else 0)
+                         num_cached_tokens=self.num_cached_tokens if not self._sent_first else 0,
+                         prompt_logprobs=None if self._sent_first else self.prompt_logprobs)
         self._sent_first = True
         if finished:
             self.finished = True
