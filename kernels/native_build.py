@@ -63,6 +63,7 @@ SOURCES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("gguf_quant_cpu.c", ("-ffp-contract=off",)),
     # step-by-step rounding: the epilogue equals the torch reference bit for bit
     ("int8_linear_cpu.c", ("-ffp-contract=off",)),
+    ("int4_linear_cpu.c", ("-ffp-contract=off",)),
 )
 HEADERS = ("tandem_kernels.h", "team.h", "simd_math.h", "elementwise.h", "gguf_quant_simd.h")
 # -Bsymbolic: the library's calls between its own files bind inside it, so the

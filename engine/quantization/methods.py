@@ -13,7 +13,7 @@ from torch import nn
 
 from tandem.engine.quantization.base import QuantizationMethod, QuantLinear
 from tandem.engine.quantization.dense_linear import Fp8Linear, Int8Linear, quantize_int8_rows
-from tandem.engine.quantization.grouped_linear import GroupQuantLinear
+from tandem.engine.quantization.grouped_linear import Int4Linear
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +55,8 @@ def quantize_int4_groups(w: torch.Tensor, group_size: int
 
 class Int4OnLoad(QuantizationMethod):
     """``--quantization int4``: group-wise symmetric int4 (``quantize_int4_groups``),
-    group 128, or 64 / 32 for a layer whose input 128 does not divide (logged)."""
+    group 128, or 64 / 32 for a layer whose input 128 does not divide (logged); run as
+    W4A8 with dynamic per-token activation scales on the CPU (``Int4Linear``)."""
 
     name = "int4"
     on_load = True
@@ -72,11 +73,11 @@ class Int4OnLoad(QuantizationMethod):
                              f"size of {INT4_GROUP_SIZES} divides")
         if gs != INT4_GROUP_SIZES[0]:
             logger.info("int4: %s (%d inputs) uses group size %d", prefix, k, gs)
-        values, scales, zeros = quantize_int4_groups(linear.weight, gs)
-        layer = GroupQuantLinear(k, linear.out_features, [linear.out_features], False,
-                                 linear.weight.dtype)
+        values, scales, _ = quantize_int4_groups(linear.weight, gs)
+        layer = Int4Linear(k, linear.out_features, [linear.out_features], False,
+                           linear.weight.dtype)
         layer.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), False)
-        layer.set_weights(values, scales, zeros, 4, gs, None)
+        layer.set_int4(values, scales, gs)
         return layer
 
 

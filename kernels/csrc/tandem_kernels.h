@@ -155,6 +155,18 @@ int gguf_dequant_rows(int type, const void *w, int64_t row_bytes, const int64_t 
 int gguf_matmul(int type, const float *x, int64_t sx, int64_t M, int64_t K, const void *w,
                 int64_t N, float *y, int64_t sy, int num_threads);
 
+/* int4_linear_cpu.c: W4A8 linears for on-load int4: 4-bit weights per group of G inputs
+ * (0..15 around the zero point 8, float32 scales per channel and group), int8
+ * activations per token, int32 dot products per group (see there). The paths are
+ * int8_linear's (TANDEM_INT8_*, int8_linear_paths()). wp: ceil(N / 16) * K / 8 * 64
+ * bytes, ws: ceil(N / 16) * K / G * 16 floats (kernels/quant/int4_native.py pack_int4).
+ * int4_linear returns -1 on a path outside int8_linear_paths(), -2 on an empty shape
+ * or a G that is not a multiple of 8 dividing K, -3 when memory runs out. */
+void int4_scratch_size(int64_t M, int64_t K, int64_t G, int64_t *bytes);
+int int4_linear(int path, int is_bf16, const void *x, int64_t sx, const void *wp, const float *ws,
+                int64_t G, const float *bias, void *y, int64_t sy, int64_t M, int64_t N,
+                int64_t K, int num_threads);
+
 /* int8_linear_cpu.c: W8A8 linears, int8 weights per output channel and int8
  * activations per token (both symmetric), int32 dot products (see there).
  * int8_linear_paths() is a bit mask (1 << path) of the paths this build runs on

@@ -116,3 +116,51 @@ def int8_rowwise_linear(
     if bias is not None:
         out += bias.float()
     return out.to(x.dtype).view(*x.shape[:-1], q.shape[0])
+
+
+def w4a8_group_linear(
+    x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, group_size: int,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    """W4A8, on-load int4's numerics: symmetric 4-bit weights per group of inputs, int8
+    activations quantized per token as ``int8_rowwise_linear`` does, exact integer dot
+    products per group, each scaled by its group's weight scale and summed over the
+    groups in order in float32, then scaled by the token's scale:
+    ``y[m, n] = (sum_g acc[m, n, g] * s[n, g]) * sx[m] (+ bias[n])`` with
+    ``acc[m, n, g] = sum_{k in g} xq[m, k] (v[n, k] - 8)``. The native kernel
+    (``kernels/csrc/int4_linear_cpu.c``) equals this bit for bit.
+
+    Args:
+        x: ``[..., in]`` float.
+        q: canonical 4-bit ``[out, in / 2]`` uint8 (``packing.to_canonical``), values
+            ``v`` in ``0..15`` around the zero point 8.
+        scales: ``[out, in / group_size]`` float (used as float32).
+        group_size: inputs per group, dividing ``in``.
+        bias: ``[out]`` or ``None`` (added in float32).
+
+    Returns:
+        ``[..., out]`` in ``x.dtype``.
+    """
+    k = x.shape[-1]
+    x2 = x.reshape(-1, k).float()
+    m, n, groups = x2.shape[0], q.shape[0], k // group_size
+    sx = x2.abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / 127.0
+    xq = torch.round(x2 / sx).clamp_(-128, 127)
+    # NOTE: float32 products and sums of these integers are exact (|acc| <= 2**17 <
+    # 2**24 for a group of at most 128), so the batched matmul gives the int32 sums.
+    xg = xq.view(m, groups, group_size).transpose(0, 1)
+    s = scales.float()
+    out = x2.new_empty((m, n))
+    for start in range(0, n, TILE_ROWS):
+        rows = slice(start, min(start + TILE_ROWS, n))
+        w = (from_canonical(q[rows], 4) - 8).float()
+        wg = w.view(-1, groups, group_size).permute(1, 2, 0)
+        acc = torch.bmm(xg, wg)  # [groups, m, rows]
+        f = torch.zeros((m, w.shape[0]))
+        for g in range(groups):
+            f = f + acc[g] * s[rows, g]
+        out[:, rows] = f
+    out = out * sx
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype).view(*x.shape[:-1], n)
