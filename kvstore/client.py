@@ -42,14 +42,10 @@ from redis.exceptions import RedisError
 
 from tandem.contracts.block_key import BlockKey
 from tandem.contracts.kv_layout import KVCacheLayout
-from tandem.kvstore.aio_client import (
-    AsyncKVStoreClient,
-    Indexed,
-    checksum_verdicts,
-    leading_by_node,
-)
+from tandem.kvstore.aio_client import AsyncKVStoreClient, Indexed
 from tandem.kvstore.config import ClientOptions
 from tandem.kvstore.index import LOOKUP_LUA, NODE_PREFIX
+from tandem.kvstore.index_entries import checksum_verdicts, leading_by_node
 from tandem.kvstore.store import KVStoreError, KVStoreNodeError, KVStoreTimeoutError
 from tandem.kvstore.transport import NodeInfo, parse_index_reply
 from tandem.kvstore.ucx import client_loop

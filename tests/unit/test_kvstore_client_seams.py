@@ -66,8 +66,8 @@ def test_tally_counts_leading_intact_blocks_and_names_the_entries_to_remove() ->
 
 
 def test_a_down_node_stays_down_for_its_back_off_or_until_it_restarts() -> None:
-    from tandem.kvstore.aio_client import without_down
     from tandem.kvstore.index import IndexEntry
+    from tandem.kvstore.index_entries import without_down
     from tandem.kvstore.transport import DownNodes, NodeInfo
 
     now = [100.0]
