@@ -39,16 +39,13 @@ from tandem.bench.tune_output import (
 )
 from tandem.bench.tune_search import (
     Budget,
-    Candidate,
     Measure,
     RatePoint,
     RatePolicy,
     Slo,
-    Space,
-    cpu_topologies,
-    default_candidate,
     search,
 )
+from tandem.bench.tune_space import Candidate, Space, cpu_topologies, default_candidate
 
 #: Engine flags the tuner sets itself (a fixed value belongs in the search space).
 _TUNED_FLAGS = ("--max-num-batched-tokens", "--max-num-seqs", "--long-prefill-token-threshold")

@@ -11,7 +11,8 @@ import json
 import shlex
 from typing import Any
 
-from tandem.bench.tune_search import Candidate, RatePoint, SearchResult, summary
+from tandem.bench.tune_search import RatePoint, SearchResult, summary
+from tandem.bench.tune_space import Candidate
 
 
 def up_args(c: Candidate, model: str | None, engine_args: list[str]) -> list[str]:

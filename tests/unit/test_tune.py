@@ -16,19 +16,21 @@ import pytest
 from tandem.bench import tune, tune_output, tune_search
 from tandem.bench.tune_search import (
     Budget,
-    Candidate,
     CandidateResult,
-    Knobs,
     RatePoint,
     RatePolicy,
     SearchResult,
     Slo,
+    rate_search,
+    search,
+)
+from tandem.bench.tune_space import (
+    Candidate,
+    Knobs,
     Space,
     Topology,
     cpu_topologies,
     default_candidate,
-    rate_search,
-    search,
 )
 
 SLO = Slo(ttft_ms=1000, tpot_ms=100, percentile=90)
