@@ -40,10 +40,10 @@ from tandem.engine.cuda_graphs import CudaGraphRunner, capture_sizes, graphs_uns
 from tandem.engine.input_batch import build_input_batch
 from tandem.engine.model_facts import ModelFacts, resolve_model_facts
 from tandem.engine.model_loader import LoadedModel, load_model
-from tandem.engine.prompt_logprobs import prompt_logprobs_into
 from tandem.engine.models.interface import IntermediateTensors
 from tandem.engine.models.kv_scales import check_kv_scales_used
 from tandem.engine.models.registry import architecture_name
+from tandem.engine.prompt_logprobs import prompt_logprobs_into
 from tandem.engine.quantization import weight_bytes
 from tandem.engine.runner_env import tune_glibc_malloc, warn_batch_variant
 from tandem.engine.sampler import Sampler
