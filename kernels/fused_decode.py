@@ -9,8 +9,9 @@ bit-identical to the per-op path (``tests/unit/test_fused_decode.py``).
 
 Scope: Llama-family layers (pre-norm, fused QKV with optional bias, rotary in
 the GPT-NeoX layout, SwiGLU, optional sliding window; no per-head q/k norm),
-bf16 weights VNNI-packed by ``PackedLinear`` or W8A8 linears packed by ``Int8Linear``
-(``kernels/quant/int8_native.py``, in any mix), and steps whose every token is
+bf16 weights VNNI-packed by ``PackedLinear``, W8A8 linears packed by ``Int8Linear``
+(``kernels/quant/int8_native.py``) or GGUF Q4_0 / Q4_1 / Q8_0 blocks packed by
+``GGUFLinear`` (``kernels/gguf_dot.py``), in any mix, and steps whose every token is
 the one new token of a decode (fewer than ``PACKED_MAX_ROWS``). Anything else runs
 the per-op path.
 """
@@ -31,6 +32,7 @@ from tandem.kernels.quant import int8_native
 _Layer = native_abi.struct("decode_layer")
 _Step = native_abi.struct("decode_step")
 _Int8 = native_abi.struct("int8_weight")
+_GGUF = native_abi.struct("gguf_weight")
 
 
 @dataclass
@@ -49,8 +51,22 @@ class Int8LinearParams:
     bias: torch.Tensor | None
 
 
-#: One fused linear: ``(vnni_weight, bias | None)`` in bf16, or a W8A8 one.
-LinearParams = tuple[torch.Tensor, torch.Tensor | None] | Int8LinearParams
+@dataclass
+class GGUFLinearParams:
+    """A GGUF linear of a fused layer (``kernels/gguf_dot.py``'s packing).
+
+    Attributes:
+        type_id: ggml type id (Q4_0, Q4_1 or Q8_0); wp: the packed tiles.
+        bias: ``[out]`` float32, or ``None``.
+    """
+
+    type_id: int
+    wp: torch.Tensor
+    bias: torch.Tensor | None
+
+
+#: One fused linear: ``(vnni_weight, bias | None)`` in bf16, a W8A8 one or a GGUF one.
+LinearParams = tuple[torch.Tensor, torch.Tensor | None] | Int8LinearParams | GGUFLinearParams
 
 
 @dataclass
@@ -133,23 +149,29 @@ class FusedDecode:
         self.block_size = k0.shape[1]
         self._c_layers = (_Layer * len(layers))()
         self._int8: list[ctypes.Structure] = []  # keeps the structs the layers point at
+        self._gguf: list[ctypes.Structure] = []
         for c, p in zip(self._c_layers, layers, strict=True):
             c.input_norm, c.post_norm = _ptr(p.input_norm), _ptr(p.post_norm)
-            c.wqkv, c.bqkv, c.qkv8 = self._linear(p.qkv)
-            c.wo, c.bo, c.o8 = self._linear(p.o)
-            c.wgu, c.bgu, c.gu8 = self._linear(p.gate_up)
-            c.wd, c.bd, c.d8 = self._linear(p.down)
+            c.wqkv, c.bqkv, c.qkv8, c.qkvq = self._linear(p.qkv)
+            c.wo, c.bo, c.o8, c.oq = self._linear(p.o)
+            c.wgu, c.bgu, c.gu8, c.guq = self._linear(p.gate_up)
+            c.wd, c.bd, c.d8, c.dq = self._linear(p.down)
             c.k_cache, c.v_cache = _ptr(p.k_cache), _ptr(p.v_cache)
             c.window = p.sliding_window or 0
         self.has_int8 = bool(self._int8)
+        self.has_gguf = bool(self._gguf)
 
-    def _linear(self, p: LinearParams) -> tuple[int | None, int | None, int | None]:
-        """``(bf16 weight, bf16 bias, int8_weight*)`` pointers of one linear."""
+    def _linear(self, p: LinearParams) -> tuple[int | None, int | None, int | None, int | None]:
+        """``(bf16 weight, bf16 bias, int8_weight*, gguf_weight*)`` pointers of one linear."""
         if isinstance(p, Int8LinearParams):
             w8 = _Int8(_ptr(p.wp), _ptr(p.wsum), _ptr(p.scale), _ptr(p.bias))
             self._int8.append(w8)
-            return None, None, ctypes.addressof(w8)
-        return _ptr(p[0]), _ptr(p[1]), None
+            return None, None, ctypes.addressof(w8), None
+        if isinstance(p, GGUFLinearParams):
+            wq = _GGUF(p.type_id, _ptr(p.wp), _ptr(p.bias))
+            self._gguf.append(wq)
+            return None, None, None, ctypes.addressof(wq)
+        return _ptr(p[0]), _ptr(p[1]), None, None
 
     @staticmethod
     def available() -> bool:
@@ -207,13 +229,17 @@ class FusedDecode:
         residual, normed = buf(t, e), buf(t, e)
         qkv, q_rot, attn, act = buf(t, (h + 2 * kvh) * d), buf(t, h * d), buf(t, h * d), buf(t, i)
         pad = buf(16, max(e, h * d, i))
-        int8_path, gate_up, scratch = -1, None, None
-        if self.has_int8:
+        int8_path, gate_up, scratch, gguf_scratch = -1, None, None, None
+        size = ctypes.c_int64()
+        if self.has_int8 or self.has_gguf:
             int8_path = int8_native.available_paths(lib)[-1]
             gate_up = buf(t, 2 * i)
-            size = ctypes.c_int64()
+        if self.has_int8:
             lib.int8_scratch_size(t, max(e, h * d, i), ctypes.addressof(size))
             scratch = torch.empty(size.value, dtype=torch.uint8)
+        if self.has_gguf:
+            lib.gguf_dot_scratch_size(t, max(e, h * d, i), ctypes.addressof(size))
+            gguf_scratch = torch.empty(size.value, dtype=torch.uint8)
         k0, v0 = self.layers[0].k_cache, self.layers[0].v_cache
         st = _Step(
             t, e, h, kvh, d, i,
@@ -224,7 +250,7 @@ class FusedDecode:
             self.eps, self.scale,
             hidden.data_ptr(), residual.data_ptr(), normed.data_ptr(), qkv.data_ptr(),
             q_rot.data_ptr(), attn.data_ptr(), act.data_ptr(), pad.data_ptr(),
-            int8_path, _ptr(gate_up), _ptr(scratch),
+            int8_path, _ptr(gate_up), _ptr(scratch), _ptr(gguf_scratch),
         )  # fmt: skip
         rc = lib.decode_layers(
             self._c_layers,

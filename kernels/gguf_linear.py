@@ -1,7 +1,10 @@
 """Linear and embedding layers on GGUF quantized blocks (``kernels/gguf_quants.py``).
 
 The weight stays in its file's blocks (Q4_0 ... Q6_K: 4.5-8.5 bits a weight instead of
-bf16's 16). Decode-sized batches (fewer than ``DENSE_MIN_ROWS`` rows) run the native
+bf16's 16). A weight whose parts are all one of Q4_0, Q4_1, Q8_0 is repacked once for the
+integer-dot kernel (``kernels/gguf_dot.py``: activations quantized per 32-block to int8,
+VPDPBUSD on the codes), which then serves every batch size and the fused decode step;
+its blocks are recovered from the packing when needed. Otherwise decode-sized batches (fewer than ``DENSE_MIN_ROWS`` rows) run the native
 kernel (``kernels/csrc/gguf_quant_cpu.c``), which expands the blocks to float32 in
 registers; larger batches (prefill) dequantize the weight once per call into the
 activation dtype (natively, else the torch reference) and run torch's GEMM, where
@@ -19,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tandem.kernels import backend, gguf_quants
+from tandem.kernels import backend, gguf_dot, gguf_quants
 from tandem.kernels.native_abi import ABI, NativeLibrary
 
 PATH_SCALAR = ABI.constants["TANDEM_GGUF_SCALAR"]
@@ -149,16 +152,43 @@ class GGUFLinear(nn.Module):
         super().__init__()
         for i, p in enumerate(parts):
             _check(p, in_features, name if len(parts) == 1 else f"{name} (part {i})")
-        self.parts = parts
         self.in_features = in_features
         self.out_features = sum(p.rows for p in parts)
         self.register_buffer("bias", bias, persistent=False)
-        for i, p in enumerate(parts):  # buffers: .to() / state accounting see the blocks
+        self._part_rows = [(p.type_id, p.rows) for p in parts]
+        self.packed = self._pack(parts, in_features)
+        self._parts = [] if self.packed is not None else parts
+        if self.packed is not None:  # buffers: .to() / state accounting see the weight
+            self.register_buffer("packed_blocks", self.packed.wp, persistent=False)
+        for i, p in enumerate(self._parts):
             self.register_buffer(f"blocks_{i}", p.raw, persistent=False)
 
+    @staticmethod
+    def _pack(parts: list[QuantizedPart], cols: int) -> gguf_dot.PackedGGUF | None:
+        """The integer-dot packing of the whole weight where every part is one type the
+        kernel runs (and the library is here), else ``None``."""
+        types = {p.type_id for p in parts}
+        if _lib() is None or len(types) != 1 or next(iter(types)) not in gguf_dot.DOT_TYPES:
+            return None
+        raw = parts[0].raw if len(parts) == 1 else torch.cat([p.raw for p in parts])
+        return gguf_dot.pack_gguf(parts[0].type_id, raw, cols)
+
+    @property
+    def parts(self) -> list[QuantizedPart]:
+        """The weight's row ranges as the file's blocks (unpacked anew where packed)."""
+        if self.packed is None:
+            return self._parts
+        raw, out, lo = gguf_dot.unpack_gguf(self.packed), [], 0
+        for type_id, rows in self._part_rows:
+            out.append(QuantizedPart(type_id, raw[lo : lo + rows]))
+            lo += rows
+        return out
+
     def weight_bytes(self) -> int:
-        """Bytes of the quantized blocks."""
-        return sum(p.raw.numel() for p in self.parts)
+        """Bytes of the quantized blocks (packed: the same bytes, rows padded to 16)."""
+        if self.packed is not None:
+            return self.packed.nbytes
+        return sum(p.raw.numel() for p in self._parts)
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The whole weight ``[N, K]`` in ``dtype``."""
@@ -168,6 +198,11 @@ class GGUFLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
+        if self.packed is not None and x2.dtype in (torch.float32, torch.bfloat16):
+            bias = self.bias
+            assert bias is None or isinstance(bias, torch.Tensor), "bias is a tensor or None"
+            y = gguf_dot.gguf_dot_linear(x2, self.packed, bias)
+            return y.view(*lead, self.out_features)
         if x2.shape[0] >= DENSE_MIN_ROWS or _lib() is None:
             wdtype = x2.dtype if x2.dtype in (torch.float32, torch.bfloat16) else torch.float32
             y = F.linear(x2.to(wdtype), self.dequantized(wdtype)).to(x.dtype)
@@ -185,7 +220,7 @@ class GGUFLinear(nn.Module):
         return y.view(*lead, self.out_features)
 
     def extra_repr(self) -> str:
-        types = ",".join(gguf_quants.GGUF_TYPES[p.type_id].name for p in self.parts)
+        types = ",".join(gguf_quants.GGUF_TYPES[t].name for t, _ in self._part_rows)
         return f"in={self.in_features}, out={self.out_features}, types={types}"
 
 

@@ -64,8 +64,10 @@ SOURCES: tuple[tuple[str, tuple[str, ...]], ...] = (
     # step-by-step rounding: the epilogue equals the torch reference bit for bit
     ("int8_linear_cpu.c", ("-ffp-contract=off",)),
     ("int4_linear_cpu.c", ("-ffp-contract=off",)),
+    ("gguf_dot_cpu.c", ()),
 )
-HEADERS = ("tandem_kernels.h", "team.h", "simd_math.h", "elementwise.h", "gguf_quant_simd.h")
+HEADERS = ("tandem_kernels.h", "team.h", "simd_math.h", "elementwise.h", "gguf_quant_simd.h",
+           "gguf_dot_simd.h")
 # -Bsymbolic: the library's calls between its own files bind inside it, so the
 # variants loaded side by side in one test process never call into each other.
 _LDFLAGS = ("-shared", "-fopenmp", "-Wl,-Bsymbolic")

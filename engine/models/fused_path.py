@@ -3,7 +3,8 @@ layers have the pre-norm RMSNorm -> fused QKV attention -> RMSNorm -> fused SwiG
 
 A model asks ``FusedDecodePath.get`` on each decode-only step; this decides whether the
 kernel serves (bf16 on a CPU with AVX512-BF16, every linear packed into the VNNI layout
-by ``kernels/linear.py`` or W8A8 packed by ``Int8Linear``, shapes within the kernel) and
+by ``kernels/linear.py``, W8A8 packed by ``Int8Linear`` or GGUF blocks packed by
+``GGUFLinear``, shapes within the kernel) and
 keeps the built kernel with the KV cache views it was built for. Models only describe their layers (``FusedLayer``).
 """
 
@@ -19,11 +20,12 @@ from tandem.engine.models.interface import KVCacheViews
 from tandem.kernels.fused_decode import (
     DecodeLayerParams,
     FusedDecode,
+    GGUFLinearParams,
     Int8LinearParams,
     LinearParams,
 )
 
-__all__ = ["FusedDecodePath", "FusedLayer", "int8_weight", "packed_weight"]
+__all__ = ["FusedDecodePath", "FusedLayer", "gguf_weight", "int8_weight", "packed_weight"]
 
 
 class _Norm(Protocol):
@@ -97,8 +99,21 @@ def int8_weight(linear: nn.Module) -> Int8LinearParams | None:
     return Int8LinearParams(wp, wsum, scale, None if bias is None else bias.float().contiguous())
 
 
+def gguf_weight(linear: nn.Module) -> GGUFLinearParams | None:
+    """The packed blocks of a GGUF projection (``GGUFQuantLinear`` whose ``GGUFLinear``
+    packed them for the integer-dot kernel), else ``None``; the bias widened to float32."""
+    inner = getattr(linear, "inner", None)
+    packed = getattr(inner, "packed", None)
+    if packed is None or not hasattr(packed, "wp"):
+        return None
+    bias = getattr(inner, "bias", None)
+    assert bias is None or isinstance(bias, torch.Tensor), "a linear's bias is a tensor or None"
+    return GGUFLinearParams(packed.type_id, packed.wp,
+                            None if bias is None else bias.float().contiguous())
+
+
 def _fused_linear(linear: nn.Module) -> LinearParams | None:
-    return packed_weight(linear) or int8_weight(linear)
+    return packed_weight(linear) or int8_weight(linear) or gguf_weight(linear)
 
 
 def _layer_params(layer: FusedLayer, kv_cache: KVCacheViews) -> DecodeLayerParams | None:

@@ -78,7 +78,8 @@ class GGUFCheckpoint:
     Attributes:
         path: the file; types: HF prefix of each quantized projection -> ggml type id;
         row_bytes: HF prefix -> bytes per row its ``qweight`` is padded to;
-        embedding: the token embedding's blocks when quantized (for the tied head).
+        embedding: the token embedding's blocks when quantized (for the tied head; read
+            by ``iter_weights``); embedding_type: its ggml type id then (from the scan).
     """
 
     path: str
@@ -89,6 +90,7 @@ class GGUFCheckpoint:
     row_bytes: dict[str, int] = field(default_factory=dict)
     embedding: QuantizedPart | None = None
     embedding_dim: int = 0
+    embedding_type: int | None = None
 
 
 def open_checkpoint(path: str, hf_config: Any) -> GGUFCheckpoint:
@@ -112,6 +114,8 @@ def open_checkpoint(path: str, hf_config: Any) -> GGUFCheckpoint:
         qt = gguf_quants.gguf_type(tid, t.name)
         name = hf_name(t.name)
         prefix, _, kind = name.rpartition(".")
+        if name == "model.embed_tokens.weight":
+            ck.embedding_type = tid
         if kind == "weight" and prefix.split(".")[-1] in _PROJECTIONS:
             ck.types[prefix] = tid
             ck.row_bytes[prefix] = int(t.shape[0]) // qt.block * qt.type_size

@@ -18,8 +18,9 @@
  *   normed, residual = add_rms_norm(hidden, residual)
  *   act = silu(normed @ Wg^T + bg) * (normed @ Wu^T + bu);  hidden = act @ Wd^T + bd
  * The final norm and the LM head stay with the caller. Any of a layer's linears may
- * be W8A8 (int8_linear_cpu.c: on-load or checkpoint int8) instead of packed bf16;
- * an int8 gate/up projection is rounded to bf16 before the SwiGLU, as per op.
+ * be W8A8 (int8_linear_cpu.c: on-load or checkpoint int8) or GGUF blocks
+ * (gguf_dot_cpu.c) instead of packed bf16; such a gate/up projection is rounded to
+ * bf16 before the SwiGLU, as per op.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -30,25 +31,37 @@
 
 /* decode_layer and decode_step are declared in tandem_kernels.h. */
 
-/* One linear of a layer: W8A8 where w8 is set (int8_linear_cpu.c), else packed bf16. */
+/* One linear of a layer: GGUF blocks where wq is set (gguf_dot_cpu.c), W8A8 where w8 is
+ * (int8_linear_cpu.c), else packed bf16. */
 static void layer_linear(int tiles, const decode_step *st, const int8_weight *w8,
-                         const uint16_t *x, int64_t sx, const uint16_t *wp, const uint16_t *b,
-                         uint16_t *y, int64_t sy, int64_t N, int64_t K) {
-    if (w8)
+                         const gguf_weight *wq, const uint16_t *x, int64_t sx,
+                         const uint16_t *wp, const uint16_t *b, uint16_t *y, int64_t sy,
+                         int64_t N, int64_t K) {
+    if (wq)
+        team_gguf_matmul((int)st->int8_path, (int)wq->type, 1, x, sx, wq->wp, wq->bias, y, sy,
+                         st->tokens, N, K, st->gguf_scratch);
+    else if (w8)
         team_int8_matmul((int)st->int8_path, 1, x, sx, w8->wp, w8->wsum, w8->scale, w8->bias, y,
                          sy, st->tokens, N, K, st->int8_scratch);
     else
         team_bf16_matmul(tiles, x, sx, wp, b, y, sy, st->tokens, N, K, 0, st->pad);
 }
 
-/* Whether the int8 layers (if any) can run: the path here, the step's buffers. */
+/* Whether the int8 and GGUF layers (if any) can run: the path here, their types, the
+ * step's buffers. */
 static int int8_ready(const decode_layer *layers, int64_t num_layers, const decode_step *st) {
-    int any = 0;
-    for (int64_t l = 0; l < num_layers; ++l)
-        any |= layers[l].qkv8 || layers[l].o8 || layers[l].gu8 || layers[l].d8;
-    if (!any) return 1;
+    int any8 = 0, anyq = 0, types = 1;
+    for (int64_t l = 0; l < num_layers; ++l) {
+        const decode_layer *ly = &layers[l];
+        any8 |= ly->qkv8 || ly->o8 || ly->gu8 || ly->d8;
+        anyq |= ly->qkvq || ly->oq || ly->guq || ly->dq;
+        const gguf_weight *q[4] = {ly->qkvq, ly->oq, ly->guq, ly->dq};
+        for (int i = 0; i < 4; ++i) types &= q[i] == NULL || gguf_dot_type((int)q[i]->type);
+    }
+    if (!any8 && !anyq) return 1;
     return st->int8_path >= 0 && st->int8_path < 31 && (int8_linear_paths() >> st->int8_path & 1) &&
-           st->int8_scratch != NULL && st->gate_up != NULL;
+           (!any8 || st->int8_scratch != NULL) && (!anyq || st->gguf_scratch != NULL) && types &&
+           st->gate_up != NULL;
 }
 
 int decode_layers_available(void) {
@@ -85,8 +98,8 @@ int decode_layers(const decode_layer *layers, int64_t num_layers, const decode_s
                 team_add_rms_norm_bf16(st->hidden_states, st->residual, ly->input_norm,
                                        st->normed, st->residual, T, E, st->eps);
             }
-            layer_linear(tiles, st, ly->qkv8, st->normed, E, ly->wqkv, ly->bqkv, st->qkv, QKV,
-                         QKV, E);
+            layer_linear(tiles, st, ly->qkv8, ly->qkvq, st->normed, E, ly->wqkv, ly->bqkv,
+                         st->qkv, QKV, QKV, E);
             team_rotary_cache_bf16(st->qkv, QKV, st->q_rot, T, H, KVH, D, st->cos, st->sin,
                                    ly->k_cache, st->ck_b, st->ck_o, st->ck_h, ly->v_cache,
                                    st->cv_b, st->cv_o, st->cv_h, st->slots, st->block_size);
@@ -96,20 +109,20 @@ int decode_layers(const decode_layer *layers, int64_t num_layers, const decode_s
                                         D, T, H, KVH, D, st->block_size, st->scale,
                                         ly->window > 0 ? ly->window : (int64_t)1 << 62, tiles,
                                         &counter, &failed);
-            layer_linear(tiles, st, ly->o8, st->attn, H * D, ly->wo, ly->bo, st->hidden_states,
-                         E, E, H * D);
+            layer_linear(tiles, st, ly->o8, ly->oq, st->attn, H * D, ly->wo, ly->bo,
+                         st->hidden_states, E, E, H * D);
             team_add_rms_norm_bf16(st->hidden_states, st->residual, ly->post_norm, st->normed,
                                    st->residual, T, E, st->eps);
-            if (ly->gu8) { /* as the per-op path: the projection rounded, then SwiGLU */
-                layer_linear(tiles, st, ly->gu8, st->normed, E, NULL, NULL, st->gate_up, 2 * I,
-                             2 * I, E);
+            if (ly->gu8 || ly->guq) { /* as the per-op path: the projection rounded, then SwiGLU */
+                layer_linear(tiles, st, ly->gu8, ly->guq, st->normed, E, NULL, NULL, st->gate_up,
+                             2 * I, 2 * I, E);
                 team_silu_and_mul_bf16(st->gate_up, st->act, T, I);
             } else {
                 team_bf16_matmul(tiles, st->normed, E, ly->wgu, ly->bgu, st->act, I, T, 2 * I, E,
                                  1, st->pad);
             }
-            layer_linear(tiles, st, ly->d8, st->act, I, ly->wd, ly->bd, st->hidden_states, E, E,
-                         I);
+            layer_linear(tiles, st, ly->d8, ly->dq, st->act, I, ly->wd, ly->bd, st->hidden_states,
+                         E, E, I);
         }
         if (tiles) team_amx_end();
     }

@@ -30,16 +30,26 @@ typedef struct {
     const float *scale, *bias;
 } int8_weight;
 
+/* A GGUF linear for decode_layers (see gguf_dot_linear): the ggml type id, the blocks
+ * as gguf_pack_weight packed them, float32 bias (NULL: none). */
+typedef struct {
+    int64_t type;
+    const void *wp;
+    const float *bias;
+} gguf_weight;
+
 /* One decoder layer for decode_layers: packed weights (bf16_pack_weight),
  * optional biases (NULL), norm weights, and this layer's K/V cache views
  * (strides in decode_step: every layer's view shares them). A non-NULL
- * qkv8 / o8 / gu8 / d8 makes that linear W8A8 instead (its bf16 fields unused). */
+ * qkv8 / o8 / gu8 / d8 makes that linear W8A8 instead, a non-NULL qkvq / oq / guq /
+ * dq a GGUF one (its bf16 fields unused). */
 typedef struct {
     const uint16_t *input_norm, *post_norm;
     const uint16_t *wqkv, *bqkv, *wo, *bo, *wgu, *bgu, *wd, *bd;
     uint16_t *k_cache, *v_cache;
     int64_t window; /* sliding window in tokens, 0 = none */
     const int8_weight *qkv8, *o8, *gu8, *d8;
+    const gguf_weight *qkvq, *oq, *guq, *dq;
 } decode_layer;
 
 /* One decode step for decode_layers: shapes, the step's metadata and the
@@ -63,6 +73,9 @@ typedef struct {
     int64_t int8_path;
     uint16_t *gate_up;
     void *int8_scratch;
+    /* for GGUF layers only (else any): the quantized activations (gguf_dot_scratch_size(T,
+     * max(E, H D, I)) bytes; the path is int8_path, the gate/up output gate_up) */
+    void *gguf_scratch;
 } decode_step;
 
 /* paged_attention_cpu.c: decode attention straight from the paged cache. */
@@ -183,5 +196,19 @@ void int8_pack_weight(const void *q, int64_t N, int64_t K, void *wp, int *wsum);
 int int8_linear(int path, int is_bf16, const void *x, int64_t sx, const void *wp, const int *wsum,
                 const float *ws, const float *bias, void *y, int64_t sy, int64_t M, int64_t N,
                 int64_t K, int num_threads);
+
+/* gguf_dot_cpu.c: GGUF Q4_0 / Q4_1 / Q8_0 linears on int8 activations quantized per
+ * 32-element block, int32 dot products per block (see there); the paths are
+ * int8_linear's (TANDEM_INT8_*, int8_linear_paths()). gguf_dot_type: whether a ggml
+ * type runs here. gguf_pack_weight / gguf_unpack_weight: [N, K / 32 * type_size]
+ * blocks <-> ceil(N / 16) * K / 32 * 16 * type_size packed bytes. Return -1 on a type or
+ * path outside these, -2 on K not whole blocks or an empty shape, -3 out of memory. */
+int gguf_dot_type(int type);
+int gguf_pack_weight(int type, const void *raw, int64_t N, int64_t K, void *wp);
+int gguf_unpack_weight(int type, const void *wp, int64_t N, int64_t K, void *raw);
+void gguf_dot_scratch_size(int64_t M, int64_t K, int64_t *bytes);
+int gguf_dot_linear(int path, int type, int is_bf16, const void *x, int64_t sx, const void *wp,
+                    const float *bias, void *y, int64_t sy, int64_t M, int64_t N, int64_t K,
+                    int num_threads);
 
 #endif

@@ -28,7 +28,8 @@ PROMPTS = [
 ]
 
 
-def _generate(fused: bool, monkeypatch, params: SamplingParams) -> tuple[list, int]:
+def _generate(fused: bool, monkeypatch, params: SamplingParams, quantization: str | None
+              ) -> tuple[list, int]:
     calls = []
     real_call = FusedDecode.__call__
 
@@ -37,7 +38,8 @@ def _generate(fused: bool, monkeypatch, params: SamplingParams) -> tuple[list, i
         return real_call(self, *args, **kwargs)
 
     monkeypatch.setattr(FusedDecode, "__call__", spy)
-    llm = LLM(dtype="bfloat16", max_model_len=512, kv_cache_memory=64 << 20)
+    llm = LLM(dtype="bfloat16", max_model_len=512, kv_cache_memory=64 << 20,
+              quantization=quantization)
     model = llm.llm_engine.engine_core.executor.driver_worker.model_runner.model
     assert isinstance(model, LlamaForCausalLM)
     model.fused_decode_enabled = fused
@@ -45,11 +47,15 @@ def _generate(fused: bool, monkeypatch, params: SamplingParams) -> tuple[list, i
     return outs, len(calls)
 
 
+@pytest.mark.parametrize("quantization", ["none", "gguf"], ids=["dequantized", "blocks"])
 @pytest.mark.parametrize("logprobs", [None, 3], ids=["greedy-head", "logprobs"])
-def test_fused_decode_gives_the_per_op_tokens_on_the_real_model(monkeypatch, logprobs):
+def test_fused_decode_gives_the_per_op_tokens_on_the_real_model(monkeypatch, logprobs,
+                                                                 quantization):
+    """``none``: the .gguf dequantized to bf16 at load; ``gguf``: on its Q4_1 blocks
+    (the integer-dot linears inside the fused step)."""
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=logprobs)
-    fused, fused_calls = _generate(True, monkeypatch, params)
-    per_op, per_op_calls = _generate(False, monkeypatch, params)
+    fused, fused_calls = _generate(True, monkeypatch, params, quantization)
+    per_op, per_op_calls = _generate(False, monkeypatch, params, quantization)
     assert per_op_calls == 0
     assert fused_calls >= 20, f"the fused path ran on only {fused_calls} steps"
     for a, b in zip(fused, per_op, strict=True):

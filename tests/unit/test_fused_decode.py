@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 from tiny_models import tiny_config, tiny_hf_model
+from torch import nn
 
 from tandem.engine.models.registry import build_model
 from tandem.engine.quantization import finish_model
@@ -19,6 +20,7 @@ from tandem.engine.quantization.methods import Int8OnLoad
 from tandem.kernels.attention import build_attention_metadata
 from tandem.kernels.cache import allocate_kv_cache
 from tandem.kernels.fused_decode import FusedDecode
+from tandem.kernels.gguf_linear import GGUFLinear, QuantizedPart
 from tandem.kernels.linear import pack_linear_layers
 
 # every variant with the AVX512-BF16 kernels (conftest's bf16_variant)
@@ -33,8 +35,35 @@ ARCHS = {
 BLOCK = 16
 
 
-def make_model(arch: str, tie: bool, dtype: torch.dtype = torch.bfloat16, int8: bool = False):
-    """``int8``: the decoder's linears quantized on load (``--quantization int8``)."""
+class _GGUFProjection(nn.Module):
+    """A decoder projection on Q4_1 blocks quantized from a linear's weight (as a .gguf's
+    ``GGUFQuantLinear``: the kernel reads ``inner``)."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        import gguf
+
+        w = linear.weight.detach().float().numpy()
+        raw = torch.from_numpy(gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q4_1))
+        bias = None if linear.bias is None else linear.bias.detach()
+        self.inner = GGUFLinear([QuantizedPart(3, raw)], linear.in_features, bias)
+        assert self.inner.packed is not None, "the integer-dot packing serves Q4_1"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x)
+
+
+def _to_gguf(model) -> None:
+    for layer in model.model.decoder_layers:
+        for owner, name in ((layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj"),
+                            (layer.mlp, "gate_up_proj"), (layer.mlp, "down_proj")):
+            setattr(owner, name, _GGUFProjection(getattr(owner, name)))
+
+
+def make_model(arch: str, tie: bool, dtype: torch.dtype = torch.bfloat16, int8: bool = False,
+               gguf: bool = False):
+    """``int8``: the decoder's linears quantized on load (``--quantization int8``);
+    ``gguf``: on Q4_1 blocks (``--quantization gguf``)."""
     # vocab 112, a multiple of 16: the packed head (and its argmax pass) serves
     config = tiny_config(arch, vocab=112, hidden=64, ffn=96, layers=3, head_dim=32, max_len=256,
                          tie_word_embeddings=tie, **ARCHS[arch])
@@ -43,20 +72,23 @@ def make_model(arch: str, tie: bool, dtype: torch.dtype = torch.bfloat16, int8: 
     if int8:
         finish_model(model, Int8OnLoad())
         assert isinstance(model.model.decoder_layers[0].mlp.down_proj, Int8Linear)
+    if gguf:
+        _to_gguf(model)
     if dtype == torch.bfloat16:
         packed = pack_linear_layers(model)
-        assert packed > 0 or (int8 and tie), "int8 + tied: no bf16 linear is left to pack"
+        assert packed > 0 or ((int8 or gguf) and tie), "tied: no bf16 linear is left to pack"
         model.pack_tied_lm_head()
     return model
 
 
-@pytest.mark.parametrize("int8", [False, True], ids=["bf16", "int8"])
+@pytest.mark.parametrize("quant", ["bf16", "int8", "gguf"])
 @pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
 @pytest.mark.parametrize("arch", sorted(ARCHS))
 @pytest.mark.parametrize("num_seqs", [1, 13, 40])
-def test_fused_decode_is_bit_identical_to_per_op_path(arch, tie, num_seqs, int8):
-    """``int8``: every decoder linear W8A8 (int8_linear_cpu.c inside the fused step)."""
-    model = make_model(arch, tie, int8=int8)
+def test_fused_decode_is_bit_identical_to_per_op_path(arch, tie, num_seqs, quant):
+    """``int8``: every decoder linear W8A8 (int8_linear_cpu.c inside the fused step);
+    ``gguf``: every decoder linear on Q4_1 blocks (gguf_dot_cpu.c inside it)."""
+    model = make_model(arch, tie, int8=quant == "int8", gguf=quant == "gguf")
     cfg = model.config
     gen = torch.Generator().manual_seed(num_seqs)
     lens = torch.randint(1, 60, (num_seqs,), generator=gen).tolist()

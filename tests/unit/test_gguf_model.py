@@ -31,21 +31,38 @@ def test_unpermute_undoes_llama_cpp_permute():
     assert torch.equal(gguf_method._unpermute(permuted, n_head), w)
 
 
+def _on_blocks(model) -> bool:
+    return isinstance(model.model.layers[0].self_attn.qkv_proj, gguf_method.GGUFQuantLinear)
+
+
 @pytest.mark.slow
-def test_default_gguf_loads_quantized_when_asked_and_dequantized_by_default():
+def test_default_gguf_loads_quantized_when_asked_and_dequantized_in_float32():
     """With quantization="gguf" the default model's projections and tied head stay in their
-    Q4_1 / Q8_0 blocks; without it (the faster path on the CPUs measured) a .gguf is
-    dequantized at load."""
+    Q4_1 / Q8_0 blocks, packed for the integer-dot kernel; in float32, or with
+    quantization="none", a .gguf is dequantized at load."""
     from tandem.engine.config import ModelConfig
     from tandem.engine.model_loader import load_model
 
-    plain = load_model(ModelConfig(dtype="float32")).model
-    assert not isinstance(plain.model.layers[0].self_attn.qkv_proj, gguf_method.GGUFQuantLinear)
+    assert not _on_blocks(load_model(ModelConfig(dtype="float32")).model)
+    assert not _on_blocks(load_model(ModelConfig(quantization="none", dtype="bfloat16")).model)
     model = load_model(ModelConfig(quantization="gguf")).model
     qkv = model.model.layers[0].self_attn.qkv_proj
     assert isinstance(qkv, gguf_method.GGUFQuantLinear) and isinstance(qkv.inner, GGUFLinear)
     assert [p.type_id for p in qkv.inner.parts] == [3, 3, 3]  # Q4_1
+    assert qkv.inner.packed is not None and qkv.inner.packed.type_id == 3
     assert isinstance(model.tied_lm_head, GGUFLinear)  # Q8_0 token embedding
+    assert model.tied_lm_head.packed is not None and model.tied_lm_head.packed.type_id == 8
+
+
+@pytest.mark.slow
+def test_default_gguf_runs_on_its_blocks_by_default_in_bf16():
+    """Unset quantization in bf16: on the blocks where the integer-dot kernels run (a
+    native library with a SIMD path), else dequantized at load."""
+    from tandem.engine.config import ModelConfig
+    from tandem.engine.model_loader import _dot_kernels_serve, load_model
+
+    model = load_model(ModelConfig(dtype="bfloat16")).model
+    assert _on_blocks(model) == _dot_kernels_serve(torch.bfloat16)
 
 
 def _generate(quantization):
@@ -62,7 +79,7 @@ def test_default_gguf_native_close_to_dequantized():
     """vLLM's rule: at the first position where the greedy tokens differ, each side's token
     is in the other's top-5 logprobs."""
     native = _generate("gguf")
-    dense = _generate(None)
+    dense = _generate("none")
     same = 0
     for x, y in zip(native, dense, strict=True):
         for i, (tx, ty) in enumerate(zip(x.token_ids, y.token_ids, strict=True)):
