@@ -45,13 +45,16 @@ Flow of one completion (``n`` completions run as ``n`` such flows, concurrently)
 Errors are ``OpenAIError``: 400 for the caller's mistakes (the engine's INVALID_ARGUMENT),
 503 when no instance could serve; the HTTP layer turns a failure after streaming began
 into an error event.
+
+The Decode stage (its retries and migration) is ``decode_stage.DecodeStage``, and the
+choice of instances to try and the errors in the client's words ``retries.Retries``;
+both are bases of ``Pipeline``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
@@ -63,16 +66,20 @@ from tandem.contracts.proto import publish_in_flight_to_proto, sampling_params_t
 from tandem.contracts.role import Role
 from tandem.engine.fan_out import fan_out
 from tandem.engine.sampling_params import SamplingParams
-from tandem.services.common.errors import FIELD_METADATA_KEY
-from tandem.services.router.client import CALLER_ERROR_CODES, InstancePool
+from tandem.services.router.client import InstancePool
+from tandem.services.router.decode_stage import DecodeStage
 from tandem.services.router.discovery import Discovery, InstanceInfo
 from tandem.services.router.errors import OpenAIError
 from tandem.services.router.merge import merge_streams
 from tandem.services.router.metrics import RouterMetrics
 from tandem.services.router.publishes import PublishTracker
+from tandem.services.router.retries import (
+    PREFILL_FALLBACK_CODES,
+    raise_if_caller_error,
+    unavailable_error,
+)
 from tandem.services.router.routing import CacheView, KVAwareRouter, RouteContext, Router
 from tandem.services.router.sequence import (
-    EngineAbort,
     GenerationRequest,
     SeqDelta,
     SeqState,
@@ -119,7 +126,7 @@ class _Admission:
         self._metrics.labels(self._metrics.num_running).set(self.num_running)
 
 
-class Pipeline:
+class Pipeline(DecodeStage):
     """Runs requests through the instances. One per router; safe for concurrent use.
 
     Args:
@@ -329,28 +336,6 @@ class Pipeline:
         """Some prefill instance is in the view and did not fail its last load poll."""
         return any(p.alive is not False for p in self.discovery.instances(Role.PREFILL))
 
-    async def _attempts(self, stage: Role, ctx: RouteContext,
-                        first: InstanceInfo | None = None,
-                        tried: set[str] | None = None) -> AsyncIterator[InstanceInfo]:
-        """The instances to try in turn: at most ``max_attempts``, ``first`` (when given
-        and still a candidate) then each chosen by the routing policy among the ``stage``
-        instances not in ``tried`` (``Discovery.instances``: benched ones only when
-        nothing else is left); ends early when none is left. Each one yielded is added to
-        ``tried`` (a fresh set when not given). Holds nothing: a caller may stop
-        iterating at any point."""
-        tried = set() if tried is None else tried
-        for _ in range(self.max_attempts):
-            cands = self.discovery.instances(stage, exclude=tried)
-            if not cands:
-                return
-            if first is not None and any(c.address == first.address for c in cands):
-                info = next(c for c in cands if c.address == first.address)
-            else:
-                info = await self.router.choose(cands, ctx)
-            first = None
-            tried.add(info.address)
-            yield info
-
     async def _prefill(self, ctx: RouteContext, preq: prefill_pb2.PrefillRequest,
                        metadata: Sequence[tuple[str, str]], timings: Timings,
                        param_of_field: Mapping[str, str]
@@ -369,7 +354,7 @@ class Pipeline:
             try:
                 presp = await self.pool.prefill(info.address, preq, tuple(metadata))
             except grpc.aio.AioRpcError as exc:
-                _raise_if_caller_error(exc, param_of_field)
+                raise_if_caller_error(exc, param_of_field)
                 last = exc
                 self._failed(info, Role.PREFILL, exc)
                 continue
@@ -383,235 +368,11 @@ class Pipeline:
             timings.kv_publish_ns = presp.publish_ns
             return presp
         if not self.disagg_prefill_fallback or (
-                last is not None and last.code() not in _PREFILL_FALLBACK_CODES):
-            raise _unavailable(Role.PREFILL, last, param_of_field)
+                last is not None and last.code() not in PREFILL_FALLBACK_CODES):
+            raise unavailable_error(Role.PREFILL, last, param_of_field)
         why = f"{last.code().name} {last.details()}" if last is not None else "none left"
         logger.warning("no prefill instance could serve %s (%s): the decode instance "
                        "prefills it", preq.request_id, why)
         timings.disagg_decision = "local_prefill"
         timings.disagg_reason = f"every prefill attempt failed ({why})"
         return None
-
-    async def _decode(self, ctx: RouteContext, dreq: decode_pb2.DecodeRequest,
-                      metadata: Sequence[tuple[str, str]], state: SeqState,
-                      param_of_field: Mapping[str, str], first: InstanceInfo | None = None
-                      ) -> AsyncIterator[SeqDelta]:
-        """Stream the completion from ``ctx.stage`` instances: a call that fails before it
-        produced a token is retried elsewhere with the same request; one that fails after
-        is migrated (at most ``max_migrations`` times): the colocated form with the tokens
-        passed on so far as ``output_token_ids``, to an instance not tried yet, which
-        streams the tokens after them.
-
-        Raises:
-            OpenAIError: 400 the engine rejected the request; 503 no instance could serve,
-                or one failed mid-stream with no migration left (``instance_failed``).
-        """
-        tried: set[str] = set()
-        migrations = 0
-        while True:
-            failure = None
-            async for info in self._attempts(ctx.stage, ctx, first, tried):
-                first = None
-                failure = None
-                # NOTE: closed explicitly: a client going away must cancel the call now.
-                async with contextlib.aclosing(self._decode_on(
-                        info, ctx, dreq, metadata, state, param_of_field, migrations > 0)
-                        ) as deltas:
-                    async for delta in deltas:
-                        if isinstance(delta, _MidStreamFailure):
-                            failure = delta
-                        else:
-                            yield delta
-                if failure is None:
-                    return
-                if failure.num_emitted:
-                    break
-            if failure is None or not failure.num_emitted:
-                last = failure.error if failure is not None else None
-                if migrations:
-                    raise OpenAIError(
-                        f"no {ctx.stage} instance was left to continue the request after "
-                        f"{migrations} migration(s)", status_code=503, code="instance_failed")
-                raise _unavailable(ctx.stage, last, param_of_field)
-            if migrations >= self.max_migrations:
-                raise OpenAIError(f"{failure.message} (after {migrations} migration(s))",
-                                  status_code=503, code="instance_failed")
-            migrations += 1
-            state.timings.num_migrations = migrations
-            m = self.metrics
-            m.labels(m.migrations).inc()
-            logger.warning("migrating %s after %d tokens: %s", dreq.request_id,
-                           state.num_tokens, failure.message)
-            dreq = decode_pb2.DecodeRequest(
-                request_id=dreq.request_id, prompt_token_ids=dreq.prompt_token_ids,
-                output_token_ids=state.output_token_ids, sampling_params=dreq.sampling_params,
-                priority=dreq.priority, cache_salt=dreq.cache_salt)
-
-    async def _decode_on(self, info: InstanceInfo, ctx: RouteContext,
-                         dreq: decode_pb2.DecodeRequest, metadata: Sequence[tuple[str, str]],
-                         state: SeqState, param_of_field: Mapping[str, str], resumed: bool
-                         ) -> AsyncGenerator[SeqDelta | _MidStreamFailure, None]:
-        """One Decode call on ``info``: its deltas, then a ``_MidStreamFailure`` last if the
-        instance failed (a caller error raises instead)."""
-        colocated_form = not dreq.HasField("first_token_id")
-        state.timings.decode_instance = info.address
-        if colocated_form and not resumed:
-            state.timings.prefill_instance = info.address
-        timings = state.timings
-        num_emitted = 0
-        num_messages = 0
-        call = None
-        self.discovery.acquire(info.address)
-        try:
-            call = self.pool.decode(info.address, dreq, tuple(metadata))
-            start_ns = time.monotonic_ns()
-            async for msg in call:
-                if num_messages == 0:
-                    self._first_decode_message(msg, state, start_ns, info, ctx,
-                                               colocated_form and not resumed)
-                num_messages += 1
-                if not msg.token_ids and not msg.finish_reason:
-                    continue
-                recv_ns = time.monotonic_ns()
-                grpc_ns = time.time_ns() - msg.sent_unix_ns if msg.sent_unix_ns else 0
-                if msg.HasField("engine_decode_ns"):
-                    timings.add_engine_totals(msg.engine_decode_ns, msg.output_latency_ns,
-                                              msg.num_engine_outputs)
-                stop_tok = msg.stop_token_id if msg.HasField("stop_token_id") else None
-                token_ids = list(msg.token_ids)
-                if msg.prompt_logprobs:  # a colocated or local prefill computed the prompt
-                    state.prompt_logprobs = list(msg.prompt_logprobs)
-                delta = state.add(token_ids, list(msg.logprobs) or None,
-                                  msg.finish_reason, stop_tok)
-                num_emitted += len(token_ids)
-                if state.finished and info.kv_publish_output:
-                    # before the last delta goes out: the next turn can come right after
-                    self._remember_publish(info, ctx, dreq.request_id, state, colocated_form)
-                ready_ns = time.monotonic_ns()
-                timings.add_decode_message(len(token_ids), grpc_ns, ready_ns - recv_ns)
-                if delta is not None:
-                    delta.seq_timings, delta.ready_ns = timings, ready_ns
-                    yield delta
-                if state.finished:
-                    return
-            self.discovery.mark_failed(info.address)
-            yield _MidStreamFailure(num_emitted, f"decode stream from {info.address} ended "
-                                    "unfinished")
-        except grpc.aio.AioRpcError as exc:
-            _raise_if_caller_error(exc, param_of_field)
-            self._failed(info, ctx.stage, exc)
-            yield _MidStreamFailure(num_emitted, f"decode instance {info.address} failed "
-                                    f"mid-stream: {exc.details()}", exc)
-        except EngineAbort as exc:
-            self.discovery.mark_failed(info.address)
-            yield _MidStreamFailure(num_emitted, f"{info.address}: {exc}")
-        finally:
-            # Stop string matched, client gone, or error: abort on the engine.
-            if call is not None:
-                if not call.done():
-                    logger.debug("cancelling decode of %s on %s", dreq.request_id,
-                                 info.address)
-                call.cancel()
-            self.discovery.release(info.address)
-
-    def _remember_publish(self, info: InstanceInfo, ctx: RouteContext, request_id: str,
-                          state: SeqState, colocated_form: bool) -> None:
-        """Note the output publish ``info`` starts for a finished request (the prompt +
-        every output token but the last have KV there) for the next turn's hint."""
-        bs = info.block_size
-        tokens = [*ctx.prompt_token_ids, *state.output_token_ids[:-1]]
-        # the prefill published the prompt's full blocks; a colocated form computed them
-        first = 0 if colocated_form else len(ctx.prompt_token_ids) // bs
-        self.publishes.record(request_id, info.address, info.kv_layout_fingerprint, bs,
-                              ctx.block_hashes(bs), tokens, first)
-
-    def _first_decode_message(self, msg: decode_pb2.DecodeResponse, state: SeqState,
-                              start_ns: int, info: InstanceInfo, ctx: RouteContext,
-                              colocated_form: bool) -> None:
-        self.discovery.mark_ok(info.address)
-        self.router.on_routed(info, ctx)
-        t = state.timings
-        t.first_decode_ns = time.monotonic_ns() - start_ns
-        if msg.HasField("kv_pull_ns"):
-            t.kv_pull_ns = msg.kv_pull_ns
-        if msg.HasField("queue_ns"):
-            t.decode_queue_ns = msg.queue_ns
-            if colocated_form:
-                # Colocated: the first message carries the first token, so everything after
-                # the engine's queue up to it is prefill compute (RPC overhead included).
-                t.prefill_queue_ns = msg.queue_ns
-                t.prefill_compute_ns = max(0, t.first_decode_ns - msg.queue_ns)
-        if msg.HasField("num_cached_tokens") and colocated_form:
-            state.num_cached_tokens = t.cached_tokens = msg.num_cached_tokens
-        m = self.metrics
-        if not colocated_form and t.kv_pull_ns is not None:
-            handoff_s = ((t.kv_publish_ns or 0) + t.kv_pull_ns) / 1e9
-            m.labels(m.kv_handoff_seconds).observe(handoff_s)
-            if msg.HasField("kv_pull_bytes"):
-                # what the decode engine pulled from the store, as it reports it
-                # (not blocks it already held, and in the dtype it runs)
-                m.labels(m.kv_handoff_bytes).inc(msg.kv_pull_bytes)
-
-    def _failed(self, info: InstanceInfo, stage: Role, exc: grpc.aio.AioRpcError) -> None:
-        logger.warning("%s call to %s failed (%s): %s", stage, info.address, exc.code().name,
-                       exc.details())
-        if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
-            self.discovery.mark_failed(info.address)
-        self.metrics.retries.labels(model_name=self.metrics.model_name, stage=stage).inc()
-
-
-#: Prefill failures a decode instance's own prefill may stand in for: the instance is
-#: gone or restarting (UNAVAILABLE) or full (RESOURCE_EXHAUSTED). Not INTERNAL and the
-#: like: a request that broke prefill engines must not go on to break decode ones.
-_PREFILL_FALLBACK_CODES = frozenset({grpc.StatusCode.UNAVAILABLE,
-                                     grpc.StatusCode.RESOURCE_EXHAUSTED})
-
-
-@dataclasses.dataclass(frozen=True)
-class _MidStreamFailure:
-    """An instance failed a Decode call after ``num_emitted`` of its tokens went out."""
-
-    num_emitted: int
-    message: str
-    error: grpc.aio.AioRpcError | None = None
-
-
-def _raise_if_caller_error(exc: grpc.aio.AioRpcError, param_of_field: Mapping[str, str]
-                           ) -> None:
-    """A 400 for the engine's verdict on a bad request: ``param`` is the field the engine
-    names (trailing metadata ``FIELD_METADATA_KEY``), in the client's API's words."""
-    if exc.code() not in CALLER_ERROR_CODES:
-        return
-    message, param = _in_clients_words(exc, param_of_field)
-    raise OpenAIError(message or "invalid request", status_code=400, param=param) from exc
-
-
-def _in_clients_words(exc: grpc.aio.AioRpcError, param_of_field: Mapping[str, str]
-                      ) -> tuple[str, str | None]:
-    """The engine's message and the field it names (``FIELD_METADATA_KEY``), both in the
-    client's API's words: ``(message, param)``."""
-    field = None
-    for key, value in exc.trailing_metadata() or ():
-        if key == FIELD_METADATA_KEY and isinstance(value, str):
-            field = value
-    message = exc.details() or ""
-    param = None
-    if field is not None:
-        param = param_of_field.get(field, field)
-        if param != field and message.startswith(f"{field}:"):
-            message = param + message[len(field):]
-    return message, param
-
-
-def _unavailable(stage: Role, last: grpc.aio.AioRpcError | None,
-                 param_of_field: Mapping[str, str]) -> OpenAIError:
-    if last is not None and last.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
-        # Every instance was busy with this request's kind of work (a full queue, a
-        # saturated grammar compiler): their reason, in the client's words.
-        message, param = _in_clients_words(last, param_of_field)
-        if param is not None:
-            return OpenAIError(message, status_code=503, retry_after_s=1, param=param)
-    why = f": {last.code().name} {last.details()}" if last is not None else ""
-    role = "colocated" if stage == Role.BOTH else str(stage)
-    return OpenAIError(f"no {role} instance could serve the request{why}", status_code=503,
-                       retry_after_s=1)

@@ -392,17 +392,17 @@ def test_a_busy_grammar_compiler_is_a_503_in_the_clients_words() -> None:
 
     from tandem.contracts.role import Role
     from tandem.services.common.errors import FIELD_METADATA_KEY
-    from tandem.services.router.pipeline import _unavailable
+    from tandem.services.router.retries import unavailable_error
 
     busy = grpc.aio.AioRpcError(
         grpc.StatusCode.RESOURCE_EXHAUSTED, Metadata(),
         Metadata((FIELD_METADATA_KEY, "structured_outputs.regex")),
         details="structured_outputs.regex: the grammar compiler is busy (...); retry later")
-    err = _unavailable(Role.PREFILL, busy, {"structured_outputs.regex": "guided_regex"})
+    err = unavailable_error(Role.PREFILL, busy, {"structured_outputs.regex": "guided_regex"})
     assert (err.status_code, err.param, err.retry_after_s) == (503, "guided_regex", 1)
     assert err.message == "guided_regex: the grammar compiler is busy (...); retry later"
     down = grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, Metadata(), Metadata(),
                                 details="connection refused")
-    err = _unavailable(Role.DECODE, down, {})
+    err = unavailable_error(Role.DECODE, down, {})
     assert err.status_code == 503 and err.param is None
     assert err.message.startswith("no decode instance could serve the request")
