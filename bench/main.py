@@ -23,6 +23,9 @@ _BENCHMARKS: dict[str, tuple[str, str]] = {
     "kvstore": ("tandem.bench.kvstore", "KV store put/get bandwidth and latency"),
     "router-ceiling": ("tandem.bench.router_ceiling",
                        "the router's own cost per streamed token, against a decode stub"),
+    "rate-limit": ("tandem.bench.rate_limit",
+                   "per-API-key limits under concurrent clients: admitted tokens per minute "
+                   "against the limit, and the routers' per-tenant counters"),
 }
 
 
