@@ -145,6 +145,8 @@ def structured_outputs_to_proto(so: StructuredOutputsParams) -> common_pb2.Struc
         msg.choice.choices.extend(so.choice or ())
     else:
         setattr(msg, kind, so.spec())
+    if so.after_token_id is not None:
+        msg.after_token_id = so.after_token_id
     return msg
 
 
@@ -156,13 +158,14 @@ def structured_outputs_from_proto(msg: common_pb2.StructuredOutputs) -> Structur
             schema that is not JSON), naming ``structured_outputs.<kind>``.
     """
     kind = msg.WhichOneof("kind")
-    ws = msg.disable_any_whitespace
+    common = {"disable_any_whitespace": msg.disable_any_whitespace,
+              "after_token_id": (msg.after_token_id if msg.HasField("after_token_id")
+                                 else None)}
     if kind == "choice":
-        return StructuredOutputsParams(choice=tuple(msg.choice.choices),
-                                       disable_any_whitespace=ws)
+        return StructuredOutputsParams(choice=tuple(msg.choice.choices), **common)
     if kind is None:
-        return StructuredOutputsParams(disable_any_whitespace=ws)  # raises, naming the field
-    return StructuredOutputsParams(**{kind: getattr(msg, kind)}, disable_any_whitespace=ws)
+        return StructuredOutputsParams(**common)  # raises, naming the field
+    return StructuredOutputsParams(**{kind: getattr(msg, kind)}, **common)
 
 
 def finish_reason_to_proto(reason: str | None) -> common_pb2.FinishReason:

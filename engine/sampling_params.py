@@ -41,6 +41,11 @@ class StructuredOutputsParams:
         grammar: an EBNF / GBNF grammar (xgrammar's dialect, start rule ``root``).
         disable_any_whitespace: JSON kinds only: no free whitespace between tokens of the
             JSON text (compact output), as vLLM's flag of that name.
+        after_token_id: the grammar applies only after this token id is first generated
+            (the end-of-thinking token, e.g. ``</think>``, of a reasoning model): the
+            tokens up to and including it are free, the ones after it are the
+            constrained answer (vLLM gates its grammar on the reasoning parser's
+            ``is_reasoning_end`` the same way). ``None``: from the first token.
 
     The constraint is compiled by the engine (``engine.structured_output``); its shape
     and the schema rules are checked here, so that the router (which runs no grammar
@@ -58,8 +63,17 @@ class StructuredOutputsParams:
     choice: tuple[str, ...] | None = None
     grammar: str | None = None
     disable_any_whitespace: bool = False
+    after_token_id: int | None = None
 
     def __post_init__(self) -> None:
+        if self.after_token_id is not None and (
+                isinstance(self.after_token_id, bool) or not isinstance(self.after_token_id, int)
+                or self.after_token_id < 0):
+            raise RequestError(
+                "structured_outputs.after_token_id",
+                "structured_outputs.after_token_id must be a token id >= 0, got "
+                f"{self.after_token_id!r}",
+            )
         if self.choice is not None and not isinstance(self.choice, tuple):
             if not isinstance(self.choice, list):
                 raise RequestError(

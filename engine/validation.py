@@ -169,8 +169,9 @@ def check_vocab_params(params: SamplingParams, vocab_size: int) -> None:
     """Token ids inside the sampling parameters name tokens of the vocabulary.
 
     Raises:
-        RequestError: a ``logit_bias`` key or ``stop_token_ids`` entry outside
-            ``[0, vocab_size)``, naming that field.
+        RequestError: a ``logit_bias`` key, ``stop_token_ids`` entry or
+            ``structured_outputs.after_token_id`` outside ``[0, vocab_size)``, naming
+            that field.
     """
     for tok in params.logit_bias or {}:
         if not 0 <= tok < vocab_size:
@@ -180,6 +181,12 @@ def check_vocab_params(params: SamplingParams, vocab_size: int) -> None:
             raise RequestError(
                 "stop_token_ids", f"stop_token_ids entry {tok} outside [0, {vocab_size})"
             )
+    so = params.structured_outputs
+    if so is not None and so.after_token_id is not None and not so.after_token_id < vocab_size:
+        raise RequestError(
+            "structured_outputs.after_token_id",
+            f"structured_outputs.after_token_id {so.after_token_id} outside [0, {vocab_size})",
+        )
 
 
 def validate_request(

@@ -6,6 +6,14 @@ hands it each constrained request when it arrives (the request waits in
 requests keep running), asks it every step whether the grammar is ready, and asks it for
 the step's token bitmask; after each sampled token it advances the request's matcher.
 
+A request whose ``StructuredOutputsParams.after_token_id`` is set (a reasoning model's
+end-of-thinking token) is free until that token is generated: no bitmask row and no
+matcher advance up to and including it, the grammar from the token after it (vLLM's
+structured output manager gates the grammar on ``reasoning_parser.is_reasoning_end``).
+Whether it was generated is derived from the output tokens whenever the matcher is made
+(:meth:`StructuredOutputManager.poll`), so a decode instance continuing a request
+reaches the same state; a preempted request keeps its output tokens and its matcher.
+
 Compiled grammars are cached by ``StructuredOutputsParams.cache_key()`` (kind, spec,
 whitespace flag) in a bounded LRU, and concurrent compiles of one key share one future,
 so in steady state (the decode instance compiling what the prefill instance compiled
@@ -57,12 +65,14 @@ class GrammarState:
         future: the compile in flight or done (``None`` once the matcher exists); it
             always resolves: a compile is killed past the manager's time limit.
         matcher: the request's matcher once the grammar is ready; it has accepted every
-            output token of the request so far.
+            output token of the request after the grammar began (``started``).
+        started: the grammar applies: ``params.after_token_id`` is unset or was generated.
     """
 
     params: StructuredOutputsParams
     future: concurrent.futures.Future[CompiledGrammar] | None
     matcher: GrammarMatcher | None = None
+    started: bool = True
 
 
 @dataclass
@@ -242,6 +252,7 @@ class StructuredOutputManager:
         request.structured_output = GrammarState(
             params=params,
             future=self.compile_async(params),
+            started=params.after_token_id is None,
         )
 
     def poll(self, request: Request) -> bool | RequestError:
@@ -249,7 +260,8 @@ class StructuredOutputManager:
 
         A new matcher first accepts the request's output tokens so far (on a decode
         instance: the first token that the prefill instance sampled under the same
-        grammar), so it continues where the request is.
+        grammar), so it continues where the request is; with ``after_token_id``, only
+        those after that token's first occurrence.
 
         Returns:
             ``True`` ready, ``False`` still compiling, or the ``RequestError`` that fails
@@ -271,7 +283,12 @@ class StructuredOutputManager:
                 return exc
             return RequestError(state.params.field, f"{state.params.field}: {exc}")
         matcher = future.result().new_matcher()
+        after = state.params.after_token_id
+        started = after is None
         for i, token in enumerate(request.output_token_ids):
+            if not started:
+                started = token == after
+                continue
             if not matcher.accept_token(token):
                 name = "first_token_id" if i == 0 else "output_token_ids"
                 return RequestError(
@@ -280,6 +297,7 @@ class StructuredOutputManager:
                     f"request's {state.params.kind} grammar",
                 )
         state.matcher = matcher
+        state.started = started
         state.future = None
         return True
 
@@ -299,13 +317,22 @@ class StructuredOutputManager:
 
         A matcher that is already terminated gets an all-allowed row; the request
         finishes after this step anyway (it cannot be sampled again).
+
+        A request whose grammar has not started (``after_token_id`` not yet generated)
+        gets no row, unless a draft is that token: its positions up to the draft are
+        all-allowed rows, the grammar's from the position after it.
         """
         spec = spec_token_ids or {}
-        constrained = [
-            r
-            for r in requests
-            if r.structured_output is not None and r.structured_output.matcher is not None
-        ]
+        first: dict[str, int] = {}  # request id -> its first position under the grammar
+        constrained = []
+        for r in requests:
+            state = r.structured_output
+            if state is None or state.matcher is None:
+                continue
+            start = _grammar_start(state, spec.get(r.request_id) or [])
+            if start is not None:
+                first[r.request_id] = start
+                constrained.append(r)
         if not constrained:
             return None
         num_rows = sum(len(spec.get(r.request_id, ())) + 1 for r in constrained)
@@ -318,6 +345,7 @@ class StructuredOutputManager:
             assert state is not None and state.matcher is not None
             drafts = spec.get(req.request_id)
             if not drafts:
+                # (no drafts: ``first`` is 0, the grammar has started)
                 if not state.matcher.is_terminated():
                     state.matcher.fill_bitmask(bitmask, row)
                 rows[req.request_id] = row
@@ -327,10 +355,10 @@ class StructuredOutputManager:
             row += len(drafts) + 1
             spec_rows[req.request_id] = own
             num_advanced = 0
-            for j, r in enumerate(own):
+            for j in range(first[req.request_id], len(own)):
                 if state.matcher.is_terminated():
                     break
-                state.matcher.fill_bitmask(bitmask, r)
+                state.matcher.fill_bitmask(bitmask, own[j])
                 if j == len(drafts) or not state.matcher.accept_token(drafts[j]):
                     break
                 num_advanced += 1
@@ -338,7 +366,8 @@ class StructuredOutputManager:
         return StepBitmask(bitmask, rows, spec_rows)
 
     def accept(self, request: Request, token_id: int) -> bool:
-        """Advance the request's matcher by its newly sampled token.
+        """Advance the request's matcher by its newly sampled token; before the grammar
+        starts, only note whether ``token_id`` is ``after_token_id`` (which starts it).
 
         Returns:
             ``False`` when the grammar rejects the token (the caller fails the request).
@@ -347,13 +376,17 @@ class StructuredOutputManager:
         assert state is not None and state.matcher is not None, (
             f"{request.request_id}: a token was sampled before its grammar was ready"
         )
+        if not state.started:
+            state.started = token_id == state.params.after_token_id
+            return True
         return state.matcher.accept_token(token_id)
 
     @staticmethod
     def is_terminated(request: Request) -> bool:
         """Whether the request's grammar is complete (its stop token accepted)."""
         state = request.structured_output
-        return state is not None and state.matcher is not None and state.matcher.is_terminated()
+        return (state is not None and state.started and state.matcher is not None
+                and state.matcher.is_terminated())
 
     def free(self, request: Request) -> None:
         """Drop the request's grammar state (finished or aborted, in any status).
@@ -371,6 +404,17 @@ class StructuredOutputManager:
             backend = self._backend
         if backend is not None:
             backend.shutdown()
+
+
+def _grammar_start(state: GrammarState, drafts: list[int]) -> int | None:
+    """The first of a step's positions (0: the token after the output so far; ``j``: the
+    one after draft ``j - 1``) that the grammar constrains, ``None`` when none does."""
+    if state.started:
+        return 0
+    after = state.params.after_token_id
+    if after in drafts:
+        return drafts.index(after) + 1
+    return None
 
 
 def _busy_error(params: StructuredOutputsParams, why: str) -> GrammarCompilerBusyError:
