@@ -20,7 +20,12 @@ from tandem.engine.validation import RequestError, check_prompt_token_ids, check
 from tandem.services.router.errors import OpenAIError, from_request_error, model_not_found
 from tandem.services.router.pipeline import Pipeline
 from tandem.services.router.protocol import CHAT_ROLES
-from tandem.services.router.reasoning import REASONING_PARSERS, ReasoningMode, reasoning_mode
+from tandem.services.router.reasoning import (
+    REASONING_PARSERS,
+    ReasoningMode,
+    reasoning_mode,
+    think_end_token_id,
+)
 
 
 class Frontend:
@@ -42,6 +47,10 @@ class Frontend:
             (``--generation-config``).
         reasoning_parser: how chat answers' thinking is split off (``--reasoning-parser``;
             ``reasoning.REASONING_PARSERS``), or ``None``.
+
+    Raises:
+        ValueError: an unknown ``reasoning_parser``, or one whose model's tokenizer lacks
+            ``</think>`` as one token (``reasoning.think_end_token_id``).
     """
 
     def __init__(self, *, tokenizer: Any, pipeline: Pipeline, served_model_names: Sequence[str],
@@ -55,6 +64,9 @@ class Frontend:
             raise ValueError(f"reasoning_parser must be one of {REASONING_PARSERS}, got "
                              f"{reasoning_parser!r}")
         self.reasoning_parser = reasoning_parser
+        #: ``</think>``'s id, after which structured outputs start (with a reasoning parser)
+        self.think_end_token_id = (think_end_token_id(tokenizer)
+                                   if reasoning_parser is not None else None)
         self.chat_template = chat_template
         self.tool_call_parser = tool_call_parser
         self.sampling_defaults = sampling_defaults or SamplingDefaults()

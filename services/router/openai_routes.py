@@ -25,7 +25,7 @@ from tandem.services.router.chat_streamers import ChatStreamer, CompletionStream
 from tandem.services.router.door import Door
 from tandem.services.router.frontend import Frontend
 from tandem.services.router.prompt_logprobs import completion_choice, vllm_prompt_logprobs
-from tandem.services.router.reasoning import ReasoningMode, check_unconstrained
+from tandem.services.router.reasoning import ReasoningMode, constrain_answer
 from tandem.services.router.responses import (
     ChoiceState,
     chat_logprobs,
@@ -73,17 +73,16 @@ async def prepare_chat(fe: Frontend, req: P.ChatCompletionRequest, rid: str, arr
             in an error (another API's words for them).
 
     Raises:
-        OpenAIError: 400 naming the field for anything the request gets wrong; with a
-            reasoning parser, 400 naming the field that sets an output constraint
-            (``reasoning.check_unconstrained``).
+        OpenAIError: 400 naming the field for anything the request gets wrong. With a
+            reasoning parser, an output constraint applies to the answer after the
+            thinking (``reasoning.constrain_answer``).
     """
     tool_choice = await off_loop(req, req.tool_choice_spec)
     ids = render_chat(fe, req, tool_choice)
     constraint = await off_loop(
         req, lambda: req.constraint(tool_choice.constraint() if tool_choice else None))
     reasoning = fe.reasoning_mode(ids, req.chat_template_kwargs)
-    if reasoning is not None:
-        check_unconstrained(constraint)
+    constraint = constrain_answer(constraint, reasoning, fe.think_end_token_id)
     sp = req.to_sampling_params(num_prompt_tokens=len(ids), max_model_len=fe.max_model_len,
                                 constraint=constraint, defaults=fe.sampling_defaults)
     fe.check_sampling_params(sp)

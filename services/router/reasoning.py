@@ -20,17 +20,21 @@ Only a ``<think>`` before any other text opens the thinking, and only the first
 leading whitespace after ``</think>`` is dropped. Imports no torch (the router runs it).
 
 Output constraints (``response_format``, ``structured_outputs``, ``guided_*``, forced tool
-calls) are refused with a reasoning parser (:func:`check_unconstrained`): vLLM applies
-the grammar only after the thinking ends, which the engines do not do, and a grammar
-over the whole output would forbid the thinking.
+calls) apply to the answer only, as vLLM's: when the output starts in the thinking, the
+constraint travels with ``after_token_id`` set to the ``</think>`` token
+(:func:`constrain_answer`), and the engines apply the grammar from the token after it.
+The model's tokenizer must hold ``</think>`` as one token (:func:`think_end_token_id`,
+checked when the router starts). When the output starts in the answer (qwen3 without an
+open ``<think>``), the grammar applies from the first token, which leaves no room for a
+``<think>``: the whole output is the answer.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from tandem.services.router.errors import OpenAIError
 from tandem.services.router.structured import Constraint
 
 #: The parsers ``--reasoning-parser`` offers (vLLM's names).
@@ -85,20 +89,32 @@ def reasoning_mode(parser: str | None, prompt_tail: str,
     return ReasoningMode(starts_in_reasoning=opened or parser == "deepseek_r1")
 
 
-def check_unconstrained(constraint: Constraint) -> None:
-    """Refuse an output constraint on a request whose output is split by a reasoning
-    parser.
+def think_end_token_id(tokenizer: Any) -> int:
+    """The id of ``</think>`` in ``tokenizer`` (an HF tokenizer): the token after which a
+    reasoning model's answer, and so its grammar, starts.
 
     Raises:
-        OpenAIError: 400 naming the field that set the constraint.
+        ValueError: naming ``--reasoning-parser``, when the tokenizer encodes
+            ``</think>`` as more than one token (the engines gate on one token id).
     """
-    if constraint.params is None:
-        return
-    param = constraint.param or "response_format"
-    raise OpenAIError(f"{param}: structured outputs and forced tool calls are not supported "
-                      "together with the router's --reasoning-parser (the grammar would "
-                      "apply to the thinking too); send the request without it",
-                      param=param)
+    ids = tokenizer.encode(_CLOSE, add_special_tokens=False)
+    if len(ids) != 1:
+        raise ValueError(f"--reasoning-parser: the model's tokenizer encodes {_CLOSE} as "
+                         f"{len(ids)} tokens {ids}, not one; structured outputs could not "
+                         "start after the thinking")
+    return int(ids[0])
+
+
+def constrain_answer(constraint: Constraint, mode: ReasoningMode | None,
+                     end_token_id: int | None) -> Constraint:
+    """``constraint`` for a request whose output ``mode`` splits: when the output starts
+    in the thinking, its grammar starts after ``end_token_id`` (``</think>``); otherwise
+    (no constraint, no split, output starting in the answer) as it is."""
+    if constraint.params is None or mode is None or not mode.starts_in_reasoning:
+        return constraint
+    assert end_token_id is not None, "a reasoning parser resolves </think> at start-up"
+    params = dataclasses.replace(constraint.params, after_token_id=end_token_id)
+    return dataclasses.replace(constraint, params=params)
 
 
 class ReasoningSplitter:

@@ -5,7 +5,8 @@ The engine serves a scripted tiny Llama: its layers add nothing to the residual 
 embeddings and untied LM head are set so that greedy decoding of any chat prompt emits
 ``SCRIPT`` then EOS (a bigram chain over tokens that each occur once in it). The output
 is thus known without any constraint, as a DeepSeek-R1 answer: thinking, ``</think>``
-(cut over three tokens), answer. The router runs ``--reasoning-parser deepseek_r1``.
+(one token, added to the tokenizer as reasoning models have it), answer. The router runs
+``--reasoning-parser deepseek_r1``, so a structured output applies after ``</think>``.
 """
 
 from __future__ import annotations
@@ -49,6 +50,8 @@ def make_scripted_model(folder: Path, tokenizer_from: Path) -> None:
         if f.name not in ("model.safetensors", "config.json", "generation_config.json"):
             shutil.copy(f, folder / f.name)
     tok = AutoTokenizer.from_pretrained(folder)
+    tok.add_tokens(["</think>"])  # the router requires it as one token (reasoning models')
+    tok.save_pretrained(folder)
     chain = tok.encode(SCRIPT, add_special_tokens=False)
     assert len(set(chain)) == len(chain) and tok.decode(chain) == SCRIPT, chain
     hidden = 64
@@ -143,20 +146,39 @@ def test_chat_stream_splits_thinking_and_answer(router) -> None:
 
 def test_cut_thinking_is_all_reasoning(router) -> None:
     _, client, _ = router
-    out = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4,
+    out = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=3,
                                          temperature=0)
     msg = out.choices[0].message
     assert out.choices[0].finish_reason == "length"
     assert msg.content is None
-    assert msg.model_extra["reasoning_content"] == "Let me see</"
+    assert msg.model_extra["reasoning_content"] == THINKING
 
 
-def test_structured_output_with_reasoning_is_a_400_naming_the_field(router) -> None:
+SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+          "additionalProperties": False}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_json_schema_applies_to_the_answer_after_the_thinking(router, stream) -> None:
+    """The thinking is the scripted free text (a grammar from the first token would
+    forbid it); the answer, which the model would write as ``ANSWER``, is valid JSON."""
     _, client, _ = router
-    with pytest.raises(openai.BadRequestError) as err:
-        client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8,
-                                       response_format={"type": "json_object"})
-    assert err.value.body["param"] == "response_format"
+    kw = dict(model=MODEL, messages=MESSAGES, max_tokens=40, temperature=0,
+              response_format={"type": "json_schema",
+                               "json_schema": {"name": "r", "schema": SCHEMA}})
+    if stream:
+        deltas = [c.choices[0].delta
+                  for c in client.chat.completions.create(**kw, stream=True) if c.choices]
+        reasoning = "".join((d.model_extra or {}).get("reasoning_content") or "" for d in deltas)
+        content = "".join(d.content or "" for d in deltas)
+    else:
+        out = client.chat.completions.create(**kw)
+        assert out.choices[0].finish_reason == "stop"
+        reasoning = out.choices[0].message.model_extra["reasoning_content"]
+        content = out.choices[0].message.content
+    assert reasoning == THINKING
+    assert isinstance(json.loads(content)["ok"], bool), content
+    assert ANSWER not in content
 
 
 def test_responses_reasoning_item(router) -> None:

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import pytest
 
+from tandem.engine.sampling_params import StructuredOutputsParams
 from tandem.services.router.chat_streamers import ChatDeltaParser
-from tandem.services.router.errors import OpenAIError
 from tandem.services.router.openai_routes import chat_message
 from tandem.services.router.reasoning import (
     ReasoningMode,
-    check_unconstrained,
+    constrain_answer,
     reasoning_mode,
+    think_end_token_id,
 )
 from tandem.services.router.sequence import SeqDelta
 from tandem.services.router.structured import Constraint
@@ -87,13 +88,30 @@ def test_mode_per_parser_prompt_and_enable_thinking() -> None:
         reasoning_mode("granite", "", None)
 
 
-def test_constraint_with_reasoning_is_a_400_naming_the_field() -> None:
-    check_unconstrained(Constraint())
-    with pytest.raises(OpenAIError) as err:
-        check_unconstrained(Constraint(params=object(),  # type: ignore[arg-type]
-                                       param="response_format.json_schema.schema"))
-    assert err.value.status_code == 400
-    assert err.value.param == "response_format.json_schema.schema"
+def test_a_constraint_starts_after_the_thinking_only_when_the_output_starts_in_it() -> None:
+    so = StructuredOutputsParams(regex="[0-9]+")
+    c = Constraint(params=so, param="structured_outputs.regex")
+    got = constrain_answer(c, R1, 7)
+    assert got.params == StructuredOutputsParams(regex="[0-9]+", after_token_id=7)
+    assert got.param == "structured_outputs.regex"
+    assert constrain_answer(c, QWEN, 7) is c  # the output starts in the answer
+    assert constrain_answer(c, None, None) is c
+    assert constrain_answer(Constraint(), R1, 7) == Constraint()
+
+
+class _Tokenizer:
+    def __init__(self, ids: list[int]) -> None:
+        self.ids = ids
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        assert text == "</think>" and not add_special_tokens
+        return self.ids
+
+
+def test_think_end_must_be_one_token() -> None:
+    assert think_end_token_id(_Tokenizer([151668])) == 151668
+    with pytest.raises(ValueError, match="--reasoning-parser.*3 tokens"):
+        think_end_token_id(_Tokenizer([1, 2, 3]))
 
 
 TOOLS = ToolChoice((Tool("get_weather", None, {"type": "object"}),), "auto")
