@@ -16,7 +16,7 @@ only for type checking.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from tandem.contracts.block_key import PublishInFlight
 from tandem.engine.sampling_params import (
@@ -158,9 +158,9 @@ def structured_outputs_from_proto(msg: common_pb2.StructuredOutputs) -> Structur
             schema that is not JSON), naming ``structured_outputs.<kind>``.
     """
     kind = msg.WhichOneof("kind")
-    common = {"disable_any_whitespace": msg.disable_any_whitespace,
-              "after_token_id": (msg.after_token_id if msg.HasField("after_token_id")
-                                 else None)}
+    common: dict[str, Any] = {
+        "disable_any_whitespace": msg.disable_any_whitespace,
+        "after_token_id": msg.after_token_id if msg.HasField("after_token_id") else None}
     if kind == "choice":
         return StructuredOutputsParams(choice=tuple(msg.choice.choices), **common)
     if kind is None:
