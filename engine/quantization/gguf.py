@@ -32,7 +32,7 @@ from torch import nn
 
 from tandem.engine.quantization.base import QuantizationMethod, QuantLinear
 from tandem.kernels import gguf_quants
-from tandem.kernels.gguf_linear import GGUFLinear, QuantizedPart
+from tandem.kernels.gguf_linear import GGUFEmbedding, GGUFLinear, QuantizedPart
 
 _FLOAT_TYPES = {0: torch.float32, 1: torch.float16, 30: torch.bfloat16}  # F32, F16, BF16
 _GLOBAL = {"token_embd.weight": "model.embed_tokens.weight",
@@ -259,11 +259,19 @@ class NoQuantization(QuantizationMethod):
 
 def attach_gguf_head(model: Any, ck: GGUFCheckpoint) -> bool:
     """Give a tied-embedding model a ``GGUFLinear`` head on the quantized embedding's
-    blocks (``tied_lm_head``); returns whether it did."""
+    blocks (``tied_lm_head``), and make its token embedding a ``GGUFEmbedding`` on the
+    same blocks (a lookup dequantizes only the rows it reads, so the dequantized table is
+    not kept: what the blocks save goes to the KV cache); returns whether it did."""
     if ck.embedding is None or getattr(model, "lm_head", None) is not None:
         return False
     if not hasattr(model, "tied_lm_head") or model.tied_lm_head is not None:
         return False
     model.tied_lm_head = GGUFLinear([ck.embedding], ck.embedding_dim, None,
                                     "token_embd.weight")
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    # one rank's whole vocabulary (quantization refuses TP > 1 before this)
+    if embed is not None and getattr(embed, "tp_size", 1) == 1 and isinstance(
+            getattr(embed, "weight", None), torch.Tensor):
+        model.model.embed_tokens = GGUFEmbedding(ck.embedding, ck.embedding_dim,
+                                                 embed.weight.dtype, "token_embd.weight")
     return True

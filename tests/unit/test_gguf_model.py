@@ -51,6 +51,13 @@ def test_default_gguf_loads_quantized_when_asked_and_dequantized_in_float32():
     assert [p.type_id for p in qkv.inner.parts] == [3, 3, 3]  # Q4_1
     assert qkv.inner.packed is not None and qkv.inner.packed.type_id == 3
     assert isinstance(model.tied_lm_head, GGUFLinear)  # Q8_0 token embedding
+    # the lookup dequantizes the rows it reads, exactly as the table dequantized at load
+    from tandem.kernels.gguf_linear import GGUFEmbedding
+
+    assert isinstance(model.model.embed_tokens, GGUFEmbedding)
+    ids = torch.tensor([[0, 1, 7042], [49151, 3, 3]])
+    plain = load_model(ModelConfig(quantization="none", dtype="bfloat16")).model
+    assert torch.equal(model.model.embed_tokens(ids), plain.model.embed_tokens(ids))
     assert model.tied_lm_head.packed is not None and model.tied_lm_head.packed.type_id == 8
 
 
