@@ -41,6 +41,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from tandem.contracts.role import ROLES, Role
+from tandem.engine.config import KV_CACHE_DTYPES, QUANTIZATION_CHOICES
 from tandem.launch import Launcher, Part, free_port, grpc_serving, http_ok, redis_ok, tandem_argv
 
 
@@ -76,7 +77,10 @@ class _Cluster:
         engine = ["--dtype", ns.dtype, "--device", ns.device, "--kv-cache-memory",
                   str(ns.kv_cache_memory), "--max-model-len", str(ns.max_model_len),
                   "--tensor-parallel-size", str(ns.tensor_parallel_size),
-                  "--pipeline-parallel-size", str(ns.pipeline_parallel_size)]
+                  "--pipeline-parallel-size", str(ns.pipeline_parallel_size),
+                  "--kv-cache-dtype", ns.kv_cache_dtype]
+        if ns.quantization:
+            engine += ["--quantization", ns.quantization]
         if ns.model:
             engine += ["--model", ns.model]
         engines = []
@@ -259,6 +263,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="speculative decoding on the decode and colocated engines")
     p.add_argument("--prompt-pattern", choices=("random", "repeated"), default="random",
                    help="repeated: a random quarter of the prompt repeated four times")
+    p.add_argument("--quantization", default=None, choices=list(QUANTIZATION_CHOICES),
+                   help="every engine's quantized weights (the engines' --quantization)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
+                   help="every engine's KV cache dtype: fp8 halves a 16-bit model's KV "
+                        "bytes in the store and over the handoff")
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="every engine with this many tensor-parallel worker processes")
     p.add_argument("--pipeline-parallel-size", type=int, default=1,
@@ -315,7 +324,8 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(workdir, ignore_errors=True)
     print()
     print(f"host: {os.cpu_count()} CPUs, {ns.device}, dtype {ns.dtype}, model "
-          f"{ns.model or 'SmolLM2-135M-Instruct (GGUF)'}")
+          f"{ns.model or 'SmolLM2-135M-Instruct (GGUF)'}, quantization "
+          f"{ns.quantization or 'the checkpoint default'}, kv cache {ns.kv_cache_dtype}")
     print(_markdown(rows))
     if ns.output_len > 2:
         for r in rows:
