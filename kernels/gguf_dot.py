@@ -19,7 +19,7 @@ import torch
 
 from tandem.kernels import backend, gguf_quants
 from tandem.kernels.native_abi import NativeLibrary
-from tandem.kernels.quant.int8_native import available_paths
+from tandem.kernels.quant.int8_native import prepare_rows
 
 Q4_0, Q4_1, Q8_0 = 2, 3, 8
 #: The ggml type ids the kernel runs.
@@ -180,16 +180,8 @@ def gguf_dot_linear(x: torch.Tensor, p: PackedGGUF, bias: torch.Tensor | None = 
     lib = _lib()
     if lib is None:
         raise RuntimeError("gguf_dot_linear needs the native kernel library")
-    paths = available_paths(lib)
-    if path is None:
-        path = paths[-1]
-    elif path not in paths:
-        raise ValueError(f"path {path} is not run by the {lib.variant} library here ({paths})")
-    x2 = x.reshape(-1, p.k)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
+    path, x2, y = prepare_rows(lib, x, p.k, p.n, path)
     m = x2.shape[0]
-    y = torch.empty((m, p.n), dtype=x.dtype)
     if m == 0:
         return y.view(*x.shape[:-1], p.n)
     b = None if bias is None else bias.float().contiguous()

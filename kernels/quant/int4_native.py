@@ -21,7 +21,7 @@ import torch
 from tandem.kernels import backend
 from tandem.kernels.native_abi import NativeLibrary
 from tandem.kernels.quant.grouped import w4a8_group_linear
-from tandem.kernels.quant.int8_native import available_paths
+from tandem.kernels.quant.int8_native import prepare_rows
 
 
 def _lib() -> NativeLibrary | None:
@@ -115,16 +115,8 @@ def int4_linear(x: torch.Tensor, p: PackedInt4, bias: torch.Tensor | None,
     if lib is None or x.dtype not in (torch.float32, torch.bfloat16) or x.device.type != "cpu":
         q, s = unpack_int4(p)
         return w4a8_group_linear(x, q, s, p.group_size, bias)
-    paths = available_paths(lib)
-    if path is None:
-        path = paths[-1]
-    elif path not in paths:
-        raise ValueError(f"path {path} is not run by the {lib.variant} library here ({paths})")
-    x2 = x.reshape(-1, p.k)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
+    path, x2, y = prepare_rows(lib, x, p.k, p.n, path)
     m = x2.shape[0]
-    y = torch.empty((m, p.n), dtype=x.dtype)
     if m == 0:
         return y.view(*x.shape[:-1], p.n)
     b = None if bias is None else bias.float().contiguous()

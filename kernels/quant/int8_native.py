@@ -38,6 +38,32 @@ def available_paths(lib: NativeLibrary) -> list[int]:
     return [p for p in PATHS if mask >> p & 1]
 
 
+def prepare_rows(lib: NativeLibrary, x: torch.Tensor, k: int, n: int, path: int | None
+                 ) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """What every integer-dot linear wrapper (int8, int4, GGUF) hands its kernel.
+
+    Args:
+        lib: the loaded native library; x: ``[..., k]`` float32 / bf16 activations;
+        n: output features; path: an ISA path to force (tests), ``None``: the best.
+
+    Returns:
+        ``(path, x2, y)``: the path to run, ``x`` as ``[m, k]`` rows with a unit last
+        stride, and the uninitialised ``[m, n]`` output in ``x``'s dtype.
+
+    Raises:
+        ValueError: ``path`` is not one ``lib`` runs on this CPU.
+    """
+    paths = available_paths(lib)
+    if path is None:
+        path = paths[-1]
+    elif path not in paths:
+        raise ValueError(f"path {path} is not run by the {lib.variant} library here ({paths})")
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    return path, x2, torch.empty((x2.shape[0], n), dtype=x.dtype)
+
+
 @dataclass
 class PackedInt8:
     """A ``[N, K]`` int8 weight in the kernel's layout.
@@ -106,16 +132,8 @@ def int8_linear(x: torch.Tensor, p: PackedInt8, scale: torch.Tensor,
     lib = _lib()
     if lib is None or x.dtype not in (torch.float32, torch.bfloat16) or x.device.type != "cpu":
         return int8_rowwise_linear(x, unpack_int8(p), scale, bias)
-    paths = available_paths(lib)
-    if path is None:
-        path = paths[-1]
-    elif path not in paths:
-        raise ValueError(f"path {path} is not run by the {lib.variant} library here ({paths})")
-    x2 = x.reshape(-1, p.k)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
+    path, x2, y = prepare_rows(lib, x, p.k, p.n, path)
     m = x2.shape[0]
-    y = torch.empty((m, p.n), dtype=x.dtype)
     if m == 0:
         return y.view(*x.shape[:-1], p.n)
     b = None if bias is None else bias.float().contiguous()
