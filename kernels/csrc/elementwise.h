@@ -55,12 +55,45 @@ static inline __attribute__((always_inline)) float round_bf16(float f) {
 /* Round to the storage dtype (identity for float32). */
 static inline __attribute__((always_inline)) float rd(float f, int is_bf16) { return is_bf16 ? round_bf16(f) : f; }
 
+/* The bfloat16 bits of f, rounded to nearest even (a NaN stays a quiet NaN). */
+static inline __attribute__((always_inline)) uint16_t bf16_bits(float f) {
+    uint32_t u;
+    f = round_bf16(f);
+    memcpy(&u, &f, sizeof u);
+    return (uint16_t)(u >> 16);
+}
+
+/* Per-token symmetric int8 quantization of one activation row (the W8A8 / W4A8
+ * integer-dot kernels): scale = max|x| / 127 (at least 1e-12 / 127), codes
+ * round(x / scale) half to even, clamped to [-128, 127], stored as code + offset
+ * (offset 128: unsigned bytes for VPDPBUSD; 0: the two's-complement int8 bytes).
+ * Returns the scale. */
+static inline float quantize_row_int8(const void *x, int is_bf16, int64_t K, int offset,
+                                      uint8_t *xq) {
+    /* |x| compared as bit patterns: for non-negative floats their order is the
+     * integer order, and an integer max reduction vectorises without fast-math */
+    uint32_t amax_bits = 0;
+    for (int64_t k = 0; k < K; ++k) {
+        const float v = ld(x, k, is_bf16);
+        uint32_t u;
+        memcpy(&u, &v, 4);
+        u &= 0x7FFFFFFFu;
+        amax_bits = u > amax_bits ? u : amax_bits;
+    }
+    float amax;
+    memcpy(&amax, &amax_bits, 4);
+    const float s = (amax > 1e-12f ? amax : 1e-12f) / 127.0f;
+    for (int64_t k = 0; k < K; ++k) {
+        float r = __builtin_nearbyintf(ld(x, k, is_bf16) / s); /* half to even */
+        r = r < -128.0f ? -128.0f : (r > 127.0f ? 127.0f : r);
+        xq[k] = (uint8_t)((int)r + offset);
+    }
+    return s;
+}
+
 static inline __attribute__((always_inline)) void st(void *p, int64_t i, float f, int is_bf16) {
     if (is_bf16) {
-        uint32_t u;
-        f = round_bf16(f);
-        memcpy(&u, &f, sizeof u);
-        ((uint16_t *)p)[i] = (uint16_t)(u >> 16);
+        ((uint16_t *)p)[i] = bf16_bits(f);
     } else {
         ((float *)p)[i] = f;
     }

@@ -38,6 +38,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "elementwise.h"
 #include "tandem_kernels.h"
 #include "team.h"
 
@@ -139,23 +140,6 @@ int gguf_unpack_weight(int type, const void *wp, int64_t N, int64_t K, void *raw
     return pack_or_unpack(type, (uint8_t *)raw, N, K, (uint8_t *)wp, 1);
 }
 
-static inline float load_x(const void *x, int is_bf16, int64_t i) {
-    if (is_bf16) {
-        const uint32_t u = (uint32_t)((const uint16_t *)x)[i] << 16;
-        float f;
-        memcpy(&f, &u, 4);
-        return f;
-    }
-    return ((const float *)x)[i];
-}
-
-static inline uint16_t float_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((u >> 16) | 0x40); /* quiet NaN */
-    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1)) >> 16);               /* nearest even */
-}
-
 /* One row -> K int8 codes, KB scales and KB code sums. */
 static void quantize_row(const void *x, int is_bf16, int64_t K, int8_t *xq, float *da,
                          int32_t *sa) {
@@ -163,7 +147,7 @@ static void quantize_row(const void *x, int is_bf16, int64_t K, int8_t *xq, floa
         float v[32];
         uint32_t amax_bits = 0; /* |x| as bit patterns: integer order for non-negatives */
         for (int k = 0; k < 32; ++k) {
-            v[k] = load_x(x, is_bf16, b * 32 + k);
+            v[k] = ld(x, b * 32 + k, is_bf16);
             uint32_t u;
             memcpy(&u, &v[k], 4);
             u &= 0x7FFFFFFFu;
@@ -311,7 +295,7 @@ int team_gguf_matmul(int path, int type, int is_bf16, const void *x, int64_t sx,
                     if (is_bf16) {
                         uint16_t *yr = (uint16_t *)y + (m + r) * sy + n0;
                         for (int64_t i = 0; i < nn; ++i)
-                            yr[i] = float_to_bf16(bias ? o[i] + bias[n0 + i] : o[i]);
+                            yr[i] = bf16_bits(bias ? o[i] + bias[n0 + i] : o[i]);
                     } else {
                         float *yr = (float *)y + (m + r) * sy + n0;
                         for (int64_t i = 0; i < nn; ++i) yr[i] = bias ? o[i] + bias[n0 + i] : o[i];

@@ -30,6 +30,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "elementwise.h"
 #include "tandem_kernels.h"
 
 #if defined(__AVX512F__) || defined(__AVX2__)
@@ -175,13 +176,6 @@ static void dequant_block(int type, const uint8_t *b, float *out) {
     }
 }
 
-static inline uint16_t float_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((u >> 16) | 0x40); /* quiet NaN */
-    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1)) >> 16); /* round to nearest even */
-}
-
 static void dequant_row(int type, const uint8_t *row, int64_t K, float *out) {
     const int64_t be = block_elems(type), bb = block_bytes(type);
     for (int64_t b = 0; b < K / be; ++b) dequant_block(type, row + b * bb, out + b * be);
@@ -210,7 +204,7 @@ int gguf_dequant_rows(int type, const void *w, int64_t row_bytes, const int64_t 
             } else if (buf != NULL) {
                 dequant_row(type, row, K, buf);
                 uint16_t *o = (uint16_t *)out + i * so;
-                for (int64_t k = 0; k < K; ++k) o[k] = float_to_bf16(buf[k]);
+                for (int64_t k = 0; k < K; ++k) o[k] = bf16_bits(buf[k]);
             }
         }
         free(buf);

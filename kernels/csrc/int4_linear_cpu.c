@@ -46,6 +46,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "elementwise.h"
 #include "tandem_kernels.h"
 #include "team.h"
 
@@ -66,50 +67,15 @@
 #endif
 #define INLINE static inline __attribute__((always_inline))
 
-static inline float load_x(const void *x, int is_bf16, int64_t i) {
-    if (is_bf16) {
-        const uint32_t u = (uint32_t)((const uint16_t *)x)[i] << 16;
-        float f;
-        memcpy(&f, &u, 4);
-        return f;
-    }
-    return ((const float *)x)[i];
-}
-
-static inline uint16_t float_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((u >> 16) | 0x40); /* quiet NaN */
-    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1)) >> 16);               /* nearest even */
-}
-
 /* One row -> xq (K signed bytes), its scale and the NG group sums of xq. */
 static void quantize_row(const void *x, int is_bf16, int64_t K, int64_t G, int8_t *xq,
                          int32_t *xsum, float *scale) {
-    /* |x| compared as bit patterns: for non-negative floats their order is the
-     * integer order, and an integer max reduction vectorises without fast-math */
-    uint32_t amax_bits = 0;
-    for (int64_t k = 0; k < K; ++k) {
-        const float v = load_x(x, is_bf16, k);
-        uint32_t u;
-        memcpy(&u, &v, 4);
-        u &= 0x7FFFFFFFu;
-        amax_bits = u > amax_bits ? u : amax_bits;
-    }
-    float amax;
-    memcpy(&amax, &amax_bits, 4);
-    const float s = (amax > 1e-12f ? amax : 1e-12f) / 127.0f;
-    for (int64_t k = 0; k < K; ++k) {
-        float r = __builtin_nearbyintf(load_x(x, is_bf16, k) / s); /* half to even */
-        r = r < -128.0f ? -128.0f : (r > 127.0f ? 127.0f : r);
-        xq[k] = (int8_t)r;
-    }
+    *scale = quantize_row_int8(x, is_bf16, K, 0, (uint8_t *)xq);
     for (int64_t g = 0; g < K / G; ++g) {
         int32_t sum = 0;
         for (int64_t k = g * G; k < (g + 1) * G; ++k) sum += xq[k];
         xsum[g] = sum;
     }
-    *scale = s;
 }
 
 /* A micro-kernel: f[r * 64 + c * 16 + i] for RB rows of xq (row stride sq, group
@@ -359,7 +325,7 @@ int team_int4_matmul(int path, int is_bf16, const void *x, int64_t sx, const voi
                 }
                 if (is_bf16) {
                     uint16_t *yr = (uint16_t *)y + (m + r) * sy + n0;
-                    for (int64_t i = 0; i < nn; ++i) yr[i] = float_to_bf16(out[i]);
+                    for (int64_t i = 0; i < nn; ++i) yr[i] = bf16_bits(out[i]);
                 } else {
                     memcpy((float *)y + (m + r) * sy + n0, out, (size_t)nn * 4);
                 }

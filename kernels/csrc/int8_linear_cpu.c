@@ -44,6 +44,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "elementwise.h"
 #include "tandem_kernels.h"
 #include "team.h"
 
@@ -101,47 +102,12 @@ void int8_pack_weight(const void *q, int64_t N, int64_t K, void *wp, int *wsum) 
     }
 }
 
-static inline float load_x(const void *x, int is_bf16, int64_t i) {
-    if (is_bf16) {
-        const uint32_t u = (uint32_t)((const uint16_t *)x)[i] << 16;
-        float f;
-        memcpy(&f, &u, 4);
-        return f;
-    }
-    return ((const float *)x)[i];
-}
-
-static inline uint16_t float_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((u >> 16) | 0x40); /* quiet NaN */
-    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1)) >> 16);               /* nearest even */
-}
-
 /* One row -> xq (K4 bytes, the padding at the zero point) and its scale. offset:
  * 128 for the VPDPBUSD paths (u8), 0 for the others (s8). */
 static void quantize_row(const void *x, int is_bf16, int64_t K, int64_t K4, int offset,
                          uint8_t *xq, float *scale) {
-    /* |x| compared as bit patterns: for non-negative floats their order is the
-     * integer order, and an integer max reduction vectorises without fast-math */
-    uint32_t amax_bits = 0;
-    for (int64_t k = 0; k < K; ++k) {
-        const float v = load_x(x, is_bf16, k);
-        uint32_t u;
-        memcpy(&u, &v, 4);
-        u &= 0x7FFFFFFFu;
-        amax_bits = u > amax_bits ? u : amax_bits;
-    }
-    float amax;
-    memcpy(&amax, &amax_bits, 4);
-    const float s = (amax > 1e-12f ? amax : 1e-12f) / 127.0f;
-    for (int64_t k = 0; k < K; ++k) {
-        float r = __builtin_nearbyintf(load_x(x, is_bf16, k) / s); /* half to even */
-        r = r < -128.0f ? -128.0f : (r > 127.0f ? 127.0f : r);
-        xq[k] = (uint8_t)((int)r + offset);
-    }
+    *scale = quantize_row_int8(x, is_bf16, K, offset, xq);
     for (int64_t k = K; k < K4; ++k) xq[k] = (uint8_t)offset;
-    *scale = s;
 }
 
 /* The tile's accumulators acc[r][c * 16 + i] (rows r, blocks b0 + c) -> y. */
@@ -164,7 +130,7 @@ static void epilogue(const int32_t *acc, int rb, int cb, int64_t r0, int64_t b0,
             }
             if (is_bf16) {
                 uint16_t *yr = (uint16_t *)y + (r0 + r) * sy + n0;
-                for (int64_t i = 0; i < nn; ++i) yr[i] = float_to_bf16(out[i]);
+                for (int64_t i = 0; i < nn; ++i) yr[i] = bf16_bits(out[i]);
             } else {
                 memcpy((float *)y + (r0 + r) * sy + n0, out, (size_t)nn * 4);
             }
