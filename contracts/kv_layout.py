@@ -29,6 +29,11 @@ DTYPE_ITEMSIZE: dict[str, int] = {
     "float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1,
 }
 
+#: vLLM's ``--kv-cache-dtype`` choices; "fp8" is "fp8_e4m3" (vLLM's default FP8 format).
+#: The engine's config validates against them and ``kernels/kv_quant.py`` maps them to torch
+#: dtypes; both import them from here.
+KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+
 #: Length of a layout fingerprint in bytes.
 FINGERPRINT_BYTES = 16
 

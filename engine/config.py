@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from tandem.contracts.kv_layout import KV_CACHE_DTYPES
 from tandem.engine.config_fields import known_fields
 from tandem.engine.speculative_config import SpeculativeConfig
 
@@ -20,8 +21,6 @@ ModelImpl = Literal["auto", "tandem", "transformers"]
 QUANTIZATION_CHOICES: tuple[str, ...] = ("gptq", "awq", "compressed-tensors", "fp8", "int8",
                                          "int4", "gguf", "none")
 KVCacheDType = Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"]
-#: vLLM's ``--kv-cache-dtype`` choices (``kernels/kv_quant.py`` maps them to torch dtypes).
-KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 
 @dataclass(frozen=True)

@@ -29,13 +29,11 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from tandem.contracts.kv_layout import KV_CACHE_DTYPES
 from tandem.kernels import backend
 from tandem.kernels.attention_backend import AttentionBackend
 from tandem.kernels.attention_metadata import AttentionMetadata
 from tandem.kernels.backend import KernelBackend
-
-#: vLLM's ``--kv-cache-dtype`` choices; "fp8" is "fp8_e4m3" (vLLM's default FP8 format).
-KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 _FP8: dict[str, torch.dtype] = {
     "fp8": torch.float8_e4m3fn,
