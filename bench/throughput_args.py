@@ -6,48 +6,33 @@ import argparse
 import importlib.util
 
 from tandem.bench.throughput_peers import LLAMA_CPP_MISSING
-from tandem.engine.config import KV_CACHE_DTYPES, QUANTIZATION_CHOICES
+from tandem.engine.engine_args import add_engine_flags
 
 BACKENDS = ("tandem", "hf", "llama.cpp")
+#: The engine config fields that are flags here (``engine/engine_args.py``); --seed,
+#: --deterministic and the parallel sizes mean something of the benchmark's own.
+_ENGINE_FLAGS = ("model", "dtype", "quantization", "cache_dtype", "kv_cache_memory_bytes",
+                 "model_impl", "device", "enforce_eager", "gpu_memory_utilization",
+                 "max_num_seqs", "max_num_batched_tokens")
+
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="tandem bench throughput",
-        description="Offline throughput of tandem vs transformers vs llama.cpp.")
+        description="Offline throughput of tandem vs transformers vs llama.cpp. The engine "
+        "flags (those of `tandem serve`) set the tandem backend's LLM(...).")
     p.add_argument(
         "--backend",
         action="append",
         choices=BACKENDS,
         help="backend to run; repeat for several (default: tandem)",
     )
-    p.add_argument("--model", default=None, help="model path (default: SmolLM2-135M GGUF)")
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--input-len", type=int, default=256, help="prompt tokens per request")
     p.add_argument("--output-len", type=int, default=128, help="generated tokens per request")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
-    p.add_argument("--quantization", default=None, choices=list(QUANTIZATION_CHOICES),
-                   help="tandem: quantized weights (LLM(quantization=...)); int8 / int4 "
-                        "quantize on load")
-    p.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
-                   help="tandem: the KV cache's dtype (LLM(kv_cache_dtype=...)); fp8 holds "
-                        "twice a 16-bit model's tokens in the same memory")
-    p.add_argument("--kv-cache-memory", type=int, default=None,
-                   help="tandem: bytes of KV cache (default: profiled), to compare the "
-                        "tokens a fixed budget holds across --kv-cache-dtype")
-    p.add_argument("--model-impl", default="auto", choices=["auto", "tandem", "transformers"],
-                   help="tandem: which implementation runs the model (LLM(model_impl=...))")
-    p.add_argument("--device", default="cpu",
-                   help="tandem and hf: cpu | cuda | cuda:N (llama.cpp: CPU only)")
-    p.add_argument("--enforce-eager", action="store_true",
-                   help="tandem on CUDA: no CUDA graphs (LLM(enforce_eager=True))")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9, metavar="FRACTION",
-                   help="tandem on CUDA: the fraction of the GPU's total memory the engine "
-                        "may take (vLLM's flag; default 0.9)")
+    add_engine_flags(p, only=_ENGINE_FLAGS, speculative=False,
+                     helps={"device": "tandem and hf: cpu | cuda | cuda:N (llama.cpp: CPU only)"})
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
-    p.add_argument("--max-num-seqs", type=int, default=128, help="tandem: running requests")
-    p.add_argument(
-        "--max-num-batched-tokens", type=int, default=2048, help="tandem: tokens per step"
-    )
     p.add_argument("--hf-batch-size", type=int, default=16, help="hf: static batch size")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all)")
     p.add_argument(

@@ -10,8 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from tandem.contracts.config_args import flag
 from tandem.contracts.kv_layout import KV_CACHE_DTYPES
 from tandem.engine.config_fields import known_fields
+from tandem.engine.kv_events import KVEventsConfig
 from tandem.engine.speculative_config import SpeculativeConfig
 
 DType = Literal["auto", "float32", "bfloat16", "float16"]
@@ -70,15 +72,30 @@ class ModelConfig:
             on CUDA.
     """
 
-    model: str | None = None
-    dtype: DType = "auto"
-    device: str = "cpu"
-    max_model_len: int | None = None
-    seed: int = 0
-    deterministic: bool = False
-    enforce_eager: bool = False
-    model_impl: ModelImpl = "auto"
-    quantization: str | None = None
+    model: str | None = field(default=None, metadata=flag(
+        "HF model folder or .gguf (default: the bundled SmolLM2-135M-Instruct)"))
+    dtype: DType = field(default="auto", metadata=flag(
+        "weights' and activations' dtype (auto: bfloat16 on CUDA and AVX-512 BF16 CPUs, "
+        "else float32)"))
+    device: str = field(default="cpu", metadata=flag("cpu | cuda | cuda:N"))
+    max_model_len: int | None = field(default=None, metadata=flag(
+        "context length in tokens (default: the model's)"))
+    seed: int = field(default=0, metadata=flag("seed of the engine's global generator"))
+    deterministic: bool = field(default=False, metadata=flag(
+        "batch-invariant kernels: a greedy request gives the same tokens whatever it is "
+        "batched with, cached or chunked (vLLM's VLLM_BATCH_INVARIANT; CPU only, costs "
+        "prefill throughput)", bool_style="store_true"))
+    enforce_eager: bool = field(default=False, metadata=flag(
+        "CUDA: never replay CUDA graphs, run every step eagerly (vLLM's flag)",
+        bool_style="store_true"))
+    model_impl: ModelImpl = field(default="auto", metadata=flag(
+        "which implementation runs the model (vLLM's flag): tandem's native one, "
+        "transformers' modeling code over tandem's paged attention, or auto (native "
+        "where the architecture has one, else transformers)"))
+    quantization: str | None = field(default=None, metadata=flag(
+        "quantized weights (vLLM's flag): default the checkpoint's own "
+        "quantization_config; int8 / int4 quantize an unquantized one on load",
+        aliases=("-q",), choices=QUANTIZATION_CHOICES))
 
     def __post_init__(self) -> None:
         if self.quantization is not None and self.quantization not in QUANTIZATION_CHOICES:
@@ -136,12 +153,21 @@ class CacheConfig:
             or an unknown ``cache_dtype``.
     """
 
-    block_size: int = 16
-    kv_cache_memory_bytes: int | None = None
-    gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
-    num_blocks_override: int | None = None
+    block_size: int = field(default=16, metadata=flag("tokens per KV block"))
+    kv_cache_memory_bytes: int | None = field(default=None, metadata=flag(
+        "KV cache budget in bytes (default: profiled)", name="--kv-cache-memory"))
+    gpu_memory_utilization: float = field(
+        default=DEFAULT_GPU_MEMORY_UTILIZATION, metadata=flag(
+            "CUDA: the fraction of the GPU's total memory this engine may take (weights, "
+            "activations and KV cache; vLLM's flag); engines sharing a GPU must split it "
+            "(`tandem up` does) (default 0.9)", metavar="FRACTION"))
+    num_blocks_override: int | None = field(default=None, metadata=flag(
+        "force this many KV blocks (tests)", name="--num-kv-blocks"))
     enable_prefix_caching: bool = True
-    cache_dtype: KVCacheDType = "auto"
+    cache_dtype: KVCacheDType = field(default="auto", metadata=flag(
+        "KV cache element type (vLLM's flag): auto = the model's dtype; fp8 (= fp8_e4m3) "
+        "or fp8_e5m2 hold about twice the tokens and move half the bytes through the KV "
+        "store", name="--kv-cache-dtype"))
 
     def __post_init__(self) -> None:
         if self.cache_dtype not in KV_CACHE_DTYPES:
@@ -173,11 +199,16 @@ class SchedulerConfig:
             so the decodes and short prompts batched with it are not held up.
     """
 
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 128
-    policy: Literal["fcfs", "priority"] = "fcfs"
+    max_num_batched_tokens: int = field(default=2048, metadata=flag("token budget per step"))
+    max_num_seqs: int = field(default=128, metadata=flag("most requests running at once"))
+    policy: Literal["fcfs", "priority"] = field(default="fcfs", metadata=flag(
+        "waiting-queue order (vLLM's flag): fcfs, or priority (lower request `priority` "
+        "first, then arrival; a full batch preempts its lowest-priority request for a more "
+        "urgent one); under fcfs a non-zero priority is rejected",
+        name="--scheduling-policy"))
     enable_chunked_prefill: bool = True
-    long_prefill_token_threshold: int = 0
+    long_prefill_token_threshold: int = field(default=0, metadata=flag(
+        "most prompt tokens one request takes per step (0: no cap)"))
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:
@@ -215,8 +246,12 @@ class CompilationConfig:
             ``max_cudagraph_capture_size`` below 1 or below the largest explicit size.
     """
 
-    cudagraph_capture_sizes: tuple[int, ...] | None = None
-    max_cudagraph_capture_size: int | None = None
+    cudagraph_capture_sizes: tuple[int, ...] | None = field(default=None, metadata=flag(
+        "CUDA: decode batch sizes to capture as CUDA graphs (default: 1, 2, 4, 8, 16, 24, "
+        "... up to --max-cudagraph-capture-size)", name="--cuda-graph-sizes", metavar="N"))
+    max_cudagraph_capture_size: int | None = field(default=None, metadata=flag(
+        "CUDA: largest default capture size (default: min(2 x --max-num-seqs, 512))",
+        metavar="N"))
 
     def __post_init__(self) -> None:
         sizes = self.cudagraph_capture_sizes
@@ -291,11 +326,21 @@ class ParallelConfig:
             with one tensor-parallel rank (each naming the field).
     """
 
-    tensor_parallel_size: int = 1
-    pipeline_parallel_size: int = 1
-    distributed_executor_backend: ExecutorBackend | None = None
-    shared_cpu_lock: str | None = None
-    enable_expert_parallel: bool = False
+    tensor_parallel_size: int = field(default=1, metadata=flag(
+        "worker processes that split each layer (heads, MLP columns, vocabulary) and "
+        "all-reduce (gloo on CPU, NCCL on CUDA)", aliases=("-tp",)))
+    pipeline_parallel_size: int = field(default=1, metadata=flag(
+        "worker processes that split the layer stack into stages", aliases=("-pp",)))
+    distributed_executor_backend: ExecutorBackend | None = field(default=None, metadata=flag(
+        "'uni': one in-process worker; 'mp': one process per rank (default: 'mp' when "
+        "tensor x pipeline parallel size > 1)"))
+    shared_cpu_lock: str | None = field(default=None, metadata=flag(
+        "a lock file that every engine sharing this host's CPU cores names: their model "
+        "steps take turns instead of running two OpenMP teams on the same cores (`tandem "
+        "up` sets it for unpinned engines on the CPU; default: off)", metavar="PATH"))
+    enable_expert_parallel: bool = field(default=False, metadata=flag(
+        "MoE models: each tensor-parallel rank holds num_experts / --tensor-parallel-size "
+        "experts whole (vLLM's flag)", bool_style="store_true"))
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "pipeline_parallel_size"):
@@ -401,6 +446,7 @@ class EngineConfig:
     kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
     speculative: SpeculativeConfig | None = None
     compilation: CompilationConfig = field(default_factory=CompilationConfig)
+    kv_events: KVEventsConfig = field(default_factory=KVEventsConfig)
 
     def __post_init__(self) -> None:
         if self.speculative is not None and self.parallel.world_size > 1:

@@ -6,8 +6,9 @@ flags. Torch-free: entry points build these before loading an engine."""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from tandem.contracts.config_args import flag
 from tandem.engine.config import KVConnectorConfig
 
 _SIZE_SUFFIX = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
@@ -83,6 +84,12 @@ class NodeConfig:
         shm_lease_s: a shared-memory read pins its blocks until the client's
             ``release``, or this long if none comes (client crashed).
         ucx: how the node drives ucxx.
+        disk_path: directory of the node's disk tier (blocks evicted from RAM kept as
+            files, read back on a hit, registered again after a restart:
+            kvstore/node_disk.py); ``None``: RAM only.
+        disk_capacity_bytes: the most bytes the disk tier's files take.
+        disk_write_queue_bytes: the most evicted bytes waiting for their disk write;
+            evictions beyond it are not kept (counted).
     """
 
     host: str
@@ -99,6 +106,9 @@ class NodeConfig:
     shm: bool = True
     shm_lease_s: float = 30.0
     ucx: UcxOptions = UcxOptions()
+    disk_path: str | None = None
+    disk_capacity_bytes: int = 0
+    disk_write_queue_bytes: int = 256 << 20
 
     def __post_init__(self) -> None:
         # the id is the first "|"-separated field of index entries, and lookups join
@@ -118,6 +128,25 @@ class NodeConfig:
             raise ValueError(f"shm_lease_s must be > 0, got {self.shm_lease_s}")
         if self.transfer_timeout_s <= 0:
             raise ValueError(f"transfer_timeout_s must be > 0, got {self.transfer_timeout_s}")
+        self._check_disk()
+
+    def _check_disk(self) -> None:
+        if self.disk_path is None:
+            if self.disk_capacity_bytes:
+                raise ValueError("disk_capacity_bytes needs disk_path (--disk-path)")
+            return
+        if not self.disk_path:
+            raise ValueError("disk_path must be a directory path, got ''")
+        if self.disk_capacity_bytes < 1:
+            raise ValueError(f"disk_capacity_bytes must be >= 1 with disk_path "
+                             f"(--disk-capacity), got {self.disk_capacity_bytes}")
+        if self.disk_write_queue_bytes < 1:
+            raise ValueError(f"disk_write_queue_bytes must be >= 1, got "
+                             f"{self.disk_write_queue_bytes}")
+        if self.block_ttl_s is not None:
+            # NOTE: block files carry no deadline, so a TTL would end at a restart
+            raise ValueError("block_ttl_s (--block-ttl-s) is not supported with disk_path "
+                             "(--disk-path)")
 
 
 _OFF = ("0", "false", "no", "off")
@@ -199,14 +228,28 @@ class StoreConnectorConfig(KVConnectorConfig):
     """
 
     redis_url: str
-    kvstore_address: str | None = None
-    kvstore_timeout_s: float = 10.0
+    kvstore_address: str | None = field(default=None, metadata=flag(
+        "HOST:PORT of a KV store node (default: nodes found in Redis)", name="--kvstore"))
+    kvstore_timeout_s: float = field(default=10.0, metadata=flag(
+        "deadline of one KV store node request (put or get); a node that stops answering "
+        "costs this long before the blocks count as a miss (default 10)", metavar="S"))
     num_transfer_threads: int = 2
     client_options: ClientOptions = ClientOptions()
-    load_from_store: bool = True
-    publish_output: bool = True
+    load_from_store: bool = field(default=True, metadata=flag(
+        "load a prompt's blocks beyond the local prefix-cache hit from the KV store when the "
+        "store index holds them (default true)", name="--kv-load-from-store",
+        bool_style="value"))
+    publish_output: bool = field(default=True, metadata=flag(
+        "decode: publish the blocks of prompt + output of finished requests to the KV "
+        "store, for the conversation's next turn (default true)", name="--kv-publish-output",
+        bool_style="value"))
     lookup_timeout_s: float = 2.0
-    kv_load_wait_s: float = 5.0
+    kv_load_wait_s: float = field(default=5.0, metadata=flag(
+        "how long a load waits for blocks still being published before it recomputes "
+        "them: a decode's load of blocks the prefill is still publishing (it answers "
+        "before its publish ends), and any engine's store lookup of a chat's next turn "
+        "whose previous answer a decode is still publishing (the router's "
+        "kv_publish_in_flight hint) (default 5; 0: recompute at once)", metavar="S"))
 
     def __post_init__(self) -> None:
         if self.kv_load_wait_s < 0:
