@@ -157,6 +157,7 @@ def _measure(cluster: _Cluster, length: int, repeats: int, vocab: int, rng: rand
              output_len: int = 2, pattern: str = "random"):
     import grpc
 
+    from tandem.services.decode.client import DecodeCall
     from tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
     sp = common_pb2.SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
@@ -172,8 +173,8 @@ def _measure(cluster: _Cluster, length: int, repeats: int, vocab: int, rng: rand
     for _ in range(repeats):
         prompt = make_prompt(rng, length, vocab, pattern)
         t0 = time.perf_counter()
-        msgs = cstub.Decode(decode_pb2.DecodeRequest(prompt_token_ids=prompt, sampling_params=sp),
-                            timeout=600)
+        msgs = DecodeCall(cstub, decode_pb2.DecodeRequest(prompt_token_ids=prompt,
+                                                           sampling_params=sp), timeout=600)
         first = next(msgs)
         t1 = time.perf_counter()
         assert len(first.token_ids) == 1
@@ -199,7 +200,7 @@ def _measure(cluster: _Cluster, length: int, repeats: int, vocab: int, rng: rand
             block_hashes=pre.block_hashes, sampling_params=sp,
             kv_layout_fingerprint=pre.kv_layout_fingerprint, hash_algorithm=pre.hash_algorithm,
             kv_publish_pending=pre.kv_publish_pending)
-        dmsgs = dstub.Decode(req, timeout=600)
+        dmsgs = DecodeCall(dstub, req, timeout=600)
         dfirst = next(dmsgs)
         t2 = time.perf_counter()
         # Decode rate from the second token on (the first came from the prefill).

@@ -1,7 +1,7 @@
 """`tandem bench router-ceiling`: what the router itself costs per streamed token.
 
 The router is started in front of a decode stub (:class:`StubDecodeServicer`: the
-DecodeService API, Decode and DecodeStream, streaming pre-made tokens, no model) and
+DecodeService API, DecodeStream, streaming pre-made tokens, no model) and
 loaded with streamed ``/v1/completions`` requests by ``tandem bench serve``'s client
 (``serve.run_rate``), so everything measured is the router's path: gRPC in,
 detokenization, stop strings, SSE out.
@@ -39,7 +39,7 @@ _TEXT = ("The quick brown fox jumps over the lazy dog while the router streams e
 
 
 class StubDecodeServicer:
-    """DecodeService with pre-made tokens: ``Decode`` streams ``max_tokens`` tokens (16
+    """DecodeService with pre-made tokens: each stream carries ``max_tokens`` tokens (16
     when unset) cycling through ``token_ids``, finishing with ``length``; the messages
     carry ``sent_unix_ns`` and, last, the engine-side totals, as the real servicer's.
 
@@ -81,7 +81,10 @@ class StubDecodeServicer:
             self._ticker = asyncio.create_task(self._run_ticker())
         await asyncio.shield(self._tick)
 
-    async def Decode(self, request: Any, context: Any) -> Any:  # noqa: N802 - gRPC's name
+    async def responses(self, request: Any) -> Any:
+        """One request's ``DecodeResponse`` messages: ``max_tokens`` (default 16) of the
+        stub's token ids, one per message, paced by the shared tick when an interval is
+        set, the engine's first- and last-message fields filled."""
         from tandem.v1 import common_pb2, decode_pb2
 
         sp = request.sampling_params
@@ -114,11 +117,10 @@ class StubDecodeServicer:
             self._num_open -= 1
 
     async def DecodeStream(self, request_iterator: Any, context: Any) -> Any:  # noqa: N802
-        """Decode's streams over one call (``services.decode.stream``)."""
+        """Many requests' streams over one call (``services.decode.stream``)."""
         from tandem.services.decode.stream import serve_decode_stream
 
-        async for resp in serve_decode_stream(request_iterator,
-                                              lambda req: self.Decode(req, context)):
+        async for resp in serve_decode_stream(request_iterator, self.responses):
             yield resp
 
     async def GetLoad(self, request: Any, context: Any) -> Any:  # noqa: N802 - gRPC's name

@@ -15,8 +15,8 @@ streams every token from the first. With ``output_token_ids`` (the router
 migrating a request whose instance failed) those tokens are output already:
 the engine computes prompt + them and streams the tokens after them.
 
-``DecodeStream`` carries many such requests over one call (the router's form; see
-:mod:`services.decode.stream`), each through the same per-request logic.
+Requests arrive as streams of ``DecodeStream``, many over one call (see
+:mod:`services.decode.stream`), each through the per-request logic here.
 """
 
 from __future__ import annotations
@@ -154,12 +154,6 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         for token in output:
             req.append_output_token(token)
 
-    async def Decode(
-        self, request: decode_pb2.DecodeRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[decode_pb2.DecodeResponse]:
-        async for resp in self._responses(request):
-            yield resp
-
     async def DecodeStream(
         self, request_iterator: AsyncIterator[decode_pb2.DecodeStreamRequest],
         context: grpc.aio.ServicerContext,
@@ -171,8 +165,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
     async def _responses(
         self, request: decode_pb2.DecodeRequest
     ) -> AsyncIterator[decode_pb2.DecodeResponse]:
-        """The messages of one Decode request (see the module doc); raises what the
-        request fails with (``services.common.errors`` maps it)."""
+        """The messages of one request's stream (see the module doc); raises what the
+        request fails with (``services.common.errors`` maps it to the stream's error)."""
         ctx = self._ctx
         arrival_ns = now_ns()
         req = self._build(request)

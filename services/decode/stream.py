@@ -1,9 +1,9 @@
-"""``DecodeStream``, the server side: many Decode requests over one bidirectional call.
+"""``DecodeStream``, the server side: many decode requests over one bidirectional call.
 
 The router opens one such call per decode instance and starts and cancels its requests
-on it (``DecodeStreamRequest``). Each request runs as its own task through the same
-per-request logic as ``Decode`` (a function from a ``DecodeRequest`` to its
-``DecodeResponse`` messages); their messages meet in one outbox, and everything in the
+on it (``DecodeStreamRequest``). Each request runs as its own task through the
+per-request logic (a function from a ``DecodeRequest`` to its ``DecodeResponse``
+messages); their messages meet in one outbox, and everything in the
 outbox when the writer comes back for more goes out as one ``DecodeStreamResponse``.
 An engine step hands its outputs to every request's task in the engine's order before
 the writer runs again, so one step's tokens travel as one message, in a stable order:
@@ -12,8 +12,8 @@ one gRPC message per step instead of one per request, on both ends.
 Streams are numbered by the caller (``DecodeStreamRequest.stream``, never reused on a
 call), so a cancelled stream's last messages cannot reach a later request with the same
 id. A request's failure is an item with an ``error``
-(:func:`services.common.errors.describe`, the status its ``Decode`` would have ended
-with); the call stays up for the others. Ending the call (the router going away, or the
+(:func:`services.common.errors.describe`, the status its request failed with); the
+call stays up for the others. Ending the call (the router going away, or the
 server's grace period over) cancels every stream still running on it, which aborts its
 request in the engine and frees its blocks; a draining server ends the call itself once
 no stream runs on it.
@@ -28,11 +28,11 @@ from tandem.engine.validation import RequestError
 from tandem.services.common.errors import describe
 from tandem.v1 import decode_pb2
 
-#: The per-request logic: a ``DecodeRequest`` to the messages ``Decode`` would stream.
+#: The per-request logic: a ``DecodeRequest`` to the messages of its stream.
 Responses = Callable[[decode_pb2.DecodeRequest], AsyncIterator[decode_pb2.DecodeResponse]]
 
-#: Items per DecodeStreamResponse at most (each a stream's messages ready together, as
-#: big as that stream's own Decode message would be): a writer held back by flow control
+#: Items per DecodeStreamResponse at most (each holding one stream's messages ready
+#: together): a writer held back by flow control
 #: with hundreds of streams behind it must not build one message past gRPC's size limit,
 #: which would fail the call and every stream on it.
 MAX_ITEMS_PER_MESSAGE = 512

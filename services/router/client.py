@@ -1,7 +1,7 @@
 """gRPC clients of the engine instances (PrefillService, DecodeService), one channel each.
 
 :class:`InstancePool` keeps one ``grpc.aio`` channel per address for the router's life
-(HTTP/2 multiplexes every concurrent request over it) and closes them on shutdown; Decode
+(HTTP/2 multiplexes every concurrent request over it) and closes them on shutdown; decode
 requests to an instance share one ``DecodeStream`` call on it (``decode_mux``).
 """
 
@@ -47,18 +47,13 @@ class InstancePool:
         credentials: TLS for every channel (``tls.TLSFiles.channel_credentials``), or
             ``None`` for plaintext.
         options: extra channel options (``tls.TLSFiles.channel_options``).
-        multiplex_decode: every Decode to an instance on its one ``DecodeStream`` call
-            (one message per engine step for all of them) instead of a call each.
     """
 
     def __init__(self, discovery: Discovery,
                  credentials: grpc.ChannelCredentials | None = None,
-                 options: list[tuple[str, str]] | None = None,
-                 multiplex_decode: bool = True) -> None:
+                 options: list[tuple[str, str]] | None = None) -> None:
         self._discovery = discovery
-        self._multiplex_decode = multiplex_decode
         self._muxes: dict[str, DecodeMux] = {}
-        self._no_decode_stream: set[str] = set()
         self._credentials = credentials
         self._options = [*_CHANNEL_OPTIONS, *(options or [])]
         self._channels: dict[str, grpc.aio.Channel] = {}
@@ -88,34 +83,20 @@ class InstancePool:
         """
         return await self.prefill_stub(address).Prefill(req, metadata=metadata)
 
-    def decode(self, address: str, req: decode_pb2.DecodeRequest,
-               metadata: tuple[tuple[str, str], ...] = ()
-               ) -> grpc.aio.UnaryStreamCall | MuxedDecode:
-        """Start a Decode stream; iterate it, and ``cancel()`` it to abort the request.
-
-        With ``multiplex_decode`` (the default) it travels on the instance's one
-        ``DecodeStream`` call (:mod:`services.router.decode_mux`), else as its own
-        ``Decode`` call, as it does to an instance that has no DecodeStream.
+    def decode(self, address: str, req: decode_pb2.DecodeRequest) -> MuxedDecode:
+        """Start a decode stream on the instance's one ``DecodeStream`` call
+        (:mod:`services.router.decode_mux`); iterate it, and ``cancel()`` it to abort the
+        request.
         """
-        stub = self.decode_stub(address)
-
-        def direct() -> grpc.aio.UnaryStreamCall:
-            return stub.Decode(req, metadata=metadata)
-
-        if not self._multiplex_decode or address in self._no_decode_stream:
-            return direct()
         mux = self._muxes.get(address)
         if mux is None:
-            mux = self._muxes[address] = DecodeMux(address, stub, self._mux_closed)
-        return mux.start(req, direct)
+            mux = self._muxes[address] = DecodeMux(address, self.decode_stub(address),
+                                                   self._mux_closed)
+        return mux.start(req)
 
     def _mux_closed(self, mux: DecodeMux, error: grpc.aio.AioRpcError) -> None:
         if self._muxes.get(mux.address) is mux:
             del self._muxes[mux.address]
-        if error.code() == grpc.StatusCode.UNIMPLEMENTED:
-            logger.warning("%s has no DecodeStream (an older engine): one Decode call per "
-                           "request to it", mux.address)
-            self._no_decode_stream.add(mux.address)
 
     async def get_load(self, address: str, role: Role, timeout_s: float = 2.0
                        ) -> common_pb2.GetLoadResponse:

@@ -73,8 +73,6 @@ class RouterConfig:
         disagg_prefill_fallback: with no prefill instance able to serve, decode instances
             prefill prompts themselves instead of requests failing with a 503
             (``--[no-]disagg-prefill-fallback``, on by default).
-        multiplex_decode: every Decode to an instance travels on its one ``DecodeStream``
-            call (``--[no-]multiplex-decode``, on by default).
         response_store_url: Redis where ``/v1/responses`` keeps stored responses, so
             that every replica continues any conversation (``--response-store-url``,
             default ``redis_url``; ``None``: the router's own memory, one replica only).
@@ -118,7 +116,6 @@ class RouterConfig:
     disagg_min_uncached_tokens: int = 0
     disagg_max_prefill_queue: int = 0
     disagg_prefill_fallback: bool = True
-    multiplex_decode: bool = True
     response_store_url: str | None = None
     response_ttl_s: int = 3600
     log_level: str = "info"
@@ -204,7 +201,6 @@ class RouterConfig:
                    disagg_min_uncached_tokens=getattr(ns, "disagg_min_uncached_tokens", 0),
                    disagg_max_prefill_queue=getattr(ns, "disagg_max_prefill_queue", 0),
                    disagg_prefill_fallback=getattr(ns, "disagg_prefill_fallback", True),
-                   multiplex_decode=getattr(ns, "multiplex_decode", True),
                    response_store_url=(getattr(ns, "response_store_url", None)
                                        or ns.redis_url or None),
                    response_ttl_s=getattr(ns, "response_ttl_s", 3600),

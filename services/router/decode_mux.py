@@ -1,14 +1,14 @@
-"""``DecodeStream``, the router's side: every Decode of this router on one instance over
-one bidirectional call.
+"""``DecodeStream``, the router's side: every decode request of this router on one
+instance over one bidirectional call.
 
 One :class:`DecodeMux` per decode (or colocated) instance holds the call: requests start
 and cancel with small messages on it, and each message from the instance carries every
 request's tokens of an engine step (``services.decode.stream``). A reader task hands
 each item to its request's :class:`MuxedDecode`, which the pipeline iterates as it would
-a ``Decode`` call: ``async for msg in call``, ``call.cancel()``, ``call.done()``, and
-failures raised as ``grpc.aio.AioRpcError`` with the code, details and field (trailing
-metadata ``FIELD_METADATA_KEY``) that ``Decode`` would have ended with. So retries,
-migration and the 400/503 rules of the pipeline hold unchanged.
+a server-streaming call: ``async for msg in call``, ``call.cancel()``, ``call.done()``,
+and failures raised as ``grpc.aio.AioRpcError`` with the stream's error code, details and
+field (trailing metadata ``FIELD_METADATA_KEY``). So retries, migration and the 400/503
+rules of the pipeline see one request's status, as from a call of its own.
 
 Why: per streamed token, a call per request costs the router a gRPC message read
 (completion-queue poll, a callback into the event loop, a read future) and the instance a
@@ -22,9 +22,7 @@ still on their way, are dropped rather than handed to a later request with the s
 When the call breaks (the instance died, the channel failed) every request on it fails
 with the call's status, as their own calls would have; the next request opens a new
 call. A draining instance ends the call once no stream runs on it (its grace period then
-ends early), and the router opens a new call for the next request. An instance without
-``DecodeStream`` (UNIMPLEMENTED: an older engine) is served with one ``Decode`` call per
-request from then on.
+ends early), and the router opens a new call for the next request.
 """
 
 from __future__ import annotations
@@ -45,28 +43,21 @@ _Item: TypeAlias = decode_pb2.DecodeResponse | grpc.aio.AioRpcError
 
 
 class MuxedDecode:
-    """One request's Decode stream over a :class:`DecodeMux` (the ``grpc.aio`` call
-    surface the pipeline uses). Iterate it once; ``cancel()`` aborts the request."""
+    """One request's stream over a :class:`DecodeMux` (the ``grpc.aio`` call surface the
+    pipeline uses). Iterate it once; ``cancel()`` aborts the request."""
 
-    def __init__(self, mux: DecodeMux, stream: int,
-                 fallback: Callable[[], grpc.aio.UnaryStreamCall]) -> None:
+    def __init__(self, mux: DecodeMux, stream: int) -> None:
         self._mux = mux
         self._stream = stream
         self._queue: asyncio.Queue[_Item] = asyncio.Queue()
-        self._fallback = fallback
-        self._direct: grpc.aio.UnaryStreamCall | None = None
         self._done = False
 
     def done(self) -> bool:
         """The request is over: finished, failed or cancelled."""
-        if self._direct is not None:
-            return self._direct.done()
         return self._done
 
     def cancel(self) -> bool:
         """Abort the request on the instance (nothing when it is over already)."""
-        if self._direct is not None:
-            return self._direct.cancel()
         if self._done:
             return False
         self._done = True
@@ -80,19 +71,11 @@ class MuxedDecode:
         return self._iter()
 
     async def _iter(self) -> AsyncIterator[decode_pb2.DecodeResponse]:
-        num = 0
         while not self._done:
             item = await self._queue.get()
             if isinstance(item, grpc.aio.AioRpcError):
                 self._done = True
-                if item.code() == grpc.StatusCode.UNIMPLEMENTED and num == 0:
-                    # an instance without DecodeStream: its own call, nothing sent yet
-                    self._direct = self._fallback()
-                    async for msg in self._direct:
-                        yield msg
-                    return
                 raise item
-            num += 1
             if item.finish_reason:
                 self._done = True
             yield item
@@ -120,16 +103,14 @@ class DecodeMux:
         self._reader = asyncio.create_task(self._read())
         self._writer = asyncio.create_task(self._write())
 
-    def start(self, request: decode_pb2.DecodeRequest,
-              fallback: Callable[[], grpc.aio.UnaryStreamCall]) -> MuxedDecode:
-        """Start ``request`` on a new stream of the call and return the stream;
-        ``fallback()`` starts it as a plain ``Decode`` call instead (used when the instance
-        has no DecodeStream). The instance judges the request as ``Decode`` would (a
-        request id already in flight there is its INVALID_ARGUMENT, raised when the stream
-        is read); a closed call's stream fails with UNAVAILABLE when read."""
+    def start(self, request: decode_pb2.DecodeRequest) -> MuxedDecode:
+        """Start ``request`` on a new stream of the call and return the stream. The
+        instance judges the request (a request id already in flight there is its
+        INVALID_ARGUMENT, raised when the stream is read); a closed call's stream fails
+        with UNAVAILABLE when read."""
         stream = self._next_stream
         self._next_stream += 1
-        handle = MuxedDecode(self, stream, fallback)
+        handle = MuxedDecode(self, stream)
         if self.closed:
             handle._put(grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, details=(
                 f"the DecodeStream call to {self.address} is closed")))

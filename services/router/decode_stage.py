@@ -15,7 +15,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 
 import grpc
 
@@ -42,8 +42,7 @@ class DecodeStage(Retries):
     max_migrations: int
 
     async def _decode(self, ctx: RouteContext, dreq: decode_pb2.DecodeRequest,
-                      metadata: Sequence[tuple[str, str]], state: SeqState,
-                      param_of_field: Mapping[str, str], first: InstanceInfo | None = None
+                      state: SeqState, param_of_field: Mapping[str, str], first: InstanceInfo | None = None
                       ) -> AsyncIterator[SeqDelta]:
         """Stream the completion from ``ctx.stage`` instances: a call that fails before it
         produced a token is retried elsewhere with the same request; one that fails after
@@ -64,7 +63,7 @@ class DecodeStage(Retries):
                 failure = None
                 # NOTE: closed explicitly: a client going away must cancel the call now.
                 async with contextlib.aclosing(self._decode_on(
-                        info, ctx, dreq, metadata, state, param_of_field, migrations > 0)
+                        info, ctx, dreq, state, param_of_field, migrations > 0)
                         ) as deltas:
                     async for delta in deltas:
                         if isinstance(delta, _MidStreamFailure):
@@ -97,10 +96,10 @@ class DecodeStage(Retries):
                 priority=dreq.priority, cache_salt=dreq.cache_salt)
 
     async def _decode_on(self, info: InstanceInfo, ctx: RouteContext,
-                         dreq: decode_pb2.DecodeRequest, metadata: Sequence[tuple[str, str]],
-                         state: SeqState, param_of_field: Mapping[str, str], resumed: bool
+                         dreq: decode_pb2.DecodeRequest, state: SeqState,
+                         param_of_field: Mapping[str, str], resumed: bool
                          ) -> AsyncGenerator[SeqDelta | _MidStreamFailure, None]:
-        """One Decode call on ``info``: its deltas, then a ``_MidStreamFailure`` last if the
+        """One decode stream on ``info``: its deltas, then a ``_MidStreamFailure`` last if the
         instance failed (a caller error raises instead)."""
         colocated_form = not dreq.HasField("first_token_id")
         state.timings.decode_instance = info.address
@@ -112,7 +111,7 @@ class DecodeStage(Retries):
         call = None
         self.discovery.acquire(info.address)
         try:
-            call = self.pool.decode(info.address, dreq, tuple(metadata))
+            call = self.pool.decode(info.address, dreq)
             start_ns = time.monotonic_ns()
             async for msg in call:
                 if num_messages == 0:

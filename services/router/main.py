@@ -104,10 +104,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with no prefill instance able to serve (none up, or every Prefill "
                         "attempt failed), a decode instance prefills the prompt itself "
                         "instead of the request failing with 503 (default: on)")
-    p.add_argument("--multiplex-decode", default=True, action=argparse.BooleanOptionalAction,
-                   help="every Decode to an instance on one DecodeStream call (one gRPC "
-                        "message per engine step for all of them, in the engine's order) "
-                        "instead of one call per request (default: on)")
     p.add_argument("--response-store-url", default=None,
                    help="Redis where /v1/responses keeps stored responses for "
                         "previous_response_id, shared by every replica (default: "
@@ -187,7 +183,7 @@ async def serve(cfg: RouterConfig, defaults: SamplingDefaults | None = None) -> 
         discovery = StaticDiscovery(prefill=list(cfg.prefill), decode=list(cfg.decode),
                                     both=list(cfg.colocated))
     pool = InstancePool(discovery, cfg.tls.channel_credentials() if cfg.tls.enabled else None,
-                        cfg.tls.channel_options(), multiplex_decode=cfg.multiplex_decode)
+                        cfg.tls.channel_options())
     metrics = RouterMetrics(served[0])
     store_index = None
     if cfg.kv_index_url:

@@ -288,8 +288,7 @@ class Pipeline(DecodeStage):
                 cache_salt=req.cache_salt or "")
             stage = Role.DECODE if local_prefill else Role.BOTH
         ctx = route.for_stage(stage)
-        async for delta in self._decode(ctx, dreq, metadata, state, req.param_of_field,
-                                        decode_first):
+        async for delta in self._decode(ctx, dreq, state, req.param_of_field, decode_first):
             yield delta
 
     async def _disagg_decision(self, route: RouteContext, timings: Timings

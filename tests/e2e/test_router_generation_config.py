@@ -36,9 +36,9 @@ class _Recording(StubDecodeServicer):
         super().__init__([5, 6, 7], 0.0, "tiny")
         self.seen: list = []
 
-    async def Decode(self, request, context):  # noqa: ANN001, ANN201, N802
+    async def responses(self, request):  # noqa: ANN001, ANN201
         self.seen.append(request.sampling_params)
-        async for msg in super().Decode(request, context):
+        async for msg in super().responses(request):
             yield msg
 
 

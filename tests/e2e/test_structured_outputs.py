@@ -24,6 +24,7 @@ import pytest
 from tandem.contracts.proto import sampling_params_to_proto
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.sampling_params import StructuredOutputsParams as SO
+from tandem.services.decode.client import DecodeCall
 from tandem.up import Stack, StackConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
@@ -571,12 +572,12 @@ def test_decode_replays_the_first_token_and_rejects_a_foreign_one(colocated, off
     good = decode_pb2.DecodeRequest(
         prompt_token_ids=ids, first_token_id=want[0], sampling_params=sp
     )
-    got = [want[0]] + [t for m in colocated.decode.Decode(good, timeout=120) for t in m.token_ids]
+    got = [want[0]] + [t for m in DecodeCall(colocated.decode, good, timeout=120) for t in m.token_ids]
     assert got == want
     foreign = tok.encode(" banana", add_special_tokens=False)[0]
     bad = decode_pb2.DecodeRequest(prompt_token_ids=ids, first_token_id=foreign, sampling_params=sp)
     with pytest.raises(grpc.RpcError) as info:
-        list(colocated.decode.Decode(bad, timeout=120))
+        list(DecodeCall(colocated.decode, bad, timeout=120))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "first_token_id" in info.value.details()
     assert ("tandem-field", "first_token_id") in tuple(info.value.trailing_metadata())

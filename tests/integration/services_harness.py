@@ -29,6 +29,7 @@ from tandem.launch import (
     tandem_argv,
     wait_ready,
 )
+from tandem.services.decode.client import DecodeCall
 from tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
 REPO = Path(__file__).resolve().parents[2]
@@ -234,7 +235,7 @@ def run_disaggregated(prefill: EngineService, decode: EngineService, prompt: lis
     tokens = [pre.first_token_id]
     if pre.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
         return tokens, pre
-    for msg in decode.decode.Decode(decode_request_from(pre, prompt, sp), timeout=120):
+    for msg in DecodeCall(decode.decode, decode_request_from(pre, prompt, sp), timeout=120):
         tokens.extend(msg.token_ids)
     return tokens, pre
 
@@ -245,7 +246,7 @@ def run_colocated(service: EngineService, prompt: list[int], sp: common_pb2.Samp
     tokens: list[int] = []
     req = decode_pb2.DecodeRequest(request_id=request_id, prompt_token_ids=prompt,
                                    sampling_params=sp)
-    for msg in service.decode.Decode(req, timeout=120):
+    for msg in DecodeCall(service.decode, req, timeout=120):
         tokens.extend(msg.token_ids)
     return tokens
 

@@ -21,6 +21,7 @@ from services_harness import (
     wait_for,
 )
 
+from tandem.services.decode.client import DecodeCall
 from tandem.v1 import common_pb2, decode_pb2
 
 ARGS = ["--max-num-batched-tokens", "64", "--num-kv-blocks", "32", "--block-size", "16"]
@@ -47,7 +48,7 @@ def test_greedy_matches_transformers_with_chunked_prefill(tiny, svc):
 
 
 def test_stream_shape_and_usage_fields(svc):
-    msgs = list(svc.decode.Decode(decode_pb2.DecodeRequest(
+    msgs = list(DecodeCall(svc.decode, decode_pb2.DecodeRequest(
         prompt_token_ids=[1, 2, 3, 4], sampling_params=params(3)), timeout=60))
     # NOTE: tokens ready together travel in one message (RequestStream.batches): how many
     # messages carry the 3 tokens depends on whether the handler kept up with the engine
@@ -79,7 +80,7 @@ def test_stream_shape_and_usage_fields(svc):
 def test_bad_requests_are_invalid_argument(svc, request_kwargs, field):
     kwargs = {"prompt_token_ids": [1, 2, 3], "sampling_params": params(2), **request_kwargs}
     with pytest.raises(grpc.RpcError) as err:
-        list(svc.decode.Decode(decode_pb2.DecodeRequest(**kwargs), timeout=60))
+        list(DecodeCall(svc.decode, decode_pb2.DecodeRequest(**kwargs), timeout=60))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert field in err.value.details()
 
@@ -97,7 +98,7 @@ def test_output_token_ids_resume_a_request(svc, sampling):
     resumed: list[int] = []
     req = decode_pb2.DecodeRequest(prompt_token_ids=prompt, sampling_params=sp,
                                    output_token_ids=whole[:10])
-    msgs = list(svc.decode.Decode(req, timeout=60))
+    msgs = list(DecodeCall(svc.decode, req, timeout=60))
     for m in msgs:
         resumed.extend(m.token_ids)
     assert resumed == whole[10:]
@@ -109,7 +110,7 @@ def test_prompt_that_never_fits_is_resource_exhausted(svc):
     req = decode_pb2.DecodeRequest(prompt_token_ids=list(range(1, 600)),
                                    sampling_params=params(2))
     with pytest.raises(grpc.RpcError) as err:
-        list(svc.decode.Decode(req, timeout=60))
+        list(DecodeCall(svc.decode, req, timeout=60))
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert run_colocated(svc, [5, 6], params(2)), "other requests are undisturbed"
 
@@ -117,10 +118,10 @@ def test_prompt_that_never_fits_is_resource_exhausted(svc):
 def test_duplicate_in_flight_request_id_is_invalid_argument(svc):
     long = decode_pb2.DecodeRequest(request_id="dup", prompt_token_ids=[1, 2, 3],
                                     sampling_params=params(300, ignore_eos=True))
-    call = svc.decode.Decode(long, timeout=60)
+    call = DecodeCall(svc.decode, long, timeout=60)
     next(call)
     with pytest.raises(grpc.RpcError) as err:
-        list(svc.decode.Decode(long, timeout=60))
+        list(DecodeCall(svc.decode, long, timeout=60))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "request_id" in err.value.details()
     call.cancel()
@@ -128,7 +129,7 @@ def test_duplicate_in_flight_request_id_is_invalid_argument(svc):
 
 def test_cancel_and_deadline_free_all_blocks(svc):
     total = svc.get_load().num_total_blocks
-    call = svc.decode.Decode(decode_pb2.DecodeRequest(
+    call = DecodeCall(svc.decode, decode_pb2.DecodeRequest(
         prompt_token_ids=list(range(10, 90)), sampling_params=params(400, ignore_eos=True)),
         timeout=60)
     next(call)
@@ -141,10 +142,10 @@ def test_cancel_and_deadline_free_all_blocks(svc):
     req = decode_pb2.DecodeRequest(prompt_token_ids=list(range(10, 90)),
                                    sampling_params=params(400, ignore_eos=True))
     start = time.monotonic()
-    assert sum(len(m.token_ids) for m in svc.decode.Decode(req, timeout=60)) == 400
+    assert sum(len(m.token_ids) for m in DecodeCall(svc.decode, req, timeout=60)) == 400
     took = time.monotonic() - start
     with pytest.raises(grpc.RpcError) as err:
-        list(svc.decode.Decode(req, timeout=took / 4))
+        list(DecodeCall(svc.decode, req, timeout=took / 4))
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     wait_for(lambda: svc.get_load().num_free_blocks == total, 30, "pool back to full")
 
@@ -159,7 +160,7 @@ def test_sigterm_drains_in_flight_requests_then_exits(tiny, tmp_path, redis_url)
             if r.hget(k, "address") == service.address]
     try:
         assert len(mine) == 1, "registered as role both"
-        call = service.decode.Decode(decode_pb2.DecodeRequest(
+        call = DecodeCall(service.decode, decode_pb2.DecodeRequest(
             prompt_token_ids=[3, 4, 5], sampling_params=params(40, ignore_eos=True)), timeout=120)
         first = next(call)
         service.proc.popen.send_signal(signal.SIGTERM)

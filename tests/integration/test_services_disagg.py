@@ -24,6 +24,8 @@ from services_harness import (
     wait_for,
 )
 
+from tandem.services.decode.client import DecodeCall
+from tandem.services.router.decode_mux import DecodeMux
 from tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
 #: Flags of the module's prefill and decode services (conftest's fixtures read it).
@@ -81,7 +83,7 @@ def test_logprobs_from_prefill_and_decode(tiny, prefill, decode):
     assert pre.first_logprobs.sampled.token_id == pre.first_token_id
     assert len(pre.first_logprobs.top) == 3
     assert pre.first_logprobs.top[0].token_id == pre.first_token_id  # greedy = rank 1
-    msgs = list(decode.decode.Decode(decode_request_from(pre, prompt, sp), timeout=60))
+    msgs = list(DecodeCall(decode.decode, decode_request_from(pre, prompt, sp), timeout=60))
     lps = [lp for m in msgs for lp in m.logprobs]
     toks = [t for m in msgs for t in m.token_ids]
     assert [lp.sampled.token_id for lp in lps] == toks
@@ -94,13 +96,13 @@ def test_32_concurrent_requests_of_mixed_lengths(tiny, prefill, decode):
     max_tokens = [rng.randrange(1, 12) for _ in range(32)]
     oracle = hf_greedy(tiny, prompts, max_new_tokens=12)
 
-    async def one(pstub, dstub, i: int) -> list[int]:
+    async def one(pstub, mux: DecodeMux, i: int) -> list[int]:
         sp = params(max_tokens[i])
         pre = await pstub.Prefill(prefill_pb2.PrefillRequest(
             request_id=f"c{i}", prompt_token_ids=prompts[i], sampling_params=sp), timeout=300)
         toks = [pre.first_token_id]
         if pre.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED:
-            async for msg in dstub.Decode(decode_request_from(pre, prompts[i], sp), timeout=300):
+            async for msg in mux.start(decode_request_from(pre, prompts[i], sp)):
                 toks.extend(msg.token_ids)
         return toks
 
@@ -108,8 +110,13 @@ def test_32_concurrent_requests_of_mixed_lengths(tiny, prefill, decode):
         async with grpc.aio.insecure_channel(prefill.address) as pch, \
                 grpc.aio.insecure_channel(decode.address) as dch:
             pstub = prefill_pb2_grpc.PrefillServiceStub(pch)
-            dstub = decode_pb2_grpc.DecodeServiceStub(dch)
-            return await asyncio.gather(*(one(pstub, dstub, i) for i in range(32)))
+            # the router's form: every request a stream of one DecodeStream call
+            mux = DecodeMux(decode.address, decode_pb2_grpc.DecodeServiceStub(dch),
+                            lambda _mux, _error: None)
+            try:
+                return await asyncio.gather(*(one(pstub, mux, i) for i in range(32)))
+            finally:
+                await mux.close()
 
     results = asyncio.run(main())
     for i, got in enumerate(results):
@@ -131,7 +138,7 @@ def test_cancelling_a_stream_frees_its_blocks(prefill, decode):
     pre = prefill.prefill.Prefill(
         prefill_pb2.PrefillRequest(prompt_token_ids=prompt, sampling_params=sp), timeout=60)
     total = decode.get_load().num_total_blocks
-    call = decode.decode.Decode(decode_request_from(pre, prompt, sp), timeout=120)
+    call = DecodeCall(decode.decode, decode_request_from(pre, prompt, sp), timeout=120)
     next(call)
     next(call)
     assert decode.get_load().num_running_requests == 1
@@ -169,7 +176,7 @@ def test_bad_decode_requests_are_invalid_argument(prefill, decode, mutate, field
     req = decode_request_from(pre, prompt, params(4))
     mutate(req)
     with pytest.raises(grpc.RpcError) as err:
-        list(decode.decode.Decode(req, timeout=60))
+        list(DecodeCall(decode.decode, req, timeout=60))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert field in err.value.details()
     # The instance is undisturbed.
@@ -188,13 +195,13 @@ def test_bad_prefill_request_and_layout_mismatch(prefill, decode):
         timeout=60)
     # blocks of another layout are never read: a miss, the prompt recomputed, the same
     # tokens as the handoff of this layout's blocks
-    want = [pre.first_token_id] + [t for m in decode.decode.Decode(
+    want = [pre.first_token_id] + [t for m in DecodeCall(decode.decode,
         decode_request_from(pre, prompt, params(4)), timeout=60) for t in m.token_ids]
     for field, value in (("kv_layout_fingerprint", b"another-layout!!"),
                          ("hash_algorithm", "another-hash")):
         req = decode_request_from(pre, prompt, params(4))
         setattr(req, field, value)
-        got = [pre.first_token_id] + [t for m in decode.decode.Decode(req, timeout=60)
+        got = [pre.first_token_id] + [t for m in DecodeCall(decode.decode, req, timeout=60)
                                       for t in m.token_ids]
         assert got == want, field
 
@@ -240,12 +247,12 @@ def test_first_message_reports_kv_pull(tiny, prefill, decode):
     pre = prefill.prefill.Prefill(
         prefill_pb2.PrefillRequest(prompt_token_ids=prompt, sampling_params=params(3)),
         timeout=60)
-    first = next(iter(decode.decode.Decode(
+    first = next(iter(DecodeCall(decode.decode,
         decode_request_from(pre, prompt, params(3)), timeout=60)))
     assert first.HasField("kv_pull_ns") and first.kv_pull_ns > 0
     assert first.num_cached_tokens == len(prompt), "the whole prompt should come from the store"
     assert first.kv_pull_bytes == 3 * block_bytes
     colocated_req = decode_pb2.DecodeRequest(prompt_token_ids=prompt, sampling_params=params(2))
-    first_colocated = next(iter(decode.decode.Decode(colocated_req, timeout=60)))
+    first_colocated = next(iter(DecodeCall(decode.decode, colocated_req, timeout=60)))
     assert not first_colocated.HasField("kv_pull_ns")
     assert not first_colocated.HasField("kv_pull_bytes")

@@ -29,6 +29,7 @@ from services_harness import (
     run_disaggregated,
 )
 
+from tandem.services.decode.client import DecodeCall
 from tandem.v1 import prefill_pb2
 
 ENGINE_ARGS = ["--num-kv-blocks", "128", "--block-size", "16"]
@@ -95,7 +96,7 @@ def test_the_prefill_answers_while_the_store_is_stopped(tiny, store, cluster):
     failures = decode.svc.get_load().num_kv_load_failures
     try:
         pre = _prefill_while_stopped(prefill, store, prompt)
-        call = decode.svc.decode.Decode(decode_request_from(pre, prompt, params(8)), timeout=120)
+        call = DecodeCall(decode.svc.decode, decode_request_from(pre, prompt, params(8)), timeout=120)
         decode.wait_metric("tandem:num_kv_loads_waiting", 1)
     finally:
         _resumed(store)
@@ -115,7 +116,7 @@ def test_a_failed_publish_ends_the_wait_and_decode_recomputes(tiny, store, clust
     failed = decode.metric("tandem:kv_load_waits_total", outcome="publish_failed")
     try:
         pre = _prefill_while_stopped(prefill, store, prompt)
-        call = decode.svc.decode.Decode(decode_request_from(pre, prompt, params(8)), timeout=120)
+        call = DecodeCall(decode.svc.decode, decode_request_from(pre, prompt, params(8)), timeout=120)
         decode.wait_metric("tandem:num_kv_loads_waiting", 1)
     finally:
         store.proc.kill()  # the publish in flight fails

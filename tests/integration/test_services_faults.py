@@ -19,6 +19,7 @@ from services_harness import (
     wait_published,
 )
 
+from tandem.services.decode.client import DecodeCall
 from tandem.v1 import decode_pb2, prefill_pb2
 
 #: Flags of the module's prefill and decode services (conftest's fixtures read it).
@@ -30,7 +31,7 @@ def _decode_after_one_failed_load(tiny, decode, pre, prompt, sp, failures_before
     """Decode the request that ``pre`` prefilled: its tokens must equal transformers' (else
     fail with ``why``) and the service must count one more failed KV load than
     ``failures_before``. Returns the first message's ``num_cached_tokens``."""
-    msgs = list(decode.decode.Decode(decode_request_from(pre, prompt, sp), timeout=120))
+    msgs = list(DecodeCall(decode.decode, decode_request_from(pre, prompt, sp), timeout=120))
     tokens = [pre.first_token_id] + [t for m in msgs for t in m.token_ids]
     assert tokens == hf_greedy(tiny, [prompt], 8)[0], why
     assert decode.get_load().num_kv_load_failures == failures_before + 1
@@ -75,7 +76,7 @@ def test_store_node_killed_before_pull_decode_recomputes(tiny, redis_url, store,
 def test_decode_killed_mid_stream_gives_unavailable_promptly(tiny, redis_url, tmp_path):
     decode = EngineService("decode", tiny, tmp_path, redis_url, ENGINE_ARGS)
     try:
-        call = decode.decode.Decode(decode_pb2.DecodeRequest(
+        call = DecodeCall(decode.decode, decode_pb2.DecodeRequest(
             prompt_token_ids=[5, 6, 7, 8], sampling_params=params(5000, ignore_eos=True)),
             timeout=300)
         next(call)

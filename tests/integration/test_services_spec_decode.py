@@ -22,6 +22,7 @@ from services_harness import (
     wait_for,
 )
 
+from tandem.services.decode.client import DecodeCall
 from tandem.v1 import prefill_pb2
 
 SPEC = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}'
@@ -55,7 +56,7 @@ def test_disaggregated_greedy_with_prompt_lookup_matches_transformers(tiny, pref
         pre = prefill.prefill.Prefill(
             prefill_pb2.PrefillRequest(prompt_token_ids=prompt, sampling_params=params(30)),
             timeout=60)
-        msgs = list(decode.decode.Decode(decode_request_from(pre, prompt, params(30)),
+        msgs = list(DecodeCall(decode.decode, decode_request_from(pre, prompt, params(30)),
                                          timeout=60))
         got = [pre.first_token_id] + [t for m in msgs for t in m.token_ids]
         assert got == expected, f"disaggregated, prompt of {len(prompt)} tokens"
@@ -94,7 +95,7 @@ def test_draft_model_decode_builds_the_draft_kv_itself(tiny, prefill, redis_url,
             pre = prefill.prefill.Prefill(
                 prefill_pb2.PrefillRequest(prompt_token_ids=prompt, sampling_params=params(20)),
                 timeout=60)
-            msgs = list(svc.decode.Decode(decode_request_from(pre, prompt, params(20)),
+            msgs = list(DecodeCall(svc.decode, decode_request_from(pre, prompt, params(20)),
                                           timeout=60))
             got = [pre.first_token_id] + [t for m in msgs for t in m.token_ids]
             assert got == expected, f"prompt of {len(prompt)} tokens"

@@ -1,9 +1,9 @@
-"""``DecodeStream``: many Decode requests over one call. The server side
+"""``DecodeStream``: many decode requests over one call. The server side
 (``services.decode.stream``) groups what is ready together, reports each request's failure
 as its item and stops what is cancelled; the router side (``services.router.decode_mux``,
-through ``InstancePool.decode``) hands each request its messages and errors as a Decode
-call would, over real gRPC, and falls back to a call per request where an instance has no
-DecodeStream."""
+through ``InstancePool.decode``) hands each request its messages and errors as a call of
+its own would, over real gRPC; ``services.decode.client.DecodeCall`` does so for one
+blocking request."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from tandem.bench.router_ceiling import StubDecodeServicer
 from tandem.engine.validation import RequestError
 from tandem.launch import free_port
 from tandem.services.common.errors import FIELD_METADATA_KEY
+from tandem.services.decode.client import DecodeCall
 from tandem.services.decode.stream import serve_decode_stream
 from tandem.services.router.client import InstancePool
 from tandem.services.router.discovery import StaticDiscovery
@@ -166,35 +167,19 @@ class _Counting(StubDecodeServicer):
 
     def __init__(self, interval_s: float = 0.0) -> None:
         super().__init__([5, 6], interval_s, "m")
-        self.calls = {"Decode": 0, "DecodeStream": 0}
+        self.calls = {"DecodeStream": 0}
 
-    async def Decode(self, request: Any, context: Any) -> Any:  # noqa: N802
+    async def responses(self, request: Any) -> Any:
         if request.request_id.startswith("bad"):
             raise RequestError("sampling_params.top_p", "sampling_params.top_p: must be in "
                                "(0, 1]")
-        if context is not None and not isinstance(context, _Direct):
-            self.calls["Decode"] += 1
-        async for msg in super().Decode(request, context):
+        async for msg in super().responses(request):
             yield msg
 
     async def DecodeStream(self, request_iterator: Any, context: Any) -> Any:  # noqa: N802
         self.calls["DecodeStream"] += 1
-        async for resp in serve_decode_stream(request_iterator,
-                                              lambda req: self.Decode(req, _Direct())):
+        async for resp in super().DecodeStream(request_iterator, context):
             yield resp
-
-
-class _Direct:
-    """Marks the per-request logic run inside DecodeStream (not a Decode call)."""
-
-
-class _NoDecodeStream(_Counting):
-    """An instance of an older engine: DecodeStream answers UNIMPLEMENTED."""
-
-    async def DecodeStream(self, request_iterator: Any, context: Any) -> Any:  # noqa: N802
-        self.calls["DecodeStream"] += 1
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not implemented!")
-        yield  # an async generator, as the generated base's handler kinds need
 
 
 async def _serve(servicer: Any, address: str) -> grpc.aio.Server:
@@ -230,7 +215,7 @@ def test_router_requests_share_one_call_and_get_their_own_messages() -> None:
 
         got = await asyncio.gather(collect("x", 3), collect("y", 5), collect("z", 1))
         assert got == [[[5], [6], [5]], [[5], [6], [5], [6], [5]], [[5]]]
-        assert servicer.calls == {"Decode": 0, "DecodeStream": 1}
+        assert servicer.calls == {"DecodeStream": 1}
 
     _with_server(servicer, body)
 
@@ -295,29 +280,34 @@ def test_a_broken_call_fails_every_request_on_it_and_the_next_opens_a_new_one() 
     asyncio.run(run())
 
 
-def test_an_instance_without_decode_stream_gets_a_call_per_request() -> None:
-    servicer = _NoDecodeStream()
+def test_one_blocking_request_on_a_call_of_its_own() -> None:
+    """``DecodeCall``: one request's messages in order, a stream's error raised as a
+    ``grpc.RpcError`` with its code, details and field, ``cancel()`` aborting it."""
+    servicer = _Counting(interval_s=0.005)
 
     async def body(address: str, pool: InstancePool, server: grpc.aio.Server) -> None:
-        for rid in ("a", "b"):
-            got = [list(m.token_ids) async for m in pool.decode(address, _req(rid, 2))]
-            assert got == [[5], [6]]
-        assert servicer.calls == {"Decode": 2, "DecodeStream": 1}
+        def blocking() -> None:
+            with grpc.insecure_channel(address) as channel:
+                stub = decode_pb2_grpc.DecodeServiceStub(channel)
+                msgs = list(DecodeCall(stub, _req("a", 3), timeout=30))
+                assert [list(m.token_ids) for m in msgs] == [[5], [6], [5]]
+                assert msgs[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+                with pytest.raises(grpc.RpcError) as err:
+                    list(DecodeCall(stub, _req("bad-1"), timeout=30))
+                assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert "top_p" in err.value.details()
+                assert (FIELD_METADATA_KEY, "sampling_params.top_p") in tuple(
+                    err.value.trailing_metadata())
+                call = DecodeCall(stub, _req("long", 10_000), timeout=30)
+                next(call)
+                call.cancel()
+                with pytest.raises(grpc.RpcError) as err:
+                    list(call)
+                assert err.value.code() == grpc.StatusCode.CANCELLED
 
-    _with_server(servicer, body)
-
-
-def test_no_multiplex_uses_a_call_per_request() -> None:
-    servicer = _Counting()
-
-    async def body(address: str, pool: InstancePool, server: grpc.aio.Server) -> None:
-        pool = InstancePool(StaticDiscovery(decode=[address]), multiplex_decode=False)
-        try:
-            got = [list(m.token_ids) async for m in pool.decode(address, _req("a", 2))]
-        finally:
-            await pool.close()
-        assert got == [[5], [6]]
-        assert servicer.calls == {"Decode": 1, "DecodeStream": 0}
+        await asyncio.to_thread(blocking)
+        await _poll(lambda: servicer._num_open == 0, "the instance to drop the request")
+        assert servicer.calls == {"DecodeStream": 3}
 
     _with_server(servicer, body)
 
@@ -365,7 +355,7 @@ class _Engine(_Counting):
         #: tokens sent, all streams together
         self.num_sent = 0
 
-    async def Decode(self, request: Any, context: Any) -> Any:  # noqa: N802
+    async def responses(self, request: Any) -> Any:
         rid = request.request_id
         if rid in self.in_flight:
             raise ValueError(f"request_id {rid!r} is already in flight")
@@ -383,8 +373,8 @@ class _Engine(_Counting):
 
 
 def test_a_request_id_in_flight_is_the_instances_400_not_the_routers_error() -> None:
-    """Two streams with one request id reach the instance, which refuses the second as
-    Decode would (INVALID_ARGUMENT: the router's 400); the router raised a ValueError
+    """Two streams with one request id reach the instance, which refuses the second
+    (INVALID_ARGUMENT: the router's 400); the router raised a ValueError
     of its own (a 500) before."""
     servicer = _Engine()
 

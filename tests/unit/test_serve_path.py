@@ -141,7 +141,9 @@ def test_decode_stub_streams_max_tokens_with_the_engine_fields() -> None:
                     sampling_params=common_pb2.SamplingParams(max_tokens=3))
                 load = await stub.GetLoad(common_pb2.GetLoadRequest())
                 assert (load.role, load.model) == ("both", "m")
-                return [m async for m in stub.Decode(req)]
+                start = decode_pb2.DecodeStreamRequest(stream=0, start=req)
+                return [item.response async for resp in stub.DecodeStream(iter([start]))
+                        for item in resp.items]
         finally:
             await server.stop(None)
 

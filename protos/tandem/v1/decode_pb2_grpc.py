@@ -35,11 +35,6 @@ class DecodeServiceStub:
         Args:
             channel: A grpc.Channel.
         """
-        self.Decode = channel.unary_stream(
-                '/tandem.v1.DecodeService/Decode',
-                request_serializer=tandem_dot_v1_dot_decode__pb2.DecodeRequest.SerializeToString,
-                response_deserializer=tandem_dot_v1_dot_decode__pb2.DecodeResponse.FromString,
-                _registered_method=True)
         self.DecodeStream = channel.stream_stream(
                 '/tandem.v1.DecodeService/DecodeStream',
                 request_serializer=tandem_dot_v1_dot_decode__pb2.DecodeStreamRequest.SerializeToString,
@@ -55,26 +50,19 @@ class DecodeServiceStub:
 class DecodeServiceServicer:
     """Missing associated documentation comment in .proto file."""
 
-    def Decode(self, request, context):
-        """Stream the request's generated tokens. Cancelling the stream (or its
-        deadline passing) aborts the request and frees its KV blocks at once.
-        Errors: INVALID_ARGUMENT (bad field, named in the message),
-        RESOURCE_EXHAUSTED (can never fit), UNAVAILABLE (shutting down). Blocks of
-        another KV layout or hash algorithm are a miss: the prompt is recomputed.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
     def DecodeStream(self, request_iterator, context):
-        """Many Decode streams over one call (the router's form): the caller starts
-        and cancels streams on its side of the call; each message this side
-        sends holds every stream's DecodeResponse that was ready together (one
+        """Many requests' token streams over one call: the caller starts and cancels
+        streams on its side of the call (DecodeStreamRequest); each message this
+        side sends holds every stream's DecodeResponse that was ready together (one
         engine step's outputs, in the engine's order), so a step costs one
-        message, not one per request. Each stream's request means what it means
-        in Decode; its errors come as an item's error (the call itself stays up).
-        Ending the call cancels every stream still running on it. A draining
-        instance ends the call itself once no stream runs on it.
+        message, not one per request. Cancelling a stream (or ending the call, or
+        its deadline passing) aborts the request and frees its KV blocks at once.
+        A stream's errors come as its item's error (the call itself stays up):
+        INVALID_ARGUMENT (bad field, named), RESOURCE_EXHAUSTED (can never fit),
+        UNAVAILABLE (shutting down). Blocks of another KV layout or hash algorithm
+        are a miss: the prompt is recomputed. Ending the call cancels every stream
+        still running on it. A draining instance ends the call itself once no
+        stream runs on it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -90,11 +78,6 @@ class DecodeServiceServicer:
 
 def add_DecodeServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
-            'Decode': grpc.unary_stream_rpc_method_handler(
-                    servicer.Decode,
-                    request_deserializer=tandem_dot_v1_dot_decode__pb2.DecodeRequest.FromString,
-                    response_serializer=tandem_dot_v1_dot_decode__pb2.DecodeResponse.SerializeToString,
-            ),
             'DecodeStream': grpc.stream_stream_rpc_method_handler(
                     servicer.DecodeStream,
                     request_deserializer=tandem_dot_v1_dot_decode__pb2.DecodeStreamRequest.FromString,
@@ -115,33 +98,6 @@ def add_DecodeServiceServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class DecodeService:
     """Missing associated documentation comment in .proto file."""
-
-    @staticmethod
-    def Decode(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_stream(
-            request,
-            target,
-            '/tandem.v1.DecodeService/Decode',
-            tandem_dot_v1_dot_decode__pb2.DecodeRequest.SerializeToString,
-            tandem_dot_v1_dot_decode__pb2.DecodeResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
 
     @staticmethod
     def DecodeStream(request_iterator,
