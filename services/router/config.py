@@ -77,6 +77,9 @@ class RouterConfig:
             that every replica continues any conversation (``--response-store-url``,
             default ``redis_url``; ``None``: the router's own memory, one replica only).
         response_ttl_s: seconds a stored response is kept (``--response-ttl-s``).
+        metrics_window_s: seconds of the sliding window of the TTFT and inter-token
+            latency percentiles on ``/metrics`` (``--metrics-window-s``;
+            ``scaling_metrics``).
         log_level: Python logging level name.
         loop: the event loop (``--loop``, uvicorn's name): ``uvloop`` when installed for
             ``auto``, else ``asyncio``.
@@ -118,6 +121,7 @@ class RouterConfig:
     disagg_prefill_fallback: bool = True
     response_store_url: str | None = None
     response_ttl_s: int = 3600
+    metrics_window_s: float = 60.0
     log_level: str = "info"
     loop: str = "auto"
     http: str = "auto"
@@ -144,6 +148,8 @@ class RouterConfig:
                              f"{self.disagg_max_prefill_queue}")
         if self.response_ttl_s < 1:
             raise ValueError(f"--response-ttl-s must be >= 1, got {self.response_ttl_s}")
+        if not self.metrics_window_s > 0:
+            raise ValueError(f"--metrics-window-s must be > 0, got {self.metrics_window_s}")
         if self.max_queued_requests < 0:
             raise ValueError(f"--max-queued-requests must be >= 0, got "
                              f"{self.max_queued_requests}")
@@ -204,5 +210,6 @@ class RouterConfig:
                    response_store_url=(getattr(ns, "response_store_url", None)
                                        or ns.redis_url or None),
                    response_ttl_s=getattr(ns, "response_ttl_s", 3600),
+                   metrics_window_s=ns.metrics_window_s,
                    log_level=ns.log_level, loop=getattr(ns, "loop", "auto"),
                    http=getattr(ns, "http", "auto"))

@@ -110,6 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "--redis-url; without either: this router's memory only)")
     p.add_argument("--response-ttl-s", type=int, default=3600,
                    help="seconds a stored /v1/responses response is kept (default 3600)")
+    p.add_argument("--metrics-window-s", type=float, default=60.0,
+                   help="seconds of the sliding window of the TTFT and inter-token latency "
+                        "percentiles (p50/p90/p99 gauges) on /metrics (default 60)")
     p.add_argument("--log-level", default="info")
     p.add_argument("--loop", default="auto", choices=["auto", "asyncio", "uvloop"],
                    help="event loop (auto: uvloop when installed)")
@@ -184,7 +187,7 @@ async def serve(cfg: RouterConfig, defaults: SamplingDefaults | None = None) -> 
                                     both=list(cfg.colocated))
     pool = InstancePool(discovery, cfg.tls.channel_credentials() if cfg.tls.enabled else None,
                         cfg.tls.channel_options())
-    metrics = RouterMetrics(served[0])
+    metrics = RouterMetrics(served[0], cfg.metrics_window_s)
     store_index = None
     if cfg.kv_index_url:
         from tandem.kvstore.lookup import AsyncIndexProbe

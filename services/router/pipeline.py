@@ -37,7 +37,7 @@ Flow of one completion (``n`` completions run as ``n`` such flows, concurrently)
    after one failed call is still tried when no other is left (as without the
    fallback): one failure does not send every prompt to the decode instances.
    The choice and its reason go into ``timings`` (``disagg_decision``, ``disagg_reason``)
-   and ``tandem:disagg_decision_total{path}``, once per completion, for the path taken.
+   and ``tandem:router_disagg_decision_total{path}``, once per completion, for the path taken.
 3. Each token batch goes through ``engine.detokenizer.IncrementalDetokenizer``; when a stop
    string matches, the decode stream is cancelled (the engine aborts and frees its blocks).
 4. The consumer closing the iterator (client disconnect) cancels every RPC in flight.
@@ -351,7 +351,8 @@ class Pipeline(DecodeStage):
         async for info in self._attempts(Role.PREFILL, ctx):
             self.discovery.acquire(info.address)
             try:
-                presp = await self.pool.prefill(info.address, preq, tuple(metadata))
+                with self.metrics.scaling.prefill_in_flight(len(preq.prompt_token_ids)):
+                    presp = await self.pool.prefill(info.address, preq, tuple(metadata))
             except grpc.aio.AioRpcError as exc:
                 raise_if_caller_error(exc, param_of_field)
                 last = exc

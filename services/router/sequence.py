@@ -246,8 +246,8 @@ class SeqState:
             return
         if self._last_token_ns is None:
             self.timings.ttft_ns = now_ns - self.req.arrival_ns
-            m.labels(m.ttft).observe(self.timings.ttft_ns / 1e9)
+            m.observe_ttft(self.timings.ttft_ns / 1e9)
         else:
-            m.labels(m.itl).observe((now_ns - self._last_token_ns) / 1e9 / num)
+            m.observe_itl((now_ns - self._last_token_ns) / 1e9 / num)
         self._last_token_ns = now_ns
         m.labels(m.generation_tokens).inc(num)

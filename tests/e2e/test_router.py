@@ -394,16 +394,17 @@ def test_disconnect_mid_stream_frees_decode_blocks(stack) -> None:
 
 def test_metrics_exposed(stack) -> None:
     text = httpx.get(f"{stack.http_url}/metrics", timeout=30).text
-    for name in ("tandem:time_to_first_token_seconds_bucket",
-                 "tandem:inter_token_latency_seconds_bucket",
-                 "tandem:e2e_request_latency_seconds_count",
-                 "tandem:prompt_tokens_total", "tandem:generation_tokens_total",
-                 "tandem:num_requests_running", "tandem:num_requests_waiting",
-                 "tandem:kv_cache_usage_perc", "tandem:prefix_cache_hit_rate"):
+    for name in ("tandem:router_time_to_first_token_seconds_bucket",
+                 "tandem:router_inter_token_latency_seconds_bucket",
+                 "tandem:router_e2e_request_latency_seconds_count",
+                 "tandem:router_prompt_tokens_total", "tandem:router_generation_tokens_total",
+                 "tandem:router_num_requests_running", "tandem:router_num_requests_waiting",
+                 "tandem:router_instance_kv_cache_usage_perc",
+                 "tandem:router_instance_prefix_cache_hit_rate"):
         assert name in text, name
     if not stack.config.colocated:
-        assert "tandem:kv_handoff_seconds_count" in text
-        assert "tandem:kv_handoff_bytes_total" in text
+        assert "tandem:router_kv_handoff_seconds_count" in text
+        assert "tandem:router_kv_handoff_bytes_total" in text
 
 
 def test_chat_turn_2_reuses_turn_1_prompt_and_answer(client, oracle, redis_url) -> None:

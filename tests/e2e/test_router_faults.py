@@ -226,7 +226,7 @@ def _port(url: str) -> int:
 
 def _router_busy(url: str, n: int) -> bool:
     """At least ``n`` requests are past the router's admission and not finished."""
-    return metric_value(_port(url), "tandem:num_requests_running") >= n
+    return metric_value(_port(url), "tandem:router_num_requests_running") >= n
 
 
 def _fault_under_load(url: str, bodies: list[dict], fault, busy) -> list[httpx.Response]:
@@ -265,13 +265,14 @@ def test_prefill_killed_under_load_requests_retry_on_survivor(stack) -> None:
     have had."""
     url, model = stack.http_url, _model(stack.http_url)
     victim = stack.part("prefill-0")
-    retries = metric_value(_port(url), "tandem:request_retries_total", stage="prefill")
+    retries = metric_value(_port(url), "tandem:router_request_retries_total", stage="prefill")
     # distinct first tokens: nothing is prefix-cached, each prefill computes 900 tokens
     bodies = [{"model": model, "prompt": [500 + i, *range(1000, 1900)], "max_tokens": 4,
                "temperature": 0} for i in range(12)]
     resps = _kill_under_load(url, bodies, victim,
                              lambda: _num_unfinished(victim.url) >= 3)
-    assert metric_value(_port(url), "tandem:request_retries_total", stage="prefill") > retries
+    retried = metric_value(_port(url), "tandem:router_request_retries_total", stage="prefill")
+    assert retried > retries
     for body, resp in zip(bodies, resps, strict=True):
         ref = httpx.post(f"{url}/v1/completions", json=body, timeout=REQUEST_TIMEOUT_S)
         assert resp.json()["choices"][0]["text"] == ref.json()["choices"][0]["text"]

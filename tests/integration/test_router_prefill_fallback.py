@@ -125,8 +125,8 @@ def test_every_prefill_attempt_failing_the_decode_instance_prefills(tiny, decode
     assert t["prefill_instance"] == t["decode_instance"] == decode.address
     # the tokens: the decode instance's own prefill continues as transformers does
     assert r.generate(prompt, 8) == want
-    assert r.metric("tandem:disagg_decision_total", path="local_prefill") == 2
-    assert r.metric("tandem:disagg_decision_total", path="remote_prefill") == 0
+    assert r.metric("tandem:router_disagg_decision_total", path="local_prefill") == 2
+    assert r.metric("tandem:router_disagg_decision_total", path="remote_prefill") == 0
 
 
 def test_no_prefill_instance_up_the_decode_instance_prefills(tiny, decode, router):
@@ -166,6 +166,6 @@ def test_a_request_that_broke_the_prefill_engine_is_not_replayed_on_decode(
         servicer.code = grpc.StatusCode.UNAVAILABLE
     assert resp.status_code == 503, resp.text
     assert "INTERNAL it broke" in resp.json()["error"]["message"], resp.text
-    assert r.metric("tandem:disagg_decision_total", path="local_prefill") == 0
+    assert r.metric("tandem:router_disagg_decision_total", path="local_prefill") == 0
     # a request that ended at its prefill still took the remote prefill path
-    assert r.metric("tandem:disagg_decision_total", path="remote_prefill") == 1
+    assert r.metric("tandem:router_disagg_decision_total", path="remote_prefill") == 1

@@ -138,7 +138,7 @@ def test_router_moves_streams_off_a_decode_whose_worker_died(tiny, services, tmp
         # Round robin put one stream on each instance; the TP=2 one moved to TP=1.
         assert sorted(t.get("num_migrations", 0) for t in timings) == [0, 1], timings
         assert {t["decode_instance"] for t in timings} == {decode.address}, timings
-        assert metric_value(port, "tandem:request_migrations_total") == 1
+        assert metric_value(port, "tandem:router_request_migrations_total") == 1
         assert decode_tp2.proc.popen.wait(60) == 1
         wait_until(lambda: not any(w.is_running() for w in workers), 30, "workers gone")
     finally:

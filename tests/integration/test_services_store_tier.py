@@ -213,11 +213,11 @@ def test_conditional_disaggregation(tiny, redis_url, tmp_path, cluster, routers)
     assert "4 uncached tokens < 32" in twin_again["timings"]["disagg_reason"]
     assert twin_again["choices"][0]["text"] == got["choices"][0]["text"]
 
-    assert conditional.metric("tandem:disagg_decision_total", path="local_prefill") == 2
-    assert conditional.metric("tandem:disagg_decision_total", path="remote_prefill") == 1
+    assert conditional.metric("tandem:router_disagg_decision_total", path="local_prefill") == 2
+    assert conditional.metric("tandem:router_disagg_decision_total", path="remote_prefill") == 1
     # One store lookup per request, on both routers (the kv_aware prefill choice reads it).
-    assert conditional.metric("tandem:kv_store_lookup_seconds_count") == 3
-    assert always.metric("tandem:kv_store_lookup_seconds_count") == 2
+    assert conditional.metric("tandem:router_kv_store_lookup_seconds_count") == 3
+    assert always.metric("tandem:router_kv_store_lookup_seconds_count") == 2
 
 
 def test_a_next_turn_right_after_the_answer_gets_the_answers_blocks(tiny, cluster, routers):
@@ -237,11 +237,11 @@ def test_a_next_turn_right_after_the_answer_gets_the_answers_blocks(tiny, cluste
     turn1 = random_prompt(rng, 40)
     got1, _ = always.generate(turn1, 30)
     assert got1 == hf_greedy(tiny, [turn1], max_new_tokens=30)[0]
-    hints = always.metric("tandem:kv_publish_hints_total")
+    hints = always.metric("tandem:router_kv_publish_hints_total")
     turn2 = turn1 + got1 + random_prompt(rng, 20)
     got2, cached = always.generate(turn2, 8)
     assert got2 == hf_greedy(tiny, [turn2], max_new_tokens=8)[0]
-    assert always.metric("tandem:kv_publish_hints_total") == hints + 1
+    assert always.metric("tandem:router_kv_publish_hints_total") == hints + 1
     # KV exists for turn 1's prompt and all but its last generated token: 4 full blocks.
     assert cached == (len(turn1) + len(got1) - 1) // BS * BS == 64
 
