@@ -16,6 +16,7 @@ from typing import Any
 import helm_python as helm
 import kubernetes_validate
 import yaml
+from keda_chart import KEDA_VALUES
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "helm" / "tandem"
@@ -104,6 +105,7 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
     },
     "hostpath-nodeport": {
         "model": {
+    "keda": KEDA_VALUES,
             "path": "/models/qwen",
             "file": "",
             "source": "hostPath",

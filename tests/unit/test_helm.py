@@ -54,6 +54,10 @@ def test_manifests_valid_kubernetes(name: str) -> None:
             # A Prometheus Operator CRD: no built-in schema; checked by its own test.
             assert doc["apiVersion"] == "monitoring.coreos.com/v1"
             continue
+        if doc["kind"] == "ScaledObject":
+            # A KEDA CRD: checked against its schema by test_helm_keda.py.
+            assert doc["apiVersion"] == "keda.sh/v1alpha1"
+            continue
         for version in KUBE_VERSIONS:
             try:
                 kubernetes_validate.validate(doc, version, strict=True)

@@ -97,7 +97,8 @@ metadata:
   labels:
     {{- include "tandem.componentLabels" . | nindent 4 }}
 spec:
-  {{- if not $v.autoscaling.enabled }}
+  {{- /* an HPA (the chart's or KEDA's) sets the replicas when it scales the role */}}
+  {{- if not (or $v.autoscaling.enabled (include "tandem.kedaScales" .)) }}
   replicas: {{ $v.replicas }}
   {{- end }}
   selector:
