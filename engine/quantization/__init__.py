@@ -185,8 +185,28 @@ def finish_model(model: nn.Module, method: QuantizationMethod) -> None:
     if method.on_load:
         for parent, child_name, prefix, linear in _targets(model, method):
             setattr(parent, child_name, method.quantize_linear(linear, prefix))
+        _quantize_head(model, method)
     logger.info("quantization %s: weights take %.1f MB (%.1f MB loaded)", method.name,
                 weight_bytes(model) / 1e6, before / 1e6)
+
+
+def _quantize_head(model: nn.Module, method: QuantizationMethod) -> None:
+    """Give ``model`` the method's quantized LM head (``quantize_head``), if it has one:
+    an own ``lm_head`` is replaced; a tied head becomes ``tied_lm_head``, a quantized copy
+    of the token embedding (the lookup keeps reading the embedding itself)."""
+    lm_head = getattr(model, "lm_head", None)
+    if type(lm_head) is nn.Linear:
+        head = method.quantize_head(lm_head.weight, lm_head.bias)
+        if head is not None:
+            model.lm_head = head
+        return
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    weight = getattr(embed, "weight", None)
+    if (lm_head is None and getattr(model, "tied_lm_head", False) is None
+            and isinstance(weight, torch.Tensor) and weight.device.type != "meta"):
+        head = method.quantize_head(weight, None)
+        if head is not None:
+            model.tied_lm_head = head
 
 
 def weight_bytes(model: nn.Module) -> int:

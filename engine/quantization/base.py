@@ -169,6 +169,13 @@ class QuantizationMethod(ABC):
         """A quantized replacement for a loaded full-precision ``linear`` (on-load)."""
         raise NotImplementedError(f"{self.name} does not quantize on load")
 
+    def quantize_head(self, weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module | None:
+        """A quantized LM head for the loaded ``weight [vocab, hidden]`` (and ``bias
+        [vocab]`` or ``None``) of an on-load method, or ``None`` (the default): the head
+        stays in the compute dtype. The module maps ``[..., hidden]`` to ``[..., vocab]``
+        in the compute dtype and may offer ``forward_argmax`` (the greedy fast path)."""
+        return None
+
     def skip_tensor(self, name: str, tensor: torch.Tensor) -> bool:
         """Whether to drop checkpoint tensor ``name`` before the model sees it (e.g.
         GPTQ's all-zero biases of bias-free layers)."""

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from tandem.engine.quantization.base import QuantLinear
+from tandem.kernels import cpu_ext
 from tandem.kernels.quant.fp8_gemm import (
     Fp8Path,
     cuda_capability,
@@ -71,6 +72,22 @@ class Int8Linear(QuantLinear):
         assert self.wp is not None and self.wsum is not None, "set_int8 was not called"
         packed = PackedInt8(self.wp, self.wsum, self.out_features, self.in_features)
         return int8_linear(x, packed, self.scale, self.bias)
+
+    def forward_argmax(self, x: torch.Tensor) -> torch.Tensor | None:
+        """Row-wise argmax of ``forward(x)`` (``[..., in]`` -> ``[...]`` int64, the first
+        maximal index): the greedy path of an int8 LM head, equal to the argmax of the
+        logits a logprobs request reads. ``None`` on CUDA (the caller samples logits).
+
+        The logits are written (``[rows, out]`` in ``x.dtype``) and read once by the
+        native row argmax: beside the weight's bytes that write is small, so a kernel
+        that never writes them would save little."""
+        if x.is_cuda:
+            return None
+        logits = self.forward(x.reshape(-1, self.in_features))
+        ids = cpu_ext.argmax_rows_cpu(logits)
+        if ids is None:
+            ids = logits.max(dim=-1).indices
+        return ids.view(x.shape[:-1])
 
 
 class Fp8Linear(QuantLinear):

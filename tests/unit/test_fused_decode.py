@@ -72,11 +72,13 @@ def make_model(arch: str, tie: bool, dtype: torch.dtype = torch.bfloat16, int8: 
     if int8:
         finish_model(model, Int8OnLoad())
         assert isinstance(model.model.decoder_layers[0].mlp.down_proj, Int8Linear)
+        # the LM head per row in int8 too (its own, or a copy of the tied embedding)
+        assert isinstance(model.lm_head if not tie else model.tied_lm_head, Int8Linear)
     if gguf:
         _to_gguf(model)
     if dtype == torch.bfloat16:
         packed = pack_linear_layers(model)
-        assert packed > 0 or ((int8 or gguf) and tie), "tied: no bf16 linear is left to pack"
+        assert packed > 0 or int8 or (gguf and tie), "no bf16 linear is left to pack"
         model.pack_tied_lm_head()
     return model
 
