@@ -98,9 +98,9 @@ def _aligned_empty(shape: tuple[int, int]) -> np.ndarray:
     KV cache.
 
     NOTE: numpy's large arrays start 16 bytes past a page boundary, and glibc's
-    ``rep movsb`` copies (up to the L2 size, on AMD) ran ~3x slower into such a
-    destination than into an aligned one: the memcpy reference of 256 KiB - 1 MiB
-    batches read ~2 GB/s instead of ~20.
+    ``rep movsb`` copies (up to the L2 size, on AMD) run several times slower into such
+    a destination than into an aligned one, which made the memcpy reference of small
+    batches meaningless (figures: docs/benchmarks.md, "Kernel measurements").
     """
     n = shape[0] * shape[1]
     raw = np.empty(n + 64, dtype=np.uint8)
@@ -114,7 +114,7 @@ def _memcpy_times(src: list[np.ndarray], dst: list[np.ndarray], reps: int) -> li
     The reference the store is compared with: the same blocks, block by block as
     a get lands them, into a preallocated destination, warmed by one untimed copy
     and timed in a loop of its own (interleaved with transfers, a copy also pays
-    for the other threads' wake-ups and cache misses, which made it look 2-10x
+    for the other threads' wake-ups and cache misses, which made it look several times
     slower than memory is).
     """
     def copy() -> None:

@@ -19,7 +19,7 @@ backend's ratio to tandem; ``--json PATH`` writes the same numbers. With
 an earlier one), and the median pass is reported (all of them in the JSON's
 ``runs_s``). All backends are loaded first and their passes interleaved (pass 0
 of every backend, then pass 1, ...), so each pass of one backend runs next to
-the same pass of the others: shared machines vary by 10-50% over minutes, and a
+the same pass of the others: shared machines change speed over minutes, and a
 ratio of two blocks of passes taken minutes apart measures the machine as much
 as the backends. The per-pass ratios are printed and written
 (``paired_ratios``) beside the ratio of the medians.

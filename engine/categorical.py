@@ -129,8 +129,8 @@ def uniform_from_bits(bits: torch.Tensor) -> torch.Tensor:
 
 def race_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
     """The race's Exp(1) noise of each row's key, on ``keys``' device (the reference of
-    the native kernel's; ~25 ms for 16 x 49152 on a 2-core CPU, against 0.55 ms for the
-    kernel's whole draw).
+    the native kernel's, far slower than the kernel's whole draw on the CPU: the
+    fallback for GPUs and hosts without the native library; docs/benchmarks.md).
 
     Args:
         keys: ``[rows]`` int64 from :func:`row_keys`.

@@ -31,8 +31,8 @@ def _backend_decode(tokenizer: Any) -> Any:
     tokenizer, where calling it gives what ``tokenizer.decode`` gives (no
     ``clean_up_tokenization_spaces`` pass), else ``None``.
 
-    Why: two decodes per generated token; transformers' Python wrapper cost ~3x
-    the Rust decode itself (0.15 of 0.19 s for 64 x 128 tokens on the dev box).
+    Why: two decodes per generated token, and transformers' Python wrapper cost several
+    times the Rust decode itself (docs/benchmarks.md, "Kernel measurements").
     """
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", True):

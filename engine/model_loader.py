@@ -10,11 +10,11 @@ Nothing is downloaded: every transformers call passes ``local_files_only=True``.
   read directly (no transformers model is instantiated).
 * A local ``.gguf`` file: as the default model.
 
-GGUF loading through transformers parses and dequantizes the file (~15-30 s on
-2 cores). The first load therefore also writes the dequantized float32 weights,
+GGUF loading through transformers parses and dequantizes the file, which takes
+many seconds on a small CPU. The first load therefore also writes the dequantized float32 weights,
 config and tokenizer as a plain HF folder under ``~/.cache/tandem/gguf/<stem>-<key>``
-(key: hash of the file's path, size and mtime); later loads read that folder
-(~1 s). A cache that cannot be written is logged and skipped.
+(key: hash of the file's path, size and mtime); later loads read that folder,
+far faster (docs/benchmarks.md, "Kernel measurements"). A cache that cannot be written is logged and skipped.
 
 Weights are copied into our own implementation (``engine/models``); the
 transformers model used for GGUF dequantization is freed right after. Paths, the model id
@@ -367,7 +367,7 @@ def _load_model(model_config: ModelConfig) -> LoadedModel:
     elif gguf is not None and cached is None:
         # transformers dequantizes the GGUF tensors into its own model; we copy
         # them out and free it. NOTE: no separate AutoConfig call: each one
-        # re-parses the GGUF metadata (~4 s for the default model's vocabulary).
+        # re-parses the GGUF metadata, seconds for the default model's vocabulary.
         hf_model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **kwargs)
         hf_config = hf_model.config
         # transformers tags the config it read from a .gguf with a GGUF quantization_config,

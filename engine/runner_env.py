@@ -20,9 +20,8 @@ def tune_glibc_malloc() -> bool:
 
     NOTE: every step allocates and frees activations of 1-30 MiB per op. With
     glibc's defaults such blocks are mmap'd / trimmed on free, so each new one
-    page-faults on first write; on the 2-core test VMs that made the decode KV
-    gather 8x slower (14 ms vs 1.5 ms per layer at batch 64) and a whole decode
-    step 2x slower. Raising the mmap and trim thresholds makes the heap act as
+    page-faults on first write, which made the decode KV gather and a whole decode
+    step several times slower on small VMs (docs/benchmarks.md). Raising the mmap and trim thresholds makes the heap act as
     a caching allocator (as PyTorch's CUDA allocator does). Process-wide and
     idempotent; a no-op (False) where glibc's ``mallopt`` is unavailable.
     """

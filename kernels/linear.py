@@ -25,8 +25,7 @@ order (k blocks ascending, whatever M is; a partial 16-row chunk goes through a
 zero-padded copy), so a row's output does not depend on the other rows. oneDNN
 picks its blocking by M, so its output for the same row can change with the batch.
 ``batch_invariant=True`` therefore keeps every batch on the packed kernel (slower than
-oneDNN on prefill-sized batches: 7-11% of a prefill step of the default model on an AMX
-CPU, docs/benchmarks.md, "Reproducible greedy"); a layer whose shape the kernel does not
+oneDNN on prefill-sized batches, docs/benchmarks.md, "Reproducible greedy"); a layer whose shape the kernel does not
 take stays on torch's GEMM, and ``batch_variant_layers`` names it.
 
 NOTE: PyTorch's oneDNN weight prepacking (``torch.ops.mkldnn._reorder_linear_weight``

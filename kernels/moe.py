@@ -267,8 +267,9 @@ def _padded_bmm(xs: torch.Tensor, sorted_ids: torch.Tensor, counts: list[int], c
                 limit: float) -> torch.Tensor:
     """As ``_grouped_loop``, each expert's rows padded to ``cap`` and all experts in two
     ``torch.bmm`` calls: when most experts are hit (decode batches, prefills) one
-    parallel region per projection instead of one per expert (on a loaded 2-core CPU the
-    per-expert loop's thread fork/joins cost 3-20x the matmuls; docs/benchmarks.md)."""
+    parallel region per projection instead of one per expert (on a loaded small CPU the
+    per-expert loop's thread fork/joins cost several times the matmuls;
+    docs/benchmarks.md)."""
     num_local, hidden = w13.shape[0], xs.shape[1]
     starts = torch.tensor([0, *counts[:-1]], dtype=torch.int64).cumsum(0)
     slot = sorted_ids * cap + (torch.arange(xs.shape[0]) - starts.index_select(0, sorted_ids))

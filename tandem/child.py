@@ -3,7 +3,7 @@ without ``fork()`` in the parent.
 
 ``spawn(argv, cpus=..., **popen_kwargs)`` starts ``child_argv(argv, cpus)``: a
 command line wrapped so that it first runs this file
-(standard library only, so it starts in ~20 ms), which asks Linux to send it
+(standard library only, so it starts fast), which asks Linux to send it
 SIGTERM when the parent dies (``PR_SET_PDEATHSIG``), pins its CPUs, then
 ``exec``s the real command in the same process.
 

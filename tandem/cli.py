@@ -37,12 +37,10 @@ def configure_openmp(command: str) -> None:
 
     NOTE: libgomp's default lets an idle worker spin ~3 ms (300000 spins) before
     sleeping. When the host is oversubscribed (prefill, decode, router and store
-    on 2 cores) a spinning thread steals the core its peer needs: measured on a
-    loaded 2-vCPU host, a [64, 576] multiply took 3.2 ms instead of 0.03 ms and a
-    decode step 5.3 s instead of 1.6 s. Sleeping at once (PASSIVE alone) made every
-    parallel region wake its peer through the kernel instead (the offline benchmark
-    ran 16.9 s instead of 12.9 s), so workers spin ~0.1 ms (10000 spins), then
-    sleep. Both must be in the environment before torch loads libgomp.
+    on 2 cores) a spinning thread steals the core its peer needs. Sleeping at once
+    (PASSIVE alone) made every parallel region wake its peer through the kernel instead
+    (both measured: docs/benchmarks.md, "Offline throughput"), so workers spin ~0.1 ms
+    (10000 spins), then sleep. Both must be in the environment before torch loads libgomp.
     """
     if command in _SERVICE_COMMANDS:
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")

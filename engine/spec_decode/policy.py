@@ -12,8 +12,8 @@ copies its prompt climbs back to the full ``k`` within ``k`` steps.
 Batch rule (:meth:`SpecDecodePolicy.worth_verifying`): a step verifies its drafts only
 when they number at least one per decoding request in it. A step with drafts leaves the
 one-token decode path for the whole batch (on CPU the fused decode kernel,
-kernels/fused_decode.py: a 16-request bf16 step of the default model takes about 38 ms
-with one request's 3 drafts against 15 ms without), so a lone request's chance draft
+kernels/fused_decode.py, so one request's drafts make the whole step cost a multiple of
+a fused one; docs/benchmarks.md, "Speculative decoding"), so a lone request's chance draft
 in a batch of unrelated requests slows all of them for at most a few tokens of its
 own; the per-request back-off cannot see that. Below the bar the drafts are dropped
 unverified (the requests decode one token, and propose again). A batch of one always

@@ -23,7 +23,7 @@ def apply_token_bitmask(
     logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int], mask_rows: list[int]
 ) -> None:
     """Set the logits of disallowed tokens to -inf, in place, with xgrammar's kernel
-    (``structured_output.backend.apply_token_bitmask``; ~60x faster than
+    (``structured_output.backend.apply_token_bitmask``; much faster than
     :func:`apply_token_bitmask_ref` on the CPU, see docs/benchmarks.md). Same arguments
     and, where the bitmask covers the logits' width (the engine's always does), the same
     result as the reference, which the tests hold it to.
