@@ -66,8 +66,8 @@ return #KEYS - ndel
 # Returns two strings: the entries joined by "\n" ("" for a missing key, so
 # there are exactly #KEYS fields) and the live nodes' nine fields each, all
 # joined by "\n" (see parse_lookup). NOTE: one string instead of an array of
-# #KEYS bulk strings, because parsing a reply element costs ~5 us in redis-py's
-# Python parser: 0.3 ms of a 64-block get.
+# #KEYS bulk strings, because redis-py's Python parser pays per reply element, a
+# visible share of a get's fixed cost (docs/benchmarks.md, "Kernel measurements").
 # NOTE: reads node keys not passed in KEYS; fine on a single Redis, not on a cluster.
 LOOKUP_LUA = """
 local vals = {}

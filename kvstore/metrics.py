@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-# 64 KiB .. 64 MiB batches on loopback take ~10 us .. ~100 ms
+# From a one-block batch on loopback up to 64 MiB batches on slower links (measured
+# latencies: docs/benchmarks.md, "KV store transfer").
 _LATENCY_BUCKETS_S = (
     0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
     2.5, 5.0,
