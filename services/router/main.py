@@ -308,7 +308,7 @@ def event_loop_runner(name: str) -> Callable[[Coroutine[Any, Any, None]], None]:
 
     ``auto`` is uvloop when it is installed: much of the router's work per streamed token
     is the loop's own (socket writes, task switches, polling; docs/benchmarks.md,
-    "Serving").
+    "The router's own ceiling").
 
     Raises:
         ImportError: ``uvloop`` asked for and not installed.
