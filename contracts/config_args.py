@@ -24,7 +24,7 @@ import dataclasses
 import enum
 import types
 import typing
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -32,6 +32,7 @@ from typing import Any, Literal
 FLAG_KEY = "tandem.flag"
 
 BoolStyle = Literal["optional", "store_true", "value"]
+_C = typing.TypeVar("_C")
 
 _TRUE = ("true", "1", "yes", "on")
 _FALSE = ("false", "0", "no", "off")
@@ -247,14 +248,14 @@ def config_kwargs(
     return out
 
 
-def config_from_args(cls: Callable[..., Any], ns: argparse.Namespace, **overrides: Any) -> Any:
+def config_from_args(cls: type[_C], ns: argparse.Namespace, **overrides: Any) -> _C:
     """``cls(**config_kwargs(cls, ns), **overrides)``: the frozen config of the flags, with
     the fields that are not flags (or are read differently) given in ``overrides``.
 
     Raises:
         ValueError: as ``cls`` does, naming the field.
     """
-    kwargs = config_kwargs(typing.cast(type, cls), ns, exclude=overrides)
+    kwargs = config_kwargs(cls, ns, exclude=overrides)
     return cls(**kwargs, **overrides)
 
 
