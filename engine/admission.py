@@ -21,12 +21,15 @@ read, and changed, in one place.
 from __future__ import annotations
 
 import time
+from typing import Literal
 
+from tandem.engine.batches_in_flight import BatchesInFlight
 from tandem.engine.config import SchedulerConfig
 from tandem.engine.kv_cache_manager import KVCacheBlocks, KVCacheManager, PrefixCacheStats
 from tandem.engine.kv_connector import KVConnectorScheduler
 from tandem.engine.request import Request, RequestStatus
 from tandem.engine.request_queue import RequestQueue
+from tandem.engine.step_batch import StepBatch
 
 
 class Admission:
@@ -44,7 +47,7 @@ class Admission:
     num_preemptions: int
     _arrival_seq: dict[str, int]
     _remote_requested: dict[str, int]
-    _in_flight: set[str]
+    batches: BatchesInFlight
 
     def _num_lookahead(self, req: Request, num_computed: int, num_new: int, num_known: int) -> int:
         raise NotImplementedError
@@ -52,106 +55,114 @@ class Admission:
     def _lookahead_slots(self, num_lookahead: int) -> int:
         raise NotImplementedError
 
-    def _schedule_waiting(
-        self,
-        budget: int,
-        scheduled: list[Request],
-        num_scheduled: dict[str, int],
-        lookahead: dict[str, int],
-    ) -> int:
-        """Admit waiting requests into the running batch (step 2 of ``schedule``).
+    def _schedule_waiting(self, batch: StepBatch) -> None:
+        """Admit waiting requests into the running batch (step 2 of ``schedule``), in
+        queue order while ``batch.budget``, ``max_num_seqs`` and blocks last.
 
-        Appends each admitted request to ``scheduled`` and ``self.running``, records its
-        tokens in ``num_scheduled`` (and draft lookahead in ``lookahead``); requests
-        waiting for a remote load or a grammar are skipped and put back in order.
-
-        Returns:
-            The token budget left, in tokens.
+        Each admitted request joins ``batch`` and ``self.running``; requests waiting for
+        a remote load or a grammar, and those whose remote load starts now, are skipped
+        and put back in order.
         """
         kvm = self.kv_cache_manager
         skipped: list[Request] = []
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while (self.waiting and batch.budget > 0
+               and len(self.running) < self.config.max_num_seqs):
             req = self.waiting.peek()
-            rid = req.request_id
-            if req.status == RequestStatus.WAITING_FOR_REMOTE_KV:
-                skipped.append(self.waiting.pop())  # until update_from_output reports it
+            if req.status in (RequestStatus.WAITING_FOR_REMOTE_KV,
+                              RequestStatus.WAITING_FOR_GRAMMAR):
+                # until update_from_output reports its load / _poll_grammars finds it ready
+                skipped.append(self.waiting.pop())
                 continue
-            if req.status == RequestStatus.WAITING_FOR_GRAMMAR:
-                skipped.append(self.waiting.pop())  # until _poll_grammars finds it ready
-                continue
-
             hits, num_hit = KVCacheBlocks(), 0
-            has_blocks = kvm.has_blocks(rid)  # True after a remote load
+            has_blocks = kvm.has_blocks(req.request_id)  # True after a remote load
             if not has_blocks:
                 hits, num_hit = kvm.get_computed_blocks(req)
-                num_external = 0
-                # prompt logprobs need every prompt position computed: no remote load
-                if self.connector is not None and req.sampling_params.prompt_logprobs is None:
-                    matched = self.connector.get_num_new_matched_tokens(req, num_hit)
-                    if matched is None:
-                        skipped.append(self.waiting.pop())  # its lookup runs: ask again
-                        continue
-                    # At least one token must be computed here to produce a sample.
-                    num_external = min(matched, req.num_tokens - 1 - num_hit)
-                if num_external > 0:
-                    # NOTE: blocks for every remaining token, not only the remote ones:
-                    # a loaded request then never waits for one more block while
-                    # holding the others (requests holding blocks in the waiting
-                    # queue cannot be preempted, so that could deadlock).
-                    num_remaining = req.num_tokens - num_hit
-                    new_blocks = kvm.allocate_slots(
-                        req, num_remaining, num_hit, hits, delay_cache_blocks=True
-                    )
-                    if new_blocks is None:
-                        break
-                    self.waiting.pop()
-                    kvm.record_prefix_cache_lookup(req, num_hit)
-                    self._record_connector_lookup(req)
-                    req.num_computed_tokens = num_hit
-                    req.status = RequestStatus.WAITING_FOR_REMOTE_KV
-                    self._remote_requested[rid] = num_external
-                    assert self.connector is not None
-                    self.connector.update_state_after_alloc(
-                        req, kvm.get_block_ids(rid), num_external
-                    )
-                    skipped.append(req)
+                remote = self._start_remote_load(req, hits, num_hit)
+                if remote == "no_room":
+                    break
+                if remote == "skip":
+                    skipped.append(self.waiting.pop())
                     continue
-
-            num_computed = req.num_computed_tokens + num_hit
-            num_new = req.num_tokens - num_computed
-            # NOTE: with chunking off a prompt waits for a step with room for all of
-            # it; one larger than a whole step (a resumed request, or a remote load
-            # that fell short) is chunked anyway, else it would never run.
-            if (
-                not self.config.enable_chunked_prefill
-                and budget < num_new <= self.config.max_num_batched_tokens
-            ):
+            if not self._admit(req, batch, hits, num_hit, has_blocks):
                 break
-            num_known = num_new
-            num_new = min(self._prefill_cap(num_new), budget)
-            num_ahead = self._num_lookahead(req, num_computed, num_new, num_known)
-            num_slots = num_new + self._lookahead_slots(num_ahead)
-            if kvm.allocate_slots(req, num_slots, num_hit, hits) is None:
-                break
-            self.waiting.pop()
-            if not has_blocks:
-                kvm.record_prefix_cache_lookup(req, num_hit)
-                self._record_connector_lookup(req)
-            req.num_computed_tokens = num_computed
-            if req.num_cached_tokens < 0:
-                req.num_cached_tokens = num_computed
-            if req.first_scheduled_time is None:
-                req.first_scheduled_time = time.monotonic()
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
-            scheduled.append(req)
-            num_scheduled[rid] = num_new
-            if num_ahead:
-                lookahead[rid] = num_ahead
-            budget -= num_new
         if skipped:
             self.waiting.prepend(skipped)
-        return budget
+
+    def _start_remote_load(self, req: Request, hits: KVCacheBlocks, num_hit: int
+                           ) -> Literal["local", "skip", "no_room"]:
+        """Ask the connector for the tokens of ``req`` past its ``num_hit`` locally cached
+        ones; when some are remote, allocate blocks for the whole remainder and start
+        their load (the request waits in ``WAITING_FOR_REMOTE_KV``).
+
+        Returns:
+            "local": nothing to load, admit it here; "skip": its lookup still runs, or
+            its load started (take it out of the queue for this step); "no_room": no
+            blocks for it, admission ends for the step.
+        """
+        # prompt logprobs need every prompt position computed: no remote load
+        if self.connector is None or req.sampling_params.prompt_logprobs is not None:
+            return "local"
+        matched = self.connector.get_num_new_matched_tokens(req, num_hit)
+        if matched is None:
+            return "skip"  # its lookup runs: ask again
+        # At least one token must be computed here to produce a sample.
+        num_external = min(matched, req.num_tokens - 1 - num_hit)
+        if num_external <= 0:
+            return "local"
+        # NOTE: blocks for every remaining token, not only the remote ones: a loaded
+        # request then never waits for one more block while holding the others
+        # (requests holding blocks in the waiting queue cannot be preempted, so that
+        # could deadlock).
+        kvm = self.kv_cache_manager
+        if kvm.allocate_slots(req, req.num_tokens - num_hit, num_hit, hits,
+                              delay_cache_blocks=True) is None:
+            return "no_room"
+        kvm.record_prefix_cache_lookup(req, num_hit)
+        self._record_connector_lookup(req)
+        req.num_computed_tokens = num_hit
+        req.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        self._remote_requested[req.request_id] = num_external
+        self.connector.update_state_after_alloc(
+            req, kvm.get_block_ids(req.request_id), num_external
+        )
+        return "skip"
+
+    def _admit(self, req: Request, batch: StepBatch, hits: KVCacheBlocks, num_hit: int,
+               has_blocks: bool) -> bool:
+        """Schedule the head of the waiting queue, ``req``, from its ``num_hit`` cached
+        tokens (``hits``): pop it, allocate its slots and move it to the running batch.
+
+        Returns:
+            False when it does not fit this step (budget with chunking off, or blocks):
+            admission ends for the step.
+        """
+        kvm = self.kv_cache_manager
+        num_computed = req.num_computed_tokens + num_hit
+        num_known = req.num_tokens - num_computed
+        # NOTE: with chunking off a prompt waits for a step with room for all of it; one
+        # larger than a whole step (a resumed request, or a remote load that fell short)
+        # is chunked anyway, else it would never run.
+        if (not self.config.enable_chunked_prefill
+                and batch.budget < num_known <= self.config.max_num_batched_tokens):
+            return False
+        num_new = min(self._prefill_cap(num_known), batch.budget)
+        num_ahead = self._num_lookahead(req, num_computed, num_new, num_known)
+        num_slots = num_new + self._lookahead_slots(num_ahead)
+        if kvm.allocate_slots(req, num_slots, num_hit, hits) is None:
+            return False
+        self.waiting.pop()
+        if not has_blocks:
+            kvm.record_prefix_cache_lookup(req, num_hit)
+            self._record_connector_lookup(req)
+        req.num_computed_tokens = num_computed
+        if req.num_cached_tokens < 0:
+            req.num_cached_tokens = num_computed
+        if req.first_scheduled_time is None:
+            req.first_scheduled_time = time.monotonic()
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        batch.add(req, num_new, num_ahead=num_ahead)
+        return True
 
     def _record_connector_lookup(self, req: Request) -> None:
         """Count an admitted request's tokens as queried of the connector's tier."""
@@ -191,7 +202,7 @@ class Admission:
             if seats > 0:
                 seats -= 1
                 continue
-            victims = [r for r in self.running if r.request_id not in self._in_flight]
+            victims = self.batches.schedulable(self.running)
             if not victims:
                 break
             victim = max(victims, key=self._victim_key)

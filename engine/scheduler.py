@@ -39,16 +39,15 @@ the rejected drafts (their KV slots are simply overwritten later; prefix-cache h
 only ever cover ``all_token_ids``, which never hold an unverified token). How many
 drafts each request gets is ``spec_decode.policy``'s rule.
 
-Batch queue (``max_concurrent_batches`` > 1, pipeline parallelism; vLLM v1's
-``step_with_batch_queue``): the engine core schedules the next batch before the previous
-one's results came back, so pipeline stages work on different batches at once. A request
-whose tokens are in a batch in flight is not scheduled again, nor chosen for preemption,
-until ``update_from_output`` applied that batch; each batch takes at most
-``ceil(running / max_concurrent_batches)`` running requests, so decodes split over the
-batches instead of all landing in the first one. A request finished from outside while
-in flight (an abort) keeps its blocks until its batch was applied: the workers may still
-write them, and neither the connector nor another request may have them before. With
-one batch at a time none of this runs and ``schedule`` is unchanged.
+Batch queue (``max_concurrent_batches`` > 1, pipeline parallelism): the engine core
+schedules the next batch before the previous one's results came back; which requests
+are in a batch in flight (not scheduled again nor preempted until it is applied, a
+share of the running requests per batch) is ``engine.batches_in_flight``'s.
+
+The step's pieces are small collaborators: the batch being built (``engine.step_batch``),
+admission and preemption (``engine.admission``), the batches in flight, the draft policy
+(``engine.spec_decode.policy``), grammar waits (the ``StructuredOutputManager``) and the
+output half (``engine.step_results``).
 """
 
 from __future__ import annotations
@@ -60,6 +59,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from tandem.engine.admission import Admission
+from tandem.engine.batches_in_flight import BatchesInFlight
 from tandem.engine.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from tandem.engine.kv_cache_manager import KVCacheManager, PrefixCacheStats
 from tandem.engine.kv_connector import KVConnectorScheduler
@@ -68,6 +68,7 @@ from tandem.engine.request import Request, RequestStatus
 from tandem.engine.request_queue import create_request_queue
 from tandem.engine.sched_output import SchedulerOutput
 from tandem.engine.spec_decode.policy import SpecDecodePolicy, SpecDecodeStats
+from tandem.engine.step_batch import StepBatch
 from tandem.engine.step_results import StepResults
 from tandem.engine.validation import RequestError, RequestLimits, validate_request
 
@@ -164,15 +165,7 @@ class Scheduler(Admission, StepResults):
     ) -> None:
         if max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
-        if max_concurrent_batches < 1:
-            raise ValueError(
-                f"max_concurrent_batches must be >= 1, got {max_concurrent_batches}"
-            )
-        self.max_concurrent_batches = max_concurrent_batches
-        # Batch queue: ids of requests in a scheduled batch not yet applied, and the
-        # finished ones among them whose blocks wait for that batch.
-        self._in_flight: set[str] = set()
-        self._free_after_batch: dict[str, Request] = {}
+        self.batches = BatchesInFlight(max_concurrent_batches)
         self.config = scheduler_config
         self.block_size = cache_config.block_size
         self.max_model_len = max_model_len
@@ -260,7 +253,7 @@ class Scheduler(Admission, StepResults):
         """Raises: ValueError naming ``request_id`` when it is in use (unfinished, or
         finished with its blocks still held for the connector)."""
         if (request_id in self.requests or request_id in self._pending_free
-                or request_id in self._free_after_batch):
+                or self.batches.holds(request_id)):
             raise ValueError(f"request_id {request_id!r} is already in the engine")
 
     # -- scheduling --------------------------------------------------------------------
@@ -270,90 +263,82 @@ class Scheduler(Admission, StepResults):
         lack of blocks: requests wait or are preempted instead."""
         if self._waiting_for_grammar:
             self._poll_grammars()
-        kvm = self.kv_cache_manager
-        budget = self.config.max_num_batched_tokens
-        scheduled: list[Request] = []
-        num_scheduled: dict[str, int] = {}
-        spec_tokens: dict[str, list[int]] = {}
-        lookahead: dict[str, int] = {}
-        preempted: list[Request] = []
+        batch = StepBatch(self.config.max_num_batched_tokens)
         # 0. Priority policy: a full batch makes room for more urgent waiting requests.
         seat_victims = self._preempt_for_priority()
-
         # 1. Running requests, decodes first.
-        running = victims = self.running
-        if self._in_flight:
-            running = victims = [r for r in self.running if r.request_id not in self._in_flight]
+        self._schedule_running(batch)
+        if batch.spec_tokens and self.spec is not None and not self.spec.worth_verifying(
+                sum(len(d) for d in batch.spec_tokens.values()),
+                sum(1 for r in batch.scheduled if r.num_tokens - r.num_computed_tokens == 1)):
+            # Too few drafts to pay for leaving the one-token decode path (policy.py).
+            batch.drop_drafts()
+        # 2. Waiting requests (not in a step that had to preempt: blocks are short).
+        if not batch.preempted:
+            self._schedule_waiting(batch)
+        return self._step_output(batch, seat_victims)
+
+    def _schedule_running(self, batch: StepBatch) -> None:
+        """Step 1 of ``schedule``: the running requests not in a batch in flight, decodes
+        first, each its known tokens (capped by the budget and the long-prefill cap) and
+        its drafts; preempts for blocks (``_make_room``)."""
+        running = self.batches.schedulable(self.running)
         decodes = [r for r in running if r.num_tokens - r.num_computed_tokens <= 1]
         prefills = [r for r in running if r.num_tokens - r.num_computed_tokens > 1]
-        candidates = decodes + prefills
-        if self.max_concurrent_batches > 1:
-            # A share of the running requests per batch, so the next batch gets some too.
-            share = -(-len(self.running) // self.max_concurrent_batches)
-            candidates = candidates[:share]
-        for req in candidates:
-            if budget == 0:
+        for req in self.batches.share(decodes + prefills, len(self.running)):
+            if batch.budget == 0:
                 break
             if req.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
             num_known = req.num_tokens - req.num_computed_tokens
-            num_new = min(self._prefill_cap(num_known), budget)
+            num_new = min(self._prefill_cap(num_known), batch.budget)
             if num_new <= 0:
                 continue
             drafts: list[int] = []
             if self.spec is not None and num_known == 1:
-                drafts = req.spec_token_ids[: self.spec.num_verified(req, budget)]
+                drafts = req.spec_token_ids[: self.spec.num_verified(req, batch.budget)]
             num_ahead = self._num_lookahead(req, req.num_computed_tokens, num_new, num_known)
             num_slots = num_new + len(drafts) + self._lookahead_slots(num_ahead)
-            while kvm.allocate_slots(req, num_slots) is None:
-                victim = max(victims, key=self._victim_key)
-                if victims is not self.running:
-                    victims.remove(victim)
-                if victim.request_id in num_scheduled:
-                    budget += num_scheduled.pop(victim.request_id)
-                    scheduled.remove(victim)
-                    spec_tokens.pop(victim.request_id, None)
-                    lookahead.pop(victim.request_id, None)
-                self._preempt(victim)
-                preempted.append(victim)
-                if victim is req:
-                    break
-            if req.status != RequestStatus.RUNNING:
-                continue
-            scheduled.append(req)
-            num_scheduled[req.request_id] = num_new + len(drafts)
-            budget -= num_new + len(drafts)
-            if drafts:
-                spec_tokens[req.request_id] = drafts
-            if num_ahead:
-                lookahead[req.request_id] = num_ahead
+            if self._make_room(req, num_slots, running, batch):
+                batch.add(req, num_new, drafts, num_ahead)
 
-        if spec_tokens and self.spec is not None and not self.spec.worth_verifying(
-                sum(len(d) for d in spec_tokens.values()),
-                sum(1 for r in scheduled if r.num_tokens - r.num_computed_tokens == 1)):
-            # Too few drafts to pay for leaving the one-token decode path (policy.py):
-            # their slots stay allocated, for the tokens that come next anyway.
-            for rid, d in spec_tokens.items():
-                num_scheduled[rid] -= len(d)
-                budget += len(d)
-            spec_tokens = {}
+    def _make_room(self, req: Request, num_slots: int, victims: list[Request],
+                   batch: StepBatch) -> bool:
+        """Allocate ``num_slots`` KV slots for ``req``, preempting the running request
+        that sorts last (``_victim_key``, among ``victims``) until they fit; a victim
+        scheduled earlier in the step is taken back out of ``batch``.
 
-        # 2. Waiting requests (not in a step that had to preempt: blocks are short).
-        if not preempted:
-            budget = self._schedule_waiting(budget, scheduled, num_scheduled, lookahead)
+        Returns:
+            Whether ``req`` still runs (False: it was preempted itself).
+        """
+        kvm = self.kv_cache_manager
+        while kvm.allocate_slots(req, num_slots) is None:
+            victim = max(victims, key=self._victim_key)
+            if victims is not self.running:
+                victims.remove(victim)
+            batch.take_back(victim)
+            self._preempt(victim)
+            batch.preempted.append(victim)
+            if victim is req:
+                break
+        return req.status == RequestStatus.RUNNING
 
+    def _step_output(self, batch: StepBatch, seat_victims: list[Request]) -> SchedulerOutput:
+        """The ``SchedulerOutput`` of a built batch, with the connector's metadata and
+        the grammar bitmask of its sampled constrained requests."""
+        kvm = self.kv_cache_manager
+        scheduled, num_scheduled = batch.scheduled, batch.num_scheduled
         out = SchedulerOutput(
             scheduled_requests=scheduled,
             num_scheduled_tokens=num_scheduled,
             block_tables={r.request_id: kvm.get_block_ids(r.request_id) for r in scheduled},
             total_num_scheduled_tokens=sum(num_scheduled.values()),
-            preempted_req_ids={r.request_id for r in preempted + seat_victims},
+            preempted_req_ids={r.request_id for r in batch.preempted + seat_victims},
             finished_req_ids=self.finished_req_ids,
-            scheduled_spec_token_ids=spec_tokens,
-            num_lookahead_tokens=lookahead,
+            scheduled_spec_token_ids=batch.spec_tokens,
+            num_lookahead_tokens=batch.lookahead,
         )
-        if self.max_concurrent_batches > 1:
-            self._in_flight.update(num_scheduled)
+        self.batches.add(num_scheduled)
         if out.total_num_scheduled_tokens:
             # NOTE: an empty step never reaches the executor, so its finished ids wait
             # for the next step that does (the workers drop per-request state by them).
@@ -364,7 +349,9 @@ class Scheduler(Admission, StepResults):
             out.kv_connector_metadata = self.connector.build_connector_meta(out)
         if self.structured_output is not None:
             sampled = [r for r in scheduled if out.is_sampled(r)]
-            out.grammar_bitmask = self.structured_output.grammar_bitmask(sampled, spec_tokens)
+            out.grammar_bitmask = self.structured_output.grammar_bitmask(
+                sampled, batch.spec_tokens
+            )
         return out
 
     def _num_lookahead(self, req: Request, num_computed: int, num_new: int, num_known: int) -> int:
@@ -415,7 +402,17 @@ class Scheduler(Admission, StepResults):
         (the engine must keep stepping so the connector's results are collected) or for
         a batch in flight."""
         return bool(self.requests or self._pending_free or self._pending_outputs
-                    or self._free_after_batch)
+                    or self.batches.has_held_blocks)
+
+    @property
+    def max_concurrent_batches(self) -> int:
+        """Batches the engine core keeps in flight (``BatchesInFlight``)."""
+        return self.batches.max_concurrent_batches
+
+    @max_concurrent_batches.setter
+    def max_concurrent_batches(self, value: int) -> None:
+        """Raises: ValueError naming ``max_concurrent_batches`` when < 1."""
+        self.batches.max_concurrent_batches = value
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)

@@ -23,6 +23,7 @@ import time
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING
 
+from tandem.engine.batches_in_flight import BatchesInFlight
 from tandem.engine.kv_cache_manager import KVCacheManager, PrefixCacheStats
 from tandem.engine.kv_connector import KVConnectorScheduler
 from tandem.engine.outputs import EngineCoreOutput
@@ -61,8 +62,7 @@ class StepResults:
     _arrival_seq: dict[str, int]
     _remote_requested: dict[str, int]
     _pending_free: dict[str, Request]
-    _in_flight: set[str]
-    _free_after_batch: dict[str, Request]
+    batches: BatchesInFlight
 
     def update_from_output(
         self,
@@ -90,8 +90,8 @@ class StepResults:
             One ``EngineCoreOutput`` per request that got a token this step.
         """
         outputs, self._pending_outputs = self._pending_outputs, []
-        if self._in_flight:
-            self._land_batch(sched)
+        for finished in self.batches.land(sched):
+            self._free_blocks(finished)
         stopped: set[str] = set()
         for req in sched.scheduled_requests:
             rid = req.request_id
@@ -146,16 +146,6 @@ class StepResults:
                 self._finish_request(self.requests[rid])
         self._update_transfers(finished_recving, finished_sending)
         return outputs
-
-    def _land_batch(self, sched: SchedulerOutput) -> None:
-        """The batch queue's side of ``update_from_output``: ``sched``'s requests are no
-        longer in flight; free the blocks of those finished meanwhile."""
-        for req in sched.scheduled_requests:
-            rid = req.request_id
-            self._in_flight.discard(rid)
-            finished = self._free_after_batch.pop(rid, None)
-            if finished is not None:
-                self._free_blocks(finished)
 
     def _append_tokens(
         self, req: Request, tokens: list[int], logprobs: list | None
@@ -274,10 +264,9 @@ class StepResults:
         if self.structured_output is not None:
             self.structured_output.free(req)
         self.finished_req_ids.add(rid)
-        if rid in self._in_flight:
+        if self.batches.keep_until_landed(req):
             # A batch in flight still writes its blocks: they are freed (or handed to
-            # the connector) once that batch is applied (_land_batch).
-            self._free_after_batch[rid] = req
+            # the connector) once that batch is applied (BatchesInFlight.land).
             return
         self._free_blocks(req)
 
