@@ -40,8 +40,8 @@ _TEXT = ("The quick brown fox jumps over the lazy dog while the router streams e
 
 class StubDecodeServicer:
     """DecodeService with pre-made tokens: each stream carries ``max_tokens`` tokens (16
-    when unset) cycling through ``token_ids``, finishing with ``length``; the messages
-    carry ``sent_unix_ns`` and, last, the engine-side totals, as the real servicer's.
+    when unset) cycling through ``token_ids``, finishing with ``length``, as the real
+    servicer's messages.
 
     Args:
         token_ids: the tokens streamed, in a cycle (non-empty).
@@ -90,8 +90,6 @@ class StubDecodeServicer:
         sp = request.sampling_params
         n = sp.max_tokens if sp.HasField("max_tokens") else 16
         ids = self._token_ids
-        start_ns = time.monotonic_ns()
-        last_ns = start_ns
         self._num_open += 1
         try:
             for i in range(n):
@@ -101,17 +99,12 @@ class StubDecodeServicer:
                     # as one gRPC write per message does: the other streams go on
                     # between two tokens of this one (DecodeStream runs it as a task)
                     await asyncio.sleep(0)
-                last_ns = time.monotonic_ns()
-                msg = decode_pb2.DecodeResponse(token_ids=[ids[i % len(ids)]],
-                                                sent_unix_ns=time.time_ns())
+                msg = decode_pb2.DecodeResponse(token_ids=[ids[i % len(ids)]])
                 if i == 0:
                     msg.num_cached_tokens = 0
                     msg.queue_ns = 0
                 if i == n - 1:
                     msg.finish_reason = common_pb2.FINISH_REASON_LENGTH
-                    msg.engine_decode_ns = last_ns - start_ns
-                    msg.output_latency_ns = 0
-                    msg.num_engine_outputs = n
                 yield msg
         finally:
             self._num_open -= 1
@@ -254,7 +247,6 @@ def run_one(args: argparse.Namespace, interval_ms: float, token_ids: list[int], 
         "stub_cpu_s": stub_cpu,
         "router_tokens_per_cpu_s": tokens / router_cpu if router_cpu else None,
         "median_itl_ms": m["median_itl_ms"], "p99_itl_ms": m["p99_itl_ms"],
-        "decode_breakdown": m.get("decode_breakdown", {}),
     }
     ticks_file = tmp / f"ticks-{interval_ms:g}.json"
     if interval_ms > 0 and ticks_file.exists():
@@ -269,7 +261,6 @@ def run_one(args: argparse.Namespace, interval_ms: float, token_ids: list[int], 
 
 def print_one(r: dict[str, Any]) -> None:
     """One load's result, in words."""
-    b = r["decode_breakdown"]
     mode = "as fast as gRPC allows" if r["interval_ms"] == 0 else \
         f"one token per stream every {r['interval_ms']:g} ms"
     print(f"== stub: {mode}, {r['max_concurrency']} streams ==")
@@ -285,10 +276,6 @@ def print_one(r: dict[str, Any]) -> None:
         print(f"stub tick median / p99 (ms):         {r['stub_median_tick_ms']:.2f} / "
               f"{r['stub_p99_tick_ms']:.2f}")
         print(f"p99 ITL added (client - stub, ms):   {r['p99_itl_added_ms']:.2f}")
-    for stage in ("grpc", "detokenize", "sse_write"):
-        if f"mean_{stage}_ms" in b:
-            print(f"{stage + ' per token mean / p99 (ms):':<37}{b[f'mean_{stage}_ms']:.3f} / "
-                  f"{b[f'p99_{stage}_ms']:.3f}")
 
 
 def build_parser() -> argparse.ArgumentParser:

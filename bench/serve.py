@@ -56,16 +56,15 @@ from tandem.bench.serve_client import (
 from tandem.bench.serve_doors import DOORS
 from tandem.bench.serve_report import (
     compute_metrics,
-    decode_breakdown,
     doors_table,
     plot,
-    print_decode_breakdown,
+    print_cpu_seconds,
     print_fault_comparison,
     print_result,
     side_by_side,
 )
 
-__all__ = ["RequestResult", "build_parser", "compute_metrics", "decode_breakdown",
+__all__ = ["RequestResult", "build_parser", "compute_metrics",
            "http_session", "launch_plan", "main", "model_and_vocab", "parse_slo",
            "print_result", "run_rate", "sample_prompts", "side_by_side", "sse_events"]
 
@@ -160,7 +159,7 @@ def _run_all(args: argparse.Namespace, url: str, percentiles: list[float],
                      label=label, structured=args.structured)
             print_result(m, percentiles, rate)
             if args.profile:
-                print_decode_breakdown(m)
+                print_cpu_seconds(m)
             failed += m["failed"]
             all_results.append(m)
     if len(args.endpoint_type) > 1:

@@ -132,10 +132,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --launch: run each stack without and with this speculative "
                         "decoding config on its decode engines, side by side")
     p.add_argument("--profile", action="store_true",
-                   help="print the per-token decode attribution (engine step, engine "
-                        "output, gRPC, detokenize, SSE write; from the router's timings); "
-                        "with --launch also each part's CPU seconds and, when py-spy is "
-                        "installed, a py-spy flame graph of the router and engines")
+                   help="with --launch: print each part's CPU seconds and, when py-spy is "
+                        "installed, write a py-spy flame graph of the router and engines "
+                        "(per-token decode attribution: the requests' traces, "
+                        "--otlp-traces-endpoint)")
     p.add_argument("--profile-dir", default=".",
                    help="where --profile --launch writes the py-spy flame graphs")
     p.add_argument("--launch-disagg-cpus", type=int, default=0,

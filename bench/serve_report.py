@@ -1,7 +1,7 @@
 """`tandem bench serve`'s report: vLLM's result dict from the requests' measurements (same
-keys), the TTFT and per-token decode breakdowns from the router's ``timings``, the printed
-result with ``vllm bench serve``'s labels, the latency plot and the side-by-side tables
-of several runs."""
+keys), the TTFT breakdown from the router's ``timings``, the printed result with ``vllm
+bench serve``'s labels, the latency plot and the side-by-side tables of several runs.
+(Per-token decode attribution is in the requests' traces: ``--otlp-traces-endpoint``.)"""
 
 from __future__ import annotations
 
@@ -17,16 +17,6 @@ _BREAKDOWN = {  # label -> timings keys summed (ns)
     "prefill_compute": ("prefill_compute_ns",),
     "kv_handoff": ("kv_publish_ns", "kv_pull_ns"),
     "first_decode_step": ("first_decode_ns",),
-}
-
-# The decode stream's per-token attribution, in a token's order: label -> (timings key
-# summed over the request's tokens, the timings key counting what it is divided by).
-_DECODE_STAGES = {
-    "engine_step": ("decode_engine_ns", "decode_engine_outputs"),
-    "engine_output": ("decode_output_ns", "decode_tokens"),
-    "grpc": ("decode_grpc_ns", "decode_tokens"),
-    "detokenize": ("decode_detokenize_ns", "decode_tokens"),
-    "sse_write": ("decode_sse_ns", "decode_tokens"),
 }
 
 
@@ -78,7 +68,6 @@ def compute_metrics(results: list[RequestResult], duration_s: float, percentiles
         if vals:
             breakdown.update(_pcts(vals, percentiles, label))
     m["ttft_breakdown"] = breakdown
-    m["decode_breakdown"] = decode_breakdown(ok, percentiles)
     m["input_lens"] = [r.prompt_len for r in results]
     m["output_lens"] = [r.output_tokens for r in results]
     m["ttfts"] = [r.ttft for r in results]
@@ -88,54 +77,8 @@ def compute_metrics(results: list[RequestResult], duration_s: float, percentiles
     return m
 
 
-def decode_breakdown(results: list[RequestResult], percentiles: list[float]
-                     ) -> dict[str, float]:
-    """Per-token decode attribution from the router's ``timings``: for each stage of
-    ``_DECODE_STAGES``, the per-request mean per token (ms), as mean / median /
-    percentiles over the requests (keys ``mean_<stage>_ms`` ...).
-
-    ``engine_step`` is the engine's time per step (first to last output's step end over
-    the steps between); the other stages are latencies a token spends on its way from
-    the engine step that made it to the client's socket. ``sse_write`` excludes each
-    request's last chunk (it carries the timings), hence its divisor is one token less.
-    """
-    out: dict[str, float] = {}
-    for label, (key, count_key) in _DECODE_STAGES.items():
-        vals = []
-        for r in results:
-            total, count = r.timings.get(key), r.timings.get(count_key)
-            if total is None or not count:
-                continue
-            # n outputs span n - 1 steps; the last chunk's SSE write is not counted
-            count -= 1 if label in ("engine_step", "sse_write") else 0
-            if count > 0:
-                vals.append(total / count / 1e9)
-        if vals:
-            out.update(_pcts(vals, percentiles, label))
-    return out
-
-
-def print_decode_breakdown(m: dict[str, Any]) -> None:
-    """The per-token attribution (``--profile``): each stage's mean / median / p99 per
-    token in ms, and the path's share of the client's mean inter-token latency."""
-    b = m.get("decode_breakdown") or {}
-    w = 50
-    print("{s:{c}^{n}}".format(s="Per-token decode attribution (tandem)", n=w, c="-"))
-    if not b:
-        print("(no decode timings in the responses)")
-        return
-    path = 0.0
-    for label in _DECODE_STAGES:
-        if f"mean_{label}_ms" not in b:
-            continue
-        if label != "engine_step":
-            path += b[f"mean_{label}_ms"]
-        print(f"{label + ' (ms/token) mean/median/p99:':<40} {b[f'mean_{label}_ms']:.3f} / "
-              f"{b[f'median_{label}_ms']:.3f} / {b.get(f'p99_{label}_ms', float('nan')):.3f}")
-    print(f"{'engine step -> SSE written (ms/token):':<40} {path:.3f}")
-    if "mean_engine_step_ms" in b and m.get("mean_itl_ms"):
-        print(f"{'client mean ITL / engine step:':<40} "
-              f"{m['mean_itl_ms']:.2f} / {b['mean_engine_step_ms']:.2f} ms")
+def print_cpu_seconds(m: dict[str, Any]) -> None:
+    """Each part's CPU seconds over the run (``--profile --launch``)."""
     cpu = m.get("cpu_seconds")
     if cpu:
         for name, sec in cpu.items():

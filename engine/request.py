@@ -124,6 +124,9 @@ class Request:
         kv_publish_in_flight: an output publish of some of the prompt's blocks that may
             still be running (the router's hint for a chat's next turn), read by the
             KV connector's store lookup, opaque to the scheduler.
+        trace_headers: W3C ``traceparent``/``tracestate`` of the service's span of this
+            request when the service traces (vLLM's field), carried to the KV store with
+            the request's transfers; ``None`` otherwise.
         structured_output: the grammar state of a constrained request (set by the
             engine's ``StructuredOutputManager``), else ``None``.
         spec_token_ids: draft tokens proposed after the last step, verified by the next
@@ -145,6 +148,7 @@ class Request:
     cache_salt: str | None = None
     kv_transfer_params: KVTransferParams | None = None
     kv_publish_in_flight: PublishInFlight | None = None
+    trace_headers: dict[str, str] | None = None
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)

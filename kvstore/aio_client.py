@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence, Set
+from collections.abc import Mapping, Sequence, Set
 
 import numpy as np
 import redis.asyncio as aioredis
@@ -275,7 +275,10 @@ class AsyncKVStoreClient(BlockStore):
     # -- put ----------------------------------------------------------------------------------
 
     async def put(self, keys: Sequence[BlockKey], blocks: Sequence[object],
-                  ttl_s: float | None = None) -> int:
+                  ttl_s: float | None = None, *,
+                  trace_headers: Mapping[str, str] | None = None) -> int:
+        """:meth:`BlockStore.put`; ``trace_headers`` (W3C ``traceparent``): the node's span
+        of this put joins that trace (``kvstore/protocol.py``'s ``trace``)."""
         self.check_open()
         keys = self.check_keys(keys)
         views = self.byte_views(blocks, len(keys), writable=False, name="blocks")
@@ -295,9 +298,11 @@ class AsyncKVStoreClient(BlockStore):
             self.mark_down(node, exc)
             raise
         request_id = next_request_id()
-        msg = {"op": "put", "keys": [k.redis_key for k in keys],
+        msg: dict[str, object] = {"op": "put", "keys": [k.redis_key for k in keys],
                "sizes": [v.nbytes for v in views],
                "checksums": [checksum(v) for v in views], "ttl_s": ttl_s, "runs": runs_of(views)}
+        if trace_headers:
+            msg["trace"] = dict(trace_headers)
 
         async def run() -> dict[str, object]:
             reply = await conn.request(request_id, msg)

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Coroutine, Sequence
+from collections.abc import Coroutine, Mapping, Sequence
 from typing import TypeVar
 
 import redis
@@ -123,11 +123,13 @@ class KVStoreClient:
         return self.run(self.aio.contains(keys))
 
     def put_blocks(self, keys: Sequence[BlockKey], blocks: Sequence[object],
-                   ttl_s: float | None = None) -> int:
+                   ttl_s: float | None = None, *,
+                   trace_headers: Mapping[str, str] | None = None) -> int:
         """Store ``blocks[i]`` under ``keys[i]`` on one node; returns blocks stored.
 
         Blocks already on that node are not resent. Returns after the index
-        commit; the caller may then reuse ``blocks``.
+        commit; the caller may then reuse ``blocks``. ``trace_headers``: a W3C trace
+        context (``traceparent``) the node's span of this put joins.
 
         Raises:
             ValueError: bad keys/blocks (wrong size, not contiguous, layout mismatch,
@@ -135,7 +137,7 @@ class KVStoreClient:
             KVStoreError: no live node, Redis unreachable, node refused (message
                 says why) or :class:`KVStoreTimeoutError`.
         """
-        return self.run(self.aio.put(keys, blocks, ttl_s))
+        return self.run(self.aio.put(keys, blocks, ttl_s, trace_headers=trace_headers))
 
     def get_blocks(self, keys: Sequence[BlockKey], into: Sequence[object]) -> int:
         """Load leading blocks straight into ``into[i]``; returns how many were loaded.

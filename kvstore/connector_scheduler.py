@@ -198,6 +198,7 @@ class StoreConnectorScheduler(KVConnectorScheduler):
                 block_ids=[block_ids[i] for i in send],
                 num_tokens=[min(bs, len(tokens) - i * bs) for i in send],
                 marker_key=marker,
+                trace_headers=request.trace_headers,
             )
         )
         return True

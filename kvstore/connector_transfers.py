@@ -15,7 +15,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -45,9 +45,12 @@ class BlockStoreClient(Protocol):
     All calls block the calling (transfer) thread, never the engine thread.
     """
 
-    def put_blocks(self, keys: Sequence[BlockKey], blocks: Sequence[torch.Tensor]) -> int:
+    def put_blocks(self, keys: Sequence[BlockKey], blocks: Sequence[torch.Tensor], *,
+                   trace_headers: Mapping[str, str] | None = None) -> int:
         """Store ``blocks[i]`` (contiguous CPU buffers) under ``keys[i]``; keys already
-        present are not sent again. Returns how many blocks are stored. Raises on failure."""
+        present are not sent again. Returns how many blocks are stored. Raises on failure.
+        ``trace_headers``: the W3C trace context of the request the blocks are of (the
+        store node's span joins its trace); passed only when the service traces."""
 
     def get_blocks(self, keys: Sequence[BlockKey], into: Sequence[torch.Tensor]) -> int:
         """Load the leading present blocks into ``into[i]`` (writable contiguous buffers);
@@ -67,7 +70,8 @@ class _Job:
     load waits for. ``wait``: a load may park on a miss (once). ``num_done`` /
     ``num_bytes``: leading blocks a load brought so far, and their bytes.
     ``wait_outcome`` / ``wait_ns``: how its wait ended and how long it took (ns);
-    ``parked_ns``: ``time.monotonic_ns()`` when it was parked.
+    ``parked_ns``: ``time.monotonic_ns()`` when it was parked. ``trace_headers``: the
+    request's ``Request.trace_headers`` (the service traces), else ``None``.
     """
 
     request_id: str
@@ -84,6 +88,7 @@ class _Job:
     wait_outcome: str | None = None
     wait_ns: int = 0
     parked_ns: int = 0
+    trace_headers: dict[str, str] | None = None
 
 
 
@@ -241,7 +246,10 @@ class _Transfers:
         if self.kv_cache is not None:
             # NOTE: views of the cache, sent without a copy; the scheduler keeps the
             # blocks allocated until this save reports done.
-            return client.put_blocks(job.keys, [self.kv_cache[b] for b in job.block_ids])
+            blocks = [self.kv_cache[b] for b in job.block_ids]
+            if job.trace_headers:
+                return client.put_blocks(job.keys, blocks, trace_headers=job.trace_headers)
+            return client.put_blocks(job.keys, blocks)
         cache = self.sharded
         assert cache is not None, "register_kv_caches was not called"
         stored = 0

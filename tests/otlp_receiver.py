@@ -27,6 +27,7 @@ class ReceivedSpan:
     attributes: dict[str, object]
     start_ns: int
     end_ns: int
+    events: tuple[str, ...] = ()
 
 
 class OTLPReceiver:
@@ -79,6 +80,7 @@ class OTLPReceiver:
                             {a.key: _value(a.value) for a in s.attributes},
                             s.start_time_unix_nano,
                             s.end_time_unix_nano,
+                            tuple(e.name for e in s.events),
                         )
                     )
         with self._lock:

@@ -19,6 +19,7 @@ from typing import Any
 from tandem.contracts.block_hash import HASH_ALGORITHM
 from tandem.contracts.proto import sampling_params_from_proto
 from tandem.contracts.role import Role
+from tandem.contracts.tracing import TRACING_OFF, Tracing
 from tandem.engine.config import EngineConfig
 from tandem.engine.kv_connector import KVConnectorWorker, LoadResult, SaveResult
 from tandem.engine.request import Request
@@ -153,6 +154,9 @@ class ServiceContext:
         self.metrics.labels(self.metrics.model_weight_bytes).set(facts.weight_bytes)
         self.transfers: TransferEvents | None = None
         self._connector: KVConnectorWorker | None = engine.connector_worker
+        #: the process's OpenTelemetry tracing (``contracts/tracing.py``): off
+        #: unless the entry point starts it
+        self.tracing: Tracing = TRACING_OFF
 
     def attach_connector_events(self, loop: asyncio.AbstractEventLoop) -> None:
         """Route the KV connector's transfer events to :attr:`transfers` (no-op without one)."""

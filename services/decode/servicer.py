@@ -23,10 +23,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 from collections.abc import AsyncIterator
 
 import grpc
+from opentelemetry import trace
 
 from tandem.contracts.block_hash import BlockHash
 from tandem.contracts.block_key import KVTransferParams
@@ -41,7 +41,13 @@ from tandem.engine.request import Request
 from tandem.engine.stop import check_stop
 from tandem.engine.validation import check_context_length, check_token_ids
 from tandem.services.common.context import ServiceContext, cdiv, now_ns
-from tandem.services.common.engine_loop import StampedOutput
+from tandem.services.common.engine_spans import (
+    end_span,
+    record_pull,
+    record_schedule,
+    request_span,
+    tokens_event,
+)
 from tandem.services.decode.stream import serve_decode_stream
 from tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 
@@ -170,6 +176,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         ctx = self._ctx
         arrival_ns = now_ns()
         req = self._build(request)
+        span = request_span(ctx.tracing, "tandem.decode", request.trace_context, req, arrival_ns)
         # A grammar this instance cannot compile, or one that rejects the first token
         # (checked by the engine when it replays it), fails the request: never
         # unconstrained output.
@@ -186,7 +193,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         num_top = req.sampling_params.logprobs
         num_prompt_top = req.sampling_params.prompt_logprobs
         first = True
-        clock = _StreamClock()
+        num_tokens = 0
+        finish_reason = None
         try:
             async with await ctx.engine_loop.add_request(req) as stream:
                 # Outputs that are ready together go out as one message: a stream that
@@ -209,10 +217,16 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                         resp.stop_token_id = last.stop_reason
                     if first:
                         first = False
-                        self._first_message_fields(req, resp, batch[0][0], arrival_ns)
-                    clock.stamp(resp, batch)
+                        self._first_message_fields(req, resp, batch[0][0], arrival_ns, span)
+                        record_schedule(ctx.tracing, span, req, arrival_ns, batch[0][1],
+                                        "tandem.decode_queue", "tandem.first_decode_step")
+                    if span is not None:
+                        sent_ns = now_ns()
+                        for out, step_end_ns in batch:
+                            tokens_event(span, len(out.new_token_ids), step_end_ns, sent_ns)
+                    num_tokens += len(resp.token_ids)
                     if last.finish_reason is not None:
-                        clock.totals(resp)
+                        finish_reason = last.finish_reason
                         ctx.metrics.labels(
                             ctx.metrics.request_success, finished_reason=last.finish_reason
                         ).inc()
@@ -220,6 +234,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         finally:
             if ctx.transfers is not None:
                 ctx.transfers.forget(req.request_id)
+            end_span(span, finish_reason, num_tokens)
 
     def _first_message_fields(
         self,
@@ -227,8 +242,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         resp: decode_pb2.DecodeResponse,
         out: EngineCoreOutput,
         arrival_ns: int,
+        span: trace.Span | None,
     ) -> None:
-        """Fill the first message's one-off fields (cached tokens, queue, KV pull time)."""
+        """Fill the first message's one-off fields (cached tokens, queue, KV pull time);
+        the KV pull's span when tracing."""
         ctx = self._ctx
         m = ctx.metrics
         resp.num_cached_tokens = max(out.num_cached_tokens, 0)
@@ -239,6 +256,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             resp.kv_pull_ns = max(load.done_ns - arrival_ns, 0)
             resp.kv_pull_bytes = load.num_bytes
             m.labels(m.kv_pull_seconds).observe(resp.kv_pull_ns / 1e9)
+            record_pull(ctx.tracing, span, arrival_ns, load)
             if load.wait_outcome is not None:
                 m.labels(m.kv_load_waits, outcome=load.wait_outcome).inc()
                 m.labels(m.kv_load_wait_seconds).observe(load.wait_ns / 1e9)
@@ -249,33 +267,3 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
     ) -> common_pb2.GetLoadResponse:
         return await self._ctx.load_response()
 
-
-class _StreamClock:
-    """Where one Decode stream's time goes on the engine side, for the router's timings:
-    each message's send time (wall clock) and, on the last message, the engine's decode
-    time and the per-token hand-off latency (``DecodeResponse`` fields 9-12)."""
-
-    __slots__ = ("first_step_ns", "last_step_ns", "output_ns", "num_outputs")
-
-    def __init__(self) -> None:
-        self.first_step_ns: int | None = None
-        self.last_step_ns = 0
-        self.output_ns = 0
-        self.num_outputs = 0
-
-    def stamp(self, resp: decode_pb2.DecodeResponse, batch: list[StampedOutput]) -> None:
-        """Stamp ``resp`` as sent now and add its outputs' hand-off latency."""
-        now = time.monotonic_ns()
-        for out, step_end_ns in batch:
-            self.output_ns += (now - step_end_ns) * len(out.new_token_ids)
-        if self.first_step_ns is None:
-            self.first_step_ns = batch[0][1]
-        self.last_step_ns = batch[-1][1]
-        self.num_outputs += len(batch)
-        resp.sent_unix_ns = time.time_ns()
-
-    def totals(self, resp: decode_pb2.DecodeResponse) -> None:
-        """Put the stream's totals on its last message."""
-        resp.engine_decode_ns = self.last_step_ns - (self.first_step_ns or self.last_step_ns)
-        resp.output_latency_ns = self.output_ns
-        resp.num_engine_outputs = self.num_outputs

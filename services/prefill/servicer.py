@@ -18,6 +18,7 @@ import asyncio
 import dataclasses
 
 import grpc
+from opentelemetry import trace
 
 from tandem.contracts.block_hash import prompt_block_hashes
 from tandem.contracts.proto import (
@@ -29,6 +30,12 @@ from tandem.contracts.proto import (
 from tandem.engine.kv_connector import SaveResult
 from tandem.engine.stop import check_stop
 from tandem.services.common.context import ServiceContext, now_ns
+from tandem.services.common.engine_spans import (
+    end_span,
+    record_publish,
+    record_schedule,
+    request_span,
+)
 from tandem.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 
 
@@ -47,6 +54,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             request.request_id, request.prompt_token_ids, request.sampling_params, request.priority
         )
         req.cache_salt = request.cache_salt or None
+        span = request_span(ctx.tracing, "tandem.prefill", context.invocation_metadata(), req,
+                            arrival_ns)
         if request.HasField("kv_publish_in_flight"):
             req.kv_publish_in_flight = publish_in_flight_from_proto(request.kv_publish_in_flight)
         await ctx.check_structured_outputs(req)
@@ -76,7 +85,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
                 ctx.transfers.forget(req.request_id)
             else:
                 pending = not saved.done()
-                saved.add_done_callback(lambda f: self._published(f, token_ns))
+                saved.add_done_callback(lambda f: self._published(f, token_ns, span))
         req.sampling_params = full_params
         token_id = first.new_token_ids[0]
         reason: str | None = "abort"
@@ -112,12 +121,18 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             resp.stop_token_id = stop.stop_reason
         m = ctx.metrics
         m.labels(m.time_to_first_token).observe((token_ns - arrival_ns) / 1e9)
+        record_schedule(ctx.tracing, span, req, arrival_ns, token_ns, "tandem.prefill_queue",
+                        "tandem.prefill_compute")
+        end_span(span, reason, 1)
         return resp
 
-    def _published(self, saved: asyncio.Future[SaveResult], token_ns: int) -> None:
-        """A request's publish ended (on the event loop): its time goes to the metric."""
+    def _published(self, saved: asyncio.Future[SaveResult], token_ns: int,
+                   span: trace.Span | None) -> None:
+        """A request's publish ended (on the event loop): its time goes to the metric
+        (and to a span when tracing)."""
         if saved.cancelled():
             return
+        record_publish(self._ctx.tracing, span, token_ns, saved.result())
         m = self._ctx.metrics
         m.labels(m.kv_publish_seconds).observe(_publish_ns(saved, token_ns) / 1e9)
 

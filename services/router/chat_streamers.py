@@ -147,18 +147,12 @@ class OpenAIStreamer(Streamer):
     def _finish(self, chunk: P.ChatCompletionChunk | P.CompletionChunk, d: SeqDelta,
                 last: bool = True) -> Chunk:
         """The chunk's SSE text, with running usage (``continuous_usage_stats``); a
-        choice's ``last`` chunk of its final delta gets its timings when it is written."""
+        choice's ``last`` chunk of its final delta carries its timings."""
         if self._continuous_usage:
             chunk.usage = usage(self.num_prompt_tokens, self.states, self.n)
-        timings = d.timings if d.finish_reason is not None and last else None
-        if timings is None:
-            return sse(chunk)
-
-        def with_timings() -> str:
-            chunk.timings = timings.to_dict()
-            return sse(chunk)
-
-        return with_timings
+        if d.finish_reason is not None and last and d.timings is not None:
+            chunk.timings = d.timings.to_dict()
+        return sse(chunk)
 
     async def final(self) -> list[str]:
         if not self.req.include_usage:

@@ -7,6 +7,7 @@ import argparse
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from tandem.contracts.tracing import TracingConfig
 from tandem.services.common.tls import TLSFiles, tls_from_args
 from tandem.services.router.reasoning import REASONING_PARSERS
 from tandem.services.router.routing import RoutingPolicy
@@ -81,6 +82,8 @@ class RouterConfig:
             latency percentiles on ``/metrics`` (``--metrics-window-s``;
             ``scaling_metrics``).
         log_level: Python logging level name.
+        tracing: OpenTelemetry export (``--otlp-traces-endpoint``,
+            ``--otlp-traces-protocol``; ``contracts/tracing.py``), off by default.
         loop: the event loop (``--loop``, uvicorn's name): ``uvloop`` when installed for
             ``auto``, else ``asyncio``.
         http: the HTTP/1.1 implementation (``--http``, uvicorn's name): ``httptools``
@@ -123,6 +126,7 @@ class RouterConfig:
     response_ttl_s: int = 3600
     metrics_window_s: float = 60.0
     log_level: str = "info"
+    tracing: TracingConfig = field(default_factory=TracingConfig)
     loop: str = "auto"
     http: str = "auto"
 
@@ -212,4 +216,5 @@ class RouterConfig:
                    response_ttl_s=getattr(ns, "response_ttl_s", 3600),
                    metrics_window_s=ns.metrics_window_s,
                    log_level=ns.log_level, loop=getattr(ns, "loop", "auto"),
+                   tracing=TracingConfig.from_args(ns, environ, "tandem-router"),
                    http=getattr(ns, "http", "auto"))

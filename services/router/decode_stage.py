@@ -23,6 +23,7 @@ from tandem.services.router.client import InstancePool
 from tandem.services.router.discovery import InstanceInfo
 from tandem.services.router.errors import OpenAIError
 from tandem.services.router.publishes import PublishTracker
+from tandem.services.router.request_trace import SeqTrace, end_call, tokens_event
 from tandem.services.router.retries import Retries, raise_if_caller_error, unavailable_error
 from tandem.services.router.routing import RouteContext
 from tandem.services.router.sequence import EngineAbort, SeqDelta, SeqState
@@ -42,8 +43,8 @@ class DecodeStage(Retries):
     max_migrations: int
 
     async def _decode(self, ctx: RouteContext, dreq: decode_pb2.DecodeRequest,
-                      state: SeqState, param_of_field: Mapping[str, str], first: InstanceInfo | None = None
-                      ) -> AsyncIterator[SeqDelta]:
+                      state: SeqState, param_of_field: Mapping[str, str], first: InstanceInfo | None = None,
+                      trace: SeqTrace | None = None) -> AsyncIterator[SeqDelta]:
         """Stream the completion from ``ctx.stage`` instances: a call that fails before it
         produced a token is retried elsewhere with the same request; one that fails after
         is migrated (at most ``max_migrations`` times): the colocated form with the tokens
@@ -58,12 +59,12 @@ class DecodeStage(Retries):
         migrations = 0
         while True:
             failure = None
-            async for info in self._attempts(ctx.stage, ctx, first, tried):
+            async for info in self._attempts(ctx.stage, ctx, first, tried, trace):
                 first = None
                 failure = None
                 # NOTE: closed explicitly: a client going away must cancel the call now.
                 async with contextlib.aclosing(self._decode_on(
-                        info, ctx, dreq, state, param_of_field, migrations > 0)
+                        info, ctx, dreq, state, param_of_field, migrations > 0, trace)
                         ) as deltas:
                     async for delta in deltas:
                         if isinstance(delta, _MidStreamFailure):
@@ -97,7 +98,8 @@ class DecodeStage(Retries):
 
     async def _decode_on(self, info: InstanceInfo, ctx: RouteContext,
                          dreq: decode_pb2.DecodeRequest, state: SeqState,
-                         param_of_field: Mapping[str, str], resumed: bool
+                         param_of_field: Mapping[str, str], resumed: bool,
+                         trace: SeqTrace | None = None
                          ) -> AsyncGenerator[SeqDelta | _MidStreamFailure, None]:
         """One decode stream on ``info``: its deltas, then a ``_MidStreamFailure`` last if the
         instance failed (a caller error raises instead)."""
@@ -109,6 +111,12 @@ class DecodeStage(Retries):
         num_emitted = 0
         num_messages = 0
         call = None
+        span = None
+        error: BaseException | None = None
+        if trace is not None:
+            span = trace.call("tandem.decode_stream", info.address)
+            dreq.trace_context.clear()
+            dreq.trace_context.update(trace.headers(span))
         self.discovery.acquire(info.address)
         try:
             call = self.pool.decode(info.address, dreq)
@@ -120,11 +128,7 @@ class DecodeStage(Retries):
                 num_messages += 1
                 if not msg.token_ids and not msg.finish_reason:
                     continue
-                recv_ns = time.monotonic_ns()
-                grpc_ns = time.time_ns() - msg.sent_unix_ns if msg.sent_unix_ns else 0
-                if msg.HasField("engine_decode_ns"):
-                    timings.add_engine_totals(msg.engine_decode_ns, msg.output_latency_ns,
-                                              msg.num_engine_outputs)
+                recv_ns = time.monotonic_ns() if span is not None else 0
                 stop_tok = msg.stop_token_id if msg.HasField("stop_token_id") else None
                 token_ids = list(msg.token_ids)
                 if msg.prompt_logprobs:  # a colocated or local prefill computed the prompt
@@ -135,10 +139,10 @@ class DecodeStage(Retries):
                 if state.finished and info.kv_publish_output:
                     # before the last delta goes out: the next turn can come right after
                     self._remember_publish(info, ctx, dreq.request_id, state, colocated_form)
-                ready_ns = time.monotonic_ns()
-                timings.add_decode_message(len(token_ids), grpc_ns, ready_ns - recv_ns)
+                timings.decode_tokens = (timings.decode_tokens or 0) + len(token_ids)
+                if span is not None:
+                    tokens_event(span, len(token_ids), recv_ns, time.monotonic_ns())
                 if delta is not None:
-                    delta.seq_timings, delta.ready_ns = timings, ready_ns
                     yield delta
                 if state.finished:
                     return
@@ -146,11 +150,13 @@ class DecodeStage(Retries):
             yield _MidStreamFailure(num_emitted, f"decode stream from {info.address} ended "
                                     "unfinished")
         except grpc.aio.AioRpcError as exc:
+            error = exc
             raise_if_caller_error(exc, param_of_field)
             self._failed(info, ctx.stage, exc)
             yield _MidStreamFailure(num_emitted, f"decode instance {info.address} failed "
                                     f"mid-stream: {exc.details()}", exc)
         except EngineAbort as exc:
+            error = exc
             self.discovery.mark_failed(info.address)
             yield _MidStreamFailure(num_emitted, f"{info.address}: {exc}")
         finally:
@@ -161,6 +167,8 @@ class DecodeStage(Retries):
                                  info.address)
                 call.cancel()
             self.discovery.release(info.address)
+            if span is not None:
+                end_call(span, error, {"gen_ai.usage.output_tokens": num_emitted})
 
     def _remember_publish(self, info: InstanceInfo, ctx: RouteContext, request_id: str,
                           state: SeqState, colocated_form: bool) -> None:

@@ -86,6 +86,11 @@ class Door:
             OpenAIError: on the first item: 429 over the tenant's limits
                 (``Tenancy.generate``); else the generation's errors.
         """
+        tracing = self.fe.pipeline.tracing
+        if tracing.enabled:
+            parent = tracing.extract(request.headers)
+            for g in gens:
+                g.trace_parent = parent
         deltas = merged(self.fe, gens)
         tenant = getattr(request.state, "tenant", None)
         if self.tenancy is None or tenant is None:

@@ -71,6 +71,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         try:
             tenant = self._authenticate(context)
             gen = self._to_generation_request(request, context)
+            gen.trace_parent = self.fe.pipeline.tracing.extract(
+                context.invocation_metadata() or ())
             num_tokens = 0
             num_cached = None
             deltas: AsyncGenerator[SeqDelta, None] = self.fe.pipeline.generate(gen)
@@ -98,11 +100,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                             ttft_ns=t.ttft_ns, prefill_queue_ns=t.prefill_queue_ns,
                             prefill_compute_ns=t.prefill_compute_ns,
                             kv_publish_ns=t.kv_publish_ns, kv_pull_ns=t.kv_pull_ns,
-                            e2e_ns=t.e2e_ns, decode_tokens=t.decode_tokens,
-                            decode_engine_ns=t.decode_engine_ns,
-                            decode_output_ns=t.decode_output_ns,
-                            decode_grpc_ns=t.decode_grpc_ns,
-                            decode_detokenize_ns=t.decode_detokenize_ns))
+                            e2e_ns=t.e2e_ns, decode_tokens=t.decode_tokens))
                 yield out
         except OpenAIError as err:
             await context.abort(_grpc_code(err), err.message)

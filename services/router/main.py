@@ -17,6 +17,7 @@ import sys
 from collections.abc import Callable, Coroutine, Iterator
 from typing import Any
 
+from tandem.contracts.tracing import add_tracing_flags, start_tracing
 from tandem.engine.sampling_params import SamplingDefaults
 from tandem.services.common.tls import add_tls_flags
 from tandem.services.router.config import RouterConfig
@@ -88,6 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="on SIGTERM: seconds open requests get to finish; then streams end "
                         "with an error event and [DONE] (default 8, below tandem up's 10 s)")
     add_tls_flags(p, "the router's connections to the engines", client=True)
+    add_tracing_flags(p)
     p.add_argument("--kv-index-url", default=None,
                    help="Redis of the KV store index that routing reads (default: --redis-url; "
                         "with static lists and no URL the store is not consulted)")
@@ -195,6 +197,9 @@ async def serve(cfg: RouterConfig, defaults: SamplingDefaults | None = None) -> 
         store_index = AsyncIndexProbe(cfg.kv_index_url)
     lookup_seconds = metrics.labels(metrics.kv_store_lookup_seconds)
     view = CacheView(store_index, on_lookup=lookup_seconds.observe)
+    tracing = start_tracing(cfg.tracing)
+    if tracing.enabled:
+        metrics.registry.register(tracing)
     pipeline = Pipeline(tokenizer=tokenizer, discovery=discovery, pool=pool,
                         router=make_router(cfg.routing_policy, view), metrics=metrics,
                         max_running=cfg.max_running_requests,
@@ -203,7 +208,7 @@ async def serve(cfg: RouterConfig, defaults: SamplingDefaults | None = None) -> 
                         cache_view=view,
                         disagg_min_uncached_tokens=cfg.disagg_min_uncached_tokens,
                         disagg_max_prefill_queue=cfg.disagg_max_prefill_queue,
-                        disagg_prefill_fallback=cfg.disagg_prefill_fallback)
+                        disagg_prefill_fallback=cfg.disagg_prefill_fallback, tracing=tracing)
     fe = Frontend(tokenizer=tokenizer, pipeline=pipeline, served_model_names=served,
                   max_model_len=cfg.max_model_len, api_key=cfg.api_key,
                   chat_template=read_chat_template(cfg.chat_template) if cfg.chat_template
@@ -273,6 +278,7 @@ async def serve(cfg: RouterConfig, defaults: SamplingDefaults | None = None) -> 
         await response_store.aclose()
         if tenancy is not None:
             await tenancy.limiter.aclose()
+        tracing.shutdown()  # exports what is queued
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -64,6 +64,7 @@ import grpc
 
 from tandem.contracts.proto import publish_in_flight_to_proto, sampling_params_to_proto
 from tandem.contracts.role import Role
+from tandem.contracts.tracing import TRACING_OFF, Tracing
 from tandem.engine.fan_out import fan_out
 from tandem.engine.sampling_params import SamplingParams
 from tandem.services.router.client import InstancePool
@@ -73,6 +74,7 @@ from tandem.services.router.errors import OpenAIError
 from tandem.services.router.merge import merge_streams
 from tandem.services.router.metrics import RouterMetrics
 from tandem.services.router.publishes import PublishTracker
+from tandem.services.router.request_trace import RequestTrace, SeqTrace, end_call
 from tandem.services.router.retries import (
     PREFILL_FALLBACK_CODES,
     raise_if_caller_error,
@@ -151,6 +153,8 @@ class Pipeline(DecodeStage):
             can serve (none up, or every Prefill attempt failed with UNAVAILABLE or
             RESOURCE_EXHAUSTED), a decode instance prefills the prompt itself instead of
             the request failing with a 503.
+        tracing: the router's OpenTelemetry tracing (``request_trace.py``; off: no span
+            work at all).
 
     Raises:
         ValueError: a negative threshold.
@@ -162,7 +166,8 @@ class Pipeline(DecodeStage):
                  cache_view: CacheView | None = None,
                  disagg_min_uncached_tokens: int = 0,
                  disagg_max_prefill_queue: int = 0,
-                 disagg_prefill_fallback: bool = True) -> None:
+                 disagg_prefill_fallback: bool = True, tracing: Tracing = TRACING_OFF
+                 ) -> None:
         for name, value in (("disagg_min_uncached_tokens", disagg_min_uncached_tokens),
                             ("disagg_max_prefill_queue", disagg_max_prefill_queue)):
             if value < 0:
@@ -182,6 +187,7 @@ class Pipeline(DecodeStage):
         self.max_attempts = max_attempts
         self.max_migrations = max_migrations
         self.publishes = PublishTracker()
+        self.tracing = tracing
 
     def mode(self) -> str:
         """"disagg" when prefill and decode instances exist, else "colocated" when
@@ -214,24 +220,40 @@ class Pipeline(DecodeStage):
             OpenAIError: 503 overloaded / no instance, 400 rejected by the engine, 503 an
                 instance failed after this completion's tokens were already produced.
         """
-        async with self.admission.slot():
-            router_queue_ns = time.monotonic_ns() - req.arrival_ns
-            self.mode()  # fail fast (503) before any RPC
-            m = self.metrics
-            m.labels(m.prompt_tokens).inc(len(req.prompt_token_ids))
-            children = fan_out(req.request_id, req.sampling_params)
-            streams = [
-                self._run_seq(c.index, req, c.sampling_params, c.request_id, router_queue_ns)
-                for c in children
-            ]
-            # NOTE: closed explicitly, so a client going away cancels every RPC before the
-            # admission slot is given back (not later, when the generator is collected).
-            async with contextlib.aclosing(merge_streams(streams)) as deltas:
-                async for d in deltas:
-                    yield d
+        rtrace = (RequestTrace(self.tracing, req.trace_parent, req.request_id, req.arrival_ns,
+                               len(req.prompt_token_ids)) if self.tracing.enabled else None)
+        error: BaseException | None = None
+        try:
+            async with self.admission.slot():
+                router_queue_ns = time.monotonic_ns() - req.arrival_ns
+                if rtrace is not None:
+                    rtrace.admitted(req.arrival_ns + router_queue_ns)
+                self.mode()  # fail fast (503) before any RPC
+                m = self.metrics
+                m.labels(m.prompt_tokens).inc(len(req.prompt_token_ids))
+                children = fan_out(req.request_id, req.sampling_params)
+                streams = [
+                    self._run_seq(c.index, req, c.sampling_params, c.request_id,
+                                  router_queue_ns,
+                                  rtrace.seq(c.index) if rtrace is not None else None)
+                    for c in children
+                ]
+                # NOTE: closed explicitly, so a client going away cancels every RPC before
+                # the admission slot is given back (not later, when the generator is
+                # collected).
+                async with contextlib.aclosing(merge_streams(streams)) as deltas:
+                    async for d in deltas:
+                        yield d
+        except BaseException as exc:
+            error = exc
+            raise
+        finally:
+            if rtrace is not None:
+                rtrace.end(error)
 
     async def _run_seq(self, index: int, req: GenerationRequest, sp: SamplingParams,
-                       seq_id: str, router_queue_ns: int) -> AsyncGenerator[SeqDelta, None]:
+                       seq_id: str, router_queue_ns: int, trace: SeqTrace | None = None
+                       ) -> AsyncGenerator[SeqDelta, None]:
         mode = self.mode()
         timings = Timings(router_queue_ns=router_queue_ns)
         state = SeqState(self.tokenizer, self.metrics, index, req, sp, timings)
@@ -242,7 +264,7 @@ class Pipeline(DecodeStage):
         local_prefill = False
         hint = None
         if mode == "disagg":
-            decode_first, local_prefill = await self._disagg_decision(route, timings)
+            decode_first, local_prefill = await self._disagg_decision(route, timings, trace)
             # a chat's next turn: the previous answer's blocks may still be publishing
             found = self.publishes.find(route.block_hashes, self.discovery.is_down)
             if found is not None:
@@ -255,9 +277,11 @@ class Pipeline(DecodeStage):
                     request_id=seq_id, prompt_token_ids=req.prompt_token_ids,
                     sampling_params=psp, priority=req.priority, kv_publish_in_flight=hint,
                     cache_salt=req.cache_salt or ""),
-                    metadata, timings, req.param_of_field)
+                    metadata, timings, req.param_of_field, trace)
                 local_prefill = presp is None
         finally:
+            if trace is not None:
+                trace.decision(timings.disagg_decision, timings.disagg_reason)
             # a prefill that ended the request (400, 503) took its path all the same
             if mode == "disagg":
                 m = self.metrics
@@ -288,10 +312,12 @@ class Pipeline(DecodeStage):
                 cache_salt=req.cache_salt or "")
             stage = Role.DECODE if local_prefill else Role.BOTH
         ctx = route.for_stage(stage)
-        async for delta in self._decode(ctx, dreq, state, req.param_of_field, decode_first):
+        async for delta in self._decode(ctx, dreq, state, req.param_of_field, decode_first,
+                                        trace):
             yield delta
 
-    async def _disagg_decision(self, route: RouteContext, timings: Timings
+    async def _disagg_decision(self, route: RouteContext, timings: Timings,
+                               trace: SeqTrace | None = None
                                ) -> tuple[InstanceInfo | None, bool]:
         """(the decode instance to try first, whether it prefills the prompt itself), and
         ``timings.disagg_decision`` / ``disagg_reason`` set to match.
@@ -313,7 +339,7 @@ class Pipeline(DecodeStage):
                 else "no decode instance to choose yet"
             return None, False
         ctx = route.for_stage(Role.DECODE)
-        info = await self.router.choose(cands, ctx)
+        info = await self.choose(cands, ctx, trace)
         reasons = []
         local = False
         if threshold:
@@ -337,7 +363,7 @@ class Pipeline(DecodeStage):
 
     async def _prefill(self, ctx: RouteContext, preq: prefill_pb2.PrefillRequest,
                        metadata: Sequence[tuple[str, str]], timings: Timings,
-                       param_of_field: Mapping[str, str]
+                       param_of_field: Mapping[str, str], trace: SeqTrace | None = None
                        ) -> prefill_pb2.PrefillResponse | None:
         """The Prefill answer of the first prefill instance that gives one, or ``None``
         when none could and the prefill fallback is on (``timings`` then names a local
@@ -348,18 +374,27 @@ class Pipeline(DecodeStage):
                 could serve and the fallback is off.
         """
         last: grpc.aio.AioRpcError | None = None
-        async for info in self._attempts(Role.PREFILL, ctx):
+        async for info in self._attempts(Role.PREFILL, ctx, trace=trace):
             self.discovery.acquire(info.address)
+            span = None
+            call_metadata = tuple(metadata)
+            if trace is not None:
+                span = trace.call("tandem.prefill", info.address)
+                call_metadata += tuple(trace.headers(span).items())
+            error: BaseException | None = None
             try:
                 with self.metrics.scaling.prefill_in_flight(len(preq.prompt_token_ids)):
-                    presp = await self.pool.prefill(info.address, preq, tuple(metadata))
+                    presp = await self.pool.prefill(info.address, preq, call_metadata)
             except grpc.aio.AioRpcError as exc:
+                error = exc
                 raise_if_caller_error(exc, param_of_field)
                 last = exc
                 self._failed(info, Role.PREFILL, exc)
                 continue
             finally:
                 self.discovery.release(info.address)
+                if span is not None:
+                    end_call(span, error)
             self.discovery.mark_ok(info.address)
             self.router.on_routed(info, ctx)
             timings.prefill_instance = info.address

@@ -12,6 +12,7 @@ bookkeeping, and the engine's gRPC errors in the client's words (``Pipeline``'s 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import AsyncIterator, Mapping
 
 import grpc
@@ -22,6 +23,7 @@ from tandem.services.router.client import CALLER_ERROR_CODES
 from tandem.services.router.discovery import Discovery, InstanceInfo
 from tandem.services.router.errors import OpenAIError
 from tandem.services.router.metrics import RouterMetrics
+from tandem.services.router.request_trace import SeqTrace
 from tandem.services.router.routing import RouteContext, Router
 
 logger = logging.getLogger(__name__)
@@ -39,9 +41,21 @@ class Retries:
     max_attempts: int
 
 
+    async def choose(self, cands: list[InstanceInfo], ctx: RouteContext,
+                     trace: SeqTrace | None = None) -> InstanceInfo:
+        """The routing policy's choice among ``cands`` (a ``tandem.routing`` span when
+        ``trace`` is given)."""
+        if trace is None:
+            return await self.router.choose(cands, ctx)
+        start_ns = time.monotonic_ns()
+        info = await self.router.choose(cands, ctx)
+        trace.routing(str(ctx.stage), start_ns, time.monotonic_ns(), info.address)
+        return info
+
     async def _attempts(self, stage: Role, ctx: RouteContext,
                         first: InstanceInfo | None = None,
-                        tried: set[str] | None = None) -> AsyncIterator[InstanceInfo]:
+                        tried: set[str] | None = None, trace: SeqTrace | None = None
+                        ) -> AsyncIterator[InstanceInfo]:
         """The instances to try in turn: at most ``max_attempts``, ``first`` (when given
         and still a candidate) then each chosen by the routing policy among the ``stage``
         instances not in ``tried`` (``Discovery.instances``: benched ones only when
@@ -56,7 +70,7 @@ class Retries:
             if first is not None and any(c.address == first.address for c in cands):
                 info = next(c for c in cands if c.address == first.address)
             else:
-                info = await self.router.choose(cands, ctx)
+                info = await self.choose(cands, ctx, trace)
             first = None
             tried.add(info.address)
             yield info

@@ -12,6 +12,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from opentelemetry.context import Context
+
 from tandem.contracts.proto import finish_reason_from_proto
 from tandem.engine.detokenizer import IncrementalDetokenizer
 from tandem.engine.sampling_params import SamplingParams
@@ -34,6 +36,8 @@ class GenerationRequest:
         param_of_field: engine field -> the API field the client used for it (e.g.
             ``"structured_outputs.json"`` -> ``"response_format.json_schema.schema"``),
             to name it in the errors engines report.
+        trace_parent: the client's trace context (its W3C ``traceparent``) when the
+            router traces (``contracts/tracing.py``), else ``None``.
     """
 
     request_id: str
@@ -43,6 +47,7 @@ class GenerationRequest:
     arrival_ns: int = field(default_factory=time.monotonic_ns)
     param_of_field: dict[str, str] = field(default_factory=dict)
     cache_salt: str | None = None
+    trace_parent: Context | None = None
 
 
 @dataclass
@@ -76,52 +81,13 @@ class Timings:
     #: times the completion moved to another instance mid-stream (``decode_instance`` is
     #: the last one)
     num_migrations: int | None = None
-    #: Per-token attribution of the decode stream. ``decode_tokens`` counts the tokens
-    #: Decode streams delivered (colocated: the first one too); each ``decode_*_ns``
-    #: below except ``decode_ns`` and ``decode_engine_ns`` is a latency summed over
-    #: those tokens (a message's latency counted once per token it carries), so divided
-    #: by ``decode_tokens`` it is the mean per token. Stages in a token's order:
-    #: engine step end -> handed to gRPC (``decode_output_ns``) -> received by the
-    #: router (``decode_grpc_ns``: wall clocks of two processes, exact on one host) ->
-    #: text delta ready (``decode_detokenize_ns``: detokenization, stop strings,
-    #: metrics) -> SSE chunk written (``decode_sse_ns``: streamed HTTP only, and not
-    #: the last chunk, which carries these timings).
+    #: tokens the decode streams delivered (colocated: the first one too). Where each
+    #: token's time went (engine step, hand-off, gRPC hop, detokenization) is not
+    #: measured here: the request's trace carries it (``--otlp-traces-endpoint``,
+    #: ``request_trace.py``).
     decode_tokens: int | None = None
     #: first token -> last token at the router (vLLM's request decode time)
     decode_ns: int | None = None
-    #: the engines' own decode time: first to last output's step end, summed over the
-    #: Decode streams (migrations); divided by ``decode_engine_outputs - 1``: time per
-    #: engine step
-    decode_engine_ns: int | None = None
-    decode_engine_outputs: int | None = None
-    decode_output_ns: int | None = None
-    decode_grpc_ns: int | None = None
-    decode_detokenize_ns: int | None = None
-    decode_sse_ns: int | None = None
-    #: Decode stream messages received (fewer than the engine outputs when the stream
-    #: fell behind and the engine batched them)
-    decode_messages: int | None = None
-
-    def add_decode_message(self, num_tokens: int, grpc_ns: int, detokenize_ns: int) -> None:
-        """Count one Decode message of ``num_tokens`` tokens: its hop (send -> receive)
-        and router processing latencies, in ns, each counted once per token."""
-        self.decode_tokens = (self.decode_tokens or 0) + num_tokens
-        self.decode_messages = (self.decode_messages or 0) + 1
-        self.decode_grpc_ns = (self.decode_grpc_ns or 0) + grpc_ns * num_tokens
-        self.decode_detokenize_ns = (self.decode_detokenize_ns or 0) + \
-            detokenize_ns * num_tokens
-
-    def add_engine_totals(self, engine_decode_ns: int, output_latency_ns: int,
-                          num_outputs: int) -> None:
-        """Add a Decode stream's engine-side totals (its last message's fields)."""
-        self.decode_engine_ns = (self.decode_engine_ns or 0) + engine_decode_ns
-        self.decode_output_ns = (self.decode_output_ns or 0) + output_latency_ns
-        self.decode_engine_outputs = (self.decode_engine_outputs or 0) + num_outputs
-
-    def add_sse(self, latency_ns: int, num_tokens: int) -> None:
-        """Count the SSE write of a delta of ``num_tokens`` tokens ``latency_ns`` after
-        it was ready."""
-        self.decode_sse_ns = (self.decode_sse_ns or 0) + latency_ns * num_tokens
 
     def to_dict(self) -> dict[str, Any]:
         return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
@@ -141,10 +107,6 @@ class SeqDelta:
         prompt_logprobs: first delta only, with ``SamplingParams.prompt_logprobs``: one
             ``TopLogprobs`` per prompt token from the second on (``sampled``: that token).
         timings: on the last delta.
-        seq_timings: the completion's ``Timings`` while it is filled in, on every delta
-            of a Decode stream (the HTTP layer adds its SSE write latency), else ``None``.
-        ready_ns: ``time.monotonic_ns()`` when the delta was made (Decode stream deltas;
-            0 otherwise).
     """
 
     index: int
@@ -156,8 +118,6 @@ class SeqDelta:
     num_cached_tokens: int = 0
     prompt_logprobs: list[common_pb2.TopLogprobs] | None = None
     timings: Timings | None = None
-    seq_timings: Timings | None = None
-    ready_ns: int = 0
 
 
 class EngineAbort(Exception):

@@ -16,8 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from typing import Any
 
 from fastapi import Request
@@ -137,21 +136,21 @@ async def stream(request: Request, rid: str,
                      "cancelled", rid)
         return Response(status_code=CLIENT_GONE)
 
-    chunks: asyncio.Queue[_Queued | None] = asyncio.Queue()  # None: the end
+    chunks: asyncio.Queue[Chunk | None] = asyncio.Queue()  # None: the end
 
-    def put(d: SeqDelta | None, items: Sequence[Chunk]) -> None:
+    def put(items: Sequence[Chunk]) -> None:
         for chunk in items:
-            chunks.put_nowait((chunk, d))
+            chunks.put_nowait(chunk)
 
     async def produce() -> None:
         try:
             if first is not None:
-                put(first[1], streamer.chunks(*first))
+                put(streamer.chunks(*first))
                 async for idx, d in deltas:
-                    put(d, streamer.chunks(idx, d))
-            put(None, await streamer.final())
+                    put(streamer.chunks(idx, d))
+            put(await streamer.final())
         except Exception as exc:  # noqa: BLE001 - reported to the client as an error event
-            put(None, [streamer.error_event(to_openai_error(exc))])
+            put([streamer.error_event(to_openai_error(exc))])
         finally:
             await deltas.aclose()
             chunks.put_nowait(None)
@@ -161,20 +160,16 @@ async def stream(request: Request, rid: str,
 
         def end_now() -> None:
             producer.cancel()
-            chunks.put_nowait((streamer.error_event(shutting_down_error()), None))
+            chunks.put_nowait(streamer.error_event(shutting_down_error()))
             chunks.put_nowait(None)
 
         unregister = drain.on_expire(end_now)
         try:
-            item: _Queued | None | object = await chunks.get()
+            item: Chunk | None | object = await chunks.get()
             while item is not None:
-                text, shown, item = _take_ready(item, chunks)  # type: ignore[arg-type]
+                text, item = _take_ready(item, chunks)  # type: ignore[arg-type]
                 # NOTE: the server asks for the next chunk once this one is written.
                 yield text
-                now = time.monotonic_ns()
-                for d in shown:
-                    assert d.seq_timings is not None
-                    d.seq_timings.add_sse(now - d.ready_ns, len(d.token_ids))
                 if item is _TAKE:
                     item = await chunks.get()
         finally:
@@ -189,43 +184,21 @@ async def stream(request: Request, rid: str,
 
 
 
-#: An SSE chunk, or a function that makes it when it is written (a choice's last chunk:
-#: its ``timings`` then include the SSE writes of the chunks before it).
-Chunk = str | Callable[[], str]
-
-
-#: A chunk queued for the SSE writer and the delta it shows (``None``: no delta's).
-_Queued = tuple[Chunk, SeqDelta | None]
+#: An SSE chunk's text.
+Chunk = str
 #: ``_take_ready``'s "nothing taken yet": the caller waits for the queue's next item.
 _TAKE = object()
 
 
-def _take_ready(item: _Queued, queue: asyncio.Queue[_Queued | None]
-                ) -> tuple[str, list[SeqDelta], _Queued | None | object]:
-    """``item`` and every chunk queued behind it, as one write: (text, the Decode
-    deltas it shows, what comes next: an item already taken, ``None`` for the end, or
-    ``_TAKE``). A client slower than the engine catches up in one write. A choice's last
-    chunk (a function: its timings count the SSE writes before it) starts a new write
-    unless it comes first."""
-    parts: list[str] = []
-    shown: list[SeqDelta] = []
-    nxt: _Queued | None | object = _TAKE
-    while True:
-        chunk, d = item
-        if not isinstance(chunk, str):
-            if parts:
-                nxt = item
-                break
-            chunk = chunk()
-        parts.append(chunk)
-        if d is not None and d.seq_timings is not None:
-            shown.append(d)
-        if queue.empty():
-            break
+def _take_ready(item: Chunk, queue: asyncio.Queue[Chunk | None]) -> tuple[str, None | object]:
+    """``item`` and every chunk queued behind it, as one write: (text, what comes next:
+    ``None`` for the end, or ``_TAKE``). A client slower than the engine catches up in one
+    write."""
+    parts = [item]
+    while not queue.empty():
         got = queue.get_nowait()
         if got is None:
-            nxt = None
-            break
-        item = got
-    return "".join(parts), shown, nxt
+            return "".join(parts), None
+        parts.append(got)
+    return "".join(parts), _TAKE
 

@@ -284,8 +284,8 @@ def test_request_id_propagated_and_echoed(stack) -> None:
     from_decode = resp.json()["usage"]["completion_tokens"] - (0 if stack.config.colocated
                                                               else 1)
     assert timings.get("decode_tokens", 0) == from_decode
-    if from_decode:
-        assert timings["decode_grpc_ns"] >= 0 and timings["decode_engine_outputs"] >= 1
+    # per-token attribution lives in the request's trace, not in every answer
+    assert not {"decode_grpc_ns", "decode_engine_ns", "decode_sse_ns"} & set(timings)
 
 
 def test_grpc_generate_matches_http(stack, oracle) -> None:

@@ -42,7 +42,7 @@ def test_router_pipeline_runs_the_fan_out_children(monkeypatch, n) -> None:
 
     seen: list[tuple[int, str, int | None]] = []
 
-    async def fake_run_seq(self, index, req, sp, seq_id, router_queue_ns):  # noqa: ANN001
+    async def fake_run_seq(self, index, req, sp, seq_id, router_queue_ns, trace):  # noqa: ANN001
         seen.append((index, seq_id, sp.seed))
         assert sp.n == 1
         return

@@ -1,8 +1,7 @@
 """The streamed request path's accounting and batching: engine outputs grouped as they are
-ready (``RequestStream.batches``), the per-token decode timings (``Timings``), SSE chunks
-queued together written at once (``streaming._take_ready``), the bench's per-token attribution
-(``serve.decode_breakdown``), the router's event loop choice, and the decode stub of
-``tandem bench router-ceiling`` over real gRPC."""
+ready (``RequestStream.batches``), the request's ``Timings`` (no per-token attribution),
+SSE chunks queued together written at once (``streaming._take_ready``), the router's event
+loop choice, and the decode stub of ``tandem bench router-ceiling`` over real gRPC."""
 
 from __future__ import annotations
 
@@ -12,7 +11,6 @@ import grpc
 import pytest
 
 from tandem.bench.router_ceiling import StubDecodeServicer
-from tandem.bench.serve import RequestResult, decode_breakdown
 from tandem.engine.outputs import EngineCoreOutput
 from tandem.launch import free_port
 from tandem.services.common.engine_loop import RequestStream
@@ -71,51 +69,21 @@ def test_an_engine_error_comes_after_the_outputs_queued_before_it() -> None:
     assert asyncio.run(run()) == ([1, 2], False)
 
 
-def test_timings_sum_each_stage_once_per_token() -> None:
-    t = Timings(ttft_ns=5)
-    t.add_decode_message(1, grpc_ns=100, detokenize_ns=10)
-    t.add_decode_message(3, grpc_ns=200, detokenize_ns=20)
-    t.add_engine_totals(engine_decode_ns=9000, output_latency_ns=400, num_outputs=4)
-    t.add_sse(50, 3)
+def test_timings_count_decode_tokens_and_no_per_token_latency() -> None:
+    """The default path keeps no per-token attribution (it lives in the trace now)."""
+    t = Timings(ttft_ns=5, decode_tokens=4)
     d = t.to_dict()
-    assert (d["decode_tokens"], d["decode_messages"], d["decode_engine_outputs"]) == (4, 2, 4)
-    assert (d["decode_grpc_ns"], d["decode_detokenize_ns"]) == (100 + 600, 10 + 60)
-    assert (d["decode_engine_ns"], d["decode_output_ns"], d["decode_sse_ns"]) == (9000, 400,
-                                                                                    150)
-    assert "decode_ns" not in d  # set when the completion finishes
+    assert d == {"ttft_ns": 5, "decode_tokens": 4}
+    assert not any(k in Timings.__dataclass_fields__ for k in (
+        "decode_grpc_ns", "decode_detokenize_ns", "decode_sse_ns", "decode_engine_ns"))
 
 
-def _delta(tokens: int) -> SeqDelta:
-    return SeqDelta(0, "x", [7] * tokens, seq_timings=Timings(), ready_ns=1)
-
-
-def test_sse_chunks_queued_together_are_one_write_and_the_last_chunk_its_own() -> None:
+def test_sse_chunks_queued_together_are_one_write() -> None:
     queue: asyncio.Queue = asyncio.Queue()
-    d1, d2, d3 = _delta(1), _delta(2), _delta(1)
-    for item in (("b", d2), (lambda: "LAST", d3), ("usage", None), None):
+    for item in ("b", "LAST", "usage", None):
         queue.put_nowait(item)
-    text, shown, nxt = _take_ready(("a", d1), queue)
-    assert (text, shown) == ("ab", [d1, d2])  # the last chunk waits for their write
-    text, shown, nxt = _take_ready(nxt, queue)  # type: ignore[arg-type]
-    assert (text, shown, nxt) == ("LASTusage", [d3], None)
-    assert _take_ready(("now", None), asyncio.Queue()) == ("now", [], _TAKE)
-
-
-def test_decode_breakdown_is_per_token_per_request() -> None:
-    def result(scale: int) -> RequestResult:
-        return RequestResult(prompt_len=1, success=True, timings={
-            "decode_tokens": 11, "decode_engine_outputs": 11,
-            "decode_engine_ns": 10 * 20_000_000 * scale, "decode_output_ns": 11 * scale * 10**6,
-            "decode_grpc_ns": 11 * 2 * 10**6, "decode_detokenize_ns": 11 * 10**5,
-            "decode_sse_ns": 10 * 3 * 10**6})
-
-    b = decode_breakdown([result(1), result(3)], [50.0])
-    assert b["mean_engine_step_ms"] == pytest.approx(40.0)  # 10 steps between 11 outputs
-    assert b["median_engine_output_ms"] == pytest.approx(2.0)
-    assert b["mean_grpc_ms"] == pytest.approx(2.0)
-    assert b["mean_detokenize_ms"] == pytest.approx(0.1)
-    assert b["mean_sse_write_ms"] == pytest.approx(3.0)  # the last chunk is not counted
-    assert decode_breakdown([RequestResult(prompt_len=1, success=True)], [50.0]) == {}
+    assert _take_ready("a", queue) == ("abLASTusage", None)
+    assert _take_ready("now", asyncio.Queue()) == ("now", _TAKE)
 
 
 def test_event_loop_choice() -> None:
@@ -125,7 +93,7 @@ def test_event_loop_choice() -> None:
     assert event_loop_runner("uvloop") is uvloop.run
 
 
-def test_decode_stub_streams_max_tokens_with_the_engine_fields() -> None:
+def test_decode_stub_streams_max_tokens_with_the_first_message_fields() -> None:
     async def run() -> list[decode_pb2.DecodeResponse]:
         server = grpc.aio.server()
         decode_pb2_grpc.add_DecodeServiceServicer_to_server(  # type: ignore[arg-type]
@@ -149,10 +117,8 @@ def test_decode_stub_streams_max_tokens_with_the_engine_fields() -> None:
 
     msgs = asyncio.run(run())
     assert [list(m.token_ids) for m in msgs] == [[5], [6], [5]]
-    assert all(m.sent_unix_ns > 0 for m in msgs)
     assert msgs[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
-    assert msgs[-1].num_engine_outputs == 3 and msgs[-1].HasField("engine_decode_ns")
-    assert not msgs[0].HasField("engine_decode_ns")
+    assert msgs[0].HasField("queue_ns") and not msgs[-1].HasField("queue_ns")
 
 
 def test_bench_serve_sends_the_temperature_it_is_given(capsys) -> None:

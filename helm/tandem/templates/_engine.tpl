@@ -70,6 +70,9 @@ pod's grace period, leaving 10 s to exit before the kubelet kills it. */}}
 {{- with (include "tandem.tlsArgs" $root | trim) }}
 {{ . }}
 {{- end }}
+{{- with (include "tandem.tracingArgs" $root | trim) }}
+{{ . }}
+{{- end }}
 {{- with $v.extraArgs }}
 {{ toYaml . }}
 {{- end }}

@@ -189,6 +189,16 @@ peer's to chain to its CA). */}}
 {{- end }}
 {{- end }}
 
+{{/* --otlp-traces-* flags of every component (tracing.otlpTracesEndpoint; off when ""). */}}
+{{- define "tandem.tracingArgs" -}}
+{{- with .Values.tracing.otlpTracesEndpoint }}
+- --otlp-traces-endpoint={{ . }}
+{{- with $.Values.tracing.otlpTracesProtocol }}
+- --otlp-traces-protocol={{ . }}
+{{- end }}
+{{- end }}
+{{- end }}
+
 {{/* /dev/shm for UCX's shared-memory transport. */}}
 {{- define "tandem.shmVolume" -}}
 - name: dshm

@@ -55,6 +55,9 @@ spec:
         - --redis-url=$(TANDEM_REDIS_URL)
         - --node-id=$(TANDEM_POD_NAME)
         - --metrics-port={{ $v.metricsPort }}
+        {{- with (include "tandem.tracingArgs" $root | trim) }}
+        {{- . | nindent 8 }}
+        {{- end }}
         {{- with $v.extraArgs }}
         {{- toYaml . | nindent 8 }}
         {{- end }}

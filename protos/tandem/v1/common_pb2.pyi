@@ -114,7 +114,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class RequestTimings(_message.Message):
-    __slots__ = ("ttft_ns", "prefill_queue_ns", "prefill_compute_ns", "kv_publish_ns", "kv_pull_ns", "e2e_ns", "decode_tokens", "decode_engine_ns", "decode_output_ns", "decode_grpc_ns", "decode_detokenize_ns")
+    __slots__ = ("ttft_ns", "prefill_queue_ns", "prefill_compute_ns", "kv_publish_ns", "kv_pull_ns", "e2e_ns", "decode_tokens")
     TTFT_NS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_QUEUE_NS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_COMPUTE_NS_FIELD_NUMBER: _ClassVar[int]
@@ -122,10 +122,6 @@ class RequestTimings(_message.Message):
     KV_PULL_NS_FIELD_NUMBER: _ClassVar[int]
     E2E_NS_FIELD_NUMBER: _ClassVar[int]
     DECODE_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    DECODE_ENGINE_NS_FIELD_NUMBER: _ClassVar[int]
-    DECODE_OUTPUT_NS_FIELD_NUMBER: _ClassVar[int]
-    DECODE_GRPC_NS_FIELD_NUMBER: _ClassVar[int]
-    DECODE_DETOKENIZE_NS_FIELD_NUMBER: _ClassVar[int]
     ttft_ns: int
     prefill_queue_ns: int
     prefill_compute_ns: int
@@ -133,11 +129,7 @@ class RequestTimings(_message.Message):
     kv_pull_ns: int
     e2e_ns: int
     decode_tokens: int
-    decode_engine_ns: int
-    decode_output_ns: int
-    decode_grpc_ns: int
-    decode_detokenize_ns: int
-    def __init__(self, ttft_ns: _Optional[int] = ..., prefill_queue_ns: _Optional[int] = ..., prefill_compute_ns: _Optional[int] = ..., kv_publish_ns: _Optional[int] = ..., kv_pull_ns: _Optional[int] = ..., e2e_ns: _Optional[int] = ..., decode_tokens: _Optional[int] = ..., decode_engine_ns: _Optional[int] = ..., decode_output_ns: _Optional[int] = ..., decode_grpc_ns: _Optional[int] = ..., decode_detokenize_ns: _Optional[int] = ...) -> None: ...
+    def __init__(self, ttft_ns: _Optional[int] = ..., prefill_queue_ns: _Optional[int] = ..., prefill_compute_ns: _Optional[int] = ..., kv_publish_ns: _Optional[int] = ..., kv_pull_ns: _Optional[int] = ..., e2e_ns: _Optional[int] = ..., decode_tokens: _Optional[int] = ...) -> None: ...
 
 class GetLoadRequest(_message.Message):
     __slots__ = ()

@@ -25,25 +25,29 @@ _sym_db = _symbol_database.Default()
 from tandem.v1 import common_pb2 as tandem_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/decode.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\"\xb9\x03\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x1b\n\x0e\x66irst_token_id\x18\x03 \x01(\x05H\x00\x88\x01\x01\x12\x14\n\x0c\x62lock_hashes\x18\x04 \x03(\x0c\x12\x32\n\x0fsampling_params\x18\x05 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x1d\n\x15kv_layout_fingerprint\x18\x06 \x01(\x0c\x12\x16\n\x0ehash_algorithm\x18\x07 \x01(\t\x12\x10\n\x08priority\x18\t \x01(\x05\x12\x18\n\x10output_token_ids\x18\n \x03(\x05\x12\x1a\n\x12kv_publish_pending\x18\x0b \x01(\x08\x12=\n\x14kv_publish_in_flight\x18\x0c \x01(\x0b\x32\x1a.tandem.v1.PublishInFlightH\x01\x88\x01\x01\x12\x12\n\ncache_salt\x18\r \x01(\tB\x11\n\x0f_first_token_idB\x17\n\x15_kv_publish_in_flightJ\x04\x08\x08\x10\tR\x0fgenerator_state\"\xc4\x04\n\x0e\x44\x65\x63odeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12(\n\x08logprobs\x18\x02 \x03(\x0b\x32\x16.tandem.v1.TopLogprobs\x12.\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x1a\n\rstop_token_id\x18\x04 \x01(\x05H\x00\x88\x01\x01\x12\x17\n\nkv_pull_ns\x18\x05 \x01(\x03H\x01\x88\x01\x01\x12\x1e\n\x11num_cached_tokens\x18\x06 \x01(\rH\x02\x88\x01\x01\x12\x15\n\x08queue_ns\x18\x07 \x01(\x03H\x03\x88\x01\x01\x12\x1a\n\rkv_pull_bytes\x18\x08 \x01(\x04H\x04\x88\x01\x01\x12\x14\n\x0csent_unix_ns\x18\t \x01(\x03\x12\x1d\n\x10\x65ngine_decode_ns\x18\n \x01(\x03H\x05\x88\x01\x01\x12\x1e\n\x11output_latency_ns\x18\x0b \x01(\x03H\x06\x88\x01\x01\x12\x1f\n\x12num_engine_outputs\x18\x0c \x01(\rH\x07\x88\x01\x01\x12/\n\x0fprompt_logprobs\x18\r \x03(\x0b\x32\x16.tandem.v1.TopLogprobsB\x10\n\x0e_stop_token_idB\r\n\x0b_kv_pull_nsB\x14\n\x12_num_cached_tokensB\x0b\n\t_queue_nsB\x10\n\x0e_kv_pull_bytesB\x13\n\x11_engine_decode_nsB\x14\n\x12_output_latency_nsB\x15\n\x13_num_engine_outputs\"j\n\x13\x44\x65\x63odeStreamRequest\x12\x0e\n\x06stream\x18\x01 \x01(\x04\x12)\n\x05start\x18\x02 \x01(\x0b\x32\x18.tandem.v1.DecodeRequestH\x00\x12\x10\n\x06\x63\x61ncel\x18\x03 \x01(\x08H\x00\x42\x06\n\x04kind\"A\n\x11\x44\x65\x63odeStreamError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\r\n\x05\x66ield\x18\x03 \x01(\t\"|\n\x10\x44\x65\x63odeStreamItem\x12\x0e\n\x06stream\x18\x01 \x01(\x04\x12+\n\x08response\x18\x02 \x01(\x0b\x32\x19.tandem.v1.DecodeResponse\x12+\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x1c.tandem.v1.DecodeStreamError\"B\n\x14\x44\x65\x63odeStreamResponse\x12*\n\x05items\x18\x01 \x03(\x0b\x32\x1b.tandem.v1.DecodeStreamItem2\xa6\x01\n\rDecodeService\x12S\n\x0c\x44\x65\x63odeStream\x12\x1e.tandem.v1.DecodeStreamRequest\x1a\x1f.tandem.v1.DecodeStreamResponse(\x01\x30\x01\x12@\n\x07GetLoad\x12\x19.tandem.v1.GetLoadRequest\x1a\x1a.tandem.v1.GetLoadResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/decode.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\"\xb1\x04\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x1b\n\x0e\x66irst_token_id\x18\x03 \x01(\x05H\x00\x88\x01\x01\x12\x14\n\x0c\x62lock_hashes\x18\x04 \x03(\x0c\x12\x32\n\x0fsampling_params\x18\x05 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x1d\n\x15kv_layout_fingerprint\x18\x06 \x01(\x0c\x12\x16\n\x0ehash_algorithm\x18\x07 \x01(\t\x12\x10\n\x08priority\x18\t \x01(\x05\x12\x18\n\x10output_token_ids\x18\n \x03(\x05\x12\x1a\n\x12kv_publish_pending\x18\x0b \x01(\x08\x12=\n\x14kv_publish_in_flight\x18\x0c \x01(\x0b\x32\x1a.tandem.v1.PublishInFlightH\x01\x88\x01\x01\x12\x12\n\ncache_salt\x18\r \x01(\t\x12\x41\n\rtrace_context\x18\x0e \x03(\x0b\x32*.tandem.v1.DecodeRequest.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x11\n\x0f_first_token_idB\x17\n\x15_kv_publish_in_flightJ\x04\x08\x08\x10\tR\x0fgenerator_state\"\xeb\x03\n\x0e\x44\x65\x63odeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12(\n\x08logprobs\x18\x02 \x03(\x0b\x32\x16.tandem.v1.TopLogprobs\x12.\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x1a\n\rstop_token_id\x18\x04 \x01(\x05H\x00\x88\x01\x01\x12\x17\n\nkv_pull_ns\x18\x05 \x01(\x03H\x01\x88\x01\x01\x12\x1e\n\x11num_cached_tokens\x18\x06 \x01(\rH\x02\x88\x01\x01\x12\x15\n\x08queue_ns\x18\x07 \x01(\x03H\x03\x88\x01\x01\x12\x1a\n\rkv_pull_bytes\x18\x08 \x01(\x04H\x04\x88\x01\x01\x12/\n\x0fprompt_logprobs\x18\r \x03(\x0b\x32\x16.tandem.v1.TopLogprobsB\x10\n\x0e_stop_token_idB\r\n\x0b_kv_pull_nsB\x14\n\x12_num_cached_tokensB\x0b\n\t_queue_nsB\x10\n\x0e_kv_pull_bytesJ\x04\x08\t\x10\nJ\x04\x08\n\x10\x0bJ\x04\x08\x0b\x10\x0cJ\x04\x08\x0c\x10\rR\x0csent_unix_nsR\x10\x65ngine_decode_nsR\x11output_latency_nsR\x12num_engine_outputs\"j\n\x13\x44\x65\x63odeStreamRequest\x12\x0e\n\x06stream\x18\x01 \x01(\x04\x12)\n\x05start\x18\x02 \x01(\x0b\x32\x18.tandem.v1.DecodeRequestH\x00\x12\x10\n\x06\x63\x61ncel\x18\x03 \x01(\x08H\x00\x42\x06\n\x04kind\"A\n\x11\x44\x65\x63odeStreamError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\r\n\x05\x66ield\x18\x03 \x01(\t\"|\n\x10\x44\x65\x63odeStreamItem\x12\x0e\n\x06stream\x18\x01 \x01(\x04\x12+\n\x08response\x18\x02 \x01(\x0b\x32\x19.tandem.v1.DecodeResponse\x12+\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x1c.tandem.v1.DecodeStreamError\"B\n\x14\x44\x65\x63odeStreamResponse\x12*\n\x05items\x18\x01 \x03(\x0b\x32\x1b.tandem.v1.DecodeStreamItem2\xa6\x01\n\rDecodeService\x12S\n\x0c\x44\x65\x63odeStream\x12\x1e.tandem.v1.DecodeStreamRequest\x1a\x1f.tandem.v1.DecodeStreamResponse(\x01\x30\x01\x12@\n\x07GetLoad\x12\x19.tandem.v1.GetLoadRequest\x1a\x1a.tandem.v1.GetLoadResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tandem.v1.decode_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_DECODEREQUEST_TRACECONTEXTENTRY']._loaded_options = None
+  _globals['_DECODEREQUEST_TRACECONTEXTENTRY']._serialized_options = b'8\001'
   _globals['_DECODEREQUEST']._serialized_start=62
-  _globals['_DECODEREQUEST']._serialized_end=503
-  _globals['_DECODERESPONSE']._serialized_start=506
-  _globals['_DECODERESPONSE']._serialized_end=1086
-  _globals['_DECODESTREAMREQUEST']._serialized_start=1088
-  _globals['_DECODESTREAMREQUEST']._serialized_end=1194
-  _globals['_DECODESTREAMERROR']._serialized_start=1196
-  _globals['_DECODESTREAMERROR']._serialized_end=1261
-  _globals['_DECODESTREAMITEM']._serialized_start=1263
-  _globals['_DECODESTREAMITEM']._serialized_end=1387
-  _globals['_DECODESTREAMRESPONSE']._serialized_start=1389
-  _globals['_DECODESTREAMRESPONSE']._serialized_end=1455
-  _globals['_DECODESERVICE']._serialized_start=1458
-  _globals['_DECODESERVICE']._serialized_end=1624
+  _globals['_DECODEREQUEST']._serialized_end=623
+  _globals['_DECODEREQUEST_TRACECONTEXTENTRY']._serialized_start=505
+  _globals['_DECODEREQUEST_TRACECONTEXTENTRY']._serialized_end=556
+  _globals['_DECODERESPONSE']._serialized_start=626
+  _globals['_DECODERESPONSE']._serialized_end=1117
+  _globals['_DECODESTREAMREQUEST']._serialized_start=1119
+  _globals['_DECODESTREAMREQUEST']._serialized_end=1225
+  _globals['_DECODESTREAMERROR']._serialized_start=1227
+  _globals['_DECODESTREAMERROR']._serialized_end=1292
+  _globals['_DECODESTREAMITEM']._serialized_start=1294
+  _globals['_DECODESTREAMITEM']._serialized_end=1418
+  _globals['_DECODESTREAMRESPONSE']._serialized_start=1420
+  _globals['_DECODESTREAMRESPONSE']._serialized_end=1486
+  _globals['_DECODESERVICE']._serialized_start=1489
+  _globals['_DECODESERVICE']._serialized_end=1655
 # @@protoc_insertion_point(module_scope)

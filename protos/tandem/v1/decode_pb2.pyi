@@ -8,7 +8,14 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "first_token_id", "block_hashes", "sampling_params", "kv_layout_fingerprint", "hash_algorithm", "priority", "output_token_ids", "kv_publish_pending", "kv_publish_in_flight", "cache_salt")
+    __slots__ = ("request_id", "prompt_token_ids", "first_token_id", "block_hashes", "sampling_params", "kv_layout_fingerprint", "hash_algorithm", "priority", "output_token_ids", "kv_publish_pending", "kv_publish_in_flight", "cache_salt", "trace_context")
+    class TraceContextEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
@@ -21,6 +28,7 @@ class DecodeRequest(_message.Message):
     KV_PUBLISH_PENDING_FIELD_NUMBER: _ClassVar[int]
     KV_PUBLISH_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     first_token_id: int
@@ -33,10 +41,11 @@ class DecodeRequest(_message.Message):
     kv_publish_pending: bool
     kv_publish_in_flight: _common_pb2.PublishInFlight
     cache_salt: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., first_token_id: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., kv_layout_fingerprint: _Optional[bytes] = ..., hash_algorithm: _Optional[str] = ..., priority: _Optional[int] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., kv_publish_pending: _Optional[bool] = ..., kv_publish_in_flight: _Optional[_Union[_common_pb2.PublishInFlight, _Mapping]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+    trace_context: _containers.ScalarMap[str, str]
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., first_token_id: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., kv_layout_fingerprint: _Optional[bytes] = ..., hash_algorithm: _Optional[str] = ..., priority: _Optional[int] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., kv_publish_pending: _Optional[bool] = ..., kv_publish_in_flight: _Optional[_Union[_common_pb2.PublishInFlight, _Mapping]] = ..., cache_salt: _Optional[str] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
-    __slots__ = ("token_ids", "logprobs", "finish_reason", "stop_token_id", "kv_pull_ns", "num_cached_tokens", "queue_ns", "kv_pull_bytes", "sent_unix_ns", "engine_decode_ns", "output_latency_ns", "num_engine_outputs", "prompt_logprobs")
+    __slots__ = ("token_ids", "logprobs", "finish_reason", "stop_token_id", "kv_pull_ns", "num_cached_tokens", "queue_ns", "kv_pull_bytes", "prompt_logprobs")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
@@ -45,10 +54,6 @@ class DecodeResponse(_message.Message):
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     QUEUE_NS_FIELD_NUMBER: _ClassVar[int]
     KV_PULL_BYTES_FIELD_NUMBER: _ClassVar[int]
-    SENT_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
-    ENGINE_DECODE_NS_FIELD_NUMBER: _ClassVar[int]
-    OUTPUT_LATENCY_NS_FIELD_NUMBER: _ClassVar[int]
-    NUM_ENGINE_OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TopLogprobs]
@@ -58,12 +63,8 @@ class DecodeResponse(_message.Message):
     num_cached_tokens: int
     queue_ns: int
     kv_pull_bytes: int
-    sent_unix_ns: int
-    engine_decode_ns: int
-    output_latency_ns: int
-    num_engine_outputs: int
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TopLogprobs]
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TopLogprobs, _Mapping]]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., stop_token_id: _Optional[int] = ..., kv_pull_ns: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., queue_ns: _Optional[int] = ..., kv_pull_bytes: _Optional[int] = ..., sent_unix_ns: _Optional[int] = ..., engine_decode_ns: _Optional[int] = ..., output_latency_ns: _Optional[int] = ..., num_engine_outputs: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TopLogprobs, _Mapping]]] = ...) -> None: ...
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TopLogprobs, _Mapping]]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., stop_token_id: _Optional[int] = ..., kv_pull_ns: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., queue_ns: _Optional[int] = ..., kv_pull_bytes: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TopLogprobs, _Mapping]]] = ...) -> None: ...
 
 class DecodeStreamRequest(_message.Message):
     __slots__ = ("stream", "start", "cancel")

@@ -37,7 +37,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider
 
-    from tandem.services.common.tracing_export import DropCounter
+    from tandem.contracts.tracing_export import DropCounter
 
 #: ``--otlp-traces-protocol`` values (OTLP's names, as ``OTEL_EXPORTER_OTLP_TRACES_PROTOCOL``).
 PROTOCOLS = ("grpc", "http/protobuf")
@@ -106,6 +106,12 @@ class TracingConfig:
         return cls(
             otlp_traces_endpoint=endpoint, otlp_traces_protocol=protocol, service_name=service_name
         )
+
+
+def engine_service_name(role: str) -> str:
+    """``service.name`` of an engine of ``role`` (``prefill``, ``decode``, ``both``): the
+    colocated engine serves ``DecodeService`` and is ``tandem-decode`` too."""
+    return "tandem-prefill" if str(role) == "prefill" else "tandem-decode"
 
 
 def add_tracing_flags(parser: argparse.ArgumentParser) -> None:
@@ -231,7 +237,7 @@ def start_tracing(config: TracingConfig) -> Tracing:
     if config.otlp_traces_endpoint is None:
         return TRACING_OFF
     # Imported only when on: tracing off costs no SDK import, provider or thread.
-    from tandem.services.common.tracing_export import start_provider
+    from tandem.contracts.tracing_export import start_provider
 
     provider, counter = start_provider(
         config.otlp_traces_endpoint, config.otlp_traces_protocol, config.service_name
