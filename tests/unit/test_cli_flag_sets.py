@@ -14,7 +14,6 @@ import re
 
 import pytest
 
-from tandem.bench.serve_args import build_parser as bench_serve_parser
 from tandem.bench.throughput_args import parse_args as bench_throughput_args
 from tandem.contracts.role import Role
 from tandem.engine.config import (
@@ -166,55 +165,6 @@ BENCH_THROUGHPUT: dict[str, str] = {
     "--temperature": "TEMPERATURE",
     "--json": "JSON_PATH",
 }
-BENCH_SERVE: dict[str, str] = {
-    "--url": "URL",
-    "--base-url": "URL",
-    "--endpoint-type": "{completions,chat,responses,messages} [{completions,chat,responses,messages} ...]",
-    "--endpoint": "ENDPOINT",
-    "--model": "MODEL",
-    "--dataset-name": "{random,multi-turn}",
-    "--multi-turn-conversations": "MULTI_TURN_CONVERSATIONS",
-    "--multi-turn-turns": "MULTI_TURN_TURNS",
-    "--multi-turn-system-len": "MULTI_TURN_SYSTEM_LEN",
-    "--multi-turn-user-len": "MULTI_TURN_USER_LEN",
-    "--multi-turn-answer-len": "MULTI_TURN_ANSWER_LEN",
-    "--multi-turn-skip-special-tokens": "",
-    "--num-prompts": "NUM_PROMPTS",
-    "--random-input-len": "RANDOM_INPUT_LEN",
-    "--random-output-len": "RANDOM_OUTPUT_LEN",
-    "--random-range-ratio": "RANDOM_RANGE_RATIO",
-    "--input-len-mix": "INPUT_LEN_MIX",
-    "--request-rate": "REQUEST_RATE [REQUEST_RATE ...]",
-    "--burstiness": "BURSTINESS",
-    "--max-concurrency": "MAX_CONCURRENCY",
-    "--ignore-eos": "",
-    "--temperature": "TEMPERATURE",
-    "--structured": "{json}",
-    "--seed": "SEED",
-    "--percentile-metrics": "PERCENTILE_METRICS",
-    "--metric-percentiles": "METRIC_PERCENTILES",
-    "--goodput": "GOODPUT [GOODPUT ...]",
-    "--slo": "SLO",
-    "--tokenizer": "TOKENIZER",
-    "--vocab-size": "VOCAB_SIZE",
-    "--json": "[JSON]",
-    "--save-result": "",
-    "--result-dir": "RESULT_DIR",
-    "--result-filename": "RESULT_FILENAME",
-    "--plot": "PLOT",
-    "--label": "LABEL",
-    "--launch": "{disagg,disagg-no-reuse,colocated}",
-    "--launch-model": "LAUNCH_MODEL",
-    "--launch-engine-arg": "LAUNCH_ENGINE_ARG",
-    "--launch-router-arg": "LAUNCH_ROUTER_ARG",
-    "--launch-prefill": "LAUNCH_PREFILL",
-    "--launch-decode": "LAUNCH_DECODE",
-    "--fault": "PART@SECONDS",
-    "--speculative-config": "JSON",
-    "--profile": "",
-    "--profile-dir": "PROFILE_DIR",
-    "--launch-disagg-cpus": "LAUNCH_DISAGG_CPUS",
-}
 
 
 #: What the generated parsers changed on purpose: bench throughput's --dtype takes the
@@ -245,10 +195,6 @@ def test_bench_throughput_keeps_every_flag(capsys: pytest.CaptureFixture[str]) -
     assert exit_info.value.code == 0
     expected = {**BENCH_THROUGHPUT, **BENCH_THROUGHPUT_CHANGED}
     assert _missing_or_changed(expected, options_of(capsys.readouterr().out)) == {}
-
-
-def test_bench_serve_keeps_every_flag() -> None:
-    assert _missing_or_changed(BENCH_SERVE, options_of(bench_serve_parser().format_help())) == {}
 
 
 def test_engine_flags_land_in_the_fields_they_set() -> None:
