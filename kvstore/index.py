@@ -5,7 +5,9 @@ Schema (all keys under ``tandem:``):
 - ``tandem:kv:blk:<fingerprint hex>:<hash hex>`` -> string
   ``"<node_id>|<slot>|<size_bytes>|<xxh3-64 hex>"``: where a block lives. Written
   only by the node that holds the bytes, after the bytes are complete (the
-  entry is the commit marker); optional Redis TTL for block expiry.
+  entry is the commit marker); optional Redis TTL for block expiry. The slot is
+  :data:`DISK_SLOT` (``-1``) for a block in the node's disk tier (kvstore/node_disk.py):
+  the node reads it back into a RAM slot when a get asks for it.
 - ``tandem:kvnode:<node_id>`` -> hash (``address``, ``ucx_address`` hex,
   ``capacity_bytes``, ``used_bytes``, ``num_blocks``, ``slot_bytes``, ``hostname``,
   ``host_id``, ``shm_path``, ``shm_id`` (kvstore/shm.py; empty without a shared
@@ -32,6 +34,8 @@ from dataclasses import dataclass
 from tandem.contracts.block_key import BlockKey
 
 NODE_PREFIX = "tandem:kvnode:"
+#: the slot of an index entry whose block is in its node's disk tier, not in RAM
+DISK_SLOT = -1
 NODES_SET = "tandem:kvnodes"
 
 # KEYS: ndel keys to delete-if-owned, then keys to set.
@@ -129,6 +133,11 @@ class IndexEntry:
 
     def encode(self) -> str:
         return f"{self.node_id}|{self.slot}|{self.size_bytes}|{self.checksum}"
+
+    @property
+    def tier(self) -> str:
+        """``"disk"`` for a block in its node's disk tier, else ``"ram"``."""
+        return "disk" if self.slot == DISK_SLOT else "ram"
 
     @property
     def owner_prefix(self) -> str:

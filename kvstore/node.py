@@ -3,7 +3,8 @@
 See kvstore/protocol.py for the messages and kvstore/index.py for the Redis schema.
 Parts: this module holds the node's lifecycle, client connections and put/get over UCX;
 kvstore/node_index.py its registry entry and index commits in Redis (the heartbeat);
-kvstore/node_leases.py the leases of same-host shared-memory reads.
+kvstore/node_leases.py the leases of same-host shared-memory reads; kvstore/node_disk.py
+the disk tier (blocks evicted from RAM, read back on a get).
 """
 
 from __future__ import annotations
@@ -15,13 +16,13 @@ from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 from tandem.contracts.block_key import INDEX_PREFIX, BlockKey
-from tandem.contracts.tracing import TRACING_OFF, Tracing
 from tandem.kvstore import protocol as proto
 from tandem.kvstore.config import NodeConfig
 from tandem.kvstore.metrics import NodeMetrics
+from tandem.kvstore.node_conn import Conn
+from tandem.kvstore.node_disk import NodeDisk
 from tandem.kvstore.node_index import NodeIndex
 from tandem.kvstore.node_leases import ShmLeases
-from tandem.kvstore.node_spans import request_span
 from tandem.kvstore.pool import Entry, PoolFullError, SlotPool
 from tandem.kvstore.shm import Segment
 from tandem.kvstore.shm_ctl import CtlServer, ctl_address
@@ -32,35 +33,6 @@ logger = logging.getLogger("tandem.kvstore.server")
 
 async def _raise(exc: BaseException) -> None:
     raise exc
-
-
-class _Conn:
-    """One client connection: our endpoint to it and the ids each side chose."""
-
-    def __init__(self, conn_id: int, peer_conn_id: int, ep: Any) -> None:
-        self.conn_id = conn_id
-        self.peer_conn_id = peer_conn_id
-        self.ep = ep
-        self.closed = False
-
-    async def reply(self, request_id: int, msg: dict[str, Any]) -> None:
-        tag = proto.make_tag(self.peer_conn_id, request_id, proto.CTRL_PART)
-        await self.ep.send(proto.encode(msg), tag=tag, force_tag=True)
-
-    def abort(self) -> None:
-        if not self.closed:
-            self.closed = True
-            self.ep.abort()
-
-    async def close_with_bye(self, reason: str) -> None:
-        """Tell the client (best effort) that this connection is dropped, then abort it."""
-        if self.closed:
-            return
-        try:
-            await asyncio.wait_for(self.reply(0, {"op": "bye", "reason": reason}), 1.0)
-        except Exception:  # noqa: BLE001 - client may be gone; abort regardless
-            pass
-        self.abort()
 
 
 class StoreNode:
@@ -78,18 +50,18 @@ class StoreNode:
                              buffer=self.segment.array if self.segment else None)
         self.metrics = NodeMetrics()
         self.metrics.capacity_bytes.set(cfg.capacity_bytes)
+        self.metrics.tier_capacity_bytes.labels("ram").set(cfg.capacity_bytes)
         # the node's registry entry and index commits in Redis
         self.index = NodeIndex(cfg, self.pool, self.metrics, self.segment)
         # shared-memory reads in progress (kvstore/shm_ctl.py's get_shm)
         self.leases = ShmLeases(self.pool, self.metrics, cfg.shm_lease_s, self.segment)
         self._next_conn = 1
-        self._conns: dict[int, _Conn] = {}
+        self._conns: dict[int, Conn] = {}
         self._fp_sizes: dict[str, int] = {}  # layout fingerprint hex -> block bytes
         self._tasks: set[asyncio.Task[Any]] = set()
         self.ctl: CtlServer | None = None  # same-host get_shm channel (kvstore/shm_ctl.py)
-        #: OpenTelemetry (``contracts/tracing.py``): a request that carries a ``trace``
-        #: context gets a span when the node traces
-        self.tracing: Tracing = TRACING_OFF
+        self.disk = (NodeDisk(cfg, self.pool, self.index, self.metrics, self._spawn)
+                     if cfg.disk_path else None)
 
     @property
     def redis_ok(self) -> bool:
@@ -102,7 +74,7 @@ class StoreNode:
         init_ucx(self.cfg.ucx)
         self.index.ucx_address = worker_address()
         if self.segment is not None:
-            ctl = CtlServer(self.leases.pin_shm, self.leases.release_lease,
+            ctl = CtlServer(self._pin_shm, self.leases.release_lease,
                             self.leases.release_leases_of)
             try:
                 await ctl.start(ctl_address(self.cfg.node_id, self.segment.ident))
@@ -110,8 +82,11 @@ class StoreNode:
             except OSError as exc:
                 logger.warning("no shared-memory control socket (%s): clients read over UCX",
                                exc)
+        if self.disk is not None:
+            await self.disk.start()
         self._spawn(self._hello_loop())
-        await self.index.heartbeat_once()
+        if not await self.index.heartbeat_once() and self.disk is not None:
+            await self.disk.register()
         self._spawn(self._heartbeat_loop())
         self._spawn(self._expiry_loop())
         logger.info("kvstore node %s on %s:%d: %d bytes, heartbeat TTL %.1fs",
@@ -130,6 +105,9 @@ class StoreNode:
             logger.error("task failed: %r", task.exception(), exc_info=task.exception())
 
     async def stop(self) -> None:
+        if self.disk is not None:
+            # evicted blocks still waiting for their write reach the disk
+            await self.disk.stop(self.cfg.transfer_timeout_s)
         for t in list(self._tasks):
             t.cancel()
         for c in self._conns.values():
@@ -161,6 +139,8 @@ class StoreNode:
     def _update_gauges(self) -> None:
         self.metrics.blocks_stored.set(self.pool.num_blocks)
         self.metrics.bytes_stored.set(self.pool.used_bytes)
+        self.metrics.tier_blocks.labels("ram").set(self.pool.num_blocks)
+        self.metrics.tier_bytes.labels("ram").set(self.pool.used_bytes)
 
     # -- connections --------------------------------------------------------------------------
 
@@ -178,13 +158,13 @@ class StoreNode:
                 continue
             conn_id = self._next_conn
             self._next_conn = self._next_conn % 0xFFFE + 1
-            conn = _Conn(conn_id, peer_conn, ep)
+            conn = Conn(conn_id, peer_conn, ep)
             self._conns[conn_id] = conn
             await conn.reply(0, {"op": "welcome", "conn_id": conn_id,
                                  "node_id": self.cfg.node_id})
             self._spawn(self._serve(conn))
 
-    async def _serve(self, conn: _Conn) -> None:
+    async def _serve(self, conn: Conn) -> None:
         tag = proto.make_tag(conn.conn_id, 0xFFFFFF, proto.CTRL_PART)
         try:
             while not conn.closed:
@@ -197,7 +177,10 @@ class StoreNode:
                     logger.warning("malformed request on connection %d: %s", conn.conn_id, exc)
                     continue
                 work = None
-                if msg.get("op") == "get":
+                if (msg.get("op") == "get" and self.disk is not None
+                        and self.disk.wants(msg.get("keys"))):
+                    work = self._get_from_disk(conn, request_id, msg)
+                elif msg.get("op") == "get":
                     # see _begin_get; a bad request is answered by _handle as usual
                     try:
                         work = self._begin_get(conn, request_id, msg)
@@ -210,13 +193,10 @@ class StoreNode:
             conn.abort()
             self._conns.pop(conn.conn_id, None)
 
-    async def _handle(self, conn: _Conn, request_id: int, msg: dict[str, Any],
+    async def _handle(self, conn: Conn, request_id: int, msg: dict[str, Any],
                       work: Coroutine[Any, Any, None] | None = None) -> None:
         """Serve one request; ``work``: a get already begun by :meth:`_begin_get`."""
         op = msg.get("op")
-        span = None
-        if self.tracing.enabled and "trace" in msg:
-            span = request_span(self.tracing, op, msg)
         try:
             if work is not None:
                 await work
@@ -237,11 +217,8 @@ class StoreNode:
             self.metrics.errors.labels("internal").inc()
             logger.exception("request %s failed", op)
             await self._reply_error(conn, request_id, f"{type(exc).__name__}: {exc}")
-        finally:
-            if span is not None:
-                span.end()
 
-    async def _reply_error(self, conn: _Conn, request_id: int, error: str) -> None:
+    async def _reply_error(self, conn: Conn, request_id: int, error: str) -> None:
         if conn.closed:
             return
         try:
@@ -297,7 +274,7 @@ class StoreNode:
             )
         return keys, sizes, [str(s) for s in sums]
 
-    async def _put(self, conn: _Conn, request_id: int, msg: dict[str, Any]) -> None:
+    async def _put(self, conn: Conn, request_id: int, msg: dict[str, Any]) -> None:
         t0 = time.perf_counter()
         keys, sizes, sums = self._validate_put(msg)
         runs = msg.get("runs") or [[i, 1] for i in range(len(keys))]
@@ -321,11 +298,12 @@ class StoreNode:
                 evicted += gone
                 accepted.append(i)
         except (PoolFullError, ValueError) as exc:
+            dropped, moved = self._evicted(evicted)
             for e in pending:
                 self.pool.abort(e)
-            await self.index.try_commit(
-                [(e.key, self.index.entry(e).owner_prefix) for e in evicted], [])
+            await self.index.try_commit(*self._settle(dropped, moved))
             raise ValueError(str(exc)) from exc
+        dropped, moved = self._evicted(evicted)
         for k, n in zip(keys, sizes, strict=True):
             self._fp_sizes.setdefault(k[len(INDEX_PREFIX):].partition(":")[0], n)
         if not formatted:
@@ -354,8 +332,7 @@ class StoreNode:
                 conn.abort()  # cancels the posted receives before the slots are reused
                 for e in pending:
                     self.pool.abort(e)
-                await self.index.try_commit(
-                    [(e.key, self.index.entry(e).owner_prefix) for e in evicted], [])
+                await self.index.try_commit(*self._settle(dropped, moved))
         new = []
         mine = {id(e) for e in pending}
         for k in keys:
@@ -372,8 +349,8 @@ class StoreNode:
         # in LRU order; a later put of the same key indexes them again).
         for e in pending:
             self.pool.commit(e)
-        committed = await self.index.try_commit(
-            [(e.key, self.index.entry(e).owner_prefix) for e in evicted], new)
+        dropped, moved = self._settle(dropped, moved)
+        committed = await self.index.try_commit(dropped, moved + new)
         if not committed:
             raise RuntimeError("index (Redis) unreachable: blocks not stored")
         self.metrics.put_bytes.inc(sum(e.size_bytes for e in pending))
@@ -382,14 +359,46 @@ class StoreNode:
         await conn.reply(request_id, {"op": "stored", "num_stored": len(new),
                                       "num_sent": len(pending)})
 
-    def _begin_get(self, conn: _Conn, request_id: int,
-                   msg: dict[str, Any]) -> Coroutine[Any, Any, None]:
+    def _evicted(self, evicted: list[Entry]
+                 ) -> tuple[list[tuple[str, str]], list[tuple[str, str, int]]]:
+        """The index changes of blocks evicted from RAM: (entries to remove, entries to
+        write); with a disk tier the blocks move there (their bytes are copied now,
+        before their slots are written)."""
+        if self.disk is not None:
+            return self.disk.demote(evicted)
+        return [(e.key, self.index.entry(e).owner_prefix) for e in evicted], []
+
+    def _settle(self, dropped: list[tuple[str, str]], moved: list[tuple[str, str, int]]
+                ) -> tuple[list[tuple[str, str]], list[tuple[str, str, int]]]:
+        """:meth:`_evicted`'s index changes as they stand now (NodeDisk.settle)."""
+        return self.disk.settle(dropped, moved) if self.disk is not None else (dropped, moved)
+
+    async def _get_from_disk(self, conn: Conn, request_id: int, msg: dict[str, Any]) -> None:
+        """A get that asks for blocks in the disk tier: read them back into RAM, then
+        serve it as any get."""
+        assert self.disk is not None
+        num_from_disk = await self.disk.promote(msg["keys"])
+        await self._begin_get(conn, request_id, msg, num_from_disk)
+
+    async def _pin_shm(self, conn_id: int, msg: dict[str, Any]) -> dict[str, Any]:
+        """A same-host read's pins (ShmLeases.pin_shm), after blocks it asks for that
+        are in the disk tier were read back into RAM."""
+        num_from_disk = 0
+        if self.disk is not None and self.disk.wants(msg.get("keys")):
+            num_from_disk = await self.disk.promote(msg["keys"])
+        return self.leases.pin_shm(conn_id, msg, num_from_disk)
+
+    def _begin_get(self, conn: Conn, request_id: int, msg: dict[str, Any],
+                   num_from_disk: int = 0) -> Coroutine[Any, Any, None]:
         """Pin the blocks of a get and start its reply and payload sends, without
         yielding to the loop; returns the coroutine that waits for the sends.
 
         NOTE: called by the connection's receive loop itself, not in a task of its
         own: the sends are posted one loop iteration sooner, and each iteration on
         the hot path costs a GIL hand-off with ucxx's notifier thread.
+
+        ``num_from_disk``: of the blocks asked for, those just read back from the disk
+        tier (counted as its hits, not RAM's).
 
         Raises:
             ValueError: malformed request (nothing pinned, nothing sent).
@@ -406,6 +415,7 @@ class StoreNode:
         held = [e for e in entries if e is not None]
         try:
             self.metrics.hits.inc(len(held))
+            self.metrics.tier_hits.labels("ram").inc(max(0, len(held) - num_from_disk))
             self.metrics.misses.inc(len(keys) - len(held))
             sizes = [e.size_bytes if e else 0 for e in entries]
             msgs = proto.group_messages(runs, [e.slot if e else None for e in entries], sizes,
@@ -435,7 +445,7 @@ class StoreNode:
             raise
         return self._end_get(conn, sends, held, t0)
 
-    async def _end_get(self, conn: _Conn, sends: asyncio.Future[Any], held: list[Entry],
+    async def _end_get(self, conn: Conn, sends: asyncio.Future[Any], held: list[Entry],
                        t0: float) -> None:
         """Wait for a get's sends (see :meth:`_begin_get`), then unpin its blocks."""
         try:

@@ -11,6 +11,7 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Callable
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -44,6 +45,9 @@ class NodeIndex:
         self._commit = self.redis.register_script(COMMIT_LUA)
         self.redis_ok = False
         self.ucx_address = b""
+        #: (key, entry) of the node's blocks outside its RAM pool (its disk tier,
+        #: kvstore/node_disk.py): republished and withdrawn with the pool's
+        self.disk_entries: Callable[[], list[tuple[str, IndexEntry]]] = list
 
     def _registry_fields(self) -> dict[Any, Any]:
         return {
@@ -61,9 +65,10 @@ class NodeIndex:
             "updated_at": time.time(),
         }
 
-    async def heartbeat_once(self) -> None:
+    async def heartbeat_once(self) -> bool:
         """Refresh the registry entry (its TTL too); publish the index entries again
-        when the entry was gone. A failure sets ``redis_ok`` False, never raises."""
+        when the entry was gone. A failure sets ``redis_ok`` False, never raises.
+        Returns whether the index entries were published again."""
         key = node_key(self.cfg.node_id)
         fields = self._registry_fields()
         ttl_ms = int(self.cfg.heartbeat_ttl_s * 1000)
@@ -78,24 +83,28 @@ class NodeIndex:
             if self.redis_ok:
                 logger.warning("heartbeat failed (Redis unreachable?): %s", exc)
             self.redis_ok = False
-            return
-        if not existed and self.pool.num_blocks:
+            return False
+        republish = not existed and (self.pool.num_blocks or self.disk_entries())
+        if republish:
             # Registry entry was gone: Redis restarted (or we were partitioned long
             # enough to expire). Re-publish what this node holds.
             await self._republish()
         self.redis_ok = True
+        return bool(republish)
 
     async def _republish(self) -> None:
-        new = []
+        new = [(k, e.encode(), 0) for k, e in self.disk_entries()]
         for key in self.pool.lru_keys():
             e = self.pool.entries[key]
             ttl_ms = self.ttl_ms(e)
             if ttl_ms is None:
                 continue
             new.append((key, self.entry(e).encode(), ttl_ms))
-        if new:
-            keys, argv = commit_args([], new)
+        # NOTE: in parts, so that a large disk tier does not make one long Lua call
+        for i in range(0, len(new), 1000):
+            keys, argv = commit_args([], new[i : i + 1000])
             await self._commit(keys=keys, args=argv)
+        if new:
             logger.info("re-published %d index entries after a registry loss", len(new))
 
     def entry(self, e: Entry) -> IndexEntry:
@@ -131,6 +140,7 @@ class NodeIndex:
         # a clean stop withdraws the node and its index entries (a killed node's
         # entries are misses, removed by the clients that find them)
         gone = [(k, self.entry(self.pool.entries[k]).owner_prefix) for k in self.pool.lru_keys()]
+        gone += [(k, e.owner_prefix) for k, e in self.disk_entries()]
         await self.try_commit(gone, [])
         try:
             await self.redis.delete(node_key(self.cfg.node_id))

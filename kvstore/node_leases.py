@@ -40,9 +40,11 @@ class ShmLeases:
         self._leases: dict[tuple[int, int], tuple[list[Entry], asyncio.TimerHandle, float]] = {}
         self._next_lease = 1
 
-    def pin_shm(self, conn_id: int, msg: dict[str, Any]) -> dict[str, Any]:
+    def pin_shm(self, conn_id: int, msg: dict[str, Any],
+                num_from_disk: int = 0) -> dict[str, Any]:
         """Pin the blocks a ``get_shm`` request names; returns the ``shm`` reply with
-        their offsets in the shared segment (kvstore/protocol.py).
+        their offsets in the shared segment (kvstore/protocol.py). ``num_from_disk``:
+        of them, those just read back from the node's disk tier (counted as its hits).
 
         The blocks stay pinned (not evicted, not overwritten) until connection
         ``conn_id`` releases the lease, closes, or ``lease_s`` passes.
@@ -61,6 +63,7 @@ class ShmLeases:
         entries = [self.pool.acquire(k) for k in keys]
         held = [e for e in entries if e is not None]
         self.metrics.hits.inc(len(held))
+        self.metrics.tier_hits.labels("ram").inc(max(0, len(held) - num_from_disk))
         self.metrics.misses.inc(len(keys) - len(held))
         lease = 0
         if held:

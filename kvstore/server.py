@@ -4,6 +4,7 @@
                    [--node-id ID] [--metrics-port PORT] [--heartbeat-ttl-s S]
                    [--block-ttl-s S] [--slot-bytes N] [--transfer-timeout-s S]
                    [--no-shm] [--shm-lease-s S]
+                   [--disk-path DIR --disk-capacity BYTES] [--disk-write-queue-bytes N]
 
 The node preallocates ``--capacity`` bytes of host memory (kvstore/pool.py),
 registers itself in Redis with its UCX worker address and a heartbeat TTL,
@@ -14,6 +15,10 @@ as their local node); HTTP ``/health`` and ``/metrics`` are served on
 ``--metrics-port`` (default: the ``--listen`` port). The pool lives in a
 shared-memory segment that clients on the same host read directly
 (kvstore/shm.py); ``--no-shm`` keeps it private (UCX reads only).
+``--disk-path`` adds a disk tier behind the pool (kvstore/node_disk.py): blocks evicted
+from RAM are kept there, read back on a get, and registered again when a node starts on
+the same directory; a directory that cannot be written or lacks ``--disk-capacity`` of
+room is a start-up error (exit 2).
 """
 
 from __future__ import annotations
@@ -29,12 +34,13 @@ import threading
 import uuid
 from collections.abc import Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from tandem.contracts.tracing import TracingConfig, add_tracing_flags, start_tracing
 from tandem.kvstore.config import NodeConfig, UcxOptions, parse_bytes
+from tandem.kvstore.disk_scan import probe_directory
 from tandem.kvstore.node import StoreNode
 
 __all__ = ["NodeConfig", "StoreNode", "build_parser", "config_from_args", "main", "parse_bytes",
@@ -90,8 +96,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="keep the pool in private memory (no same-host shared-memory reads)")
     p.add_argument("--shm-lease-s", type=float, default=30.0,
                    help="unpin a shared-memory read's blocks after this long without release")
+    p.add_argument("--disk-path", default=None,
+                   help="directory of a disk tier behind the pool (blocks evicted from RAM; "
+                        "kept across restarts); default: RAM only")
+    p.add_argument("--disk-capacity", type=parse_bytes, default=0,
+                   help="bytes the disk tier may take (suffixes K/M/G/T[iB]); needs --disk-path")
+    p.add_argument("--disk-write-queue-bytes", type=parse_bytes, default=256 << 20,
+                   help="evicted bytes waiting for their disk write at most; evictions "
+                        "beyond are not kept (counted)")
     p.add_argument("--log-level", default="INFO")
-    add_tracing_flags(p)
     return p
 
 
@@ -114,18 +127,17 @@ def config_from_args(argv: list[str], environ: Mapping[str, str] | None = None) 
             slot_bytes=a.slot_bytes, transfer_timeout_s=a.transfer_timeout_s,
             prefault=not a.no_prefault, shm=not a.no_shm, shm_lease_s=a.shm_lease_s,
             ucx=UcxOptions.from_environ(os.environ if environ is None else environ),
+            disk_path=a.disk_path, disk_capacity_bytes=a.disk_capacity,
+            disk_write_queue_bytes=a.disk_write_queue_bytes,
         )
     except ValueError as exc:
         parser.error(str(exc))
         raise  # unreachable: parser.error exits
 
 
-async def serve(cfg: NodeConfig, tracing: TracingConfig | None = None) -> None:
-    """Run a node until SIGTERM/SIGINT; ``tracing``: its OpenTelemetry export (off)."""
+async def serve(cfg: NodeConfig) -> None:
+    """Run a node until SIGTERM/SIGINT."""
     node = StoreNode(cfg)
-    node.tracing = start_tracing(tracing or TracingConfig(service_name="tandem-kvstore"))
-    if node.tracing.enabled:
-        node.metrics.registry.register(node.tracing)
     http = _start_http(node, cfg.metrics_port)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -136,7 +148,6 @@ async def serve(cfg: NodeConfig, tracing: TracingConfig | None = None) -> None:
           flush=True)
     await stop.wait()
     await node.stop()
-    node.tracing.shutdown()  # exports what is queued
     http.shutdown()
     logging.shutdown()
     # NOTE: ucxx's teardown can block on endpoints of clients that went away; the
@@ -150,16 +161,16 @@ def main(argv: list[str] | None = None) -> int:
 
     args = list(sys.argv[1:] if argv is None else argv)
     cfg = config_from_args(args)
-    ns = build_parser().parse_args(args)
-    try:
-        tracing = TracingConfig.from_args(ns, os.environ, "tandem-kvstore")
-    except ValueError as exc:
-        print(f"tandem kvstore: error: {exc}", file=sys.stderr)
-        return 2
-    level = ns.log_level.upper()
+    if cfg.disk_path is not None:
+        try:
+            probe_directory(Path(cfg.disk_path), cfg.disk_capacity_bytes)
+        except ValueError as exc:
+            print(f"tandem kvstore: error: {exc}", file=sys.stderr)
+            return 2
+    level = build_parser().parse_args(args).log_level.upper()
     logging.basicConfig(level=getattr(logging, level, logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    asyncio.run(serve(cfg, tracing))
+    asyncio.run(serve(cfg))
     return 0
 
 

@@ -30,7 +30,7 @@ import json
 import logging
 import socket
 import struct
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from tandem.kvstore import protocol as proto
@@ -49,13 +49,14 @@ class CtlServer:
     """The node side: serves ``get_shm``/``release`` on the node's event loop.
 
     Args:
-        pin: ``(conn_id, msg) -> reply`` for a ``get_shm`` request (raises
-            ValueError for a bad request, answered as ``error``).
+        pin: ``async (conn_id, msg) -> reply`` for a ``get_shm`` request (raises
+            ValueError for a bad request, answered as ``error``); a coroutine, as the
+            node may read blocks back from its disk tier first.
         release: ``(conn_id, lease)``: unpin one lease.
         release_all: ``(conn_id)``: unpin every lease of a closed connection.
     """
 
-    def __init__(self, pin: Callable[[int, dict[str, Any]], dict[str, Any]],
+    def __init__(self, pin: Callable[[int, dict[str, Any]], Awaitable[dict[str, Any]]],
                  release: Callable[[int, Any], None], release_all: Callable[[int], None]) -> None:
         self._pin, self._release, self._release_all = pin, release, release_all
         self._server: asyncio.AbstractServer | None = None
@@ -95,7 +96,7 @@ class CtlServer:
                 try:
                     if op != "get_shm":
                         raise ValueError(f"unknown op {op!r} on the shared-memory channel")
-                    reply = self._pin(conn_id, msg)
+                    reply = await self._pin(conn_id, msg)
                 except ValueError as exc:
                     reply = {"op": "error", "error": str(exc)}
                 reply["req"] = msg.get("req")

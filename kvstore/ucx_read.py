@@ -19,7 +19,7 @@ from collections.abc import Awaitable, Callable
 import numpy as np
 
 from tandem.kvstore import protocol as proto
-from tandem.kvstore.index import IndexEntry
+from tandem.kvstore.index import DISK_SLOT, IndexEntry
 from tandem.kvstore.store import (
     KVStoreError,
     KVStoreNodeDownError,
@@ -69,7 +69,8 @@ class UcxReader:
         runs = runs_of(views)
         request: dict[str, object] = {"op": "get", "keys": names, "runs": runs}
         msgs = None
-        if node.slot_bytes:
+        # a block in the node's disk tier gets a RAM slot only when asked for: no cut
+        if node.slot_bytes and all(e.slot != DISK_SLOT for e in entries):
             msgs = proto.group_messages(runs, [e.slot for e in entries],
                                         [e.size_bytes for e in entries], node.slot_bytes)
         for expect in (msgs, None) if msgs is not None else (None,):

@@ -44,8 +44,6 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
         "decode": {"gpus": 2, "tensorParallelSize": 2, "enableExpertParallel": True},
     },
     "internal-tls": {"internalTLS": {"enabled": True, "secretName": "tandem-internal-tls"}},
-    "tracing": {"tracing": {"otlpTracesEndpoint": "http://otel-collector.observability:4317",
-                            "otlpTracesProtocol": "grpc"}},
     "ingress": {
         "router": {
             "ingress": {
@@ -101,13 +99,16 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
             },
             "speculative": {"method": "ngram", "numSpeculativeTokens": 4, "promptLookupMax": 3},
         },
-        "kvstore": {"kind": "DaemonSet", "capacity": 64 * 2**30},
+        "kvstore": {"kind": "DaemonSet", "capacity": 64 * 2**30,
+                    "disk": {"enabled": True, "capacity": 800 * 2**30,
+                             "mountPath": "/var/lib/tandem/kvstore",
+                             "hostPath": "/mnt/nvme0/tandem-kv"}},
         "serviceMonitor": {"enabled": True, "labels": {"release": "kube-prometheus-stack"}},
         "env": {"TANDEM_LOG_LEVEL": "debug"},
     },
+    "keda": KEDA_VALUES,
     "hostpath-nodeport": {
         "model": {
-    "keda": KEDA_VALUES,
             "path": "/models/qwen",
             "file": "",
             "source": "hostPath",
@@ -115,7 +116,9 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
         },
         "router": {"service": {"type": "NodePort"}, "routingPolicy": "least_loaded"},
         "redis": {"persistence": {"enabled": True, "storageClassName": "fast"}},
-        "kvstore": {"replicas": 3, "resources": {"limits": {"memory": "12Gi"}}},
+        "kvstore": {"replicas": 3, "resources": {"limits": {"memory": "12Gi"}},
+                    "disk": {"enabled": True, "capacity": 50 * 2**30,
+                             "mountPath": "/var/lib/tandem/kvstore"}},
         "serviceAccount": {"create": False, "name": "llm-runner"},
     },
 }

@@ -55,8 +55,9 @@ spec:
         - --redis-url=$(TANDEM_REDIS_URL)
         - --node-id=$(TANDEM_POD_NAME)
         - --metrics-port={{ $v.metricsPort }}
-        {{- with (include "tandem.tracingArgs" $root | trim) }}
-        {{- . | nindent 8 }}
+        {{- if $v.disk.enabled }}
+        - --disk-path={{ $v.disk.mountPath }}
+        - --disk-capacity={{ int64 $v.disk.capacity }}
         {{- end }}
         {{- with $v.extraArgs }}
         {{- toYaml . | nindent 8 }}
@@ -101,6 +102,23 @@ spec:
         {{- include "tandem.containerSecurityContext" $root | nindent 8 }}
       volumeMounts:
         {{- include "tandem.shmVolumeMount" $root | nindent 8 }}
+        {{- if $v.disk.enabled }}
+        - name: kv-disk
+          mountPath: {{ $v.disk.mountPath }}
+        {{- end }}
   volumes:
     {{- include "tandem.shmVolume" $root | nindent 4 }}
+    {{- if $v.disk.enabled }}
+    - name: kv-disk
+      {{- if $v.disk.hostPath }}
+      hostPath:
+        path: {{ $v.disk.hostPath }}
+        type: DirectoryOrCreate
+      {{- else }}
+      # NOTE: headroom over --disk-capacity for file headers and writes in flight, so
+      # that the kubelet never evicts the pod for its own cache
+      emptyDir:
+        sizeLimit: {{ add (int64 $v.disk.capacity) (div (int64 $v.disk.capacity) 10) }}
+      {{- end }}
+    {{- end }}
 {{- end }}
