@@ -16,6 +16,7 @@ from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 from tandem.contracts.block_key import INDEX_PREFIX, BlockKey
+from tandem.contracts.tracing import TRACING_OFF, Tracing
 from tandem.kvstore import protocol as proto
 from tandem.kvstore.config import NodeConfig
 from tandem.kvstore.metrics import NodeMetrics
@@ -23,6 +24,7 @@ from tandem.kvstore.node_conn import Conn
 from tandem.kvstore.node_disk import NodeDisk
 from tandem.kvstore.node_index import NodeIndex
 from tandem.kvstore.node_leases import ShmLeases
+from tandem.kvstore.node_spans import request_span
 from tandem.kvstore.pool import Entry, PoolFullError, SlotPool
 from tandem.kvstore.shm import Segment
 from tandem.kvstore.shm_ctl import CtlServer, ctl_address
@@ -62,6 +64,9 @@ class StoreNode:
         self.ctl: CtlServer | None = None  # same-host get_shm channel (kvstore/shm_ctl.py)
         self.disk = (NodeDisk(cfg, self.pool, self.index, self.metrics, self._spawn)
                      if cfg.disk_path else None)
+        #: OpenTelemetry (``contracts/tracing.py``): a request that carries a ``trace``
+        #: context gets a span when the node traces
+        self.tracing: Tracing = TRACING_OFF
 
     @property
     def redis_ok(self) -> bool:
@@ -197,6 +202,9 @@ class StoreNode:
                       work: Coroutine[Any, Any, None] | None = None) -> None:
         """Serve one request; ``work``: a get already begun by :meth:`_begin_get`."""
         op = msg.get("op")
+        span = None
+        if self.tracing.enabled and "trace" in msg:
+            span = request_span(self.tracing, op, msg)
         try:
             if work is not None:
                 await work
@@ -217,6 +225,9 @@ class StoreNode:
             self.metrics.errors.labels("internal").inc()
             logger.exception("request %s failed", op)
             await self._reply_error(conn, request_id, f"{type(exc).__name__}: {exc}")
+        finally:
+            if span is not None:
+                span.end()
 
     async def _reply_error(self, conn: Conn, request_id: int, error: str) -> None:
         if conn.closed:

@@ -39,6 +39,7 @@ from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from tandem.contracts.tracing import TracingConfig, add_tracing_flags, start_tracing
 from tandem.kvstore.config import NodeConfig, UcxOptions, parse_bytes
 from tandem.kvstore.disk_scan import probe_directory
 from tandem.kvstore.node import StoreNode
@@ -105,6 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="evicted bytes waiting for their disk write at most; evictions "
                         "beyond are not kept (counted)")
     p.add_argument("--log-level", default="INFO")
+    add_tracing_flags(p)
     return p
 
 
@@ -135,9 +137,12 @@ def config_from_args(argv: list[str], environ: Mapping[str, str] | None = None) 
         raise  # unreachable: parser.error exits
 
 
-async def serve(cfg: NodeConfig) -> None:
-    """Run a node until SIGTERM/SIGINT."""
+async def serve(cfg: NodeConfig, tracing: TracingConfig | None = None) -> None:
+    """Run a node until SIGTERM/SIGINT; ``tracing``: its OpenTelemetry export (off)."""
     node = StoreNode(cfg)
+    node.tracing = start_tracing(tracing or TracingConfig(service_name="tandem-kvstore"))
+    if node.tracing.enabled:
+        node.metrics.registry.register(node.tracing)
     http = _start_http(node, cfg.metrics_port)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -148,6 +153,7 @@ async def serve(cfg: NodeConfig) -> None:
           flush=True)
     await stop.wait()
     await node.stop()
+    node.tracing.shutdown()  # exports what is queued
     http.shutdown()
     logging.shutdown()
     # NOTE: ucxx's teardown can block on endpoints of clients that went away; the
@@ -167,10 +173,16 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as exc:
             print(f"tandem kvstore: error: {exc}", file=sys.stderr)
             return 2
-    level = build_parser().parse_args(args).log_level.upper()
+    ns = build_parser().parse_args(args)
+    try:
+        tracing = TracingConfig.from_args(ns, os.environ, "tandem-kvstore")
+    except ValueError as exc:
+        print(f"tandem kvstore: error: {exc}", file=sys.stderr)
+        return 2
+    level = ns.log_level.upper()
     logging.basicConfig(level=getattr(logging, level, logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    asyncio.run(serve(cfg))
+    asyncio.run(serve(cfg, tracing))
     return 0
 
 

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tandem.contracts.role import Role
+from tandem.contracts.tracing import TracingConfig, add_tracing_flags
 from tandem.engine.config import DEFAULT_GPU_MEMORY_UTILIZATION
 from tandem.kvstore.config import parse_bytes
 from tandem.kvstore.disk_scan import probe_directory
@@ -114,6 +115,8 @@ class StackConfig:
         verbose: children write to this terminal instead of log files.
         log_dir: folder for the children's logs, kept after the stack stops (``None``:
             the stack's temporary folder, removed with it).
+        tracing_args: ``--otlp-traces-endpoint`` / ``--otlp-traces-protocol`` as given,
+            passed to every part (router, engines, store node; ``contracts/tracing.py``).
     """
 
     num_prefill: int = 1
@@ -140,6 +143,7 @@ class StackConfig:
     gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
     verbose: bool = False
     log_dir: Path | None = None
+    tracing_args: list[str] = field(default_factory=list)
 
 
 def _preflight(cfg: StackConfig) -> None:
@@ -233,7 +237,7 @@ class Stack:
             self._launch([Part("kvstore", tandem_argv(
                 "kvstore", "--listen", f"127.0.0.1:{kv_port}", "--capacity",
                 str(cfg.kvstore_capacity_bytes), "--redis-url", self.redis_url,
-                "--metrics-port", str(kv_metrics),
+                "--metrics-port", str(kv_metrics), *cfg.tracing_args,
                 *(["--disk-path", cfg.kvstore_disk_path, "--disk-capacity",
                    str(cfg.kvstore_disk_capacity_bytes)] if cfg.kvstore_disk_path else [])),
                 lambda p=kv_metrics: http_ok(f"http://127.0.0.1:{p}/health"),
@@ -255,7 +259,8 @@ class Stack:
         port = cfg.port or free_port()
         grpc_port = cfg.grpc_port or free_port()
         router_argv = ["router", "--host", cfg.host, "--port", str(port), "--grpc-port",
-                       str(grpc_port), "--redis-url", self.redis_url, *cfg.router_args]
+                       str(grpc_port), "--redis-url", self.redis_url, *cfg.tracing_args,
+                       *cfg.router_args]
         if cfg.model:
             router_argv += ["--model", cfg.model]
         self.http_url = f"http://{cfg.host}:{port}"
@@ -276,7 +281,7 @@ class Stack:
         # NOTE: a random suffix keeps registry keys apart when stacks share one Redis.
         instance_id = f"{name}-{uuid.uuid4().hex[:8]}"
         argv = [*cmd, "--listen", f"127.0.0.1:{port}", "--redis-url", self.redis_url,
-                "--instance-id", instance_id, *kv_cache_args(cfg),
+                "--instance-id", instance_id, *kv_cache_args(cfg), *cfg.tracing_args,
                 *gpu_memory_utilization_args(cfg, extra), *extra]
         if takes_cpu_turns(cfg):
             if not sets_flag(extra, "--shared-cpu-lock"):
@@ -406,6 +411,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-dir", type=Path, default=Path("tandem-logs"),
                    help="folder for the children's logs, kept after exit; a part's previous "
                         "logs are rotated to <part>.log.1 .. .5 (default: ./tandem-logs)")
+    add_tracing_flags(p)  # every part exports its spans there
     return p
 
 
@@ -422,10 +428,14 @@ def config_from_args(ns: argparse.Namespace) -> StackConfig:
         from tandem.engine.config import SpeculativeConfig
 
         SpeculativeConfig.from_json(ns.speculative_config)  # fail here, not in a child
+    TracingConfig.from_args(ns, {}, "tandem")  # a bad endpoint fails here, not in a child
     if (ns.kvstore_disk_path is None) != (ns.kvstore_disk_capacity == 0):
         raise ValueError("--kvstore-disk-path and --kvstore-disk-capacity go together")
     if ns.kvstore_disk_path is not None:
         probe_directory(Path(ns.kvstore_disk_path), ns.kvstore_disk_capacity)
+    tracing_args = [f for flag, value in (("--otlp-traces-endpoint", ns.otlp_traces_endpoint),
+                                          ("--otlp-traces-protocol", ns.otlp_traces_protocol))
+                    if value for f in (flag, value)]
     return StackConfig(num_prefill=ns.prefill, num_decode=ns.decode, colocated=ns.colocated,
                        replicas=ns.replicas, port=ns.port, grpc_port=ns.grpc_port,
                        host=ns.host, model=ns.model, redis_url=ns.redis_url,
@@ -441,7 +451,8 @@ def config_from_args(ns: argparse.Namespace) -> StackConfig:
                        cpus_per_engine=ns.cpus_per_engine, cpu_turns=ns.cpu_turns,
                        startup_timeout_s=ns.startup_timeout,
                        gpu_memory_utilization=ns.gpu_memory_utilization,
-                       verbose=ns.verbose, log_dir=ns.log_dir, engine_metrics=True)
+                       verbose=ns.verbose, log_dir=ns.log_dir, engine_metrics=True,
+                       tracing_args=tracing_args)
 
 
 def main(argv: list[str] | None = None) -> int:

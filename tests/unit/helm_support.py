@@ -44,6 +44,8 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
         "decode": {"gpus": 2, "tensorParallelSize": 2, "enableExpertParallel": True},
     },
     "internal-tls": {"internalTLS": {"enabled": True, "secretName": "tandem-internal-tls"}},
+    "tracing": {"tracing": {"otlpTracesEndpoint": "http://otel-collector.observability:4317",
+                            "otlpTracesProtocol": "grpc"}},
     "ingress": {
         "router": {
             "ingress": {

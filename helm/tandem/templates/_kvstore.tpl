@@ -59,6 +59,9 @@ spec:
         - --disk-path={{ $v.disk.mountPath }}
         - --disk-capacity={{ int64 $v.disk.capacity }}
         {{- end }}
+        {{- with (include "tandem.tracingArgs" $root | trim) }}
+        {{- . | nindent 8 }}
+        {{- end }}
         {{- with $v.extraArgs }}
         {{- toYaml . | nindent 8 }}
         {{- end }}
