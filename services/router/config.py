@@ -7,6 +7,7 @@ import argparse
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from tandem.contracts.config_args import config_from_args, flag
 from tandem.contracts.tracing import TracingConfig
 from tandem.services.common.tls import TLSFiles, tls_from_args
 from tandem.services.router.reasoning import REASONING_PARSERS
@@ -93,55 +94,111 @@ class RouterConfig:
         ValueError: naming the flag, for a port outside 0..65535, a count below 1, both or neither instance sources, both ``--api-key`` and ``--api-keys``.
     """
 
-    host: str = "0.0.0.0"
-    port: int = 8000
-    grpc_port: int = 50051
-    model: str | None = None
-    served_model_name: str | None = None
-    redis_url: str | None = None
+    host: str = field(default="0.0.0.0", metadata=flag(
+        "HTTP and gRPC bind address"))
+    port: int = field(default=8000, metadata=flag(
+        "HTTP port (OpenAI API, /metrics)"))
+    grpc_port: int = field(default=50051, metadata=flag(
+        "public gRPC GenerationService port (0 disables it)"))
+    model: str | None = field(default=None, metadata=flag(
+        "model path (GGUF file or HF folder); default: SmolLM2-135M-Instruct"))
+    served_model_name: str | None = field(default=None, metadata=flag(
+        "name clients pass as `model` (default: the model's file/folder name)"))
+    redis_url: str | None = field(default=None, metadata=flag(
+        "instance registry, redis://host:port"))
     prefill: tuple[str, ...] = ()
     decode: tuple[str, ...] = ()
     colocated: tuple[str, ...] = ()
-    routing_policy: RoutingPolicy = RoutingPolicy.KV_AWARE
-    api_key: str | None = None
+    routing_policy: RoutingPolicy = field(default=RoutingPolicy.KV_AWARE, metadata=flag(
+        "how prefill and decode instances are chosen"))
+    api_key: str | None = field(default=None, metadata=flag(
+        "require `Authorization: Bearer KEY` (default: $TANDEM_API_KEY)"))
     api_keys: KeyTable | None = None
-    rate_limit_url: str | None = None
-    max_model_len: int | None = None
-    max_running_requests: int = 256
-    max_queued_requests: int = 1024
-    max_attempts: int = 3
-    max_migrations: int = 3
-    chat_template: str | None = None
-    tool_call_parser: str = "hermes"
-    reasoning_parser: str | None = None
-    generation_config: str = "auto"
-    max_request_body_bytes: int | None = None
-    shutdown_grace_s: float = 8.0
+    rate_limit_url: str | None = field(default=None, metadata=flag(
+        "Redis where --api-keys limits are counted, shared by every replica "
+        "(default: --redis-url; without either: each router counts its own)"))
+    max_model_len: int | None = field(default=None, metadata=flag(
+        "cap on the context length in tokens (default: the smallest "
+        "--max-model-len of the engines serving the model, as they report it)"))
+    max_running_requests: int = field(default=256, metadata=flag(
+        "requests in flight through the router at once"))
+    max_queued_requests: int = field(default=1024, metadata=flag(
+        "requests queued behind those; more get 503 + Retry-After"))
+    max_attempts: int = field(default=3, metadata=flag(
+        "tries per stage (prefill, decode) on different instances"))
+    max_migrations: int = field(default=3, metadata=flag(
+        "times one completion may continue on another decode instance after "
+        "the one streaming it failed mid-stream (0: end it with an error event)"))
+    chat_template: str | None = field(default=None, metadata=flag(
+        "chat template for every request: a Jinja file, a shipped template's "
+        "name (hermes_tool_use) or the template itself; default the model's"))
+    tool_call_parser: str = field(default="hermes", metadata=flag(
+        "how tool calls are read from the model's text (hermes: "
+        "<tool_call>{json}</tool_call>)", choices=("hermes",)))
+    reasoning_parser: str | None = field(default=None, metadata=flag(
+        "split <think>...</think> thinking off chat answers into "
+        "reasoning_content (Responses: a reasoning item; Messages: thinking blocks): "
+        "deepseek_r1 (the output starts in the thinking) or qwen3 (explicit tags; "
+        "enable_thinking: false turns it off); default none", choices=REASONING_PARSERS))
+    generation_config: str = field(default="auto", metadata=flag(
+        "default sampling values of requests that leave them unset: 'auto' "
+        "(the model folder's generation_config.json: temperature, top_p, top_k, min_p, "
+        "repetition_penalty, max_new_tokens), 'vllm' (the API's own defaults) or a "
+        "folder holding a generation_config.json"))
+    max_request_body_bytes: int | None = field(default=None, metadata=flag(
+        "largest request accepted, in bytes: HTTP bodies (413 beyond) and "
+        "public gRPC messages (default: 8 MiB + 32 bytes per token of --max-model-len, "
+        "or of a 128K context without it)"))
+    shutdown_grace_s: float = field(default=8.0, metadata=flag(
+        "on SIGTERM: seconds open requests get to finish; then streams end "
+        "with an error event and [DONE] (default 8, below tandem up's 10 s)"))
     tls: TLSFiles = field(default_factory=TLSFiles)
-    kv_index_url: str | None = None
-    disagg_min_uncached_tokens: int = 0
-    disagg_max_prefill_queue: int = 0
-    disagg_prefill_fallback: bool = True
-    response_store_url: str | None = None
-    response_ttl_s: int = 3600
-    metrics_window_s: float = 60.0
-    log_level: str = "info"
-    tracing: TracingConfig = field(default_factory=TracingConfig)
-    loop: str = "auto"
-    http: str = "auto"
+    kv_index_url: str | None = field(default=None, metadata=flag(
+        "Redis of the KV store index that routing reads (default: --redis-url; "
+        "with static lists and no URL the store is not consulted)"))
+    disagg_min_uncached_tokens: int = field(default=0, metadata=flag(
+        "a prompt with fewer uncached tokens (after the decode instance's "
+        "and the store's cache) is prefilled on the decode instance, skipping the "
+        "prefill hop; 0: always disaggregate"))
+    disagg_max_prefill_queue: int = field(default=0, metadata=flag(
+        "when the least loaded prefill instance already has this many "
+        "prefills outstanding, the decode instance prefills the prompt itself "
+        "(Dynamo's max_prefill_queue_size); 0: off"))
+    disagg_prefill_fallback: bool = field(default=True, metadata=flag(
+        "with no prefill instance able to serve (none up, or every Prefill "
+        "attempt failed), a decode instance prefills the prompt itself instead of the "
+        "request failing with 503 (default: on)"))
+    response_store_url: str | None = field(default=None, metadata=flag(
+        "Redis where /v1/responses keeps stored responses for "
+        "previous_response_id, shared by every replica (default: --redis-url; without "
+        "either: this router's memory only)"))
+    response_ttl_s: int = field(default=3600, metadata=flag(
+        "seconds a stored /v1/responses response is kept (default 3600)"))
+    metrics_window_s: float = field(default=60.0, metadata=flag(
+        "seconds of the sliding window of the TTFT and inter-token latency "
+        "percentiles (p50/p90/p99 gauges) on /metrics (default 60)"))
+    log_level: str = field(default="info", metadata=flag(
+        "Python logging level (debug, info, warning, error)"))
+    tracing: TracingConfig = field(
+        default_factory=lambda: TracingConfig(service_name="tandem-router"))
+    loop: str = field(default="auto", metadata=flag(
+        "event loop (auto: uvloop when installed)", choices=("auto", "asyncio", "uvloop")))
+    http: str = field(default="auto", metadata=flag(
+        "HTTP/1.1 implementation (auto: httptools when installed)",
+        choices=("auto", "h11", "httptools")))
 
     def __post_init__(self) -> None:
         if self.loop not in ("auto", "asyncio", "uvloop"):
             raise ValueError(f"--loop must be auto, asyncio or uvloop, got {self.loop!r}")
         if self.http not in ("auto", "h11", "httptools"):
             raise ValueError(f"--http must be auto, h11 or httptools, got {self.http!r}")
-        for flag, port in (("--port", self.port), ("--grpc-port", self.grpc_port)):
+        for option, port in (("--port", self.port), ("--grpc-port", self.grpc_port)):
             if not 0 <= port <= 65535:
-                raise ValueError(f"{flag} must be in 0..65535, got {port}")
-        for flag, value in (("--max-running-requests", self.max_running_requests),
-                            ("--max-attempts", self.max_attempts)):
+                raise ValueError(f"{option} must be in 0..65535, got {port}")
+        for option, value in (("--max-running-requests", self.max_running_requests),
+                              ("--max-attempts", self.max_attempts)):
             if value < 1:
-                raise ValueError(f"{flag} must be >= 1, got {value}")
+                raise ValueError(f"{option} must be >= 1, got {value}")
         if self.max_migrations < 0:
             raise ValueError(f"--max-migrations must be >= 0, got {self.max_migrations}")
         if self.disagg_min_uncached_tokens < 0:
@@ -187,34 +244,15 @@ class RouterConfig:
             ValueError: as the class; for an ``--api-keys`` file that cannot be read or
                 is wrong, naming the entry and field (``tenants.load_key_table``).
         """
-        return cls(host=ns.host, port=ns.port, grpc_port=ns.grpc_port, model=ns.model,
-                   served_model_name=ns.served_model_name, redis_url=ns.redis_url or None,
-                   prefill=_split(ns.prefill), decode=_split(ns.decode),
-                   colocated=_split(ns.colocated),
-                   routing_policy=RoutingPolicy(ns.routing_policy),
-                   api_key=ns.api_key or environ.get("TANDEM_API_KEY") or None,
-                   api_keys=(load_key_table(ns.api_keys) if getattr(ns, "api_keys", None)
-                             else None),
-                   rate_limit_url=(getattr(ns, "rate_limit_url", None) or ns.redis_url
-                                   or None),
-                   max_model_len=ns.max_model_len,
-                   max_running_requests=ns.max_running_requests,
-                   max_queued_requests=ns.max_queued_requests, max_attempts=ns.max_attempts,
-                   max_migrations=ns.max_migrations,
-                   chat_template=getattr(ns, "chat_template", None),
-                   tool_call_parser=getattr(ns, "tool_call_parser", "hermes"),
-                   reasoning_parser=getattr(ns, "reasoning_parser", None) or None,
-                   generation_config=getattr(ns, "generation_config", "auto"),
-                   max_request_body_bytes=ns.max_request_body_bytes,
-                   shutdown_grace_s=ns.shutdown_grace_s, tls=tls_from_args(ns),
-                   kv_index_url=getattr(ns, "kv_index_url", None) or ns.redis_url or None,
-                   disagg_min_uncached_tokens=getattr(ns, "disagg_min_uncached_tokens", 0),
-                   disagg_max_prefill_queue=getattr(ns, "disagg_max_prefill_queue", 0),
-                   disagg_prefill_fallback=getattr(ns, "disagg_prefill_fallback", True),
-                   response_store_url=(getattr(ns, "response_store_url", None)
-                                       or ns.redis_url or None),
-                   response_ttl_s=getattr(ns, "response_ttl_s", 3600),
-                   metrics_window_s=ns.metrics_window_s,
-                   log_level=ns.log_level, loop=getattr(ns, "loop", "auto"),
-                   tracing=TracingConfig.from_args(ns, environ, "tandem-router"),
-                   http=getattr(ns, "http", "auto"))
+        redis_url = ns.redis_url or None
+        return config_from_args(
+            cls, ns, redis_url=redis_url, prefill=_split(ns.prefill), decode=_split(ns.decode),
+            colocated=_split(ns.colocated),
+            api_key=ns.api_key or environ.get("TANDEM_API_KEY") or None,
+            api_keys=load_key_table(ns.api_keys) if ns.api_keys else None,
+            rate_limit_url=ns.rate_limit_url or redis_url,
+            reasoning_parser=ns.reasoning_parser or None,
+            kv_index_url=ns.kv_index_url or redis_url,
+            response_store_url=ns.response_store_url or redis_url,
+            tls=tls_from_args(ns),
+            tracing=TracingConfig.from_args(ns, environ, "tandem-router"))

@@ -17,109 +17,30 @@ import sys
 from collections.abc import Callable, Coroutine, Iterator
 from typing import Any
 
+from tandem.contracts.config_args import add_config_flags
 from tandem.contracts.tracing import add_tracing_flags, start_tracing
 from tandem.engine.sampling_params import SamplingDefaults
 from tandem.services.common.tls import add_tls_flags
 from tandem.services.router.config import RouterConfig
-from tandem.services.router.reasoning import REASONING_PARSERS
-from tandem.services.router.routing import RoutingPolicy
 
 logger = logging.getLogger("tandem.router")
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The flags of ``tandem router``: ``RouterConfig``'s fields (generated,
+    ``contracts/config_args.py``) and those read into other values here (the static
+    instance lists, the API-key file, TLS files, tracing)."""
     p = argparse.ArgumentParser(prog="tandem router", description=__doc__.splitlines()[0])
-    p.add_argument("--host", default="0.0.0.0", help="HTTP and gRPC bind address")
-    p.add_argument("--port", type=int, default=8000, help="HTTP port (OpenAI API, /metrics)")
-    p.add_argument("--grpc-port", type=int, default=50051,
-                   help="public gRPC GenerationService port (0 disables it)")
-    p.add_argument("--model", default=None,
-                   help="model path (GGUF file or HF folder); default: SmolLM2-135M-Instruct")
-    p.add_argument("--served-model-name", default=None,
-                   help="name clients pass as `model` (default: the model's file/folder name)")
-    p.add_argument("--redis-url", default=None, help="instance registry, redis://host:port")
+    add_config_flags(p, RouterConfig)
     p.add_argument("--prefill", default="", help="static prefill instances ADDR,ADDR...")
     p.add_argument("--decode", default="", help="static decode instances ADDR,ADDR...")
     p.add_argument("--colocated", default="", help="static colocated (role both) instances")
-    p.add_argument("--routing-policy", default=RoutingPolicy.KV_AWARE.value,
-                   choices=[r.value for r in RoutingPolicy])
-    p.add_argument("--api-key", default=None,
-                   help="require `Authorization: Bearer KEY` (default: $TANDEM_API_KEY)")
     p.add_argument("--api-keys", default=None, metavar="FILE",
                    help="YAML/JSON file mapping each API key to {tenant: NAME, "
                         "requests_per_minute: N, tokens_per_minute: N} (limits optional); "
                         "over a limit: 429 + Retry-After. Not with --api-key")
-    p.add_argument("--rate-limit-url", default=None,
-                   help="Redis where --api-keys limits are counted, shared by every replica "
-                        "(default: --redis-url; without either: each router counts its own)")
-    p.add_argument("--max-model-len", type=int, default=None,
-                   help="cap on the context length in tokens (default: the smallest "
-                        "--max-model-len of the engines serving the model, as they report it)")
-    p.add_argument("--max-running-requests", type=int, default=256,
-                   help="requests in flight through the router at once")
-    p.add_argument("--max-queued-requests", type=int, default=1024,
-                   help="requests queued behind those; more get 503 + Retry-After")
-    p.add_argument("--max-attempts", type=int, default=3,
-                   help="tries per stage (prefill, decode) on different instances")
-    p.add_argument("--chat-template", default=None,
-                   help="chat template for every request: a Jinja file, a shipped template's "
-                        "name (hermes_tool_use) or the template itself; default the model's")
-    p.add_argument("--generation-config", default="auto",
-                   help="default sampling values of requests that leave them unset: 'auto' "
-                        "(the model folder's generation_config.json: temperature, top_p, "
-                        "top_k, min_p, repetition_penalty, max_new_tokens), 'vllm' (the "
-                        "API's own defaults) or a folder holding a generation_config.json")
-    p.add_argument("--tool-call-parser", default="hermes", choices=["hermes"],
-                   help="how tool calls are read from the model's text (hermes: "
-                        "<tool_call>{json}</tool_call>)")
-    p.add_argument("--reasoning-parser", default=None, choices=list(REASONING_PARSERS),
-                   help="split <think>...</think> thinking off chat answers into "
-                        "reasoning_content (Responses: a reasoning item; Messages: thinking "
-                        "blocks): deepseek_r1 (the output starts in the thinking) or qwen3 "
-                        "(explicit tags; enable_thinking: false turns it off); default none")
-    p.add_argument("--max-request-body-bytes", type=int, default=None,
-                   help="largest request accepted, in bytes: HTTP bodies (413 beyond) and "
-                        "public gRPC messages (default: 8 MiB + 32 bytes per token of "
-                        "--max-model-len, or of a 128K context without it)")
-    p.add_argument("--max-migrations", type=int, default=3,
-                   help="times one completion may continue on another decode instance after "
-                        "the one streaming it failed mid-stream (0: end it with an error "
-                        "event)")
-    p.add_argument("--shutdown-grace-s", type=float, default=8.0,
-                   help="on SIGTERM: seconds open requests get to finish; then streams end "
-                        "with an error event and [DONE] (default 8, below tandem up's 10 s)")
     add_tls_flags(p, "the router's connections to the engines", client=True)
     add_tracing_flags(p)
-    p.add_argument("--kv-index-url", default=None,
-                   help="Redis of the KV store index that routing reads (default: --redis-url; "
-                        "with static lists and no URL the store is not consulted)")
-    p.add_argument("--disagg-min-uncached-tokens", type=int, default=0,
-                   help="a prompt with fewer uncached tokens (after the decode instance's "
-                        "and the store's cache) is prefilled on the decode instance, "
-                        "skipping the prefill hop; 0: always disaggregate")
-    p.add_argument("--disagg-max-prefill-queue", type=int, default=0,
-                   help="when the least loaded prefill instance already has this many "
-                        "prefills outstanding, the decode instance prefills the prompt "
-                        "itself (Dynamo's max_prefill_queue_size); 0: off")
-    p.add_argument("--disagg-prefill-fallback", default=True,
-                   action=argparse.BooleanOptionalAction,
-                   help="with no prefill instance able to serve (none up, or every Prefill "
-                        "attempt failed), a decode instance prefills the prompt itself "
-                        "instead of the request failing with 503 (default: on)")
-    p.add_argument("--response-store-url", default=None,
-                   help="Redis where /v1/responses keeps stored responses for "
-                        "previous_response_id, shared by every replica (default: "
-                        "--redis-url; without either: this router's memory only)")
-    p.add_argument("--response-ttl-s", type=int, default=3600,
-                   help="seconds a stored /v1/responses response is kept (default 3600)")
-    p.add_argument("--metrics-window-s", type=float, default=60.0,
-                   help="seconds of the sliding window of the TTFT and inter-token latency "
-                        "percentiles (p50/p90/p99 gauges) on /metrics (default 60)")
-    p.add_argument("--log-level", default="info")
-    p.add_argument("--loop", default="auto", choices=["auto", "asyncio", "uvloop"],
-                   help="event loop (auto: uvloop when installed)")
-    p.add_argument("--http", default="auto", choices=["auto", "h11", "httptools"],
-                   help="HTTP/1.1 implementation (auto: httptools when installed)")
     return p
 
 

@@ -11,6 +11,7 @@ fails here, as it would break the Helm chart and scripts that pass it.
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 
 import pytest
 
@@ -25,6 +26,7 @@ from tandem.engine.config import (
 )
 from tandem.kvstore.config import StoreConnectorConfig
 from tandem.services.common.server import build_engine_config, build_parser
+from tandem.services.router.config import RouterConfig
 from tandem.services.router.main import build_parser as router_parser
 
 _OPTION_LINE = re.compile(r"^\s{1,6}(-{1,2}[A-Za-z0-9].*)$")
@@ -323,3 +325,11 @@ def test_engine_flag_defaults_are_the_configs() -> None:
         CompilationConfig(),
         None,
     )
+
+
+def test_router_flag_defaults_are_the_config() -> None:
+    """The router's flags restate no default: none given builds ``RouterConfig``'s own."""
+    ns = router_parser().parse_args(["--colocated", "h:1"])
+    config = RouterConfig.from_args(ns, {})
+    expected = RouterConfig(colocated=("h:1",))
+    assert replace(config, tracing=expected.tracing) == expected
