@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import shutil
 import signal
@@ -63,6 +64,7 @@ from tandem.bench.serve_report import (
     print_result,
     side_by_side,
 )
+from tandem.bench.serve_tracing import launch_tracing
 
 __all__ = ["RequestResult", "build_parser", "compute_metrics",
            "http_session", "launch_plan", "main", "model_and_vocab", "parse_slo",
@@ -349,7 +351,12 @@ def main(argv: list[str] | None = None) -> int:
         raise_on_sigterm()
 
         all_results, failed = [], 0
-        for mode, spec, label in launch_plan(args.launch, args.speculative_config):
+        tracing_modes = args.launch_tracing or ["off"]
+        for (mode, spec, label), tracing in [
+                (p, t) for t in tracing_modes
+                for p in launch_plan(args.launch, args.speculative_config)]:
+            if len(tracing_modes) > 1:
+                label = f"{label}+tracing-{tracing}"
             colocated = mode == "colocated"
             engine_args = list(args.launch_engine_arg)
             if mode == "disagg-no-reuse":
@@ -361,7 +368,8 @@ def main(argv: list[str] | None = None) -> int:
                               cpus_per_engine=0 if colocated else args.launch_disagg_cpus,
                               speculative_config=spec, engine_metrics=spec is not None)
             print(f"== launching {label} stack ==", flush=True)
-            with Stack(cfg) as stack:
+            with launch_tracing(tracing) as (tracing_args, receiver), \
+                    Stack(dataclasses.replace(cfg, tracing_args=tracing_args)) as stack:
                 if faults:
                     from tandem.bench.faults import FaultInjector
 
@@ -390,6 +398,10 @@ def main(argv: list[str] | None = None) -> int:
                     results += _run_with_faults(args, stack, faults, percentiles, slo, mix,
                                                 label=f"{label}+faults")
                     print_fault_comparison(results, percentiles)
+                if receiver is not None:
+                    for m in results:
+                        m["otlp_spans_received"] = receiver.num_spans()
+                    print(f"OTLP spans received: {receiver.num_spans()}", flush=True)
             all_results += results
             failed += n_failed
         if len(all_results) > 1:

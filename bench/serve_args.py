@@ -120,6 +120,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--launch-router-arg", action="append", default=[],
                    help="extra flag for the launched router (repeatable), e.g. "
                         "--launch-router-arg=--disagg-min-uncached-tokens=64")
+    p.add_argument("--launch-tracing", action="append", default=[],
+                   choices=["off", "on", "down"],
+                   help="OpenTelemetry tracing of the launched stacks, one stack per value "
+                        "in order (repeat to alternate: --launch-tracing off "
+                        "--launch-tracing on ...): off; on (every part exports to an OTLP "
+                        "receiver in this process); down (an endpoint nobody serves: every "
+                        "span dropped) (default: off)")
     p.add_argument("--launch-prefill", type=int, default=1,
                    help="prefill instances of a --launch disagg stack")
     p.add_argument("--launch-decode", type=int, default=1,

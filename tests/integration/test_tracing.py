@@ -1,5 +1,5 @@
 """One trace per request across every process (issue 41): router, prefill, KV store node
-and decode export OTLP spans to a real receiver in the test (``otlp_receiver.py``, which
+and decode export OTLP spans to a real receiver in the test (``bench/otlp_receiver.py``, which
 decodes them with opentelemetry-proto's own classes); tracing off starts no exporter;
 an endpoint that is down costs requests nothing and counts the spans it drops.
 
@@ -17,11 +17,11 @@ from pathlib import Path
 
 import httpx
 import pytest
-from otlp_receiver import OTLPReceiver, ReceivedSpan
 from ports import free_port
 from services_harness import EngineService, Proc, metric_value, random_prompt
 from waiting import wait_until
 
+from tandem.bench.otlp_receiver import OTLPReceiver, ReceivedSpan
 from tandem.launch import http_ok
 
 ENGINE_ARGS = ["--max-num-batched-tokens", "64", "--num-kv-blocks", "128", "--block-size", "16"]

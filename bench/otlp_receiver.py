@@ -1,6 +1,10 @@
-"""A real OTLP/HTTP trace receiver for the tests (beside ``waiting.py``; ``tests/`` is on
-pytest's pythonpath): ``POST /v1/traces`` bodies decoded with opentelemetry-proto's own
-``ExportTraceServiceRequest``, as a collector does."""
+"""A small OTLP/HTTP trace receiver: ``POST /v1/traces`` bodies decoded with
+opentelemetry-proto's own ``ExportTraceServiceRequest``, as a collector does.
+
+What ``tandem bench serve --launch-tracing on`` exports to (it counts the spans that
+arrived), and the receiver of the tracing tests. Not a collector: it keeps every span in
+memory and forwards nothing.
+"""
 
 from __future__ import annotations
 
@@ -85,6 +89,11 @@ class OTLPReceiver:
                     )
         with self._lock:
             self._spans.extend(got)
+
+    def num_spans(self) -> int:
+        """Spans received so far."""
+        with self._lock:
+            return len(self._spans)
 
     def spans(self) -> list[ReceivedSpan]:
         """Every span received so far."""
