@@ -46,6 +46,7 @@ from typing import Any
 
 # NOTE: the bench's public names stay importable from here (tune, router_ceiling, mixed,
 # multiturn and the tests import them from tandem.bench.serve).
+from tandem.bench import kvstore_disk
 from tandem.bench.serve_args import build_parser, parse_slo
 from tandem.bench.serve_client import (
     RequestResult,
@@ -327,6 +328,7 @@ def main(argv: list[str] | None = None) -> int:
             MultiTurnShape(args.multi_turn_conversations, args.multi_turn_turns,
                            args.multi_turn_system_len, args.multi_turn_user_len,
                            args.multi_turn_answer_len)
+        kvstore_disk.check_args(args)
         from tandem.bench.faults import Fault
 
         faults = [Fault.parse(f) for f in args.fault]
@@ -352,11 +354,14 @@ def main(argv: list[str] | None = None) -> int:
 
         all_results, failed = [], 0
         tracing_modes = args.launch_tracing or ["off"]
-        for (mode, spec, label), tracing in [
-                (p, t) for t in tracing_modes
-                for p in launch_plan(args.launch, args.speculative_config)]:
+        tiers = args.launch_kvstore_tiers or ["ram"]
+        for run, ((mode, spec, label), tracing, tier) in enumerate([
+                (p, t, k) for t in tracing_modes for k in tiers
+                for p in launch_plan(args.launch, args.speculative_config)]):
             if len(tracing_modes) > 1:
                 label = f"{label}+tracing-{tracing}"
+            if len(tiers) > 1:
+                label = f"{label}+{tier}"
             colocated = mode == "colocated"
             engine_args = list(args.launch_engine_arg)
             if mode == "disagg-no-reuse":
@@ -366,7 +371,8 @@ def main(argv: list[str] | None = None) -> int:
                               engine_args=engine_args,
                               router_args=list(args.launch_router_arg),
                               cpus_per_engine=0 if colocated else args.launch_disagg_cpus,
-                              speculative_config=spec, engine_metrics=spec is not None)
+                              speculative_config=spec, engine_metrics=spec is not None,
+                              **kvstore_disk.stack_fields(args, tier, run))
             print(f"== launching {label} stack ==", flush=True)
             with launch_tracing(tracing) as (tracing_args, receiver), \
                     Stack(dataclasses.replace(cfg, tracing_args=tracing_args)) as stack:
@@ -398,6 +404,9 @@ def main(argv: list[str] | None = None) -> int:
                     results += _run_with_faults(args, stack, faults, percentiles, slo, mix,
                                                 label=f"{label}+faults")
                     print_fault_comparison(results, percentiles)
+                if args.launch_kvstore_tiers and stack.kvstore_metrics_url:
+                    kvstore_disk.report(results, label, stack.kvstore_metrics_url,
+                                        cfg.kvstore_disk_path)
                 if receiver is not None:
                     for m in results:
                         m["otlp_spans_received"] = receiver.num_spans()

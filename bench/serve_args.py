@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 from tandem.bench.serve_doors import ENDPOINT_TYPES
+from tandem.kvstore.config import parse_bytes
 
 
 def parse_slo(items: list[str], sep: str) -> dict[str, float]:
@@ -127,6 +128,17 @@ def build_parser() -> argparse.ArgumentParser:
                         "--launch-tracing on ...): off; on (every part exports to an OTLP "
                         "receiver in this process); down (an endpoint nobody serves: every "
                         "span dropped) (default: off)")
+    p.add_argument("--launch-kvstore-tier", dest="launch_kvstore_tiers", action="append",
+                   default=[], choices=["ram", "disk"],
+                   help="the launched stacks' KV store, one stack per value in order (repeat "
+                        "to alternate): ram (host RAM only); disk (with a disk tier under "
+                        "--launch-kvstore-disk-path) (default: ram)")
+    p.add_argument("--launch-kvstore-capacity", type=parse_bytes, default=0,
+                   help="KV store RAM of the launched stacks (default: tandem up's)")
+    p.add_argument("--launch-kvstore-disk-path", default=None,
+                   help="folder of the disk tier of --launch-kvstore-tier disk stacks")
+    p.add_argument("--launch-kvstore-disk-capacity", type=parse_bytes, default=0,
+                   help="disk-tier bytes of --launch-kvstore-tier disk stacks")
     p.add_argument("--launch-prefill", type=int, default=1,
                    help="prefill instances of a --launch disagg stack")
     p.add_argument("--launch-decode", type=int, default=1,
