@@ -255,13 +255,13 @@ class KVStoreNode:
     """A running `tandem kvstore` process (UCX data plane, Redis index)."""
 
     def __init__(self, redis_url: str, tmp: Path, capacity_bytes: int = 256 << 20,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, extra_args: tuple[str, ...] = ()) -> None:
         self.port = free_port()
         self.metrics_port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.proc = Proc(
             ["kvstore", "--listen", self.address, "--capacity", str(capacity_bytes),
-             "--redis-url", redis_url, "--metrics-port", str(self.metrics_port)],
+             "--redis-url", redis_url, "--metrics-port", str(self.metrics_port), *extra_args],
             tmp / f"kvstore-{self.port}.log",
             env,
             ready=lambda: http_ok(f"http://127.0.0.1:{self.metrics_port}/health"),

@@ -177,3 +177,21 @@ def test_per_role_engine_args_reach_only_their_engines_after_the_common_ones(
     ns = build_parser().parse_args(["--colocated", "--decode-engine-arg=--max-num-seqs=4"])
     with pytest.raises(ValueError, match="use --engine-arg"):
         config_from_args(ns)
+
+
+def test_kvstore_disk_flags_are_checked_before_anything_starts(tmp_path) -> None:
+    from tandem.up import build_parser, config_from_args
+
+    ns = build_parser().parse_args(["--kvstore-disk-path", str(tmp_path / "kv"),
+                                    "--kvstore-disk-capacity", "1M"])
+    cfg = config_from_args(ns)
+    assert (cfg.kvstore_disk_path, cfg.kvstore_disk_capacity_bytes) == (str(tmp_path / "kv"),
+                                                                        1 << 20)
+    ns = build_parser().parse_args(["--kvstore-disk-path", str(tmp_path / "kv")])
+    with pytest.raises(ValueError, match="--kvstore-disk-capacity go together"):
+        config_from_args(ns)
+    (tmp_path / "file").write_text("x")
+    ns = build_parser().parse_args(["--kvstore-disk-path", str(tmp_path / "file" / "kv"),
+                                    "--kvstore-disk-capacity", "1M"])
+    with pytest.raises(ValueError, match=r"file/kv is not a writable directory"):
+        config_from_args(ns)
