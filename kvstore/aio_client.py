@@ -1,4 +1,5 @@
-"""The store client's async core (:class:`AsyncKVStoreClient`, a ``BlockStore``).
+"""The store client's async core (:class:`AsyncKVStoreClient`): the coroutines behind the
+``BlockStore`` facade (kvstore/client.py), with its semantics.
 
 It owns the index (Redis), the node registry and the UCX connections, puts
 blocks, and reads them with one reader per transport: :class:`ShmReader`
@@ -41,7 +42,6 @@ from tandem.kvstore.index_entries import (
 from tandem.kvstore.shm import host_id, segment_gone
 from tandem.kvstore.shm_read import ShmReader
 from tandem.kvstore.store import (
-    BlockStore,
     KVStoreError,
     KVStoreNodeDownError,
     KVStoreTimeoutError,
@@ -65,7 +65,7 @@ logger = logging.getLogger("tandem.kvstore.client")
 Indexed = tuple[list[IndexEntry | None], dict[str, NodeInfo]]
 
 
-class AsyncKVStoreClient(BlockStore):
+class AsyncKVStoreClient:
     """The store client's coroutines; run them on :func:`~tandem.kvstore.ucx.client_loop`.
 
     Args:
@@ -265,6 +265,7 @@ class AsyncKVStoreClient(BlockStore):
         return entries
 
     async def lookup(self, keys: Sequence[BlockKey]) -> int:
+        """:meth:`BlockStore.lookup <tandem.kvstore.store.BlockStore.lookup>` as a coroutine."""
         return leading_count(await self._entries_or_misses(keys, "lookup"))
 
     async def contains(self, keys: Sequence[BlockKey]) -> list[bool]:
@@ -277,7 +278,8 @@ class AsyncKVStoreClient(BlockStore):
     async def put(self, keys: Sequence[BlockKey], blocks: Sequence[object],
                   ttl_s: float | None = None, *,
                   trace_headers: Mapping[str, str] | None = None) -> int:
-        """:meth:`BlockStore.put`; ``trace_headers`` (W3C ``traceparent``): the node's span
+        """:meth:`BlockStore.put_blocks <tandem.kvstore.store.BlockStore.put_blocks>` as a
+        coroutine; ``trace_headers`` (W3C ``traceparent``): the node's span
         of this put joins that trace (``kvstore/protocol.py``'s ``trace``)."""
         self.check_open()
         keys = self.check_keys(keys)
@@ -336,6 +338,8 @@ class AsyncKVStoreClient(BlockStore):
     # -- get ----------------------------------------------------------------------------------
 
     async def get(self, keys: Sequence[BlockKey], into: Sequence[object]) -> int:
+        """:meth:`BlockStore.get_blocks <tandem.kvstore.store.BlockStore.get_blocks>` as a
+        coroutine."""
         self.check_open()
         keys = self.check_keys(keys)
         views = self.byte_views(into, len(keys), writable=True, name="into")
@@ -458,6 +462,7 @@ class AsyncKVStoreClient(BlockStore):
         return reply
 
     async def aclose(self) -> None:
+        """Release connections; further calls raise :class:`KVStoreError`."""
         self._closed = True
         self.conns.close()
         if self.shm is not None:

@@ -46,7 +46,7 @@ from tandem.kvstore.aio_client import AsyncKVStoreClient, Indexed
 from tandem.kvstore.config import ClientOptions
 from tandem.kvstore.index import LOOKUP_LUA, NODE_PREFIX
 from tandem.kvstore.index_entries import checksum_verdicts, leading_by_node
-from tandem.kvstore.store import KVStoreError, KVStoreNodeError, KVStoreTimeoutError
+from tandem.kvstore.store import BlockStore, KVStoreError, KVStoreNodeError, KVStoreTimeoutError
 from tandem.kvstore.transport import NodeInfo, parse_index_reply
 from tandem.kvstore.ucx import client_loop
 
@@ -60,8 +60,9 @@ logger = logging.getLogger("tandem.kvstore.client")
 T = TypeVar("T")
 
 
-class KVStoreClient:
-    """Blocking facade over :class:`AsyncKVStoreClient` for worker threads.
+class KVStoreClient(BlockStore):
+    """The :class:`~tandem.kvstore.store.BlockStore`: a blocking facade over
+    :class:`AsyncKVStoreClient` for worker threads.
 
     Every method blocks the calling thread until done (each node request has
     ``timeout_s``); it may be called from several threads at once. Keys are

@@ -89,11 +89,11 @@ from tandem.kvstore.arrival import ArrivalSignal
 from tandem.kvstore.config import StoreConnectorConfig
 from tandem.kvstore.connector_lookups import StoreProbe
 from tandem.kvstore.connector_scheduler import StoreConnectorMetadata, StoreConnectorScheduler
-from tandem.kvstore.connector_transfers import BlockStoreClient, _Transfers
+from tandem.kvstore.connector_transfers import _Transfers
 from tandem.kvstore.connector_worker import StoreConnectorWorker
+from tandem.kvstore.store import BlockStore
 
 __all__ = [
-    "BlockStoreClient",
     "StoreConnectorConfig",
     "StoreConnectorMetadata",
     "StoreConnectorScheduler",
@@ -107,7 +107,7 @@ __all__ = [
 def build_store_connector(
     kv_role: str,
     layout: KVCacheLayout,
-    client_factory: Callable[[], BlockStoreClient],
+    client_factory: Callable[[], BlockStore],
     num_transfer_threads: int = 2,
     *,
     probe: StoreProbe | None = None,
@@ -158,7 +158,7 @@ def create_connector(
             f"{type(config).__name__}"
         )
 
-    def connect() -> BlockStoreClient:
+    def connect() -> BlockStore:
         from tandem.kvstore.client import KVStoreClient  # UCX only once a transfer runs
 
         # With the layout, the client rejects a key or block of another layout.

@@ -15,9 +15,9 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -25,6 +25,7 @@ from tandem.contracts.block_key import BlockKey
 from tandem.engine.kv_connector import LoadResult, SaveResult, TransferListener
 from tandem.engine.kv_shards import ShardedKVCache
 from tandem.kvstore.arrival import ArrivalSignal, ArrivalWaiter
+from tandem.kvstore.store import BlockStore
 from tandem.kvstore.transfer_path import KVTransferPath, KVTransferPlan, plan_kv_transfer
 
 if TYPE_CHECKING:
@@ -36,29 +37,6 @@ logger = logging.getLogger("tandem.kvstore.connector")
 #: Host staging per transfer thread for a sharded (or GPU) cache, in bytes: a transfer
 #: moves in chunks of at most this size (one block at least), reusing one buffer.
 STAGING_BYTES = 64 << 20
-
-
-class BlockStoreClient(Protocol):
-    """What this connector needs from the KV store: ``tandem.kvstore.client.KVStoreClient``,
-    the synchronous facade of kvstore's batched ``BlockStore``, callable from a thread.
-
-    All calls block the calling (transfer) thread, never the engine thread.
-    """
-
-    def put_blocks(self, keys: Sequence[BlockKey], blocks: Sequence[torch.Tensor], *,
-                   trace_headers: Mapping[str, str] | None = None) -> int:
-        """Store ``blocks[i]`` (contiguous CPU buffers) under ``keys[i]``; keys already
-        present are not sent again. Returns how many blocks are stored. Raises on failure.
-        ``trace_headers``: the W3C trace context of the request the blocks are of (the
-        store node's span joins its trace); passed only when the service traces."""
-
-    def get_blocks(self, keys: Sequence[BlockKey], into: Sequence[torch.Tensor]) -> int:
-        """Load the leading present blocks into ``into[i]`` (writable contiguous buffers);
-        returns how many leading blocks arrived intact (a miss or bad checksum stops it)."""
-
-    def close(self) -> None:
-        """Release connections."""
-
 
 
 @dataclass
@@ -101,7 +79,7 @@ class _Transfers:
     """
 
     def __init__(
-        self, client_factory: Callable[[], BlockStoreClient], num_threads: int = 2,
+        self, client_factory: Callable[[], BlockStore], num_threads: int = 2,
         signal: ArrivalSignal | None = None, load_wait_s: float = 0.0,
     ) -> None:
         if num_threads < 1:
@@ -115,7 +93,7 @@ class _Transfers:
         self.waiter: ArrivalWaiter[_Job] | None = (
             ArrivalWaiter(signal, load_wait_s, self._waited, lambda job: job.cancelled)
             if signal is not None and load_wait_s > 0 else None)
-        self._client: BlockStoreClient | None = None
+        self._client: BlockStore | None = None
         self._client_lock = threading.Lock()
         self._queue: queue.Queue[_Job | None] = queue.Queue()
         self._lock = threading.Lock()
@@ -188,7 +166,7 @@ class _Transfers:
 
     # -- transfer thread ---------------------------------------------------------------------
 
-    def _client_or_connect(self) -> BlockStoreClient:
+    def _client_or_connect(self) -> BlockStore:
         with self._client_lock:
             if self._client is None:
                 self._client = self._client_factory()

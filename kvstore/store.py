@@ -11,7 +11,7 @@ answering, the index unreachable on a write).
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from tandem.contracts.block_key import BlockKey
@@ -37,14 +37,19 @@ class KVStoreNodeDownError(KVStoreError):
 
 
 class BlockStore(abc.ABC):
-    """Batched block store. All methods are coroutines run on the store's event loop.
+    """The KV store's one batched interface: what the engine's connector, the benchmarks
+    and the tools call (:class:`~tandem.kvstore.client.KVStoreClient` implements it, a thin
+    blocking facade over its async core, :class:`~tandem.kvstore.aio_client.
+    AsyncKVStoreClient`, whose coroutines keep these semantics on the client loop).
 
-    Keys are :class:`BlockKey` in prefix order (block 0 of a prompt first);
-    "leading" counts stop at the first key that misses.
+    Every method blocks the calling thread (never an event loop: call it from a worker
+    thread) and may be called from several threads at once. Keys are :class:`BlockKey` in
+    prefix order (block 0 of a prompt first); "leading" counts stop at the first key that
+    misses. Blocks are contiguous CPU buffers (tensor, ndarray, memoryview), one per key.
     """
 
     @abc.abstractmethod
-    async def lookup(self, keys: Sequence[BlockKey]) -> int:
+    def lookup(self, keys: Sequence[BlockKey]) -> int:
         """Number of leading ``keys`` the store can serve now.
 
         Reads only the metadata index (no payload moves). A key whose index entry
@@ -56,15 +61,17 @@ class BlockStore(abc.ABC):
         """
 
     @abc.abstractmethod
-    async def put(self, keys: Sequence[BlockKey], blocks: Sequence[Any],
-                  ttl_s: float | None = None) -> int:
-        """Store ``blocks[i]`` (a contiguous CPU buffer: tensor, ndarray, memoryview)
-        under ``keys[i]``; returns how many blocks are stored after the call
-        (already present keys count and are not sent again).
+    def put_blocks(self, keys: Sequence[BlockKey], blocks: Sequence[Any],
+                   ttl_s: float | None = None, *,
+                   trace_headers: Mapping[str, str] | None = None) -> int:
+        """Store ``blocks[i]`` under ``keys[i]``; returns how many blocks are stored after
+        the call (already present keys count and are not sent again).
 
         Payload moves first, then the index entries of the batch are committed
         in one atomic Redis update, so a reader never sees an entry whose bytes
         are not all there. The caller may reuse ``blocks`` once this returns.
+        ``trace_headers``: a W3C trace context (``traceparent``) the store node's span
+        of this put joins.
 
         Raises:
             ValueError: lengths differ, a block is not contiguous, its size is not
@@ -73,13 +80,13 @@ class BlockStore(abc.ABC):
         """
 
     @abc.abstractmethod
-    async def get(self, keys: Sequence[BlockKey], into: Sequence[Any]) -> int:
+    def get_blocks(self, keys: Sequence[BlockKey], into: Sequence[Any]) -> int:
         """Load the leading present blocks into ``into[i]`` (writable contiguous buffers
         of each block's size); returns how many leading blocks were loaded.
 
         Each block's checksum is verified after it arrived: a mismatch is a miss
-        (the count stops there). ``into[j]`` beyond the returned count hold
-        unspecified bytes.
+        (the count stops there), as is a block on a node found dead. ``into[j]``
+        beyond the returned count hold unspecified bytes.
 
         Raises:
             ValueError: lengths differ or a buffer is not writable/contiguous or has
@@ -89,5 +96,5 @@ class BlockStore(abc.ABC):
         """
 
     @abc.abstractmethod
-    async def aclose(self) -> None:
+    def close(self) -> None:
         """Release connections; further calls raise :class:`KVStoreError`."""

@@ -8,7 +8,7 @@ registry. The transfer threads are the real ones.
 from __future__ import annotations
 
 import ast
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 import pytest
@@ -39,6 +39,7 @@ from tandem.kvstore.connector import (
 from tandem.kvstore.connector import (
     create_connector as create_store_connector,
 )
+from tandem.kvstore.store import BlockStore
 
 BS = 4
 LAYOUT = KVCacheLayout("tiny", num_layers=2, num_kv_heads=1, head_dim=2, dtype="float32",
@@ -46,8 +47,8 @@ LAYOUT = KVCacheLayout("tiny", num_layers=2, num_kv_heads=1, head_dim=2, dtype="
 PROMPT = list(range(10))  # 2 full blocks and a partial one
 
 
-class DictBlockStore:
-    """A ``BlockStoreClient`` over a dict; ``fail_puts`` makes every put raise."""
+class DictBlockStore(BlockStore):
+    """A ``BlockStore`` over a dict; ``fail_puts`` makes every put raise."""
 
     def __init__(self) -> None:
         self.blocks: dict[BlockKey, torch.Tensor] = {}
@@ -59,7 +60,12 @@ class DictBlockStore:
         self.num_connects += 1
         return self
 
-    def put_blocks(self, keys: Sequence[BlockKey], blocks: Sequence[torch.Tensor]) -> int:
+    def lookup(self, keys: Sequence[BlockKey]) -> int:
+        return next((i for i, k in enumerate(keys) if k not in self.blocks), len(keys))
+
+    def put_blocks(self, keys: Sequence[BlockKey], blocks: Sequence[torch.Tensor],
+                   ttl_s: float | None = None, *,
+                   trace_headers: Mapping[str, str] | None = None) -> int:
         if self.fail_puts:
             raise ConnectionError("store down")
         for k, b in zip(keys, blocks, strict=True):

@@ -46,7 +46,7 @@ _ids = itertools.count()
 
 
 class ProbedStore:
-    """A ``BlockStoreClient`` over a dict plus its index probe (``leading``); records
+    """A ``BlockStore`` over a dict plus its index probe (``leading``); records
     every put's keys and every probe call."""
 
     def __init__(self) -> None:
