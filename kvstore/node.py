@@ -112,7 +112,7 @@ class StoreNode:
     async def stop(self) -> None:
         if self.disk is not None:
             # evicted blocks still waiting for their write reach the disk
-            await self.disk.stop(self.cfg.transfer_timeout_s)
+            await self.disk.flush(self.cfg.transfer_timeout_s)
         for t in list(self._tasks):
             t.cancel()
         for c in self._conns.values():
@@ -120,6 +120,8 @@ class StoreNode:
         if self.ctl is not None:
             await self.ctl.stop()
         await self.index.close()
+        if self.disk is not None:
+            await self.disk.close()
         if self.segment is not None:
             self.segment.close()
 

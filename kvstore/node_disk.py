@@ -113,9 +113,12 @@ class NodeDisk:
         if entries:
             logger.info("disk tier: %d blocks registered in the index", len(entries))
 
-    async def stop(self, timeout_s: float) -> None:
-        """Finish staged writes (up to ``timeout_s``), then stop the tier's threads."""
+    async def flush(self, timeout_s: float) -> None:
+        """Finish staged writes (up to ``timeout_s``; the writer task must still run)."""
         await self.tier.flush(timeout_s)
+
+    async def close(self) -> None:
+        """Stop the tier's threads (after the node's tasks stopped)."""
         await asyncio.to_thread(self.tier.close)
 
     # -- RAM -> disk ------------------------------------------------------------------------
