@@ -15,6 +15,10 @@ Design (after vLLM v1 ``vllm/v1/core/block_pool.py``, written anew):
 * ``cached_block_hash_to_block`` maps a full block's chain hash to the block
   holding that KV. Taking a cached block from the free queue for new data
   (eviction) drops its hash from the map.
+* With KV events on, every change of that map is recorded as a ``BlockStored`` /
+  ``BlockRemoved`` / ``AllBlocksCleared`` event (``contracts.kv_events``), taken once
+  per engine step by ``take_events`` (vLLM's ``BlockPool.kv_event_queue``): replaying
+  them gives exactly the map's key set.
 """
 
 from __future__ import annotations
@@ -22,6 +26,12 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from tandem.contracts.block_hash import BlockHash
+from tandem.contracts.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVCacheEvent,
+)
 
 
 class KVCacheBlock:
@@ -117,15 +127,31 @@ class BlockPool:
     Args:
         num_blocks: number of blocks in the KV cache tensor (>= 1).
         enable_caching: keep hashes of full blocks for prefix reuse.
+        enable_kv_cache_events: record the prefix cache's changes (``take_events``).
+        medium: the medium the events name ("gpu" or "cpu": where the KV cache lives).
+        block_size: tokens per block (what ``BlockStored`` events say).
 
     Not thread-safe: only the scheduler (one thread) calls it.
     """
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        enable_caching: bool = True,
+        *,
+        enable_kv_cache_events: bool = False,
+        medium: str = "gpu",
+        block_size: int = 16,
+    ) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
+        self.enable_kv_cache_events = enable_kv_cache_events
+        self.medium = medium
+        self.block_size = block_size
+        self._events: list[KVCacheEvent] = []
+        self._removed: list[BlockHash] = []  # evictions not yet in ``_events``
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
         # NOTE: one block per hash. When two requests compute the same block
@@ -216,16 +242,23 @@ class BlockPool:
         assert len(block_hashes) >= num_full_blocks, (
             f"{len(block_hashes)} hashes for {num_full_blocks} full blocks"
         )
+        run_start = -1  # index of the first block of the run of newly stored ones
         for i in range(num_cached_blocks, num_full_blocks):
             block, block_hash = blocks[i], block_hashes[i]
             if block.block_hash is not None:
                 # A prefix hit: already cached under this very hash.
                 assert block.block_hash == block_hash, f"{block} re-cached under another hash"
+                run_start = self._record_stored(block_hashes, run_start, i)
                 continue
             if block_hash in self.cached_block_hash_to_block:
-                continue  # duplicate content computed concurrently; see NOTE in __init__
+                # duplicate content computed concurrently; see NOTE in __init__
+                run_start = self._record_stored(block_hashes, run_start, i)
+                continue
             block.block_hash = block_hash
             self.cached_block_hash_to_block[block_hash] = block
+            if run_start < 0:
+                run_start = i
+        self._record_stored(block_hashes, run_start, num_full_blocks)
 
     def uncache_block(self, block: KVCacheBlock) -> None:
         """Drop ``block`` from the prefix cache (its KV is not valid, e.g. never computed)."""
@@ -242,7 +275,38 @@ class BlockPool:
         for block in self.blocks:
             block.block_hash = None
         self.cached_block_hash_to_block.clear()
+        if self.enable_kv_cache_events:
+            # NOTE: earlier events of this step are moot once everything is cleared.
+            self._events, self._removed = [AllBlocksCleared(self.medium)], []
         return True
+
+    def cached_block_hashes(self) -> list[BlockHash]:
+        """Every hash in the prefix cache (a snapshot for KV events; O(cached blocks))."""
+        return list(self.cached_block_hash_to_block)
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """The prefix-cache events recorded since the last call, in order (empty when
+        events are off), and forget them."""
+        self._flush_removed()
+        events, self._events = self._events, []
+        return events
+
+    def _record_stored(self, chain: Sequence[BlockHash], start: int, end: int) -> int:
+        """Record ``chain[start:end]`` as one ``BlockStored`` (nothing when ``start`` < 0
+        or events are off); returns -1 (no run open)."""
+        if start < 0 or not self.enable_kv_cache_events:
+            return -1
+        self._flush_removed()
+        parent = chain[start - 1] if start > 0 else None
+        self._events.append(
+            BlockStored(tuple(chain[start:end]), parent, self.block_size, self.medium)
+        )
+        return -1
+
+    def _flush_removed(self) -> None:
+        if self._removed:
+            self._events.append(BlockRemoved(tuple(self._removed), self.medium))
+            self._removed = []
 
     def _evict(self, block: KVCacheBlock) -> None:
         block_hash = block.block_hash
@@ -250,4 +314,7 @@ class BlockPool:
             return
         if self.cached_block_hash_to_block.get(block_hash) is block:
             del self.cached_block_hash_to_block[block_hash]
+            if self.enable_kv_cache_events:
+                # consecutive evictions (one allocation) travel as one event
+                self._removed.append(block_hash)
         block.block_hash = None

@@ -36,6 +36,7 @@ from tandem.contracts.kv_layout import KVCacheLayout
 from tandem.engine.config import EngineConfig
 from tandem.engine.cpu_turns import CpuTurns
 from tandem.engine.executor import Executor, create_executor
+from tandem.engine.kv_events import KVEventPublisher, create_kv_event_publisher
 from tandem.engine.model_facts import ModelFacts
 from tandem.engine.outputs import EngineCoreOutput
 from tandem.engine.request import Request
@@ -124,6 +125,12 @@ class EngineCore:
             speculative=config.speculative,
             max_concurrent_batches=self.executor.max_concurrent_batches,
         )
+        #: where the prefix cache's changes go (``None``: KV events off)
+        self.kv_event_publisher: KVEventPublisher | None = create_kv_event_publisher(
+            config.kv_events, self.kv_events_medium
+        )
+        if self.kv_event_publisher is not None:
+            self.scheduler.kv_cache_manager.enable_kv_cache_events(self.kv_events_medium)
         # Batches submitted and not yet applied, oldest first (the batch queue).
         self._batch_queue: deque[tuple[Future[ModelRunnerOutput], SchedulerOutput]] = deque()
         self.max_num_batches_in_flight = 0
@@ -147,8 +154,7 @@ class EngineCore:
             num_blocks * config.cache.block_size,
             self.kv_cache_bytes_per_token,
             self.max_model_len,
-            "" if spec is None
-            else f" speculative={spec.method} k={spec.num_speculative_tokens}",
+            "" if spec is None else f" speculative={spec.method} k={spec.num_speculative_tokens}",
         )
 
     # -- properties ----------------------------------------------------------------------------
@@ -169,9 +175,14 @@ class EngineCore:
     def layout(self) -> KVCacheLayout:
         """Layout of this engine's KV blocks (for the KV store's key fingerprint)."""
         f = self.model_facts
-        return KVCacheLayout.of_spec(f.kv_spec, model_id=f.model_id, num_layers=f.num_layers,
-                                     dtype=f.cache_dtype, block_size=self.config.cache.block_size,
-                                     kv_scales=f.kv_scales)
+        return KVCacheLayout.of_spec(
+            f.kv_spec,
+            model_id=f.model_id,
+            num_layers=f.num_layers,
+            dtype=f.cache_dtype,
+            block_size=self.config.cache.block_size,
+            kv_scales=f.kv_scales,
+        )
 
     def _make_grammar_backend(self) -> XgrammarBackend:
         """The xgrammar backend over this model's tokenizer (first constrained request).
@@ -328,8 +339,9 @@ class EngineCore:
         future, sched_out = queue.popleft()
         return self._apply(sched_out, future.result())
 
-    def _apply(self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput
-               ) -> list[EngineCoreOutput]:
+    def _apply(
+        self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
         """The end of a step whose batch completed: the connector's saves and finished
         transfers, then the scheduler's ``update_from_output``."""
         worker = self.connector_worker
@@ -340,9 +352,31 @@ class EngineCore:
             if meta is not None:
                 worker.save_kv(meta)
             finished_sending, finished_recving = worker.get_finished()
-        return self.scheduler.update_from_output(
+        outputs = self.scheduler.update_from_output(
             sched_out, runner_out, finished_recving, finished_sending
         )
+        self._publish_kv_events()
+        return outputs
+
+    @property
+    def kv_events_medium(self) -> str:
+        """The medium this engine's KV events name: "cpu" or "gpu" (its cache's device)."""
+        return "cpu" if self.model_facts.device.startswith("cpu") else "gpu"
+
+    def _publish_kv_events(self) -> None:
+        if self.kv_event_publisher is not None:
+            events = self.scheduler.kv_cache_manager.take_events()
+            if events:
+                self.kv_event_publisher.publish(events)
+
+    def publish_kv_snapshot(self) -> None:
+        """Publish the prefix cache's whole set of block hashes (after the events not yet
+        published); nothing when KV events are off. Engine thread only; O(cached blocks)."""
+        if self.kv_event_publisher is not None:
+            self._publish_kv_events()
+            self.kv_event_publisher.publish_snapshot(
+                self.scheduler.kv_cache_manager.cached_block_hashes()
+            )
 
     def get_stats(self) -> Any:
         """The scheduler's ``SchedulerStats`` (queues, KV usage, prefix-cache counters)."""
@@ -359,6 +393,9 @@ class EngineCore:
             except Exception:  # noqa: BLE001 - a dead executor: nothing left to free
                 logger.exception("a batch in flight failed at shutdown")
                 self._batch_queue.clear()
+        if self.kv_event_publisher is not None:
+            self._publish_kv_events()
+            self.kv_event_publisher.shutdown()
         if self.connector_worker is not None:
             self.connector_worker.shutdown()
         self.structured_output.shutdown()

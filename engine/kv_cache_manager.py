@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tandem.contracts.block_hash import BlockHash, hash_block
+from tandem.contracts.kv_events import KVCacheEvent
 from tandem.engine.block_pool import BlockPool, KVCacheBlock
 from tandem.engine.request import Request
 
@@ -271,3 +272,27 @@ class KVCacheManager:
     def reset_prefix_cache(self) -> bool:
         """Forget all cached blocks; False (and nothing done) while blocks are in use."""
         return self.block_pool.reset_prefix_cache()
+
+    # -- KV events ---------------------------------------------------------
+
+    def enable_kv_cache_events(self, medium: str) -> None:
+        """Record the prefix cache's changes from now on, naming ``medium`` ("gpu" or
+        "cpu"); called once, before the first block is cached (so that replaying the
+        events from the start gives the cache).
+
+        Raises:
+            ValueError: naming ``medium`` when it is neither "gpu" nor "cpu".
+        """
+        if medium not in ("gpu", "cpu"):
+            raise ValueError(f"medium must be 'gpu' or 'cpu', got {medium!r}")
+        pool = self.block_pool
+        assert pool.num_cached_blocks == 0, "KV events enabled after blocks were cached"
+        pool.enable_kv_cache_events, pool.medium, pool.block_size = True, medium, self.block_size
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """The prefix-cache events since the last call (``BlockPool.take_events``)."""
+        return self.block_pool.take_events()
+
+    def cached_block_hashes(self) -> list[BlockHash]:
+        """Every block hash in the prefix cache (for a KV-events snapshot)."""
+        return self.block_pool.cached_block_hashes()

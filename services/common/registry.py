@@ -4,8 +4,9 @@ Key ``tandem:instance:<role>:<instance_id>``: a hash with fields ``role``
 (prefill|decode|both), ``address`` (host:port of the gRPC server), ``model``,
 ``running``, ``waiting``, ``kv_usage`` (0..1), ``num_free_blocks``, the model's facts
 as ``GetLoadResponse`` names them (``max_model_len_tokens``, ``vocab_size_tokens``,
-``architecture``, ``model_impl``: ``ServiceContext.registry_facts``) and
-``updated_at`` (Unix seconds). The key expires ``ttl_s`` (10 s) after the last
+``architecture``, ``model_impl``: ``ServiceContext.registry_facts``),
+``kv_events_topic`` (only for an engine publishing KV events: ``contracts.kv_events``)
+and ``updated_at`` (Unix seconds). The key expires ``ttl_s`` (10 s) after the last
 heartbeat, which comes every ``interval_s`` (2 s): a crashed instance vanishes
 from the registry within 10 s; a stopped one deletes its key at once.
 The router (services/router/discovery.py) reads these keys.
@@ -47,6 +48,7 @@ class InstanceRegistration:
         model: model id served.
         load_fn: async callable returning the load fields (``running``,
             ``waiting``, ``kv_usage``, ``num_free_blocks``) and the model's facts as a dict.
+        kv_events_topic: the topic of its KV events ("": it publishes none).
     """
 
     def __init__(
@@ -59,10 +61,13 @@ class InstanceRegistration:
         load_fn: Callable[[], Awaitable[dict[str, float | int | str]]],
         ttl_s: int = TTL_S,
         interval_s: float = INTERVAL_S,
+        kv_events_topic: str = "",
     ) -> None:
         self.key = instance_key(role, instance_id)
         self._redis = aioredis.from_url(redis_url)
         self._static = {"role": Role(role).value, "address": address, "model": model}
+        if kv_events_topic:
+            self._static["kv_events_topic"] = kv_events_topic
         self._load_fn = load_fn
         self._ttl_s = ttl_s
         self._interval_s = interval_s
@@ -98,8 +103,9 @@ class InstanceRegistration:
     async def start(self) -> None:
         """Register now, then heartbeat in the background (an unreachable Redis is
         logged and retried every interval, never fatal)."""
-        self._task = await start_periodic(self.beat, self._interval_s,
-                                          what="registry heartbeat to Redis", log=logger)
+        self._task = await start_periodic(
+            self.beat, self._interval_s, what="registry heartbeat to Redis", log=logger
+        )
 
     async def stop(self) -> None:
         """Stop the heartbeat and delete the entry (so the router stops routing here)."""

@@ -50,6 +50,11 @@ from tandem.kvstore.config import ClientOptions, StoreConnectorConfig
 from tandem.services.common.context import ServiceContext
 from tandem.services.common.engine_loop import EngineLoop
 from tandem.services.common.errors import ErrorMappingInterceptor
+from tandem.services.common.kv_events import (
+    add_kv_events_flag,
+    start_snapshot_task,
+    with_kv_events,
+)
 from tandem.services.common.periodic import start_periodic, stop_periodic
 from tandem.services.common.registry import InstanceRegistration
 from tandem.services.common.tls import TLSFiles, add_tls_flags, tls_from_args
@@ -106,6 +111,7 @@ def build_parser(prog: str, role: Role | None) -> argparse.ArgumentParser:
     p.add_argument("--instance-id", default=None, help="registry id (default: random)")
     p.add_argument("--log-level", default="INFO")
     add_tls_flags(p, "this service's gRPC port")
+    add_kv_events_flag(p)
     add_tracing_flags(p)
     return p
 
@@ -137,7 +143,7 @@ def build_engine_config(ns: argparse.Namespace, role: Role | str) -> EngineConfi
             raise ValueError(
                 f"--shared-cpu-lock {ns.shared_cpu_lock}: cannot open or create it ({e.strerror})"
             ) from e
-    return engine_config_from_args(ns, kv)
+    return with_kv_events(engine_config_from_args(ns, kv), ns)
 
 
 def in_flag_words(message: str, ns: argparse.Namespace, parser: argparse.ArgumentParser) -> str:
@@ -187,6 +193,7 @@ def run(
     parser = build_parser(prog, role)
     ns = parser.parse_args(argv)
     ns.prog = prog
+    ns.instance_id = ns.instance_id or uuid.uuid4().hex[:12]  # also the KV events' topic
     role = role or Role.parse(ns.role)
     logging.basicConfig(
         level=ns.log_level.upper(), format=f"%(asctime)s {role} %(levelname)s %(name)s: %(message)s"
@@ -282,15 +289,19 @@ async def _serve(
             refresh_gauges, 1.0, what="refreshing metrics gauges", log=logger
         )
 
+    snapshot_task = await start_snapshot_task(engine_loop)
     registration = None
     if ns.redis_url:
         registration = InstanceRegistration(
             ns.redis_url,
             role,
-            ns.instance_id or uuid.uuid4().hex[:12],
+            ns.instance_id,
             address,
             ctx.model_id,
             ctx.registry_load,
+            kv_events_topic=config.kv_events.topic
+            if config.kv_events.enable_kv_cache_events
+            else "",
         )
         await registration.start()
     for name in ["", *names[2:]]:
@@ -307,6 +318,7 @@ async def _serve(
     engine_loop.stop_accepting()
     await server.stop(ns.shutdown_grace_s)
     await stop_periodic(gauges_task)  # its ticks ask the engine loop for stats
+    await stop_periodic(snapshot_task)
     await engine_loop.shutdown()
     ctx.close()
     ctx.tracing.shutdown()  # exports what is queued

@@ -62,6 +62,8 @@ class InstanceInfo:
         vocab_size: token ids of its model (GetLoad or registry; 0 unknown).
         architecture: its model's architecture, e.g. "LlamaForCausalLM" ("" unknown).
         model_impl: the implementation running it, "tandem" or "transformers" ("" unknown).
+        kv_events_topic: the topic (instance id) its KV events are published on (registry
+            field ``kv_events_topic``; "" when it publishes none).
         updated_at: wall-clock seconds of the last report.
         alive: the last GetLoad answered (``None``: not polled yet).
         inflight: requests this router has in flight on it (fresher than reports).
@@ -82,6 +84,7 @@ class InstanceInfo:
     vocab_size: int = 0
     architecture: str = ""
     model_impl: str = ""
+    kv_events_topic: str = ""
     updated_at: float = 0.0
     alive: bool | None = None
     inflight: int = 0
@@ -136,8 +139,9 @@ class Discovery(ABC):
     async def refresh(self) -> None:
         """Re-read the source (may do I/O). Errors are logged by the caller's loop."""
 
-    def instances(self, role: Role, *, exclude: set[str] | frozenset[str] = frozenset()
-                  ) -> list[InstanceInfo]:
+    def instances(
+        self, role: Role, *, exclude: set[str] | frozenset[str] = frozenset()
+    ) -> list[InstanceInfo]:
         """Healthy instances of ``role``, without ``exclude`` (addresses already tried).
 
         Instances benched after a failure are left out unless nothing else is left.
@@ -146,19 +150,27 @@ class Discovery(ABC):
         now = time.monotonic()
         # NOTE: a refused instance is left out even when nothing else is left: it serves
         # another model, so a 503 is the right answer, not its tokens.
-        cands = [i for i in self._by_address.values()
-                 if i.role == role and i.address not in exclude
-                 and i.address not in self._refused]
+        cands = [
+            i
+            for i in self._by_address.values()
+            if i.role == role and i.address not in exclude and i.address not in self._refused
+        ]
         for i in cands:
             i.inflight = self._inflight.get(i.address, 0)
-        healthy = [i for i in cands if self._failed_until.get(i.address, 0.0) <= now
-                   and i.alive is not False]
+        healthy = [
+            i
+            for i in cands
+            if self._failed_until.get(i.address, 0.0) <= now and i.alive is not False
+        ]
         return healthy or cands
 
     def has_live(self, role: Role) -> bool:
         """Some instance of ``role`` answered its last load poll (readiness)."""
-        return any(i.alive for i in self._by_address.values()
-                   if i.role == role and i.address not in self._refused)
+        return any(
+            i.alive
+            for i in self._by_address.values()
+            if i.role == role and i.address not in self._refused
+        )
 
     def refused(self, address: str) -> str | None:
         """Why ``address`` is not routed to, ``None`` when it is."""
@@ -185,12 +197,15 @@ class Discovery(ABC):
         refused: dict[str, str] = {}
         for i in infos:
             if accepted is not None and i.vocab_size and i.vocab_size != accepted:
-                refused[i.address] = (f"its vocabulary has {i.vocab_size} tokens, the other "
-                                      f"instances' {accepted}: another model")
+                refused[i.address] = (
+                    f"its vocabulary has {i.vocab_size} tokens, the other "
+                    f"instances' {accepted}: another model"
+                )
         for address, why in refused.items():
             if self._refused.get(address) != why:
-                logger.error("not routing to %s: %s (check the model it was started with)",
-                             address, why)
+                logger.error(
+                    "not routing to %s: %s (check the model it was started with)", address, why
+                )
         for address in self._refused.keys() - refused.keys():
             if address in self._by_address:
                 logger.info("%s reports the accepted vocabulary again: routing to it", address)
@@ -226,8 +241,11 @@ class Discovery(ABC):
         """``address`` left the view, failed its last load poll, or is benched after a
         failed call."""
         info = self._by_address.get(address)
-        return (info is None or info.alive is False
-                or self._failed_until.get(address, 0.0) > time.monotonic())
+        return (
+            info is None
+            or info.alive is False
+            or self._failed_until.get(address, 0.0) > time.monotonic()
+        )
 
     def mark_failed(self, address: str) -> None:
         """Bench ``address`` for :data:`FAILURE_COOLDOWN_S` after a failed call."""
@@ -239,8 +257,9 @@ class Discovery(ABC):
     async def start(self, interval_s: float = 1.0) -> None:
         """First refresh now, then every ``interval_s`` in a background task (a failed
         refresh keeps the last view: logged, retried next tick)."""
-        self._task = await start_periodic(self.refresh, interval_s,
-                                          what="instance discovery refresh", log=logger)
+        self._task = await start_periodic(
+            self.refresh, interval_s, what="instance discovery refresh", log=logger
+        )
 
     async def stop(self) -> None:
         await stop_periodic(self._task)
@@ -253,8 +272,9 @@ class StaticDiscovery(Discovery):
     Load fields are filled by the router's load poller (GetLoad), not here.
     """
 
-    def __init__(self, *, prefill: Sequence[str] = (), decode: Sequence[str] = (),
-                 both: Sequence[str] = ()) -> None:
+    def __init__(
+        self, *, prefill: Sequence[str] = (), decode: Sequence[str] = (), both: Sequence[str] = ()
+    ) -> None:
         super().__init__()
         for role, addrs in ((Role.PREFILL, prefill), (Role.DECODE, decode), (Role.BOTH, both)):
             for addr in addrs:
@@ -285,8 +305,13 @@ class RedisDiscovery(Discovery):
         clock: monotonic seconds, for the restart grace (tests pass a fake one).
     """
 
-    def __init__(self, redis_url: str, model: str | None = None, *,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        redis_url: str,
+        model: str | None = None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         super().__init__()
         # imported here: static mode needs no Redis client
         import redis.asyncio as aioredis
@@ -363,9 +388,13 @@ class RedisDiscovery(Discovery):
             if address not in seen and info.alive is True:
                 self._kept_until.setdefault(address, until)
                 num_kept += 1
-        logger.warning("the instance registry restarted (Redis run_id changed, its entries "
-                       "lost): keeping %d live instance(s) for up to %.0f s until they "
-                       "register again", num_kept, self._restart_grace_s)
+        logger.warning(
+            "the instance registry restarted (Redis run_id changed, its entries "
+            "lost): keeping %d live instance(s) for up to %.0f s until they "
+            "register again",
+            num_kept,
+            self._restart_grace_s,
+        )
 
     async def _read_run_id(self) -> str | None:
         """Redis's ``run_id`` (new on every server start), or ``None`` where the server
@@ -378,8 +407,11 @@ class RedisDiscovery(Discovery):
             # NOTE: not fatal: without it a registry restart empties the view until the
             # engines' next heartbeats, as it did before restarts were detected.
             if not self._run_id_unknown_logged:
-                logger.warning("Redis refuses INFO server (%s): a registry restart will "
-                               "drop every instance until it registers again", exc)
+                logger.warning(
+                    "Redis refuses INFO server (%s): a registry restart will "
+                    "drop every instance until it registers again",
+                    exc,
+                )
                 self._run_id_unknown_logged = True
             return None
         run_id = server.get("run_id")
@@ -391,7 +423,7 @@ class RedisDiscovery(Discovery):
 
 
 def _parse_entry(key: str, fields: dict[str, str]) -> InstanceInfo | None:
-    role = fields.get("role") or key[len(REGISTRY_PREFIX):].split(":", 1)[0]
+    role = fields.get("role") or key[len(REGISTRY_PREFIX) :].split(":", 1)[0]
     address = fields.get("address")
     if role not in ROLES or not address:
         logger.warning("ignoring malformed registry entry %s", key)
@@ -409,6 +441,7 @@ def _parse_entry(key: str, fields: dict[str, str]) -> InstanceInfo | None:
             vocab_size=int(float(fields.get("vocab_size_tokens", 0))),
             architecture=fields.get("architecture", ""),
             model_impl=fields.get("model_impl", ""),
+            kv_events_topic=fields.get("kv_events_topic", ""),
             updated_at=float(fields.get("updated_at", 0.0)),
         )
     except ValueError:

@@ -117,7 +117,14 @@ async def serve(cfg: RouterConfig, defaults: SamplingDefaults | None = None) -> 
 
         store_index = AsyncIndexProbe(cfg.kv_index_url)
     lookup_seconds = metrics.labels(metrics.kv_store_lookup_seconds)
-    view = CacheView(store_index, on_lookup=lookup_seconds.observe)
+    events = None
+    if cfg.redis_url:
+        from tandem.services.router.kv_events import KVEventsReader
+
+        # the engines started with --kv-events name their topic in the registry
+        events = KVEventsReader(cfg.redis_url, lambda: [
+            i.kv_events_topic for i in discovery.all_instances() if i.kv_events_topic])
+    view = CacheView(store_index, on_lookup=lookup_seconds.observe, events=events)
     tracing = start_tracing(cfg.tracing)
     if tracing.enabled:
         metrics.registry.register(tracing)
@@ -159,6 +166,8 @@ async def serve(cfg: RouterConfig, defaults: SamplingDefaults | None = None) -> 
                     "in Redis" if cfg.rate_limit_url else "by this router alone")
     await discovery.start()
     await pool.start()
+    if events is not None:
+        await events.start()
     grpc_server: Any = None
     try:
         if cfg.grpc_port:
@@ -194,6 +203,8 @@ async def serve(cfg: RouterConfig, defaults: SamplingDefaults | None = None) -> 
             await grpc_server.stop(grace=2)
         await pool.close()
         await discovery.stop()
+        if events is not None:
+            await events.stop()
         if store_index is not None:
             await store_index.aclose()
         await response_store.aclose()

@@ -259,7 +259,8 @@ class Pipeline(DecodeStage):
         state = SeqState(self.tokenizer, self.metrics, index, req, sp, timings)
         psp = sampling_params_to_proto(sp)
         metadata = (("x-request-id", seq_id),)
-        route = RouteContext(Role.PREFILL, req.prompt_token_ids, seq_id)
+        route = RouteContext(Role.PREFILL, req.prompt_token_ids, seq_id,
+                             cache_salt=req.cache_salt)
         decode_first: InstanceInfo | None = None
         local_prefill = False
         hint = None

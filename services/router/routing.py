@@ -7,7 +7,10 @@
   costs the least to prefill, judged by two tiers of reuse (:class:`CacheView`): tokens
   the instance most likely holds in its own prefix cache (no transfer) and tokens in the
   KV store (a transfer, cheaper than compute; every instance loads them alike); for
-  decode, least loaded. The router cannot see an engine's cache, so it keeps, per
+  decode, least loaded. An engine started with ``--kv-events`` publishes its prefix
+  cache's changes, and the view of its cache is built from them (``kv_events.py``: what
+  the engine really holds, the same on every router replica); for an engine that does not
+  publish (or whose view is resyncing) the router guesses: it keeps, per
   instance, the block hashes (``contracts.block_hash.hash_token_blocks``) of the prompts
   it sent there recently, bounded LRU -- the approach of SGLang's cache-aware router and
   vLLM production-stack's prefix-aware routing; the store's part is one batched lookup of
@@ -50,6 +53,7 @@ class RouteContext:
         stage: the role of the instances being chosen (``Role.BOTH``: colocated).
         prompt_token_ids: the templated prompt's token ids.
         request_id: for logs.
+        cache_salt: the request's ``cache_salt`` (in block 0's hash, as the engines hash).
     """
 
     stage: Role
@@ -58,16 +62,26 @@ class RouteContext:
     _hashes: dict[int, list[BlockHash]] = field(default_factory=dict, repr=False)
     #: (block size, layout fingerprint) -> prompt tokens in the store (one lookup each)
     store_tokens: dict[tuple[int, bytes], int] = field(default_factory=dict, repr=False)
+    cache_salt: str | None = None
 
     def for_stage(self, stage: Role) -> RouteContext:
         """The same prompt for another stage (hashes and store lookups are shared)."""
-        return RouteContext(stage, self.prompt_token_ids, self.request_id, self._hashes,
-                            self.store_tokens)
+        return RouteContext(
+            stage,
+            self.prompt_token_ids,
+            self.request_id,
+            self._hashes,
+            self.store_tokens,
+            self.cache_salt,
+        )
 
     def block_hashes(self, block_size: int) -> list[BlockHash]:
-        """Hash chain of the prompt's full blocks (computed once per block size)."""
+        """Hash chain of the prompt's full blocks, salted as the engines salt them
+        (computed once per block size)."""
         if block_size not in self._hashes:
-            self._hashes[block_size] = hash_token_blocks(self.prompt_token_ids, block_size)
+            self._hashes[block_size] = hash_token_blocks(
+                self.prompt_token_ids, block_size, cache_salt=self.cache_salt
+            )
         return self._hashes[block_size]
 
 
@@ -75,8 +89,7 @@ class Router(ABC):
     """A routing strategy. ``choose`` never blocks on I/O and never mutates instances."""
 
     @abstractmethod
-    async def choose(self, candidates: Sequence[InstanceInfo], ctx: RouteContext
-                     ) -> InstanceInfo:
+    async def choose(self, candidates: Sequence[InstanceInfo], ctx: RouteContext) -> InstanceInfo:
         """Pick one of ``candidates`` (non-empty; the caller checks) for ``ctx``."""
 
     def on_routed(self, info: InstanceInfo, ctx: RouteContext) -> None:  # noqa: B027
@@ -103,8 +116,7 @@ class RoundRobinRouter(Router):
     def __init__(self) -> None:
         self._rotation = _Rotation()
 
-    async def choose(self, candidates: Sequence[InstanceInfo], ctx: RouteContext
-                     ) -> InstanceInfo:
+    async def choose(self, candidates: Sequence[InstanceInfo], ctx: RouteContext) -> InstanceInfo:
         ordered = sorted(candidates, key=lambda i: i.address)
         return ordered[self._rotation.next(ctx.stage) % len(ordered)]
 
@@ -113,16 +125,16 @@ class LeastLoadedRouter(Router):
     def __init__(self) -> None:
         self._rotation = _Rotation()
 
-    async def choose(self, candidates: Sequence[InstanceInfo], ctx: RouteContext
-                     ) -> InstanceInfo:
+    async def choose(self, candidates: Sequence[InstanceInfo], ctx: RouteContext) -> InstanceInfo:
         return least_loaded(candidates, self._rotation.next(ctx.stage))
 
 
 def least_loaded(candidates: Sequence[InstanceInfo], tiebreak: int = 0) -> InstanceInfo:
     """Fewest requests, then lowest KV usage; ties rotate by ``tiebreak``."""
     best = min((i.load, round(i.kv_usage, 2)) for i in candidates)
-    ties = sorted((i for i in candidates if (i.load, round(i.kv_usage, 2)) == best),
-                  key=lambda i: i.address)
+    ties = sorted(
+        (i for i in candidates if (i.load, round(i.kv_usage, 2)) == best), key=lambda i: i.address
+    )
     return ties[tiebreak % len(ties)]
 
 
@@ -148,6 +160,15 @@ class _PrefixHints:
             self._lru.move_to_end(h)
         while len(self._lru) > self.capacity_blocks:
             self._lru.popitem(last=False)
+
+
+class EngineCaches(Protocol):
+    """The engines' own prefix caches as their KV events tell them:
+    ``services.router.kv_events.KVEventsReader``."""
+
+    def matched_blocks(self, topic: str, hashes: Sequence[BlockHash]) -> int | None:
+        """Leading ``hashes`` in the cache of the engine publishing on ``topic``; ``None``
+        when its view is not synced (the caller then guesses)."""
 
 
 class StoreIndex(Protocol):
@@ -177,26 +198,39 @@ class CacheEstimate:
 
 
 class CacheView:
-    """What the router knows of where prompts' KV lies: per-instance prefix hints
-    (what it sent where, bounded LRU per instance) and the KV store's index.
+    """What the router knows of where prompts' KV lies: each engine's own prefix cache
+    (from its KV events where it publishes them, else guessed from what was sent where,
+    bounded LRU per instance) and the KV store's index.
 
     Args:
         store: the store index, ``None`` without one (static discovery, no Redis).
         capacity_blocks: remembered blocks per instance (about its cache size).
         on_lookup: called with each store lookup's duration in seconds (a metric).
+        events: the engines' KV-event views (``None``: guess for every instance).
 
     The store is asked at most once per request and layout (``RouteContext.store_tokens``).
     """
 
-    def __init__(self, store: StoreIndex | None = None, capacity_blocks: int = 65536,
-                 on_lookup: Callable[[float], None] = lambda seconds: None) -> None:
+    def __init__(
+        self,
+        store: StoreIndex | None = None,
+        capacity_blocks: int = 65536,
+        on_lookup: Callable[[float], None] = lambda seconds: None,
+        events: EngineCaches | None = None,
+    ) -> None:
         self.store = store
+        self.events = events
         self._capacity_blocks = capacity_blocks
         self._hints: dict[str, _PrefixHints] = {}
         self._on_lookup = on_lookup
 
     def local_tokens(self, info: InstanceInfo, ctx: RouteContext) -> int:
-        """Prompt tokens believed in ``info``'s prefix cache (full blocks)."""
+        """Prompt tokens in ``info``'s prefix cache (full blocks): as its KV events say
+        where it publishes them and its view is synced, else as guessed."""
+        if self.events is not None and info.kv_events_topic:
+            n = self.events.matched_blocks(info.kv_events_topic, ctx.block_hashes(info.block_size))
+            if n is not None:
+                return n * info.block_size
         hints = self._hints.get(info.address)
         if hints is None:
             return 0
@@ -211,8 +245,7 @@ class CacheView:
         if key not in ctx.store_tokens:
             hashes = ctx.block_hashes(info.block_size)
             start = time.perf_counter()
-            n = await self.store.leading([BlockKey(h, info.kv_layout_fingerprint)
-                                          for h in hashes])
+            n = await self.store.leading([BlockKey(h, info.kv_layout_fingerprint) for h in hashes])
             self._on_lookup(time.perf_counter() - start)
             ctx.store_tokens[key] = n * info.block_size
         return ctx.store_tokens[key]
@@ -245,8 +278,9 @@ class KVAwareRouter(Router):
         store_load_cost: cost of loading a token relative to computing it (0..1).
     """
 
-    def __init__(self, view: CacheView | None = None, balance_slack: int = 8,
-                 store_load_cost: float = 0.1) -> None:
+    def __init__(
+        self, view: CacheView | None = None, balance_slack: int = 8, store_load_cost: float = 0.1
+    ) -> None:
         if not 0 <= store_load_cost <= 1:
             raise ValueError(f"store_load_cost must be in [0, 1], got {store_load_cost}")
         self.view = view if view is not None else CacheView()
@@ -260,8 +294,7 @@ class KVAwareRouter(Router):
         loaded = max(0, est.store_tokens - est.local_tokens)
         return (num_full - est.reused_tokens) + self._store_load_cost * loaded
 
-    async def choose(self, candidates: Sequence[InstanceInfo], ctx: RouteContext
-                     ) -> InstanceInfo:
+    async def choose(self, candidates: Sequence[InstanceInfo], ctx: RouteContext) -> InstanceInfo:
         fallback = least_loaded(candidates, self._rotation.next(ctx.stage))
         if ctx.stage == Role.DECODE:
             return fallback
