@@ -10,7 +10,8 @@ bit-identical to the per-op path (``tests/unit/test_fused_decode.py``).
 Scope: Llama-family layers (pre-norm, fused QKV with optional bias, rotary in
 the GPT-NeoX layout, SwiGLU, optional sliding window; no per-head q/k norm),
 bf16 weights VNNI-packed by ``PackedLinear``, W8A8 linears packed by ``Int8Linear``
-(``kernels/quant/int8_native.py``) or GGUF Q4_0 / Q4_1 / Q8_0 blocks packed by
+(``kernels/quant/int8_native.py``), W4A8 ones packed by ``Int4Linear``
+(``kernels/quant/int4_native.py``) or GGUF Q4_0 / Q4_1 / Q8_0 blocks packed by
 ``GGUFLinear`` (``kernels/gguf_dot.py``), in any mix, and steps whose every token is
 the one new token of a decode (fewer than ``PACKED_MAX_ROWS``). Anything else runs
 the per-op path.
@@ -33,6 +34,7 @@ _Layer = native_abi.struct("decode_layer")
 _Step = native_abi.struct("decode_step")
 _Int8 = native_abi.struct("int8_weight")
 _GGUF = native_abi.struct("gguf_weight")
+_Int4 = native_abi.struct("int4_weight")
 
 
 @dataclass
@@ -65,8 +67,29 @@ class GGUFLinearParams:
     bias: torch.Tensor | None
 
 
-#: One fused linear: ``(vnni_weight, bias | None)`` in bf16, a W8A8 one or a GGUF one.
-LinearParams = tuple[torch.Tensor, torch.Tensor | None] | Int8LinearParams | GGUFLinearParams
+@dataclass
+class Int4LinearParams:
+    """A W4A8 linear of a fused layer (``kernels/quant/int4_native.py``'s packing).
+
+    Attributes:
+        wp / ws: the packed nibbles and group scales (``pack_int4``).
+        group_size: inputs per scale group (a multiple of 8 dividing the inputs).
+        bias: ``[out]`` float32, or ``None``.
+    """
+
+    wp: torch.Tensor
+    ws: torch.Tensor
+    group_size: int
+    bias: torch.Tensor | None
+
+
+#: One fused linear: ``(vnni_weight, bias | None)`` in bf16, a W8A8, W4A8 or GGUF one.
+LinearParams = (
+    tuple[torch.Tensor, torch.Tensor | None]
+    | Int8LinearParams
+    | GGUFLinearParams
+    | Int4LinearParams
+)
 
 
 @dataclass
@@ -78,7 +101,8 @@ class DecodeLayerParams:
         qkv / o / gate_up / down: ``(vnni_weight, bias | None)`` of the four
             linears, weights packed by ``cpu_ext.bf16_pack_weight`` from
             ``[(H + 2 KVH) D, E]``, ``[E, H D]``, ``[2 I, E]`` (gate rows, then
-            up rows) and ``[E, I]``; or ``Int8LinearParams`` of the same shapes.
+            up rows) and ``[E, I]``; or ``Int8LinearParams``, ``Int4LinearParams`` or
+            ``GGUFLinearParams`` of the same shapes.
         k_cache / v_cache: the layer's ``[num_blocks, block_size, KVH, D]`` views.
         sliding_window: tokens, or ``None``.
     """
@@ -150,28 +174,53 @@ class FusedDecode:
         self._c_layers = (_Layer * len(layers))()
         self._int8: list[ctypes.Structure] = []  # keeps the structs the layers point at
         self._gguf: list[ctypes.Structure] = []
+        self._int4: list[ctypes.Structure] = []
+        self._int4_shapes: set[tuple[int, int]] = set()  # (inputs, group size)
+        hd = num_heads * head_dim
         for c, p in zip(self._c_layers, layers, strict=True):
             c.input_norm, c.post_norm = _ptr(p.input_norm), _ptr(p.post_norm)
-            c.wqkv, c.bqkv, c.qkv8, c.qkvq = self._linear(p.qkv)
-            c.wo, c.bo, c.o8, c.oq = self._linear(p.o)
-            c.wgu, c.bgu, c.gu8, c.guq = self._linear(p.gate_up)
-            c.wd, c.bd, c.d8, c.dq = self._linear(p.down)
+            c.wqkv, c.bqkv, c.qkv8, c.qkvq, c.qkv4 = self._linear(p.qkv, e)
+            c.wo, c.bo, c.o8, c.oq, c.o4 = self._linear(p.o, hd)
+            c.wgu, c.bgu, c.gu8, c.guq, c.gu4 = self._linear(p.gate_up, e)
+            c.wd, c.bd, c.d8, c.dq, c.d4 = self._linear(p.down, i)
             c.k_cache, c.v_cache = _ptr(p.k_cache), _ptr(p.v_cache)
             c.window = p.sliding_window or 0
         self.has_int8 = bool(self._int8)
         self.has_gguf = bool(self._gguf)
+        self.has_int4 = bool(self._int4)
 
-    def _linear(self, p: LinearParams) -> tuple[int | None, int | None, int | None, int | None]:
-        """``(bf16 weight, bf16 bias, int8_weight*, gguf_weight*)`` pointers of one linear."""
+    def _linear(self, p: LinearParams, k: int) -> tuple[int | None, ...]:
+        """``(bf16 weight, bf16 bias, int8_weight*, gguf_weight*, int4_weight*)`` pointers
+        of one linear of ``k`` inputs.
+
+        Raises:
+            ValueError: naming ``group_size`` when a W4A8 linear's does not fit ``k``.
+        """
         if isinstance(p, Int8LinearParams):
             w8 = _Int8(_ptr(p.wp), _ptr(p.wsum), _ptr(p.scale), _ptr(p.bias))
             self._int8.append(w8)
-            return None, None, ctypes.addressof(w8), None
+            return None, None, ctypes.addressof(w8), None, None
         if isinstance(p, GGUFLinearParams):
             wq = _GGUF(p.type_id, _ptr(p.wp), _ptr(p.bias))
             self._gguf.append(wq)
-            return None, None, None, ctypes.addressof(wq)
-        return _ptr(p[0]), _ptr(p[1]), None, None
+            return None, None, None, ctypes.addressof(wq), None
+        if isinstance(p, Int4LinearParams):
+            g = p.group_size
+            if g < 8 or g % 8 or k % g:
+                raise ValueError(f"group_size must be a multiple of 8 dividing {k}, got {g}")
+            w4 = _Int4(_ptr(p.wp), _ptr(p.ws), g, _ptr(p.bias))
+            self._int4.append(w4)
+            self._int4_shapes.add((k, g))
+            return None, None, None, None, ctypes.addressof(w4)
+        return _ptr(p[0]), _ptr(p[1]), None, None, None
+
+    def _int4_scratch_bytes(self, lib: native_abi.NativeLibrary, tokens: int) -> int:
+        """The largest ``int4_scratch_size`` of this model's W4A8 linears at ``tokens``."""
+        size, most = ctypes.c_int64(), 0
+        for k, g in self._int4_shapes:
+            lib.int4_scratch_size(tokens, k, g, ctypes.addressof(size))
+            most = max(most, size.value)
+        return most
 
     @staticmethod
     def available() -> bool:
@@ -229,9 +278,9 @@ class FusedDecode:
         residual, normed = buf(t, e), buf(t, e)
         qkv, q_rot, attn, act = buf(t, (h + 2 * kvh) * d), buf(t, h * d), buf(t, h * d), buf(t, i)
         pad = buf(16, max(e, h * d, i))
-        int8_path, gate_up, scratch, gguf_scratch = -1, None, None, None
+        int8_path, gate_up, scratch, gguf_scratch, int4_scratch = -1, None, None, None, None
         size = ctypes.c_int64()
-        if self.has_int8 or self.has_gguf:
+        if self.has_int8 or self.has_gguf or self.has_int4:
             int8_path = int8_native.available_paths(lib)[-1]
             gate_up = buf(t, 2 * i)
         if self.has_int8:
@@ -240,6 +289,8 @@ class FusedDecode:
         if self.has_gguf:
             lib.gguf_dot_scratch_size(t, max(e, h * d, i), ctypes.addressof(size))
             gguf_scratch = torch.empty(size.value, dtype=torch.uint8)
+        if self.has_int4:
+            int4_scratch = torch.empty(self._int4_scratch_bytes(lib, t), dtype=torch.uint8)
         k0, v0 = self.layers[0].k_cache, self.layers[0].v_cache
         st = _Step(
             t, e, h, kvh, d, i,
@@ -252,6 +303,7 @@ class FusedDecode:
             q_rot.data_ptr(), attn.data_ptr(), act.data_ptr(), pad.data_ptr(),
             int8_path, _ptr(gate_up), _ptr(scratch), _ptr(gguf_scratch),
         )  # fmt: skip
+        st.int4_scratch = _ptr(int4_scratch)
         rc = lib.decode_layers(
             self._c_layers,
             len(self.layers),

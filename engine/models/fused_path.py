@@ -3,8 +3,8 @@ layers have the pre-norm RMSNorm -> fused QKV attention -> RMSNorm -> fused SwiG
 
 A model asks ``FusedDecodePath.get`` on each decode-only step; this decides whether the
 kernel serves (bf16 on a CPU with AVX512-BF16, every linear packed into the VNNI layout
-by ``kernels/linear.py``, W8A8 packed by ``Int8Linear`` or GGUF blocks packed by
-``GGUFLinear``, shapes within the kernel) and
+by ``kernels/linear.py``, W8A8 packed by ``Int8Linear``, W4A8 by ``Int4Linear`` or GGUF
+blocks packed by ``GGUFLinear``, shapes within the kernel) and
 keeps the built kernel with the KV cache views it was built for. Models only describe their layers (``FusedLayer``).
 """
 
@@ -21,11 +21,14 @@ from tandem.kernels.fused_decode import (
     DecodeLayerParams,
     FusedDecode,
     GGUFLinearParams,
+    Int4LinearParams,
     Int8LinearParams,
     LinearParams,
 )
 
-__all__ = ["FusedDecodePath", "FusedLayer", "gguf_weight", "int8_weight", "packed_weight"]
+__all__ = [
+    "FusedDecodePath", "FusedLayer", "gguf_weight", "int4_weight", "int8_weight", "packed_weight"
+]
 
 
 class _Norm(Protocol):
@@ -99,6 +102,20 @@ def int8_weight(linear: nn.Module) -> Int8LinearParams | None:
     return Int8LinearParams(wp, wsum, scale, None if bias is None else bias.float().contiguous())
 
 
+def int4_weight(linear: nn.Module) -> Int4LinearParams | None:
+    """The packed W4A8 weight of an ``Int4Linear`` that holds the native kernel's packing
+    (``wp``, ``ws`` buffers and its ``group_size``), else ``None``; the bias widened to
+    float32."""
+    wp, ws = getattr(linear, "wp", None), getattr(linear, "ws", None)
+    group_size = getattr(linear, "group_size", None)
+    if not (isinstance(wp, torch.Tensor) and isinstance(ws, torch.Tensor)
+            and isinstance(group_size, int)):
+        return None
+    bias = getattr(linear, "bias", None)
+    assert bias is None or isinstance(bias, torch.Tensor), "a linear's bias is a tensor or None"
+    return Int4LinearParams(wp, ws, group_size, None if bias is None else bias.float().contiguous())
+
+
 def gguf_weight(linear: nn.Module) -> GGUFLinearParams | None:
     """The packed blocks of a GGUF projection (``GGUFQuantLinear`` whose ``GGUFLinear``
     packed them for the integer-dot kernel), else ``None``; the bias widened to float32."""
@@ -113,7 +130,8 @@ def gguf_weight(linear: nn.Module) -> GGUFLinearParams | None:
 
 
 def _fused_linear(linear: nn.Module) -> LinearParams | None:
-    return packed_weight(linear) or int8_weight(linear) or gguf_weight(linear)
+    return (packed_weight(linear) or int8_weight(linear) or int4_weight(linear)
+            or gguf_weight(linear))
 
 
 def _layer_params(layer: FusedLayer, kv_cache: KVCacheViews) -> DecodeLayerParams | None:

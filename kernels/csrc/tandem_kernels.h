@@ -38,11 +38,20 @@ typedef struct {
     const float *bias;
 } gguf_weight;
 
+/* A W4A8 linear for decode_layers (see int4_linear): the packed nibbles and group scales
+ * of pack_int4 (kernels/quant/int4_native.py), the group size, float32 bias (NULL: none). */
+typedef struct {
+    const void *wp;
+    const float *ws;
+    int64_t group;
+    const float *bias;
+} int4_weight;
+
 /* One decoder layer for decode_layers: packed weights (bf16_pack_weight),
  * optional biases (NULL), norm weights, and this layer's K/V cache views
  * (strides in decode_step: every layer's view shares them). A non-NULL
  * qkv8 / o8 / gu8 / d8 makes that linear W8A8 instead, a non-NULL qkvq / oq / guq /
- * dq a GGUF one (its bf16 fields unused). */
+ * dq a GGUF one, a non-NULL qkv4 / o4 / gu4 / d4 a W4A8 one (its bf16 fields unused). */
 typedef struct {
     const uint16_t *input_norm, *post_norm;
     const uint16_t *wqkv, *bqkv, *wo, *bo, *wgu, *bgu, *wd, *bd;
@@ -50,6 +59,7 @@ typedef struct {
     int64_t window; /* sliding window in tokens, 0 = none */
     const int8_weight *qkv8, *o8, *gu8, *d8;
     const gguf_weight *qkvq, *oq, *guq, *dq;
+    const int4_weight *qkv4, *o4, *gu4, *d4;
 } decode_layer;
 
 /* One decode step for decode_layers: shapes, the step's metadata and the
@@ -76,6 +86,10 @@ typedef struct {
     /* for GGUF layers only (else any): the quantized activations (gguf_dot_scratch_size(T,
      * max(E, H D, I)) bytes; the path is int8_path, the gate/up output gate_up) */
     void *gguf_scratch;
+    /* for W4A8 layers only (else any): the quantized activations and group sums (the
+     * largest int4_scratch_size(T, K, G) of the step's int4 linears; the path is
+     * int8_path, the gate/up output gate_up) */
+    void *int4_scratch;
 } decode_step;
 
 /* paged_attention_cpu.c: decode attention straight from the paged cache. */

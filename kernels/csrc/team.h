@@ -65,6 +65,14 @@ int team_int8_matmul(int path, int is_bf16, const void *x, int64_t sx, const voi
                      const int *wsum, const float *ws, const float *bias, void *y, int64_t sy,
                      int64_t M, int64_t N, int64_t K, void *scratch);
 
+/* int4_linear_cpu.c: y = W4A8 linear of x (see int4_linear in tandem_kernels.h);
+ * scratch: int4_scratch_bytes(M, K, G) bytes shared by the team. Returns -1 on a
+ * path or shape it does not run (every thread, and nothing runs). */
+int64_t int4_scratch_bytes(int64_t M, int64_t K, int64_t G);
+int team_int4_matmul(int path, int is_bf16, const void *x, int64_t sx, const void *wp,
+                     const float *ws, int64_t G, const float *bias, void *y, int64_t sy,
+                     int64_t M, int64_t N, int64_t K, void *scratch);
+
 /* gguf_dot_cpu.c: y = GGUF linear of x (see gguf_dot_linear in tandem_kernels.h);
  * scratch: gguf_dot_scratch_bytes(M, K) bytes shared by the team. Returns -1 on a
  * path, type or shape it does not run (every thread, and nothing runs). */

@@ -16,7 +16,8 @@ from torch import nn
 from tandem.engine.models.registry import build_model
 from tandem.engine.quantization import finish_model
 from tandem.engine.quantization.dense_linear import Int8Linear
-from tandem.engine.quantization.methods import Int8OnLoad
+from tandem.engine.quantization.grouped_linear import Int4Linear
+from tandem.engine.quantization.methods import Int4OnLoad, Int8OnLoad
 from tandem.kernels.attention import build_attention_metadata
 from tandem.kernels.cache import allocate_kv_cache
 from tandem.kernels.fused_decode import FusedDecode
@@ -61,8 +62,9 @@ def _to_gguf(model) -> None:
 
 
 def make_model(arch: str, tie: bool, dtype: torch.dtype = torch.bfloat16, int8: bool = False,
-               gguf: bool = False):
-    """``int8``: the decoder's linears quantized on load (``--quantization int8``);
+               gguf: bool = False, int4: bool = False):
+    """``int8`` / ``int4``: the decoder's linears quantized on load (``--quantization
+    int8`` / ``int4``: groups of 64 inputs, 32 for the 96-input down projection);
     ``gguf``: on Q4_1 blocks (``--quantization gguf``)."""
     # vocab 112, a multiple of 16: the packed head (and its argmax pass) serves
     config = tiny_config(arch, vocab=112, hidden=64, ffn=96, layers=3, head_dim=32, max_len=256,
@@ -74,23 +76,29 @@ def make_model(arch: str, tie: bool, dtype: torch.dtype = torch.bfloat16, int8: 
         assert isinstance(model.model.decoder_layers[0].mlp.down_proj, Int8Linear)
         # the LM head per row in int8 too (its own, or a copy of the tied embedding)
         assert isinstance(model.lm_head if not tie else model.tied_lm_head, Int8Linear)
+    if int4:
+        finish_model(model, Int4OnLoad())
+        down = model.model.decoder_layers[0].mlp.down_proj
+        assert isinstance(down, Int4Linear) and down.wp is not None, "the W4A8 kernel's packing"
     if gguf:
         _to_gguf(model)
     if dtype == torch.bfloat16:
         packed = pack_linear_layers(model)
-        assert packed > 0 or int8 or (gguf and tie), "no bf16 linear is left to pack"
+        assert packed > 0 or int8 or ((gguf or int4) and tie), "no bf16 linear is left to pack"
         model.pack_tied_lm_head()
     return model
 
 
-@pytest.mark.parametrize("quant", ["bf16", "int8", "gguf"])
+@pytest.mark.parametrize("quant", ["bf16", "int8", "int4", "gguf"])
 @pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
 @pytest.mark.parametrize("arch", sorted(ARCHS))
 @pytest.mark.parametrize("num_seqs", [1, 13, 40])
 def test_fused_decode_is_bit_identical_to_per_op_path(arch, tie, num_seqs, quant):
     """``int8``: every decoder linear W8A8 (int8_linear_cpu.c inside the fused step);
-    ``gguf``: every decoder linear on Q4_1 blocks (gguf_dot_cpu.c inside it)."""
-    model = make_model(arch, tie, int8=quant == "int8", gguf=quant == "gguf")
+    ``int4``: W4A8 (int4_linear_cpu.c inside it); ``gguf``: every decoder linear on Q4_1
+    blocks (gguf_dot_cpu.c inside it)."""
+    model = make_model(arch, tie, int8=quant == "int8", gguf=quant == "gguf",
+                       int4=quant == "int4")
     cfg = model.config
     gen = torch.Generator().manual_seed(num_seqs)
     lens = torch.randint(1, 60, (num_seqs,), generator=gen).tolist()
