@@ -98,13 +98,7 @@ class StepResults:
             if req.status != RequestStatus.RUNNING:
                 continue  # finished or preempted since the step was scheduled
             drafts = sched.scheduled_spec_token_ids.get(rid, ())
-            tokens: list[int] | None = out.verified_token_ids.get(rid)
-            token_logprobs: list | None = out.verified_logprobs.get(rid)
-            if tokens is None:
-                token = out.sampled_token_ids.get(rid)
-                tokens = None if token is None else [token]
-                logprobs = out.logprobs.get(rid)
-                token_logprobs = [logprobs] if logprobs is not None else None
+            tokens, token_logprobs = _step_tokens(out, rid)
             num_rejected = len(drafts) - (len(tokens) - 1 if tokens is not None else 0)
             req.num_computed_tokens += sched.num_scheduled_tokens[rid] - num_rejected
             if rid in out.prompt_logprobs:
@@ -280,3 +274,17 @@ class StepResults:
             self._pending_free[rid] = req
         else:
             kvm.free(req)
+
+
+def _step_tokens(out: ModelRunnerOutput, rid: str) -> tuple[list[int] | None, list | None]:
+    """The tokens a step emitted for request ``rid`` and their logprobs: the verified
+    ones (target token after accepted drafts) with speculative decoding, else the one
+    sampled token; ``(None, None)`` when the step did not sample it (a prefill chunk)."""
+    tokens: list[int] | None = out.verified_token_ids.get(rid)
+    if tokens is not None:
+        return tokens, out.verified_logprobs.get(rid)
+    token = out.sampled_token_ids.get(rid)
+    if token is None:
+        return None, None
+    logprobs = out.logprobs.get(rid)
+    return [token], [logprobs] if logprobs is not None else None

@@ -93,14 +93,7 @@ def rejection_sample(
     assert len(num_draft_tokens) == num_rows and len(generators) == num_rows
     device = target_probs.device
     drafts = draft_token_ids.to(device)
-    uniform = torch.empty((num_rows, k_max), dtype=torch.float32)
-    if any(g is None for g in generators):
-        uniform.uniform_(generator=generator)
-    for b, g in enumerate(generators):
-        if g is not None:
-            uniform[b].uniform_(generator=g)
-    uniform = uniform.to(device)
-
+    uniform = _acceptance_uniforms(num_rows, k_max, generators, generator).to(device)
     num_draft = torch.tensor(list(num_draft_tokens), dtype=torch.int64, device=device)
     valid = torch.arange(k_max, device=device).unsqueeze(0) < num_draft.unsqueeze(1)
     p_draft = target_probs[:, :k_max].gather(2, drafts.unsqueeze(2)).squeeze(2)
@@ -112,8 +105,41 @@ def rejection_sample(
         accepted = uniform * q_draft < p_draft
     accepted &= valid
     num_accepted = accepted.long().cumprod(dim=1).sum(dim=1)  # leading run
+    final_dist = _final_distribution(drafts, num_accepted, num_draft, target_probs,
+                                     draft_probs)
+    final = sample_race(final_dist, final_keys)
 
-    rows = torch.arange(num_rows, device=device)
+    out: list[list[int]] = []
+    drafts_list = draft_token_ids.tolist()
+    for b, (n, t) in enumerate(zip(num_accepted.tolist(), final.tolist(), strict=True)):
+        out.append(drafts_list[b][:n] + [t])
+    return out
+
+
+def _acceptance_uniforms(num_rows: int, k_max: int,
+                         generators: Sequence[torch.Generator | None],
+                         generator: torch.Generator) -> torch.Tensor:
+    """``[num_rows, k_max]`` float32 uniforms on the CPU: a seeded row's from its own
+    generator (its output then does not depend on the batch), the others' from
+    ``generator``."""
+    uniform = torch.empty((num_rows, k_max), dtype=torch.float32)
+    if any(g is None for g in generators):
+        uniform.uniform_(generator=generator)
+    for b, g in enumerate(generators):
+        if g is not None:
+            uniform[b].uniform_(generator=g)
+    return uniform
+
+
+def _final_distribution(drafts: torch.Tensor, num_accepted: torch.Tensor,
+                        num_draft: torch.Tensor, target_probs: torch.Tensor,
+                        draft_probs: torch.Tensor | None) -> torch.Tensor:
+    """``[B, V]`` float32: per row, the distribution of the token after its accepted
+    drafts: the target's at that position when every draft was accepted (the bonus
+    token), else the residual ``max(0, p - q)`` at the first rejection (normalized by
+    the sampler; ``q`` a point mass on the draft for deterministic proposers)."""
+    num_rows, k_max = drafts.shape
+    rows = torch.arange(num_rows, device=drafts.device)
     p_final = target_probs[rows, num_accepted]
     at = num_accepted.clamp(max=k_max - 1)
     if draft_probs is None:
@@ -127,11 +153,4 @@ def rejection_sample(
     empty = residual.sum(dim=1, keepdim=True) <= 0.0
     residual = torch.where(empty, p_final, residual)
     is_bonus = (num_accepted >= num_draft).unsqueeze(1)
-    final_dist = torch.where(is_bonus, p_final, residual)
-    final = sample_race(final_dist, final_keys)
-
-    out: list[list[int]] = []
-    drafts_list = draft_token_ids.tolist()
-    for b, (n, t) in enumerate(zip(num_accepted.tolist(), final.tolist(), strict=True)):
-        out.append(drafts_list[b][:n] + [t])
-    return out
+    return torch.where(is_bonus, p_final, residual)

@@ -111,17 +111,10 @@ def verify(
             (greedy_accept(d, plain[s : s + len(d) + 1]), None)
             for s, d in zip(starts, drafts, strict=True)
         ]
-    mask_rows: list[int | None] | None = None
-    bitmask = None
-    if grammar_bitmask is not None:
-        bitmask = grammar_bitmask.bitmask
-        mask_rows = []
-        for req, d in zip(requests, drafts, strict=True):
-            spec = grammar_bitmask.spec_rows.get(req.request_id)
-            mask_rows.extend(spec if spec is not None else [None] * (len(d) + 1))
+    bitmask, mask_rows = _mask_rows(grammar_bitmask, requests, drafts)
     processed = sampler.process_logits(logits, rows, bitmask, mask_rows)
 
-    emitted: list[list[int] | None] = [None] * len(requests)
+    emitted: list[list[int]] = [[] for _ in requests]
     argmax: list[int] | None = None
     random_idx: list[int] = []
     for i, req in enumerate(requests):
@@ -133,60 +126,84 @@ def verify(
         else:
             random_idx.append(i)
     if random_idx:
-        k_max = max(len(drafts[i]) for i in random_idx)
-        vocab = processed.shape[1]
-        target = torch.zeros(
-            (len(random_idx), k_max + 1, vocab), dtype=torch.float32, device=processed.device
-        )
-        padded = torch.zeros((len(random_idx), k_max), dtype=torch.int64)
-        qs = [draft_probs[i] if draft_probs is not None else None for i in random_idx]
-        q_all = None
-        if any(q is not None for q in qs):
-            # Rows without a q get their point mass: one batch, one rule.
-            q_all = torch.zeros(
-                (len(random_idx), k_max, vocab), dtype=torch.float32, device=processed.device
-            )
-        # One pass over every random row (per-call overhead dominates at these sizes).
-        sel = [j for i in random_idx for j in range(starts[i], starts[i] + len(drafts[i]) + 1)]
-        probs = sampler.target_probs(processed[sel], [rows[j] for j in sel])
-        at = 0
-        for b, i in enumerate(random_idx):
-            n = len(drafts[i]) + 1
-            target[b, :n] = probs[at : at + n]
-            at += n
-            padded[b, : n - 1] = torch.tensor(drafts[i], dtype=torch.int64)
-            if q_all is not None:
-                q = qs[b]
-                if q is None:
-                    q_all[b, torch.arange(n - 1), padded[b, : n - 1].to(q_all.device)] = 1.0
-                else:
-                    q_all[b, : n - 1] = q
-        sampled = rejection_sample(
-            padded,
-            [len(drafts[i]) for i in random_idx],
-            target,
-            q_all,
-            # seeded rows: their draws for this step keyed by the position it starts at
-            [requests[i].step_generator() for i in random_idx],
-            sampler.generator,
-            row_keys([requests[i].step_seed() for i in random_idx], sampler.noise_generator),
-        )
+        sampled = _sample_random(sampler, processed, rows, starts, random_idx, requests,
+                                 drafts, draft_probs)
         for i, toks in zip(random_idx, sampled, strict=True):
             emitted[i] = toks
+    return [_with_logprobs(processed, req, starts[i], emitted[i])
+            for i, req in enumerate(requests)]
 
-    results: list[VerifyResult] = []
-    for i, req in enumerate(requests):
-        out = emitted[i]
-        assert out is not None
-        toks = out
-        params = req.sampling_params
-        if params.logprobs is None:
-            results.append((toks, None))
-            continue
-        sel = list(range(starts[i], starts[i] + len(toks)))
-        lp_rows = processed[sel]
-        if not params.greedy:
-            lp_rows = lp_rows / params.temperature
-        lps = gather_logprobs(lp_rows, toks, [params] * len(toks))
-        results.append((toks, [lp for _, lp in lps if lp is not None]))
-    return results
+
+def _mask_rows(grammar_bitmask: StepBitmask | None, requests: Sequence[Request],
+               drafts: Sequence[list[int]]
+               ) -> tuple[torch.Tensor | None, list[int | None] | None]:
+    """The step's grammar bitmask and, per verified position, its row in it (``None``:
+    an unconstrained request's position); ``(None, None)`` without a bitmask."""
+    if grammar_bitmask is None:
+        return None, None
+    mask_rows: list[int | None] = []
+    for req, d in zip(requests, drafts, strict=True):
+        spec = grammar_bitmask.spec_rows.get(req.request_id)
+        mask_rows.extend(spec if spec is not None else [None] * (len(d) + 1))
+    return grammar_bitmask.bitmask, mask_rows
+
+
+def _sample_random(sampler: Sampler, processed: torch.Tensor, rows: list[Request],
+                   starts: list[int], random_idx: list[int], requests: Sequence[Request],
+                   drafts: Sequence[list[int]],
+                   draft_probs: Sequence[torch.Tensor | None] | None) -> list[list[int]]:
+    """Rejection-sample the random requests ``random_idx`` (indices into ``requests``):
+    their target distributions at every position (``processed`` rows from ``starts``),
+    padded to the longest draft, and their drafts' proposal distributions (point masses
+    where a request has none). Returns each one's emitted tokens, in order."""
+    k_max = max(len(drafts[i]) for i in random_idx)
+    vocab = processed.shape[1]
+    device = processed.device
+    target = torch.zeros((len(random_idx), k_max + 1, vocab), dtype=torch.float32,
+                         device=device)
+    padded = torch.zeros((len(random_idx), k_max), dtype=torch.int64)
+    qs = [draft_probs[i] if draft_probs is not None else None for i in random_idx]
+    q_all = None
+    if any(q is not None for q in qs):
+        # Rows without a q get their point mass: one batch, one rule.
+        q_all = torch.zeros((len(random_idx), k_max, vocab), dtype=torch.float32,
+                            device=device)
+    # One pass over every random row (per-call overhead dominates at these sizes).
+    sel = [j for i in random_idx for j in range(starts[i], starts[i] + len(drafts[i]) + 1)]
+    probs = sampler.target_probs(processed[sel], [rows[j] for j in sel])
+    at = 0
+    for b, i in enumerate(random_idx):
+        n = len(drafts[i]) + 1
+        target[b, :n] = probs[at : at + n]
+        at += n
+        padded[b, : n - 1] = torch.tensor(drafts[i], dtype=torch.int64)
+        if q_all is not None:
+            q = qs[b]
+            if q is None:
+                q_all[b, torch.arange(n - 1), padded[b, : n - 1].to(q_all.device)] = 1.0
+            else:
+                q_all[b, : n - 1] = q
+    return rejection_sample(
+        padded,
+        [len(drafts[i]) for i in random_idx],
+        target,
+        q_all,
+        # seeded rows: their draws for this step keyed by the position it starts at
+        [requests[i].step_generator() for i in random_idx],
+        sampler.generator,
+        row_keys([requests[i].step_seed() for i in random_idx], sampler.noise_generator),
+    )
+
+
+def _with_logprobs(processed: torch.Tensor, req: Request, start: int, toks: list[int]
+                   ) -> VerifyResult:
+    """``toks`` with their logprobs from ``processed`` rows ``start ..`` when ``req``
+    asks for logprobs (temperature applied for a random request), else ``None``."""
+    params = req.sampling_params
+    if params.logprobs is None:
+        return toks, None
+    lp_rows = processed[start : start + len(toks)]
+    if not params.greedy:
+        lp_rows = lp_rows / params.temperature
+    lps = gather_logprobs(lp_rows, toks, [params] * len(toks))
+    return toks, [lp for _, lp in lps if lp is not None]
