@@ -80,11 +80,12 @@ def make_model(arch: str, tie: bool, dtype: torch.dtype = torch.bfloat16, int8: 
         finish_model(model, Int4OnLoad())
         down = model.model.decoder_layers[0].mlp.down_proj
         assert isinstance(down, Int4Linear) and down.wp is not None, "the W4A8 kernel's packing"
+        assert isinstance(model.lm_head if not tie else model.tied_lm_head, Int8Linear)
     if gguf:
         _to_gguf(model)
     if dtype == torch.bfloat16:
         packed = pack_linear_layers(model)
-        assert packed > 0 or int8 or ((gguf or int4) and tie), "no bf16 linear is left to pack"
+        assert packed > 0 or int8 or int4 or (gguf and tie), "no bf16 linear is left to pack"
         model.pack_tied_lm_head()
     return model
 
