@@ -280,9 +280,11 @@ class Stack:
         port = free_port()
         # NOTE: a random suffix keeps registry keys apart when stacks share one Redis.
         instance_id = f"{name}-{uuid.uuid4().hex[:8]}"
+        # KV events on, so the routers route on what the engines hold (an
+        # --engine-arg=--no-kv-events comes later and wins)
         argv = [*cmd, "--listen", f"127.0.0.1:{port}", "--redis-url", self.redis_url,
-                "--instance-id", instance_id, *kv_cache_args(cfg), *cfg.tracing_args,
-                *gpu_memory_utilization_args(cfg, extra), *extra]
+                "--instance-id", instance_id, "--kv-events", *kv_cache_args(cfg),
+                *cfg.tracing_args, *gpu_memory_utilization_args(cfg, extra), *extra]
         if takes_cpu_turns(cfg):
             if not sets_flag(extra, "--shared-cpu-lock"):
                 assert self.tmpdir is not None, "start() creates the temp dir first"

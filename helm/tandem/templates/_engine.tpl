@@ -36,6 +36,7 @@ Called with (dict "root" $ "role" "prefill"|"decode").
 {{- end }}
 - --block-size={{ $root.Values.cache.blockSize | int64 }}
 - --kv-cache-dtype={{ $root.Values.cache.kvCacheDtype | default "auto" }}
+- {{ ternary "--kv-events" "--no-kv-events" $root.Values.kvEvents.enabled }}
 {{- with $root.Values.model.maxModelLen }}
 - --max-model-len={{ . | int64 }}
 {{- end }}
