@@ -2,9 +2,9 @@
 ``BlockStore`` facade (kvstore/client.py), with its semantics.
 
 It owns the index (Redis), the node registry and the UCX connections, puts
-blocks, and reads them with one reader per transport: :class:`ShmReader`
-(kvstore/shm_read.py) for nodes on this host, :class:`UcxReader`
-(kvstore/ucx_read.py) for the others. Run its coroutines on
+blocks, and reads them with one reader per transport, chosen per node by the registry of
+kvstore/readers.py: :class:`ShmReader` (kvstore/shm_read.py) for nodes on this host,
+:class:`UcxReader` (kvstore/ucx_read.py) for the others. Run its coroutines on
 :func:`tandem.kvstore.ucx.client_loop`; :mod:`tandem.kvstore.client` is the
 blocking facade threads use. Keys, buffers and semantics: kvstore/store.py.
 """
@@ -34,11 +34,11 @@ from tandem.kvstore.index import (
     node_key,
 )
 from tandem.kvstore.index_entries import (
-    checksum_verdicts,
     leading_by_node,
     leading_count,
     without_down,
 )
+from tandem.kvstore.readers import ReaderContext, make_readers
 from tandem.kvstore.shm import host_id, segment_gone
 from tandem.kvstore.shm_read import ShmReader
 from tandem.kvstore.store import (
@@ -105,15 +105,29 @@ class AsyncKVStoreClient:
         self._closed = False
         #: the UCX connections to nodes
         self.conns = Connections(timeout_s, self._dropped)
-        #: the same-host reader (``None``: shared-memory reads off)
-        self.shm = ShmReader(timeout_s, options.copy_threads) if options.shm else None
-        #: the UCX reader
-        self.ucx = UcxReader(self.conns.get, self.conns.drop, timeout_s)
+        #: one reader per transport the options allow, by name, in the order tried
+        #: (kvstore/readers.py)
+        self.readers = make_readers(ReaderContext(timeout_s, options, self.conns.get,
+                                                  self.conns.drop))
         #: blocks whose bytes failed their checksum (each a miss, its entry removed)
         self.num_checksum_failures = 0
         #: nodes found gone, left alone for a while
         self.down = DownNodes(options.down_node_retry_s)
         self._host_id = host_id()
+
+    @property
+    def shm(self) -> ShmReader | None:
+        """The same-host reader (``None``: shared-memory reads off); the blocking facade
+        reads through it on the calling thread (kvstore/client.py)."""
+        reader = self.readers.get("shm")
+        return reader if isinstance(reader, ShmReader) else None
+
+    @property
+    def ucx(self) -> UcxReader:
+        """The UCX reader (its counters: fast and stale gets)."""
+        reader = self.readers["ucx"]
+        assert isinstance(reader, UcxReader), "the ucx reader is registered"
+        return reader
 
     # -- validation ---------------------------------------------------------------------------
 
@@ -153,8 +167,8 @@ class AsyncKVStoreClient:
             info = NodeInfo.from_hash(i, h) if h else None
             if info is not None:
                 nodes[i] = info
-        if self.shm is not None:
-            self.shm.retain(set(nodes))  # a dead node's segment lives while we map it
+        for reader in self.readers.values():
+            reader.retain(set(nodes))  # a dead node's segment lives while we map it
         return nodes
 
     async def _live_nodes_cached(self) -> dict[str, NodeInfo]:
@@ -182,14 +196,14 @@ class AsyncKVStoreClient:
         what is posted on it and unmaps its segment."""
         self.down.mark(node, reason)
         self.conns.drop_node(node.node_id)
-        if self.shm is not None:
-            self.shm.forget(node.node_id)
+        for reader in self.readers.values():
+            reader.forget(node.node_id)
 
     def _dropped(self, node_id: str) -> None:
         """A connection to ``node_id`` failed or its node is gone (see Connections)."""
         self._nodes_cache = None
-        if self.shm is not None:
-            self.shm.forget(node_id)  # NOTE: map a restarted node's segment afresh
+        for reader in self.readers.values():
+            reader.forget(node_id)  # NOTE: map a restarted node's segment afresh
 
     def _choose_node(self, nodes: dict[str, NodeInfo], nbytes: int) -> NodeInfo:
         nodes = {i: n for i, n in nodes.items() if not self.node_gone(n)}
@@ -391,17 +405,17 @@ class AsyncKVStoreClient:
         names = [keys[i].redis_key for i in idx]
         present = [e for e in (entries[i] for i in idx) if e is not None]
         assert len(present) == len(idx), "only present blocks are read"
-        if self.shm is not None and self.shm.mapping(node) is not None:
-            # NOTE: the reader blocks its thread: not this loop's
-            sums = await asyncio.to_thread(self.shm.read, node, names, mine)
-            if sums is not None:
-                return {idx[j]: ok for j, ok in checksum_verdicts(sums, present).items()}
-        try:
-            got = await self.ucx.read(node, names, mine, present)
-        except KVStoreNodeDownError as exc:
-            self.mark_down(node, exc)
-            return None
-        return {idx[j]: None for j in got}
+        for reader in self.readers.values():
+            if not reader.serves(node):
+                continue
+            try:
+                got = await reader.fetch(node, names, mine, present)
+            except KVStoreNodeDownError as exc:
+                self.mark_down(node, exc)
+                return None
+            if got is not None:
+                return {idx[j]: ok for j, ok in got.items()}
+        return None  # no reader serves the node: its blocks are misses, entries kept
 
     def tally(self, keys: list[BlockKey], views: list[np.ndarray],
               entries: list[IndexEntry | None], n: int,
@@ -465,6 +479,6 @@ class AsyncKVStoreClient:
         """Release connections; further calls raise :class:`KVStoreError`."""
         self._closed = True
         self.conns.close()
-        if self.shm is not None:
-            await asyncio.to_thread(self.shm.close)  # joins its copy threads
+        for reader in self.readers.values():
+            await asyncio.to_thread(reader.close)  # the same-host reader joins its threads
         await self.redis.aclose()

@@ -19,6 +19,7 @@ segment, no socket) is read over UCX instead (kvstore/ucx_read.py).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import weakref
@@ -27,6 +28,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
+from tandem.kvstore.index import IndexEntry
+from tandem.kvstore.index_entries import checksum_verdicts
 from tandem.kvstore.shm import Mapping, host_id
 from tandem.kvstore.shm_ctl import CtlChannel, ctl_address
 from tandem.kvstore.store import KVStoreError, KVStoreTimeoutError
@@ -113,6 +116,19 @@ class ShmReader:
                 del self._maps[gone]
 
     # -- reads ------------------------------------------------------------------------------
+
+    def serves(self, node: NodeInfo) -> bool:
+        """:meth:`BlockReader.serves <tandem.kvstore.readers.BlockReader.serves>`: the
+        node's segment can be mapped from this process."""
+        return self.mapping(node) is not None
+
+    async def fetch(self, node: NodeInfo, names: list[str], views: list[np.ndarray],
+                    entries: list[IndexEntry]) -> dict[int, bool | None] | None:
+        """:meth:`BlockReader.fetch <tandem.kvstore.readers.BlockReader.fetch>`:
+        :meth:`read` on a worker thread (it blocks its thread, never the client loop),
+        each block's checksum compared with its index entry's."""
+        sums = await asyncio.to_thread(self.read, node, names, views)
+        return None if sums is None else checksum_verdicts(sums, entries)
 
     def read(self, node: NodeInfo, names: list[str],
              views: list[np.ndarray]) -> dict[int, str] | None:

@@ -50,6 +50,26 @@ class UcxReader:
         #: of those, answered ``stale`` (index older than the node's slots) and redone
         self.num_stale_gets = 0
 
+    def serves(self, node: NodeInfo) -> bool:
+        """:meth:`BlockReader.serves <tandem.kvstore.readers.BlockReader.serves>`: every
+        registered node listens for UCX."""
+        return True
+
+    async def fetch(self, node: NodeInfo, names: list[str], views: list[np.ndarray],
+                    entries: list[IndexEntry]) -> dict[int, bool | None] | None:
+        """:meth:`BlockReader.fetch <tandem.kvstore.readers.BlockReader.fetch>`: :meth:`read`,
+        the checksums left to the caller."""
+        return dict.fromkeys(await self.read(node, names, views, entries))
+
+    def retain(self, live: set[str]) -> None:
+        """Nothing to let go: the connections are the client's (``Connections``)."""
+
+    def forget(self, node_id: str) -> None:
+        """Nothing to let go: the connections are the client's (``Connections``)."""
+
+    def close(self) -> None:
+        """Nothing to release: the connections are the client's (``Connections``)."""
+
     async def read(self, node: NodeInfo, names: list[str], views: list[np.ndarray],
                    entries: list[IndexEntry]) -> set[int]:
         """Fetch blocks ``names`` (index keys) from ``node`` into ``views[i]``.
