@@ -86,7 +86,9 @@ class SlidingWindow:
         """The samples still inside the window, ascending."""
         with self._lock:
             self._expire(self._clock())
-            return sorted(v for _, v in self._samples)
+            samples = list(self._samples)
+        # NOTE: sorted outside the lock, so observers never wait for a scrape's sort.
+        return sorted(v for _, v in samples)
 
     def quantiles(self, qs: Sequence[float] = WINDOW_QUANTILES) -> list[float] | None:
         """The ``qs`` quantiles of the window (see :func:`quantile`), ``None`` when the
