@@ -355,17 +355,22 @@ def main(argv: list[str] | None = None) -> int:
         all_results, failed = [], 0
         tracing_modes = args.launch_tracing or ["off"]
         tiers = args.launch_kvstore_tiers or ["ram"]
-        for run, ((mode, spec, label), tracing, tier) in enumerate([
-                (p, t, k) for t in tracing_modes for k in tiers
+        kv_events = args.launch_kv_events or ["on"]
+        for run, ((mode, spec, label), tracing, tier, events) in enumerate([
+                (p, t, k, e) for t in tracing_modes for k in tiers for e in kv_events
                 for p in launch_plan(args.launch, args.speculative_config)]):
             if len(tracing_modes) > 1:
                 label = f"{label}+tracing-{tracing}"
             if len(tiers) > 1:
                 label = f"{label}+{tier}"
+            if len(kv_events) > 1:
+                label = f"{label}+kv-events-{events}"
             colocated = mode == "colocated"
             engine_args = list(args.launch_engine_arg)
             if mode == "disagg-no-reuse":
                 engine_args += ["--kv-load-from-store=false", "--kv-publish-output=false"]
+            if events == "off":
+                engine_args.append("--no-kv-events")  # after tandem up's --kv-events: wins
             cfg = StackConfig(port=0, grpc_port=0, model=args.launch_model, colocated=colocated,
                               num_prefill=args.launch_prefill, num_decode=args.launch_decode,
                               engine_args=engine_args,

@@ -139,6 +139,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="folder of the disk tier of --launch-kvstore-tier disk stacks")
     p.add_argument("--launch-kvstore-disk-capacity", type=parse_bytes, default=0,
                    help="disk-tier bytes of --launch-kvstore-tier disk stacks")
+    p.add_argument("--launch-kv-events", action="append", default=[], choices=["on", "off"],
+                   help="the launched engines' KV events, one stack per value in order "
+                        "(repeat to alternate): on (tandem up's default: the router's "
+                        "kv_aware view is built from them); off (--no-kv-events: the router "
+                        "guesses each engine's cache from what it sent) (default: on)")
     p.add_argument("--launch-prefill", type=int, default=1,
                    help="prefill instances of a --launch disagg stack")
     p.add_argument("--launch-decode", type=int, default=1,

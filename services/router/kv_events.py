@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import redis.asyncio as aioredis
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from redis.exceptions import RedisError
 
 from tandem.contracts.block_hash import BlockHash
@@ -145,6 +146,25 @@ class KVEventsReader:
         """``(epoch, seq)`` of the last batch applied to ``topic``'s view (synced only)."""
         f = self._follows.get(topic)
         return (f.epoch, f.seq) if f is not None and f.synced else None
+
+    def collect(self) -> Iterable[Metric]:
+        """Prometheus collector (``registry.register(reader)``): the counters as
+        ``tandem:router_kv_events_*_total`` and the synced views as a gauge."""
+        c = self.counters
+        for name, value, doc in (
+            ("batches_applied", c.batches_applied, "KV event batches applied to a view."),
+            ("malformed_batches", c.malformed_batches, "Unreadable KV event entries dropped."),
+            ("malformed_events", c.malformed_events, "Malformed single KV events dropped."),
+            ("resyncs", c.resyncs, "Views (re)loaded from an engine's snapshot."),
+            ("gaps", c.gaps, "KV event batches out of sequence (each starts a resync)."),
+            ("snapshot_requests", c.snapshot_requests, "Fresh snapshots asked of engines."),
+        ):
+            yield CounterMetricFamily(f"tandem:router_kv_events_{name}", doc, value=value)
+        yield GaugeMetricFamily(
+            "tandem:router_kv_events_synced_instances",
+            "Engines whose prefix-cache view is built from their KV events now.",
+            value=sum(1 for f in self._follows.values() if f.synced),
+        )
 
     # -- reading -------------------------------------------------------------------------
 

@@ -167,6 +167,7 @@ async def serve(cfg: RouterConfig, defaults: SamplingDefaults | None = None) -> 
     await discovery.start()
     await pool.start()
     if events is not None:
+        metrics.registry.register(events)
         await events.start()
     grpc_server: Any = None
     try:

@@ -23,6 +23,7 @@ from collections.abc import Awaitable, Callable
 import pytest
 import redis
 from ports import free_port
+from prometheus_client import CollectorRegistry, generate_latest
 from tiny_models import as_loaded_model, tiny_config, tiny_hf_model
 
 from tandem.contracts.kv_events import stream_key
@@ -268,6 +269,11 @@ def test_malformed_entry_is_dropped_and_counted(tiny: LoadedModel, redis_url: st
         await caught_up(reader, core)
         assert reader.counters.malformed_batches == 1
         assert reader.counters.gaps == 0  # the garbage took no sequence number
+        registry = CollectorRegistry()
+        registry.register(reader)  # as the router's /metrics does
+        text = generate_latest(registry).decode()
+        assert "tandem:router_kv_events_malformed_batches_total 1.0" in text
+        assert "tandem:router_kv_events_synced_instances 1.0" in text
         assert reader.cached_hashes(topic(core)) == engine_hashes(core)
 
     try:
