@@ -25,6 +25,7 @@ import redis
 from ports import free_port
 from prometheus_client import CollectorRegistry, generate_latest
 from tiny_models import as_loaded_model, tiny_config, tiny_hf_model
+from waiting import wait_until
 
 from tandem.contracts.kv_events import stream_key
 from tandem.contracts.role import Role
@@ -238,9 +239,10 @@ def test_trimmed_stream_triggers_a_resync(tiny: LoadedModel, redis_url: str) -> 
         resyncs = reader.counters.resyncs
         # the view falls behind while the stream is trimmed past it
         run(core, [[rng.randrange(VOCAB) for _ in range(13)] for _ in range(5)])
+        pub = publisher(core)
         await poll_until(
             reader,
-            lambda: client.xlen(stream_key(topic(core))) > 0 and publisher(core)._queue.empty(),
+            lambda: pub.num_batches_published == pub.last_seq,
             "the batches to be written",
         )
         client.xtrim(stream_key(topic(core)), maxlen=1, approximate=False)
@@ -292,9 +294,8 @@ def test_redis_outage_drops_counts_and_asks_for_a_snapshot() -> None:
     try:
         for _ in range(6):
             pub.publish([])
-        deadline = time.monotonic() + 20
-        while pub.num_batches_dropped < 6 and time.monotonic() < deadline:
-            pub._thread.join(0.05)  # the publisher thread works through its queue
+        # the publisher thread works through its queue: full-queue drops, then failed writes
+        wait_until(lambda: pub.num_batches_dropped == 6, 20, "every batch to be dropped")
         assert pub.num_batches_dropped == 6  # queue-full drops plus failed writes
         assert pub.num_batches_published == 0
         assert pub.snapshot_due
