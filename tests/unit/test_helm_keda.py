@@ -192,3 +192,12 @@ def test_scale_down_drains_before_the_pod_goes(role: str, grace_s: int) -> None:
     assert behavior["behavior"]["scaleDown"]["policies"] == [
         {"type": "Pods", "value": 1, "periodSeconds": 60}
     ]
+
+
+def test_router_latency_window_is_a_value() -> None:
+    """router.metricsWindowSeconds is the window the TTFT / ITL triggers read."""
+    docs = tuple(render(_values(router={"metricsWindowSeconds": 120})))
+    (router,) = containers(workload_of(docs, "router"))
+    assert flag_values(router)["--metrics-window-s"] == "120"
+    (router,) = containers(workload_of(manifests("default"), "router"))
+    assert flag_values(router)["--metrics-window-s"] == "60"
