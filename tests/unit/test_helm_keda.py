@@ -118,6 +118,7 @@ def test_thresholds_choose_triggers_and_selector() -> None:
         keda={
             "metricSelector": 'job="llm-router"',
             "authenticationRef": "prom",
+            "authModes": "bearer",
             "prefill": {
                 "ttftP90Seconds": 0,
                 "waitingRequestsPerReplica": 0,
@@ -135,6 +136,9 @@ def test_thresholds_choose_triggers_and_selector() -> None:
     assert trigger["metadata"]["threshold"] == "4096"
     assert trigger["metricType"] == "AverageValue"
     assert trigger["authenticationRef"] == {"name": "prom"}
+    assert trigger["metadata"]["authModes"] == "bearer"
+    with pytest.raises(Exception, match="keda.authenticationRef needs keda.authModes"):
+        render(_values(keda={"authenticationRef": "prom"}))
 
 
 def test_a_role_without_any_threshold_is_an_error() -> None:

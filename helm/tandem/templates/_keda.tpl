@@ -34,6 +34,9 @@ labels what a ServiceMonitor scrapes, unless keda.metricSelector says otherwise.
     threshold: {{ .threshold | toString | quote }}
     # NOTE: an empty answer (no sample in a latency window: no traffic) counts as 0.
     ignoreNullValues: "true"
+    {{- with .root.Values.keda.authModes }}
+    authModes: {{ . | quote }}
+    {{- end }}
   {{- with .root.Values.keda.authenticationRef }}
   authenticationRef:
     name: {{ . }}
@@ -81,6 +84,9 @@ hence max; each router counts only its own prefill backlog, hence sum. */}}
 {{- if include "tandem.kedaScales" . }}
 {{- $root := .root }}
 {{- $k := $root.Values.keda }}
+{{- if and $k.authenticationRef (not $k.authModes) }}
+{{- fail "keda.authenticationRef needs keda.authModes (the Prometheus scaler's basic, bearer, tls or custom) to apply its credentials" }}
+{{- end }}
 {{- $r := index $k .role }}
 {{- if (index $root.Values .role).autoscaling.enabled }}
 {{- fail (printf "%s.autoscaling.enabled and keda.%s both scale the %s Deployment (KEDA owns the HPA it creates); turn one off" .role .role .role) }}
