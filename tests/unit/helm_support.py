@@ -6,7 +6,6 @@ the options of the real `tandem <role> --help`.
 from __future__ import annotations
 
 import functools
-import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -16,6 +15,7 @@ from typing import Any
 import helm_python as helm
 import kubernetes_validate
 import yaml
+from help_options import help_options
 from keda_chart import KEDA_VALUES
 
 REPO = Path(__file__).resolve().parents[2]
@@ -198,9 +198,6 @@ def host_port(address: str) -> tuple[str, int]:
 
 # ---- the real CLI's flags --------------------------------------------------------------
 
-_OPTION_LINE = re.compile(r"^\s{1,6}(-{1,2}[A-Za-z0-9].*)$")
-
-
 @functools.cache
 def cli_options(role: str) -> dict[str, frozenset[str] | None]:
     """Options `tandem <role> --help` lists -> their choices ({a,b} metavars) or None.
@@ -216,20 +213,13 @@ def cli_options(role: str) -> dict[str, frozenset[str] | None]:
     )
     assert proc.returncode == 0, f"`tandem {role} --help` failed:\n{proc.stderr[-2000:]}"
     options: dict[str, frozenset[str] | None] = {}
-    for line in proc.stdout.splitlines():
-        match = _OPTION_LINE.match(line)
-        if not match:
+    for option, rest in help_options(proc.stdout).items():
+        if not option.startswith("--"):
             continue
-        # argparse: "--flag METAVAR, -f METAVAR   help"; the help text follows 2+ spaces.
-        invocation = re.split(r"\s{2,}", match.group(1).strip())[0]
-        for part in invocation.split(", "):
-            tokens = part.split()
-            if not tokens or not tokens[0].startswith("--"):
-                continue
-            choices = None
-            if len(tokens) > 1 and tokens[1].startswith("{") and tokens[1].endswith("}"):
-                choices = frozenset(tokens[1][1:-1].split(","))
-            options[tokens[0]] = choices
+        choices = None
+        if rest.startswith("{") and rest.split()[0].endswith("}"):
+            choices = frozenset(rest.split()[0][1:-1].split(","))
+        options[option] = choices
     assert options, f"no options found in `tandem {role} --help`:\n{proc.stdout}"
     return options
 

@@ -10,10 +10,10 @@ fails here, as it would break the Helm chart and scripts that pass it.
 
 from __future__ import annotations
 
-import re
 from dataclasses import replace
 
 import pytest
+from help_options import help_options
 
 from tandem.bench.throughput_args import parse_args as bench_throughput_args
 from tandem.contracts.role import Role
@@ -28,27 +28,6 @@ from tandem.kvstore.config import StoreConnectorConfig
 from tandem.services.common.server import build_engine_config, build_parser
 from tandem.services.router.config import RouterConfig
 from tandem.services.router.main import build_parser as router_parser
-
-_OPTION_LINE = re.compile(r"^\s{1,6}(-{1,2}[A-Za-z0-9].*)$")
-
-
-def options_of(help_text: str) -> dict[str, str]:
-    """Option string -> what follows it in ``--help`` (metavar or ``{choices}``; ``""``
-    for a switch), as ``tests/unit/helm_support.py`` reads it."""
-    out: dict[str, str] = {}
-    for line in help_text.splitlines():
-        match = _OPTION_LINE.match(line)
-        if not match:
-            continue
-        invocation = re.split(r"\s{2,}", match.group(1).strip())[0]
-        for part in invocation.split(", "):
-            tokens = part.split()
-            if tokens and tokens[0].startswith("-"):
-                out[tokens[0]] = " ".join(tokens[1:])
-    out.pop("-h", None)
-    out.pop("--help", None)
-    return out
-
 
 ENGINE: dict[str, str] = {
     "--listen": "LISTEN",
@@ -180,7 +159,7 @@ def _missing_or_changed(before: dict[str, str], now: dict[str, str]) -> dict[str
 
 @pytest.mark.parametrize("role", [Role.PREFILL, Role.DECODE, None])
 def test_engine_commands_keep_every_flag(role: Role | None) -> None:
-    now = options_of(build_parser("tandem x", role).format_help())
+    now = help_options(build_parser("tandem x", role).format_help())
     expected = dict(ENGINE)
     if role is None:
         expected["--role"] = "{prefill,decode,both}"
@@ -188,7 +167,7 @@ def test_engine_commands_keep_every_flag(role: Role | None) -> None:
 
 
 def test_router_keeps_every_flag() -> None:
-    assert _missing_or_changed(ROUTER, options_of(router_parser().format_help())) == {}
+    assert _missing_or_changed(ROUTER, help_options(router_parser().format_help())) == {}
 
 
 def test_bench_throughput_keeps_every_flag(capsys: pytest.CaptureFixture[str]) -> None:
@@ -196,7 +175,7 @@ def test_bench_throughput_keeps_every_flag(capsys: pytest.CaptureFixture[str]) -
         bench_throughput_args(["--help"])
     assert exit_info.value.code == 0
     expected = {**BENCH_THROUGHPUT, **BENCH_THROUGHPUT_CHANGED}
-    assert _missing_or_changed(expected, options_of(capsys.readouterr().out)) == {}
+    assert _missing_or_changed(expected, help_options(capsys.readouterr().out)) == {}
 
 
 def test_engine_flags_land_in_the_fields_they_set() -> None:
