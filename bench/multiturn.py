@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -144,7 +145,8 @@ async def _turn(client: Any, url: str, model: str, messages: list[dict[str, str]
         res.error = f"{type(exc).__name__}: {exc}"
 
 
-async def run_conversations(url: str, model: str, shape: MultiTurnShape, system: str,
+async def run_conversations(url: str | Sequence[str], model: str, shape: MultiTurnShape,
+                            system: str,
                             users: list[list[str]], request_rate: float, burstiness: float,
                             max_concurrency: int | None, seed: int,
                             skip_special_tokens: bool = False
@@ -155,8 +157,12 @@ async def run_conversations(url: str, model: str, shape: MultiTurnShape, system:
     :func:`chat_body`; the default keeps them, so histories re-tokenise to the ids
     generated).
 
+    ``url``: one endpoint, or one per router: turn ``t`` of conversation ``c`` then goes to
+    ``url[(c + t) % len(url)]``, so a conversation's turns change router every turn.
+
     Returns (every turn's result, wall time in seconds).
     """
+    urls = [url] if isinstance(url, str) else list(url)
     rng = np.random.default_rng(seed)
     sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     results: list[TurnResult] = []
@@ -165,15 +171,16 @@ async def run_conversations(url: str, model: str, shape: MultiTurnShape, system:
         async def conversation(c: int) -> None:
             messages = [{"role": "system", "content": system}] if system else []
             for t, user in enumerate(users[c]):
+                turn_url = urls[(c + t) % len(urls)]
                 messages.append({"role": "user", "content": user})
                 res = TurnResult(conversation=c, turn=t + 1)
                 results.append(res)
                 if sem is None:
-                    await _turn(client, url, model, messages, shape.answer_len, res,
+                    await _turn(client, turn_url, model, messages, shape.answer_len, res,
                                 skip_special_tokens)
                 else:
                     async with sem:
-                        await _turn(client, url, model, messages, shape.answer_len, res,
+                        await _turn(client, turn_url, model, messages, shape.answer_len, res,
                                     skip_special_tokens)
                 if not res.success:
                     return

@@ -39,7 +39,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -108,9 +108,11 @@ def model_and_vocab(base: str, model: str | None, tokenizer: str | None,
 
 def _run_all(args: argparse.Namespace, url: str, percentiles: list[float],
              slo: dict[str, float], mix: list[tuple[int, float]] | None,
-             label: str | None, pids: dict[str, int] | None = None
+             label: str | None, pids: dict[str, int] | None = None,
+             more_urls: Sequence[str] = ()
              ) -> tuple[list[dict[str, Any]], int]:
     """Every ``--request-rate`` against ``url``; returns (results, number of failed).
+    ``more_urls``: more routers (multi-turn: a conversation's turns rotate over them all).
 
     With ``pids`` (part name -> process id) each result gets ``cpu_seconds`` per part
     during its run and ``router_tokens_per_cpu_s`` (output tokens per router CPU second,
@@ -118,7 +120,7 @@ def _run_all(args: argparse.Namespace, url: str, percentiles: list[float],
     base = url.rstrip("/")
     model, vocab = model_and_vocab(base, args.model, args.tokenizer, args.vocab_size)
     if args.dataset_name == "multi-turn":
-        return _run_multi_turn(args, base, model, percentiles, label)
+        return _run_multi_turn(args, [base, *more_urls], model, percentiles, label)
     tokenizer = None
     if not all(DOORS[t].takes_ids for t in args.endpoint_type):
         from tandem.engine.model_files import load_tokenizer
@@ -200,7 +202,7 @@ def _py_spy(pids: dict[str, int], out_dir: str, label: str) -> Iterator[list[str
                 proc.kill()
 
 
-def _run_multi_turn(args: argparse.Namespace, base: str, model: str,
+def _run_multi_turn(args: argparse.Namespace, bases: list[str], model: str,
                     percentiles: list[float], label: str | None
                     ) -> tuple[list[dict[str, Any]], int]:
     """The multi-turn workload at every ``--request-rate`` (conversations per second)."""
@@ -224,7 +226,7 @@ def _run_multi_turn(args: argparse.Namespace, base: str, model: str,
         print(f"Conversation rate: {rate}\nMaximum request concurrency: "
               f"{args.max_concurrency}", flush=True)
         results, duration = asyncio.run(run_conversations(
-            base + "/v1/chat/completions", model, shape, system, users, rate,
+            [b + "/v1/chat/completions" for b in bases], model, shape, system, users, rate,
             args.burstiness, args.max_concurrency, args.seed,
             args.multi_turn_skip_special_tokens))
         m = turn_metrics(results, duration, percentiles)
@@ -257,6 +259,24 @@ def _run_with_faults(args: argparse.Namespace, stack: Any, faults: list[Any],
     for m in results:
         m["fault_events"] = [{"t_s": t, "event": e} for t, e in injector.events]
     return results
+
+
+def _more_routers(stack: Any, args: argparse.Namespace) -> list[str]:
+    """Start ``--launch-routers`` - 1 more routers on the stack's Redis; their URLs."""
+    from tandem.launch import Part, free_port, http_ok, tandem_argv
+
+    urls = []
+    for i in range(1, args.launch_routers):
+        url = f"http://127.0.0.1:{free_port()}"
+        argv = ["router", "--host", "127.0.0.1", "--port", url.rsplit(":", 1)[1],
+                "--grpc-port", "0", "--redis-url", stack.redis_url,
+                *args.launch_router_arg, *(["--model", args.launch_model]
+                                           if args.launch_model else [])]
+        stack.launcher.launch([Part(f"router-{i}", tandem_argv(*argv),
+                                    lambda u=url: http_ok(f"{u}/ready"), url)],
+                              stack.config.startup_timeout_s)
+        urls.append(url)
+    return urls
 
 
 def launch_plan(modes: list[str], speculative_config: str | None
@@ -318,6 +338,10 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError("--temperature: the multi-turn dataset is greedy (its turns "
                              "are compared across stacks)")
         check_doors(args)
+        if args.launch_routers != 1 and (args.launch_routers < 1 or not args.launch
+                                         or args.dataset_name != "multi-turn"):
+            raise ValueError("--launch-routers: N >= 1, with --launch and --dataset-name "
+                             "multi-turn (its turns rotate over the routers)")
         mix = None
         if args.input_len_mix:
             mix = [(int(a), float(b)) for a, b in
@@ -396,7 +420,8 @@ def main(argv: list[str] | None = None) -> int:
                 with (_py_spy(pids, args.profile_dir, label) if pids
                       else contextlib.nullcontext([])) as graphs:
                     results, n_failed = _run_all(args, stack.http_url, percentiles, slo,
-                                                 mix, label=label, pids=pids)
+                                                 mix, label=label, pids=pids,
+                                                 more_urls=_more_routers(stack, args))
                 for path in graphs:
                     print(f"py-spy flame graph: {path}", flush=True)
                 if spec is not None:

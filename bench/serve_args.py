@@ -144,6 +144,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "(repeat to alternate): on (tandem up's default: the router's "
                         "kv_aware view is built from them); off (--no-kv-events: the router "
                         "guesses each engine's cache from what it sent) (default: on)")
+    p.add_argument("--launch-routers", type=int, default=1, metavar="N",
+                   help="routers of each launched stack, all on its Redis (multi-turn: a "
+                        "conversation's turns rotate over them, so every turn meets another "
+                        "router's view) (default 1)")
     p.add_argument("--launch-prefill", type=int, default=1,
                    help="prefill instances of a --launch disagg stack")
     p.add_argument("--launch-decode", type=int, default=1,
