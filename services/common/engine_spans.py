@@ -14,13 +14,14 @@ GenAI conventions where one exists (``gen_ai.request.id``, ``gen_ai.usage.*``).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from opentelemetry import trace
 
 from tandem.contracts.tracing import Tracing, wall_ns
 from tandem.engine.kv_connector import LoadResult, SaveResult
+from tandem.engine.outputs import EngineCoreOutput
 from tandem.engine.request import Request
 
 
@@ -121,28 +122,66 @@ def record_pull(
     tracing.record("tandem.kv_pull", span, wall_ns(arrival_ns), wall_ns(load.done_ns), attrs)
 
 
-def tokens_event(span: trace.Span | None, num_tokens: int, step_end_ns: int, sent_ns: int) -> None:
-    """A ``tokens`` event on the stream's span: ``num_tokens`` handed to gRPC at
-    ``sent_ns``, made by the engine step that ended at ``step_end_ns`` (monotonic): the
-    per-token output latency the default path does not measure."""
-    if span is None:
-        return
-    span.add_event(
-        "tokens",
-        {
-            "tandem.num_tokens": num_tokens,
-            "tandem.output_latency_ns": max(sent_ns - step_end_ns, 0),
-        },
-        timestamp=wall_ns(sent_ns),
+class EngineStreamTimes:
+    """Where a decode stream's tokens spend their time in the engine service, summed while
+    it runs and set on the request's span when it ends (:meth:`attributes`): the engine's
+    decode time (first to last output's step end) and, per token, the step end -> its
+    message handed to gRPC.
+
+    NOTE: sums, not an event per message: an event per message costs more CPU than the
+    message itself, and a trace backend needs the per-stream figures.
+    """
+
+    __slots__ = (
+        "first_step_ns",
+        "last_step_ns",
+        "num_outputs",
+        "output_latency_ns",
+        "max_output_latency_ns",
     )
+
+    def __init__(self) -> None:
+        self.first_step_ns: int | None = None
+        self.last_step_ns = 0
+        self.num_outputs = 0
+        self.output_latency_ns = 0
+        self.max_output_latency_ns = 0
+
+    def add(self, batch: Sequence[tuple[EngineCoreOutput, int]], sent_ns: int) -> None:
+        """One message of ``batch`` (outputs with their step ends), handed to gRPC at
+        ``sent_ns`` (monotonic ns)."""
+        for out, step_end_ns in batch:
+            took = max(sent_ns - step_end_ns, 0)
+            self.output_latency_ns += took * len(out.new_token_ids)
+            self.max_output_latency_ns = max(self.max_output_latency_ns, took)
+        if self.first_step_ns is None:
+            self.first_step_ns = batch[0][1]
+        self.last_step_ns = batch[-1][1]
+        self.num_outputs += len(batch)
+
+    def attributes(self) -> dict[str, int]:
+        """The span attributes (``tandem.stream.*``; ``output_latency_ns`` summed over the
+        tokens)."""
+        first = self.first_step_ns if self.first_step_ns is not None else self.last_step_ns
+        return {
+            "tandem.stream.engine_outputs": self.num_outputs,
+            "tandem.stream.engine_decode_ns": self.last_step_ns - first,
+            "tandem.stream.output_latency_ns": self.output_latency_ns,
+            "tandem.stream.max_output_latency_ns": self.max_output_latency_ns,
+        }
 
 
 def end_span(
-    span: trace.Span | None, finish_reason: str | None = None, num_output_tokens: int | None = None
+    span: trace.Span | None,
+    finish_reason: str | None = None,
+    num_output_tokens: int | None = None,
+    times: EngineStreamTimes | None = None,
 ) -> None:
-    """End a request's span (its outcome as attributes)."""
+    """End a request's span (its outcome and the stream's ``times`` as attributes)."""
     if span is None:
         return
+    if times is not None:
+        span.set_attributes(times.attributes())
     if finish_reason is not None:
         span.set_attribute("gen_ai.response.finish_reasons", (finish_reason,))
     if num_output_tokens is not None:

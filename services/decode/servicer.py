@@ -42,11 +42,11 @@ from tandem.engine.stop import check_stop
 from tandem.engine.validation import check_context_length, check_token_ids
 from tandem.services.common.context import ServiceContext, cdiv, now_ns
 from tandem.services.common.engine_spans import (
+    EngineStreamTimes,
     end_span,
     record_pull,
     record_schedule,
     request_span,
-    tokens_event,
 )
 from tandem.services.decode.stream import serve_decode_stream
 from tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc
@@ -195,6 +195,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         first = True
         num_tokens = 0
         finish_reason = None
+        times = EngineStreamTimes() if span is not None else None
         try:
             async with await ctx.engine_loop.add_request(req) as stream:
                 # Outputs that are ready together go out as one message: a stream that
@@ -220,10 +221,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                         self._first_message_fields(req, resp, batch[0][0], arrival_ns, span)
                         record_schedule(ctx.tracing, span, req, arrival_ns, batch[0][1],
                                         "tandem.decode_queue", "tandem.first_decode_step")
-                    if span is not None:
-                        sent_ns = now_ns()
-                        for out, step_end_ns in batch:
-                            tokens_event(span, len(out.new_token_ids), step_end_ns, sent_ns)
+                    if times is not None:
+                        times.add(batch, now_ns())
                     num_tokens += len(resp.token_ids)
                     if last.finish_reason is not None:
                         finish_reason = last.finish_reason
@@ -234,7 +233,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         finally:
             if ctx.transfers is not None:
                 ctx.transfers.forget(req.request_id)
-            end_span(span, finish_reason, num_tokens)
+            end_span(span, finish_reason, num_tokens, times)
 
     def _first_message_fields(
         self,

@@ -33,6 +33,7 @@ from tandem.services.common.context import ServiceContext, now_ns
 from tandem.services.common.engine_spans import (
     end_span,
     record_publish,
+    record_pull,
     record_schedule,
     request_span,
 )
@@ -80,6 +81,12 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             raise
         # An aborted request publishes nothing; otherwise the publish ends on its own.
         pending = False
+        if ctx.transfers is not None:
+            # the stored prefix it loaded (if any): taken here, or it would stay in the
+            # mailbox for good
+            load = ctx.transfers.pop_load(req.request_id)
+            if load is not None:
+                record_pull(ctx.tracing, span, arrival_ns, load)
         if saved is not None and ctx.transfers is not None:
             if aborted:
                 ctx.transfers.forget(req.request_id)

@@ -23,7 +23,7 @@ from tandem.services.router.client import InstancePool
 from tandem.services.router.discovery import InstanceInfo
 from tandem.services.router.errors import OpenAIError
 from tandem.services.router.publishes import PublishTracker
-from tandem.services.router.request_trace import SeqTrace, end_call, tokens_event
+from tandem.services.router.request_trace import SeqTrace, StreamTimes, end_call
 from tandem.services.router.retries import Retries, raise_if_caller_error, unavailable_error
 from tandem.services.router.routing import RouteContext
 from tandem.services.router.sequence import EngineAbort, SeqDelta, SeqState
@@ -111,10 +111,10 @@ class DecodeStage(Retries):
         num_emitted = 0
         num_messages = 0
         call = None
-        span = None
+        span = times = None
         error: BaseException | None = None
         if trace is not None:
-            span = trace.call("tandem.decode_stream", info.address)
+            span, times = trace.call("tandem.decode_stream", info.address), StreamTimes()
             dreq.trace_context.clear()
             dreq.trace_context.update(trace.headers(span))
         self.discovery.acquire(info.address)
@@ -128,7 +128,7 @@ class DecodeStage(Retries):
                 num_messages += 1
                 if not msg.token_ids and not msg.finish_reason:
                     continue
-                recv_ns = time.monotonic_ns() if span is not None else 0
+                recv_ns = time.monotonic_ns() if times is not None else 0
                 stop_tok = msg.stop_token_id if msg.HasField("stop_token_id") else None
                 token_ids = list(msg.token_ids)
                 if msg.prompt_logprobs:  # a colocated or local prefill computed the prompt
@@ -140,8 +140,8 @@ class DecodeStage(Retries):
                     # before the last delta goes out: the next turn can come right after
                     self._remember_publish(info, ctx, dreq.request_id, state, colocated_form)
                 timings.decode_tokens = (timings.decode_tokens or 0) + len(token_ids)
-                if span is not None:
-                    tokens_event(span, len(token_ids), recv_ns, time.monotonic_ns())
+                if times is not None:
+                    times.add(len(token_ids), recv_ns, time.monotonic_ns())
                 if delta is not None:
                     yield delta
                 if state.finished:
@@ -167,8 +167,8 @@ class DecodeStage(Retries):
                                  info.address)
                 call.cancel()
             self.discovery.release(info.address)
-            if span is not None:
-                end_call(span, error, {"gen_ai.usage.output_tokens": num_emitted})
+            if span is not None and times is not None:
+                end_call(span, error, times.attributes())
 
     def _remember_publish(self, info: InstanceInfo, ctx: RouteContext, request_id: str,
                           state: SeqState, colocated_form: bool) -> None:

@@ -6,8 +6,8 @@ admitted) under it; per completion, ``tandem.routing`` (each routing-policy choi
 ``tandem.prefill`` (the Prefill call: its ``traceparent`` goes in the call's gRPC
 metadata) and ``tandem.decode_stream`` (a Decode stream: its ``traceparent`` goes in
 ``DecodeRequest.trace_context``, since one DecodeStream call carries many requests), with
-a ``tokens`` event per message received (tokens, detokenization time): the per-token
-timing attribution, recorded only here.
+the stream's per-token timing attribution (messages, tokens, detokenization time summed
+per token: :class:`StreamTimes`) as its attributes, recorded only here.
 
 Everything is built only when the router traces: :func:`start_request` returns ``None``
 otherwise, every method of :class:`SeqTrace` is reached through an ``if trace is not
@@ -123,12 +123,38 @@ def end_call(
     span.end()
 
 
-def tokens_event(span: trace.Span, num_tokens: int, recv_ns: int, ready_ns: int) -> None:
-    """A ``tokens`` event on a decode stream's span: a message of ``num_tokens`` received
-    at ``recv_ns`` whose text delta was ready at ``ready_ns`` (monotonic): per token,
-    the router's detokenization and stop-string time."""
-    span.add_event(
-        "tokens",
-        {"tandem.num_tokens": num_tokens, "tandem.detokenize_ns": max(ready_ns - recv_ns, 0)},
-        timestamp=wall_ns(ready_ns),
-    )
+class StreamTimes:
+    """Where a decode stream's tokens spend their time at the router, summed while it
+    runs and set on its span when it ends (:meth:`attributes`).
+
+    NOTE: sums, not an event per message: an event costs the router more CPU than the
+    message's own handling, and a trace backend needs the per-stream figures.
+    """
+
+    __slots__ = ("num_messages", "num_tokens", "detokenize_ns", "max_detokenize_ns")
+
+    def __init__(self) -> None:
+        self.num_messages = 0
+        self.num_tokens = 0
+        self.detokenize_ns = 0
+        self.max_detokenize_ns = 0
+
+    def add(self, num_tokens: int, recv_ns: int, ready_ns: int) -> None:
+        """A message of ``num_tokens`` received at ``recv_ns`` whose text delta was ready
+        at ``ready_ns`` (monotonic ns): its detokenization and stop-string time, counted
+        once per token it carries."""
+        took = max(ready_ns - recv_ns, 0)
+        self.num_messages += 1
+        self.num_tokens += num_tokens
+        self.detokenize_ns += took * num_tokens
+        self.max_detokenize_ns = max(self.max_detokenize_ns, took)
+
+    def attributes(self) -> dict[str, int]:
+        """The span attributes (``tandem.stream.*``; ``detokenize_ns`` summed over the
+        tokens: divided by ``tokens`` it is the mean per token)."""
+        return {
+            "tandem.stream.messages": self.num_messages,
+            "tandem.stream.tokens": self.num_tokens,
+            "tandem.stream.detokenize_ns": self.detokenize_ns,
+            "tandem.stream.max_detokenize_ns": self.max_detokenize_ns,
+        }

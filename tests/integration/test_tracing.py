@@ -231,9 +231,16 @@ def test_one_request_is_one_trace_across_router_prefill_store_and_decode(tiny, t
         assert parent("tandem-decode", name) == decode_span.span_id, name
     pull = spans[("tandem-decode", "tandem.kv_pull")].attributes
     assert pull["tandem.kv.bytes"] > 0 and pull["tandem.kv.tier"] == "store"
-    # the per-token attribution: a "tokens" event per message, both sides of the stream
-    assert "tokens" in decode_span.events
-    assert "tokens" in spans[("tandem-router", "tandem.decode_stream")].events
+    # the per-token attribution, summed per stream on both sides of it: 5 decode tokens
+    # (the prefill made the first), each step's and message's share
+    engine = decode_span.attributes
+    assert engine["tandem.stream.engine_outputs"] == 5
+    assert engine["tandem.stream.engine_decode_ns"] > 0
+    assert engine["tandem.stream.output_latency_ns"] >= engine[
+        "tandem.stream.max_output_latency_ns"] >= 0
+    router = spans[("tandem-router", "tandem.decode_stream")].attributes
+    assert router["tandem.stream.tokens"] == 5 and router["tandem.stream.messages"] >= 1
+    assert router["tandem.stream.detokenize_ns"] > 0
     assert spans[("tandem-router", "tandem.request")].attributes["gen_ai.usage.input_tokens"] == 40
 
 
