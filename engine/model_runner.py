@@ -129,18 +129,7 @@ class ModelRunner:
             )
         if config.model.device == "cpu" and sys.platform.startswith("linux"):
             tune_glibc_malloc()
-        self.loaded = loaded if loaded is not None else load_model(config.model)
-        self.model = self.loaded.model
-        # Batch-invariant kernels (ModelConfig.deterministic): the packed linears at
-        # every batch size and every query token through the decode attention kernel.
-        self.batch_invariant = config.model.deterministic
-        if self.loaded.dtype == torch.bfloat16 and self.loaded.device.type == "cpu":
-            inv = self.batch_invariant
-            n = pack_linear_layers(self.model, inv) + int(self.model.pack_tied_lm_head(inv))
-            if n:
-                logger.info("prepared %d bf16 linear layers for this CPU", n)
-        if self.batch_invariant:
-            warn_batch_variant(self.model, self.loaded.dtype)
+        self._load(config, loaded)
         hf = self.loaded.hf_config
         self.facts: ModelFacts = resolve_model_facts(
             hf, config.model.max_model_len, model_id=str(self.loaded.model_id),
@@ -154,22 +143,14 @@ class ModelRunner:
         # The model may have been loaded for a shorter context (a shared LoadedModel).
         self.model.ensure_max_position(self.max_model_len)
         shard = self.model.shard
-        tp, pp = self.tp_group, self.pp_group
-        if (shard.tp_rank, shard.tp_size, shard.pp_rank, shard.pp_size) != (
-            tp.rank_in_group, tp.world_size, pp.rank_in_group, pp.world_size
-        ):
-            raise ValueError(
-                f"loaded: the model was built for TP rank {shard.tp_rank}/{shard.tp_size}, "
-                f"PP rank {shard.pp_rank}/{shard.pp_size}, not for this process's "
-                f"{tp.rank_in_group}/{tp.world_size}, {pp.rank_in_group}/{pp.world_size}"
-            )
+        shard.check_ranks(self.tp_group, self.pp_group)
         self.layer_range: range = shard.layers
         self.kv_head_range: range = shard.kv_heads
         self.total_num_layers: int = self.facts.num_layers
         self.total_num_kv_heads: int = self.facts.num_kv_heads
         self.num_layers: int = len(self.layer_range)
         self.num_kv_heads: int = len(self.kv_head_range)
-        self.is_driver: bool = tp.is_first_rank and pp.is_last_rank
+        self.is_driver: bool = self.tp_group.is_first_rank and self.pp_group.is_last_rank
         self.head_dim: int = self.facts.head_dim
         # K and V per token (2), or an MLA model's one latent entry (1): KVCacheSpec
         self.kv_components: int = self.facts.kv_spec.num_components
@@ -181,18 +162,7 @@ class ModelRunner:
         self.sampler = Sampler(seed=config.model.seed)
         self.kv_cache: torch.Tensor | None = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self.attention = choose_attention_backend(
-            self.device.type, self.dtype, self.head_dim, detect_attention_facts()
-        )
-        # NOTE: the CPU keeps its per-call choice (kernels/backend.py: native, else the
-        # torch reference); elsewhere every step's metadata names the chosen backend.
-        self._attention_backend: AttentionBackend | None = (
-            None if self.device.type == "cpu" else self.attention.backend
-        )
-        if self.device.type != "cpu":
-            logger.info("attention backend %s (%s; FlashAttention prefill: %s)",
-                        self.attention.backend.value, self.attention.reason,
-                        self.attention.prefill_flash)
+        self._init_attention()
         self.cuda_graphs: CudaGraphRunner | None = None
         self.proposer: Proposer | None = None
         if config.speculative is not None:
@@ -207,6 +177,36 @@ class ModelRunner:
                 deterministic=self.batch_invariant,
                 seed=config.model.seed,
             )
+
+    def _load(self, config: EngineConfig, loaded: LoadedModel | None) -> None:
+        """The model (``loaded``, or loaded here), its linears packed for a bf16 CPU."""
+        self.loaded = loaded if loaded is not None else load_model(config.model)
+        self.model = self.loaded.model
+        # Batch-invariant kernels (ModelConfig.deterministic): the packed linears at
+        # every batch size and every query token through the decode attention kernel.
+        self.batch_invariant = config.model.deterministic
+        if self.loaded.dtype == torch.bfloat16 and self.loaded.device.type == "cpu":
+            inv = self.batch_invariant
+            n = pack_linear_layers(self.model, inv) + int(self.model.pack_tied_lm_head(inv))
+            if n:
+                logger.info("prepared %d bf16 linear layers for this CPU", n)
+        if self.batch_invariant:
+            warn_batch_variant(self.model, self.loaded.dtype)
+
+    def _init_attention(self) -> None:
+        """The attention backend for this device, dtype and head size."""
+        self.attention = choose_attention_backend(
+            self.device.type, self.dtype, self.head_dim, detect_attention_facts()
+        )
+        # NOTE: the CPU keeps its per-call choice (kernels/backend.py: native, else the
+        # torch reference); elsewhere every step's metadata names the chosen backend.
+        self._attention_backend: AttentionBackend | None = (
+            None if self.device.type == "cpu" else self.attention.backend
+        )
+        if self.device.type != "cpu":
+            logger.info("attention backend %s (%s; FlashAttention prefill: %s)",
+                        self.attention.backend.value, self.attention.reason,
+                        self.attention.prefill_flash)
 
     def _init_kv_cache_dtype(self, name: str) -> None:
         """The cache's element type (``kv_cache_dtype``) and, for an FP8 cache, every

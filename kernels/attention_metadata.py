@@ -169,6 +169,34 @@ def _all_decode_rows(
         decode_lens.append(pos + 1)
 
 
+def _extend_slots(slots: list[int], table: list[int], start_pos: int, end_pos: int,
+                  block_size: int) -> None:
+    """Append the cache slots of positions ``[start_pos, end_pos)`` of a sequence with
+    block table ``table``, block by block (Python work per block, not per token)."""
+    pos = start_pos
+    while pos < end_pos:
+        j, off = divmod(pos, block_size)
+        stop = min(end_pos, (j + 1) * block_size)
+        base = table[j] * block_size
+        slots.extend(range(base + off, base + off + stop - pos))
+        pos = stop
+
+
+def _set_decodes(meta: AttentionMetadata, decode_idx: list[int],
+                 decode_tables: list[list[int]], decode_lens: list[int],
+                 device: torch.device | str) -> None:
+    """Fill the decode group of ``meta``: its token indices (only when not the first
+    ``num_decodes`` tokens), block tables padded with block 0 to the longest, and
+    sequence lengths, all int64 on ``device``."""
+    max_blocks = max(len(t) for t in decode_tables)
+    padded = [t + [0] * (max_blocks - len(t)) for t in decode_tables]
+    meta.num_decodes = len(decode_idx)
+    if decode_idx != list(range(len(decode_idx))):
+        meta.decode_token_idx = torch.tensor(decode_idx, dtype=torch.int64, device=device)
+    meta.decode_block_tables = torch.tensor(padded, dtype=torch.int64, device=device)
+    meta.decode_seq_lens = torch.tensor(decode_lens, dtype=torch.int64, device=device)
+
+
 def build_attention_metadata(
     query_lens: list[int],
     num_computed: list[int],
@@ -227,14 +255,7 @@ def build_attention_metadata(
             decode_lens.append(end_pos)
         else:
             positions.extend(range(c, end_pos))
-            # Slots block by block: Python work per block, not per token.
-            pos = c
-            while pos < end_pos:
-                j, off = divmod(pos, block_size)
-                stop = min(end_pos, (j + 1) * block_size)
-                base = table[j] * block_size
-                slots.extend(range(base + off, base + off + stop - pos))
-                pos = stop
+            _extend_slots(slots, table, c, end_pos, block_size)
             prefill_specs.append((start, start + n, c, table[:num_blocks]))
         start += n
     slot_mapping = torch.tensor(slots, dtype=torch.int64, device=device)
@@ -247,13 +268,7 @@ def build_attention_metadata(
         block_offset=slot_mapping % block_size,
     )
     if decode_idx:
-        max_blocks = max(len(t) for t in decode_tables)
-        padded = [t + [0] * (max_blocks - len(t)) for t in decode_tables]
-        meta.num_decodes = len(decode_idx)
-        if decode_idx != list(range(len(decode_idx))):
-            meta.decode_token_idx = torch.tensor(decode_idx, dtype=torch.int64, device=device)
-        meta.decode_block_tables = torch.tensor(padded, dtype=torch.int64, device=device)
-        meta.decode_seq_lens = torch.tensor(decode_lens, dtype=torch.int64, device=device)
+        _set_decodes(meta, decode_idx, decode_tables, decode_lens, device)
     for s, e, c, table in prefill_specs:
         ids = torch.tensor(table, dtype=torch.int64, device=device) if c > 0 else None
         meta.prefills.append(PrefillSeq(s, e, c, ids, table))

@@ -72,6 +72,19 @@ class ModelShard:
     def vocab_end(self) -> int:
         return min(self.vocab_start + self.vocab_per_rank, self.vocab_size)
 
+    def check_ranks(self, tp: distributed.GroupCoordinator,
+                    pp: distributed.GroupCoordinator) -> None:
+        """Raises: ValueError when this shard is not the one of this process's ranks in
+        its TP group ``tp`` and PP group ``pp`` (a model loaded for other ranks)."""
+        if (self.tp_rank, self.tp_size, self.pp_rank, self.pp_size) != (
+            tp.rank_in_group, tp.world_size, pp.rank_in_group, pp.world_size
+        ):
+            raise ValueError(
+                f"loaded: the model was built for TP rank {self.tp_rank}/{self.tp_size}, "
+                f"PP rank {self.pp_rank}/{self.pp_size}, not for this process's "
+                f"{tp.rank_in_group}/{tp.world_size}, {pp.rank_in_group}/{pp.world_size}"
+            )
+
     @staticmethod
     def of(config: Any, tp_rank: int, tp_size: int, pp_rank: int, pp_size: int) -> ModelShard:
         """The shard of rank ``(tp_rank, pp_rank)`` of a model with transformers config
