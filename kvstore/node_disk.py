@@ -168,13 +168,13 @@ class NodeDisk:
     # -- disk -> RAM ------------------------------------------------------------------------
 
     def wants(self, keys: object) -> bool:
-        """Whether a get of ``keys`` must read blocks back from disk first."""
+        """Whether a get of ``keys`` must read blocks back from disk first (or wait for
+        a read back in flight: the block's RAM entry is pending until it lands)."""
         if not isinstance(keys, list):
             return False
         return any(
             isinstance(k, str)
-            and k not in self.pool.entries
-            and (k in self.tier.blocks or k in self._promoting)
+            and (k in self._promoting or (k not in self.pool.entries and k in self.tier.blocks))
             for k in keys
         )
 

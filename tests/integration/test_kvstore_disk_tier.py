@@ -160,6 +160,37 @@ def test_blocks_evicted_from_ram_are_served_from_disk(
         node.stop()
 
 
+def test_concurrent_gets_of_one_disk_block_both_get_it(store_url: str, tmp_path: Path) -> None:
+    """A get that finds a block being read back by another waits for that read (the
+    block's RAM entry is pending until it lands), never a miss."""
+    import threading
+
+    node = start_node(store_url, "concurrent", tmp_path / "disk", tmp_path)
+    clients = [client_for(store_url, node, p) for p in ("shm", "ucx", "shm", "ucx")]
+    try:
+        node.wait_ready(clients[0])
+        keys, blocks = keys_of("concurrent", 8), blocks_of(8, 6)
+        fill(clients[0], node, keys, blocks)
+        got: list[int] = []
+        start = threading.Barrier(len(clients))
+
+        def read(c: KVStoreClient) -> None:
+            start.wait()
+            got.append(get_equal(c, keys[:4], blocks[:4]))
+
+        threads = [threading.Thread(target=read, args=(c,)) for c in clients]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert got == [4] * len(clients)
+        assert metric(node, "tandem:kvstore_tier_hits_total", tier="disk") == 4
+    finally:
+        for c in clients:
+            c.close()
+        node.stop()
+
+
 def test_restart_on_the_same_directory_keeps_the_blocks(store_url: str, tmp_path: Path) -> None:
     disk = tmp_path / "disk"
     node = start_node(store_url, "restart-a", disk, tmp_path)
