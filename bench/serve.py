@@ -358,6 +358,9 @@ def main(argv: list[str] | None = None) -> int:
         faults = [Fault.parse(f) for f in args.fault]
         if faults and not args.launch:
             raise ValueError("--fault: needs --launch (the bench must own the processes)")
+        if args.launch_tracing and not args.launch:
+            raise ValueError("--launch-tracing: needs --launch (the bench starts the stacks "
+                             "it traces)")
         if args.speculative_config is not None:
             if not args.launch:
                 raise ValueError("--speculative-config: needs --launch (the bench starts "
