@@ -26,11 +26,14 @@ import os
 import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tandem.engine.config import EngineConfig
 from tandem.engine.executor.shm_broadcast import Handle, MessageQueue
 from tandem.engine.executor.step_message import RequestMirror
+
+if TYPE_CHECKING:
+    from tandem.engine.worker import Worker
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +80,33 @@ def _config_for_rank(config: EngineConfig) -> EngineConfig:
 
 def _error(exc: BaseException) -> tuple[str, str, str, str]:
     return ("error", type(exc).__name__, str(exc), traceback.format_exc())
+
+
+def _run_command(worker: Worker, command: tuple, mirror: RequestMirror, rank: int) -> Any:
+    """Run one executor command on ``worker``; its result (``None`` for commands without
+    one, and for ``execute_model`` on a rank that is not the driver).
+
+    Raises:
+        ValueError: an unknown command name; whatever the command raises.
+    """
+    from tandem.engine import distributed
+
+    name = command[0]
+    if name == "determine_num_blocks":
+        return worker.determine_num_blocks()
+    if name == "initialize_kv_cache":
+        files = command[2]
+        worker.initialize_kv_cache(command[1], None if files is None else files[rank])
+        return None
+    if name == "execute_model":
+        out = worker.execute_model(mirror.decode(command[1]))
+        return out if worker.is_driver else None
+    if name == "collective_stats":
+        return distributed.collective_stats()
+    if name == "shutdown":
+        worker.shutdown()
+        return None
+    raise ValueError(f"unknown worker command {name!r}")
 
 
 def worker_main(spec: WorkerSpec, startup: Connection) -> None:
@@ -134,23 +164,7 @@ def worker_main(spec: WorkerSpec, startup: Connection) -> None:
                 return
             name = command[0]
             try:
-                result: Any = None
-                if name == "determine_num_blocks":
-                    result = worker.determine_num_blocks()
-                elif name == "initialize_kv_cache":
-                    files = command[2]
-                    worker.initialize_kv_cache(
-                        command[1], None if files is None else files[spec.rank])
-                elif name == "execute_model":
-                    out = worker.execute_model(mirror.decode(command[1]))
-                    result = out if worker.is_driver else None
-                elif name == "collective_stats":
-                    result = distributed.collective_stats()
-                elif name == "shutdown":
-                    worker.shutdown()
-                else:
-                    raise ValueError(f"unknown worker command {name!r}")
-                reply.enqueue(("ok", result))
+                reply.enqueue(("ok", _run_command(worker, command, mirror, spec.rank)))
             except Exception as exc:  # noqa: BLE001 - the executor raises it in the engine
                 if not parent_alive():
                     return

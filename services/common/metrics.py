@@ -26,6 +26,15 @@ class ServiceMetrics:
         self.registry = CollectorRegistry()
         labels = ["role"]
         r = self.registry
+        self._request_metrics(r, labels)
+        self._kv_transfer_metrics(r, labels)
+        self._step_metrics(r, labels)
+        self._cache_metrics(r, labels)
+        self._role = Role(role).value
+        self._followed: dict[str, float] = {}
+
+    def _request_metrics(self, r: CollectorRegistry, labels: list[str]) -> None:
+        """Requests: running and waiting, KV usage, outcomes, time to first token."""
         self.num_requests_running = Gauge(
             "tandem:num_requests_running", "Requests in the running batch.", labels, registry=r)
         self.num_requests_waiting = Gauge(
@@ -39,6 +48,9 @@ class ServiceMetrics:
         self.time_to_first_token = Histogram(
             "tandem:time_to_first_token_seconds", "Arrival at this engine -> first token, s.",
             labels, buckets=_LATENCY_BUCKETS_S, registry=r)
+
+    def _kv_transfer_metrics(self, r: CollectorRegistry, labels: list[str]) -> None:
+        """The KV store's transfers: publishes, pulls, their waits and failures."""
         self.kv_publish_seconds = Histogram(
             "tandem:kv_publish_seconds", "First token -> KV blocks published (prefill), s.",
             labels, buckets=_LATENCY_BUCKETS_S, registry=r)
@@ -68,6 +80,9 @@ class ServiceMetrics:
             "tandem:kv_load_failures",
             "Requests whose remote KV was missing or corrupt and got recomputed.",
             labels, registry=r)
+
+    def _step_metrics(self, r: CollectorRegistry, labels: list[str]) -> None:
+        """Steps: preemptions and speculative decoding."""
         self.num_preemptions = Counter(
             "tandem:num_preemptions", "Requests preempted (their KV freed, recomputed later).",
             labels, registry=r)
@@ -84,6 +99,9 @@ class ServiceMetrics:
             "tandem:spec_decode_num_accepted_tokens_per_pos",
             "Draft tokens accepted, by position in the draft (0-based).",
             [*labels, "position"], registry=r)
+
+    def _cache_metrics(self, r: CollectorRegistry, labels: list[str]) -> None:
+        """Cache tiers, output publishes, CPU turns and the KV cache and weights sizes."""
         # Per cache tier: "local" (this engine's prefix cache), "store" (the KV store,
         # through the connector); queries count each admitted request's tokens, so
         # hits / queries is the tier's hit rate.
@@ -113,8 +131,6 @@ class ServiceMetrics:
             "Bytes of the model's weights in memory on the driver rank (quantized weights "
             "count their packed size; what they free goes to the KV cache).", labels,
             registry=r)
-        self._role = Role(role).value
-        self._followed: dict[str, float] = {}
 
     def labels(self, metric: Any, **extra: str) -> Any:
         """``metric`` with this instance's role label (and ``extra`` labels)."""

@@ -37,12 +37,10 @@ ALLOWED_LONG_FUNCTIONS = frozenset(
         "bench/latency.py:main",
         "services/router/main.py:serve",
         "services/common/server.py:_serve",
-        "services/common/metrics.py:ServiceMetrics.__init__",
         "services/prefill/servicer.py:PrefillServicer.Prefill",
         "services/router/openai_routes.py:install",
         "kvstore/node.py:StoreNode._put",
         "engine/llm.py:LLM.__init__",
-        "engine/executor/worker_proc.py:worker_main",
     }
 )
 
