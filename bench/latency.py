@@ -243,6 +243,46 @@ def _markdown(rows: list[Row]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; prints a markdown table (and JSON with ``--json``). Returns 0."""
+    ns, lengths = _parse_args(argv)
+    from tandem.engine.model_files import load_tokenizer
+
+    vocab = len(load_tokenizer(ns.model))
+    workdir = Path(tempfile.mkdtemp(prefix="tandem-bench-latency-"))
+    cluster = _Cluster(ns, workdir)
+    rows: list[Row] = []
+    spec: dict[str, dict[str, float]] = {}
+    try:
+        rng = random.Random(ns.seed)
+        _measure(cluster, min(lengths), 1, vocab, rng)  # warm-up (first-call overheads)
+        for length in lengths:
+            row = _measure(cluster, length, ns.repeats, vocab, rng, ns.output_len,
+                           ns.prompt_pattern)
+            rows.append(row)
+            print(f"{length} tokens: {json.dumps(asdict(row))}", flush=True)
+        import urllib.request
+
+        if ns.speculative_config:
+            # NOTE: the engines refresh their /metrics counters once a second
+            # (services/common/server.py): two periods pass before the scrape.
+            time.sleep(2.0)
+        for role, url in cluster.metrics_urls.items():
+            if not ns.speculative_config:
+                break
+            with urllib.request.urlopen(url, timeout=10) as resp:
+                spec[role.value] = spec_decode_counters(resp.read().decode())
+    finally:
+        cluster.close()
+        if ns.keep_logs:
+            print(f"logs in {workdir}")
+        else:
+            shutil.rmtree(workdir, ignore_errors=True)
+    _report(ns, rows, spec)
+    return 0
+
+
+def _parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[int]]:
+    """The command line, checked, and its prompt lengths (exits with status 2, naming
+    the flag, on a bad one)."""
     p = argparse.ArgumentParser(prog="tandem bench latency", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="model path (default: bundled SmolLM2-135M)")
@@ -291,38 +331,13 @@ def main(argv: list[str] | None = None) -> int:
     if max(lengths) + ns.output_len > ns.max_model_len:
         p.error("--max-model-len must exceed the longest prompt")
 
-    from tandem.engine.model_files import load_tokenizer
+    return ns, lengths
 
-    vocab = len(load_tokenizer(ns.model))
-    workdir = Path(tempfile.mkdtemp(prefix="tandem-bench-latency-"))
-    cluster = _Cluster(ns, workdir)
-    rows: list[Row] = []
-    spec: dict[str, dict[str, float]] = {}
-    try:
-        rng = random.Random(ns.seed)
-        _measure(cluster, min(lengths), 1, vocab, rng)  # warm-up (first-call overheads)
-        for length in lengths:
-            row = _measure(cluster, length, ns.repeats, vocab, rng, ns.output_len,
-                           ns.prompt_pattern)
-            rows.append(row)
-            print(f"{length} tokens: {json.dumps(asdict(row))}", flush=True)
-        import urllib.request
 
-        if ns.speculative_config:
-            # NOTE: the engines refresh their /metrics counters once a second
-            # (services/common/server.py): two periods pass before the scrape.
-            time.sleep(2.0)
-        for role, url in cluster.metrics_urls.items():
-            if not ns.speculative_config:
-                break
-            with urllib.request.urlopen(url, timeout=10) as resp:
-                spec[role.value] = spec_decode_counters(resp.read().decode())
-    finally:
-        cluster.close()
-        if ns.keep_logs:
-            print(f"logs in {workdir}")
-        else:
-            shutil.rmtree(workdir, ignore_errors=True)
+def _report(ns: argparse.Namespace, rows: list[Row], spec: dict[str, dict[str, float]]
+            ) -> None:
+    """Print the host line, the table, decode rates and speculative decoding's counters;
+    write the JSON file when ``--json`` names one."""
     print()
     print(f"host: {os.cpu_count()} CPUs, {ns.device}, dtype {ns.dtype}, model "
           f"{ns.model or 'SmolLM2-135M-Instruct (GGUF)'}, quantization "
@@ -342,8 +357,6 @@ def main(argv: list[str] | None = None) -> int:
         if spec:
             doc = {"rows": doc, "speculative": spec}
         ns.json.write_text(json.dumps(doc, indent=2))
-    return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -34,7 +34,6 @@ ALLOWED_LONG_FUNCTIONS = frozenset(
         "bench/throughput_args.py:parse_args",
         "bench/tune_search.py:search",
         "bench/kvstore.py:run",
-        "bench/latency.py:main",
         "services/router/main.py:serve",
         "services/common/server.py:_serve",
         "services/prefill/servicer.py:PrefillServicer.Prefill",
