@@ -33,6 +33,7 @@ from tandem.services.router.responses import (
 )
 from tandem.services.router.sequence import GenerationRequest
 from tandem.services.router.streaming import CLIENT_GONE, collect, stream
+from tandem.services.router.structured import Constraint
 from tandem.services.router.tools import ToolCallParser, ToolChoice, finish_reason_with_calls
 
 _T = TypeVar("_T")
@@ -137,22 +138,10 @@ def install(app: FastAPI, door: Door) -> None:
         rid, arrival_ns, req = await door.accept(request, P.CompletionRequest)
         prompts = fe.tokenize_prompts(req.prompt)
         constraint = await off_loop(req, req.constraint)
-        gens = []
-        for p, ids in enumerate(prompts):
-            sp = req.to_sampling_params(num_prompt_tokens=len(ids),
-                                        max_model_len=fe.max_model_len, constraint=constraint,
-                                        defaults=fe.sampling_defaults)
-            fe.check_sampling_params(sp)
-            gens.append(GenerationRequest(rid if len(prompts) == 1 else f"{rid}-p{p}", ids, sp,
-                                          req.priority, arrival_ns,
-                                          param_of_field=constraint.param_of_field,
-                                          cache_salt=req.cache_salt))
-        if isinstance(req.prompt, str):
-            echo_texts = [req.prompt]
-        elif isinstance(req.prompt[0], str):
-            echo_texts = list(req.prompt)
-        else:  # (only the count matters without echo: no detokenizing for nothing)
-            echo_texts = [fe.tokenizer.decode(ids) if req.echo else "" for ids in prompts]
+        gens = [_completion_request(fe, req, rid if len(prompts) == 1 else f"{rid}-p{p}", ids,
+                                    arrival_ns, constraint)
+                for p, ids in enumerate(prompts)]
+        echo_texts = _echo_texts(fe, req, prompts)
         n = gens[0].sampling_params.n
         resp_id = f"cmpl-{rid}"
         num_prompt_tokens = sum(len(ids) for ids in prompts)
@@ -197,6 +186,34 @@ def install(app: FastAPI, door: Door) -> None:
         if req.prompt_logprobs is not None and states:
             body.prompt_logprobs = vllm_prompt_logprobs(fe, states[0].prompt_logprobs)
         return reply(body, rid, chat.num_prompt_tokens, states, n)
+
+
+def _completion_request(fe: Frontend, req: P.CompletionRequest, request_id: str,
+                        ids: list[int], arrival_ns: int, constraint: Constraint
+                        ) -> GenerationRequest:
+    """The engine request of one prompt (token ids ``ids``) of a completion: its sampling
+    parameters checked against the served model's limits.
+
+    Raises:
+        OpenAIError: 400 naming a parameter the model cannot serve
+            (``Frontend.check_sampling_params``).
+    """
+    sp = req.to_sampling_params(num_prompt_tokens=len(ids), max_model_len=fe.max_model_len,
+                                constraint=constraint, defaults=fe.sampling_defaults)
+    fe.check_sampling_params(sp)
+    return GenerationRequest(request_id, ids, sp, req.priority, arrival_ns,
+                             param_of_field=constraint.param_of_field,
+                             cache_salt=req.cache_salt)
+
+
+def _echo_texts(fe: Frontend, req: P.CompletionRequest, prompts: list[list[int]]) -> list[str]:
+    """Each prompt's text for ``echo`` (as sent; token-id prompts detokenized, only when
+    ``echo`` is asked: otherwise only their count matters)."""
+    if isinstance(req.prompt, str):
+        return [req.prompt]
+    if isinstance(req.prompt[0], str):
+        return list(req.prompt)
+    return [fe.tokenizer.decode(ids) if req.echo else "" for ids in prompts]
 
 
 async def off_loop(req: P._SamplingRequest, check: Callable[[], _T]) -> _T:

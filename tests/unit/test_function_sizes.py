@@ -37,7 +37,6 @@ ALLOWED_LONG_FUNCTIONS = frozenset(
         "services/router/main.py:serve",
         "services/common/server.py:_serve",
         "services/prefill/servicer.py:PrefillServicer.Prefill",
-        "services/router/openai_routes.py:install",
         "kvstore/node.py:StoreNode._put",
         "engine/llm.py:LLM.__init__",
     }
