@@ -335,22 +335,10 @@ def search(space: Space, open_candidate: OpenCandidate, slo: Slo, policy: RatePo
         points: list[RatePoint] = []
         res.points = points
 
-        def timed(measure: Measure) -> Measure:
-            def run(rate: float) -> RatePoint:
-                t = budget.elapsed()
-                p = measure(rate)
-                run_times.append(budget.elapsed() - t)
-                log(f"    rate {rate:7.3f} req/s: goodput {p.goodput:6.3f} req/s, "
-                    f"{p.attainment * 100:5.1f}% good, p{slo.percentile:g} TTFT "
-                    f"{p.ttft_ms:8.1f} ms, TPOT {p.tpot_ms:7.1f} ms"
-                    f"{'' if p.meets(slo) else '  (SLO broken)'}")
-                return p
-            return run
-
         try:
             target = max((r.score(slo) for r in order), default=0.0)
             with open_candidate(c) as measure:
-                rate_search(timed(measure), slo, policy, best_rate[0], charge_run, points,
+                rate_search(_timed(measure, budget, run_times, slo, log), slo, policy, best_rate[0], charge_run, points,
                             target / policy.factor ** 2, target)
         except OutOfBudget:
             res.complete = False
@@ -367,22 +355,7 @@ def search(space: Space, open_candidate: OpenCandidate, slo: Slo, policy: RatePo
 
     stopped = "done"
     try:
-        evaluate(space.default)
-        default_knobs = space.default.knobs
-        for t in space.topologies:
-            evaluate(Candidate(t, default_knobs))
-        # NOTE: the default's split competes too (it may be none of the pinned ones).
-        splits = list(dict.fromkeys([space.default.topology, *space.topologies]))
-        by_topology = sorted(splits,
-                             key=lambda t: -results[Candidate(t, default_knobs)].score(slo))
-        for t in by_topology[:refine_topologies]:
-            current = max((r for r in order if r.candidate.topology == t),
-                          key=lambda r: r.score(slo)).candidate
-            if results[current].score(slo) <= 0:
-                continue  # no foothold: nothing met the SLO on this split
-            for step in (2, 1):
-                for c in _coordinate_walk(space, current, step, evaluate, slo, min_gain):
-                    current = c
+        _explore(space, evaluate, order, slo, refine_topologies, min_gain)
     except OutOfBudget:
         stopped = "budget"
         log(f"[tune {budget.elapsed() / 60:5.1f} min] budget spent: stopping")
@@ -390,26 +363,78 @@ def search(space: Space, open_candidate: OpenCandidate, slo: Slo, policy: RatePo
         stopped = "interrupted"
         log(f"[tune {budget.elapsed() / 60:5.1f} min] interrupted: stopping")
     result = SearchResult(slo, space.default, order, stopped, budget.elapsed())
-    best = result.best()
-    if confirm_share > 0 and stopped != "interrupted" and best is not None \
-            and best.candidate != space.default:
-        rate = best.best(slo).rate  # type: ignore[union-attr]  # best() has a best run
-        log(f"[tune {budget.elapsed() / 60:5.1f} min] confirming at {rate:.3f} req/s: "
-            "the default, then the best")
-        try:
-            for c in (space.default, best.candidate):
-                budget.charge(0.0)
-                res = CandidateResult(c)
-                try:
-                    with open_candidate(c) as measure:
-                        res.points.append(measure(rate))
-                except Exception as exc:  # noqa: BLE001 - reported, as in the search
-                    res.error = f"{type(exc).__name__}: {exc}"
-                result.confirmation.append(res)
-        except (OutOfBudget, KeyboardInterrupt):
-            log(f"[tune {budget.elapsed() / 60:5.1f} min] confirmation cut short")
-        result.elapsed_s = budget.elapsed()
+    if confirm_share > 0 and stopped != "interrupted":
+        _confirm(result, space, open_candidate, slo, budget, log)
     return result
+
+
+def _timed(measure: Measure, budget: Budget, run_times: list[float], slo: Slo,
+           log: Callable[[str], None]) -> Measure:
+    """``measure`` that records each run's wall time in ``run_times`` and logs its point."""
+    def run(rate: float) -> RatePoint:
+        t = budget.elapsed()
+        p = measure(rate)
+        run_times.append(budget.elapsed() - t)
+        log(f"    rate {rate:7.3f} req/s: goodput {p.goodput:6.3f} req/s, "
+            f"{p.attainment * 100:5.1f}% good, p{slo.percentile:g} TTFT "
+            f"{p.ttft_ms:8.1f} ms, TPOT {p.tpot_ms:7.1f} ms"
+            f"{'' if p.meets(slo) else '  (SLO broken)'}")
+        return p
+    return run
+
+
+def _explore(space: Space, evaluate: Callable[[Candidate], CandidateResult],
+             order: list[CandidateResult], slo: Slo, refine_topologies: int,
+             min_gain: float) -> None:
+    """The search's order (``search``'s docstring): the default, every topology at the
+    default's knobs, then coordinate walks from the best topologies' best candidates
+    (``order``: every candidate measured so far, which ``evaluate`` extends).
+
+    Raises:
+        OutOfBudget / KeyboardInterrupt: from ``evaluate``; the search ends there.
+    """
+    evaluate(space.default)
+    default_knobs = space.default.knobs
+    for t in space.topologies:
+        evaluate(Candidate(t, default_knobs))
+    # NOTE: the default's split competes too (it may be none of the pinned ones).
+    splits = list(dict.fromkeys([space.default.topology, *space.topologies]))
+    by_topology = sorted(splits, key=lambda t: -evaluate(Candidate(t, default_knobs)).score(slo))
+    for t in by_topology[:refine_topologies]:
+        best = max((r for r in order if r.candidate.topology == t), key=lambda r: r.score(slo))
+        if best.score(slo) <= 0:
+            continue  # no foothold: nothing met the SLO on this split
+        current = best.candidate
+        for step in (2, 1):
+            for c in _coordinate_walk(space, current, step, evaluate, slo, min_gain):
+                current = c
+
+
+def _confirm(result: SearchResult, space: Space, open_candidate: OpenCandidate, slo: Slo,
+             budget: Budget, log: Callable[[str], None]) -> None:
+    """The confirmation (``search``'s ``confirm_share``): the default and the best
+    candidate started again, one after the other, each run once at the best's rate;
+    appended to ``result.confirmation``. Nothing when the default is the best, or none
+    met the SLO. The budget or Ctrl-C cut it short (logged)."""
+    best = result.best()
+    if best is None or best.candidate == space.default:
+        return
+    rate = best.best(slo).rate  # type: ignore[union-attr]  # best() has a best run
+    log(f"[tune {budget.elapsed() / 60:5.1f} min] confirming at {rate:.3f} req/s: "
+        "the default, then the best")
+    try:
+        for c in (space.default, best.candidate):
+            budget.charge(0.0)
+            res = CandidateResult(c)
+            try:
+                with open_candidate(c) as measure:
+                    res.points.append(measure(rate))
+            except Exception as exc:  # noqa: BLE001 - reported, as in the search
+                res.error = f"{type(exc).__name__}: {exc}"
+            result.confirmation.append(res)
+    except (OutOfBudget, KeyboardInterrupt):
+        log(f"[tune {budget.elapsed() / 60:5.1f} min] confirmation cut short")
+    result.elapsed_s = budget.elapsed()
 
 
 def _coordinate_walk(space: Space, start: Candidate, step: int,
