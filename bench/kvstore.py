@@ -135,6 +135,82 @@ def _shm_gets(client: object) -> int:
     return int(getattr(client, "num_shm_reads", 0))
 
 
+def _fingerprint(bs: int) -> bytes:
+    # one layout per block size: a node checks a layout's blocks all have one size
+    return f"bench{bs:011d}".encode()
+
+
+def _measure_size(args: argparse.Namespace, client: Any, ucx_client: Any | None, size: int,
+                  block_bytes: int, tls: Any) -> tuple[dict[str, Any], str]:
+    """Put and get batches of about ``size`` bytes (blocks of at most ``block_bytes``)
+    ``--iters`` times after a warm-up, check the bytes, and time a memcpy of the same
+    batch; returns the size's record and its printed line."""
+    n = max(1, size // block_bytes)
+    bs = size // n
+    total = n * bs
+    iters = args.iters or max(5, min(40, (512 << 20) // total))
+    rng = np.random.default_rng(size)
+    # like the engine: blocks are consecutive rows of one cache tensor
+    src_cache = _aligned_empty((n, bs))
+    src_cache[:] = rng.integers(0, 255, (n, bs), dtype=np.uint8)
+    dst_cache = _aligned_empty((n, bs))
+    src = list(src_cache)
+    dst = list(dst_cache)
+    ucx_cache = _aligned_empty((n, bs)) if ucx_client else None
+    put_s, get_s, ucx_s = [], [], []
+    shm_before = _shm_gets(client)
+    for it in range(iters + 1):  # iteration 0 warms up
+        keys = _keys(n, _fingerprint(bs))
+        if it == iters:
+            dst_cache.fill(0)  # so that the check below sees what this get wrote
+            if ucx_cache is not None:
+                ucx_cache.fill(0)
+        t = time.perf_counter()
+        stored = client.put_blocks(keys, src)
+        dt_put = time.perf_counter() - t
+        assert stored == n, f"put stored {stored} of {n} blocks"
+        t = time.perf_counter()
+        got = client.get_blocks(keys, dst)
+        dt_get = time.perf_counter() - t
+        assert got == n, f"get loaded {got} of {n} blocks"
+        if ucx_client is not None and ucx_cache is not None:
+            t = time.perf_counter()
+            got = ucx_client.get_blocks(keys, list(ucx_cache))
+            dt_ucx = time.perf_counter() - t
+            assert got == n, f"UCX get loaded {got} of {n} blocks"
+            if it:
+                ucx_s.append(dt_ucx)
+        if it:
+            put_s.append(dt_put)
+            get_s.append(dt_get)
+    assert np.array_equal(src_cache, dst_cache), "get returned other bytes than put"
+    if ucx_cache is not None:
+        assert np.array_equal(src_cache, ucx_cache), "UCX get returned other bytes"
+    path = "shm" if _shm_gets(client) > shm_before else "ucx"
+    copy_s = _memcpy_times(src, dst, max(iters, 20))
+    p_put, p_get, p_copy = (statistics.median(x) for x in (put_s, get_s, copy_s))
+    rec = {
+        "batch_bytes": total, "block_bytes": bs, "num_blocks": n, "iters": iters,
+        "put_gbps": total / p_put / 1e9, "get_gbps": total / p_get / 1e9,
+        "memcpy_gbps": total / p_copy / 1e9,
+        "put_p50_ms": p_put * 1e3, "get_p50_ms": p_get * 1e3,
+        "memcpy_p50_ms": p_copy * 1e3, "ucx_tls": tls, "machine": _machine(),
+        "get_path": path,
+    }
+    rec["get_vs_memcpy"] = rec["get_gbps"] / rec["memcpy_gbps"]
+    line = (f"{total / 2**20:9.3f} MiB  {n:5d} x {bs:>9d} B  put {rec['put_gbps']:6.2f} "
+            f"GB/s ({rec['put_p50_ms']:8.3f} ms)  get[{path}] {rec['get_gbps']:6.2f} "
+            f"GB/s ({rec['get_p50_ms']:8.3f} ms)  memcpy {rec['memcpy_gbps']:6.2f} GB/s  "
+            f"get/memcpy {rec['get_vs_memcpy']:5.1%}")
+    if ucx_s:
+        p_ucx = statistics.median(ucx_s)
+        rec.update(get_ucx_gbps=total / p_ucx / 1e9, get_ucx_p50_ms=p_ucx * 1e3)
+        rec["get_ucx_vs_memcpy"] = rec["get_ucx_gbps"] / rec["memcpy_gbps"]
+        line += (f"  get[ucx] {rec['get_ucx_gbps']:6.2f} GB/s "
+                 f"({rec['get_ucx_p50_ms']:8.3f} ms, {rec['get_ucx_vs_memcpy']:5.1%})")
+    return rec, line
+
+
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Measure every batch size; returns one record per size."""
     from tandem.kvstore.client import ClientOptions, KVStoreClient, wait_for_nodes
@@ -151,9 +227,6 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     if redis_url is None:
         stack = _Stack(max(sizes) * 3 + block_bytes, env)
         redis_url = stack.redis_url
-    def fingerprint(bs: int) -> bytes:
-        # one layout per block size: a node checks a layout's blocks all have one size
-        return f"bench{bs:011d}".encode()
 
     records = []
     try:
@@ -168,72 +241,10 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         wait_for_nodes(client, 1, timeout_s=60)
         # the first block fixes the node's slot size: make it the largest
         warm = np.random.default_rng(0).integers(0, 255, block_bytes, dtype=np.uint8)
-        client.put_blocks(_keys(1, fingerprint(block_bytes)), [warm])
+        client.put_blocks(_keys(1, _fingerprint(block_bytes)), [warm])
         tls = transports()
         for size in sizes:
-            n = max(1, size // block_bytes)
-            bs = size // n
-            total = n * bs
-            iters = args.iters or max(5, min(40, (512 << 20) // total))
-            rng = np.random.default_rng(size)
-            # like the engine: blocks are consecutive rows of one cache tensor
-            src_cache = _aligned_empty((n, bs))
-            src_cache[:] = rng.integers(0, 255, (n, bs), dtype=np.uint8)
-            dst_cache = _aligned_empty((n, bs))
-            src = list(src_cache)
-            dst = list(dst_cache)
-            ucx_cache = _aligned_empty((n, bs)) if ucx_client else None
-            put_s, get_s, ucx_s = [], [], []
-            shm_before = _shm_gets(client)
-            for it in range(iters + 1):  # iteration 0 warms up
-                keys = _keys(n, fingerprint(bs))
-                if it == iters:
-                    dst_cache.fill(0)  # so that the check below sees what this get wrote
-                    if ucx_cache is not None:
-                        ucx_cache.fill(0)
-                t = time.perf_counter()
-                stored = client.put_blocks(keys, src)
-                dt_put = time.perf_counter() - t
-                assert stored == n, f"put stored {stored} of {n} blocks"
-                t = time.perf_counter()
-                got = client.get_blocks(keys, dst)
-                dt_get = time.perf_counter() - t
-                assert got == n, f"get loaded {got} of {n} blocks"
-                if ucx_client is not None and ucx_cache is not None:
-                    t = time.perf_counter()
-                    got = ucx_client.get_blocks(keys, list(ucx_cache))
-                    dt_ucx = time.perf_counter() - t
-                    assert got == n, f"UCX get loaded {got} of {n} blocks"
-                    if it:
-                        ucx_s.append(dt_ucx)
-                if it:
-                    put_s.append(dt_put)
-                    get_s.append(dt_get)
-            assert np.array_equal(src_cache, dst_cache), "get returned other bytes than put"
-            if ucx_cache is not None:
-                assert np.array_equal(src_cache, ucx_cache), "UCX get returned other bytes"
-            path = "shm" if _shm_gets(client) > shm_before else "ucx"
-            copy_s = _memcpy_times(src, dst, max(iters, 20))
-            p_put, p_get, p_copy = (statistics.median(x) for x in (put_s, get_s, copy_s))
-            rec = {
-                "batch_bytes": total, "block_bytes": bs, "num_blocks": n, "iters": iters,
-                "put_gbps": total / p_put / 1e9, "get_gbps": total / p_get / 1e9,
-                "memcpy_gbps": total / p_copy / 1e9,
-                "put_p50_ms": p_put * 1e3, "get_p50_ms": p_get * 1e3,
-                "memcpy_p50_ms": p_copy * 1e3, "ucx_tls": tls, "machine": _machine(),
-                "get_path": path,
-            }
-            rec["get_vs_memcpy"] = rec["get_gbps"] / rec["memcpy_gbps"]
-            line = (f"{total / 2**20:9.3f} MiB  {n:5d} x {bs:>9d} B  put {rec['put_gbps']:6.2f} "
-                    f"GB/s ({rec['put_p50_ms']:8.3f} ms)  get[{path}] {rec['get_gbps']:6.2f} "
-                    f"GB/s ({rec['get_p50_ms']:8.3f} ms)  memcpy {rec['memcpy_gbps']:6.2f} GB/s  "
-                    f"get/memcpy {rec['get_vs_memcpy']:5.1%}")
-            if ucx_s:
-                p_ucx = statistics.median(ucx_s)
-                rec.update(get_ucx_gbps=total / p_ucx / 1e9, get_ucx_p50_ms=p_ucx * 1e3)
-                rec["get_ucx_vs_memcpy"] = rec["get_ucx_gbps"] / rec["memcpy_gbps"]
-                line += (f"  get[ucx] {rec['get_ucx_gbps']:6.2f} GB/s "
-                         f"({rec['get_ucx_p50_ms']:8.3f} ms, {rec['get_ucx_vs_memcpy']:5.1%})")
+            rec, line = _measure_size(args, client, ucx_client, size, block_bytes, tls)
             records.append(rec)
             print(line, flush=True)
         client.close()

@@ -32,7 +32,6 @@ ALLOWED_LONG_FUNCTIONS = frozenset(
         "bench/serve.py:main",
         "bench/serve_args.py:build_parser",
         "bench/throughput_args.py:parse_args",
-        "bench/kvstore.py:run",
         "services/router/main.py:serve",
         "services/common/server.py:_serve",
         "services/prefill/servicer.py:PrefillServicer.Prefill",
