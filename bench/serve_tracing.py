@@ -28,8 +28,9 @@ def launch_tracing(mode: str) -> Iterator[tuple[list[str], OTLPReceiver | None]]
         ValueError: naming ``--launch-tracing`` for an unknown mode.
     """
     if mode not in TRACING_MODES:
-        raise ValueError(f"--launch-tracing must be one of {', '.join(TRACING_MODES)}, "
-                         f"got {mode!r}")
+        raise ValueError(
+            f"--launch-tracing must be one of {', '.join(TRACING_MODES)}, got {mode!r}"
+        )
     if mode == "off":
         yield [], None
     elif mode == "down":

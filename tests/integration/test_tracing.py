@@ -236,8 +236,11 @@ def test_one_request_is_one_trace_across_router_prefill_store_and_decode(tiny, t
     engine = decode_span.attributes
     assert engine["tandem.stream.engine_outputs"] == 5
     assert engine["tandem.stream.engine_decode_ns"] > 0
-    assert engine["tandem.stream.output_latency_ns"] >= engine[
-        "tandem.stream.max_output_latency_ns"] >= 0
+    assert (
+        engine["tandem.stream.output_latency_ns"]
+        >= engine["tandem.stream.max_output_latency_ns"]
+        >= 0
+    )
     router = spans[("tandem-router", "tandem.decode_stream")].attributes
     assert router["tandem.stream.tokens"] == 5 and router["tandem.stream.messages"] >= 1
     assert router["tandem.stream.detokenize_ns"] > 0

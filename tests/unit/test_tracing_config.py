@@ -32,16 +32,18 @@ def test_protocol_comes_from_the_flag_then_the_environment_then_the_url() -> Non
     assert _config(["--otlp-traces-endpoint", "http://c:4317"]).otlp_traces_protocol == "grpc"
     env = {"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "grpc"}
     assert _config(["--otlp-traces-endpoint", http], env).otlp_traces_protocol == "grpc"
-    flag = ["--otlp-traces-endpoint", "http://c:4317", "--otlp-traces-protocol",
-            "http/protobuf"]
+    flag = ["--otlp-traces-endpoint", "http://c:4317", "--otlp-traces-protocol", "http/protobuf"]
     assert _config(flag, env).otlp_traces_protocol == "http/protobuf"
 
 
-@pytest.mark.parametrize(("endpoint", "protocol", "field"), [
-    ("collector:4317", "grpc", "--otlp-traces-endpoint"),
-    ("ftp://c:4317", "grpc", "--otlp-traces-endpoint"),
-    ("http://c:4317", "thrift", "--otlp-traces-protocol"),
-])
+@pytest.mark.parametrize(
+    ("endpoint", "protocol", "field"),
+    [
+        ("collector:4317", "grpc", "--otlp-traces-endpoint"),
+        ("ftp://c:4317", "grpc", "--otlp-traces-endpoint"),
+        ("http://c:4317", "thrift", "--otlp-traces-protocol"),
+    ],
+)
 def test_bad_values_are_named(endpoint: str, protocol: str, field: str) -> None:
     with pytest.raises(ValueError, match=field):
         TracingConfig(endpoint, protocol)
@@ -57,7 +59,8 @@ def test_off_is_the_no_op_api_without_the_sdk() -> None:
         "s.end()\n"
         "assert not t.enabled and t.inject(s) == {} and not s.is_recording()\n"
         "assert not [m for m in sys.modules if m.startswith('opentelemetry.sdk')]\n"
-        "assert [th.name for th in threading.enumerate()] == ['MainThread']\n")
+        "assert [th.name for th in threading.enumerate()] == ['MainThread']\n"
+    )
     subprocess.run([sys.executable, "-P", "-c", code], check=True, timeout=60)
     assert start_tracing(TracingConfig()) is TRACING_OFF
 
@@ -70,7 +73,6 @@ def test_a_span_context_travels_as_traceparent() -> None:
         span = tracing.span("s", parent)
         headers = tracing.inject(span)  # never ended: nothing is exported
         trace_id, span_id = headers["traceparent"].split("-")[1:3]
-        assert (trace_id, span_id) == ("ab" * 16, format(span.get_span_context().span_id,
-                                                         "016x"))
+        assert (trace_id, span_id) == ("ab" * 16, format(span.get_span_context().span_id, "016x"))
     finally:
         tracing.shutdown()
