@@ -24,7 +24,7 @@ import socket
 import sys
 import uuid
 from collections.abc import Callable, Mapping
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -58,6 +58,9 @@ from tandem.services.common.kv_events import (
 from tandem.services.common.periodic import start_periodic, stop_periodic
 from tandem.services.common.registry import InstanceRegistration
 from tandem.services.common.tls import TLSFiles, add_tls_flags, tls_from_args
+
+if TYPE_CHECKING:
+    from tandem.engine.engine_core import EngineCore
 
 logger = logging.getLogger(__name__)
 
@@ -213,6 +216,76 @@ def run(
     return asyncio.run(_serve(ns, role, config, servicers[role], tls, tracing))
 
 
+def _stop_on_signals(loop: asyncio.AbstractEventLoop) -> asyncio.Event:
+    """An event set by SIGTERM or SIGINT (the service then drains and stops)."""
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    return stop
+
+
+def _pending_transfers_of(engine: EngineCore) -> Callable[[], bool] | None:
+    """Whether ``engine``'s KV connector has transfers in flight (``None``: no connector)."""
+    connector = engine.connector_worker
+    return connector.has_pending if connector else None
+
+
+async def _register(ns: argparse.Namespace, role: Role, address: str, ctx: ServiceContext,
+                    config: EngineConfig) -> InstanceRegistration | None:
+    """Register this instance in Redis for the routers (``--redis-url``; ``None``
+    without it), heartbeats started."""
+    if not ns.redis_url:
+        return None
+    registration = InstanceRegistration(
+        ns.redis_url,
+        role,
+        ns.instance_id,
+        address,
+        ctx.model_id,
+        ctx.registry_load,
+        kv_events_topic=config.kv_events.topic
+        if config.kv_events.enable_kv_cache_events
+        else "",
+    )
+    await registration.start()
+    return registration
+
+
+def _grpc_server(
+    listen: str, ctx: ServiceContext, add_servicers: AddServicers, tls: TLSFiles
+) -> tuple[grpc.aio.Server, health.aio.HealthServicer, list[str], int]:
+    """The gRPC server, not started: the role's servicers (``add_servicers``), health and
+    reflection, error mapping, bound to ``listen`` (TLS when ``tls`` is on).
+
+    Returns:
+        The server, its health servicer, the service names it serves (reflection and
+        health first) and the bound port.
+
+    Raises:
+        RuntimeError: ``listen`` could not be bound.
+    """
+    server = grpc.aio.server(
+        interceptors=[ErrorMappingInterceptor()],
+        options=[
+            ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
+            ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
+        ],
+    )
+    names = [reflection.SERVICE_NAME, health.SERVICE_NAME]
+    names.extend(add_servicers(ctx, server))
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(names, server)
+    port = (
+        server.add_secure_port(listen, tls.server_credentials())
+        if tls.enabled
+        else server.add_insecure_port(listen)
+    )
+    if port == 0:
+        raise RuntimeError(f"could not bind --listen {listen}")
+    return server, health_servicer, names, port
+
+
 async def _serve(
     ns: argparse.Namespace,
     role: Role,
@@ -227,18 +300,12 @@ async def _serve(
     from tandem.engine.engine_core import EngineCore
 
     loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-
-    def has_pending_transfers_of(engine: EngineCore) -> Callable[[], bool] | None:
-        connector = engine.connector_worker
-        return connector.has_pending if connector else None
+    stop = _stop_on_signals(loop)
 
     try:
         # Built in the engine thread, which then steps it (see EngineLoop.launch).
         engine_loop = await EngineLoop.launch(
-            lambda: EngineCore(config), loop, has_pending_transfers_of, on_engine_dead=stop.set
+            lambda: EngineCore(config), loop, _pending_transfers_of, on_engine_dead=stop.set
         )
     except ValueError as exc:
         # A setting the model or this machine cannot take (a tensor-parallel size that
@@ -254,25 +321,7 @@ async def _serve(
     if ctx.tracing.enabled:
         ctx.metrics.registry.register(ctx.tracing)
 
-    server = grpc.aio.server(
-        interceptors=[ErrorMappingInterceptor()],
-        options=[
-            ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
-            ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
-        ],
-    )
-    names = [reflection.SERVICE_NAME, health.SERVICE_NAME]
-    names.extend(add_servicers(ctx, server))
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(names, server)
-    port = (
-        server.add_secure_port(ns.listen, tls.server_credentials())
-        if tls.enabled
-        else server.add_insecure_port(ns.listen)
-    )
-    if port == 0:
-        raise RuntimeError(f"could not bind --listen {ns.listen}")
+    server, health_servicer, names, port = _grpc_server(ns.listen, ctx, add_servicers, tls)
     await server.start()
     address = advertise_address(ns.listen, ns.advertise_address, port)
 
@@ -290,20 +339,7 @@ async def _serve(
         )
 
     snapshot_task = await start_snapshot_task(engine_loop)
-    registration = None
-    if ns.redis_url:
-        registration = InstanceRegistration(
-            ns.redis_url,
-            role,
-            ns.instance_id,
-            address,
-            ctx.model_id,
-            ctx.registry_load,
-            kv_events_topic=config.kv_events.topic
-            if config.kv_events.enable_kv_cache_events
-            else "",
-        )
-        await registration.start()
+    registration = await _register(ns, role, address, ctx, config)
     for name in ["", *names[2:]]:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     logger.info(
