@@ -55,7 +55,16 @@ from tandem.bench.throughput_peers import (
     run_hf,
     run_llama_cpp,
 )
-from tandem.bench.throughput_report import acceptance, machine_info, parallel_report, spec_stats
+from tandem.bench.throughput_report import (
+    acceptance,
+    baseline_ratios,
+    deterministic_report,
+    machine_info,
+    parallel_report,
+    spec_stats,
+    speculative_report,
+    structured_report,
+)
 
 
 def prompt_vocab(model: str | None) -> tuple[int, set[int]]:
@@ -293,6 +302,51 @@ def main(argv: list[str] | None = None) -> int:
                      args.prompt_pattern)
         for i in range(args.repeat)
     ]
+    runners, meta = _load_runners(args, prompt_sets)
+    timed = _run_interleaved(runners, prompt_sets)
+    outputs = {name: m.pop("outputs", None) for name, m in meta.items()}
+    results = _rates(args, timed, meta)
+    _print_table(args, results)
+    ratios, paired = baseline_ratios(results)
+    t = results.get("tandem")
+    structured: dict[str, Any] = {}
+    name = f"tandem+{args.structured}" if args.structured else ""
+    if name in results and t is not None:
+        structured = structured_report(name, results[name], t)
+    speculative: dict[str, Any] = {}
+    if "tandem+spec" in results and t is not None:
+        speculative = speculative_report(results["tandem+spec"], t)
+    deterministic: dict[str, Any] = {}
+    if "tandem+det" in results and t is not None:
+        deterministic = deterministic_report(results["tandem+det"], t, outputs,
+                                             args.num_prompts * args.repeat)
+    parallel: dict[str, Any] = {}
+    if "tandem+par" in results and t is not None:
+        parallel = parallel_report(results["tandem+par"], t, args, outputs)
+    if args.json_path:
+        doc = {
+            "benchmark": "throughput",
+            "command": "tandem bench throughput " + " ".join(argv or sys.argv[1:]),
+            "args": {k: v for k, v in vars(args).items() if k != "speculative"},
+            "machine": machine_info(),
+            "results": results,
+            "ratios": ratios,
+            "paired_ratios": paired,
+            "structured": structured,
+            "speculative": speculative,
+            "deterministic": deterministic,
+            "parallel": parallel,
+        }
+        with open(args.json_path, "w") as f:
+            json.dump(doc, f, indent=2)
+        print(f"wrote {args.json_path}", file=sys.stderr)
+    return 0
+
+
+def _load_runners(args: argparse.Namespace, prompt_sets: list[list[list[int]]]
+                  ) -> tuple[dict[str, RunOne], dict[str, dict[str, Any]]]:
+    """Each selected backend's runner and facts (``RUNNERS``), tandem's variants
+    (``tandem+<structured>``, ``+spec``, ``+det``, ``+par``) as runners of their own."""
     runners: dict[str, RunOne] = {}
     meta: dict[str, dict[str, Any]] = {}
     for backend in dict.fromkeys(args.backend):
@@ -301,15 +355,19 @@ def main(argv: list[str] | None = None) -> int:
         if backend == "tandem" and args.structured:
             name = f"tandem+{args.structured}"
             runners[name], meta[name] = meta[backend].pop("structured_runner")
-        if backend == "tandem" and "spec_runner" in meta[backend]:
-            runners["tandem+spec"], meta["tandem+spec"] = meta[backend].pop("spec_runner")
-        if backend == "tandem" and "det_runner" in meta[backend]:
-            runners["tandem+det"], meta["tandem+det"] = meta[backend].pop("det_runner")
-        if backend == "tandem" and "par_runner" in meta[backend]:
-            runners["tandem+par"], meta["tandem+par"] = meta[backend].pop("par_runner")
-    timed = _run_interleaved(runners, prompt_sets)
+        for key, name in (("spec_runner", "tandem+spec"), ("det_runner", "tandem+det"),
+                          ("par_runner", "tandem+par")):
+            if backend == "tandem" and key in meta[backend]:
+                runners[name], meta[name] = meta[backend].pop(key)
+    return runners, meta
+
+
+def _rates(args: argparse.Namespace, timed: dict[str, dict[str, Any]],
+           meta: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Each runner's timings with its facts and rates (requests/s, output and total
+    tokens/s); the speculative run's acceptance and the parallel run's collectives
+    collected (its engine shut down)."""
     results: dict[str, dict[str, Any]] = {}
-    outputs = {name: m.pop("outputs", None) for name, m in meta.items()}
     for backend, r in timed.items():
         m = meta[backend]
         if "spec_llm" in m:
@@ -334,7 +392,11 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
             flush=True,
         )
+    return results
 
+
+def _print_table(args: argparse.Namespace, results: dict[str, dict[str, Any]]) -> None:
+    """Print the rates table, one row per runner."""
     print(
         f"\n{args.num_prompts} requests x ({args.input_len} in, {args.output_len} out), "
         f"dtype {args.dtype}"
@@ -346,118 +408,6 @@ def main(argv: list[str] | None = None) -> int:
             f"{name:<10} {r['requests_per_s']:>8.2f} {r['output_tokens_per_s']:>10.1f} "
             f"{r['total_tokens_per_s']:>12.1f} {r['elapsed_s']:>8.1f}"
         )
-    ratios, paired = {}, {}
-    if "tandem" in results:
-        t = results["tandem"]
-        for name, r in results.items():
-            if name == "tandem" or name.startswith("tandem+"):
-                continue
-            key = f"tandem/{name}"
-            ratios[key] = t["output_tokens_per_s"] / r["output_tokens_per_s"]
-            # pass i of both backends ran back to back on the same prompts
-            paired[key] = [
-                (t["num_output_tokens"] / ts) / (r["num_output_tokens"] / rs)
-                for ts, rs in zip(t["runs_s"], r["runs_s"], strict=True)
-            ]
-            line = f"tandem / {name}: {ratios[key]:.2f}x output tokens/s"
-            if len(paired[key]) > 1:
-                line += " (per pass: " + ", ".join(f"{x:.2f}x" for x in paired[key]) + ")"
-            print(line)
-    structured: dict[str, Any] = {}
-    name = f"tandem+{args.structured}" if args.structured else ""
-    if name in results and "tandem" in results:
-        t, c = results["tandem"], results[name]
-        structured = {
-            "ratio": c["output_tokens_per_s"] / t["output_tokens_per_s"],
-            "paired_ratios": [
-                (c["num_output_tokens"] / cs) / (t["num_output_tokens"] / ts)
-                for cs, ts in zip(c["runs_s"], t["runs_s"], strict=True)
-            ],
-            "grammar_backend_setup_s": c["grammar_backend_setup_s"],
-            "grammar_compile_first_s": c["grammar_compile_first_s"],
-            "grammar_compile_cached_s": c["grammar_compile_cached_s"],
-        }
-        line = f"{name} / tandem: {structured['ratio']:.2f}x output tokens/s"
-        if len(structured["paired_ratios"]) > 1:
-            line += " (per pass: " + ", ".join(f"{x:.2f}x" for x in structured["paired_ratios"])
-            line += ")"
-        print(line)
-        print(
-            f"grammar: backend setup {structured['grammar_backend_setup_s'] * 1e3:.1f} ms, "
-            f"first compile {structured['grammar_compile_first_s'] * 1e3:.2f} ms, "
-            f"cached {structured['grammar_compile_cached_s'] * 1e3:.3f} ms"
-        )
-    speculative: dict[str, Any] = {}
-    if "tandem+spec" in results and "tandem" in results:
-        t, c = results["tandem"], results["tandem+spec"]
-        acc = c["spec_decode"]
-        speculative = {
-            "ratio": c["output_tokens_per_s"] / t["output_tokens_per_s"],
-            "paired_ratios": [
-                (c["num_output_tokens"] / cs) / (t["num_output_tokens"] / ts)
-                for cs, ts in zip(c["runs_s"], t["runs_s"], strict=True)
-            ],
-            **acc,
-        }
-        line = f"tandem+spec / tandem: {speculative['ratio']:.2f}x output tokens/s"
-        if len(speculative["paired_ratios"]) > 1:
-            line += " (per pass: " + ", ".join(f"{x:.2f}x" for x in speculative["paired_ratios"])
-            line += ")"
-        print(line)
-        print(
-            f"speculative decoding: acceptance rate {acc['acceptance_rate']:.3f}, "
-            f"mean acceptance length {acc['mean_acceptance_length']:.2f} "
-            f"({acc['num_accepted_tokens']} of {acc['num_draft_tokens']} draft tokens "
-            f"in {acc['num_drafts']} drafts; accepted per position "
-            f"{acc['num_accepted_tokens_per_pos']})"
-        )
-    deterministic: dict[str, Any] = {}
-    if "tandem+det" in results and "tandem" in results:
-        t, d = results["tandem"], results["tandem+det"]
-        deterministic = {
-            "ratio": d["output_tokens_per_s"] / t["output_tokens_per_s"],
-            "paired_ratios": [
-                (d["num_output_tokens"] / ds) / (t["num_output_tokens"] / ts)
-                for ds, ts in zip(d["runs_s"], t["runs_s"], strict=True)
-            ],
-            # NOTE: tandem's own kernels differ from the batch-invariant ones in summation
-            # order, so a few requests may differ (a near-tie); counted, not asserted.
-            "requests_with_other_tokens": sum(
-                a != b for pa, pb in zip(outputs["tandem"], outputs["tandem+det"], strict=True)
-                for a, b in zip(pa, pb, strict=True)
-            ),
-        }
-        line = f"tandem+det / tandem: {deterministic['ratio']:.2f}x output tokens/s"
-        if len(deterministic["paired_ratios"]) > 1:
-            line += " (per pass: "
-            line += ", ".join(f"{x:.2f}x" for x in deterministic["paired_ratios"]) + ")"
-        print(line)
-        print(
-            f"deterministic: {deterministic['requests_with_other_tokens']} of "
-            f"{args.num_prompts * args.repeat} requests got other greedy tokens than tandem's"
-        )
-    parallel: dict[str, Any] = {}
-    if "tandem+par" in results and "tandem" in results:
-        parallel = parallel_report(results["tandem+par"], results["tandem"], args, outputs)
-    if args.json_path:
-        doc = {
-            "benchmark": "throughput",
-            "command": "tandem bench throughput " + " ".join(argv or sys.argv[1:]),
-            "args": {k: v for k, v in vars(args).items() if k != "speculative"},
-            "machine": machine_info(),
-            "results": results,
-            "ratios": ratios,
-            "paired_ratios": paired,
-            "structured": structured,
-            "speculative": speculative,
-            "deterministic": deterministic,
-            "parallel": parallel,
-        }
-        with open(args.json_path, "w") as f:
-            json.dump(doc, f, indent=2)
-        print(f"wrote {args.json_path}", file=sys.stderr)
-    return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -28,7 +28,6 @@ MAX_LONG_FUNCTIONS = 5
 #: are on their way to flags generated from the config dataclasses.
 ALLOWED_LONG_FUNCTIONS = frozenset(
     {
-        "bench/throughput.py:main",
         "bench/serve.py:main",
         "bench/serve_args.py:build_parser",
         "bench/throughput_args.py:parse_args",
