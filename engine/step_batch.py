@@ -30,8 +30,9 @@ class StepBatch:
     lookahead: dict[str, int] = field(default_factory=dict)
     preempted: list[Request] = field(default_factory=list)
 
-    def add(self, req: Request, num_new: int, drafts: Sequence[int] = (),
-            num_ahead: int = 0) -> None:
+    def add(
+        self, req: Request, num_new: int, drafts: Sequence[int] = (), num_ahead: int = 0
+    ) -> None:
         """Schedule ``num_new`` known tokens of ``req`` and ``drafts`` after them."""
         rid = req.request_id
         self.scheduled.append(req)
