@@ -96,6 +96,11 @@ class TransferEvents:
         with self._lock:
             return self._loads.pop(request_id, None)
 
+    def pending_loads(self) -> int:
+        """The number of load results not yet taken (by :meth:`pop_load` or :meth:`forget`)."""
+        with self._lock:
+            return len(self._loads)
+
     def forget(self, request_id: str) -> None:
         """Drop everything about a request (its handler is gone)."""
         with self._lock:
