@@ -69,54 +69,36 @@ class _Server:
         await self._server.serve()
 
 
-async def serve(cfg: RouterConfig, defaults: SamplingDefaults | None = None) -> None:
-    """Build everything, serve HTTP and gRPC until SIGINT/SIGTERM, then close cleanly.
-    ``defaults``: requests' default sampling values (``--generation-config``)."""
-    import uvicorn
-
-    from tandem.engine.model_files import load_tokenizer, model_id_of
-    from tandem.services.router.app import create_app
-    from tandem.services.router.body import UNKNOWN_CONTEXT_TOKENS, default_max_request_body_bytes
-    from tandem.services.router.client import InstancePool
-    from tandem.services.router.discovery import Discovery, RedisDiscovery, StaticDiscovery
-    from tandem.services.router.drain import Drain
-    from tandem.services.router.frontend import Frontend, read_chat_template
-    from tandem.services.router.grpc_server import start_grpc_server
-    from tandem.services.router.metrics import RouterMetrics
-    from tandem.services.router.pipeline import Pipeline
-    from tandem.services.router.response_store import (
-        MemoryResponseStore,
-        RedisResponseStore,
-        ResponseStore,
-    )
-    from tandem.services.router.routing import CacheView, make_router
-    from tandem.services.router.tenancy import Tenancy, TenantMetrics
-
-    # NOTE: the tokenizer comes from the model's files without torch: the router runs no
-    # model (tests/unit/test_model_files.py holds its start-up to that). The context length
-    # and vocabulary come from the engines (GetLoad), which serve what they loaded.
-    tokenizer = load_tokenizer(cfg.model)
-    name = model_id_of(cfg.model)
+def _served_names(cfg: RouterConfig, name: str) -> list[str]:
+    """The model names requests may use: the served name first, then the model's base
+    name without a quantization suffix, and its path."""
     served = [cfg.served_model_name or name]
-    # Also accept the model's base name without a quantization suffix, and its path.
     for alias in (name, name.split(".")[0], cfg.model):
         if alias and alias not in served:
             served.append(alias)
-    discovery: Discovery
+    return served
+
+
+def _discovery(cfg: RouterConfig, name: str) -> Any:
+    """The instance discovery: the Redis registry, or the static lists."""
+    from tandem.services.router.discovery import RedisDiscovery, StaticDiscovery
+
     if cfg.redis_url:
-        discovery = RedisDiscovery(cfg.redis_url, model=name)
-    else:
-        discovery = StaticDiscovery(prefill=list(cfg.prefill), decode=list(cfg.decode),
-                                    both=list(cfg.colocated))
-    pool = InstancePool(discovery, cfg.tls.channel_credentials() if cfg.tls.enabled else None,
-                        cfg.tls.channel_options())
-    metrics = RouterMetrics(served[0], cfg.metrics_window_s)
+        return RedisDiscovery(cfg.redis_url, model=name)
+    return StaticDiscovery(prefill=list(cfg.prefill), decode=list(cfg.decode),
+                           both=list(cfg.colocated))
+
+
+def _cache_view(cfg: RouterConfig, discovery: Any, metrics: Any) -> tuple[Any, Any, Any]:
+    """The kv_aware policy's view of where prompts' KV lies: ``(view, store index probe
+    or None, KV-events reader or None)``; the last two are the router's to close."""
+    from tandem.services.router.routing import CacheView
+
     store_index = None
     if cfg.kv_index_url:
         from tandem.kvstore.lookup import AsyncIndexProbe
 
         store_index = AsyncIndexProbe(cfg.kv_index_url)
-    lookup_seconds = metrics.labels(metrics.kv_store_lookup_seconds)
     events = None
     if cfg.redis_url:
         from tandem.services.router.kv_events import KVEventsReader
@@ -124,10 +106,42 @@ async def serve(cfg: RouterConfig, defaults: SamplingDefaults | None = None) -> 
         # the engines started with --kv-events name their topic in the registry
         events = KVEventsReader(cfg.redis_url, lambda: [
             i.kv_events_topic for i in discovery.all_instances() if i.kv_events_topic])
+    lookup_seconds = metrics.labels(metrics.kv_store_lookup_seconds)
     view = CacheView(store_index, on_lookup=lookup_seconds.observe, events=events)
-    tracing = start_tracing(cfg.tracing)
-    if tracing.enabled:
-        metrics.registry.register(tracing)
+    return view, store_index, events
+
+
+def _tenancy(cfg: RouterConfig, metrics: Any) -> Any:
+    """Per-tenant API keys and rate limits (``--api-keys``), or None."""
+    if cfg.api_keys is None:
+        return None
+    from tandem.services.router.rate_limit import (
+        MemoryRateLimiter,
+        RateLimiter,
+        RedisRateLimiter,
+    )
+    from tandem.services.router.tenancy import Tenancy, TenantMetrics
+
+    limiter: RateLimiter = (RedisRateLimiter.from_url(cfg.rate_limit_url)
+                            if cfg.rate_limit_url else MemoryRateLimiter())
+    logger.info("%d API keys of %d tenants; limits counted %s", len(cfg.api_keys.by_key),
+                len(cfg.api_keys.tenants),
+                "in Redis" if cfg.rate_limit_url else "by this router alone")
+    return Tenancy(cfg.api_keys, limiter, TenantMetrics(metrics.registry))
+
+
+def _frontend(cfg: RouterConfig, tokenizer: Any, served: list[str], discovery: Any,
+              metrics: Any, view: Any, tracing: Any,
+              defaults: SamplingDefaults | None) -> Any:
+    """The request pipeline (routing, admission, disaggregation) behind its frontend
+    (validation, templates, parsers)."""
+    from tandem.services.router.client import InstancePool
+    from tandem.services.router.frontend import Frontend, read_chat_template
+    from tandem.services.router.pipeline import Pipeline
+    from tandem.services.router.routing import make_router
+
+    pool = InstancePool(discovery, cfg.tls.channel_credentials() if cfg.tls.enabled else None,
+                        cfg.tls.channel_options())
     pipeline = Pipeline(tokenizer=tokenizer, discovery=discovery, pool=pool,
                         router=make_router(cfg.routing_policy, view), metrics=metrics,
                         max_running=cfg.max_running_requests,
@@ -137,12 +151,70 @@ async def serve(cfg: RouterConfig, defaults: SamplingDefaults | None = None) -> 
                         disagg_min_uncached_tokens=cfg.disagg_min_uncached_tokens,
                         disagg_max_prefill_queue=cfg.disagg_max_prefill_queue,
                         disagg_prefill_fallback=cfg.disagg_prefill_fallback, tracing=tracing)
-    fe = Frontend(tokenizer=tokenizer, pipeline=pipeline, served_model_names=served,
-                  max_model_len=cfg.max_model_len, api_key=cfg.api_key,
-                  chat_template=read_chat_template(cfg.chat_template) if cfg.chat_template
-                  else None, tool_call_parser=cfg.tool_call_parser,
-                  sampling_defaults=defaults or SamplingDefaults(),
-                  reasoning_parser=cfg.reasoning_parser)
+    return Frontend(tokenizer=tokenizer, pipeline=pipeline, served_model_names=served,
+                    max_model_len=cfg.max_model_len, api_key=cfg.api_key,
+                    chat_template=read_chat_template(cfg.chat_template) if cfg.chat_template
+                    else None, tool_call_parser=cfg.tool_call_parser,
+                    sampling_defaults=defaults or SamplingDefaults(),
+                    reasoning_parser=cfg.reasoning_parser)
+
+
+async def _serve_http(cfg: RouterConfig, app: Any, drain: Any) -> None:
+    """Serve ``app`` until a signal: the first drains (up to ``--shutdown-grace-s``) then
+    exits, a second exits at once."""
+    import uvicorn
+
+    config = uvicorn.Config(app, host=cfg.host, port=cfg.port,
+                            log_level=cfg.log_level.lower(), timeout_graceful_shutdown=3,
+                            access_log=False, http=cfg.http)
+    server = _Server(config)
+    loop = asyncio.get_running_loop()
+    stopping: list[asyncio.Task[None]] = []
+
+    async def drain_then_exit() -> None:
+        await drain.run(cfg.shutdown_grace_s)
+        server.request_exit()
+
+    def on_signal() -> None:
+        if stopping:  # a second signal: stop now
+            server.request_exit()
+        else:
+            stopping.append(asyncio.create_task(drain_then_exit()))
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, on_signal)
+    await server.serve()
+
+
+async def serve(cfg: RouterConfig, defaults: SamplingDefaults | None = None) -> None:
+    """Build everything, serve HTTP and gRPC until SIGINT/SIGTERM, then close cleanly.
+    ``defaults``: requests' default sampling values (``--generation-config``)."""
+    from tandem.engine.model_files import load_tokenizer, model_id_of
+    from tandem.services.router.app import create_app
+    from tandem.services.router.body import UNKNOWN_CONTEXT_TOKENS, default_max_request_body_bytes
+    from tandem.services.router.drain import Drain
+    from tandem.services.router.grpc_server import start_grpc_server
+    from tandem.services.router.metrics import RouterMetrics
+    from tandem.services.router.response_store import (
+        MemoryResponseStore,
+        RedisResponseStore,
+        ResponseStore,
+    )
+
+    # NOTE: the tokenizer comes from the model's files without torch: the router runs no
+    # model (tests/unit/test_model_files.py holds its start-up to that). The context length
+    # and vocabulary come from the engines (GetLoad), which serve what they loaded.
+    tokenizer = load_tokenizer(cfg.model)
+    name = model_id_of(cfg.model)
+    served = _served_names(cfg, name)
+    discovery = _discovery(cfg, name)
+    metrics = RouterMetrics(served[0], cfg.metrics_window_s)
+    view, store_index, events = _cache_view(cfg, discovery, metrics)
+    tracing = start_tracing(cfg.tracing)
+    if tracing.enabled:
+        metrics.registry.register(tracing)
+    fe = _frontend(cfg, tokenizer, served, discovery, metrics, view, tracing, defaults)
+    pool = fe.pipeline.pool
     # NOTE: fixed at start-up, before any engine reported its context length: sized for
     # --max-model-len where given, else for the largest context an engine may serve.
     max_body = cfg.max_request_body_bytes or default_max_request_body_bytes(
@@ -150,20 +222,7 @@ async def serve(cfg: RouterConfig, defaults: SamplingDefaults | None = None) -> 
     response_store: ResponseStore = (
         RedisResponseStore(cfg.response_store_url, cfg.response_ttl_s)
         if cfg.response_store_url else MemoryResponseStore(cfg.response_ttl_s))
-    tenancy = None
-    if cfg.api_keys is not None:
-        from tandem.services.router.rate_limit import (
-            MemoryRateLimiter,
-            RateLimiter,
-            RedisRateLimiter,
-        )
-
-        limiter: RateLimiter = (RedisRateLimiter.from_url(cfg.rate_limit_url)
-                                if cfg.rate_limit_url else MemoryRateLimiter())
-        tenancy = Tenancy(cfg.api_keys, limiter, TenantMetrics(metrics.registry))
-        logger.info("%d API keys of %d tenants; limits counted %s", len(cfg.api_keys.by_key),
-                    len(cfg.api_keys.tenants),
-                    "in Redis" if cfg.rate_limit_url else "by this router alone")
+    tenancy = _tenancy(cfg, metrics)
     await discovery.start()
     await pool.start()
     if events is not None:
@@ -175,30 +234,11 @@ async def serve(cfg: RouterConfig, defaults: SamplingDefaults | None = None) -> 
             grpc_server = await start_grpc_server(fe, cfg.grpc_port, cfg.host,
                                                   max_message_bytes=max_body, tenancy=tenancy)
         drain = Drain()
-        config = uvicorn.Config(create_app(fe, max_request_body_bytes=max_body, drain=drain,
-                                           response_store=response_store, tenancy=tenancy),
-                                host=cfg.host, port=cfg.port,
-                                log_level=cfg.log_level.lower(), timeout_graceful_shutdown=3,
-                                access_log=False, http=cfg.http)
+        app = create_app(fe, max_request_body_bytes=max_body, drain=drain,
+                         response_store=response_store, tenancy=tenancy)
         logger.info("router: http://%s:%d (OpenAI API), grpc %s:%d, model %s", cfg.host,
                     cfg.port, cfg.host, cfg.grpc_port, served[0])
-        server = _Server(config)
-        loop = asyncio.get_running_loop()
-        stopping: list[asyncio.Task[None]] = []
-
-        async def drain_then_exit() -> None:
-            await drain.run(cfg.shutdown_grace_s)
-            server.request_exit()
-
-        def on_signal() -> None:
-            if stopping:  # a second signal: stop now
-                server.request_exit()
-            else:
-                stopping.append(asyncio.create_task(drain_then_exit()))
-
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, on_signal)
-        await server.serve()
+        await _serve_http(cfg, app, drain)
     finally:
         if grpc_server is not None:
             await grpc_server.stop(grace=2)
