@@ -33,7 +33,7 @@ _CHUNK = 4 << 20
 def check_args(args: argparse.Namespace) -> None:
     """Raises: ValueError naming the flag when the tier flags do not go together."""
     tiers = args.launch_kvstore_tiers
-    if tiers != ["ram"] and not args.launch:
+    if tiers and not args.launch:
         raise ValueError("--launch-kvstore-tiers: needs --launch (the bench starts the stacks)")
     if "disk" in tiers and not (
         args.launch_kvstore_disk_path and args.launch_kvstore_disk_capacity

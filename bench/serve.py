@@ -65,6 +65,7 @@ from tandem.bench.serve_report import (
     print_result,
     side_by_side,
 )
+from tandem.bench.serve_stacks import launch_plan, stack_config, stack_plan
 from tandem.bench.serve_tracing import launch_tracing
 
 __all__ = ["RequestResult", "build_parser", "compute_metrics",
@@ -279,18 +280,6 @@ def _more_routers(stack: Any, args: argparse.Namespace) -> list[str]:
     return urls
 
 
-def launch_plan(modes: list[str], speculative_config: str | None
-                ) -> list[tuple[str, str | None, str]]:
-    """The stacks ``--launch`` starts, in order: ``(mode, speculative config or None,
-    label)``; each mode once, or without and then with speculation (label ``MODE+spec``)."""
-    plan: list[tuple[str, str | None, str]] = []
-    for mode in modes:
-        plan.append((mode, None, mode))
-        if speculative_config is not None:
-            plan.append((mode, speculative_config, f"{mode}+spec"))
-    return plan
-
-
 def _spec_counters(metrics_urls: dict[str, str]) -> dict[str, dict[str, float]]:
     """Each engine's ``spec_decode_*`` totals, acceptance rate and mean acceptance length
     (``tandem bench latency``'s reading of ``/metrics``), by engine name."""
@@ -326,130 +315,96 @@ def check_doors(args: argparse.Namespace) -> None:
         raise ValueError("--endpoint-type: the multi-turn dataset speaks chat")
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of `tandem bench serve`. Returns 0 when every request succeeded."""
-    args = build_parser().parse_args(argv)
-    percentiles = [float(x) for x in args.metric_percentiles.split(",") if x]
-    try:
-        slo = parse_slo(args.goodput, ":") | parse_slo([args.slo], "=")
-        if not args.temperature >= 0:
-            raise ValueError(f"--temperature: must be >= 0, got {args.temperature}")
-        if args.temperature and args.dataset_name == "multi-turn":
-            raise ValueError("--temperature: the multi-turn dataset is greedy (its turns "
-                             "are compared across stacks)")
-        check_doors(args)
-        if args.launch_routers != 1 and (args.launch_routers < 1 or not args.launch
-                                         or args.dataset_name != "multi-turn"):
-            raise ValueError("--launch-routers: N >= 1, with --launch and --dataset-name "
-                             "multi-turn (its turns rotate over the routers)")
-        mix = None
-        if args.input_len_mix:
-            mix = [(int(a), float(b)) for a, b in
-                   (x.split(":") for x in args.input_len_mix.split(","))]
-        if args.dataset_name == "multi-turn":
-            from tandem.bench.multiturn import MultiTurnShape
+def _checked(args: argparse.Namespace) -> tuple[dict[str, float], Any, list[Any]]:
+    """The flags' cross-checks before anything starts: ``(slo, input length mix, faults)``.
 
-            MultiTurnShape(args.multi_turn_conversations, args.multi_turn_turns,
-                           args.multi_turn_system_len, args.multi_turn_user_len,
-                           args.multi_turn_answer_len)
-        kvstore_disk.check_args(args)
-        from tandem.bench.faults import Fault
+    Raises:
+        ValueError: naming the flag at fault.
+    """
+    slo = parse_slo(args.goodput, ":") | parse_slo([args.slo], "=")
+    if not args.temperature >= 0:
+        raise ValueError(f"--temperature: must be >= 0, got {args.temperature}")
+    if args.temperature and args.dataset_name == "multi-turn":
+        raise ValueError("--temperature: the multi-turn dataset is greedy (its turns "
+                         "are compared across stacks)")
+    check_doors(args)
+    if args.launch_routers != 1 and (args.launch_routers < 1 or not args.launch
+                                     or args.dataset_name != "multi-turn"):
+        raise ValueError("--launch-routers: N >= 1, with --launch and --dataset-name "
+                         "multi-turn (its turns rotate over the routers)")
+    mix = None
+    if args.input_len_mix:
+        mix = [(int(a), float(b)) for a, b in
+               (x.split(":") for x in args.input_len_mix.split(","))]
+    if args.dataset_name == "multi-turn":
+        from tandem.bench.multiturn import MultiTurnShape
 
-        faults = [Fault.parse(f) for f in args.fault]
-        if faults and not args.launch:
-            raise ValueError("--fault: needs --launch (the bench must own the processes)")
-        if args.launch_tracing and not args.launch:
-            raise ValueError("--launch-tracing: needs --launch (the bench starts the stacks "
-                             "it traces)")
-        if args.speculative_config is not None:
-            if not args.launch:
-                raise ValueError("--speculative-config: needs --launch (the bench starts "
-                                 "the stacks it compares)")
-            from tandem.engine.config import SpeculativeConfig
+        MultiTurnShape(args.multi_turn_conversations, args.multi_turn_turns,
+                       args.multi_turn_system_len, args.multi_turn_user_len,
+                       args.multi_turn_answer_len)
+    kvstore_disk.check_args(args)
+    from tandem.bench.faults import Fault
 
-            try:
-                SpeculativeConfig.from_json(args.speculative_config)
-            except ValueError as exc:
-                raise ValueError(f"--speculative-config: {exc}") from exc
-    except ValueError as exc:
-        print(f"tandem bench serve: error: {exc}", file=sys.stderr)
-        return 2
-    if args.launch:
-        from tandem.up import Stack, StackConfig, raise_on_sigterm
+    faults = [Fault.parse(f) for f in args.fault]
+    for flag, given in (("--fault", faults), ("--launch-tracing", args.launch_tracing),
+                        ("--speculative-config", args.speculative_config is not None)):
+        if given and not args.launch:
+            raise ValueError(f"{flag}: needs --launch (the bench must own the processes)")
+    if args.speculative_config is not None:
+        from tandem.engine.config import SpeculativeConfig
 
-        raise_on_sigterm()
+        try:
+            SpeculativeConfig.from_json(args.speculative_config)
+        except ValueError as exc:
+            raise ValueError(f"--speculative-config: {exc}") from exc
+    return slo, mix, faults
 
-        all_results, failed = [], 0
-        tracing_modes = args.launch_tracing or ["off"]
-        tiers = args.launch_kvstore_tiers or ["ram"]
-        kv_events = args.launch_kv_events or ["on"]
-        for run, ((mode, spec, label), tracing, tier, events) in enumerate([
-                (p, t, k, e) for t in tracing_modes for k in tiers for e in kv_events
-                for p in launch_plan(args.launch, args.speculative_config)]):
-            if len(tracing_modes) > 1:
-                label = f"{label}+tracing-{tracing}"
-            if len(tiers) > 1:
-                label = f"{label}+{tier}"
-            if len(kv_events) > 1:
-                label = f"{label}+kv-events-{events}"
-            colocated = mode == "colocated"
-            engine_args = list(args.launch_engine_arg)
-            if mode == "disagg-no-reuse":
-                engine_args += ["--kv-load-from-store=false", "--kv-publish-output=false"]
-            if events == "off":
-                engine_args.append("--no-kv-events")  # after tandem up's --kv-events: wins
-            cfg = StackConfig(port=0, grpc_port=0, model=args.launch_model, colocated=colocated,
-                              num_prefill=args.launch_prefill, num_decode=args.launch_decode,
-                              engine_args=engine_args,
-                              router_args=list(args.launch_router_arg),
-                              cpus_per_engine=0 if colocated else args.launch_disagg_cpus,
-                              speculative_config=spec, engine_metrics=spec is not None,
-                              **kvstore_disk.stack_fields(args, tier, run))
-            print(f"== launching {label} stack ==", flush=True)
-            with launch_tracing(tracing) as (tracing_args, receiver), \
-                    Stack(dataclasses.replace(cfg, tracing_args=tracing_args)) as stack:
-                if faults:
-                    from tandem.bench.faults import FaultInjector
 
-                    try:  # before the baseline run: a misnamed part wastes no run
-                        FaultInjector(stack.launcher, faults).check()
-                    except ValueError as exc:
-                        print(f"tandem bench serve: error: {exc}", file=sys.stderr)
-                        return 2
-                pids = None
-                if args.profile:
-                    pids = {p.name: p.proc.pid for p in stack.parts
-                            if p.proc is not None and p.name != "redis"}
-                with (_py_spy(pids, args.profile_dir, label) if pids
-                      else contextlib.nullcontext([])) as graphs:
-                    results, n_failed = _run_all(args, stack.http_url, percentiles, slo,
-                                                 mix, label=label, pids=pids,
-                                                 more_urls=_more_routers(stack, args))
-                for path in graphs:
-                    print(f"py-spy flame graph: {path}", flush=True)
-                if spec is not None:
-                    counters = _spec_counters({  # the engines that decode
-                        n: u for n, u in stack.engine_metrics_urls.items()
-                        if not n.startswith("prefill")})
-                    for m in results:
-                        m["speculative"] = counters
-                if faults:
-                    results += _run_with_faults(args, stack, faults, percentiles, slo, mix,
-                                                label=f"{label}+faults")
-                    print_fault_comparison(results, percentiles)
-                if args.launch_kvstore_tiers and stack.kvstore_metrics_url:
-                    kvstore_disk.report(results, label, stack.kvstore_metrics_url,
-                                        cfg.kvstore_disk_path)
-                if receiver is not None:
-                    for m in results:
-                        m["otlp_spans_received"] = receiver.num_spans()
-                    print(f"OTLP spans received: {receiver.num_spans()}", flush=True)
-            all_results += results
-            failed += n_failed
-        if len(all_results) > 1:
-            print(side_by_side(all_results))
-    else:
-        all_results, failed = _run_all(args, args.url, percentiles, slo, mix, args.label)
+def _run_stack(args: argparse.Namespace, stack: Any, cfg: Any, spec: Any, label: str,
+               receiver: Any, checks: tuple[dict[str, float], Any, list[Any]],
+               percentiles: list[float]) -> tuple[list[dict[str, Any]], int]:
+    """The runs against one launched stack (with faults, profiles and the stack's own
+    counters as asked): ``(results, failed requests)``.
+
+    Raises:
+        ValueError: a ``--fault`` naming a part the stack does not have.
+    """
+    slo, mix, faults = checks
+    if faults:
+        from tandem.bench.faults import FaultInjector
+
+        FaultInjector(stack.launcher, faults).check()  # before the baseline: no run wasted
+    pids = None
+    if args.profile:
+        pids = {p.name: p.proc.pid for p in stack.parts
+                if p.proc is not None and p.name != "redis"}
+    with (_py_spy(pids, args.profile_dir, label) if pids
+          else contextlib.nullcontext([])) as graphs:
+        results, n_failed = _run_all(args, stack.http_url, percentiles, slo, mix, label=label,
+                                     pids=pids, more_urls=_more_routers(stack, args))
+    for path in graphs:
+        print(f"py-spy flame graph: {path}", flush=True)
+    if spec is not None:
+        counters = _spec_counters({  # the engines that decode
+            n: u for n, u in stack.engine_metrics_urls.items() if not n.startswith("prefill")})
+        for m in results:
+            m["speculative"] = counters
+    if faults:
+        results += _run_with_faults(args, stack, faults, percentiles, slo, mix,
+                                    label=f"{label}+faults")
+        print_fault_comparison(results, percentiles)
+    if args.launch_kvstore_tiers and stack.kvstore_metrics_url:
+        kvstore_disk.report(results, label, stack.kvstore_metrics_url, cfg.kvstore_disk_path)
+    if receiver is not None:
+        for m in results:
+            m["otlp_spans_received"] = receiver.num_spans()
+        print(f"OTLP spans received: {receiver.num_spans()}", flush=True)
+    return results, n_failed
+
+
+def _write_outputs(args: argparse.Namespace, all_results: list[dict[str, Any]],
+                   percentiles: list[float]) -> None:
+    """``--json``, ``--save-result`` and ``--plot``."""
     out: Any = all_results[0] if len(all_results) == 1 else all_results
     if args.json is not None:
         text = json.dumps(out, indent=2)
@@ -467,6 +422,43 @@ def main(argv: list[str] | None = None) -> int:
         plot_turns(all_results, args.plot)
     elif args.plot:
         plot(all_results, args.plot, percentiles)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of `tandem bench serve`. Returns 0 when every request succeeded, 1 when
+    some failed, 2 on a bad flag."""
+    args = build_parser().parse_args(argv)
+    percentiles = [float(x) for x in args.metric_percentiles.split(",") if x]
+    try:
+        checks = _checked(args)
+    except ValueError as exc:
+        print(f"tandem bench serve: error: {exc}", file=sys.stderr)
+        return 2
+    if not args.launch:
+        slo, mix, _ = checks
+        all_results, failed = _run_all(args, args.url, percentiles, slo, mix, args.label)
+        _write_outputs(args, all_results, percentiles)
+        return 0 if failed == 0 else 1
+    from tandem.up import Stack, raise_on_sigterm
+
+    raise_on_sigterm()
+    all_results, failed = [], 0
+    for run, (mode, spec, label, tracing, tier, events) in enumerate(stack_plan(args)):
+        cfg = stack_config(args, mode, spec, tier, events, run)
+        print(f"== launching {label} stack ==", flush=True)
+        with launch_tracing(tracing) as (tracing_args, receiver), \
+                Stack(dataclasses.replace(cfg, tracing_args=tracing_args)) as stack:
+            try:
+                results, n_failed = _run_stack(args, stack, cfg, spec, label, receiver,
+                                               checks, percentiles)
+            except ValueError as exc:
+                print(f"tandem bench serve: error: {exc}", file=sys.stderr)
+                return 2
+        all_results += results
+        failed += n_failed
+    if len(all_results) > 1:
+        print(side_by_side(all_results))
+    _write_outputs(args, all_results, percentiles)
     return 0 if failed == 0 else 1
 
 
