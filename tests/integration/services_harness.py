@@ -323,6 +323,21 @@ class MeteredEngine:
 
 
 @contextlib.contextmanager
+def metered_engines(roles: tuple[str, ...], model: str, tmp: Path, redis_url: str,
+                    args: list[str]) -> Iterator[list[MeteredEngine]]:
+    """One :class:`MeteredEngine` per role, in order, all stopped on exit (also when one
+    fails to start)."""
+    started: list[MeteredEngine] = []
+    try:
+        for role in roles:
+            started.append(MeteredEngine(role, model, tmp, redis_url, args))
+        yield started
+    finally:
+        for inst in started:
+            inst.svc.stop()
+
+
+@contextlib.contextmanager
 def grpc_servicer_in_thread(register: Callable[[object, grpc.aio.Server], None],
                             servicer: object) -> Iterator[str]:
     """Serve ``servicer`` (``register(servicer, server)``: a generated

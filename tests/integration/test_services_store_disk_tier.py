@@ -11,8 +11,8 @@ import random
 import pytest
 from services_harness import (
     KVStoreNode,
-    MeteredEngine,
     hf_greedy,
+    metered_engines,
     metric_value,
     params,
     random_prompt,
@@ -42,14 +42,9 @@ def store(redis_url, tmp_path_factory):
 @pytest.fixture(scope="module")
 def cluster(tiny, redis_url, store, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("disk-tier")
-    started: list[MeteredEngine] = []
-    try:
-        for role in ("prefill", "prefill", "decode"):
-            started.append(MeteredEngine(role, tiny, tmp, redis_url, ENGINE_ARGS))
+    with metered_engines(("prefill", "prefill", "decode"), tiny, tmp, redis_url,
+                         ENGINE_ARGS) as started:
         yield started
-    finally:
-        for inst in started:
-            inst.svc.stop()
 
 
 def test_blocks_read_back_from_the_disk_tier_give_equal_tokens(tiny, store, cluster):

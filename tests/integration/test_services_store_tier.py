@@ -14,8 +14,8 @@ import random
 import pytest
 from ports import free_port
 from services_harness import (
-    MeteredEngine,
     hf_greedy,
+    metered_engines,
     params,
     random_prompt,
     run_disaggregated,
@@ -28,14 +28,9 @@ BS = 16
 @pytest.fixture(scope="module")
 def cluster(tiny, redis_url, store, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("tier")
-    started: list[MeteredEngine] = []
-    try:
-        for role in ("prefill", "prefill", "decode"):
-            started.append(MeteredEngine(role, tiny, tmp, redis_url, ENGINE_ARGS))
+    with metered_engines(("prefill", "prefill", "decode"), tiny, tmp, redis_url,
+                         ENGINE_ARGS) as started:
         yield started
-    finally:
-        for inst in started:
-            inst.svc.stop()
 
 
 def test_prefill_b_loads_what_prefill_a_computed(tiny, cluster):

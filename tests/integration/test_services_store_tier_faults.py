@@ -18,6 +18,7 @@ from services_harness import (
     KVStoreNode,
     MeteredEngine,
     hf_greedy,
+    metered_engines,
     metric_value,
     params,
     random_prompt,
@@ -53,14 +54,9 @@ def store(tiny, redis_url, tmp_path_factory):
 @pytest.fixture(scope="module")
 def cluster(tiny, redis_url, store, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("tier-faults")
-    started: list[MeteredEngine] = []
-    try:
-        for role in ("prefill", "prefill", "decode"):
-            started.append(MeteredEngine(role, tiny, tmp, redis_url, ENGINE_ARGS))
+    with metered_engines(("prefill", "prefill", "decode"), tiny, tmp, redis_url,
+                         ENGINE_ARGS) as started:
         yield started
-    finally:
-        for inst in started:
-            inst.svc.stop()
 
 
 def _prefill(inst: MeteredEngine, prompt: list[int], redis_url: str
