@@ -20,7 +20,10 @@ class EngineCoreOutput:
         prompt_logprobs: with the request's first token only, when it asked for
             prompt logprobs: ``None`` for prompt token 0, then per prompt token its
             logprob (with rank) and the top-k (``engine/prompt_logprobs.py``).
-        finish_reason: "stop" | "length" | "abort" once finished, else ``None``.
+        finish_reason: "stop" | "length" | "abort" once finished, else ``None``;
+            "prefill_done" for a ``Request.prefill_only`` request whose first token
+            does not end it (the engine's part is over, the request is not: not a
+            final reason, never sent to a client as one).
         stop_reason: the stop token id that finished it, if any.
         num_cached_tokens: prompt tokens served from cache (local or remote).
         error: why the engine failed the request (finish reason "abort"): its grammar

@@ -28,6 +28,9 @@ class RequestStatus(enum.IntEnum):
     FINISHED_STOPPED = enum.auto()
     FINISHED_LENGTH_CAPPED = enum.auto()
     FINISHED_ABORTED = enum.auto()
+    # A ``prefill_only`` request whose token 1 does not end it: this engine's part is
+    # done, the request goes on elsewhere (a decode instance); not a final reason.
+    FINISHED_PREFILL_DONE = enum.auto()
 
     @staticmethod
     def is_finished(status: RequestStatus) -> bool:
@@ -35,7 +38,9 @@ class RequestStatus(enum.IntEnum):
 
     @staticmethod
     def finish_reason(status: RequestStatus) -> str | None:
-        """OpenAI finish_reason for a finished status, else ``None``."""
+        """OpenAI finish_reason for a finished status ("prefill_done" for
+        ``FINISHED_PREFILL_DONE``, which is not one of OpenAI's: see ``Request.prefill_only``),
+        else ``None``."""
         return _FINISH_REASON.get(status)
 
 
@@ -83,6 +88,7 @@ _FINISH_REASON = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH_CAPPED: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_PREFILL_DONE: "prefill_done",
 }
 
 
@@ -127,6 +133,11 @@ class Request:
         trace_headers: W3C ``traceparent``/``tracestate`` of the service's span of this
             request when the service traces (vLLM's field), carried to the KV store with
             the request's transfers; ``None`` otherwise.
+        prefill_only: the engine computes the prompt and samples token 1 only (a
+            disaggregated prefill, vLLM's ``do_remote_decode``): the stop rule still
+            runs once against the caller's real ``sampling_params``, and when token 1
+            does not end the request it finishes ``FINISHED_PREFILL_DONE`` (finish
+            reason "prefill_done") instead of going on; no draft tokens are proposed.
         structured_output: the grammar state of a constrained request (set by the
             engine's ``StructuredOutputManager``), else ``None``.
         spec_token_ids: draft tokens proposed after the last step, verified by the next
@@ -149,6 +160,7 @@ class Request:
     kv_transfer_params: KVTransferParams | None = None
     kv_publish_in_flight: PublishInFlight | None = None
     trace_headers: dict[str, str] | None = None
+    prefill_only: bool = False
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)

@@ -77,8 +77,9 @@ class StepResults:
         sampled token (with its logprobs) and checks, in order: EOS (unless
         ``ignore_eos``) and ``stop_token_ids`` -> "stop", only once more than
         ``min_tokens`` tokens were generated; ``max_tokens`` and
-        ``max_model_len`` -> "length". Finished requests leave the batch and free
-        their blocks, unless the connector keeps them for a save.
+        ``max_model_len`` -> "length"; else a ``prefill_only`` request ends
+        "prefill_done" after its first token. Finished requests leave the batch and
+        free their blocks, unless the connector keeps them for a save.
 
         Args:
             sched / out: the step's batch and the model runner's result. May be an
@@ -182,6 +183,11 @@ class StepResults:
     def _check_stop(self, req: Request) -> bool:
         stop = check_stop(req, self.max_seq_len)
         if stop is None:
+            if req.prefill_only:
+                # Token 1 does not end it: the engine's part is done, the decode goes on
+                # elsewhere. The real params decided that, so min_tokens holds as is.
+                req.status = RequestStatus.FINISHED_PREFILL_DONE
+                return True
             return False
         req.status = stop.status
         if stop.stop_reason is not None:

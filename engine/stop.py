@@ -1,9 +1,9 @@
 """The stop rule: whether a request's latest output token finishes it.
 
 One definition for every place that decides it: the scheduler after each sampled
-token, and the prefill and decode services for output token 1 (which the prefill
-engine samples with ``max_tokens = 1`` and the decode service receives as
-``first_token_id``, so neither may ask its own scheduler).
+token (a ``prefill_only`` request's token 1 included, which the prefill engine then
+reports in its output's finish reason), and the decode service for output token 1
+(which it receives as ``first_token_id``, so it may not ask its own scheduler).
 
 Order of the rules: EOS, then a stop token id, both only once more than
 ``min_tokens`` tokens were generated; then the length caps (``max_tokens``, or

@@ -105,6 +105,8 @@ class SpecDecodePolicy:
             if req.spec_pause_steps == 0:
                 req.num_spec_tokens = 1
             return 0
+        if req.prefill_only:
+            return 0  # it finishes after this step's token: drafts would go unverified
         k = req.num_spec_tokens
         # After this step the request holds at least num_tokens + 1 tokens, of which
         # the next step's verification may add k + 1 more.

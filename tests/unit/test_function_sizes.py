@@ -27,7 +27,6 @@ ALLOWED_LONG_FUNCTIONS = frozenset(
     {
         "bench/serve_args.py:build_parser",
         "bench/throughput_args.py:parse_args",
-        "services/prefill/servicer.py:PrefillServicer.Prefill",
         "kvstore/node.py:StoreNode._put",
         "engine/llm.py:LLM.__init__",
     }
