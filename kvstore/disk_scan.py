@@ -16,13 +16,17 @@ from tandem.kvstore import disk_file as df
 logger = logging.getLogger("tandem.kvstore.server")
 
 
-def probe_directory(path: Path, capacity_bytes: int) -> None:
+def probe_directory(path: Path, capacity_bytes: int, flag_prefix: str = "--") -> None:
     """Create ``path`` if needed and check that blocks can be written there and that
     ``capacity_bytes`` fit (free space plus the block files already there).
+    ``flag_prefix`` (``--kvstore-`` under `tandem up`) names the flags in the errors.
 
     Raises:
-        ValueError: not creatable, not writable, or not enough room, naming ``path``.
+        ValueError: a capacity below 1 byte, or ``path`` not creatable, not writable or
+            without the room, naming the flag.
     """
+    if capacity_bytes < 1:
+        raise ValueError(f"{flag_prefix}disk-capacity must be >= 1, got {capacity_bytes}")
     try:
         path.mkdir(parents=True, exist_ok=True)
         probe = path / f".probe-{uuid.uuid4().hex}{df.TMP_SUFFIX}"
@@ -34,12 +38,14 @@ def probe_directory(path: Path, capacity_bytes: int) -> None:
         free = shutil.disk_usage(path).free
     except OSError as exc:
         reason = exc.strerror or type(exc).__name__
-        raise ValueError(f"--disk-path {path} is not a writable directory: {reason}") from exc
+        raise ValueError(
+            f"{flag_prefix}disk-path {path} is not a writable directory: {reason}"
+        ) from exc
     held = sum(p.stat().st_size for p in path.glob(f"*/*{df.SUFFIX}"))
     if free + held < capacity_bytes:
         raise ValueError(
-            f"--disk-path {path} has {free + held} bytes of room (free + block files "
-            f"already there), less than --disk-capacity {capacity_bytes}"
+            f"{flag_prefix}disk-path {path} has {free + held} bytes of room (free + block files "
+            f"already there), less than {flag_prefix}disk-capacity {capacity_bytes}"
         )
 
 

@@ -383,7 +383,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "prefill and a decode engine on one GPU); an "
                         "--engine-arg=--gpu-memory-utilization=... sets one engine's own")
     p.add_argument("--redis-url", default=None, help="use this Redis instead of starting one")
-    p.add_argument("--kvstore-capacity", type=int, default=1 << 30, help="KV store bytes")
+    p.add_argument("--kvstore-capacity", type=parse_bytes, default=1 << 30, help="KV store bytes")
     p.add_argument("--kvstore-disk-path", default=None,
                    help="directory of the KV store's disk tier (default: RAM only)")
     p.add_argument("--kvstore-disk-capacity", type=parse_bytes, default=0,
@@ -424,17 +424,21 @@ def config_from_args(ns: argparse.Namespace) -> StackConfig:
         raise ValueError("--prefill-engine-arg / --decode-engine-arg: a colocated stack has "
                          "no prefill or decode engines; use --engine-arg")
     if not 0.0 < ns.gpu_memory_utilization <= 1.0:
-        raise ValueError("--gpu-memory-utilization must be in (0, 1], got "
-                         f"{ns.gpu_memory_utilization}")
+        raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {ns.gpu_memory_utilization}")
     if ns.speculative_config is not None:
         from tandem.engine.config import SpeculativeConfig
 
         SpeculativeConfig.from_json(ns.speculative_config)  # fail here, not in a child
     TracingConfig.from_args(ns, {}, "tandem")  # a bad endpoint fails here, not in a child
+    for flag, v, lo, hi in (("--port", ns.port, 0, 65535), ("--grpc-port", ns.grpc_port, 0, 65535),
+            ("--cpus-per-engine", ns.cpus_per_engine, 0, 1 << 20), ("--kvstore-capacity",
+            ns.kvstore_capacity, 1, 1 << 62)):  # not a traceback or a child's error mid-start
+        if not lo <= v <= hi:
+            raise ValueError(f"{flag} must be in [{lo}, {hi}], got {v}")
     if (ns.kvstore_disk_path is None) != (ns.kvstore_disk_capacity == 0):
         raise ValueError("--kvstore-disk-path and --kvstore-disk-capacity go together")
     if ns.kvstore_disk_path is not None:
-        probe_directory(Path(ns.kvstore_disk_path), ns.kvstore_disk_capacity)
+        probe_directory(Path(ns.kvstore_disk_path), ns.kvstore_disk_capacity, "--kvstore-")
     tracing_args = [f for flag, value in (("--otlp-traces-endpoint", ns.otlp_traces_endpoint),
                                           ("--otlp-traces-protocol", ns.otlp_traces_protocol))
                     if value for f in (flag, value)]

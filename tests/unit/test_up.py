@@ -195,3 +195,35 @@ def test_kvstore_disk_flags_are_checked_before_anything_starts(tmp_path) -> None
                                     "--kvstore-disk-capacity", "1M"])
     with pytest.raises(ValueError, match=r"file/kv is not a writable directory"):
         config_from_args(ns)
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["--port", "70000"], "--port"),
+    (["--grpc-port=-2"], "--grpc-port"),
+    (["--cpus-per-engine=-1"], "--cpus-per-engine"),
+    (["--kvstore-capacity=-1"], "--kvstore-capacity"),
+    (["--kvstore-disk-capacity=-5", "--kvstore-disk-path", "DIR"], "--kvstore-disk-capacity"),
+    (["--kvstore-disk-capacity", "1M", "--kvstore-disk-path", "/proc/nope"],
+     "--kvstore-disk-path"),
+])
+def test_bad_flag_values_fail_before_anything_starts_naming_the_flag(tmp_path, argv,
+                                                                     flag) -> None:
+    """Bug: `tandem up --port 70000` died in a traceback (OverflowError from bind),
+    `--cpus-per-engine=-1` started the stack, a negative `--kvstore-capacity` or
+    `--kvstore-disk-capacity` started redis and the store node, which then failed naming
+    its own flag (and rc 1), and an unwritable `--kvstore-disk-path` was reported as
+    `--disk-path`. Each must be a ValueError naming `tandem up`'s flag (exit 2)."""
+    from tandem.up import build_parser, config_from_args
+
+    argv = [str(tmp_path / "kv") if a == "DIR" else a for a in argv]
+    with pytest.raises(ValueError, match=f"^{flag} "):
+        config_from_args(build_parser().parse_args(argv))
+
+
+def test_kvstore_capacity_takes_size_suffixes_as_the_disk_capacity_does() -> None:
+    """Bug: `--kvstore-capacity 512M` was refused ("invalid int value") while
+    `--kvstore-disk-capacity 64M` and `tandem kvstore --capacity 512M` take suffixes."""
+    from tandem.up import build_parser, config_from_args
+
+    cfg = config_from_args(build_parser().parse_args(["--kvstore-capacity", "512M"]))
+    assert cfg.kvstore_capacity_bytes == 512 << 20
