@@ -131,6 +131,9 @@ class NodeConfig:
         self._check_disk()
 
     def _check_disk(self) -> None:
+        if self.disk_write_queue_bytes < 1:
+            raise ValueError(f"disk_write_queue_bytes must be >= 1, got "
+                             f"{self.disk_write_queue_bytes}")
         if self.disk_path is None:
             if self.disk_capacity_bytes:
                 raise ValueError("disk_capacity_bytes needs disk_path (--disk-path)")
@@ -140,9 +143,6 @@ class NodeConfig:
         if self.disk_capacity_bytes < 1:
             raise ValueError(f"disk_capacity_bytes must be >= 1 with disk_path "
                              f"(--disk-capacity), got {self.disk_capacity_bytes}")
-        if self.disk_write_queue_bytes < 1:
-            raise ValueError(f"disk_write_queue_bytes must be >= 1, got "
-                             f"{self.disk_write_queue_bytes}")
         if self.block_ttl_s is not None:
             # NOTE: block files carry no deadline, so a TTL would end at a restart
             raise ValueError("block_ttl_s (--block-ttl-s) is not supported with disk_path "

@@ -134,6 +134,8 @@ def node_config(**kw: object) -> NodeConfig:
             {"disk_path": "/tmp/x", "disk_capacity_bytes": 1, "disk_write_queue_bytes": 0},
             "disk_write_queue_bytes",
         ),
+        # Bug: without a disk tier a negative --disk-write-queue-bytes was accepted silently
+        ({"disk_write_queue_bytes": -1}, "disk_write_queue_bytes"),
     ],
 )
 def test_disk_settings_are_checked_by_name(kw: dict[str, object], field: str) -> None:
