@@ -72,6 +72,21 @@ _KV_ROLE: dict[Role, Literal["kv_producer", "kv_consumer"]] = {
 _MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 
+def listen_address(text: str) -> str:
+    """``--listen``'s type: ``text`` if it is ``HOST:PORT`` with a port in 0..65535.
+
+    Raises:
+        argparse.ArgumentTypeError: otherwise (grpc would take a larger port modulo 65536
+            and fail on a malformed address only after the model loaded).
+    """
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise argparse.ArgumentTypeError(
+            f"expected HOST:PORT with a port in 0..65535, got {text!r}"
+        )
+    return text
+
+
 def build_parser(prog: str, role: Role | None) -> argparse.ArgumentParser:
     """The flags of ``tandem prefill|decode|serve`` (``role=None`` adds ``--role``): the
     service's own here, the engine's and the store connector's generated from their config
@@ -84,7 +99,9 @@ def build_parser(prog: str, role: Role | None) -> argparse.ArgumentParser:
             required=True,
             help="prefill | decode | both (colocated, no KV store)",
         )
-    p.add_argument("--listen", default="127.0.0.1:50061", help="gRPC HOST:PORT to bind")
+    p.add_argument(
+        "--listen", default="127.0.0.1:50061", type=listen_address, help="gRPC HOST:PORT to bind"
+    )
     p.add_argument(
         "--redis-url",
         default=None,
