@@ -117,8 +117,8 @@ def config_from_args(argv: list[str], environ: Mapping[str, str] | None = None) 
     parser = build_parser()
     a = parser.parse_args(argv)
     host, sep, port = a.listen.rpartition(":")
-    if not sep or not port.isdigit():
-        parser.error(f"--listen must be HOST:PORT, got {a.listen!r}")
+    if not sep or not port.isdigit() or int(port) > 65535:
+        parser.error(f"--listen must be HOST:PORT with a port in 0..65535, got {a.listen!r}")
     try:
         return NodeConfig(
             host=host or "127.0.0.1", port=int(port), capacity_bytes=a.capacity,

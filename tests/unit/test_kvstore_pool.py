@@ -111,7 +111,8 @@ def test_server_flags() -> None:
     cfg = config_from_args(["--listen", "h:1", "--capacity", "1K", "--redis-url", "r"],
                            environ={"UCXPY_PROGRESS_MODE": "thread-polling"})
     assert (cfg.ucx.progress_mode, cfg.ucx.python_future) == ("thread-polling", True)
-    for bad in (["--listen", "nohost"], ["--listen", "h:1", "--capacity", "0"]):
+    # --listen h:99999 was a traceback (OverflowError from the metrics server's bind)
+    for bad in (["--listen", "nohost"], ["--listen", "h:99999"], ["--capacity", "0"]):
         args = ["--listen", "h:1", "--capacity", "1K", "--redis-url", "r"] + bad
         with pytest.raises(SystemExit):
             config_from_args(args)
