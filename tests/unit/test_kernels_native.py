@@ -47,14 +47,17 @@ def test_header_declares_what_the_wrappers_call():
     abi = native_abi.ABI
     assert abi.constants["TANDEM_MAX_HEADS"] == 256
     assert [f.name for f in abi.structs["decode_layer"]][:3] == ["input_norm", "post_norm", "wqkv"]
-    assert ctypes.sizeof(native_abi.struct("decode_layer")) == 21 * 8
-    assert abi.structs["decode_layer"][-5] == native_abi.CParam("d8", "int8_weight", True)
-    assert abi.structs["decode_layer"][-1] == native_abi.CParam("dq", "gguf_weight", True)
+    assert ctypes.sizeof(native_abi.struct("decode_layer")) == 25 * 8
+    assert abi.structs["decode_layer"][-9] == native_abi.CParam("d8", "int8_weight", True)
+    assert abi.structs["decode_layer"][-5] == native_abi.CParam("dq", "gguf_weight", True)
+    assert abi.structs["decode_layer"][-1] == native_abi.CParam("d4", "int4_weight", True)
     assert ctypes.sizeof(native_abi.struct("int8_weight")) == 4 * 8
     assert ctypes.sizeof(native_abi.struct("gguf_weight")) == 3 * 8
+    assert ctypes.sizeof(native_abi.struct("int4_weight")) == 4 * 8
     step = native_abi.struct("decode_step")
-    assert [name for name, _ in step._fields_][-5:] == ["pad", "int8_path", "gate_up",
-                                                        "int8_scratch", "gguf_scratch"]
+    assert [name for name, _ in step._fields_][-6:] == ["pad", "int8_path", "gate_up",
+                                                        "int8_scratch", "gguf_scratch",
+                                                        "int4_scratch"]
     assert len(abi.prototypes["paged_decode_attention"].params) == 27
     assert abi.prototypes["bf16_pack_weight"].restype == "void"
     assert abi.prototypes["decode_layers"].params[0] == native_abi.CParam(
