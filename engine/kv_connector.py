@@ -41,7 +41,6 @@ Tests register their own fakes with :func:`register_connector`.
 
 from __future__ import annotations
 
-import importlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -52,6 +51,7 @@ import torch
 from tandem.contracts.kv_layout import KVCacheLayout
 from tandem.engine.config import KVTransferConfig
 from tandem.engine.kv_shards import ShardedKVCache
+from tandem.engine.lazy_registry import resolve
 from tandem.engine.request import Request
 
 if TYPE_CHECKING:
@@ -342,12 +342,5 @@ def create_connector(
     name = kv_transfer_config.kv_connector
     if name is None:
         return None
-    target = _REGISTRY.get(name)
-    if target is None:
-        raise ValueError(f"kv_connector must be one of {sorted(_REGISTRY)}, got {name!r}")
-    if isinstance(target, str):
-        module_name, func_name = target.split(":")
-        factory: ConnectorFactory = getattr(importlib.import_module(module_name), func_name)
-    else:
-        factory = target
+    factory: ConnectorFactory = resolve(_REGISTRY, name, "kv_connector")
     return factory(kv_transfer_config, layout)

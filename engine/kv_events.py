@@ -11,13 +11,13 @@ registry (the engine never imports its transport): ``"redis"`` is
 
 from __future__ import annotations
 
-import importlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from tandem.contracts.block_hash import BlockHash
 from tandem.contracts.kv_events import KVCacheEvent
+from tandem.engine.lazy_registry import resolve
 
 
 @dataclass(frozen=True)
@@ -116,14 +116,5 @@ def create_kv_event_publisher(config: KVEventsConfig, medium: str) -> KVEventPub
     """
     if not config.enable_kv_cache_events:
         return None
-    target = _REGISTRY.get(config.publisher)
-    if target is None:
-        raise ValueError(
-            f"kv_events: publisher must be one of {sorted(_REGISTRY)}, got {config.publisher!r}"
-        )
-    if isinstance(target, str):
-        module_name, func_name = target.split(":")
-        factory: PublisherFactory = getattr(importlib.import_module(module_name), func_name)
-    else:
-        factory = target
+    factory: PublisherFactory = resolve(_REGISTRY, config.publisher, "kv_events: publisher")
     return factory(config, medium)
