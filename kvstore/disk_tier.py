@@ -62,6 +62,7 @@ class DiskTier:
     Args:
         root: the directory (created and probed by :func:`probe_directory`).
         capacity_bytes: the most file bytes kept.
+        metrics: the node's metrics (the disk tier's series are updated here).
         max_staged_bytes: the most bytes waiting for their write; an eviction beyond it
             is dropped (counted ``queue_full``).
         on_drop: called with the keys of blocks that left the tier (evicted, failed
